@@ -1,0 +1,74 @@
+"""The shared entry of every sub-job: logging, the result file and the exit code.
+
+A sub-job's ``main`` parses its own arguments and calls :func:`run_subjob` with a function that
+returns a small JSON-able dict (URIs, ids, metrics). The dict goes to ``--result-file`` when given,
+which is how the Airflow launcher gets it back for XCom.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Callable
+
+from tasks.errors import USER_ERROR_EXIT, UserError
+
+log = logging.getLogger("stagewise")
+
+
+def setup_logging(quiet: bool = False) -> None:
+    """Log lines to stdout, flushed at once, so the Airflow task log shows progress as it happens."""
+    level = logging.WARNING if quiet else logging.INFO
+    logging.basicConfig(level=level, stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+
+
+def common_parser() -> argparse.ArgumentParser:
+    """Options every sub-job takes; pass as ``parents=[common_parser()]`` to each (sub)parser."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config", default=None, help="pipeline YAML (default: $STAGEWISE_CONFIG or pipeline.yaml)")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=JSON",
+                        help="override a config key, e.g. sweep.num_trials=4 (repeatable)")
+    parser.add_argument("--result-file", default=None, help="write the sub-job's JSON result here")
+    return parser
+
+
+def json_arg(text: str) -> Any:
+    """A JSON value given inline or, as ``@path``, in a file (long lists exceed argv limits)."""
+    if text.startswith("@"):
+        with open(text[1:]) as handle:
+            return json.load(handle)
+    return json.loads(text)
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise UserError(f"--override '{pair}' is not KEY=VALUE")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
+
+
+def run_subjob(name: str, work: Callable[[], dict[str, Any] | None], result_file: str | None, quiet: bool = False) -> None:
+    """Run ``work``, write its result, and exit 0, USER_ERROR_EXIT (no retry) or 1 (retry)."""
+    setup_logging(quiet)
+    started = time.monotonic()
+    try:
+        result = work() or {}
+    except UserError as exc:
+        log.error("%s failed on bad input, not retrying: %s", name, exc)
+        sys.exit(USER_ERROR_EXIT)
+    result.setdefault("duration_s", round(time.monotonic() - started, 3))
+    if result_file:
+        tmp = f"{result_file}.tmp{os.getpid()}"
+        with open(tmp, "w") as handle:
+            json.dump(result, handle)
+        os.replace(tmp, result_file)

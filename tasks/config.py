@@ -1,0 +1,331 @@
+"""The pipeline config: one YAML file validated once into typed objects.
+
+Run: ``python -m tasks.config [pipeline.yaml]`` validates a file and prints it resolved.
+
+Every sub-job and the DAG load the same file through :func:`load_config`; an invalid file raises
+:class:`ConfigError` naming the file, the key path and the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tasks.errors import UserError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG_PATH = REPO_ROOT / "pipeline.yaml"
+CONFIG_ENV_VAR = "STAGEWISE_CONFIG"
+
+
+class ConfigError(UserError):
+    """The pipeline config is invalid; the message names the file, key and reason."""
+
+
+class _Strict(BaseModel):
+    # Unknown keys are refused so a typo never silently falls back to a default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Profile(_Strict):
+    """Where and how a sub-job runs: the launcher plus Airflow's own knobs."""
+
+    backend: Literal["local"] = Field("local", description="Launcher: 'local' runs processes on the worker.")
+    processes_per_node: int = Field(1, ge=1, le=64, description="Processes per node (torchrun --nproc-per-node).")
+    threads_per_process: int = Field(1, ge=1, le=256, description="Intra-op threads per process (OMP/torch).")
+    device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="Device: cpu, cuda, or auto (cuda if present).")
+    pool: str = Field("default_pool", description="Airflow pool that bounds concurrent use of this resource.")
+    pool_slots: int = Field(1, ge=1, description="Pool slots one task of this profile takes.")
+    queue: str = Field("default", description="Executor queue (Celery queue / instance type).")
+    retries: int = Field(1, ge=0, le=20, description="Airflow retries after an infrastructure failure.")
+    retry_delay_s: float = Field(5.0, ge=0, description="Seconds before the first retry.")
+    retry_backoff: float = Field(2.0, ge=1.0, description="Multiplier of the retry delay per further retry.")
+    max_retry_delay_s: float = Field(300.0, ge=0, description="Cap on the retry delay.")
+    execution_timeout_s: float = Field(3600.0, gt=0, description="Seconds after which the task and its processes are killed.")
+    max_restarts: int = Field(0, ge=0, le=10, description="torchrun --max-restarts inside one Airflow try.")
+
+
+class Dataset(_Strict):
+    """The input table: where it is and which columns play which part."""
+
+    uri: str = Field(description="Parquet file or folder of raw shards; relative paths are under storage_root.")
+    key: str = Field(description="Unique row key column (integer or string); drives the split.")
+    label: str = Field(description="Integer class label column.")
+    features: list[str] | str = Field(description="Feature columns, or a prefix ending in '*' (e.g. 'px_*').")
+    num_classes: int = Field(ge=2, description="Number of label classes; labels lie in [0, num_classes).")
+
+    @field_validator("features")
+    @classmethod
+    def _features_not_empty(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, str) and not value.endswith("*"):
+            raise ValueError("a string must be a prefix ending in '*', e.g. 'px_*'; otherwise give a list")
+        if isinstance(value, list) and not value:
+            raise ValueError("at least one feature column is needed")
+        if isinstance(value, list) and len(set(value)) != len(value):
+            raise ValueError("feature columns repeat")
+        return value
+
+
+class Split(_Strict):
+    """Fractions of rows, chosen by a hash of the row key, held out from training."""
+
+    validation: float = Field(0.15, gt=0, lt=1, description="Fraction of rows for validation.")
+    test: float = Field(0.15, gt=0, lt=1, description="Fraction of rows for test.")
+    salt: str = Field("stagewise", description="Hash salt; change it to draw a different split.")
+
+    @model_validator(mode="after")
+    def _leaves_training_rows(self) -> "Split":
+        if self.validation + self.test >= 0.9:
+            raise ValueError(f"validation + test = {self.validation + self.test:g} leaves too little for training (< 0.1)")
+        return self
+
+
+class Preprocess(_Strict):
+    """Sharded cleaning, statistics, normalisation and split."""
+
+    profile: str = Field(description="Instance profile of each shard task.")
+    split: Split = Field(default_factory=Split, description="Held-out fractions.")
+    max_null_fraction: float = Field(0.5, ge=0, le=1, description="Fail when more rows than this are dropped as dirty.")
+
+
+class FloatParam(_Strict):
+    """A float search dimension."""
+
+    type: Literal["float"]
+    low: float = Field(description="Lower bound.")
+    high: float = Field(description="Upper bound.")
+    log: bool = Field(False, description="Sample on a log scale.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "FloatParam":
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        if self.log and self.low <= 0:
+            raise ValueError(f"log scale needs low > 0, got {self.low}")
+        return self
+
+
+class IntParam(_Strict):
+    """An integer search dimension."""
+
+    type: Literal["int"]
+    low: int = Field(description="Lower bound (inclusive).")
+    high: int = Field(description="Upper bound (inclusive).")
+    log: bool = Field(False, description="Sample on a log scale.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "IntParam":
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        return self
+
+
+class CategoricalParam(_Strict):
+    """A categorical search dimension."""
+
+    type: Literal["categorical"]
+    choices: list[int | float | str] = Field(min_length=1, description="The values to choose from.")
+
+
+SearchParam = FloatParam | IntParam | CategoricalParam
+TUNABLE = ("lr", "weight_decay", "hidden", "dropout", "momentum")
+
+
+class Sweep(_Strict):
+    """An Optuna study shared by parallel worker tasks."""
+
+    profile: str = Field(description="Instance profile of each worker task.")
+    num_trials: int = Field(12, ge=1, le=10000, description="Trial budget of the whole study.")
+    num_workers: int = Field(2, ge=1, le=64, description="Parallel worker tasks sharing the study.")
+    epochs: int = Field(8, ge=1, le=1000, description="Max epochs of one trial (Hyperband's max resource).")
+    batch_size: int = Field(32, ge=1, description="Batch size inside a trial.")
+    storage: str = Field(
+        "journal://.stagewise/optuna.journal",
+        description="Optuna storage: journal://<file> (embedded) or postgresql://... (multi-node).",
+    )
+    seed: int = Field(0, description="Sampler seed.")
+    search_space: dict[str, SearchParam] = Field(description="Tunable hyperparameters by name.")
+
+    @field_validator("search_space")
+    @classmethod
+    def _known_params(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(value) - set(TUNABLE))
+        if unknown:
+            raise ValueError(f"unknown hyperparameter(s) {unknown}; tunable: {list(TUNABLE)}")
+        if "lr" not in value:
+            raise ValueError("'lr' must be searched: training rescales it by batch size")
+        return value
+
+    @field_validator("storage")
+    @classmethod
+    def _storage_scheme(cls, value: str) -> str:
+        if not re.match(r"^(journal://.+|postgresql(\+\w+)?://.+|sqlite:///.+)$", value):
+            raise ValueError(f"'{value}' is neither journal://<file> nor postgresql://...")
+        return value
+
+
+class TrainStage(_Strict):
+    """One training stage: its own process count, batch and epochs."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_]+$", description="Stage name; used in task ids and paths.")
+    profile: str = Field(description="Instance profile (processes_per_node sets the world size).")
+    per_process_batch: int = Field(ge=1, description="Micro-batch on each process.")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    epochs: int = Field(ge=1, le=10000, description="Epochs of this stage.")
+    warmup_steps: int = Field(0, ge=0, description="Linear LR warmup steps when the global batch grew.")
+
+
+class Train(_Strict):
+    """Sequential DDP stages whose global batch grows."""
+
+    base_batch: int = Field(32, ge=1, description="Global batch at which the swept lr holds.")
+    lr_rule: Literal["linear", "sqrt", "none"] = Field("linear", description="How lr scales with global batch.")
+    default_params: dict[str, float | int] = Field(
+        default_factory=dict, description="Hyperparameters used where the sweep does not set them."
+    )
+    seed: int = Field(0, description="Seed of init, shuffling and dropout.")
+    stages: list[TrainStage] = Field(min_length=1, description="The stages, run in order.")
+
+    @field_validator("stages")
+    @classmethod
+    def _unique_names(cls, value: list[TrainStage]) -> list[TrainStage]:
+        names = [stage.name for stage in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names repeat: {names}")
+        return value
+
+
+class Evaluate(_Strict):
+    """Test-split evaluation."""
+
+    profile: str = Field(description="Instance profile of the evaluation task.")
+    min_test_accuracy: float = Field(0.0, ge=0, le=1, description="Fail the run below this test accuracy.")
+
+
+class Inference(_Strict):
+    """Sharded batch inference."""
+
+    profile: str = Field(description="Instance profile of each shard task.")
+    input_uri: str = Field("", description="Raw-schema Parquet to score; empty means the pipeline's dataset.")
+    rows_per_shard: int = Field(500, ge=1, description="Target rows per inference shard.")
+    batch_size: int = Field(1024, ge=1, description="Rows scored per forward pass.")
+
+
+class PipelineConfig(_Strict):
+    """The whole pipeline."""
+
+    storage_root: str = Field(description="URI under which raw/, runs/ and models/ live (file path, file:// or s3://).")
+    dataset: Dataset = Field(description="The input table.")
+    profiles: dict[str, Profile] = Field(min_length=1, description="Named instance profiles.")
+    preprocess: Preprocess
+    sweep: Sweep
+    train: Train
+    evaluate: Evaluate
+    inference: Inference
+
+    @model_validator(mode="after")
+    def _profiles_exist(self) -> "PipelineConfig":
+        used = {
+            "preprocess.profile": self.preprocess.profile,
+            "sweep.profile": self.sweep.profile,
+            "evaluate.profile": self.evaluate.profile,
+            "inference.profile": self.inference.profile,
+        }
+        used.update({f"train.stages[{i}].profile": s.profile for i, s in enumerate(self.train.stages)})
+        for where, name in used.items():
+            if name not in self.profiles:
+                raise ValueError(f"{where}: profile '{name}' is not defined in profiles ({sorted(self.profiles)})")
+        for where, name in used.items():
+            if where.startswith("train."):
+                continue
+            if self.profiles[name].processes_per_node != 1:
+                raise ValueError(f"{where}: profile '{name}' has processes_per_node > 1; only train stages run DDP")
+        return self
+
+    def profile(self, name: str) -> Profile:
+        return self.profiles[name]
+
+    def stage(self, name: str) -> TrainStage:
+        for stage in self.train.stages:
+            if stage.name == name:
+                return stage
+        raise ConfigError(f"train stage '{name}' is not in train.stages ({[s.name for s in self.train.stages]})")
+
+
+def _format_validation_error(path: Path, error: ValidationError) -> str:
+    lines = [f"{path}: invalid pipeline config"]
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"]) or "<root>"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown key (typo?)"
+        lines.append(f"  {location}: {message}")
+    return "\n".join(lines)
+
+
+def config_path(path: str | os.PathLike | None = None) -> Path:
+    """The config file: the argument, else $STAGEWISE_CONFIG, else pipeline.yaml at the repo root."""
+    return Path(path or os.environ.get(CONFIG_ENV_VAR) or DEFAULT_CONFIG_PATH).resolve()
+
+
+def _apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> None:
+    for dotted, value in overrides.items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+        if isinstance(node, list):
+            node[int(leaf)] = value
+        else:
+            node[leaf] = value
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """Read, override (dotted keys such as ``sweep.num_trials``) and validate the pipeline config."""
+    resolved = config_path(path)
+    try:
+        text = resolved.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{resolved}: cannot read pipeline config ({exc.strerror})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{resolved}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{resolved}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    try:
+        _apply_overrides(raw, overrides or {})
+    except (KeyError, IndexError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{resolved}: cannot apply override {exc}") from None
+    root = raw.get("storage_root")
+    if isinstance(root, str) and "://" not in root and not os.path.isabs(root):
+        # A relative storage root is relative to the config file, not to whatever cwd a worker has.
+        raw["storage_root"] = str((resolved.parent / root).resolve())
+    journal = (raw.get("sweep") or {}).get("storage", "")
+    if isinstance(journal, str) and journal.startswith("journal://") and not journal[10:].startswith("/"):
+        raw["sweep"]["storage"] = "journal://" + str((resolved.parent / journal[10:]).resolve())
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(resolved, exc)) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Validate a pipeline config and print it resolved.")
+    parser.add_argument("path", nargs="?", help="pipeline YAML (default: $STAGEWISE_CONFIG or pipeline.yaml)")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.path)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
+    print(yaml.safe_dump(config.model_dump(), sort_keys=False))
+
+
+if __name__ == "__main__":
+    main()

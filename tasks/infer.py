@@ -1,0 +1,157 @@
+"""Sharded batch inference: plan shards by file and row-group ranges, score each, commit a manifest.
+
+Run:  ``python -m tasks.infer plan --input raw/digits``
+      ``python -m tasks.infer shard --model M --shard '{"index": 0, "uri": "...", "row_groups": [0]}' --out P``
+      ``python -m tasks.infer commit --out P --model M --results @results.json``
+
+Each shard streams its row groups in batches, so memory is bounded by the batch size. Output rows
+carry the key, the predicted class, the class probabilities and the model version. Shard files
+are attempt-unique; only ``predictions/manifest.json``, written last, makes them visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from typing import Any
+
+from tasks import storage
+from tasks.cli import common_parser, json_arg, parse_overrides, run_subjob
+from tasks.config import PipelineConfig, load_config
+from tasks.errors import DataError
+
+log = logging.getLogger("stagewise.infer")
+
+
+def plan(input_uri: str, rows_per_shard: int) -> list[dict[str, Any]]:
+    """Deterministic shards: consecutive row groups of each file, about ``rows_per_shard`` rows each."""
+    import pyarrow.parquet as pq
+
+    shards: list[dict[str, Any]] = []
+    for uri in storage.list_parquet(input_uri):
+        fs, path = storage.filesystem(uri)
+        with fs.open(path, "rb") as handle:
+            metadata = pq.ParquetFile(handle).metadata
+        group, rows = [], 0
+        for index in range(metadata.num_row_groups):
+            group.append(index)
+            rows += metadata.row_group(index).num_rows
+            if rows >= rows_per_shard:
+                shards.append({"index": len(shards), "uri": uri, "row_groups": group, "rows": rows})
+                group, rows = [], 0
+        if group:
+            shards.append({"index": len(shards), "uri": uri, "row_groups": group, "rows": rows})
+    log.info("planned %d inference shard(s) over %s", len(shards), input_uri)
+    return shards
+
+
+def model_version(model_uri: str) -> str:
+    """A short, stable id of the model file's bytes."""
+    import hashlib
+
+    fs, path = storage.filesystem(model_uri)
+    with fs.open(path, "rb") as handle:
+        return hashlib.sha256(handle.read()).hexdigest()[:12]
+
+
+def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], out: str) -> dict[str, Any]:
+    """Score one shard into an attempt-unique Parquet file; return its URI and row count."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from tasks.model import load_bundle
+
+    torch.set_num_threads(config.profile(config.inference.profile).threads_per_process)
+    model, bundle = load_bundle(model_uri)
+    prep = bundle["preprocessing"]
+    features, key = prep["features"], prep["key"]
+    mean, std = np.asarray(prep["mean"]), np.asarray(prep["std"])
+    version = model_version(model_uri)
+    uri = storage.join(out, "predictions", f"part-{shard['index']:05d}-{storage.unique_token()}.parquet")
+    schema = None
+    rows, skipped, started = 0, 0, time.monotonic()
+    fs_in, path_in = storage.filesystem(shard["uri"])
+    fs_out, path_out = storage.filesystem(uri)
+    fs_out.makedirs(path_out.rsplit("/", 1)[0], exist_ok=True)
+    with fs_in.open(path_in, "rb") as source, fs_out.open(path_out, "wb") as sink:
+        parquet = pq.ParquetFile(source)
+        missing = [c for c in [key, *features] if c not in parquet.schema_arrow.names]
+        if missing:
+            raise DataError(f"{shard['uri']}: column(s) {missing} the model needs are missing")
+        writer = None
+        try:
+            for batch in parquet.iter_batches(batch_size=config.inference.batch_size, row_groups=shard["row_groups"],
+                                              columns=[key, *features]):
+                matrix = np.column_stack([batch.column(c).to_numpy(zero_copy_only=False).astype(np.float64) for c in features])
+                valid = np.isfinite(matrix).all(axis=1)
+                skipped += int((~valid).sum())
+                with torch.no_grad():
+                    probabilities = torch.softmax(model(torch.from_numpy(((matrix[valid] - mean) / std).astype(np.float32))), dim=1).numpy()
+                keys = batch.column(key).filter(pa.array(valid))
+                table = pa.table({
+                    key: keys,
+                    "prediction": pa.array(probabilities.argmax(axis=1).astype(np.int64)),
+                    "probabilities": pa.FixedSizeListArray.from_arrays(pa.array(probabilities.reshape(-1)), probabilities.shape[1]),
+                    "model_version": pa.array([version] * len(keys), pa.string()),
+                })
+                if writer is None:
+                    schema = table.schema
+                    writer = pq.ParquetWriter(sink, schema)
+                writer.write_table(table)
+                rows += len(keys)
+                elapsed = time.monotonic() - started
+                log.info("shard %d: %d rows scored, %.0f rows/s", shard["index"], rows, rows / max(elapsed, 1e-9))
+        finally:
+            if writer is not None:
+                writer.close()
+    if skipped:
+        log.warning("shard %d: %d row(s) with null or non-finite features were not scored", shard["index"], skipped)
+    return {"index": shard["index"], "uri": uri, "rows": rows, "rows_skipped": skipped}
+
+
+def commit(out: str, model_uri: str, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Write ``predictions/manifest.json`` listing exactly the shards' files; drop unlisted leftovers."""
+    ordered = sorted(results, key=lambda r: r["index"])
+    manifest = {"kind": "predictions", "model_uri": model_uri, "files": [{"uri": r["uri"], "rows": r["rows"]} for r in ordered],
+                "rows": sum(r["rows"] for r in ordered), "rows_skipped": sum(r.get("rows_skipped", 0) for r in ordered)}
+    prefix = storage.join(out, "predictions")
+    uri = storage.join(prefix, "manifest.json")
+    storage.write_json(uri, manifest)
+    removed = storage.remove_unlisted(prefix, {r["uri"] for r in ordered})
+    log.info("committed %s: %d rows in %d file(s), %d stale file(s) removed", uri, manifest["rows"], len(ordered), removed)
+    return {"uri": uri, "rows": manifest["rows"], "rows_skipped": manifest["rows_skipped"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Sharded batch inference steps.")
+    common = common_parser()
+    sub = parser.add_subparsers(dest="step", required=True)
+    p_plan = sub.add_parser("plan", parents=[common])
+    p_plan.add_argument("--input", default=None, help="Parquet to score (default: inference.input_uri or dataset.uri)")
+    p_shard = sub.add_parser("shard", parents=[common])
+    p_shard.add_argument("--shard", type=json_arg, required=True, help="one shard from 'plan' (JSON or @file)")
+    p_commit = sub.add_parser("commit", parents=[common])
+    p_commit.add_argument("--results", type=json_arg, required=True, help="JSON list of shard results, or @file")
+    for p in (p_shard, p_commit):
+        p.add_argument("--model", required=True, help="model bundle URI")
+        p.add_argument("--out", required=True, help="the run prefix")
+    args = parser.parse_args(argv)
+
+    def work() -> dict[str, Any]:
+        config = load_config(args.config, parse_overrides(args.override))
+        if args.step == "plan":
+            source = args.input or config.inference.input_uri or config.dataset.uri
+            return {"shards": plan(storage.resolve(config.storage_root, source), config.inference.rows_per_shard)}
+        out = storage.resolve(config.storage_root, args.out)
+        if args.step == "shard":
+            return score_shard(config, args.model, args.shard, out)
+        return commit(out, args.model, args.results)
+
+    run_subjob(f"infer {args.step}", work, args.result_file)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,403 @@
+"""Sharded preprocessing: plan, per-shard statistics, reduce, per-shard transform, commit.
+
+Run one step alone, e.g.::
+
+    python -m tasks.preprocess plan --input raw/digits --out runs/demo/r1
+    python -m tasks.preprocess stats --shard raw/digits/part-00000.parquet --index 0 --out runs/demo/r1
+    python -m tasks.preprocess reduce --out runs/demo/r1
+    python -m tasks.preprocess transform --shard raw/digits/part-00000.parquet --index 0 --out runs/demo/r1
+    python -m tasks.preprocess commit --out runs/demo/r1
+
+Every shard is streamed in record batches, so memory is bounded by the batch, not the shard. The
+split is a pure function of the row key (and a salt), so any retry or re-run yields the same rows
+in the same split. Readers trust only ``preprocess/manifest.json``, written last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tasks import storage
+from tasks.cli import common_parser, json_arg, parse_overrides, run_subjob
+from tasks.config import Dataset, PipelineConfig, Split, load_config
+from tasks.errors import DataError
+
+log = logging.getLogger("stagewise.preprocess")
+
+SPLITS = ("train", "validation", "test")
+BATCH_ROWS = 262_144
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Columns:
+    """The resolved column roles of one data set."""
+
+    key: str
+    """Row key column."""
+    label: str
+    """Integer label column."""
+    features: list[str]
+    """Feature columns, in model input order."""
+    num_classes: int
+    """Labels lie in [0, num_classes)."""
+
+
+def resolve_columns(dataset: Dataset, schema: pa.Schema, uri: str) -> Columns:
+    """Check ``schema`` against the declared data set; the error names the file and the column."""
+    names = set(schema.names)
+    for role, column in (("key", dataset.key), ("label", dataset.label)):
+        if column not in names:
+            raise DataError(f"{uri}: {role} column '{column}' (dataset.{role}) is missing; columns are {schema.names}")
+    if isinstance(dataset.features, str):
+        prefix = dataset.features[:-1]
+        features = [name for name in schema.names if name.startswith(prefix) and name not in (dataset.key, dataset.label)]
+        if not features:
+            raise DataError(f"{uri}: no column matches dataset.features '{dataset.features}'")
+    else:
+        features = list(dataset.features)
+        missing = [name for name in features if name not in names]
+        if missing:
+            raise DataError(f"{uri}: feature column(s) {missing} (dataset.features) are missing")
+    for name in features:
+        kind = schema.field(name).type
+        if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+            raise DataError(f"{uri}: feature column '{name}' has type {kind}; features must be numeric")
+    if not pa.types.is_integer(schema.field(dataset.label).type):
+        raise DataError(f"{uri}: label column '{dataset.label}' has type {schema.field(dataset.label).type}; it must be an integer")
+    key_type = schema.field(dataset.key).type
+    if not (pa.types.is_integer(key_type) or pa.types.is_string(key_type) or pa.types.is_large_string(key_type)):
+        raise DataError(f"{uri}: key column '{dataset.key}' has type {key_type}; it must be an integer or a string")
+    return Columns(key=dataset.key, label=dataset.label, features=features, num_classes=dataset.num_classes)
+
+
+def _mix64(values: np.ndarray) -> np.ndarray:
+    # splitmix64 finaliser: a fast, well-spread, platform-independent integer hash.
+    z = values.astype(np.uint64, copy=True)
+    z += _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def split_of(keys: pa.Array | pa.ChunkedArray, split: Split) -> np.ndarray:
+    """0 = train, 1 = validation, 2 = test, decided by a salted hash of each key alone."""
+    salt = np.uint64(int.from_bytes(hashlib.sha256(split.salt.encode()).digest()[:8], "little"))
+    if pa.types.is_integer(keys.type):
+        raw = np.asarray(keys.to_numpy(zero_copy_only=False)).astype(np.int64).view(np.uint64)
+    else:
+        from pandas.util import hash_array  # stable SipHash of strings with a fixed key
+
+        raw = hash_array(np.asarray(keys.to_numpy(zero_copy_only=False), dtype=object))
+    unit = (_mix64(raw ^ salt) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    return np.where(unit < split.test, 2, np.where(unit < split.test + split.validation, 1, 0)).astype(np.int8)
+
+
+def _feature_matrix(batch: pa.RecordBatch, features: list[str]) -> np.ndarray:
+    matrix = np.empty((batch.num_rows, len(features)), dtype=np.float64)
+    for index, name in enumerate(features):
+        column = batch.column(name)
+        if column.null_count:
+            column = column.cast(pa.float64()).fill_null(np.nan)
+        matrix[:, index] = column.to_numpy(zero_copy_only=False)
+    return matrix
+
+
+@dataclass
+class CleanBatch:
+    """One cleaned record batch: kept keys, labels and the float64 feature matrix."""
+
+    keys: pa.Array
+    labels: np.ndarray
+    features: np.ndarray
+    rows_in: int
+
+
+def iter_clean(uri: str, dataset: Dataset) -> Iterator[tuple[Columns, CleanBatch]]:
+    """Stream ``uri`` in batches; drop rows with a null key/label or a null/non-finite feature.
+
+    A label outside [0, num_classes) is not dirt but a wrong schema: it fails naming file and value.
+    """
+    fs, path = storage.filesystem(uri)
+    with fs.open(path, "rb") as handle:
+        parquet = pq.ParquetFile(handle)
+        columns = resolve_columns(dataset, parquet.schema_arrow, uri)
+        wanted = [columns.key, columns.label, *columns.features]
+        for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=wanted):
+            features = _feature_matrix(batch, columns.features)
+            label_column = batch.column(columns.label)
+            key_column = batch.column(columns.key)
+            keep = np.isfinite(features).all(axis=1)
+            keep &= ~np.asarray(label_column.is_null().to_numpy(zero_copy_only=False))
+            keep &= ~np.asarray(key_column.is_null().to_numpy(zero_copy_only=False))
+            labels = label_column.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+            bad = keep & ((labels < 0) | (labels >= columns.num_classes))
+            if bad.any():
+                raise DataError(f"{uri}: label column '{columns.label}' has value {labels[bad][0]} outside "
+                                f"[0, {columns.num_classes}) (dataset.num_classes) in {int(bad.sum())} row(s)")
+            if keep.all():
+                yield columns, CleanBatch(key_column, labels, features, batch.num_rows)
+            else:
+                yield columns, CleanBatch(key_column.filter(pa.array(keep)), labels[keep], features[keep], batch.num_rows)
+
+
+def _merge_moments(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    # Chan et al.'s pairwise update: stable where sum-of-squares would cancel.
+    if a["count"] == 0:
+        return b
+    if b["count"] == 0:
+        return a
+    count = a["count"] + b["count"]
+    mean_a, mean_b = np.asarray(a["mean"]), np.asarray(b["mean"])
+    delta = mean_b - mean_a
+    mean = mean_a + delta * (b["count"] / count)
+    m2 = np.asarray(a["m2"]) + np.asarray(b["m2"]) + delta**2 * (a["count"] * b["count"] / count)
+    return {
+        "count": count,
+        "mean": mean.tolist(),
+        "m2": m2.tolist(),
+        "min": np.minimum(a["min"], b["min"]).tolist(),
+        "max": np.maximum(a["max"], b["max"]).tolist(),
+        "rows_in": a["rows_in"] + b["rows_in"],
+        "label_counts": (np.asarray(a["label_counts"]) + np.asarray(b["label_counts"])).tolist(),
+    }
+
+
+def _empty_moments(num_features: int, num_classes: int) -> dict[str, Any]:
+    zeros = [0.0] * num_features
+    return {"count": 0, "mean": zeros, "m2": zeros, "min": [float("inf")] * num_features,
+            "max": [float("-inf")] * num_features, "rows_in": 0, "label_counts": [0] * num_classes}
+
+
+def _batch_moments(batch: CleanBatch, num_classes: int) -> dict[str, Any]:
+    num_features = batch.features.shape[1]
+    if not len(batch.labels):
+        return {**_empty_moments(num_features, num_classes), "rows_in": batch.rows_in}
+    mean = batch.features.mean(axis=0)
+    return {
+        "count": len(batch.labels),
+        "mean": mean.tolist(),
+        "m2": ((batch.features - mean) ** 2).sum(axis=0).tolist(),
+        "min": batch.features.min(axis=0).tolist(),
+        "max": batch.features.max(axis=0).tolist(),
+        "rows_in": batch.rows_in,
+        "label_counts": np.bincount(batch.labels, minlength=num_classes).tolist(),
+    }
+
+
+def _stats_prefix(out: str) -> str:
+    return storage.join(out, "preprocess", "stats")
+
+
+def plan(input_uri: str) -> list[str]:
+    """One shard per raw Parquet file, in a deterministic order."""
+    shards = storage.list_parquet(input_uri)
+    log.info("planned %d shard(s) from %s", len(shards), input_uri)
+    return shards
+
+
+def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dict[str, Any]:
+    """Validate and clean one shard; write its partial statistics; return their URI."""
+    started = time.monotonic()
+    moments: dict[str, Any] | None = None
+    columns: Columns | None = None
+    for columns, batch in iter_clean(shard, config.dataset):
+        part = _batch_moments(batch, columns.num_classes)
+        moments = _merge_moments(moments or _empty_moments(len(columns.features), columns.num_classes), part)
+    if columns is None:
+        # An empty file still has a schema; validate it so a wrong file fails here, not later.
+        fs, path = storage.filesystem(shard)
+        with fs.open(path, "rb") as handle:
+            columns = resolve_columns(config.dataset, pq.ParquetFile(handle).schema_arrow, shard)
+        moments = _empty_moments(len(columns.features), columns.num_classes)
+    assert moments is not None
+    moments.update({"shard": shard, "features": columns.features})
+    uri = storage.join(_stats_prefix(out), f"shard-{index:05d}.json")
+    storage.write_json(uri, moments)
+    elapsed = time.monotonic() - started
+    log.info("shard %d: %d rows read, %d kept, %.0f rows/s (%s)", index, moments["rows_in"], moments["count"],
+             moments["rows_in"] / max(elapsed, 1e-9), shard)
+    return {"stats_uri": uri, "rows_in": moments["rows_in"], "rows_kept": moments["count"]}
+
+
+def reduce_stats(config: PipelineConfig, out: str, stats_uris: list[str]) -> dict[str, Any]:
+    """Merge the shards' statistics into the normalisation stats of the whole data set."""
+    parts = [storage.read_json(uri) for uri in stats_uris]
+    if not parts:
+        raise DataError("no shard statistics to reduce: the input held no Parquet shards")
+    features = parts[0]["features"]
+    for part in parts[1:]:
+        if part["features"] != features:
+            raise DataError(f"{part['shard']}: feature columns {part['features']} differ from {parts[0]['shard']}: {features}")
+    total = _empty_moments(len(features), config.dataset.num_classes)
+    for part in parts:
+        total = _merge_moments(total, part)
+    if total["count"] == 0:
+        raise DataError(f"{config.dataset.uri}: every row was dropped as dirty (nulls or non-finite features)")
+    dropped = total["rows_in"] - total["count"]
+    if dropped > config.preprocess.max_null_fraction * total["rows_in"]:
+        raise DataError(f"{config.dataset.uri}: {dropped} of {total['rows_in']} rows are dirty, above "
+                        f"preprocess.max_null_fraction={config.preprocess.max_null_fraction}")
+    std = np.sqrt(np.asarray(total["m2"]) / max(total["count"] - 1, 1))
+    std = np.where(std > 1e-12, std, 1.0)  # constant columns (e.g. blank pixels) pass through centred
+    stats = {"features": features, "mean": total["mean"], "std": std.tolist(), "rows_in": total["rows_in"],
+             "rows_kept": total["count"], "rows_dropped": dropped, "label_counts": total["label_counts"],
+             "min": total["min"], "max": total["max"]}
+    uri = storage.join(out, "preprocess", "stats.json")
+    storage.write_json(uri, stats)
+    log.info("reduced %d shard(s): %d rows kept, %d dropped as dirty", len(parts), total["count"], dropped)
+    return {"stats_uri": uri, "rows_kept": total["count"], "rows_dropped": dropped}
+
+
+def processed_schema(columns: Columns, key_type: pa.DataType) -> pa.Schema:
+    fields = [pa.field(columns.key, key_type), pa.field(columns.label, pa.int64())]
+    fields += [pa.field(name, pa.float32()) for name in columns.features]
+    return pa.schema(fields)
+
+
+def normalise(features: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """Standardise with the data set's statistics, as float32 (what training consumes)."""
+    return ((features - mean) / std).astype(np.float32)
+
+
+def transform_shard(config: PipelineConfig, shard: str, index: int, out: str, stats_uri: str) -> dict[str, Any]:
+    """Clean, normalise and split one shard into attempt-unique train/validation/test files."""
+    started = time.monotonic()
+    stats = storage.read_json(stats_uri)
+    mean, std = np.asarray(stats["mean"]), np.asarray(stats["std"])
+    token = storage.unique_token()
+    writers: dict[str, pq.ParquetWriter] = {}
+    handles = []
+    rows = dict.fromkeys(SPLITS, 0)
+    uris = {name: storage.join(out, "preprocess", name, f"part-{index:05d}-{token}.parquet") for name in SPLITS}
+    rows_in = 0
+    try:
+        for columns, batch in iter_clean(shard, config.dataset):
+            if columns.features != stats["features"]:
+                raise DataError(f"{shard}: feature columns differ from the reduced statistics' {stats['features']}")
+            rows_in += batch.rows_in
+            schema = processed_schema(columns, batch.keys.type)
+            assignment = split_of(batch.keys, config.preprocess.split)
+            normalised = normalise(batch.features, mean, std)
+            for code, name in enumerate(SPLITS):
+                chosen = assignment == code
+                count = int(chosen.sum())
+                if not count:
+                    continue
+                arrays = [batch.keys.filter(pa.array(chosen)), pa.array(batch.labels[chosen])]
+                block = normalised[chosen]
+                arrays += [pa.array(block[:, j]) for j in range(block.shape[1])]
+                if name not in writers:
+                    fs, path = storage.filesystem(uris[name])
+                    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+                    handle = fs.open(path, "wb")
+                    handles.append(handle)
+                    writers[name] = pq.ParquetWriter(handle, schema)
+                writers[name].write_batch(pa.record_batch(arrays, schema=schema))
+                rows[name] += count
+    finally:
+        for writer in writers.values():
+            writer.close()
+        for handle in handles:
+            handle.close()
+    elapsed = time.monotonic() - started
+    log.info("shard %d: %d rows -> train %d, validation %d, test %d; %.0f rows/s", index, rows_in,
+             rows["train"], rows["validation"], rows["test"], rows_in / max(elapsed, 1e-9))
+    return {"index": index, "files": {name: {"uri": uris[name], "rows": rows[name]} for name in SPLITS if rows[name]}}
+
+
+def commit(config: PipelineConfig, out: str, stats_uri: str, shard_results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Publish the manifest (the commit point) and delete files of attempts it does not list."""
+    stats = storage.read_json(stats_uri)
+    ordered = sorted(shard_results, key=lambda result: result["index"])
+    splits = {name: [r["files"][name] for r in ordered if name in r["files"]] for name in SPLITS}
+    manifest = {
+        "kind": "preprocess",
+        "dataset": config.dataset.uri,
+        "key": config.dataset.key,
+        "label": config.dataset.label,
+        "features": stats["features"],
+        "num_classes": config.dataset.num_classes,
+        "mean": stats["mean"],
+        "std": stats["std"],
+        "splits": splits,
+        "rows": {name: sum(f["rows"] for f in files) for name, files in splits.items()},
+        "rows_dropped": stats["rows_dropped"],
+    }
+    uri = storage.join(out, "preprocess", "manifest.json")
+    storage.write_json(uri, manifest)
+    listed = {f["uri"] for files in splits.values() for f in files}
+    removed = sum(storage.remove_unlisted(storage.join(out, "preprocess", name), listed) for name in SPLITS)
+    log.info("committed %s: rows %s, %d stale file(s) removed", uri, manifest["rows"], removed)
+    return {"manifest_uri": uri, "rows": manifest["rows"], "rows_dropped": stats["rows_dropped"]}
+
+
+def read_manifest(uri: str) -> dict[str, Any]:
+    manifest = storage.read_json(uri)
+    if manifest.get("kind") != "preprocess":
+        raise DataError(f"{uri}: not a preprocess manifest")
+    return manifest
+
+
+def load_split(manifest: dict[str, Any], split: str) -> tuple[np.ndarray, np.ndarray]:
+    """The features (float32) and labels (int64) of a committed split, read from the listed files only."""
+    features, labels = [], []
+    for entry in manifest["splits"].get(split, []):
+        fs, path = storage.filesystem(entry["uri"])
+        with fs.open(path, "rb") as handle:
+            table = pq.read_table(handle, columns=[manifest["label"], *manifest["features"]])
+        features.append(np.column_stack([table.column(n).to_numpy() for n in manifest["features"]]).astype(np.float32, copy=False))
+        labels.append(table.column(manifest["label"]).to_numpy().astype(np.int64))
+    if not features:
+        return np.zeros((0, len(manifest["features"])), np.float32), np.zeros(0, np.int64)
+    return np.concatenate(features), np.concatenate(labels)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Sharded preprocessing steps.")
+    common = common_parser()
+    sub = parser.add_subparsers(dest="step", required=True)
+    p_plan = sub.add_parser("plan", parents=[common], help="list the raw shards")
+    p_plan.add_argument("--input", default=None, help="raw data URI (default: dataset.uri)")
+    for name in ("stats", "transform"):
+        step = sub.add_parser(name, parents=[common], help=f"{name} of one shard")
+        step.add_argument("--shard", required=True, help="raw shard URI")
+        step.add_argument("--index", type=int, required=True, help="shard number (names outputs)")
+        step.add_argument("--out", required=True, help="the run prefix")
+    sub.choices["transform"].add_argument("--stats", default=None, help="reduced stats URI (default: under --out)")
+    p_reduce = sub.add_parser("reduce", parents=[common], help="merge shard statistics")
+    p_reduce.add_argument("--out", required=True)
+    p_commit = sub.add_parser("commit", parents=[common], help="write the manifest from transform results")
+    p_commit.add_argument("--out", required=True)
+    p_commit.add_argument("--results", required=True, type=json_arg, help="JSON list of transform results, or @file")
+    args = parser.parse_args(argv)
+
+    def work() -> dict[str, Any]:
+        config = load_config(args.config, parse_overrides(args.override))
+        if args.step == "plan":
+            return {"shards": plan(storage.resolve(config.storage_root, args.input or config.dataset.uri))}
+        out = storage.resolve(config.storage_root, args.out)
+        if args.step == "stats":
+            return shard_stats(config, args.shard, args.index, out)
+        if args.step == "reduce":
+            fs, path = storage.filesystem(_stats_prefix(out))
+            uris = sorted(fs.unstrip_protocol(p) if "://" in out else p for p in fs.glob(path + "/shard-*.json"))
+            return reduce_stats(config, out, uris)
+        if args.step == "transform":
+            return transform_shard(config, args.shard, args.index, out, args.stats or storage.join(out, "preprocess", "stats.json"))
+        return commit(config, out, storage.join(out, "preprocess", "stats.json"), args.results)
+
+    run_subjob(f"preprocess {args.step}", work, args.result_file)
+
+
+if __name__ == "__main__":
+    main()

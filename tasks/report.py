@@ -1,0 +1,97 @@
+"""The run report: ``runs/<dag_id>/<run_id>/report.json`` (schema in the design notes).
+
+Run: ``python -m tasks.report latest`` prints a short summary of the newest report under the storage
+root and, as its last line, ``REPORT <uri>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from tasks import storage
+from tasks.cli import common_parser, parse_overrides, setup_logging
+from tasks.config import load_config
+
+log = logging.getLogger("stagewise.report")
+
+
+def stage_timing(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per stage: summed sub-job seconds, the highest attempt, and the number of sub-jobs."""
+    stages = {}
+    for stage, items in results.items():
+        items = [item for item in items if item]
+        if not items:
+            continue
+        stages[stage] = {"duration_s": round(sum(float(i.get("duration_s", 0.0)) for i in items), 3),
+                         "attempt": max(int(i.get("attempt", 1)) for i in items), "num_tasks": len(items)}
+    return stages
+
+
+def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str, list[dict[str, Any]]],
+                 preprocess: dict[str, Any], sweep: dict[str, Any], training: list[dict[str, Any]],
+                 evaluation: dict[str, Any], predictions: dict[str, Any]) -> dict[str, Any]:
+    """Assemble and write report.json; returns its URI and headline numbers."""
+    report = {
+        "dag_id": dag_id,
+        "run_id": run_id,
+        "run_prefix": out,
+        "stages": stage_timing(stage_results),
+        "data": {"rows": preprocess.get("rows"), "rows_dropped": preprocess.get("rows_dropped"),
+                 "manifest_uri": preprocess.get("manifest_uri")},
+        "sweep": {key: sweep.get(key) for key in ("study_name", "n_trials", "n_complete", "n_pruned", "n_failed",
+                                                  "best_value", "best_params", "epochs_consumed")},
+        "training": [{key: stage.get(key) for key in ("stage", "world_size", "global_batch", "lr", "epochs", "steps",
+                                                      "val_metric", "checkpoint_uri")} for stage in training],
+        "test_accuracy": evaluation.get("test_accuracy"),
+        "model_uri": training[-1].get("model_uri") if training else None,
+        "predictions": {"uri": predictions.get("uri"), "rows": predictions.get("rows"),
+                        "rows_skipped": predictions.get("rows_skipped", 0)},
+    }
+    uri = storage.join(out, "report.json")
+    storage.write_json(uri, report)
+    log.info("report written to %s", uri)
+    return {"report_uri": uri, "test_accuracy": report["test_accuracy"]}
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    sweep, stages = report["sweep"], report["stages"]
+    lines = [f"run {report['dag_id']} / {report['run_id']}",
+             f"  data: {report['data']['rows']} rows by split, {report['data']['rows_dropped']} dropped as dirty",
+             f"  sweep: {sweep['n_trials']} trials ({sweep['n_complete']} complete, {sweep['n_pruned']} pruned, "
+             f"{sweep['n_failed']} failed), best val accuracy {sweep['best_value']:.4f}"]
+    for stage in report["training"]:
+        lines.append(f"  train {stage['stage']}: world size {stage['world_size']}, global batch {stage['global_batch']}, "
+                     f"lr {stage['lr']:.4g}, {stage['epochs']} epochs, val accuracy {stage['val_metric']:.4f}")
+    lines.append(f"  test accuracy: {report['test_accuracy']:.4f}")
+    lines.append(f"  predictions: {report['predictions']['rows']} rows at {report['predictions']['uri']}")
+    lines.append("  stage seconds: " + ", ".join(f"{name} {info['duration_s']:.1f}" for name, info in stages.items()))
+    return lines
+
+
+def latest_report(storage_root: str, dag_id: str) -> str:
+    fs, path = storage.filesystem(storage.join(storage_root, "runs", dag_id))
+    found = fs.glob(path + "/*/report.json")
+    if not found:
+        raise SystemExit(f"no report.json under {storage.join(storage_root, 'runs', dag_id)}")
+    newest = max(found, key=lambda p: fs.modified(p))
+    return fs.unstrip_protocol(newest) if "://" in storage_root else newest
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Show a run report.")
+    sub = parser.add_subparsers(dest="step", required=True)
+    p_latest = sub.add_parser("latest", parents=[common_parser()], help="summarise the newest report")
+    p_latest.add_argument("--dag-id", default="ml_pipeline")
+    args = parser.parse_args(argv)
+    setup_logging(quiet=True)
+    config = load_config(args.config, parse_overrides(args.override))
+    uri = latest_report(config.storage_root, args.dag_id)
+    for line in summary_lines(storage.read_json(uri)):
+        print(line)
+    print(f"REPORT {uri}")
+
+
+if __name__ == "__main__":
+    main()

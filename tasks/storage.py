@@ -1,0 +1,116 @@
+"""Storage through fsspec URIs: local paths, ``file://`` and ``s3://`` take the same code path.
+
+Writes that others read are atomic: a local file is written beside its target and renamed; an S3
+object appears whole on its single PUT. A manifest written last is the commit (see design notes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from tasks.errors import DataError
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
+
+
+def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and the protocol-free path of ``uri``."""
+    return url_to_fs(uri)
+
+
+def join(uri: str, *parts: str) -> str:
+    return "/".join([uri.rstrip("/"), *(part.strip("/") for part in parts if part)])
+
+
+def safe_name(text: str) -> str:
+    """A run id or study name made safe for paths and S3 keys."""
+    return _UNSAFE.sub("_", text).strip("_") or "run"
+
+
+def run_prefix(storage_root: str, dag_id: str, run_id: str) -> str:
+    """``<root>/runs/<dag_id>/<run_id>``: every task of a run writes under it."""
+    return join(storage_root, "runs", safe_name(dag_id), safe_name(run_id))
+
+
+def resolve(storage_root: str, uri: str) -> str:
+    """An absolute URI: ``uri`` itself when it has a scheme or is absolute, else under the root."""
+    if "://" in uri or os.path.isabs(uri):
+        return uri
+    return join(storage_root, uri)
+
+
+def unique_token() -> str:
+    """A short attempt-unique token for file names, so retries never overwrite committed files."""
+    return uuid.uuid4().hex[:10]
+
+
+def exists(uri: str) -> bool:
+    fs, path = filesystem(uri)
+    return fs.exists(path)
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    """Write ``data`` so that readers see either nothing or all of it."""
+    fs, path = filesystem(uri)
+    parent = path.rsplit("/", 1)[0]
+    if isinstance(fs, LocalFileSystem):
+        os.makedirs(parent, exist_ok=True)
+        tmp = f"{path}.tmp-{unique_token()}"
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        return
+    fs.pipe_file(path, data)
+
+
+def write_json(uri: str, obj: Any) -> None:
+    write_bytes(uri, json.dumps(obj, indent=2, sort_keys=True).encode())
+
+
+def read_json(uri: str) -> Any:
+    fs, path = filesystem(uri)
+    try:
+        with fs.open(path, "rb") as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{uri} does not exist") from None
+
+
+def makedirs(uri: str) -> None:
+    fs, path = filesystem(uri)
+    fs.makedirs(path, exist_ok=True)
+
+
+def list_parquet(uri: str) -> list[str]:
+    """The Parquet files at ``uri`` (one file, or every ``*.parquet`` below a folder), sorted."""
+    fs, path = filesystem(uri)
+    if fs.isfile(path):
+        return [uri]
+    if not fs.isdir(path):
+        raise DataError(f"{uri}: no such file or folder")
+    found = sorted(fs.glob(path.rstrip("/") + "/**/*.parquet"))
+    if not found:
+        raise DataError(f"{uri}: folder holds no *.parquet files")
+    return [fs.unstrip_protocol(p) if "://" in uri else p for p in found]
+
+
+def remove_unlisted(prefix: str, keep: set[str]) -> int:
+    """Delete files under ``prefix`` that no manifest lists (leftovers of failed attempts)."""
+    fs, path = filesystem(prefix)
+    if not fs.isdir(path):
+        return 0
+    keep_paths = {filesystem(uri)[1] for uri in keep}
+    stale = [p for p in fs.find(path) if p not in keep_paths and not p.endswith(".json")]
+    for p in stale:
+        fs.rm_file(p)
+    return len(stale)
