@@ -19,6 +19,8 @@ from tasks.errors import USER_ERROR_EXIT, UserError
 
 log = logging.getLogger("stagewise")
 
+ERROR_FILE_ENV = "STAGEWISE_ERROR_FILE"
+
 
 def setup_logging(quiet: bool = False) -> None:
     """Log lines to stdout, flushed at once, so the Airflow task log shows progress as it happens."""
@@ -65,6 +67,10 @@ def run_subjob(name: str, work: Callable[[], dict[str, Any] | None], result_file
         result = work() or {}
     except UserError as exc:
         log.error("%s failed on bad input, not retrying: %s", name, exc)
+        error_file = os.environ.get(ERROR_FILE_ENV)
+        if error_file:  # under torchrun the exit code is lost; this file tells the launcher
+            with open(error_file, "a") as handle:
+                handle.write(f"{exc}\n")
         sys.exit(USER_ERROR_EXIT)
     result.setdefault("duration_s", round(time.monotonic() - started, 3))
     if result_file:

@@ -1,6 +1,7 @@
 """Data sets: the bundled handwritten digits and a synthetic generator of any size.
 
-Run: ``python -m tasks.data digits OUT_URI [--num-shards 4]``
+Run: ``python -m tasks.data demo`` (digits into the config's dataset.uri, unless already there)
+     ``python -m tasks.data digits OUT_URI [--num-shards 4]``
      ``python -m tasks.data synthetic OUT_URI --rows 1000000 [--features 32 --classes 10]``
 
 Both write raw Parquet shards with an integer row key ``row_id``, an integer ``label`` and numeric
@@ -95,12 +96,27 @@ def write_synthetic(out_uri: str, num_rows: int, num_features: int = 32, num_cla
     return uris
 
 
+def write_demo() -> str:
+    """Write the digits shards where the pipeline config's dataset points, once."""
+    from tasks.config import load_config
+
+    config = load_config()
+    target = storage.resolve(config.storage_root, config.dataset.uri)
+    fs, path = storage.filesystem(target)
+    if fs.isdir(path) and fs.glob(path.rstrip("/") + "/*.parquet"):
+        log.info("demo data already at %s", target)
+    else:
+        write_digits(target)
+    return target
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="kind", required=True)
     digits = sub.add_parser("digits", help="scikit-learn's bundled handwritten digits")
     digits.add_argument("out_uri")
     digits.add_argument("--num-shards", type=int, default=4)
+    sub.add_parser("demo", help="digits into the pipeline config's dataset.uri unless it already holds shards")
     synth = sub.add_parser("synthetic", help="a learnable synthetic classification set")
     synth.add_argument("out_uri")
     synth.add_argument("--rows", type=int, required=True)
@@ -111,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     synth.add_argument("--dirty-fraction", type=float, default=0.001)
     args = parser.parse_args(argv)
     setup_logging()
-    if args.kind == "digits":
+    if args.kind == "demo":
+        write_demo()
+    elif args.kind == "digits":
         write_digits(args.out_uri, args.num_shards)
     else:
         write_synthetic(args.out_uri, args.rows, args.features, args.classes, args.num_shards, args.seed, args.dirty_fraction)

@@ -1,0 +1,44 @@
+# Stagewise: `make demo` runs the pipeline on the embedded default; `make test` runs the suite.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+AIRFLOW_ENV := . scripts/airflow_env.sh
+ONLY ?=
+PYTEST_ARGS ?=
+
+.PHONY: help venv airflow-init demo-data demo test bench clean
+
+help:
+	@echo "make demo   - run ml_pipeline end to end on the digits data (SQLite, LocalExecutor, local files)"
+	@echo "make test   - run the whole test suite"
+	@echo "make bench  - run the benchmarks (ONLY=a,b for a subset) into bench/results/latest.json"
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -r requirements.txt
+	@touch $(STAMP)
+
+airflow-init: $(STAMP)
+	@$(AIRFLOW_ENV) && airflow db migrate > "$$AIRFLOW_HOME/db-migrate.log" 2>&1 || { cat "$$AIRFLOW_HOME/db-migrate.log"; exit 1; }
+
+demo-data: $(STAMP)
+	@$(AIRFLOW_ENV) && python -m tasks.data demo
+
+demo: airflow-init demo-data
+	@$(AIRFLOW_ENV) && mkdir -p "$$AIRFLOW_HOME/logs" && echo "running: airflow dags test ml_pipeline (log: .airflow/logs/demo.log)" \
+	  && { airflow dags test ml_pipeline > "$$AIRFLOW_HOME/logs/demo.log" 2>&1 \
+	       || { tail -n 60 "$$AIRFLOW_HOME/logs/demo.log"; echo "demo failed: see .airflow/logs/demo.log"; exit 1; }; } \
+	  && python -m tasks.report latest
+
+test: airflow-init
+	@$(AIRFLOW_ENV) && python -m pytest $(PYTEST_ARGS)
+
+bench: airflow-init
+	@$(AIRFLOW_ENV) && python -m bench $(if $(ONLY),--only $(ONLY))
+
+clean:
+	rm -rf .airflow .stagewise storage

@@ -1,0 +1,118 @@
+"""Run a sub-job as a child process group and stream its output into the Airflow task log.
+
+One process (``python -m tasks.X``) or a torchrun job, per the stage's profile. The child gets its
+own session so the whole group (torchrun and its ranks) can be ended together: on task timeout, on
+SIGTERM from Airflow (mark failed, kill), or if the task process itself dies (PDEATHSIG).
+A sub-job that reports a user error (bad config or data) fails the task without retry.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from stagewise_airflow import REPO_ROOT
+from tasks.cli import ERROR_FILE_ENV
+from tasks.config import Profile
+
+log = logging.getLogger("stagewise.launch")
+
+_TERMINATE_GRACE_S = 15.0
+
+
+def _die_with_parent() -> None:
+    # Linux: if the Airflow task process is SIGKILLed, the sub-job gets SIGTERM instead of living on.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def command(module: str, args: list[str], profile: Profile, distributed: bool) -> list[str]:
+    """The argv: torchrun for a distributed sub-job, else ``python -m module``."""
+    if distributed:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={profile.processes_per_node}", f"--max-restarts={profile.max_restarts}",
+                "-m", module, *args]
+    return [sys.executable, "-m", module, *args]
+
+
+def child_env(profile: Profile, error_file: str) -> dict[str, str]:
+    env = dict(os.environ)
+    threads = str(profile.threads_per_process)
+    env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1",
+                ERROR_FILE_ENV: error_file,
+                "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)})
+    if profile.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def terminate(process: subprocess.Popen) -> None:
+    """SIGTERM the child's whole process group, then SIGKILL what is left after a grace period."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + _TERMINATE_GRACE_S
+    while time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def run(module: str, args: list[str], profile: Profile, *, distributed: bool = False, attempt: int = 1) -> dict[str, Any]:
+    """Run the sub-job to completion; return its JSON result plus ``attempt``."""
+    import json
+
+    from airflow.sdk.exceptions import AirflowFailException
+
+    workdir = tempfile.mkdtemp(prefix="stagewise-")
+    result_file = os.path.join(workdir, "result.json")
+    error_file = os.path.join(workdir, "user_error.txt")
+    argv = command(module, [*args, "--result-file", result_file], profile, distributed)
+    log.info("launching: %s", " ".join(argv))
+    process = subprocess.Popen(argv, cwd=REPO_ROOT, env=child_env(profile, error_file), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
+                               preexec_fn=_die_with_parent)
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum: int, frame: Any) -> None:
+        terminate(process)
+        if callable(previous):
+            previous(signum, frame)
+
+    try:
+        signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread: PDEATHSIG and the finally below still cover us
+        previous = None
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            log.info("%s", line.rstrip())
+        code = process.wait()
+    finally:
+        terminate(process)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if os.path.exists(error_file):
+        with open(error_file) as handle:
+            raise AirflowFailException(f"{module}: {handle.read().strip()}")
+    if code != 0:
+        raise RuntimeError(f"{module} exited with code {code}; retrying if retries are left")
+    with open(result_file) as handle:
+        result = json.load(handle)
+    result["attempt"] = attempt
+    return result

@@ -1,0 +1,183 @@
+"""The callables behind ml_pipeline's tasks: each turns the Airflow context into a sub-job call.
+
+Heavy steps (per-shard work, sweep workers, training, evaluation, scoring) run as child processes
+through :mod:`stagewise_airflow.launch`; small bookkeeping steps (plan, reduce, commit, report) run
+in the task process. Every step takes and returns small dicts: URIs, ids, metrics.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from typing import Any, Callable, Sequence
+
+from stagewise_airflow import launch
+from tasks.config import ConfigError, PipelineConfig, config_path, load_config
+from tasks.errors import UserError
+
+
+def _all(results: Sequence[Any]) -> list[Any]:
+    """Materialise mapped results in one request (iterating a lazy XCom sequence probes past its end)."""
+    return list(results[:])
+
+
+def _context() -> Any:
+    from airflow.sdk import get_current_context
+
+    return get_current_context()
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_config(path: str, overrides_json: str) -> PipelineConfig:
+    return load_config(path, json.loads(overrides_json))
+
+
+def run_config(run: dict[str, Any]) -> PipelineConfig:
+    """The run's config: the file plus the trigger form's overrides."""
+    return _cached_config(run["config"], json.dumps(run["overrides"], sort_keys=True))
+
+
+def _config_args(run: dict[str, Any]) -> list[str]:
+    args = ["--config", run["config"]]
+    for key, value in sorted(run["overrides"].items()):
+        args.append(f"--override={key}={json.dumps(value)}")
+    return args
+
+
+def _launch(run: dict[str, Any], module: str, args: list[str], profile: str, distributed: bool = False) -> dict[str, Any]:
+    attempt = _context()["ti"].try_number
+    return launch.run(module, [*args, *_config_args(run)], run_config(run).profile(profile),
+                      distributed=distributed, attempt=attempt)
+
+
+def _inline(work: Callable[[], Any]) -> Any:
+    """Run bookkeeping in-process; a user error fails the task without retry."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    started = time.monotonic()
+    try:
+        result = work()
+    except UserError as exc:
+        raise AirflowFailException(str(exc)) from None
+    if isinstance(result, dict):
+        result = {**result, "duration_s": round(time.monotonic() - started, 3), "attempt": _context()["ti"].try_number}
+    return result
+
+
+def start_run() -> dict[str, Any]:
+    """Validate the config with the trigger form's values once, and fix the run's storage prefix."""
+    from stagewise_airflow.params import overrides_from_params
+    from tasks.storage import run_prefix
+    from tasks.sweep import study_name
+
+    context = _context()
+    dag_id, run_id = context["dag"].dag_id, context["run_id"]
+    path = str(config_path())
+
+    def work() -> dict[str, Any]:
+        base = load_config(path)
+        try:
+            overrides = overrides_from_params(base, dict(context["params"]))
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(f"trigger params: {exc}") from None
+        config = load_config(path, overrides)
+        return {"dag_id": dag_id, "run_id": run_id, "config": path, "overrides": overrides,
+                "out": run_prefix(config.storage_root, dag_id, run_id), "study": study_name(dag_id, run_id)}
+
+    return _inline(work)
+
+
+def plan_shards(run: dict[str, Any]) -> list[dict[str, Any]]:
+    from tasks import preprocess, storage
+
+    config = run_config(run)
+    uris = _inline(lambda: preprocess.plan(storage.resolve(config.storage_root, config.dataset.uri)))
+    return [{"index": index, "uri": uri} for index, uri in enumerate(uris)]
+
+
+def preprocess_stats(run: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
+    return _launch(run, "tasks.preprocess", ["stats", "--shard", shard["uri"], "--index", str(shard["index"]),
+                                             "--out", run["out"]], run_config(run).preprocess.profile)
+
+
+def reduce_stats(run: dict[str, Any], stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    from tasks import preprocess
+
+    return _inline(lambda: preprocess.reduce_stats(run_config(run), run["out"], [s["stats_uri"] for s in _all(stats)]))
+
+
+def preprocess_transform(run: dict[str, Any], reduced: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
+    return _launch(run, "tasks.preprocess", ["transform", "--shard", shard["uri"], "--index", str(shard["index"]),
+                                             "--out", run["out"], "--stats", reduced["stats_uri"]],
+                   run_config(run).preprocess.profile)
+
+
+def commit_preprocess(run: dict[str, Any], reduced: dict[str, Any], transformed: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    from tasks import preprocess
+
+    return _inline(lambda: preprocess.commit(run_config(run), run["out"], reduced["stats_uri"], _all(transformed)))
+
+
+def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[int]:
+    """Create (or find again) the run's study; return the worker indices to map over."""
+    from tasks import sweep
+
+    config = run_config(run)
+    _inline(lambda: sweep.create(config, run["study"]))
+    return list(range(config.sweep.num_workers))
+
+
+def sweep_worker(run: dict[str, Any], worker: int) -> dict[str, Any]:
+    return _launch(run, "tasks.sweep", ["worker", "--study", run["study"], "--worker", str(worker), "--out", run["out"]],
+                   run_config(run).sweep.profile)
+
+
+def sweep_summary(run: dict[str, Any], workers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    from tasks import sweep
+
+    return _inline(lambda: sweep.summarize(run_config(run), run["study"], run["out"]))
+
+
+def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
+    args = ["--stage", stage, "--out", run["out"], "--params", json.dumps(swept["best_params"])]
+    if previous:
+        args += ["--init-from", previous["checkpoint_uri"]]
+    return _launch(run, "tasks.train", args, run_config(run).stage(stage).profile, distributed=True)
+
+
+def evaluate(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
+    return _launch(run, "tasks.evaluate", ["--model", trained["model_uri"], "--out", run["out"]],
+                   run_config(run).evaluate.profile)
+
+
+def plan_inference(run: dict[str, Any], evaluation: dict[str, Any]) -> list[dict[str, Any]]:
+    from tasks import infer, storage
+
+    config = run_config(run)
+    source = storage.resolve(config.storage_root, config.inference.input_uri or config.dataset.uri)
+    return _inline(lambda: infer.plan(source, config.inference.rows_per_shard))
+
+
+def infer_shard(run: dict[str, Any], trained: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
+    return _launch(run, "tasks.infer", ["shard", "--model", trained["model_uri"], "--shard", json.dumps(shard),
+                                        "--out", run["out"]], run_config(run).inference.profile)
+
+
+def commit_predictions(run: dict[str, Any], trained: dict[str, Any], scored: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    from tasks import infer
+
+    return _inline(lambda: infer.commit(run["out"], trained["model_uri"], _all(scored)))
+
+
+def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, transformed: Sequence[dict], prepared: dict,
+                 workers: Sequence[dict], swept: dict, trained: list[dict], evaluation: dict, scored: Sequence[dict],
+                 predictions: dict) -> dict[str, Any]:
+    from tasks import report
+
+    stage_results = {"preprocess": [*_all(stats), reduced, *_all(transformed), prepared], "sweep": [*_all(workers), swept]}
+    stage_results.update({f"train_{result['stage']}": [result] for result in trained})
+    stage_results.update({"evaluate": [evaluation], "inference": [*_all(scored), predictions]})
+    return _inline(lambda: report.build_report(
+        dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], stage_results=stage_results, preprocess=prepared,
+        sweep=swept, training=list(trained), evaluation=evaluation, predictions=predictions))
