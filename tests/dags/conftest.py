@@ -1,0 +1,47 @@
+"""An isolated Airflow home (SQLite, LocalExecutor) and storage root for running DAGs in tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def airflow_env(tmp_path_factory) -> dict:
+    """Environment for `airflow` CLI calls: a fresh home and DB, the demo config on a scratch storage root."""
+    home = tmp_path_factory.mktemp("airflow_home")
+    storage_root = tmp_path_factory.mktemp("storage")
+    with open(REPO_ROOT / "pipeline.yaml") as handle:
+        raw = yaml.safe_load(handle)
+    raw["storage_root"] = str(storage_root)
+    raw["sweep"]["storage"] = f"journal://{storage_root}/optuna.journal"
+    config_path = home / "pipeline.yaml"
+    config_path.write_text(yaml.safe_dump(raw))
+    env = dict(os.environ)
+    env.update({"AIRFLOW_HOME": str(home), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+                "STAGEWISE_CONFIG": str(config_path), "STAGEWISE_TEST_STORAGE": str(storage_root)})
+    airflow(env, "db", "migrate")
+    subprocess.run([str(REPO_ROOT / ".venv/bin/python"), "-m", "tasks.data", "demo"], cwd=REPO_ROOT, env=_with_path(env),
+                   check=True, capture_output=True)
+    return env
+
+
+def _with_path(env: dict) -> dict:
+    env = dict(env)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def airflow(env: dict, *args: str, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run the airflow CLI under the repo's Airflow settings (scripts/airflow_env.sh) and ``env``."""
+    command = ". scripts/airflow_env.sh && exec airflow " + " ".join(f"'{a}'" for a in args)
+    result = subprocess.run(["bash", "-c", command], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"airflow {' '.join(args)} failed ({result.returncode}):\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}")
+    return result

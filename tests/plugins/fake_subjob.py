@@ -1,0 +1,41 @@
+"""A sub-job that fails or hangs on purpose, to test the launcher's fault handling.
+
+Run: ``python -m tests.plugins.fake_subjob ok|user-error|crash|hang --result-file F [--pid-file P]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+from tasks.cli import run_subjob
+from tasks.errors import DataError
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["ok", "user-error", "crash", "hang"])
+    parser.add_argument("--result-file")
+    parser.add_argument("--pid-file")
+    args = parser.parse_args()
+
+    def work() -> dict:
+        print("fake sub-job started", flush=True)
+        if args.mode == "user-error":
+            raise DataError("raw/x.parquet: column 'label' is missing")
+        if args.mode == "crash":
+            sys.exit(7)
+        if args.mode == "hang":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+            with open(args.pid_file, "w") as handle:
+                handle.write(str(child.pid))
+            time.sleep(300)
+        return {"answer": 42}
+
+    run_subjob("fake", work, args.result_file)
+
+
+if __name__ == "__main__":
+    main()
