@@ -97,7 +97,7 @@ class Preprocess(_Strict):
 class FloatParam(_Strict):
     """A float search dimension."""
 
-    type: Literal["float"]
+    type: Literal["float"] = Field(description="'float': a real number in [low, high].")
     low: float = Field(description="Lower bound.")
     high: float = Field(description="Upper bound.")
     log: bool = Field(False, description="Sample on a log scale.")
@@ -114,7 +114,7 @@ class FloatParam(_Strict):
 class IntParam(_Strict):
     """An integer search dimension."""
 
-    type: Literal["int"]
+    type: Literal["int"] = Field(description="'int': an integer in [low, high].")
     low: int = Field(description="Lower bound (inclusive).")
     high: int = Field(description="Upper bound (inclusive).")
     log: bool = Field(False, description="Sample on a log scale.")
@@ -129,7 +129,7 @@ class IntParam(_Strict):
 class CategoricalParam(_Strict):
     """A categorical search dimension."""
 
-    type: Literal["categorical"]
+    type: Literal["categorical"] = Field(description="'categorical': one of choices.")
     choices: list[int | float | str] = Field(min_length=1, description="The values to choose from.")
 
 
@@ -223,11 +223,11 @@ class PipelineConfig(_Strict):
     storage_root: str = Field(description="URI under which raw/, runs/ and models/ live (file path, file:// or s3://).")
     dataset: Dataset = Field(description="The input table.")
     profiles: dict[str, Profile] = Field(min_length=1, description="Named instance profiles.")
-    preprocess: Preprocess
-    sweep: Sweep
-    train: Train
-    evaluate: Evaluate
-    inference: Inference
+    preprocess: Preprocess = Field(description="Sharded cleaning, statistics, normalisation and split.")
+    sweep: Sweep = Field(description="The Optuna sweep.")
+    train: Train = Field(description="The training stages.")
+    evaluate: Evaluate = Field(description="Test-split evaluation.")
+    inference: Inference = Field(description="Sharded batch inference.")
 
     @model_validator(mode="after")
     def _profiles_exist(self) -> "PipelineConfig":
@@ -316,10 +316,34 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         raise ConfigError(_format_validation_error(resolved, exc)) from None
 
 
+def reference(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> list[str]:
+    """Markdown rows documenting every config key, from the field descriptions (so docs never drift)."""
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        annotation = field.annotation
+        nested = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        if nested is None:
+            rows.append(f"| `{key}` | {field.description or ''} | {default if len(default) < 40 else '...'} |")
+        else:
+            rows.append(f"| `{key}` | {field.description or nested.__doc__.splitlines()[0]} | |")
+            rows.extend(reference(nested, key + "."))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Validate a pipeline config and print it resolved.")
     parser.add_argument("path", nargs="?", help="pipeline YAML (default: $STAGEWISE_CONFIG or pipeline.yaml)")
+    parser.add_argument("--reference", action="store_true", help="print the config reference as Markdown and exit")
     args = parser.parse_args(argv)
+    if args.reference:
+        print("| key | meaning | default |\n|---|---|---|")
+        print("\n".join(reference()))
+        for model in (Profile, TrainStage, FloatParam, IntParam, CategoricalParam):
+            print(f"\n`{model.__name__}` ({model.__doc__.splitlines()[0]})\n\n| key | meaning | default |\n|---|---|---|")
+            print("\n".join(reference(model)))
+        return
     try:
         config = load_config(args.path)
     except ConfigError as exc:

@@ -53,3 +53,29 @@ def subprocess_env() -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def preprocess_digits(config_path: Path, out: str) -> dict:
+    """Write the digits demo data and run the whole preprocess stage into ``out``; returns the commit result."""
+    from tasks import preprocess, storage
+    from tasks.config import load_config
+    from tasks.data import write_digits
+
+    config = load_config(config_path)
+    raw = storage.resolve(config.storage_root, config.dataset.uri)
+    if not storage.exists(raw):
+        write_digits(raw)
+    shards = preprocess.plan(raw)
+    stats = [preprocess.shard_stats(config, uri, i, out)["stats_uri"] for i, uri in enumerate(shards)]
+    reduced = preprocess.reduce_stats(config, out, stats)
+    results = [preprocess.transform_shard(config, uri, i, out, reduced["stats_uri"]) for i, uri in enumerate(shards)]
+    return preprocess.commit(config, out, reduced["stats_uri"], results)
+
+
+@pytest.fixture
+def digits_run(write_config, storage_root) -> tuple[Path, str]:
+    """A config file and a run prefix holding a committed preprocess manifest of the digits."""
+    config_path = write_config()
+    out = str(storage_root / "runs" / "test" / "r1")
+    preprocess_digits(config_path, out)
+    return config_path, out

@@ -1,0 +1,45 @@
+"""A real 2-process torchrun DDP stage on CPU (gloo): growing batch, checkpoint hand-off, rank-0 writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def torchrun(nproc: int, config: Path, stage: str, out: str, env: dict, *extra: str) -> subprocess.CompletedProcess:
+    result_file = Path(out) / f"result-{stage}.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
+               "tasks.train", "--config", str(config), "--stage", stage, "--out", out,
+               "--params", json.dumps({"lr": 0.05, "hidden": 64}), "--result-file", str(result_file), *extra]
+    completed = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    completed.result = json.loads(result_file.read_text())
+    return completed
+
+
+def test_two_stages_grow_the_batch_and_hand_off_the_checkpoint(digits_run, subprocess_env):
+    """s1 (1 process) hands its model to s2 (2 processes, bigger batch); s2 keeps learning from there."""
+    config, out = digits_run
+    first = torchrun(1, config, "s1", out, subprocess_env).result
+    second_run = torchrun(2, config, "s2", out, subprocess_env, "--init-from", first["checkpoint_uri"])
+    second = second_run.result
+    assert (first["world_size"], second["world_size"]) == (1, 2)
+    assert second["global_batch"] == 2 * 64 and first["global_batch"] == 32
+    assert second["lr"] == pytest.approx(0.05 * 128 / 32)  # linear rule against base_batch 32
+    assert second["val_metric"] > 0.9, "stage 2 should start from stage 1's trained model"
+    # Only rank 0 logs epochs: each epoch line appears once, not once per rank.
+    epoch_lines = [line for line in second_run.stdout.splitlines() if "stage s2 epoch" in line]
+    assert len(epoch_lines) == 2
+    checkpoint = torch.load(second["checkpoint_uri"], weights_only=True)
+    assert checkpoint["global_batch"] == 128 and checkpoint["previous_global_batch"] == 32
+    files = sorted(p.name for p in (Path(out) / "train" / "s2").iterdir())
+    assert files == ["checkpoint.pt", "metrics.json", "model.pt"]
