@@ -175,10 +175,24 @@ class TrainStage(_Strict):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_]+$", description="Stage name; used in task ids and paths.")
     profile: str = Field(description="Instance profile (processes_per_node sets the world size).")
-    per_process_batch: int = Field(ge=1, description="Micro-batch on each process.")
+    per_process_batch: int | None = Field(None, ge=1, description="Micro-batch on each process (or give global_batch).")
+    global_batch: int | None = Field(None, ge=1, description="Samples per optimizer step over all processes (or give per_process_batch).")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
     epochs: int = Field(ge=1, le=10000, description="Epochs of this stage.")
     warmup_steps: int = Field(0, ge=0, description="Linear LR warmup steps when the global batch grew.")
+
+    @model_validator(mode="after")
+    def _one_batch_size(self) -> "TrainStage":
+        if (self.per_process_batch is None) == (self.global_batch is None):
+            raise ValueError("give exactly one of per_process_batch and global_batch")
+        return self
+
+    def micro_batch(self, world_size: int) -> int:
+        """Per-process batch: global batch = micro batch x world size x accumulation steps."""
+        if self.per_process_batch is not None:
+            return self.per_process_batch
+        assert self.global_batch is not None
+        return self.global_batch // (world_size * self.grad_accum_steps)
 
 
 class Train(_Strict):
@@ -190,6 +204,8 @@ class Train(_Strict):
         default_factory=dict, description="Hyperparameters used where the sweep does not set them."
     )
     seed: int = Field(0, description="Seed of init, shuffling and dropout.")
+    checkpoint_every_steps: int = Field(50, ge=1, description="Rank 0 checkpoints every this many optimizer steps (a retry redoes at most these).")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept per stage (older ones are deleted).")
     stages: list[TrainStage] = Field(min_length=1, description="The stages, run in order.")
 
     @field_validator("stages")
@@ -241,6 +257,13 @@ class PipelineConfig(_Strict):
         for where, name in used.items():
             if name not in self.profiles:
                 raise ValueError(f"{where}: profile '{name}' is not defined in profiles ({sorted(self.profiles)})")
+        for index, stage in enumerate(self.train.stages):
+            world = self.profiles[stage.profile].processes_per_node
+            if stage.global_batch is not None and stage.global_batch % (world * stage.grad_accum_steps):
+                raise ValueError(
+                    f"train.stages[{index}] ({stage.name}): global_batch {stage.global_batch} does not divide into "
+                    f"{world} process(es) x {stage.grad_accum_steps} accumulation step(s) "
+                    f"({stage.global_batch} / {world * stage.grad_accum_steps} = {stage.global_batch / (world * stage.grad_accum_steps):g})")
         for where, name in used.items():
             if where.startswith("train."):
                 continue

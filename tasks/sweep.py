@@ -92,8 +92,9 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict
     import torch
 
     from tasks.distributed import DistEnv
+    from tasks.loader import split_batches
     from tasks.model import ModelSpec, build_model
-    from tasks.preprocess import load_split, read_manifest
+    from tasks.preprocess import read_manifest
     from tasks.train import resolve_params
     from tasks.training import Loop, make_optimizer
 
@@ -106,8 +107,8 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict
     remaining = quota - len(done)
     log.info("worker %d: %d of its %d trial(s) already finished; running %d", worker, len(done), quota, max(remaining, 0))
     manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
-    train = tuple(torch.from_numpy(a) for a in load_split(manifest, "train"))
-    validation = tuple(torch.from_numpy(a) for a in load_split(manifest, "validation"))
+    train = split_batches(manifest, "train", rank=0, world_size=1, batch_size=sweep.batch_size, seed=sweep.seed)
+    validation = split_batches(manifest, "validation", rank=0, world_size=1, batch_size=4096, seed=0, shuffle=False)
     env = DistEnv(rank=0, local_rank=0, world_size=1, device="cpu")
     epochs_run = 0
     started = time.monotonic()
@@ -121,10 +122,10 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict
                                           hidden=params["hidden"], dropout=float(params["dropout"])))
             optimizer = make_optimizer(model, lr=params["lr"], weight_decay=params["weight_decay"], momentum=params["momentum"])
             loop = Loop(model=model, optimizer=optimizer, env=env, train=train, validation=validation,
-                        per_process_batch=sweep.batch_size, seed=sweep.seed + trial.number)
+                        seed=sweep.seed + trial.number)
             value, state = float("nan"), optuna.trial.TrialState.COMPLETE
             for epoch in range(sweep.epochs):
-                value = loop.train_epoch(epoch, lambda _step: params["lr"]).val_accuracy
+                value = loop.train_epoch(lambda _step: params["lr"]).val_accuracy
                 epochs_run += 1
                 trial.report(value, epoch + 1)
                 if trial.should_prune():

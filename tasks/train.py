@@ -1,12 +1,13 @@
 """One DDP training stage, launched by torchrun (gloo on CPU, NCCL on GPU).
 
 Run: ``torchrun --standalone --nproc-per-node 2 -m tasks.train --stage s2 --out storage/runs/x/y \
-        --params '{"lr": 0.05}' --init-from storage/runs/x/y/train/s1/checkpoint.pt``
+        --params '{"lr": 0.05}' --init-from storage/runs/x/y/train/s1/final.pt``
 
-The stage reads the committed preprocess manifest under ``--out``, starts from the previous stage's
-checkpoint (model and optimizer carry over; the LR schedule is re-derived for this stage's global
-batch), and resumes from its own checkpoint when an Airflow retry finds one. Only rank 0 logs and
-writes.
+The stage reads the committed preprocess manifest under ``--out``; each rank streams its own part
+of the train split (tasks.loader). It starts from the previous stage's final checkpoint (model and
+optimizer carry over; the LR schedule is re-derived for this stage's global batch, with warmup when
+the batch grew). Rank 0 checkpoints every ``train.checkpoint_every_steps`` optimizer steps; an
+Airflow retry resumes from the newest checkpoint at the same batch, redoing at most that many steps.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import argparse
 import hashlib
 import json
 import logging
+import os
+import signal
 import time
 from dataclasses import asdict
 from typing import Any
@@ -27,6 +30,8 @@ from tasks.errors import UserError
 log = logging.getLogger("stagewise.train")
 
 HYPER_DEFAULTS = {"lr": 0.05, "weight_decay": 0.0, "momentum": 0.9, "hidden": 128, "dropout": 0.0}
+# Fault injection for tests: rank R SIGKILLs itself after optimizer step S of a fresh (not resumed) run.
+FAULT_ENV = "STAGEWISE_FAULT_KILL_AT"
 
 
 def stage_prefix(out: str, stage: str) -> str:
@@ -43,18 +48,29 @@ def resolve_params(config: PipelineConfig, swept: dict[str, Any]) -> dict[str, A
     return params
 
 
-def config_hash(stage: dict[str, Any], params: dict[str, Any], world_size: int) -> str:
-    text = json.dumps({"stage": stage, "params": params, "world_size": world_size}, sort_keys=True)
+def config_hash(stage: dict[str, Any], params: dict[str, Any], world_size: int, seed: int) -> str:
+    """Identifies what a checkpoint was trained under; a retry resumes only a matching one."""
+    text = json.dumps({"stage": stage, "params": params, "world_size": world_size, "seed": seed}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _fault_step(rank: int) -> int | None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return None
+    fault_rank, fault_step = (int(part) for part in spec.split(":"))
+    return fault_step if fault_rank == rank else None
 
 
 def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str, Any], init_from: str | None) -> dict[str, Any]:
     import torch
 
+    from tasks.checkpoint import CheckpointStore
     from tasks.distributed import destroy_process_group, init_process_group, read_env
+    from tasks.loader import split_batches
     from tasks.model import ModelSpec, build_model, load_torch, save_bundle, save_torch
-    from tasks.preprocess import load_split, read_manifest
-    from tasks.training import Loop, eta_s, make_optimizer, scaled_lr, warmup_factor
+    from tasks.preprocess import read_manifest
+    from tasks.training import Loop, Position, eta_s, make_optimizer, scaled_lr, warmup_factor
 
     stage = config.stage(stage_name)
     profile = config.profile(stage.profile)
@@ -66,75 +82,95 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
     try:
         manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
         params = resolve_params(config, swept)
-        x_train, y_train = (torch.from_numpy(a) for a in load_split(manifest, "train"))
-        x_val, y_val = (torch.from_numpy(a) for a in load_split(manifest, "validation"))
-        if x_train.shape[0] == 0:
-            raise UserError(f"{out}: the committed train split is empty")
+        micro_batch = stage.micro_batch(env.world_size)
+        global_batch = micro_batch * env.world_size * stage.grad_accum_steps
+        data_seed = config.train.seed + 7919 * (config.train.stages.index(stage) + 1)
+        train = split_batches(manifest, "train", rank=env.rank, world_size=env.world_size, batch_size=micro_batch, seed=data_seed)
+        validation = split_batches(manifest, "validation", rank=env.rank, world_size=env.world_size, batch_size=4096,
+                                   seed=0, shuffle=False)
+        if train.steps_per_epoch(0) == 0:
+            raise UserError(f"stage {stage.name}: per-process batch {micro_batch} exceeds the ~{train.num_rows // env.world_size} "
+                            f"train rows each of {env.world_size} rank(s) gets; lower the batch or the process count")
         spec = ModelSpec(num_features=len(manifest["features"]), num_classes=manifest["num_classes"],
                          hidden=params["hidden"], dropout=float(params["dropout"]))
         torch.manual_seed(config.train.seed)
         model = build_model(spec)
         optimizer = make_optimizer(model, lr=params["lr"], weight_decay=params["weight_decay"], momentum=params["momentum"])
-        global_batch = stage.per_process_batch * env.world_size * stage.grad_accum_steps
-        digest = config_hash(stage.model_dump(), params, env.world_size)
+        digest = config_hash(stage.model_dump(), params, env.world_size, config.train.seed)
         prefix = stage_prefix(out, stage.name)
-        checkpoint_uri = storage.join(prefix, "checkpoint.pt")
+        checkpoints = CheckpointStore(prefix, keep_last=config.train.keep_checkpoints)
 
-        start_epoch, step, history, previous_batch = 0, 0, [], None
-        if storage.exists(checkpoint_uri):
-            state = load_torch(checkpoint_uri)
-            if state["config_hash"] == digest:
-                model.load_state_dict(state["model"])
-                optimizer.load_state_dict(state["optimizer"])
-                start_epoch, step, history = state["epoch"] + 1, state["step"], json.loads(state["history"])
-                previous_batch = state.get("previous_global_batch")
-                log.info("resuming stage %s from its checkpoint after epoch %d (step %d)", stage.name, state["epoch"], step)
-            else:
-                log.warning("ignoring checkpoint %s: written under another config", checkpoint_uri)
-        if start_epoch == 0 and init_from:
+        position, history, previous_batch, resumed_from = Position(), [], None, None
+        found = checkpoints.latest()
+        if found and found[1]["config_hash"] == digest:
+            uri, state = found
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            position = Position(**json.loads(state["position"]))
+            history, previous_batch = json.loads(state["history"]), state["previous_global_batch"]
+            resumed_from = position.step
+            log.info("stage %s resumes from %s: epoch %d, batch %d, step %d", stage.name, uri, position.epoch + 1,
+                     position.micro_step, position.step)
+        elif found:
+            log.warning("ignoring checkpoint %s: written under another config or world size", found[0])
+        if resumed_from is None and init_from:
             state = load_torch(init_from)
             try:
                 model.load_state_dict(state["model"])
             except RuntimeError as exc:
-                raise UserError(f"{init_from}: previous stage's model does not fit this stage's: {exc}") from None
+                raise UserError(f"{init_from}: the previous stage's model does not fit this stage's: {exc}") from None
             optimizer.load_state_dict(state["optimizer"])
             previous_batch = state["global_batch"]
             log.info("stage %s starts from %s (global batch %d -> %d)", stage.name, init_from, previous_batch, global_batch)
 
         lr = scaled_lr(params["lr"], global_batch, config.train.base_batch, config.train.lr_rule)
         warmup = stage.warmup_steps if (previous_batch is None or global_batch > previous_batch) else 0
-        loop = Loop(model=model, optimizer=optimizer, env=env, train=(x_train, y_train), validation=(x_val, y_val),
-                    per_process_batch=stage.per_process_batch, grad_accum_steps=stage.grad_accum_steps,
-                    seed=config.train.seed + 7919 * (config.train.stages.index(stage) + 1))
-        loop.step = step
-        log.info("stage %s: world size %d, global batch %d (%d x %d x %d), lr %.4g (%s rule, base batch %d), warmup %d steps, %d epochs",
-                 stage.name, env.world_size, global_batch, stage.per_process_batch, env.world_size,
-                 stage.grad_accum_steps, lr, config.train.lr_rule, config.train.base_batch, warmup, stage.epochs)
-        started = time.monotonic()
-        for epoch in range(start_epoch, stage.epochs):
-            result = loop.train_epoch(epoch, lambda s: lr * warmup_factor(s, warmup))
+        loop = Loop(model=model, optimizer=optimizer, env=env, train=train, validation=validation,
+                    grad_accum_steps=stage.grad_accum_steps, seed=data_seed)
+        loop.position = position
+        fault_step = _fault_step(env.rank) if resumed_from is None else None
+
+        def state_now() -> dict[str, Any]:
+            return {"model": loop.module.state_dict(), "optimizer": optimizer.state_dict(),
+                    "position": json.dumps(asdict(loop.position)), "history": json.dumps(history),
+                    "global_batch": global_batch, "previous_global_batch": previous_batch, "config_hash": digest,
+                    "params": json.dumps(params), "rng_cpu": torch.get_rng_state()}
+
+        def on_step(current: Loop) -> None:
+            if fault_step is not None and current.position.step == fault_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if env.master and current.position.step % config.train.checkpoint_every_steps == 0:
+                checkpoints.save(current.position.step, state_now())
+
+        log.info("stage %s: world size %d, global batch %d (%d per process x %d x %d accumulation), lr %.4g "
+                 "(%s rule, base batch %d), warmup %d steps, %d epochs of %d steps, %d train rows",
+                 stage.name, env.world_size, global_batch, micro_batch, env.world_size, stage.grad_accum_steps, lr,
+                 config.train.lr_rule, config.train.base_batch, warmup, stage.epochs, loop.steps_per_epoch(0), train.num_rows)
+        started, first_epoch = time.monotonic(), loop.position.epoch
+        while loop.position.epoch < stage.epochs:
+            result = loop.train_epoch(lambda s: lr * warmup_factor(s, warmup), on_step=on_step)
             history.append(asdict(result))
             if env.master:
-                log.info("stage %s epoch %d/%d: loss %.4f, val_accuracy %.4f, %.0f samples/s, lr %.4g, ETA %.0fs",
-                         stage.name, epoch + 1, stage.epochs, result.train_loss, result.val_accuracy,
-                         result.samples_per_s, result.lr, eta_s(epoch + 1 - start_epoch, stage.epochs - start_epoch, time.monotonic() - started))
-                save_torch(checkpoint_uri, {
-                    "model": loop.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-                    "step": loop.step, "global_batch": global_batch, "previous_global_batch": previous_batch,
-                    "config_hash": digest, "history": json.dumps(history), "params": json.dumps(params),
-                    "rng_cpu": torch.get_rng_state(),
-                })
+                done = result.epoch + 1
+                log.info("stage %s epoch %d/%d: loss %.4f, val_accuracy %.4f, %.0f samples/s, lr %.4g, step %d, ETA %.0fs",
+                         stage.name, done, stage.epochs, result.train_loss, result.val_accuracy, result.samples_per_s,
+                         result.lr, result.steps, eta_s(done - first_epoch, stage.epochs - first_epoch, time.monotonic() - started))
+                storage.write_json(storage.join(prefix, "metrics.json"), {"stage": stage.name, "history": history, "complete": False})
         final = history[-1] if history else {"val_accuracy": float("nan")}
-        result_info = {"stage": stage.name, "world_size": env.world_size, "global_batch": global_batch, "lr": lr,
-                       "epochs": stage.epochs, "val_metric": final["val_accuracy"], "steps": loop.step,
-                       "checkpoint_uri": checkpoint_uri}
+        final_uri = storage.join(prefix, "final.pt")
+        result_info = {"stage": stage.name, "world_size": env.world_size, "global_batch": global_batch,
+                       "per_process_batch": micro_batch, "grad_accum_steps": stage.grad_accum_steps, "lr": lr,
+                       "warmup_steps": warmup, "epochs": stage.epochs, "val_metric": final["val_accuracy"],
+                       "steps": loop.position.step, "resumed_from_step": resumed_from, "checkpoint_uri": final_uri}
         if env.master:
+            save_torch(final_uri, state_now())
             model_uri = storage.join(prefix, "model.pt")
             save_bundle(model_uri, loop.module.cpu(), spec,
                         {"features": manifest["features"], "mean": manifest["mean"], "std": manifest["std"],
                          "key": manifest["key"], "label": manifest["label"]},
                         {"stage": stage.name, "params": json.dumps(params), "val_accuracy": final["val_accuracy"]})
-            storage.write_json(storage.join(prefix, "metrics.json"), {**result_info, "params": params, "history": history})
+            storage.write_json(storage.join(prefix, "metrics.json"),
+                               {**result_info, "params": params, "history": history, "complete": True})
             result_info["model_uri"] = model_uri
         return result_info
     finally:
@@ -146,10 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stage", required=True, help="name of a stage in train.stages")
     parser.add_argument("--out", required=True, help="the run prefix (holds preprocess/manifest.json)")
     parser.add_argument("--params", type=json_arg, default={}, help="hyperparameters (JSON or @file), e.g. the sweep's best")
-    parser.add_argument("--init-from", default=None, help="checkpoint of the previous stage")
+    parser.add_argument("--init-from", default=None, help="final checkpoint of the previous stage")
     args = parser.parse_args(argv)
-    import os
-
     rank = int(os.environ.get("RANK", "0"))
 
     def work() -> dict[str, Any]:

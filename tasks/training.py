@@ -2,8 +2,8 @@
 
 Batch arithmetic: global batch = per-process batch x world size x accumulation steps. The learning
 rate is swept at ``base_batch`` and rescaled by a rule (Goyal et al. 2017: linear).
-Sampling follows DistributedSampler: each epoch a permutation seeded by ``seed + epoch`` is padded
-to a multiple of the world size and rank r takes every world_size-th index from r.
+Data comes per rank from :mod:`tasks.loader`; the loop's :class:`Position` (epoch, micro-step,
+optimizer step) is what a checkpoint stores to resume at exactly the same batch.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ from torch import nn
 
 from tasks.distributed import DistEnv
 from tasks.errors import UserError
+
+if TYPE_CHECKING:
+    from tasks.loader import ParquetBatches
 
 log = logging.getLogger("stagewise.train")
 
@@ -55,19 +58,34 @@ class EpochResult:
     val_accuracy: float
     """Accuracy on the validation split."""
     samples_per_s: float
-    """Training samples per second over all ranks."""
+    """Training samples per second over all ranks (validation excluded)."""
     lr: float
     """Learning rate at the epoch's last step."""
     steps: int
     """Optimizer steps taken so far in this stage."""
 
 
+@dataclass(kw_only=True)
+class Position:
+    """Where training stands: enough to resume at exactly the same batch."""
+
+    epoch: int = 0
+    """Current epoch."""
+    micro_step: int = 0
+    """Micro-batches of ``epoch`` already consumed (a multiple of the accumulation steps)."""
+    step: int = 0
+    """Optimizer steps taken in this stage."""
+    loss_sum: float = 0.0
+    """This rank's summed loss over the epoch so far."""
+    seen: int = 0
+    """This rank's samples over the epoch so far."""
+
+
 class Loop:
-    """Runs epochs of one model over in-memory tensors; DDP-wrapped when the job has several ranks."""
+    """Runs epochs of one model over per-rank Parquet batches; DDP-wrapped when the job has several ranks."""
 
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv,
-                 train: tuple[torch.Tensor, torch.Tensor], validation: tuple[torch.Tensor, torch.Tensor],
-                 per_process_batch: int, grad_accum_steps: int = 1, seed: int = 0) -> None:
+                 train: "ParquetBatches", validation: "ParquetBatches", grad_accum_steps: int = 1, seed: int = 0) -> None:
         self.env = env
         self.module = model.to(env.device)
         self.model: nn.Module = self.module
@@ -76,26 +94,18 @@ class Loop:
 
             self.model = DistributedDataParallel(self.module, device_ids=[env.local_rank] if env.device != "cpu" else None)
         self.optimizer = optimizer
-        self.x_train, self.y_train = (t.to(env.device) for t in train)
-        self.x_val, self.y_val = (t.to(env.device) for t in validation)
-        self.per_process_batch = per_process_batch
+        self.train_data, self.validation_data = train, validation
         self.grad_accum_steps = grad_accum_steps
         self.seed = seed
-        self.step = 0
+        self.position = Position()
 
     @property
     def global_batch(self) -> int:
-        return self.per_process_batch * self.env.world_size * self.grad_accum_steps
+        return self.train_data.batch_size * self.env.world_size * self.grad_accum_steps
 
-    def rank_indices(self, epoch: int) -> torch.Tensor:
-        """This rank's sample order for ``epoch`` (DistributedSampler semantics)."""
-        num_samples = self.x_train.shape[0]
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        order = torch.randperm(num_samples, generator=generator)
-        total = math.ceil(num_samples / self.env.world_size) * self.env.world_size
-        if total > num_samples:
-            order = torch.cat([order, order[: total - num_samples]])
-        return order[self.env.rank : total : self.env.world_size]
+    def steps_per_epoch(self, epoch: int) -> int:
+        """Optimizer steps in ``epoch``."""
+        return math.ceil(self.train_data.steps_per_epoch(epoch) / self.grad_accum_steps)
 
     def _all_reduce(self, values: list[float]) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.env.device)
@@ -105,48 +115,58 @@ class Loop:
             dist.all_reduce(tensor)
         return tensor.tolist()
 
-    def train_epoch(self, epoch: int, lr_at: Callable[[int], float]) -> EpochResult:
+    def train_epoch(self, lr_at: Callable[[int], float],
+                    on_step: Callable[["Loop"], None] | None = None) -> EpochResult:
+        """Finish the epoch at ``self.position`` (from its start, or mid-way after a resume)."""
+        position = self.position
         self.model.train()
-        torch.manual_seed(self.seed * 1_000_003 + epoch * 1009 + self.env.rank)  # dropout masks
-        indices = self.rank_indices(epoch).to(self.env.device)
-        micro_batches = torch.split(indices, self.per_process_batch)
+        micro_total = self.train_data.steps_per_epoch(position.epoch)
         started = time.perf_counter()
-        loss_sum, seen, lr = 0.0, 0, lr_at(self.step)
-        for index, batch in enumerate(micro_batches):
-            boundary = (index + 1) % self.grad_accum_steps == 0 or index + 1 == len(micro_batches)
-            inputs, targets = self.x_train[batch], self.y_train[batch]
+        samples_before, lr = position.seen, lr_at(position.step)
+        to_device = self.env.device != "cpu"
+        for inputs, targets in self.train_data.epoch(position.epoch, skip_steps=position.micro_step):
+            if to_device:
+                inputs, targets = inputs.to(self.env.device, non_blocking=True), targets.to(self.env.device, non_blocking=True)
+            index = position.micro_step
+            boundary = (index + 1) % self.grad_accum_steps == 0 or index + 1 == micro_total
+            # Dropout masks depend only on (seed, epoch, micro-step, rank): a resumed run draws the same ones.
+            torch.manual_seed(hash((self.seed, position.epoch, index, self.env.rank)) & 0x7FFFFFFF)
             sync = self.model.no_sync() if (self.env.distributed and not boundary) else contextlib.nullcontext()
             with sync:
-                logits = self.model(inputs)
-                loss = F.cross_entropy(logits, targets)
+                loss = F.cross_entropy(self.model(inputs), targets)
                 (loss / self.grad_accum_steps).backward()
-            loss_sum += float(loss.detach()) * len(batch)
-            seen += len(batch)
+            position.loss_sum += float(loss.detach()) * len(targets)
+            position.seen += len(targets)
+            position.micro_step += 1
             if boundary:
-                lr = lr_at(self.step)
+                lr = lr_at(position.step)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                self.step += 1
+                position.step += 1
+                if on_step is not None:
+                    on_step(self)
         elapsed = time.perf_counter() - started
         correct, count = self.evaluate_counts()
-        total_loss, total_seen, total_correct, total_count = self._all_reduce([loss_sum, seen, correct, count])
-        return EpochResult(epoch=epoch, train_loss=total_loss / max(total_seen, 1),
-                           val_accuracy=total_correct / max(total_count, 1),
-                           samples_per_s=total_seen / max(elapsed, 1e-9), lr=lr, steps=self.step)
+        loss_sum, seen, new_samples, correct, count = self._all_reduce(
+            [position.loss_sum, position.seen, position.seen - samples_before, correct, count])
+        result = EpochResult(epoch=position.epoch, train_loss=loss_sum / max(seen, 1), val_accuracy=correct / max(count, 1),
+                             samples_per_s=new_samples / max(elapsed, 1e-9), lr=lr, steps=position.step)
+        self.position = Position(epoch=position.epoch + 1, step=position.step)
+        return result
 
     @torch.no_grad()
     def evaluate_counts(self) -> tuple[int, int]:
-        """Correct predictions and count on this rank's slice of the validation split."""
+        """Correct predictions and count on this rank's part of the validation split."""
         self.module.eval()
-        x_val = self.x_val[self.env.rank :: self.env.world_size]
-        y_val = self.y_val[self.env.rank :: self.env.world_size]
-        correct = 0
-        for start in range(0, x_val.shape[0], 4096):
-            predicted = self.module(x_val[start : start + 4096]).argmax(dim=1)
-            correct += int((predicted == y_val[start : start + 4096]).sum())
-        return correct, int(x_val.shape[0])
+        correct, count = 0, 0
+        for inputs, targets in self.validation_data.epoch(0):
+            inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
+            correct += int((self.module(inputs).argmax(dim=1) == targets).sum())
+            count += len(targets)
+        self.module.train()
+        return correct, count
 
 
 def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float, momentum: float) -> torch.optim.Optimizer:

@@ -1,0 +1,61 @@
+"""Checkpoints are atomic: a crash while writing leaves the previous one in force; only the last N stay."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tasks.checkpoint import CheckpointStore
+
+
+def _state(step: int) -> dict:
+    return {"step": step, "weights": torch.full((3,), float(step))}
+
+
+def test_latest_is_the_newest_saved_and_old_ones_are_pruned(tmp_path):
+    """Saving more than keep_last deletes the oldest files; latest() returns the newest state."""
+    store = CheckpointStore(str(tmp_path / "s1"), keep_last=2)
+    for step in (10, 20, 30):
+        store.save(step, _state(step))
+    uri, state = store.latest()
+    assert state["step"] == 30 and uri.endswith("step-000000030.pt")
+    assert sorted(os.listdir(tmp_path / "s1" / "checkpoints")) == ["latest.json", "step-000000020.pt", "step-000000030.pt"]
+
+
+def test_crash_before_the_rename_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """A crash mid-write (before the atomic rename) leaves no torn file visible and the old checkpoint loads."""
+    store = CheckpointStore(str(tmp_path / "s1"), keep_last=3)
+    store.save(10, _state(10))
+
+    def crash(*_args, **_kwargs):
+        raise OSError("disk vanished mid-write")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        store.save(20, _state(20))
+    monkeypatch.undo()
+    assert not (tmp_path / "s1" / "checkpoints" / "step-000000020.pt").exists()
+    assert store.latest()[1]["step"] == 10
+
+
+def test_torn_file_behind_the_pointer_falls_back_to_an_older_readable_one(tmp_path):
+    """If the newest file is unreadable (torn by a foreign writer), the newest readable checkpoint wins."""
+    store = CheckpointStore(str(tmp_path / "s1"), keep_last=3)
+    store.save(10, _state(10))
+    store.save(20, _state(20))
+    (tmp_path / "s1" / "checkpoints" / "step-000000020.pt").write_bytes(b"\x80\x02 torn")
+    assert store.latest()[1]["step"] == 10
+
+
+def test_checkpoints_load_with_weights_only(tmp_path):
+    """Files hold tensors and plain values only: torch.load(weights_only=True) reads them."""
+    store = CheckpointStore(str(tmp_path / "s1"))
+    uri = store.save(5, _state(5))
+    assert torch.equal(torch.load(uri, weights_only=True)["weights"], torch.full((3,), 5.0))
+
+
+def test_no_checkpoint_yet_means_none(tmp_path):
+    """A fresh stage finds nothing to resume."""
+    assert CheckpointStore(str(tmp_path / "fresh")).latest() is None
