@@ -170,6 +170,20 @@ class Sweep(_Strict):
         return value
 
 
+class EntryPoint(_Strict):
+    """A user's own torchrun script or module for a stage (bring your own training code)."""
+
+    script: str | None = Field(None, description="Python file, relative to the repo root or absolute.")
+    module: str | None = Field(None, description="Importable module, run as `-m module`.")
+    args: list[str] = Field(default_factory=list, description="Arguments passed to the script as they are.")
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "EntryPoint":
+        if (self.script is None) == (self.module is None):
+            raise ValueError("give exactly one of script and module")
+        return self
+
+
 class TrainStage(_Strict):
     """One training stage: its own process count, batch and epochs."""
 
@@ -180,6 +194,7 @@ class TrainStage(_Strict):
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
     epochs: int = Field(ge=1, le=10000, description="Epochs of this stage.")
     warmup_steps: int = Field(0, ge=0, description="Linear LR warmup steps when the global batch grew.")
+    entrypoint: EntryPoint | None = Field(None, description="Run this user script/module instead of tasks.train.")
 
     @model_validator(mode="after")
     def _one_batch_size(self) -> "TrainStage":
@@ -363,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.reference:
         print("| key | meaning | default |\n|---|---|---|")
         print("\n".join(reference()))
-        for model in (Profile, TrainStage, FloatParam, IntParam, CategoricalParam):
+        for model in (Profile, TrainStage, EntryPoint, FloatParam, IntParam, CategoricalParam):
             print(f"\n`{model.__name__}` ({model.__doc__.splitlines()[0]})\n\n| key | meaning | default |\n|---|---|---|")
             print("\n".join(reference(model)))
         return

@@ -54,6 +54,44 @@ def config_hash(stage: dict[str, Any], params: dict[str, Any], world_size: int, 
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def byo_environment(config: PipelineConfig, config_file: str, stage_name: str, out: str, swept: dict[str, Any],
+                    init_from: str | None) -> dict[str, str]:
+    """What a user's own stage script gets besides torchrun's RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT.
+
+    The script reads data through the manifest, keeps its checkpoints in STAGEWISE_CHECKPOINT_DIR
+    (a retry finds them there), and for a later stage or evaluation writes ``final.pt`` (model and
+    optimizer state, global_batch) and ``model.pt`` (tasks.model.save_bundle) in STAGEWISE_OUTPUT_DIR.
+    """
+    stage = config.stage(stage_name)
+    world = config.profile(stage.profile).processes_per_node
+    micro = stage.micro_batch(world)
+    global_batch = micro * world * stage.grad_accum_steps
+    params = resolve_params(config, swept)
+    prefix = stage_prefix(out, stage.name)
+    return {
+        "STAGEWISE_CONFIG": config_file,
+        "STAGEWISE_STAGE": stage.name,
+        "STAGEWISE_RUN_PREFIX": out,
+        "STAGEWISE_OUTPUT_DIR": prefix,
+        "STAGEWISE_CHECKPOINT_DIR": storage.join(prefix, "checkpoints"),
+        "STAGEWISE_DATA_MANIFEST": storage.join(out, "preprocess", "manifest.json"),
+        "STAGEWISE_INIT_FROM": init_from or "",
+        "STAGEWISE_PARAMS": json.dumps(params),
+        "STAGEWISE_PER_PROCESS_BATCH": str(micro),
+        "STAGEWISE_GRAD_ACCUM_STEPS": str(stage.grad_accum_steps),
+        "STAGEWISE_GLOBAL_BATCH": str(global_batch),
+        "STAGEWISE_LR": repr(scaled_lr_for(config, params["lr"], global_batch)),
+        "STAGEWISE_EPOCHS": str(stage.epochs),
+        "STAGEWISE_SEED": str(config.train.seed),
+    }
+
+
+def scaled_lr_for(config: PipelineConfig, base_lr: float, global_batch: int) -> float:
+    from tasks.training import scaled_lr
+
+    return scaled_lr(base_lr, global_batch, config.train.base_batch, config.train.lr_rule)
+
+
 def _fault_step(rank: int) -> int | None:
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:

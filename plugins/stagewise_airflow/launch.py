@@ -35,13 +35,14 @@ def _die_with_parent() -> None:
         pass
 
 
-def command(module: str, args: list[str], profile: Profile, distributed: bool) -> list[str]:
-    """The argv: torchrun for a distributed sub-job, else ``python -m module``."""
+def command(module: str, args: list[str], profile: Profile, distributed: bool, script: str | None = None) -> list[str]:
+    """The argv: torchrun for a distributed sub-job, else python; ``script`` (a file) replaces ``-m module``."""
+    entry = [script] if script else ["-m", module]
     if distributed:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={profile.processes_per_node}", f"--max-restarts={profile.max_restarts}",
-                "-m", module, *args]
-    return [sys.executable, "-m", module, *args]
+                *entry, *args]
+    return [sys.executable, *entry, *args]
 
 
 def child_env(profile: Profile, error_file: str) -> dict[str, str]:
@@ -73,8 +74,16 @@ def terminate(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def run(module: str, args: list[str], profile: Profile, *, distributed: bool = False, attempt: int = 1) -> dict[str, Any]:
-    """Run the sub-job to completion; return its JSON result plus ``attempt``."""
+RESULT_FILE_ENV = "STAGEWISE_RESULT_FILE"
+
+
+def run(module: str, args: list[str], profile: Profile, *, distributed: bool = False, attempt: int = 1,
+        script: str | None = None, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run the sub-job to completion; return its JSON result plus ``attempt``.
+
+    Our ``tasks.*`` modules take ``--result-file``; a user's own script (``script``, or a module
+    given with ``extra_env``) finds the path in $STAGEWISE_RESULT_FILE instead and may leave it unwritten.
+    """
     import json
 
     from airflow.sdk.exceptions import AirflowFailException
@@ -82,9 +91,11 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
     workdir = tempfile.mkdtemp(prefix="stagewise-")
     result_file = os.path.join(workdir, "result.json")
     error_file = os.path.join(workdir, "user_error.txt")
-    argv = command(module, [*args, "--result-file", result_file], profile, distributed)
+    ours = script is None and module.startswith("tasks.")
+    argv = command(module, [*args, "--result-file", result_file] if ours else args, profile, distributed, script)
+    env = {**child_env(profile, error_file), RESULT_FILE_ENV: result_file, **(extra_env or {})}
     log.info("launching: %s", " ".join(argv))
-    process = subprocess.Popen(argv, cwd=REPO_ROOT, env=child_env(profile, error_file), stdout=subprocess.PIPE,
+    process = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
                                preexec_fn=_die_with_parent)
     previous = signal.getsignal(signal.SIGTERM)
@@ -112,7 +123,9 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
             raise AirflowFailException(f"{module}: {handle.read().strip()}")
     if code != 0:
         raise RuntimeError(f"{module} exited with code {code}; retrying if retries are left")
-    with open(result_file) as handle:
-        result = json.load(handle)
+    result = {}
+    if ours or os.path.exists(result_file):
+        with open(result_file) as handle:
+            result = json.load(handle)
     result["attempt"] = attempt
     return result

@@ -45,10 +45,11 @@ def _config_args(run: dict[str, Any]) -> list[str]:
     return args
 
 
-def _launch(run: dict[str, Any], module: str, args: list[str], profile: str, distributed: bool = False) -> dict[str, Any]:
+def _launch(run: dict[str, Any], module: str, args: list[str], profile: str, distributed: bool = False,
+            **kwargs: Any) -> dict[str, Any]:
     attempt = _context()["ti"].try_number
     return launch.run(module, [*args, *_config_args(run)], run_config(run).profile(profile),
-                      distributed=distributed, attempt=attempt)
+                      distributed=distributed, attempt=attempt, **kwargs)
 
 
 def _inline(work: Callable[[], Any]) -> Any:
@@ -140,10 +141,34 @@ def sweep_summary(run: dict[str, Any], workers: Sequence[dict[str, Any]]) -> dic
 
 
 def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
-    args = ["--stage", stage, "--out", run["out"], "--params", json.dumps(swept["best_params"])]
-    if previous:
-        args += ["--init-from", previous["checkpoint_uri"]]
-    return _launch(run, "tasks.train", args, run_config(run).stage(stage).profile, distributed=True)
+    """Launch one stage under torchrun: tasks.train, or the user's own entrypoint with the same profile."""
+    config = run_config(run)
+    spec = config.stage(stage)
+    init_from = previous["checkpoint_uri"] if previous else None
+    if spec.entrypoint is None:
+        args = ["--stage", stage, "--out", run["out"], "--params", json.dumps(swept["best_params"])]
+        return _launch(run, "tasks.train", args + (["--init-from", init_from] if init_from else []), spec.profile, distributed=True)
+    return launch_entrypoint(run, stage, swept["best_params"], init_from)
+
+
+def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], init_from: str | None) -> dict[str, Any]:
+    """Bring your own script: same profile, retries and torchrun; the contract is in environment variables."""
+    from tasks import storage
+    from tasks.train import byo_environment
+
+    config = run_config(run)
+    spec = config.stage(stage)
+    entry = spec.entrypoint
+    env = byo_environment(config, run["config"], stage, run["out"], params, init_from)
+    env["STAGEWISE_OVERRIDES"] = json.dumps(run["overrides"])
+    result = launch.run(entry.module or "", list(entry.args), config.profile(spec.profile), distributed=True,
+                        attempt=_context()["ti"].try_number, script=entry.script, extra_env=env)
+    defaults = {"stage": stage, "world_size": config.profile(spec.profile).processes_per_node,
+                "global_batch": int(env["STAGEWISE_GLOBAL_BATCH"]), "lr": float(env["STAGEWISE_LR"]),
+                "epochs": spec.epochs, "val_metric": None,
+                "checkpoint_uri": storage.join(env["STAGEWISE_OUTPUT_DIR"], "final.pt"),
+                "model_uri": storage.join(env["STAGEWISE_OUTPUT_DIR"], "model.pt")}
+    return {**defaults, **result}
 
 
 def evaluate(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
