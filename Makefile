@@ -23,7 +23,8 @@ $(STAMP): requirements.txt
 	@touch $(STAMP)
 
 airflow-init: $(STAMP)
-	@$(AIRFLOW_ENV) && airflow db migrate > "$$AIRFLOW_HOME/db-migrate.log" 2>&1 || { cat "$$AIRFLOW_HOME/db-migrate.log"; exit 1; }
+	@$(AIRFLOW_ENV) && { airflow db migrate > "$$AIRFLOW_HOME/db-migrate.log" 2>&1 || { cat "$$AIRFLOW_HOME/db-migrate.log"; exit 1; }; } \
+	  && python -m stagewise_airflow.pools
 
 demo-data: $(STAMP)
 	@$(AIRFLOW_ENV) && python -m tasks.data demo

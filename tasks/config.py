@@ -248,12 +248,20 @@ class Inference(_Strict):
     batch_size: int = Field(1024, ge=1, description="Rows scored per forward pass.")
 
 
+class Pool(_Strict):
+    """An Airflow pool: the slots that profiles' pool_slots draw from."""
+
+    slots: int = Field(ge=1, description="Concurrent slots, e.g. the cores or GPUs of a worker.")
+    description: str = Field("", description="Shown in the Airflow UI.")
+
+
 class PipelineConfig(_Strict):
     """The whole pipeline."""
 
     storage_root: str = Field(description="URI under which raw/, runs/ and models/ live (file path, file:// or s3://).")
     dataset: Dataset = Field(description="The input table.")
     profiles: dict[str, Profile] = Field(min_length=1, description="Named instance profiles.")
+    pools: dict[str, Pool] = Field(default_factory=dict, description="Airflow pools to create (`make airflow-init`); default_pool always exists.")
     preprocess: Preprocess = Field(description="Sharded cleaning, statistics, normalisation and split.")
     sweep: Sweep = Field(description="The Optuna sweep.")
     train: Train = Field(description="The training stages.")
@@ -272,6 +280,12 @@ class PipelineConfig(_Strict):
         for where, name in used.items():
             if name not in self.profiles:
                 raise ValueError(f"{where}: profile '{name}' is not defined in profiles ({sorted(self.profiles)})")
+        for name, profile in self.profiles.items():
+            if profile.pool != "default_pool" and profile.pool not in self.pools:
+                raise ValueError(f"profiles.{name}.pool: pool '{profile.pool}' is not defined in pools ({sorted(self.pools)})")
+            if profile.pool in self.pools and profile.pool_slots > self.pools[profile.pool].slots:
+                raise ValueError(f"profiles.{name}.pool_slots: {profile.pool_slots} exceeds the {self.pools[profile.pool].slots} "
+                                 f"slot(s) of pool '{profile.pool}'; the task could never start")
         for index, stage in enumerate(self.train.stages):
             world = self.profiles[stage.profile].processes_per_node
             if stage.global_batch is not None and stage.global_batch % (world * stage.grad_accum_steps):

@@ -77,6 +77,31 @@ def terminate(process: subprocess.Popen) -> None:
 RESULT_FILE_ENV = "STAGEWISE_RESULT_FILE"
 
 
+def visible_gpus() -> int:
+    """GPUs this worker may use, without touching CUDA in the Airflow process (its task runner forks)."""
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if mask is not None:
+        return len([d for d in mask.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+
+
+def check_devices(profile: Profile) -> None:
+    """Refuse, before anything launches, a cuda profile with more processes than visible GPUs."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    if profile.device != "cuda":
+        return
+    gpus = visible_gpus()
+    if profile.processes_per_node > gpus:
+        raise AirflowFailException(f"profile asks for {profile.processes_per_node} process(es) on device cuda, one GPU "
+                                   f"each, but this worker sees {gpus} GPU(s); lower processes_per_node or route the "
+                                   f"task to a bigger worker (queue)")
+
+
 def run(module: str, args: list[str], profile: Profile, *, distributed: bool = False, attempt: int = 1,
         script: str | None = None, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run the sub-job to completion; return its JSON result plus ``attempt``.
@@ -88,6 +113,7 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
 
     from airflow.sdk.exceptions import AirflowFailException
 
+    check_devices(profile)
     workdir = tempfile.mkdtemp(prefix="stagewise-")
     result_file = os.path.join(workdir, "result.json")
     error_file = os.path.join(workdir, "user_error.txt")

@@ -27,6 +27,8 @@ def airflow_env(tmp_path_factory) -> dict:
     env.update({"AIRFLOW_HOME": str(home), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
                 "STAGEWISE_CONFIG": str(config_path), "STAGEWISE_TEST_STORAGE": str(storage_root)})
     airflow(env, "db", "migrate")
+    command = ". scripts/airflow_env.sh && exec python -m stagewise_airflow.pools"
+    subprocess.run(["bash", "-c", command], cwd=REPO_ROOT, env=env, check=True, capture_output=True)
     subprocess.run([str(REPO_ROOT / ".venv/bin/python"), "-m", "tasks.data", "demo"], cwd=REPO_ROOT, env=_with_path(env),
                    check=True, capture_output=True)
     return env

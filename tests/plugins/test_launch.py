@@ -83,3 +83,13 @@ def test_sigterm_to_the_task_ends_the_whole_process_group(tmp_path):
     while _alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(grandchild), "the sub-job's child outlived the task"
+
+
+def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, tmp_path):
+    """A cuda profile wanting 2 processes on a 1-GPU worker fails at once, without retry, naming the numbers."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    marker = tmp_path / "launched"
+    with pytest.raises(AirflowFailException, match=r"2 process\(es\) on device cuda.*sees 1 GPU"):
+        launch.run("tests.plugins.fake_subjob", ["hang", "--pid-file", str(marker)],
+                   Profile(device="cuda", processes_per_node=2), distributed=True)
+    assert not marker.exists(), "nothing may launch"
