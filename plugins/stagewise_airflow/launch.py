@@ -103,11 +103,11 @@ def check_devices(profile: Profile) -> None:
 
 
 def run(module: str, args: list[str], profile: Profile, *, distributed: bool = False, attempt: int = 1,
-        script: str | None = None, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+        script: str | None = None, extra_env: dict[str, str] | None = None, result_arg: bool = True) -> dict[str, Any]:
     """Run the sub-job to completion; return its JSON result plus ``attempt``.
 
-    Our ``tasks.*`` modules take ``--result-file``; a user's own script (``script``, or a module
-    given with ``extra_env``) finds the path in $STAGEWISE_RESULT_FILE instead and may leave it unwritten.
+    Our sub-jobs take ``--result-file``; a user's own script or module (``script``, or
+    ``result_arg=False``) finds the path in $STAGEWISE_RESULT_FILE instead and may leave it unwritten.
     """
     import json
 
@@ -117,7 +117,7 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
     workdir = tempfile.mkdtemp(prefix="stagewise-")
     result_file = os.path.join(workdir, "result.json")
     error_file = os.path.join(workdir, "user_error.txt")
-    ours = script is None and module.startswith("tasks.")
+    ours = script is None and result_arg
     argv = command(module, [*args, "--result-file", result_file] if ours else args, profile, distributed, script)
     env = {**child_env(profile, error_file), RESULT_FILE_ENV: result_file, **(extra_env or {})}
     log.info("launching: %s", " ".join(argv))

@@ -162,7 +162,8 @@ def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], i
     env = byo_environment(config, run["config"], stage, run["out"], params, init_from)
     env["STAGEWISE_OVERRIDES"] = json.dumps(run["overrides"])
     result = launch.run(entry.module or "", list(entry.args), config.profile(spec.profile), distributed=True,
-                        attempt=_context()["ti"].try_number, script=entry.script, extra_env=env)
+                        attempt=_context()["ti"].try_number, script=entry.script, extra_env=env,
+                        result_arg=False)
     defaults = {"stage": stage, "world_size": config.profile(spec.profile).processes_per_node,
                 "global_batch": int(env["STAGEWISE_GLOBAL_BATCH"]), "lr": float(env["STAGEWISE_LR"]),
                 "epochs": spec.epochs, "val_metric": None,
