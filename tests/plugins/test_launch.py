@@ -93,3 +93,28 @@ def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, tmp_path
         launch.run("tests.plugins.fake_subjob", ["hang", "--pid-file", str(marker)],
                    Profile(device="cuda", processes_per_node=2), distributed=True)
     assert not marker.exists(), "nothing may launch"
+
+
+def test_task_timeout_ends_the_whole_process_group(tmp_path):
+    """Airflow's execution_timeout raises inside the task (SIGALRM); the sub-job's whole group must die with it."""
+
+    class Timeout(Exception):
+        pass
+
+    def on_alarm(signum, frame):
+        raise Timeout()
+
+    pid_file = tmp_path / "grandchild.pid"
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, 5.0)
+    try:
+        with pytest.raises(Timeout):
+            launch.run("tests.plugins.fake_subjob", ["hang", "--pid-file", str(pid_file)], Profile())
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 20
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(grandchild), "the sub-job's child outlived the timed-out task"
