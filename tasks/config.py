@@ -313,11 +313,12 @@ class PipelineConfig(_Strict):
 def _format_validation_error(path: Path, error: ValidationError) -> str:
     lines = [f"{path}: invalid pipeline config"]
     for item in error.errors():
-        location = ".".join(str(part) for part in item["loc"]) or "<root>"
+        location = ".".join(str(part) for part in item["loc"])
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown key (typo?)"
-        lines.append(f"  {location}: {message}")
+        # Cross-field checks name their own keys in the message.
+        lines.append(f"  {location}: {message}" if location else f"  {message}")
     return "\n".join(lines)
 
 
