@@ -9,6 +9,7 @@ Every sub-job and the DAG load the same file through :func:`load_config`; an inv
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from pathlib import Path
@@ -94,7 +95,13 @@ class Preprocess(_Strict):
     max_null_fraction: float = Field(0.5, ge=0, le=1, description="Fail when more rows than this are dropped as dirty.")
 
 
-class FloatParam(_Strict):
+class _Dimension(_Strict):
+    when: dict[str, list[int | float | str]] | None = Field(
+        None, description="Conditional: searched only when these categorical params take one of these values.")
+    grid: list[int | float | str] | None = Field(None, description="Values the grid sampler tries.")
+
+
+class FloatParam(_Dimension):
     """A float search dimension."""
 
     type: Literal["float"] = Field(description="'float': a real number in [low, high].")
@@ -111,7 +118,7 @@ class FloatParam(_Strict):
         return self
 
 
-class IntParam(_Strict):
+class IntParam(_Dimension):
     """An integer search dimension."""
 
     type: Literal["int"] = Field(description="'int': an integer in [low, high].")
@@ -126,7 +133,7 @@ class IntParam(_Strict):
         return self
 
 
-class CategoricalParam(_Strict):
+class CategoricalParam(_Dimension):
     """A categorical search dimension."""
 
     type: Literal["categorical"] = Field(description="'categorical': one of choices.")
@@ -134,22 +141,44 @@ class CategoricalParam(_Strict):
 
 
 SearchParam = FloatParam | IntParam | CategoricalParam
-TUNABLE = ("lr", "weight_decay", "hidden", "dropout", "momentum")
+TUNABLE = ("lr", "weight_decay", "hidden", "dropout", "momentum", "optimizer")
+
+
+class Sampler(_Strict):
+    """How trials pick hyperparameters."""
+
+    type: Literal["tpe", "random", "cmaes", "grid"] = Field("tpe", description="tpe (Bayesian), random, cmaes or grid.")
+    multivariate: bool = Field(True, description="TPE: model parameters jointly.")
+    constant_liar: bool = Field(True, description="TPE: treat running trials as bad so parallel workers spread out.")
+    n_startup_trials: int = Field(4, ge=0, description="TPE/CMA-ES: random trials before the model takes over.")
+
+
+class Pruner(_Strict):
+    """How weak trials stop early."""
+
+    type: Literal["hyperband", "median", "none"] = Field("hyperband", description="hyperband, median or none.")
+    min_resource: int = Field(1, ge=1, description="Hyperband: epochs before the first decision.")
+    reduction_factor: int = Field(3, ge=2, description="Hyperband: keep 1/reduction_factor at each rung.")
+    n_startup_trials: int = Field(2, ge=0, description="Median: trials before pruning starts.")
+    n_warmup_steps: int = Field(1, ge=0, description="Median: epochs of a trial before it can be pruned.")
 
 
 class Sweep(_Strict):
     """An Optuna study shared by parallel worker tasks."""
 
-    profile: str = Field(description="Instance profile of each worker task.")
+    profile: str = Field(description="Instance profile of each worker task (more than one process: DDP trials).")
     num_trials: int = Field(12, ge=1, le=10000, description="Trial budget of the whole study.")
     num_workers: int = Field(2, ge=1, le=64, description="Parallel worker tasks sharing the study.")
     epochs: int = Field(8, ge=1, le=1000, description="Max epochs of one trial (Hyperband's max resource).")
-    batch_size: int = Field(32, ge=1, description="Batch size inside a trial.")
+    batch_size: int = Field(32, ge=1, description="Per-process batch size inside a trial.")
     storage: str = Field(
         "journal://.stagewise/optuna.journal",
         description="Optuna storage: journal://<file> (embedded) or postgresql://... (multi-node).",
     )
     seed: int = Field(0, description="Sampler seed.")
+    sampler: Sampler = Field(default_factory=Sampler, description="The sampler.")
+    pruner: Pruner = Field(default_factory=Pruner, description="The pruner.")
+    warm_start_from: str = Field("", description="Study name whose best params are enqueued first (empty: cold start).")
     search_space: dict[str, SearchParam] = Field(description="Tunable hyperparameters by name.")
 
     @field_validator("search_space")
@@ -160,6 +189,14 @@ class Sweep(_Strict):
             raise ValueError(f"unknown hyperparameter(s) {unknown}; tunable: {list(TUNABLE)}")
         if "lr" not in value:
             raise ValueError("'lr' must be searched: training rescales it by batch size")
+        for name, space in value.items():
+            for parent, values in (space.when or {}).items():
+                parent_space = value.get(parent)
+                if not isinstance(parent_space, CategoricalParam) or parent_space.when:
+                    raise ValueError(f"{name}.when: '{parent}' must be an unconditional categorical param of the space")
+                unknown_values = [v for v in values if v not in parent_space.choices]
+                if unknown_values:
+                    raise ValueError(f"{name}.when: {unknown_values} are not among {parent}'s choices {parent_space.choices}")
         return value
 
     @field_validator("storage")
@@ -168,6 +205,24 @@ class Sweep(_Strict):
         if not re.match(r"^(journal://.+|postgresql(\+\w+)?://.+|sqlite:///.+)$", value):
             raise ValueError(f"'{value}' is neither journal://<file> nor postgresql://...")
         return value
+
+    @model_validator(mode="after")
+    def _grid_is_complete(self) -> "Sweep":
+        if self.sampler.type != "grid":
+            return self
+        for name, space in self.search_space.items():
+            if space.when:
+                raise ValueError(f"search_space.{name}: the grid sampler cannot search conditional params")
+            if space.grid is None and not isinstance(space, CategoricalParam):
+                raise ValueError(f"search_space.{name}: the grid sampler needs 'grid: [values]' for {space.type} params")
+        points = math.prod(len(values) for values in self.grid().values())
+        if self.num_trials > points:
+            raise ValueError(f"num_trials {self.num_trials} exceeds the grid's {points} points; lower the budget")
+        return self
+
+    def grid(self) -> dict[str, list[Any]]:
+        """The grid sampler's search space."""
+        return {name: list(space.grid or getattr(space, "choices", [])) for name, space in self.search_space.items()}
 
 
 class EntryPoint(_Strict):
@@ -294,10 +349,10 @@ class PipelineConfig(_Strict):
                     f"{world} process(es) x {stage.grad_accum_steps} accumulation step(s) "
                     f"({stage.global_batch} / {world * stage.grad_accum_steps} = {stage.global_batch / (world * stage.grad_accum_steps):g})")
         for where, name in used.items():
-            if where.startswith("train."):
+            if where.startswith(("train.", "sweep.")):
                 continue
             if self.profiles[name].processes_per_node != 1:
-                raise ValueError(f"{where}: profile '{name}' has processes_per_node > 1; only train stages run DDP")
+                raise ValueError(f"{where}: profile '{name}' has processes_per_node > 1; only train stages and sweep trials run DDP")
         return self
 
     def profile(self, name: str) -> Profile:
@@ -393,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.reference:
         print("| key | meaning | default |\n|---|---|---|")
         print("\n".join(reference()))
-        for model in (Profile, TrainStage, EntryPoint, FloatParam, IntParam, CategoricalParam):
+        for model in (Profile, TrainStage, EntryPoint, Sampler, Pruner, FloatParam, IntParam, CategoricalParam):
             print(f"\n`{model.__name__}` ({model.__doc__.splitlines()[0]})\n\n| key | meaning | default |\n|---|---|---|")
             print("\n".join(reference(model)))
         return

@@ -1,14 +1,20 @@
-"""Hyperparameter sweep: one Optuna study shared by parallel worker processes.
+"""Hyperparameter sweep: one Optuna study shared by parallel worker tasks.
 
 Run:  ``python -m tasks.sweep create --study S``
-      ``python -m tasks.sweep worker --study S --worker 0 --out storage/runs/x/y``   (one per worker)
+      ``python -m tasks.sweep worker --study S --worker 0 --out storage/runs/x/y``   (one per worker;
+      under ``torchrun --nproc-per-node N`` each trial is an N-process DDP job)
       ``python -m tasks.sweep summary --study S --out storage/runs/x/y``
 
-TPE (multivariate, constant liar, so parallel workers do not pile onto one point) samples; the
-Hyperband pruner stops weak trials early on the per-epoch validation accuracy. The storage is a
-journal file on one node (safe for parallel writers, unlike SQLite) or PostgreSQL across nodes.
-The trial budget is split between workers by index, so it is exact however they race, and a
-retried worker only runs the trials its earlier attempt did not finish.
+Sampler and pruner come from the config (default: multivariate TPE with constant liar, so parallel
+workers spread out, and Hyperband on the per-epoch validation accuracy). The storage is a journal
+file on one node (safe for parallel writers, unlike SQLite) or PostgreSQL across nodes.
+
+Budget and recovery: the trial budget is split between workers by index, so it is exact however
+they race. A worker owns the trials it asked for (user attr ``worker``) and Airflow runs one
+attempt of a mapped task at a time, so a worker that starts and finds its own trials still RUNNING
+knows they belong to a dead attempt: it marks them FAIL (``abandoned``, not counted against the
+budget) and enqueues their params once, so each is retried with the same params. This needs no
+heartbeat (the journal storage has none) and no grace period.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import time
 from typing import Any
 
@@ -27,6 +34,8 @@ from tasks.errors import UserError
 log = logging.getLogger("stagewise.sweep")
 
 FINISHED = ("COMPLETE", "PRUNED", "FAIL")
+# Fault injection for tests: the worker SIGKILLs itself after the first epoch of this trial number.
+FAULT_ENV = "STAGEWISE_FAULT_KILL_TRIAL"
 
 
 def open_storage(uri: str) -> Any:
@@ -39,8 +48,7 @@ def open_storage(uri: str) -> Any:
         path = uri[len("journal://"):]
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         return JournalStorage(JournalFileBackend(path))
-    # Heartbeats let a dead worker's RUNNING trial be failed instead of hanging for ever.
-    return optuna.storages.RDBStorage(uri, heartbeat_interval=30, grace_period=120)
+    return optuna.storages.RDBStorage(uri)
 
 
 def study_name(dag_id: str, run_id: str) -> str:
@@ -55,8 +63,12 @@ def worker_quota(num_trials: int, num_workers: int, worker: int) -> int:
 
 
 def suggest(trial: Any, sweep: Sweep) -> dict[str, Any]:
+    """Sample the space: unconditional params first, then those whose ``when`` holds."""
     params: dict[str, Any] = {}
-    for name, space in sweep.search_space.items():
+    ordered = sorted(sweep.search_space.items(), key=lambda item: item[1].when is not None)
+    for name, space in ordered:
+        if space.when and not all(params.get(parent) in values for parent, values in space.when.items()):
+            continue
         if isinstance(space, FloatParam):
             params[name] = trial.suggest_float(name, space.low, space.high, log=space.log)
         elif isinstance(space, CategoricalParam):
@@ -66,32 +78,99 @@ def suggest(trial: Any, sweep: Sweep) -> dict[str, Any]:
     return params
 
 
-def create(config: PipelineConfig, name: str) -> dict[str, Any]:
-    """Create the study, or find it when a cleared run comes back."""
+def make_sampler(sweep: Sweep, seed_offset: int) -> Any:
     import optuna
 
-    study = optuna.create_study(study_name=name, storage=open_storage(config.sweep.storage),
-                                direction="maximize", load_if_exists=True)
+    spec, seed = sweep.sampler, sweep.seed + seed_offset
+    if spec.type == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if spec.type == "grid":
+
+        class QuotaGridSampler(optuna.samplers.GridSampler):
+            def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+                pass  # the worker quota ends the sweep; Study.stop() only works inside optimize()
+
+        return QuotaGridSampler(sweep.grid(), seed=seed)
+    if spec.type == "cmaes":
+        return optuna.samplers.CmaEsSampler(seed=seed, n_startup_trials=spec.n_startup_trials, warn_independent_sampling=False)
+    return optuna.samplers.TPESampler(multivariate=spec.multivariate, constant_liar=spec.constant_liar,
+                                      n_startup_trials=spec.n_startup_trials, seed=seed)
+
+
+def make_pruner(sweep: Sweep) -> Any:
+    import optuna
+
+    spec = sweep.pruner
+    if spec.type == "none":
+        return optuna.pruners.NopPruner()
+    if spec.type == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=spec.n_startup_trials, n_warmup_steps=spec.n_warmup_steps)
+    return optuna.pruners.HyperbandPruner(min_resource=spec.min_resource, max_resource=sweep.epochs,
+                                          reduction_factor=spec.reduction_factor)
+
+
+def create(config: PipelineConfig, name: str) -> dict[str, Any]:
+    """Create the study, or find it again when a cleared run comes back; warm-start a new one if asked."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    backend = open_storage(config.sweep.storage)
+    study = optuna.create_study(study_name=name, storage=backend, direction="maximize", load_if_exists=True)
+    warm = config.sweep.warm_start_from
+    if warm and not study.trials and not study.user_attrs.get("warm_started_from"):
+        try:
+            source = optuna.load_study(study_name=warm, storage=backend)
+            best = source.best_trial
+        except (KeyError, ValueError) as exc:
+            raise UserError(f"sweep.warm_start_from: study '{warm}' has no completed trial to start from ({exc})") from None
+        params = {k: v for k, v in best.params.items() if k in config.sweep.search_space}
+        study.enqueue_trial(params, user_attrs={"warm_start_of": f"{warm}#{best.number}"})
+        study.set_user_attr("warm_started_from", warm)
+        log.info("study %s warm-starts from %s: enqueued its best params %s (value %.4f)", name, warm, params, best.value)
     study.set_user_attr("num_trials", config.sweep.num_trials)
     log.info("study %s ready (%d trial(s) so far) on %s", name, len(study.trials), config.sweep.storage.split("://")[0])
-    return {"study_name": name, "storage": config.sweep.storage}
+    return {"study_name": name, "storage_kind": config.sweep.storage.split("://")[0]}
 
 
-def _load_study(config: PipelineConfig, name: str, seed_offset: int) -> Any:
+def _counted(trial: Any) -> bool:
+    return trial.state.name in FINISHED and not trial.user_attrs.get("abandoned")
+
+
+def recover_abandoned(study: Any, worker: int | None) -> int:
+    """Fail the RUNNING trials of a dead attempt (of ``worker``, or any when None) and enqueue their params once."""
     import optuna
 
-    sweep = config.sweep
-    sampler = optuna.samplers.TPESampler(multivariate=True, constant_liar=True, seed=sweep.seed + seed_offset)
-    pruner = optuna.pruners.HyperbandPruner(min_resource=1, max_resource=sweep.epochs, reduction_factor=3)
-    return optuna.load_study(study_name=name, storage=open_storage(sweep.storage), sampler=sampler, pruner=pruner)
+    recovered = 0
+    for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        if worker is not None and trial.user_attrs.get("worker") != worker:
+            continue
+        study._storage.set_trial_user_attr(trial._trial_id, "abandoned", "its worker attempt died")
+        study._storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)
+        if "retry_of" not in trial.user_attrs and trial.params:
+            study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
+            log.warning("trial %d was left RUNNING by a dead worker: marked failed, retrying once with %s",
+                        trial.number, trial.params)
+        recovered += 1
+    return recovered
+
+
+def _broadcast(env: Any, value: Any) -> Any:
+    if not env.distributed:
+        return value
+    import torch.distributed as dist
+
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict[str, Any]:
-    """Run this worker's share of the budget; every trial trains for up to ``sweep.epochs`` epochs."""
+    """Run this worker's share of the budget. Under torchrun each trial is a DDP job: rank 0 owns the
+    Optuna trial, reports once per epoch, and broadcasts params and prune decisions to every rank."""
     import optuna
     import torch
 
-    from tasks.distributed import DistEnv
+    from tasks.distributed import destroy_process_group, init_process_group, read_env
     from tasks.loader import split_batches
     from tasks.model import ModelSpec, build_model
     from tasks.preprocess import read_manifest
@@ -100,72 +179,127 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sweep = config.sweep
-    torch.set_num_threads(config.profile(sweep.profile).threads_per_process)
-    quota = worker_quota(sweep.num_trials, sweep.num_workers, worker)
-    study = _load_study(config, name, seed_offset=worker)
-    done = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("worker") == worker and t.state.name in FINISHED]
-    remaining = quota - len(done)
-    log.info("worker %d: %d of its %d trial(s) already finished; running %d", worker, len(done), quota, max(remaining, 0))
-    manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
-    train = split_batches(manifest, "train", rank=0, world_size=1, batch_size=sweep.batch_size, seed=sweep.seed)
-    validation = split_batches(manifest, "validation", rank=0, world_size=1, batch_size=4096, seed=0, shuffle=False)
-    env = DistEnv(rank=0, local_rank=0, world_size=1, device="cpu")
-    epochs_run = 0
-    started = time.monotonic()
-    for _ in range(max(remaining, 0)):
-        trial = study.ask()
-        trial.set_user_attr("worker", worker)
+    profile = config.profile(sweep.profile)
+    env = read_env(profile.device)
+    torch.set_num_threads(profile.threads_per_process)
+    if not env.master:
+        logging.getLogger().setLevel(logging.WARNING)
+    init_process_group(env)
+    try:
+        study, remaining = None, 0
+        if env.master:
+            study = optuna.load_study(study_name=name, storage=open_storage(sweep.storage),
+                                      sampler=make_sampler(sweep, worker), pruner=make_pruner(sweep))
+            recovered = recover_abandoned(study, worker)
+            done = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("worker") == worker and _counted(t)]
+            quota = worker_quota(sweep.num_trials, sweep.num_workers, worker)
+            remaining = max(quota - len(done), 0)
+            log.info("worker %d: %d of its %d trial(s) already finished, %d recovered from a dead attempt; running %d",
+                     worker, len(done), quota, recovered, remaining)
+        remaining = _broadcast(env, remaining)
+        manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
+        train = split_batches(manifest, "train", rank=env.rank, world_size=env.world_size, batch_size=sweep.batch_size,
+                              seed=sweep.seed)
+        validation = split_batches(manifest, "validation", rank=env.rank, world_size=env.world_size, batch_size=4096,
+                                   seed=0, shuffle=False)
+        fault_trial = int(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
+        epochs_run, started = 0, time.monotonic()
+        for _ in range(remaining):
+            trial, suggested = None, None
+            if env.master:
+                trial = study.ask()
+                trial.set_user_attr("worker", worker)
+                suggested = suggest(trial, sweep)
+            suggested = _broadcast(env, suggested)
+            value, state, error = float("nan"), "COMPLETE", None
+            try:
+                params = resolve_params(config, suggested)
+                torch.manual_seed(sweep.seed + (trial.number if trial else 0))
+                model = build_model(ModelSpec(num_features=len(manifest["features"]), num_classes=manifest["num_classes"],
+                                              hidden=params["hidden"], dropout=float(params["dropout"])))
+                loop = Loop(model=model, optimizer=make_optimizer(model, params), env=env, train=train,
+                            validation=validation, seed=sweep.seed)
+                for epoch in range(sweep.epochs):
+                    value = loop.train_epoch(lambda _step: params["lr"]).val_accuracy  # identical on every rank
+                    epochs_run += 1
+                    prune = False
+                    if env.master:
+                        trial.report(value, epoch + 1)
+                        prune = trial.should_prune()
+                        if fault_trial == trial.number and "retry_of" not in trial.user_attrs:
+                            os.kill(os.getpid(), signal.SIGKILL)
+                    if _broadcast(env, prune):
+                        state = "PRUNED"
+                        break
+                if env.master:
+                    trial.set_user_attr("epochs", epoch + 1)
+            except Exception as exc:  # a failing objective is recorded and the sweep goes on
+                state, error = "FAIL", f"{type(exc).__name__}: {exc}"[:500]
+            if env.master:
+                if error:
+                    trial.set_user_attr("error", error)
+                    log.warning("trial %d failed: %s", trial.number, error)
+                study.tell(trial, value if state == "COMPLETE" else None, state=optuna.trial.TrialState[state])
+                finished = [t for t in study.get_trials(deepcopy=False) if _counted(t)]
+                best = max((t.value for t in finished if t.state.name == "COMPLETE"), default=None)
+                log.info("worker %d: trial %d %s (value %.4f, %s); study %d/%d trials done, best so far %s, %.1fs elapsed",
+                         worker, trial.number, state.lower(), value, suggested, len(finished), sweep.num_trials,
+                         f"{best:.4f}" if best is not None else "n/a", time.monotonic() - started)
+        return {"worker": worker, "trials_run": remaining, "epochs_run": epochs_run, "world_size": env.world_size}
+    finally:
+        destroy_process_group(env)
+
+
+def write_plots(study: Any, prefix: str) -> list[str]:
+    """Optimisation history, intermediate values, importances and parallel coordinates as HTML files."""
+    from optuna import visualization
+    from plotly.offline import get_plotlyjs
+
+    plots = {"optimization_history": visualization.plot_optimization_history,
+             "intermediate_values": visualization.plot_intermediate_values,
+             "param_importances": visualization.plot_param_importances,
+             "parallel_coordinate": visualization.plot_parallel_coordinate}
+    written = []
+    storage.write_bytes(storage.join(prefix, "plotly.min.js"), get_plotlyjs().encode())  # one copy, viewable offline
+    for name, plot in plots.items():
         try:
-            params = resolve_params(config, suggest(trial, sweep))
-            torch.manual_seed(sweep.seed + trial.number)
-            model = build_model(ModelSpec(num_features=len(manifest["features"]), num_classes=manifest["num_classes"],
-                                          hidden=params["hidden"], dropout=float(params["dropout"])))
-            optimizer = make_optimizer(model, lr=params["lr"], weight_decay=params["weight_decay"], momentum=params["momentum"])
-            loop = Loop(model=model, optimizer=optimizer, env=env, train=train, validation=validation,
-                        seed=sweep.seed + trial.number)
-            value, state = float("nan"), optuna.trial.TrialState.COMPLETE
-            for epoch in range(sweep.epochs):
-                value = loop.train_epoch(lambda _step: params["lr"]).val_accuracy
-                epochs_run += 1
-                trial.report(value, epoch + 1)
-                if trial.should_prune():
-                    state = optuna.trial.TrialState.PRUNED
-                    break
-            trial.set_user_attr("epochs", epoch + 1)
-            study.tell(trial, value if state == optuna.trial.TrialState.COMPLETE else None, state=state)
-        except Exception as exc:  # a failing objective is recorded and the sweep goes on
-            trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:500])
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            log.warning("trial %d failed: %s: %s", trial.number, type(exc).__name__, exc)
-            state = optuna.trial.TrialState.FAIL
-        finished = sum(1 for t in study.get_trials(deepcopy=False) if t.state.name in FINISHED)
-        try:
-            best = f"{study.best_value:.4f}"
-        except ValueError:
-            best = "n/a"
-        log.info("worker %d: trial %d %s (value %.4f); study %d/%d trials done, best so far %s, %.1fs elapsed",
-                 worker, trial.number, state.name.lower(), value, finished, sweep.num_trials, best, time.monotonic() - started)
-    return {"worker": worker, "trials_run": max(remaining, 0), "epochs_run": epochs_run}
+            figure = plot(study)
+        except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. importances need 2+ complete trials
+            log.info("plot %s skipped: %s", name, exc)
+            continue
+        uri = storage.join(prefix, f"{name}.html")
+        storage.write_bytes(uri, figure.to_html(include_plotlyjs="plotly.min.js", full_html=True).encode())
+        written.append(uri)
+    return written
 
 
 def summarize(config: PipelineConfig, name: str, out: str) -> dict[str, Any]:
-    """Counts by state and the best trial; written to ``sweep/summary.json``. Fails when nothing completed."""
+    """Counts by state and the best trial into ``sweep/summary.json``, plots beside it. Fails when nothing completed."""
     import optuna
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.load_study(study_name=name, storage=open_storage(config.sweep.storage))
+    stale = recover_abandoned(study, worker=None)  # every worker is done: nothing may stay RUNNING
     trials = study.get_trials(deepcopy=False)
-    counts = {state: sum(1 for t in trials if t.state.name == state) for state in ("COMPLETE", "PRUNED", "FAIL", "RUNNING")}
+    counted = [t for t in trials if _counted(t)]
+    counts = {state: sum(1 for t in counted if t.state.name == state) for state in FINISHED}
     summary: dict[str, Any] = {
-        "study_name": name, "n_trials": len(trials), "n_complete": counts["COMPLETE"], "n_pruned": counts["PRUNED"],
-        "n_failed": counts["FAIL"], "n_running": counts["RUNNING"],
-        "epochs_consumed": sum(int(t.user_attrs.get("epochs", 0)) for t in trials),
+        "study_name": name, "n_trials": len(counted), "n_complete": counts["COMPLETE"], "n_pruned": counts["PRUNED"],
+        "n_failed": counts["FAIL"], "n_abandoned": sum(1 for t in trials if t.user_attrs.get("abandoned")),
+        "n_stale_recovered": stale, "epochs_consumed": sum(int(t.user_attrs.get("epochs", 0)) for t in trials),
+        "storage_kind": config.sweep.storage.split("://")[0],
     }
     if counts["COMPLETE"] == 0:
-        errors = sorted({t.user_attrs.get("error", "pruned") for t in trials if t.state.name != "COMPLETE"})
-        raise UserError(f"sweep {name}: no trial completed ({counts}); reasons: {errors[:5]}")
+        reasons: dict[str, int] = {}
+        for t in counted:
+            reason = t.user_attrs.get("error", "pruned" if t.state.name == "PRUNED" else "no value")
+            reasons[reason] = reasons.get(reason, 0) + 1
+        listed = "; ".join(f"{count} x {reason}" for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1])[:5])
+        raise UserError(f"sweep {name}: none of {len(counted)} trials completed ({counts}); why: {listed}")
     summary.update({"best_value": study.best_value, "best_params": study.best_params, "best_trial": study.best_trial.number})
+    summary["plots"] = write_plots(study, storage.join(out, "sweep", "plots"))
     storage.write_json(storage.join(out, "sweep", "summary.json"), summary)
-    log.info("sweep %s: %d trials (%d complete, %d pruned, %d failed); best %.4f with %s", name, len(trials),
+    log.info("sweep %s: %d trials (%d complete, %d pruned, %d failed); best %.4f with %s", name, len(counted),
              counts["COMPLETE"], counts["PRUNED"], counts["FAIL"], study.best_value, study.best_params)
     return summary
 
@@ -181,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
             p.add_argument("--out", required=True, help="the run prefix")
     sub.choices["worker"].add_argument("--worker", type=int, required=True, help="this worker's index")
     args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
 
     def work() -> dict[str, Any]:
         config = load_config(args.config, parse_overrides(args.override))
@@ -191,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
             return run_worker(config, args.study, args.worker, out)
         return summarize(config, args.study, out)
 
-    run_subjob(f"sweep {args.step}", work, args.result_file)
+    run_subjob(f"sweep {args.step}", work, args.result_file if rank == 0 else None, quiet=rank != 0)
 
 
 if __name__ == "__main__":

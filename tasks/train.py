@@ -29,7 +29,7 @@ from tasks.errors import UserError
 
 log = logging.getLogger("stagewise.train")
 
-HYPER_DEFAULTS = {"lr": 0.05, "weight_decay": 0.0, "momentum": 0.9, "hidden": 128, "dropout": 0.0}
+HYPER_DEFAULTS = {"lr": 0.05, "weight_decay": 0.0, "momentum": 0.9, "hidden": 128, "dropout": 0.0, "optimizer": "sgd"}
 # Fault injection for tests: rank R SIGKILLs itself after optimizer step S of a fresh (not resumed) run.
 FAULT_ENV = "STAGEWISE_FAULT_KILL_AT"
 
@@ -45,6 +45,8 @@ def resolve_params(config: PipelineConfig, swept: dict[str, Any]) -> dict[str, A
     if unknown:
         raise UserError(f"unknown hyperparameter(s) {unknown} in --params / train.default_params; known: {sorted(HYPER_DEFAULTS)}")
     params["hidden"] = int(params["hidden"])
+    if params["optimizer"] not in ("sgd", "adamw"):
+        raise UserError(f"hyperparameter optimizer='{params['optimizer']}' is not sgd or adamw")
     return params
 
 
@@ -133,7 +135,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                          hidden=params["hidden"], dropout=float(params["dropout"]))
         torch.manual_seed(config.train.seed)
         model = build_model(spec)
-        optimizer = make_optimizer(model, lr=params["lr"], weight_decay=params["weight_decay"], momentum=params["momentum"])
+        optimizer = make_optimizer(model, params)
         digest = config_hash(stage.model_dump(), params, env.world_size, config.train.seed)
         prefix = stage_prefix(out, stage.name)
         checkpoints = CheckpointStore(prefix, keep_last=config.train.keep_checkpoints)

@@ -169,8 +169,13 @@ class Loop:
         return correct, count
 
 
-def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float, momentum: float) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=momentum > 0)
+def make_optimizer(model: nn.Module, params: dict) -> torch.optim.Optimizer:
+    """SGD with Nesterov momentum (what the linear scaling rule was shown on) or AdamW."""
+    if params.get("optimizer", "sgd") == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=params["lr"], weight_decay=params["weight_decay"])
+    momentum = params["momentum"]
+    return torch.optim.SGD(model.parameters(), lr=params["lr"], momentum=momentum, weight_decay=params["weight_decay"],
+                           nesterov=momentum > 0)
 
 
 def eta_s(epochs_done: int, epochs_total: int, elapsed_s: float) -> float:

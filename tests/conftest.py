@@ -79,3 +79,33 @@ def digits_run(write_config, storage_root) -> tuple[Path, str]:
     out = str(storage_root / "runs" / "test" / "r1")
     preprocess_digits(config_path, out)
     return config_path, out
+
+
+def service_unavailable(reason: str) -> None:
+    """Skip with the reason on a user's machine; fail in CI, where the service must be there."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{reason} (CI=true: the service is required)")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def postgres_url():
+    """A fresh, empty PostgreSQL database for one test (127.0.0.1:5432 by default, $STAGEWISE_TEST_PG to change)."""
+    import uuid
+
+    psycopg2 = pytest.importorskip("psycopg2")
+    server = os.environ.get("STAGEWISE_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
+    try:
+        admin = psycopg2.connect(f"{server}/postgres", connect_timeout=5)
+    except psycopg2.OperationalError as exc:
+        service_unavailable(f"PostgreSQL at {server} is unreachable: {str(exc).strip()}")
+    admin.autocommit = True
+    name = f"stagewise_test_{uuid.uuid4().hex[:8]}"
+    with admin.cursor() as cursor:
+        cursor.execute(f"CREATE DATABASE {name}")
+    try:
+        yield f"{server}/{name}"
+    finally:
+        with admin.cursor() as cursor:
+            cursor.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.close()

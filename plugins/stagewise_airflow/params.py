@@ -24,6 +24,8 @@ def pipeline_params(config: PipelineConfig) -> dict[str, Any]:
         "stage_epochs": Param(stage_epochs, type="object",
                               properties={name: {"type": "integer", "minimum": 1, "maximum": 1000} for name in stage_epochs},
                               additionalProperties=False, description="Epochs of each training stage."),
+        "warm_start_study": Param(config.sweep.warm_start_from, type="string",
+                                  description="Optuna study of an earlier run whose best params are tried first (empty: cold start)."),
         "seed": Param(config.train.seed, type="integer", minimum=0, maximum=2**31 - 1,
                       description="Seed of the sweep sampler and of training."),
         "min_test_accuracy": Param(config.evaluate.min_test_accuracy, type="number", minimum=0, maximum=1,
@@ -39,6 +41,7 @@ def overrides_from_params(config: PipelineConfig, params: dict[str, Any]) -> dic
         "sweep.num_workers": params["num_sweep_workers"],
         "sweep.epochs": params["sweep_epochs"],
         "sweep.seed": params["seed"],
+        "sweep.warm_start_from": params["warm_start_study"],
         "train.seed": params["seed"],
         "evaluate.min_test_accuracy": params["min_test_accuracy"],
     }

@@ -130,8 +130,11 @@ def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[int]:
 
 
 def sweep_worker(run: dict[str, Any], worker: int) -> dict[str, Any]:
+    """One worker of the shared study; a multi-process trial profile makes every trial a torchrun DDP job."""
+    config = run_config(run)
+    profile = config.sweep.profile
     return _launch(run, "tasks.sweep", ["worker", "--study", run["study"], "--worker", str(worker), "--out", run["out"]],
-                   run_config(run).sweep.profile)
+                   profile, distributed=config.profile(profile).processes_per_node > 1)
 
 
 def sweep_summary(run: dict[str, Any], workers: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,79 @@
+"""Sweep storage and outcomes: journal and PostgreSQL, warm start, failing trials, plots."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+import yaml
+
+from tasks.config import load_config
+from tasks.errors import UserError
+from tasks.sweep import create, open_storage, run_worker, summarize
+
+
+def _config(config_path, **sweep):
+    raw = yaml.safe_load(config_path.read_text())
+    raw["sweep"].update({"epochs": 2, "num_trials": 3, "num_workers": 1, **sweep})
+    config_path.write_text(yaml.safe_dump(raw))
+    return load_config(config_path)
+
+
+def _run_sweep(config, name: str, out: str) -> dict:
+    create(config, name)
+    run_worker(config, name, 0, out)
+    return summarize(config, name, out)
+
+
+def test_journal_sweep_summarizes_and_writes_plots(digits_run):
+    """A finished sweep yields best params, counts by state, and HTML plots under the run prefix."""
+    config_path, out = digits_run
+    summary = _run_sweep(_config(config_path), "plots", out)
+    assert summary["n_trials"] == 3 and summary["n_complete"] >= 1 and "lr" in summary["best_params"]
+    assert any(uri.endswith("optimization_history.html") for uri in summary["plots"])
+
+
+def test_postgresql_storage_runs_the_same_sweep(digits_run, postgres_url):
+    """The production storage: the same worker code on PostgreSQL gives the same budget and a best trial."""
+    config_path, out = digits_run
+    config = _config(config_path, storage=postgres_url.replace("postgresql://", "postgresql+psycopg2://"))
+    summary = _run_sweep(config, "pg", out)
+    assert summary["n_trials"] == 3 and summary["storage_kind"] == "postgresql+psycopg2"
+    study = optuna.load_study(study_name="pg", storage=open_storage(config.sweep.storage))
+    assert len(study.trials) == 3
+
+
+def test_new_study_warm_starts_from_an_earlier_best(digits_run):
+    """A run told to warm-start tries the earlier study's best params first; a cold one does not."""
+    config_path, out = digits_run
+    first = _run_sweep(_config(config_path), "first", out)
+    config = _config(config_path, warm_start_from="first", num_trials=1)
+    create(config, "second")
+    run_worker(config, "second", 0, out)
+    study = optuna.load_study(study_name="second", storage=open_storage(config.sweep.storage))
+    assert study.trials[0].params == first["best_params"]
+    assert study.trials[0].user_attrs["warm_start_of"].startswith("first#")
+
+
+def test_unknown_warm_start_study_is_a_user_error(digits_run):
+    """Warm-starting from a study that does not exist fails without retry, naming the key."""
+    config_path, _ = digits_run
+    with pytest.raises(UserError, match="sweep.warm_start_from: study 'nope'"):
+        create(_config(config_path, warm_start_from="nope"), "third")
+
+
+def test_failing_trials_are_recorded_and_an_all_failed_sweep_says_why(digits_run, monkeypatch):
+    """An objective that raises is a FAIL trial with its message; when all fail, the summary fails naming the cause."""
+    config_path, out = digits_run
+    config = _config(config_path)
+
+    def broken_model(spec):
+        raise MemoryError("model too big for this worker")
+
+    monkeypatch.setattr("tasks.model.build_model", broken_model)
+    create(config, "doomed")
+    run_worker(config, "doomed", 0, out)
+    study = optuna.load_study(study_name="doomed", storage=open_storage(config.sweep.storage))
+    assert [t.state.name for t in study.trials] == ["FAIL"] * 3
+    assert "model too big" in study.trials[0].user_attrs["error"]
+    with pytest.raises(UserError, match=r"none of 3 trials completed.*3 x MemoryError: model too big"):
+        summarize(config, "doomed", out)
