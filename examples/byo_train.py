@@ -29,16 +29,18 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from tasks.model import ModelSpec, build_model, load_torch, save_bundle, save_torch
+from tasks.preprocess import feature_matrix
 
 
-def read_files(uris: list[str], features: list[str], label: str) -> tuple[torch.Tensor, torch.Tensor]:
-    tables = []
+def read_files(uris: list[str], label: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Processed shards hold the label and each row's float32 feature vector in a 'features' column."""
+    xs, ys = [], []
     for uri in uris:
         with fsspec.open(uri, "rb") as handle:
-            tables.append(pq.read_table(handle, columns=[label, *features]))
-    x = np.column_stack([np.concatenate([t.column(f).to_numpy() for t in tables]) for f in features]).astype(np.float32)
-    y = np.concatenate([t.column(label).to_numpy() for t in tables]).astype(np.int64)
-    return torch.from_numpy(x), torch.from_numpy(y)
+            table = pq.read_table(handle, columns=[label, "features"])
+        xs.append(feature_matrix(table))  # the float32 row vectors as a (rows, features) matrix
+        ys.append(table.column(label).to_numpy())
+    return torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys).astype(np.int64))
 
 
 def main() -> None:
@@ -52,8 +54,8 @@ def main() -> None:
     with fsspec.open(os.environ["STAGEWISE_DATA_MANIFEST"], "r") as handle:
         manifest = json.load(handle)
     files = [entry["uri"] for entry in manifest["splits"]["train"]]
-    x, y = read_files(files[rank::world], manifest["features"], manifest["label"])  # this rank's files only
-    x_val, y_val = read_files([e["uri"] for e in manifest["splits"]["validation"]], manifest["features"], manifest["label"])
+    x, y = read_files(files[rank::world], manifest["label"])  # this rank's files only
+    x_val, y_val = read_files([e["uri"] for e in manifest["splits"]["validation"]], manifest["label"])
 
     spec = ModelSpec(num_features=len(manifest["features"]), num_classes=manifest["num_classes"], hidden=args.hidden)
     torch.manual_seed(int(os.environ.get("STAGEWISE_SEED", 0)))

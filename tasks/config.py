@@ -13,7 +13,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -179,7 +179,8 @@ class Sweep(_Strict):
     sampler: Sampler = Field(default_factory=Sampler, description="The sampler.")
     pruner: Pruner = Field(default_factory=Pruner, description="The pruner.")
     warm_start_from: str = Field("", description="Study name whose best params are enqueued first (empty: cold start).")
-    search_space: dict[str, SearchParam] = Field(description="Tunable hyperparameters by name.")
+    search_space: dict[str, Annotated[SearchParam, Field(discriminator="type")]] = Field(
+        description="Tunable hyperparameters by name.")
 
     @field_validator("search_space")
     @classmethod
@@ -189,6 +190,9 @@ class Sweep(_Strict):
             raise ValueError(f"unknown hyperparameter(s) {unknown}; tunable: {list(TUNABLE)}")
         if "lr" not in value:
             raise ValueError("'lr' must be searched: training rescales it by batch size")
+        dropout = value.get("dropout")
+        if isinstance(dropout, FloatParam) and not (0 <= dropout.low and dropout.high < 1):
+            raise ValueError(f"dropout: [{dropout.low}, {dropout.high}] must lie within [0, 1)")
         for name, space in value.items():
             for parent, values in (space.when or {}).items():
                 parent_space = value.get(parent)
@@ -415,8 +419,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
     if isinstance(root, str) and "://" not in root and not os.path.isabs(root):
         # A relative storage root is relative to the config file, not to whatever cwd a worker has.
         raw["storage_root"] = str((resolved.parent / root).resolve())
-    journal = (raw.get("sweep") or {}).get("storage", "")
-    if isinstance(journal, str) and journal.startswith("journal://") and not journal[10:].startswith("/"):
+    sweep = raw.get("sweep")
+    journal = sweep.get("storage", "") if isinstance(sweep, dict) else ""
+    if isinstance(journal, str) and journal.startswith("journal://") and journal[10:] and not journal[10:].startswith("/"):
         raw["sweep"]["storage"] = "journal://" + str((resolved.parent / journal[10:]).resolve())
     try:
         return PipelineConfig.model_validate(raw)

@@ -104,6 +104,12 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
                 rows += len(keys)
                 elapsed = time.monotonic() - started
                 log.info("shard %d: %d rows scored, %.0f rows/s", shard["index"], rows, rows / max(elapsed, 1e-9))
+            if writer is None:  # an empty shard still commits a valid (empty) Parquet file
+                num_classes = bundle["spec"]["num_classes"]
+                schema = pa.schema([parquet.schema_arrow.field(key), pa.field("prediction", pa.int64()),
+                                    pa.field("probabilities", pa.list_(pa.float32(), num_classes)),
+                                    pa.field("model_version", pa.string())])
+                writer = pq.ParquetWriter(sink, schema)
         finally:
             if writer is not None:
                 writer.close()

@@ -3,16 +3,16 @@
 Each epoch the row groups of a split are permuted with ``seed + epoch`` and rank r takes every
 world_size-th one from r (DistributedSampler semantics at row-group granularity), so no process
 loads the whole data set and every rank sees a different part each epoch. Rows are shuffled within
-a window of ``window_row_groups`` row groups; a background thread reads the next window while the
-current one trains (pyarrow releases the GIL), so memory stays bounded by two windows.
+a window of ``window_row_groups`` row groups (rows move whole, thanks to the processed vector
+column); background threads read the next windows while the current one trains, so memory stays
+bounded by a few windows.
 All ranks take the same number of steps per epoch (the smallest rank's full batches), computed
 from Parquet metadata alone, so DDP never waits on a rank that ran out of data.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
+import collections
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -22,6 +22,9 @@ import torch
 
 from tasks import storage
 from tasks.errors import UserError
+
+# Windows read ahead in parallel (pyarrow and numpy's row moves release the GIL): 2 cores stay busy.
+PREFETCH_WINDOWS = 2
 
 
 @dataclass(frozen=True)
@@ -43,21 +46,47 @@ def list_row_groups(uris: list[str]) -> list[RowGroup]:
     return [g for g in groups if g.num_rows > 0]
 
 
-def read_row_groups(groups: list[RowGroup], features: list[str], label: str) -> tuple[np.ndarray, np.ndarray]:
-    """The float32 feature matrix and int64 labels of ``groups``, in order."""
-    blocks, labels = [], []
+def read_row_groups(groups: list[RowGroup], label: str, rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The (rows, features) float32 matrix and int64 labels of ``groups``, rows shuffled when ``rng`` is given.
+
+    Each row group maps onto a matrix without a copy (the processed vector column); the shuffle
+    scatters each group's rows to random places of the output: one pass, rows moved whole.
+    """
+    from tasks.preprocess import FEATURES_COLUMN, feature_matrix
+
+    matrices, labels = [], []
+    for uri, indices in _by_file(groups):
+        with storage.open_parquet(uri) as parquet:
+            table = parquet.read_row_groups(indices, columns=[label, FEATURES_COLUMN])
+        for batch in table.to_batches():  # row groups stay separate chunks: zero-copy views
+            matrices.append(feature_matrix(batch))
+            labels.append(batch.column(label).to_numpy().astype(np.int64, copy=False))
+    if not matrices:
+        return np.zeros((0, 0), np.float32), np.zeros(0, np.int64)
+    if rng is None:
+        return np.concatenate(matrices), np.concatenate(labels)
+    total = sum(len(m) for m in matrices)
+    destination = rng.permutation(total)
+    out_x = np.empty((total, matrices[0].shape[1]), np.float32)
+    out_y = np.empty(total, np.int64)
+    start = 0
+    for matrix, group_labels in zip(matrices, labels):
+        rows = destination[start : start + len(matrix)]
+        out_x[rows] = matrix
+        out_y[rows] = group_labels
+        start += len(matrix)
+    return out_x, out_y
+
+
+def _by_file(groups: list[RowGroup]) -> list[tuple[str, list[int]]]:
+    """Consecutive row groups of the same file, so each file is opened once per window."""
+    runs: list[tuple[str, list[int]]] = []
     for group in groups:
-        fs, path = storage.filesystem(group.uri)
-        with fs.open(path, "rb") as handle:
-            table = pq.ParquetFile(handle).read_row_group(group.index, columns=[label, *features])
-        matrix = np.empty((table.num_rows, len(features)), dtype=np.float32)
-        for j, name in enumerate(features):
-            matrix[:, j] = table.column(name).to_numpy()
-        blocks.append(matrix)
-        labels.append(table.column(label).to_numpy().astype(np.int64, copy=False))
-    if not blocks:
-        return np.zeros((0, len(features)), np.float32), np.zeros(0, np.int64)
-    return np.concatenate(blocks), np.concatenate(labels)
+        if runs and runs[-1][0] == group.uri:
+            runs[-1][1].append(group.index)
+        else:
+            runs.append((group.uri, [group.index]))
+    return runs
 
 
 class ParquetBatches:
@@ -94,65 +123,65 @@ class ParquetBatches:
 
     def _windows(self, epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         groups = self.assignment(epoch)
-        for start in range(0, len(groups), self.window_row_groups):
-            yield read_row_groups(groups[start : start + self.window_row_groups], self.features, self.label)
+        for number, start in enumerate(range(0, len(groups), self.window_row_groups)):
+            rng = np.random.default_rng([self.seed, epoch, self.rank, number]) if self.shuffle else None
+            yield groups[start : start + self.window_row_groups], rng
 
     def _prefetched(self, epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        slots: queue.Queue = queue.Queue(maxsize=1)
-        stop = threading.Event()
+        """Windows in order, read and shuffled up to PREFETCH_WINDOWS ahead on background threads."""
+        from concurrent.futures import ThreadPoolExecutor
 
-        def produce() -> None:
+        windows = iter(self._windows(epoch))
+        pending: collections.deque = collections.deque()
+        with ThreadPoolExecutor(max_workers=PREFETCH_WINDOWS, thread_name_prefix="parquet-prefetch") as pool:
+
+            def submit_next() -> None:
+                item = next(windows, None)
+                if item is not None:
+                    pending.append(pool.submit(read_row_groups, item[0], self.label, item[1]))
+
+            for _ in range(PREFETCH_WINDOWS):
+                submit_next()
             try:
-                for window in self._windows(epoch):
-                    while not stop.is_set():
-                        try:
-                            slots.put(window, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
-                        return
-                slots.put(None)
-            except BaseException as exc:  # surface read errors in the training thread
-                slots.put(exc)
-
-        thread = threading.Thread(target=produce, name="parquet-prefetch", daemon=True)
-        thread.start()
-        try:
-            while True:
-                item = slots.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
+                while pending:
+                    window = pending.popleft().result()
+                    submit_next()
+                    yield window
+            finally:
+                for future in pending:
+                    future.cancel()
 
     def epoch(self, epoch: int, skip_steps: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's batches for ``epoch``; ``skip_steps`` resumes mid-epoch at the same position."""
         total = self.steps_per_epoch(epoch) if self.shuffle else None
-        rng = np.random.default_rng([self.seed, epoch, self.rank])
+        size = self.batch_size
         carry_x = np.zeros((0, len(self.features)), np.float32)
         carry_y = np.zeros(0, np.int64)
         step = 0
         for window_x, window_y in self._prefetched(epoch):
-            if self.shuffle:
-                order = rng.permutation(len(window_y))
-                window_x, window_y = window_x[order], window_y[order]
-            x = np.concatenate([carry_x, window_x]) if len(carry_y) else window_x
-            y = np.concatenate([carry_y, window_y]) if len(carry_y) else window_y
-            full = len(y) // self.batch_size
+            start = 0
+            if len(carry_y):  # stitch only the batch that spans two windows, never copy a whole window
+                start = min(size - len(carry_y), len(window_y))
+                carry_x = np.concatenate([carry_x, window_x[:start]])
+                carry_y = np.concatenate([carry_y, window_y[:start]])
+                if len(carry_y) < size:
+                    continue
+                if total is not None and step >= total:
+                    return
+                if step >= skip_steps:
+                    yield torch.from_numpy(carry_x), torch.from_numpy(carry_y)
+                step += 1
+            full = (len(window_y) - start) // size
             for b in range(full):
                 if total is not None and step >= total:
                     return
                 if step >= skip_steps:
-                    rows = slice(b * self.batch_size, (b + 1) * self.batch_size)
-                    yield torch.from_numpy(x[rows]), torch.from_numpy(y[rows])
+                    rows = slice(start + b * size, start + (b + 1) * size)
+                    yield torch.from_numpy(window_x[rows]), torch.from_numpy(window_y[rows])
                 step += 1
-            carry_x, carry_y = x[full * self.batch_size :], y[full * self.batch_size :]
+            carry_x, carry_y = window_x[start + full * size :], window_y[start + full * size :]
         if total is None and len(carry_y):  # evaluation keeps the last partial batch
-            yield torch.from_numpy(carry_x), torch.from_numpy(carry_y)
+            yield torch.from_numpy(np.ascontiguousarray(carry_x)), torch.from_numpy(np.ascontiguousarray(carry_y))
 
 
 def split_batches(manifest: dict, split: str, *, rank: int, world_size: int, batch_size: int, seed: int,

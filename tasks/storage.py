@@ -6,11 +6,13 @@ object appears whole on its single PUT. A manifest written last is the commit (s
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import re
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -31,8 +33,16 @@ def join(uri: str, *parts: str) -> str:
 
 
 def safe_name(text: str) -> str:
-    """A run id or study name made safe for paths and S3 keys."""
-    return _UNSAFE.sub("_", text).strip("_") or "run"
+    """A run id or study name made safe for paths and S3 keys, still unique per input.
+
+    Unsafe characters become '_'; when that changed anything, a short hash of the original is
+    appended so that ids differing only there ('exp:1', 'exp+1') never share a prefix.
+    """
+    safe = _UNSAFE.sub("_", text).strip("_.")
+    if safe == text and safe:
+        return safe
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+    return f"{safe or 'run'}-{digest}"
 
 
 def run_prefix(storage_root: str, dag_id: str, run_id: str) -> str:
@@ -64,11 +74,16 @@ def write_bytes(uri: str, data: bytes) -> None:
     if isinstance(fs, LocalFileSystem):
         os.makedirs(parent, exist_ok=True)
         tmp = f"{path}.tmp-{unique_token()}"
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
         return
     fs.pipe_file(path, data)
 
@@ -102,6 +117,23 @@ def list_parquet(uri: str) -> list[str]:
     if not found:
         raise DataError(f"{uri}: folder holds no *.parquet files")
     return [fs.unstrip_protocol(p) if "://" in uri else p for p in found]
+
+
+@contextlib.contextmanager
+def open_parquet(uri: str) -> Iterator[Any]:
+    """A ``pyarrow.parquet.ParquetFile``: Arrow's native reader for local files, fsspec for the rest."""
+    import pyarrow.parquet as pq
+
+    fs, path = filesystem(uri)
+    if isinstance(fs, LocalFileSystem):
+        parquet = pq.ParquetFile(path, memory_map=True)
+        try:
+            yield parquet
+        finally:
+            parquet.close()
+        return
+    with fs.open(path, "rb") as handle:
+        yield pq.ParquetFile(handle)
 
 
 def remove_unlisted(prefix: str, keep: set[str]) -> int:

@@ -203,6 +203,8 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                        "warmup_steps": warmup, "epochs": stage.epochs, "val_metric": final["val_accuracy"],
                        "steps": loop.position.step, "resumed_from_step": resumed_from, "checkpoint_uri": final_uri}
         if env.master:
+            if loop.position.step != resumed_from:
+                checkpoints.save(loop.position.step, state_now())  # a re-run of a finished stage retrains nothing
             save_torch(final_uri, state_now())
             model_uri = storage.join(prefix, "model.pt")
             save_bundle(model_uri, loop.module.cpu(), spec,

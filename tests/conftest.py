@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+# The live_airflow fixture (a real api-server, scheduler and dag-processor) for any test that needs one.
+pytest_plugins = ["tests.live_airflow"]
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 for path in (REPO_ROOT, REPO_ROOT / "plugins"):
     if str(path) not in sys.path:

@@ -8,13 +8,16 @@ A sub-job that reports a user error (bad config or data) fails the task without 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -24,7 +27,8 @@ from tasks.config import Profile
 
 log = logging.getLogger("stagewise.launch")
 
-_TERMINATE_GRACE_S = 15.0
+# Airflow's supervisor SIGKILLs a task 5 s after its SIGTERM; our group kill must land before that.
+_TERMINATE_GRACE_S = 3.0
 
 
 def _die_with_parent() -> None:
@@ -56,6 +60,11 @@ def child_env(profile: Profile, error_file: str) -> dict[str, str]:
     return env
 
 
+def _kill_group(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
 def terminate(process: subprocess.Popen) -> None:
     """SIGTERM the child's whole process group, then SIGKILL what is left after a grace period."""
     if process.poll() is not None:
@@ -67,10 +76,7 @@ def terminate(process: subprocess.Popen) -> None:
     deadline = time.monotonic() + _TERMINATE_GRACE_S
     while time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.1)
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    _kill_group(process)
     process.wait()
 
 
@@ -125,9 +131,14 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
                                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
                                preexec_fn=_die_with_parent)
     previous = signal.getsignal(signal.SIGTERM)
+    stopped = threading.Event()
 
     def on_term(signum: int, frame: Any) -> None:
-        terminate(process)
+        # Don't block in the handler: the loop below keeps draining the sub-job's last words into the log.
+        stopped.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        threading.Timer(_TERMINATE_GRACE_S, _kill_group, args=(process,)).start()
         if callable(previous):
             previous(signum, frame)
 
@@ -144,14 +155,20 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
         terminate(process)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    if os.path.exists(error_file):
-        with open(error_file) as handle:
-            raise AirflowFailException(f"{module}: {handle.read().strip()}")
-    if code != 0:
-        raise RuntimeError(f"{module} exited with code {code}; retrying if retries are left")
-    result = {}
-    if ours or os.path.exists(result_file):
-        with open(result_file) as handle:
-            result = json.load(handle)
+    try:
+        name = script or module
+        if stopped.is_set():
+            raise RuntimeError(f"{name} was stopped: the task got SIGTERM (killed, marked failed or timed out)")
+        if os.path.exists(error_file):
+            with open(error_file) as handle:
+                raise AirflowFailException(f"{name}: {handle.read().strip()}")
+        if code != 0:
+            raise RuntimeError(f"{name} exited with code {code}; retrying if retries are left")
+        result = {}
+        if ours or os.path.exists(result_file):
+            with open(result_file) as handle:
+                result = json.load(handle)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     result["attempt"] = attempt
     return result

@@ -1,0 +1,224 @@
+"""The pipeline config: the repo's file loads; every bad file fails with a ConfigError naming the key and the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tasks.config import ConfigError, PipelineConfig, load_config
+from tests.conftest import REPO_ROOT, base_config
+
+
+def _load_error(write_config, raw: dict) -> str:
+    """Write ``raw``, load it, and return the ConfigError's message (failing if it loads)."""
+    path = write_config(raw)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    message = str(caught.value)
+    assert str(path) in message, "the message names the file"
+    return message
+
+
+def test_repo_pipeline_yaml_loads():
+    """The shipped pipeline.yaml is valid and every stage references a defined profile."""
+    config = load_config(REPO_ROOT / "pipeline.yaml")
+    assert isinstance(config, PipelineConfig)
+    assert config.train.stages, "at least one training stage"
+    for stage in config.train.stages:
+        assert stage.profile in config.profiles
+
+
+def test_base_config_fixture_is_valid(write_config, storage_root):
+    """The tests' small config loads and keeps the absolute storage root it was given."""
+    config = load_config(write_config())
+    assert config.storage_root == str(storage_root)
+    assert config.sweep.num_trials == 4
+
+
+def test_unknown_key_is_refused_as_a_typo(write_config, storage_root):
+    """A misspelt key never silently falls back to a default: it names the key path and says 'unknown key'."""
+    raw = base_config(storage_root)
+    raw["sweep"]["num_trails"] = 3
+    message = _load_error(write_config, raw)
+    assert "sweep.num_trails" in message and "unknown key" in message
+
+
+def test_missing_required_key(write_config, storage_root):
+    """A required key left out is named with its full path."""
+    raw = base_config(storage_root)
+    del raw["dataset"]["key"]
+    message = _load_error(write_config, raw)
+    assert "dataset.key" in message and "required" in message.lower()
+
+
+def test_undefined_profile_in_a_stage_names_the_stage_index(write_config, storage_root):
+    """A stage referencing a missing profile names train.stages[i].profile and the profile."""
+    raw = base_config(storage_root)
+    raw["train"]["stages"][1]["profile"] = "no_such_profile"
+    message = _load_error(write_config, raw)
+    assert "train.stages[1].profile" in message and "no_such_profile" in message and "not defined" in message
+
+
+@pytest.mark.parametrize("section", ["preprocess", "evaluate", "inference"])
+def test_non_train_stage_with_a_multiprocess_profile_is_refused(write_config, storage_root, section):
+    """Only DDP stages may use processes_per_node > 1; a shard/eval task on such a profile is refused by name."""
+    raw = base_config(storage_root)
+    raw["profiles"]["wide"] = {"processes_per_node": 2, "pool": "default_pool"}
+    raw[section]["profile"] = "wide"
+    message = _load_error(write_config, raw)
+    assert f"{section}.profile" in message and "processes_per_node" in message
+
+
+def test_float_search_param_low_not_below_high(write_config, storage_root):
+    """A float dimension with low >= high names the parameter and the bounds."""
+    raw = base_config(storage_root)
+    raw["sweep"]["search_space"]["lr"] = {"type": "float", "low": 0.3, "high": 0.1}
+    message = _load_error(write_config, raw)
+    assert "sweep.search_space.lr" in message and "must be below high" in message
+
+
+def test_log_scale_needs_a_positive_low(write_config, storage_root):
+    """log: true with low <= 0 is refused (log of zero is undefined)."""
+    raw = base_config(storage_root)
+    raw["sweep"]["search_space"]["lr"] = {"type": "float", "low": 0.0, "high": 0.1, "log": True}
+    message = _load_error(write_config, raw)
+    assert "sweep.search_space.lr" in message and "log scale needs low > 0" in message
+
+
+def test_unknown_hyperparameter_in_search_space(write_config, storage_root):
+    """Searching a parameter training cannot use is refused, naming it."""
+    raw = base_config(storage_root)
+    raw["sweep"]["search_space"]["beta2"] = {"type": "float", "low": 0.9, "high": 0.999}
+    message = _load_error(write_config, raw)
+    assert "sweep.search_space" in message and "beta2" in message and "unknown hyperparameter" in message
+
+
+def test_lr_must_be_searched(write_config, storage_root):
+    """lr is required in the search space because stages rescale it by batch size."""
+    raw = base_config(storage_root)
+    del raw["sweep"]["search_space"]["lr"]
+    message = _load_error(write_config, raw)
+    assert "sweep.search_space" in message and "'lr' must be searched" in message
+
+
+def test_duplicate_stage_names(write_config, storage_root):
+    """Stage names key paths and task ids, so they must be unique."""
+    raw = base_config(storage_root)
+    raw["train"]["stages"][1]["name"] = raw["train"]["stages"][0]["name"]
+    message = _load_error(write_config, raw)
+    assert "train.stages" in message and "repeat" in message
+
+
+@pytest.mark.parametrize("validation,test", [(0.5, 0.4), (0.45, 0.5)])
+def test_held_out_fractions_must_leave_training_rows(write_config, storage_root, validation, test):
+    """validation + test >= 0.9 leaves too little to train on and is refused."""
+    raw = base_config(storage_root)
+    raw["preprocess"]["split"].update(validation=validation, test=test)
+    message = _load_error(write_config, raw)
+    assert "preprocess.split" in message and "validation + test" in message
+
+
+@pytest.mark.parametrize("uri", ["redis://localhost/0", "optuna.journal", "sqlite:///"])
+def test_bad_sweep_storage_scheme(write_config, storage_root, uri):
+    """Only journal://<file> and database URLs are accepted as Optuna storage."""
+    raw = base_config(storage_root)
+    raw["sweep"]["storage"] = uri
+    message = _load_error(write_config, raw)
+    assert "sweep.storage" in message
+
+
+def test_journal_without_a_file_is_refused(write_config, storage_root):
+    """journal:// with no file path is refused rather than pointing the study at a folder."""
+    raw = base_config(storage_root)
+    raw["sweep"]["storage"] = "journal://"
+    message = _load_error(write_config, raw)
+    assert "sweep.storage" in message
+
+
+def test_invalid_yaml(tmp_path):
+    """A file that is not YAML fails as a ConfigError naming the file, not a raw parser exception."""
+    path = tmp_path / "broken.yaml"
+    path.write_text("dataset: [1, 2\nsweep: {")
+    with pytest.raises(ConfigError, match="not valid YAML") as caught:
+        load_config(path)
+    assert str(path) in str(caught.value)
+
+
+@pytest.mark.parametrize("text,kind", [("- a\n- b\n", "list"), ("just a string\n", "str"), ("", "NoneType")])
+def test_top_level_must_be_a_mapping(tmp_path, text, kind):
+    """A list, scalar or empty document is refused with the type it got."""
+    path = tmp_path / "flat.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="must be a mapping") as caught:
+        load_config(path)
+    assert kind in str(caught.value)
+
+
+def test_missing_file(tmp_path):
+    """A config path that does not exist fails as a ConfigError naming the path."""
+    path = tmp_path / "absent.yaml"
+    with pytest.raises(ConfigError, match="cannot read") as caught:
+        load_config(path)
+    assert str(path) in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["fast", [1, 2]])
+def test_non_mapping_section_is_a_config_error(write_config, storage_root, value):
+    """A section given as a scalar or list is a ConfigError naming the section, not a crash."""
+    raw = base_config(storage_root)
+    raw["sweep"] = value
+    message = _load_error(write_config, raw)
+    assert "sweep" in message
+
+
+def test_dotted_overrides_apply(write_config):
+    """Overrides with dotted keys reach nested mappings and list items; untouched keys keep their values."""
+    path = write_config()
+    plain = load_config(path)
+    changed = load_config(path, overrides={"sweep.num_trials": 7, "train.stages.1.epochs": 5})
+    assert changed.sweep.num_trials == 7
+    assert changed.train.stages[1].epochs == 5
+    assert changed.train.stages[0].epochs == plain.train.stages[0].epochs
+    assert changed.sweep.num_workers == plain.sweep.num_workers
+
+
+@pytest.mark.parametrize("overrides,key", [({"sweep.num_trials": 0}, "sweep.num_trials"),
+                                           ({"train.stages.1.epochs": -1}, "train.stages.1.epochs"),
+                                           ({"sweep.num_trails": 3}, "sweep.num_trails")])
+def test_overrides_are_validated(write_config, overrides, key):
+    """An override is validated like the file: a bad value or unknown key names its path."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(write_config(), overrides=overrides)
+    assert key in str(caught.value)
+
+
+def test_override_of_a_missing_list_item_is_a_config_error(write_config):
+    """An override indexing past the stage list fails as a ConfigError, not an IndexError."""
+    with pytest.raises(ConfigError, match="override"):
+        load_config(write_config(), overrides={"train.stages.9.epochs": 2})
+
+
+def test_relative_storage_root_resolves_against_the_config_file(tmp_path, storage_root, monkeypatch):
+    """A relative storage_root (and journal file) is under the config file's folder, whatever the cwd."""
+    raw = base_config(storage_root)
+    raw["storage_root"] = "data"
+    raw["sweep"]["storage"] = "journal://state/optuna.journal"
+    folder = tmp_path / "project"
+    folder.mkdir()
+    path = folder / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = load_config(path)
+    assert Path(config.storage_root) == folder.resolve() / "data"
+    assert config.sweep.storage == f"journal://{folder.resolve() / 'state' / 'optuna.journal'}"
+
+
+def test_config_env_var_picks_the_file(write_config, monkeypatch, storage_root):
+    """With no path given, $STAGEWISE_CONFIG names the file every sub-job loads."""
+    path = write_config()
+    monkeypatch.setenv("STAGEWISE_CONFIG", str(path))
+    assert load_config().storage_root == str(storage_root)

@@ -1,0 +1,246 @@
+"""Evaluation on the test split and sharded batch inference with an idempotent commit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+
+from tasks import infer, storage, train
+from tasks.config import load_config
+from tasks.errors import UserError
+from tasks.evaluate import evaluate
+from tasks.model import ModelSpec, build_model, load_bundle, save_bundle
+from tasks.preprocess import load_split, read_manifest
+from tests.conftest import base_config, preprocess_digits
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Once per module: digits preprocessed and stage s1 trained in-process; returns (config path, run prefix, model URI)."""
+    root = tmp_path_factory.mktemp("storage")
+    config_path = root / "pipeline.yaml"
+    config_path.write_text(yaml.safe_dump(base_config(root)))
+    out = str(root / "runs" / "test" / "infer")
+    preprocess_digits(config_path, out)
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            patch.delenv(name, raising=False)
+        result = train.run_stage(load_config(config_path), "s1", out, {"lr": 0.05, "hidden": 32}, None)
+    return config_path, out, result["model_uri"]
+
+
+def _constant_model(out: str, path: Path, label: int) -> str:
+    """A bundle that always predicts ``label`` (zero weights, one positive bias): its accuracy is that label's share."""
+    manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
+    spec = ModelSpec(num_features=len(manifest["features"]), num_classes=manifest["num_classes"], hidden=8)
+    model = build_model(spec)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+        model[-1].bias[label] = 1.0
+    uri = str(path / "constant.pt")
+    save_bundle(uri, model, spec, {name: manifest[name] for name in ("features", "mean", "std", "key", "label")}, {})
+    return uri
+
+
+# --- evaluate ---------------------------------------------------------------------------------------------------
+
+
+def test_evaluate_reports_the_models_accuracy_on_the_test_rows(trained):
+    """Test accuracy lies in [0, 1], equals the bundle's accuracy on the committed test rows, and is written to metrics."""
+    config_path, out, model_uri = trained
+    result = evaluate(load_config(config_path), model_uri, out)
+    assert 0.0 <= result["test_accuracy"] <= 1.0
+    features, labels = load_split(read_manifest(storage.join(out, "preprocess", "manifest.json")), "test")
+    model, _ = load_bundle(model_uri)
+    with torch.no_grad():
+        expected = float((model(torch.from_numpy(features)).argmax(dim=1).numpy() == labels).mean())
+    assert result["test_accuracy"] == pytest.approx(expected)
+    assert result["test_rows"] == len(labels)
+    metrics = storage.read_json(result["metrics_uri"])
+    assert metrics["test_accuracy"] == result["test_accuracy"]
+    assert set(metrics["per_class_accuracy"]) == {str(c) for c in np.unique(labels)}
+
+
+def test_evaluate_below_the_gate_is_a_user_error(trained, tmp_path):
+    """A model under evaluate.min_test_accuracy fails the run (no retry), naming the setting."""
+    config_path, out, _ = trained
+    constant = _constant_model(out, tmp_path, label=0)
+    labels = load_split(read_manifest(storage.join(out, "preprocess", "manifest.json")), "test")[1]
+    share = float((labels == 0).mean())
+    config = load_config(config_path, overrides={"evaluate.min_test_accuracy": 0.5})
+    with pytest.raises(UserError, match="evaluate.min_test_accuracy"):
+        evaluate(config, constant, out)
+    assert evaluate(load_config(config_path), constant, out)["test_accuracy"] == pytest.approx(share)
+
+
+def test_evaluate_refuses_a_model_of_other_features(trained, tmp_path):
+    """A bundle trained on other columns is refused rather than scored on the wrong inputs."""
+    config_path, out, _ = trained
+    spec = ModelSpec(num_features=3, num_classes=10, hidden=8)
+    uri = str(tmp_path / "other.pt")
+    save_bundle(uri, build_model(spec), spec, {"features": ["a", "b", "c"], "mean": [0] * 3, "std": [1] * 3,
+                                               "key": "row_id", "label": "label"}, {})
+    with pytest.raises(UserError, match="features differ"):
+        evaluate(load_config(config_path), uri, out)
+
+
+# --- infer: plan ------------------------------------------------------------------------------------------------
+
+
+def _raw_with_row_groups(path: Path, sizes: list[list[int]]) -> str:
+    """Files under ``path`` with the given row-group sizes each (keys unique across files)."""
+    key = 0
+    for index, groups in enumerate(sizes):
+        target = path / f"part-{index:05d}.parquet"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with pq.ParquetWriter(target, pa.schema([("row_id", pa.int64()), ("x", pa.float64())])) as writer:
+            for size in groups:
+                writer.write_table(pa.table({"row_id": np.arange(key, key + size, dtype=np.int64),
+                                             "x": np.zeros(size)}))
+                key += size
+    return str(path)
+
+
+def test_plan_groups_consecutive_row_groups_deterministically(tmp_path):
+    """Shards cover every row group once, in file order; each reaches rows_per_shard except a file's last."""
+    uri = _raw_with_row_groups(tmp_path / "raw", [[100] * 7, [40, 300, 10], [25]])
+    shards = infer.plan(uri, rows_per_shard=250)
+    assert shards == infer.plan(uri, rows_per_shard=250), "the same input plans the same shards"
+    assert [s["index"] for s in shards] == list(range(len(shards)))
+    covered = [(s["uri"], g) for s in shards for g in s["row_groups"]]
+    expected = [(f, g) for f in storage.list_parquet(uri) for g in range(pq.ParquetFile(f).metadata.num_row_groups)]
+    assert covered == expected
+    for shard, following in zip(shards, shards[1:] + [None]):
+        metadata = pq.ParquetFile(shard["uri"]).metadata
+        assert shard["rows"] == sum(metadata.row_group(g).num_rows for g in shard["row_groups"])
+        last_of_file = following is None or following["uri"] != shard["uri"]
+        assert shard["rows"] >= 250 or last_of_file
+        assert shard["rows"] - metadata.row_group(shard["row_groups"][-1]).num_rows < 250, "no shard is larger than needed"
+    assert sum(s["rows"] for s in shards) == 7 * 100 + 350 + 25
+
+
+# --- infer: score and commit ------------------------------------------------------------------------------------
+
+
+def _score_all(config, model_uri: str, shards: list[dict], out: str) -> list[dict]:
+    return [infer.score_shard(config, model_uri, shard, out) for shard in shards]
+
+
+def _read(manifest: dict) -> pa.Table:
+    return pa.concat_tables([pq.read_table(entry["uri"]) for entry in manifest["files"]])
+
+
+def test_score_and_commit(trained):
+    """Scored rows carry key, prediction = argmax of probabilities summing to 1, and the model version; the manifest counts them."""
+    config_path, out, model_uri = trained
+    config = load_config(config_path)
+    raw = storage.resolve(config.storage_root, config.dataset.uri)
+    shards = infer.plan(raw, rows_per_shard=config.inference.rows_per_shard)
+    committed = infer.commit(out, model_uri, _score_all(config, model_uri, shards, out))
+    manifest = storage.read_json(committed["uri"])
+    assert manifest["kind"] == "predictions" and manifest["model_uri"] == model_uri
+    for entry in manifest["files"]:
+        assert pq.ParquetFile(entry["uri"]).metadata.num_rows == entry["rows"]
+    table = _read(manifest)
+    assert committed["rows"] == manifest["rows"] == table.num_rows == 1797
+    assert set(table.column_names) == {"row_id", "prediction", "probabilities", "model_version"}
+    keys = table.column("row_id").to_numpy()
+    assert len(np.unique(keys)) == len(keys) == 1797
+    probabilities = np.stack(table.column("probabilities").to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
+    assert (probabilities >= 0).all()
+    assert np.array_equal(probabilities.argmax(axis=1), table.column("prediction").to_numpy())
+    assert set(table.column("model_version").to_pylist()) == {infer.model_version(model_uri)}
+    listed = {entry["uri"] for entry in manifest["files"]}
+    on_disk = {str(p) for p in (Path(out) / "predictions").iterdir() if p.name != "manifest.json"}
+    assert on_disk == listed
+
+
+def test_predictions_match_the_model_on_normalised_inputs(trained):
+    """Inference applies the bundle's normalisation: its predictions equal the model on the preprocessed test rows."""
+    config_path, out, model_uri = trained
+    config = load_config(config_path)
+    raw = storage.resolve(config.storage_root, config.dataset.uri)
+    shards = infer.plan(raw, rows_per_shard=config.inference.rows_per_shard)
+    manifest = storage.read_json(infer.commit(out, model_uri, _score_all(config, model_uri, shards, out))["uri"])
+    scored = _read(manifest).to_pandas().set_index("row_id")["prediction"]
+    preprocess_manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
+    features, _ = load_split(preprocess_manifest, "test")
+    keys = np.concatenate([pq.read_table(e["uri"], columns=["row_id"]).column(0).to_numpy()
+                           for e in preprocess_manifest["splits"]["test"]])  # same files, same order as load_split
+    model, _ = load_bundle(model_uri)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(features)).argmax(dim=1).numpy()
+    agreement = (scored.loc[keys].to_numpy() == expected).mean()
+    assert agreement > 0.99  # float32 vs float64 normalisation may flip a near-tie
+
+
+def test_rescoring_a_shard_and_committing_again_is_idempotent(trained):
+    """A retried shard and a second commit give the same keys and predictions and leave no stale files."""
+    config_path, out, model_uri = trained
+    config = load_config(config_path)
+    raw = storage.resolve(config.storage_root, config.dataset.uri)
+    shards = infer.plan(raw, rows_per_shard=config.inference.rows_per_shard)
+    first = storage.read_json(infer.commit(out, model_uri, _score_all(config, model_uri, shards, out))["uri"])
+    before = _read(first).sort_by("row_id")
+    results = _score_all(config, model_uri, shards, out)
+    results[0] = infer.score_shard(config, model_uri, shards[0], out)  # the retry of shard 0 replaces its first attempt
+    second = storage.read_json(infer.commit(out, model_uri, results)["uri"])
+    after = _read(second).sort_by("row_id")
+    assert after.column("row_id").equals(before.column("row_id"))
+    assert after.column("prediction").equals(before.column("prediction"))
+    assert second["rows"] == first["rows"]
+    listed = {entry["uri"] for entry in second["files"]}
+    on_disk = {str(p) for p in (Path(out) / "predictions").iterdir() if p.name != "manifest.json"}
+    assert on_disk == listed and not listed & {entry["uri"] for entry in first["files"]}
+
+
+def test_rows_with_missing_features_are_skipped_and_counted(trained, tmp_path):
+    """Null or non-finite feature rows are not scored; the shard and the manifest count them as skipped."""
+    config_path, out, model_uri = trained
+    config = load_config(config_path)
+    source = pq.read_table(storage.list_parquet(storage.resolve(config.storage_root, config.dataset.uri))[0])
+    column = source.column("px_10").to_numpy().copy()
+    column[:5] = np.nan
+    dirty = source.set_column(source.column_names.index("px_10"), "px_10", pa.array(column))
+    path = tmp_path / "dirty" / "part-00000.parquet"
+    path.parent.mkdir()
+    pq.write_table(dirty, path)
+    prefix = str(tmp_path / "dirty_run")
+    shards = infer.plan(str(path), rows_per_shard=10_000)
+    committed = infer.commit(prefix, model_uri, _score_all(config, model_uri, shards, prefix))
+    assert committed["rows_skipped"] == 5 and committed["rows"] == dirty.num_rows - 5
+
+
+def test_missing_model_column_names_the_file(trained, tmp_path):
+    """Scoring input that lacks a feature the model needs fails naming the file and the column."""
+    config_path, out, model_uri = trained
+    path = tmp_path / "narrow.parquet"
+    pq.write_table(pa.table({"row_id": np.arange(3, dtype=np.int64), "px_00": np.zeros(3)}), path)
+    shard = infer.plan(str(path), rows_per_shard=10)[0]
+    with pytest.raises(UserError) as caught:
+        infer.score_shard(load_config(config_path), model_uri, shard, str(tmp_path / "narrow_run"))
+    assert str(path) in str(caught.value) and "px_01" in str(caught.value)
+
+
+def test_an_empty_input_file_commits_a_readable_shard(trained, tmp_path):
+    """An empty raw file (e.g. an empty Spark partition) scores to a readable, empty prediction file."""
+    config_path, out, model_uri = trained
+    config = load_config(config_path)
+    source = pq.read_table(storage.list_parquet(storage.resolve(config.storage_root, config.dataset.uri))[0])
+    path = tmp_path / "raw" / "part-00000.parquet"
+    path.parent.mkdir()
+    pq.write_table(source.slice(0, 0), path)
+    prefix = str(tmp_path / "empty_run")
+    shards = infer.plan(str(path.parent), rows_per_shard=100)
+    manifest = storage.read_json(infer.commit(prefix, model_uri, _score_all(config, model_uri, shards, prefix))["uri"])
+    assert manifest["rows"] == 0
+    for entry in manifest["files"]:
+        assert pq.read_table(entry["uri"]).num_rows == 0

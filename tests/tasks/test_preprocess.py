@@ -1,0 +1,287 @@
+"""Sharded preprocessing: a key-only split, exact statistics, schema errors that name file and column, idempotent commit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tasks import preprocess, storage
+from tasks.config import Split, load_config
+from tasks.data import write_synthetic
+from tasks.errors import DataError
+from tests.conftest import base_config
+
+NUM_FEATURES = 5
+SPLIT = Split(validation=0.15, test=0.2, salt="stagewise")
+
+
+@pytest.fixture
+def synthetic(write_config, storage_root):
+    """Write synthetic raw shards under the storage root; return (config, raw URI) for a dataset over them."""
+
+    def make(num_rows: int = 3_000, num_shards: int = 3, dirty_fraction: float = 0.02, overrides: dict | None = None,
+             dataset: dict | None = None):
+        raw_uri = str(storage_root / "raw" / "synth")
+        write_synthetic(raw_uri, num_rows, num_features=NUM_FEATURES, num_classes=10, num_shards=num_shards,
+                        dirty_fraction=dirty_fraction)
+        raw = base_config(storage_root)
+        raw["dataset"] = {"uri": "raw/synth", "key": "row_id", "label": "label", "features": "f_*", "num_classes": 10,
+                          **(dataset or {})}
+        return load_config(write_config(raw), overrides=overrides), raw_uri
+
+    return make
+
+
+def _stats_and_reduce(config, shards: list[str], out: str) -> dict:
+    uris = [preprocess.shard_stats(config, uri, i, out)["stats_uri"] for i, uri in enumerate(shards)]
+    return preprocess.reduce_stats(config, out, uris)
+
+
+def _run_all(config, raw_uri: str, out: str) -> tuple[dict, list[str]]:
+    shards = preprocess.plan(raw_uri)
+    reduced = _stats_and_reduce(config, shards, out)
+    results = [preprocess.transform_shard(config, uri, i, out, reduced["stats_uri"]) for i, uri in enumerate(shards)]
+    committed = preprocess.commit(config, out, reduced["stats_uri"], results)
+    return preprocess.read_manifest(committed["manifest_uri"]), shards
+
+
+def _clean_raw(shards: list[str]) -> pa.Table:
+    """The raw rows with no null feature: what cleaning must keep."""
+    table = pa.concat_tables([pq.read_table(uri) for uri in shards])
+    features = [name for name in table.column_names if name.startswith("f_")]
+    keep = np.ones(table.num_rows, bool)
+    for name in features:
+        keep &= ~table.column(name).is_null().to_numpy(zero_copy_only=False)
+    return table.filter(pa.array(keep))
+
+
+def _keys_by_split(manifest: dict) -> dict[str, set]:
+    return {name: set(np.concatenate([pq.read_table(f["uri"], columns=[manifest["key"]]).column(0).to_numpy()
+                                      for f in files]).tolist()) if files else set()
+            for name, files in manifest["splits"].items()}
+
+
+# --- split_of ---------------------------------------------------------------------------------------------------
+
+
+def test_split_is_deterministic():
+    """The same keys always land in the same splits."""
+    keys = pa.array(np.arange(5_000, dtype=np.int64))
+    assert np.array_equal(preprocess.split_of(keys, SPLIT), preprocess.split_of(keys, SPLIT))
+
+
+def test_split_depends_only_on_the_key():
+    """A key's split is the same whatever batch it arrives in and in whatever order (retries re-batch freely)."""
+    keys = np.arange(10_000, dtype=np.int64)
+    whole = preprocess.split_of(pa.array(keys), SPLIT)
+    order = np.random.default_rng(1).permutation(len(keys))
+    shuffled = preprocess.split_of(pa.array(keys[order]), SPLIT)
+    assert np.array_equal(shuffled, whole[order])
+    chunks = np.concatenate([preprocess.split_of(pa.array(chunk), SPLIT) for chunk in np.array_split(keys, 7)])
+    assert np.array_equal(chunks, whole)
+    assert preprocess.split_of(pa.array(keys[1234:1235]), SPLIT)[0] == whole[1234]
+
+
+def test_split_fractions_match_the_config_on_20k_keys():
+    """Validation and test fractions are close to the configured ones (binomial sd ~0.003 at 20k)."""
+    codes = preprocess.split_of(pa.array(np.arange(20_000, dtype=np.int64)), SPLIT)
+    assert set(np.unique(codes).tolist()) == {0, 1, 2}
+    assert (codes == 1).mean() == pytest.approx(SPLIT.validation, abs=0.015)
+    assert (codes == 2).mean() == pytest.approx(SPLIT.test, abs=0.015)
+
+
+def test_split_salt_changes_the_draw():
+    """Another salt draws another split with the same fractions."""
+    keys = pa.array(np.arange(20_000, dtype=np.int64))
+    other = Split(validation=0.15, test=0.2, salt="another")
+    first, second = preprocess.split_of(keys, SPLIT), preprocess.split_of(keys, other)
+    assert not np.array_equal(first, second)
+    assert (second == 2).mean() == pytest.approx(0.2, abs=0.015)
+
+
+def test_string_keys_split_deterministically_with_the_right_fractions():
+    """String keys work: per-key determinism and configured fractions, in any batch."""
+    keys = [f"user-{i:06d}" for i in range(20_000)]
+    codes = preprocess.split_of(pa.array(keys), SPLIT)
+    assert np.array_equal(preprocess.split_of(pa.array(keys[::-1]), SPLIT), codes[::-1])
+    assert np.array_equal(preprocess.split_of(pa.array(keys, pa.large_string()), SPLIT), codes)
+    assert (codes == 1).mean() == pytest.approx(0.15, abs=0.015)
+    assert (codes == 2).mean() == pytest.approx(0.2, abs=0.015)
+
+
+# --- statistics -------------------------------------------------------------------------------------------------
+
+
+def test_reduced_stats_equal_numpy_on_the_cleaned_rows(synthetic, storage_root, monkeypatch):
+    """Mean and std merged over shards and small batches equal numpy's over all clean rows (nulls dropped)."""
+    monkeypatch.setattr(preprocess, "BATCH_ROWS", 97)  # many batches per shard: exercises the pairwise merge
+    config, raw_uri = synthetic(num_rows=4_000, num_shards=3, dirty_fraction=0.03)
+    shards = preprocess.plan(raw_uri)
+    out = str(storage_root / "runs" / "t" / "stats")
+    reduced = _stats_and_reduce(config, shards, out)
+    stats = storage.read_json(reduced["stats_uri"])
+    clean = _clean_raw(shards)
+    matrix = np.column_stack([clean.column(name).to_numpy() for name in stats["features"]])
+    assert stats["features"] == [f"f_{i:03d}" for i in range(NUM_FEATURES)]
+    assert reduced["rows_kept"] == clean.num_rows
+    assert reduced["rows_dropped"] == 4_000 - clean.num_rows > 0
+    np.testing.assert_allclose(stats["mean"], matrix.mean(axis=0), rtol=1e-9)
+    np.testing.assert_allclose(stats["std"], matrix.std(axis=0, ddof=1), rtol=1e-9)
+    labels = clean.column("label").to_numpy()
+    assert stats["label_counts"] == np.bincount(labels, minlength=10).tolist()
+
+
+def test_too_many_dirty_rows_is_a_data_error(synthetic, storage_root):
+    """Dropping more than max_null_fraction of the rows fails, naming the setting."""
+    config, raw_uri = synthetic(num_rows=2_000, num_shards=2, dirty_fraction=0.3,
+                                overrides={"preprocess.max_null_fraction": 0.1})
+    with pytest.raises(DataError, match="max_null_fraction"):
+        _stats_and_reduce(config, preprocess.plan(raw_uri), str(storage_root / "runs" / "t" / "dirty"))
+
+
+def test_reduce_with_no_shards_is_a_data_error(synthetic, storage_root):
+    """An empty list of shard statistics is bad input, not an empty success."""
+    config, _ = synthetic(num_rows=100, num_shards=1)
+    with pytest.raises(DataError):
+        preprocess.reduce_stats(config, str(storage_root / "runs" / "t" / "none"), [])
+
+
+# --- schema errors ----------------------------------------------------------------------------------------------
+
+
+def _write_bad(storage_root: Path, columns: dict) -> str:
+    path = storage_root / "raw" / "bad" / "part-00000.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path)
+    return str(path)
+
+
+def _good_columns(num_rows: int = 20) -> dict:
+    rng = np.random.default_rng(0)
+    return {"row_id": pa.array(np.arange(num_rows, dtype=np.int64)),
+            "f_000": pa.array(rng.normal(size=num_rows)), "f_001": pa.array(rng.normal(size=num_rows)),
+            "label": pa.array(np.arange(num_rows, dtype=np.int64) % 10)}
+
+
+@pytest.mark.parametrize("change,column,dataset", [
+    (lambda c: c.pop("f_001"), "f_001", {"features": ["f_000", "f_001"]}),
+    (lambda c: c.pop("row_id"), "row_id", None),
+    (lambda c: c.pop("label"), "label", None),
+    (lambda c: c.update(f_001=pa.array([str(i) for i in range(20)])), "f_001", None),
+    (lambda c: c.update(label=pa.array(np.arange(20, dtype=np.float64) % 10)), "label", None),
+    (lambda c: c.update(label=pa.array(np.arange(20, dtype=np.int64))), "label", None),  # values up to 19 >= 10
+], ids=["missing-feature", "missing-key", "missing-label", "string-feature", "float-label", "label-out-of-range"])
+def test_schema_errors_name_the_file_and_the_column(synthetic, storage_root, change, column, dataset):
+    """A wrong column (missing, non-numeric, float label, label outside [0, num_classes)) names file and column."""
+    config, _ = synthetic(num_rows=100, num_shards=1, dataset=dataset)
+    columns = _good_columns()
+    change(columns)
+    uri = _write_bad(storage_root, columns)
+    with pytest.raises(DataError) as caught:
+        preprocess.shard_stats(config, uri, 0, str(storage_root / "runs" / "t" / "bad"))
+    assert uri in str(caught.value) and f"'{column}'" in str(caught.value).replace('"', "'")
+
+
+def test_label_out_of_range_names_the_value(synthetic, storage_root):
+    """A negative label is a schema error naming the offending value and num_classes."""
+    config, _ = synthetic(num_rows=100, num_shards=1)
+    columns = _good_columns()
+    columns["label"] = pa.array(np.full(20, -1, dtype=np.int64))
+    uri = _write_bad(storage_root, columns)
+    with pytest.raises(DataError, match=r"value -1 outside \[0, 10\)"):
+        preprocess.shard_stats(config, uri, 0, str(storage_root / "runs" / "t" / "bad"))
+
+
+def test_rows_with_null_label_or_key_are_dropped_not_fatal(synthetic, storage_root):
+    """Null keys, null labels and non-finite features are dirt: dropped and counted, not an error."""
+    config, _ = synthetic(num_rows=100, num_shards=1)
+    columns = _good_columns()
+    columns["row_id"] = pa.array([None] + list(range(1, 20)), pa.int64())
+    columns["label"] = pa.array([0, None] + [i % 10 for i in range(2, 20)], pa.int64())
+    f0 = columns["f_000"].to_numpy().copy()
+    f0[2], f0[3] = np.inf, np.nan
+    columns["f_000"] = pa.array(f0)
+    uri = _write_bad(storage_root, columns)
+    result = preprocess.shard_stats(config, uri, 0, str(storage_root / "runs" / "t" / "dirt"))
+    assert (result["rows_in"], result["rows_kept"]) == (20, 16)
+
+
+# --- end to end -------------------------------------------------------------------------------------------------
+
+
+def test_end_to_end_manifest_counts_and_disjoint_splits(synthetic, storage_root):
+    """The manifest's row counts match the listed files; splits are disjoint and together hold exactly the clean keys."""
+    config, raw_uri = synthetic(num_rows=3_000, num_shards=3, dirty_fraction=0.02)
+    out = str(storage_root / "runs" / "t" / "e2e")
+    manifest, shards = _run_all(config, raw_uri, out)
+    for name, files in manifest["splits"].items():
+        for entry in files:
+            assert pq.ParquetFile(entry["uri"]).metadata.num_rows == entry["rows"]
+        assert manifest["rows"][name] == sum(entry["rows"] for entry in files)
+    keys = _keys_by_split(manifest)
+    assert not (keys["train"] & keys["validation"]) and not (keys["train"] & keys["test"])
+    assert not (keys["validation"] & keys["test"])
+    clean = _clean_raw(shards)
+    clean_keys = set(clean.column("row_id").to_numpy().tolist())
+    assert keys["train"] | keys["validation"] | keys["test"] == clean_keys
+    assert sum(manifest["rows"].values()) == len(clean_keys)
+    assert manifest["rows_dropped"] == 3_000 - len(clean_keys)
+    # Each key sits in the split its hash names.
+    for code, name in enumerate(preprocess.SPLITS):
+        chosen = np.fromiter(keys[name], dtype=np.int64)
+        assert (preprocess.split_of(pa.array(chosen), config.preprocess.split) == code).all()
+
+
+def test_retry_yields_the_same_splits_and_removes_stale_attempt_files(synthetic, storage_root):
+    """Re-running transform and commit (a retry) gives the same keys per split; the first attempt's files are gone."""
+    config, raw_uri = synthetic(num_rows=2_000, num_shards=2)
+    out = str(storage_root / "runs" / "t" / "retry")
+    first, shards = _run_all(config, raw_uri, out)
+    first_keys = _keys_by_split(first)
+    stats_uri = storage.join(out, "preprocess", "stats.json")
+    # A crashed attempt of shard 0 leaves its files behind before the retry succeeds.
+    preprocess.transform_shard(config, shards[0], 0, out, stats_uri)
+    results = [preprocess.transform_shard(config, uri, i, out, stats_uri) for i, uri in enumerate(shards)]
+    second = preprocess.read_manifest(preprocess.commit(config, out, stats_uri, results)["manifest_uri"])
+    assert _keys_by_split(second) == first_keys
+    assert second["rows"] == first["rows"]
+    listed = {entry["uri"] for files in second["splits"].values() for entry in files}
+    on_disk = {str(p) for name in preprocess.SPLITS for p in (Path(out) / "preprocess" / name).glob("*")}
+    assert on_disk == listed
+    assert not listed & {entry["uri"] for files in first["splits"].values() for entry in files}
+
+
+def test_normalised_features_are_standardised(synthetic, storage_root):
+    """Written features are (x - mean) / std: zero mean and unit std over all clean rows; close to that on train."""
+    config, raw_uri = synthetic(num_rows=6_000, num_shards=3, dirty_fraction=0.01)
+    out = str(storage_root / "runs" / "t" / "norm")
+    manifest, _ = _run_all(config, raw_uri, out)
+    parts = {name: preprocess.load_split(manifest, name)[0] for name in preprocess.SPLITS}
+    everything = np.concatenate(list(parts.values())).astype(np.float64)
+    np.testing.assert_allclose(everything.mean(axis=0), 0.0, atol=1e-5)
+    np.testing.assert_allclose(everything.std(axis=0, ddof=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(parts["train"].mean(axis=0), 0.0, atol=0.06)
+    np.testing.assert_allclose(parts["train"].std(axis=0), 1.0, atol=0.06)
+    assert parts["train"].dtype == np.float32
+
+
+def test_digits_constant_columns_pass_through_centred(digits_run):
+    """Blank pixel columns (std 0) are centred, not divided by zero: no NaN or inf reaches training."""
+    _, out = digits_run
+    manifest = preprocess.read_manifest(storage.join(out, "preprocess", "manifest.json"))
+    features, labels = preprocess.load_split(manifest, "train")
+    assert np.isfinite(features).all()
+    assert sum(manifest["rows"].values()) == 1797
+    assert set(labels.tolist()) == set(range(10))
+
+
+def test_read_manifest_refuses_other_kinds(tmp_path):
+    """Only a preprocess manifest is accepted where one is expected."""
+    uri = str(tmp_path / "manifest.json")
+    storage.write_json(uri, {"kind": "predictions"})
+    with pytest.raises(DataError, match="not a preprocess manifest"):
+        preprocess.read_manifest(uri)

@@ -1,0 +1,85 @@
+"""The run report (schema in the design notes) and the --help of every sub-job entry point."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tasks import storage
+from tasks.report import build_report, stage_timing, summary_lines
+from tests.conftest import REPO_ROOT
+
+REQUIRED_KEYS = {"dag_id", "run_id", "stages", "sweep", "training", "test_accuracy", "model_uri", "predictions"}
+
+
+def _inputs(out: str) -> dict:
+    """What the DAG hands build_report: sub-job results as they come back through XCom."""
+    return dict(
+        dag_id="ml_pipeline", run_id="manual__2024-01-01T00:00:00+00:00", out=out,
+        stage_results={"preprocess": [{"duration_s": 1.5, "attempt": 1}, {"duration_s": 2.0, "attempt": 2}],
+                       "train_s1": [{"duration_s": 10.0}], "infer": [None, {}]},
+        preprocess={"rows": {"train": 10, "validation": 3, "test": 3}, "rows_dropped": 1, "manifest_uri": f"{out}/m.json"},
+        sweep={"study_name": "s", "n_trials": 4, "n_complete": 3, "n_pruned": 1, "n_failed": 0, "best_value": 0.9,
+               "best_params": {"lr": 0.01}, "epochs_consumed": 9, "not_reported": "x"},
+        training=[{"stage": "s1", "world_size": 1, "global_batch": 32, "lr": 0.05, "epochs": 2, "steps": 70,
+                   "val_metric": 0.9, "checkpoint_uri": f"{out}/train/s1/final.pt", "model_uri": f"{out}/train/s1/model.pt"},
+                  {"stage": "s2", "world_size": 2, "global_batch": 128, "lr": 0.2, "epochs": 2, "steps": 20,
+                   "val_metric": 0.95, "checkpoint_uri": f"{out}/train/s2/final.pt", "model_uri": f"{out}/train/s2/model.pt"}],
+        evaluation={"test_accuracy": 0.93},
+        predictions={"uri": f"{out}/predictions/manifest.json", "rows": 16},
+    )
+
+
+def test_build_report_writes_the_documented_keys(tmp_path):
+    """report.json lands at <run prefix>/report.json with every key the design notes promise."""
+    out = str(tmp_path / "runs" / "ml_pipeline" / "r1")
+    inputs = _inputs(out)
+    result = build_report(**inputs)
+    assert result["report_uri"] == storage.join(out, "report.json")
+    report = storage.read_json(result["report_uri"])
+    assert REQUIRED_KEYS <= set(report)
+    assert (report["dag_id"], report["run_id"]) == (inputs["dag_id"], inputs["run_id"])
+    assert report["test_accuracy"] == result["test_accuracy"] == inputs["evaluation"]["test_accuracy"]
+    assert report["model_uri"] == inputs["training"][-1]["model_uri"], "the last stage's model is the run's model"
+    assert [stage["stage"] for stage in report["training"]] == ["s1", "s2"]
+    assert report["predictions"]["rows"] == inputs["predictions"]["rows"]
+    for key in ("n_trials", "n_complete", "n_pruned", "n_failed", "best_value", "best_params"):
+        assert report["sweep"][key] == inputs["sweep"][key]
+    assert "not_reported" not in report["sweep"]
+    assert "preprocess" in report["stages"] and "infer" not in report["stages"], "stages with no result are left out"
+
+
+def test_report_without_training_has_no_model(tmp_path):
+    """A run that trained nothing reports model_uri null instead of failing."""
+    inputs = {**_inputs(str(tmp_path)), "training": []}
+    report = storage.read_json(build_report(**inputs)["report_uri"])
+    assert report["model_uri"] is None and report["training"] == []
+
+
+def test_stage_timing_sums_durations_and_takes_the_highest_attempt():
+    """Per stage: seconds summed over its sub-jobs, the highest attempt seen, and how many sub-jobs ran."""
+    timing = stage_timing({"preprocess": [{"duration_s": 1.25, "attempt": 1}, {"duration_s": 2.5, "attempt": 3},
+                                          {"duration_s": 0.25, "attempt": 2}],
+                           "evaluate": [{"duration_s": 4.0}],
+                           "skipped": [None, {}]})
+    assert timing["preprocess"] == {"duration_s": pytest.approx(4.0), "attempt": 3, "num_tasks": 3}
+    assert timing["evaluate"]["attempt"] == 1, "attempt defaults to the first"
+    assert "skipped" not in timing
+
+
+def test_summary_lines_read_back_a_written_report(tmp_path):
+    """The human summary shows the run, the test accuracy and the prediction rows of the report."""
+    report = storage.read_json(build_report(**_inputs(str(tmp_path)))["report_uri"])
+    text = "\n".join(summary_lines(report))
+    assert "ml_pipeline" in text and "test accuracy: 0.9300" in text and "16 rows" in text
+
+
+@pytest.mark.parametrize("module", ["preprocess", "sweep", "train", "evaluate", "infer", "data", "config", "report"])
+def test_every_sub_job_prints_help(module, subprocess_env):
+    """`python -m tasks.<module> --help` exits 0 with a usage line: each sub-job runs alone, outside Airflow."""
+    completed = subprocess.run([sys.executable, "-m", f"tasks.{module}", "--help"], cwd=REPO_ROOT, env=subprocess_env,
+                               capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert "usage:" in completed.stdout

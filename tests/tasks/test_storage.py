@@ -1,0 +1,187 @@
+"""Storage helpers: atomic writes, Parquet discovery, safe run paths and cleanup of unlisted attempt files."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tasks import storage
+from tasks.errors import DataError
+
+
+def _crash_on_replace(monkeypatch) -> None:
+    def crash(*_args, **_kwargs):
+        raise OSError("power cut before the rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+
+
+def test_write_bytes_round_trips_and_creates_parents(tmp_path):
+    """write_bytes creates missing folders and the file holds exactly the bytes given."""
+    target = tmp_path / "a" / "b" / "blob.bin"
+    storage.write_bytes(str(target), b"\x00payload\xff")
+    assert target.read_bytes() == b"\x00payload\xff"
+
+
+def test_write_bytes_accepts_file_uris(tmp_path):
+    """A file:// URI takes the same path as a plain one."""
+    target = tmp_path / "x.json"
+    storage.write_json(f"file://{target}", {"b": 1, "a": [1, 2]})
+    assert storage.read_json(str(target)) == {"a": [1, 2], "b": 1}
+
+
+def test_crash_before_rename_keeps_the_previous_content(tmp_path, monkeypatch):
+    """A crash mid-write leaves the old file whole: readers never see a torn or new-but-partial file."""
+    target = tmp_path / "manifest.json"
+    storage.write_bytes(str(target), b"committed")
+    _crash_on_replace(monkeypatch)
+    with pytest.raises(OSError, match="power cut"):
+        storage.write_bytes(str(target), b"half-written replacement")
+    monkeypatch.undo()
+    assert target.read_bytes() == b"committed"
+
+
+def test_crash_before_rename_leaves_no_target(tmp_path, monkeypatch):
+    """A crash on a first write leaves the target absent, so a reader finds nothing rather than a partial file."""
+    target = tmp_path / "out" / "part-00000.parquet"
+    _crash_on_replace(monkeypatch)
+    with pytest.raises(OSError):
+        storage.write_bytes(str(target), b"partial")
+    monkeypatch.undo()
+    assert not target.exists()
+    assert not list((tmp_path / "out").glob("*.parquet")), "no file a Parquet reader would pick up"
+
+
+def test_read_json_of_a_missing_file_names_it(tmp_path):
+    """Reading an absent JSON file raises FileNotFoundError naming the URI."""
+    uri = str(tmp_path / "nope.json")
+    with pytest.raises(FileNotFoundError, match=re.escape(uri)):
+        storage.read_json(uri)
+
+
+def _parquet(path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"x": [1, 2]}), path)
+
+
+def test_list_parquet_of_a_single_file(tmp_path):
+    """A file URI lists itself."""
+    path = tmp_path / "one.parquet"
+    _parquet(path)
+    assert storage.list_parquet(str(path)) == [str(path)]
+
+
+def test_list_parquet_of_a_folder_is_sorted_recursive_and_parquet_only(tmp_path):
+    """A folder lists every *.parquet below it, nested ones too, sorted; other files are ignored."""
+    for name in ("b.parquet", "a.parquet", "sub/c.parquet"):
+        _parquet(tmp_path / "data" / name)
+    (tmp_path / "data" / "notes.txt").write_text("x")
+    (tmp_path / "data" / "_SUCCESS.json").write_text("{}")
+    found = storage.list_parquet(str(tmp_path / "data"))
+    assert found == sorted(found)
+    assert sorted(os.path.relpath(p, tmp_path / "data") for p in found) == ["a.parquet", "b.parquet", "sub/c.parquet"]
+
+
+def test_list_parquet_keeps_the_file_scheme(tmp_path):
+    """A file:// folder lists file:// URIs, so callers can pass them on unchanged."""
+    _parquet(tmp_path / "data" / "a.parquet")
+    found = storage.list_parquet(f"file://{tmp_path / 'data'}")
+    assert len(found) == 1 and found[0].startswith("file://") and found[0].endswith("a.parquet")
+
+
+def test_list_parquet_of_a_missing_path_is_a_data_error(tmp_path):
+    """A path that does not exist is bad input, named in the message."""
+    uri = str(tmp_path / "missing")
+    with pytest.raises(DataError, match="no such file or folder") as caught:
+        storage.list_parquet(uri)
+    assert uri in str(caught.value)
+
+
+def test_list_parquet_of_an_empty_folder_is_a_data_error(tmp_path):
+    """A folder without Parquet files is bad input, not an empty success."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "readme.txt").write_text("nothing here")
+    with pytest.raises(DataError, match="no \\*.parquet"):
+        storage.list_parquet(str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("text", ["manual__2024-05-01T10:20:30.123456+00:00", "scheduled__2024-05-01T00:00:00+00:00",
+                                  "my run/with spaces?", "ünïcode✓", "a" * 3])
+def test_safe_name_yields_only_path_safe_characters(text):
+    """Run ids become a single path segment of [A-Za-z0-9._=-], with no leading/trailing underscore."""
+    name = storage.safe_name(text)
+    assert re.fullmatch(r"[A-Za-z0-9._=-]+", name)
+    assert not name.startswith("_") and not name.endswith("_")
+    assert storage.safe_name(name) == name, "idempotent: a safe name stays as it is"
+
+
+def test_safe_name_keeps_plain_names_and_never_returns_empty():
+    """Already-safe names are unchanged; a name with no safe character falls back to 'run-<hash>'."""
+    assert storage.safe_name("ml_pipeline") == "ml_pipeline"
+    assert storage.safe_name("run-1.2=x") == "run-1.2=x"
+    assert re.fullmatch(r"run-[0-9a-f]{8}", storage.safe_name(""))
+    assert re.fullmatch(r"run-[0-9a-f]{8}", storage.safe_name("///"))
+    assert storage.safe_name("") != storage.safe_name("///")
+
+
+@pytest.mark.parametrize("run_id", ["..", "."])
+def test_safe_name_never_yields_a_dot_segment(run_id):
+    """A run id of dots must not become '.' or '..' in a path (it would write outside its run prefix)."""
+    assert storage.safe_name(run_id) not in {".", ".."}
+
+
+def test_distinct_run_ids_get_distinct_prefixes():
+    """Two different run ids of one DAG never write into the same run prefix."""
+    assert storage.run_prefix("/root", "dag", "exp:1") != storage.run_prefix("/root", "dag", "exp+1")
+
+
+def test_run_prefix_layout():
+    """Every task of a run writes under <root>/runs/<dag_id>/<run_id>, both made safe."""
+    prefix = storage.run_prefix("/data/root/", "ml_pipeline", "manual__2024-01-01T00:00:00+00:00")
+    assert prefix == f"/data/root/runs/ml_pipeline/{storage.safe_name('manual__2024-01-01T00:00:00+00:00')}"
+    assert storage.run_prefix("s3://bucket/x", "d", "r") == "s3://bucket/x/runs/d/r"
+
+
+def test_resolve_relative_absolute_and_schemed():
+    """Relative URIs land under the root; absolute paths and schemed URIs are kept."""
+    assert storage.resolve("/root", "raw/digits") == "/root/raw/digits"
+    assert storage.resolve("/root", "/abs/raw") == "/abs/raw"
+    assert storage.resolve("/root", "s3://b/raw") == "s3://b/raw"
+
+
+def test_unique_tokens_differ():
+    """Attempt tokens are unique, so a retry never overwrites an attempt's files."""
+    assert len({storage.unique_token() for _ in range(200)}) == 200
+
+
+def test_remove_unlisted_keeps_listed_files_and_json(tmp_path):
+    """Cleanup deletes unlisted attempt files (nested too) but keeps the listed ones and every .json."""
+    prefix = tmp_path / "predictions"
+    keep = prefix / "part-00000-aaa.parquet"
+    stale = [prefix / "part-00000-bbb.parquet", prefix / "nested" / "part-00001-ccc.parquet", prefix / "x.tmp-123"]
+    for path in [keep, *stale]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+    (prefix / "manifest.json").write_text("{}")
+    removed = storage.remove_unlisted(str(prefix), {str(keep)})
+    assert removed == len(stale)
+    remaining = sorted(str(p.relative_to(prefix)) for p in prefix.rglob("*") if p.is_file())
+    assert remaining == ["manifest.json", "part-00000-aaa.parquet"]
+
+
+def test_remove_unlisted_matches_file_uris_against_paths(tmp_path):
+    """A keep-set given as file:// URIs protects the same files as plain paths."""
+    prefix = tmp_path / "p"
+    prefix.mkdir()
+    (prefix / "a.parquet").write_bytes(b"x")
+    assert storage.remove_unlisted(str(prefix), {f"file://{prefix / 'a.parquet'}"}) == 0
+    assert (prefix / "a.parquet").exists()
+
+
+def test_remove_unlisted_on_a_missing_prefix_is_a_no_op(tmp_path):
+    """Nothing to clean when the folder was never written."""
+    assert storage.remove_unlisted(str(tmp_path / "never"), set()) == 0

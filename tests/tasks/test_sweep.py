@@ -1,0 +1,148 @@
+"""The sweep: an exact trial budget split between workers, idempotent retries, a summary that fails when nothing completed."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from tasks import storage
+from tasks.config import load_config
+from tasks.errors import UserError
+from tasks.sweep import create, open_storage, run_worker, study_name, summarize, worker_quota
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    """No torchrun variables: each worker runs its trials in this process."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "STAGEWISE_FAULT_KILL_TRIAL"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _load(config, name: str):
+    return optuna.load_study(study_name=name, storage=open_storage(config.sweep.storage))
+
+
+def _counted(study) -> list:
+    return [t for t in study.get_trials() if t.state.name in ("COMPLETE", "PRUNED", "FAIL")
+            and not t.user_attrs.get("abandoned")]
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("num_trials", [1, 2, 5, 8, 12, 13, 100])
+def test_worker_quotas_sum_exactly_to_the_budget(num_trials, num_workers):
+    """However the budget divides, the quotas add up to it and differ by at most one."""
+    quotas = [worker_quota(num_trials, num_workers, w) for w in range(num_workers)]
+    assert sum(quotas) == num_trials
+    assert max(quotas) - min(quotas) <= 1 and min(quotas) >= 0
+    assert quotas == sorted(quotas, reverse=True), "earlier workers take the remainder"
+
+
+@pytest.mark.parametrize("worker", [-1, 3, 10])
+def test_worker_index_outside_the_pool_is_a_user_error(worker):
+    """A worker index outside 0..num_workers-1 is refused, naming sweep.num_workers."""
+    with pytest.raises(UserError, match="sweep.num_workers"):
+        worker_quota(8, 3, worker)
+
+
+def test_study_name_is_safe_and_per_run():
+    """Study names are path/DB safe and differ between runs of one DAG."""
+    first = study_name("ml_pipeline", "manual__2024-01-01T00:00:00+00:00")
+    assert first == storage.safe_name(first)
+    assert first != study_name("ml_pipeline", "manual__2024-01-02T00:00:00+00:00")
+
+
+def _fast_config(digits_run, **sweep):
+    config_path, out = digits_run
+    overrides = {"sweep.epochs": 2, "sweep.num_trials": 5, "sweep.num_workers": 2, "sweep.batch_size": 64,
+                 "sweep.search_space.hidden": {"type": "categorical", "choices": [16, 32]}}
+    overrides.update({f"sweep.{key}": value for key, value in sweep.items()})
+    return load_config(config_path, overrides=overrides), out
+
+
+def test_two_workers_spend_exactly_the_budget_and_a_retry_adds_nothing(digits_run, single_process):
+    """Workers 0 and 1 (run one after the other) leave exactly num_trials trials; re-running worker 0 adds none."""
+    config, out = _fast_config(digits_run)
+    create(config, "pair")
+    results = [run_worker(config, "pair", worker, out) for worker in range(2)]
+    assert [r["trials_run"] for r in results] == [worker_quota(5, 2, w) for w in range(2)]
+    study = _load(config, "pair")
+    assert len(study.trials) == len(_counted(study)) == 5
+    for worker in range(2):
+        owned = [t for t in study.trials if t.user_attrs.get("worker") == worker]
+        assert len(owned) == worker_quota(5, 2, worker)
+
+    retry = run_worker(config, "pair", 0, out)
+    assert retry["trials_run"] == 0 and retry["epochs_run"] == 0
+    assert len(_load(config, "pair").trials) == 5
+
+
+def test_create_is_idempotent(digits_run, single_process):
+    """Creating the study again (a cleared create task) finds the same study and keeps its trials."""
+    config, out = _fast_config(digits_run, num_trials=1, num_workers=1)
+    create(config, "again")
+    run_worker(config, "again", 0, out)
+    create(config, "again")
+    assert len(_load(config, "again").trials) == 1
+
+
+def test_retry_after_a_dead_attempt_keeps_the_budget(digits_run, single_process):
+    """A trial left RUNNING by a dead attempt is failed as abandoned and does not count against the worker's quota."""
+    config, out = _fast_config(digits_run, num_trials=2, num_workers=1)
+    create(config, "dead")
+    study = _load(config, "dead")
+    orphan = study.ask({"lr": optuna.distributions.FloatDistribution(0.005, 0.3, log=True)})
+    orphan.set_user_attr("worker", 0)  # what the killed attempt had done before dying
+    run_worker(config, "dead", 0, out)
+    study = _load(config, "dead")
+    left = [t for t in study.trials if t.number == orphan.number][0]
+    assert left.state.name == "FAIL" and left.user_attrs.get("abandoned")
+    assert len(_counted(study)) == 2
+    assert not [t for t in study.trials if t.state.name == "RUNNING"]
+
+
+def test_summary_counts_and_file(digits_run, single_process):
+    """summarize writes sweep/summary.json whose counts add up to the trials and whose best is a completed trial."""
+    config, out = _fast_config(digits_run, num_trials=3, num_workers=1, pruner={"type": "none"})
+    create(config, "summed")
+    run_worker(config, "summed", 0, out)
+    summary = summarize(config, "summed", out)
+    written = storage.read_json(storage.join(out, "sweep", "summary.json"))
+    assert written == summary
+    assert summary["n_trials"] == summary["n_complete"] + summary["n_pruned"] + summary["n_failed"] == 3
+    study = _load(config, "summed")
+    complete = [t for t in study.trials if t.state.name == "COMPLETE"]
+    assert summary["best_value"] == max(t.value for t in complete)
+    assert 0.0 <= summary["best_value"] <= 1.0 and "lr" in summary["best_params"]
+    assert summary["epochs_consumed"] == sum(t.user_attrs["epochs"] for t in study.trials)
+
+
+def test_all_trials_failing_makes_the_summary_a_user_error(digits_run, single_process):
+    """A search space whose every point breaks the objective records FAIL trials; summarize fails naming the reason."""
+    # SGD refuses a negative weight decay: every trial's optimizer raises when it is built.
+    config, out = _fast_config(digits_run, num_trials=2, num_workers=1,
+                               **{"search_space.weight_decay": {"type": "float", "low": -2.0, "high": -1.0}})
+    create(config, "broken")
+    result = run_worker(config, "broken", 0, out)
+    assert result["trials_run"] == 2 and result["epochs_run"] == 0
+    study = _load(config, "broken")
+    assert [t.state.name for t in study.trials] == ["FAIL", "FAIL"]
+    assert all("weight_decay" in t.user_attrs["error"] for t in study.trials)
+    with pytest.raises(UserError, match="weight_decay") as caught:
+        summarize(config, "broken", out)
+    assert "broken" in str(caught.value)
+    assert not storage.exists(storage.join(out, "sweep", "summary.json")), "no summary is published for a failed sweep"
+
+
+def test_objective_fault_injected_in_the_model_fails_each_trial(digits_run, single_process, monkeypatch):
+    """An exception from model building (forced on purpose) fails the trial with its message; the worker carries on."""
+    config, out = _fast_config(digits_run, num_trials=2, num_workers=1)
+
+    def broken(spec):
+        raise RuntimeError("forced fault")
+
+    monkeypatch.setattr("tasks.model.build_model", broken)
+    create(config, "forced")
+    assert run_worker(config, "forced", 0, out)["trials_run"] == 2
+    with pytest.raises(UserError, match="forced fault"):
+        summarize(config, "forced", out)
+

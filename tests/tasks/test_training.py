@@ -1,0 +1,329 @@
+"""Training: LR scaling and warmup, per-rank data partition (tasks.loader), the loop, params, and a whole stage in-process."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tasks import preprocess, storage, train
+from tasks.config import load_config
+from tasks.distributed import DistEnv
+from tasks.errors import UserError
+from tasks.loader import ParquetBatches
+from tasks.preprocess import Columns
+from tasks.model import ModelSpec, build_model, load_bundle
+from tasks.training import Loop, scaled_lr, warmup_factor
+
+CPU = DistEnv(rank=0, local_rank=0, world_size=1, device="cpu")
+
+
+# --- learning-rate rules ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("global_batch,base_batch", [(32, 32), (128, 32), (16, 64), (1024, 32)])
+def test_scaled_lr_rules(global_batch, base_batch):
+    """linear scales lr by the batch ratio, sqrt by its square root, none keeps it; all agree at the base batch."""
+    ratio = global_batch / base_batch
+    assert scaled_lr(0.1, global_batch, base_batch, "linear") == pytest.approx(0.1 * ratio)
+    assert scaled_lr(0.1, global_batch, base_batch, "sqrt") == pytest.approx(0.1 * math.sqrt(ratio))
+    assert scaled_lr(0.1, global_batch, base_batch, "none") == pytest.approx(0.1)
+
+
+def test_unknown_lr_rule_is_a_user_error():
+    """A rule other than linear/sqrt/none is bad config, named in the message."""
+    with pytest.raises(UserError, match="cubic"):
+        scaled_lr(0.1, 64, 32, "cubic")
+
+
+@pytest.mark.parametrize("warmup_steps", [1, 5, 20])
+def test_warmup_ramps_linearly_and_reaches_one(warmup_steps):
+    """The factor rises strictly from 1/warmup to 1 at the last warmup step, then stays 1."""
+    factors = [warmup_factor(step, warmup_steps) for step in range(warmup_steps + 10)]
+    assert factors[0] == pytest.approx(1 / warmup_steps)
+    assert all(a < b for a, b in zip(factors[:warmup_steps], factors[1:warmup_steps]))
+    assert factors[warmup_steps - 1] == 1.0
+    assert all(f == 1.0 for f in factors[warmup_steps:])
+
+
+def test_no_warmup_means_full_lr_from_the_first_step():
+    """warmup_steps = 0 applies the full learning rate at once."""
+    assert [warmup_factor(step, 0) for step in range(3)] == [1.0, 1.0, 1.0]
+
+
+# --- per-rank data (tasks.loader): what Loop trains on ----------------------------------------------------------
+
+
+def _write_processed(path: Path, labels: np.ndarray, matrix: np.ndarray, num_classes: int, rows_per_group: int) -> str:
+    """Write a split file in the schema preprocess declares for its outputs (whatever its feature layout)."""
+    names = [f"x{j}" for j in range(matrix.shape[1])]
+    columns = Columns(key="row_id", label="label", features=names, num_classes=num_classes)
+    schema = preprocess.processed_schema(columns, pa.int64())
+    arrays = []
+    for field in schema:
+        if field.name == "row_id":
+            arrays.append(pa.array(np.arange(len(labels), dtype=np.int64)))
+        elif field.name == "label":
+            arrays.append(pa.array(labels.astype(np.int64)))
+        elif field.name in names:  # one column per feature
+            arrays.append(pa.array(matrix[:, names.index(field.name)].astype(np.float32)))
+        else:  # one packed vector column, encoded by preprocess itself
+            arrays.append(preprocess.feature_vectors(matrix.astype(np.float32)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_arrays(arrays, schema=schema), path, row_group_size=rows_per_group)
+    return str(path)
+
+
+def _indexed_split(tmp_path: Path, num_rows: int = 120, rows_per_group: int = 10, num_classes: int = 3) -> str:
+    """A split whose single feature is the row number, so yielded batches reveal which rows they hold."""
+    return _write_processed(tmp_path / "split" / "part-00000.parquet", np.arange(num_rows) % num_classes,
+                            np.arange(num_rows, dtype=np.float32)[:, None], num_classes, rows_per_group)
+
+
+def _rows(batches: ParquetBatches, epoch: int) -> list[int]:
+    return [int(v) for inputs, _ in batches.epoch(epoch) for v in inputs[:, 0].tolist()]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_ranks_get_disjoint_equal_parts_covering_the_split(tmp_path, world_size):
+    """Each epoch: ranks' rows are disjoint, cover every row, and all ranks take the same number of steps."""
+    uri = _indexed_split(tmp_path)  # 12 row groups of 10 rows: divisible by 1, 2 and 3 ranks
+    ranks = [ParquetBatches([uri], ["x0"], "label", rank=r, world_size=world_size, batch_size=5, seed=11,
+                            window_row_groups=4) for r in range(world_size)]
+    for epoch in range(3):
+        parts = [_rows(batches, epoch) for batches in ranks]
+        assert len({len(part) for part in parts}) == 1, "equal lengths across ranks"
+        assert len({batches.steps_per_epoch(epoch) for batches in ranks}) == 1
+        assert len(parts[0]) == ranks[0].steps_per_epoch(epoch) * 5
+        seen = [row for part in parts for row in part]
+        assert len(seen) == len(set(seen)), "no row on two ranks or twice on one"
+        assert set(seen) == set(range(120)), "the union covers the split"
+        groups = [{(g.uri, g.index) for g in batches.assignment(epoch)} for batches in ranks]
+        assert sum(len(g) for g in groups) == len(set().union(*groups)) == 12
+
+
+def test_each_epoch_draws_a_new_order_and_a_seed_repeats_it(tmp_path):
+    """Epochs differ in order; the same seed and epoch give the same order (what an exact resume needs)."""
+    uri = _indexed_split(tmp_path)
+
+    def make(seed: int) -> ParquetBatches:
+        return ParquetBatches([uri], ["x0"], "label", rank=1, world_size=2, batch_size=4, seed=seed, window_row_groups=3)
+
+    first, again = make(5), make(5)
+    assert _rows(first, 0) != _rows(first, 1)
+    assert _rows(first, 0) == _rows(again, 0) and _rows(first, 2) == _rows(again, 2)
+    assert _rows(first, 0) != _rows(make(6), 0)
+
+
+def test_skip_steps_resumes_mid_epoch_at_the_same_batch(tmp_path):
+    """epoch(e, skip_steps=k) yields exactly the batches after the first k of epoch e."""
+    uri = _indexed_split(tmp_path)
+    batches = ParquetBatches([uri], ["x0"], "label", rank=0, world_size=1, batch_size=8, seed=2, window_row_groups=5)
+    full = [inputs[:, 0].tolist() for inputs, _ in batches.epoch(1)]
+    resumed = [inputs[:, 0].tolist() for inputs, _ in batches.epoch(1, skip_steps=4)]
+    assert resumed == full[4:]
+
+
+def test_fewer_row_groups_than_ranks_is_a_user_error(tmp_path):
+    """A rank with no data would stall DDP: refused up front with a hint."""
+    uri = _indexed_split(tmp_path, num_rows=20, rows_per_group=10)
+    with pytest.raises(UserError, match="fewer than world size 3"):
+        ParquetBatches([uri], ["x0"], "label", rank=0, world_size=3, batch_size=2, seed=0)
+
+
+def test_unshuffled_evaluation_reads_every_row_in_order(tmp_path):
+    """Validation batches keep every row (the last partial batch too) in file order."""
+    uri = _indexed_split(tmp_path, num_rows=47, rows_per_group=10)
+    batches = ParquetBatches([uri], ["x0"], "label", rank=0, world_size=1, batch_size=8, seed=0, shuffle=False)
+    assert _rows(batches, 0) == list(range(47))
+
+
+# --- the loop ---------------------------------------------------------------------------------------------------
+
+
+def _blobs(tmp_path: Path, name: str, num_rows: int, seed: int) -> str:
+    """Four well-separated Gaussian blobs in 2-D, as a split file with several row groups."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 4, num_rows)
+    centres = np.array([[3.0, 3.0], [-3.0, 3.0], [3.0, -3.0], [-3.0, -3.0]])
+    points = centres[labels] + rng.normal(0, 0.7, (num_rows, 2))
+    return _write_processed(tmp_path / name / "part-00000.parquet", labels, points, 4, 50)
+
+
+def _loop(tmp_path: Path, grad_accum_steps: int = 1) -> Loop:
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(num_features=2, num_classes=4, hidden=16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    train_data = ParquetBatches([_blobs(tmp_path, "train", 600, 1)], ["x0", "x1"], "label", rank=0, world_size=1,
+                                batch_size=16, seed=0)
+    validation = ParquetBatches([_blobs(tmp_path, "validation", 200, 2)], ["x0", "x1"], "label", rank=0, world_size=1,
+                                batch_size=64, seed=0, shuffle=False)
+    return Loop(model=model, optimizer=optimizer, env=CPU, train=train_data, validation=validation,
+                grad_accum_steps=grad_accum_steps, seed=0)
+
+
+def test_single_process_loop_learns_a_separable_set(tmp_path):
+    """A few epochs lift validation accuracy far above chance (0.25) and lower the training loss."""
+    loop = _loop(tmp_path)
+    results = [loop.train_epoch(lambda _step: 0.05) for _ in range(3)]
+    assert results[-1].val_accuracy > 0.9
+    assert results[-1].train_loss < results[0].train_loss
+    assert [r.epoch for r in results] == [0, 1, 2]
+    assert results[-1].steps == sum(loop.steps_per_epoch(e) for e in range(3))
+    assert loop.position.epoch == 3 and loop.position.micro_step == 0
+
+
+def test_gradient_accumulation_takes_one_step_per_k_micro_batches(tmp_path):
+    """With k accumulation steps an epoch takes ceil(micro-batches / k) optimizer steps; lr_at sees each step."""
+    loop = _loop(tmp_path, grad_accum_steps=3)
+    asked: list[int] = []
+    result = loop.train_epoch(lambda step: asked.append(step) or 0.05)
+    micro = loop.train_data.steps_per_epoch(0)
+    assert result.steps == math.ceil(micro / 3) == loop.steps_per_epoch(0)
+    assert set(range(result.steps)) <= set(asked)
+    assert loop.global_batch == 16 * 3
+
+
+# --- hyperparameters --------------------------------------------------------------------------------------------
+
+
+def test_resolve_params_precedence(write_config):
+    """Built-in defaults < train.default_params < the sweep's values; hidden becomes an int."""
+    config = load_config(write_config(), overrides={"train.default_params": {"momentum": 0.5, "weight_decay": 0.01}})
+    params = train.resolve_params(config, {"weight_decay": 0.02, "lr": 0.2, "hidden": 64.0})
+    assert params["momentum"] == 0.5, "train.default_params beats the built-in default"
+    assert params["weight_decay"] == 0.02 and params["lr"] == 0.2, "the sweep beats train.default_params"
+    assert params["dropout"] == train.HYPER_DEFAULTS["dropout"], "untouched keys keep the built-in default"
+    assert params["hidden"] == 64 and isinstance(params["hidden"], int)
+    assert train.resolve_params(config, {})["lr"] == train.HYPER_DEFAULTS["lr"]
+
+
+@pytest.mark.parametrize("where", ["swept", "default_params"])
+def test_unknown_param_is_a_user_error(write_config, where):
+    """An unknown hyperparameter, from the sweep or from train.default_params, is refused by name."""
+    overrides = {"train.default_params": {"gamma": 0.5}} if where == "default_params" else {}
+    config = load_config(write_config(), overrides=overrides)
+    with pytest.raises(UserError, match="gamma"):
+        train.resolve_params(config, {"gamma": 0.5} if where == "swept" else {})
+
+
+# --- a whole stage, one process, in-process ---------------------------------------------------------------------
+
+PARAMS = {"lr": 0.05, "hidden": 32}
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    """No torchrun variables: run_stage runs as a one-process job."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", train.FAULT_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _files(root: str) -> set[str]:
+    return {str(p) for p in Path(root).rglob("*") if p.is_file()}
+
+
+def test_stage_writes_its_outputs_only_under_its_prefix(digits_run, storage_root, single_process):
+    """A stage adds final.pt, model.pt, metrics.json (and checkpoints) under train/<stage>/ and nothing elsewhere."""
+    config_path, out = digits_run
+    config = load_config(config_path)
+    before = _files(str(storage_root))
+    result = train.run_stage(config, "s1", out, PARAMS, None)
+    prefix = train.stage_prefix(out, "s1")
+    added = _files(str(storage_root)) - before
+    assert added and all(path.startswith(prefix + "/") for path in added)
+    assert {"final.pt", "model.pt", "metrics.json"} <= {Path(p).name for p in added}
+    assert result["checkpoint_uri"] == storage.join(prefix, "final.pt")
+    metrics = storage.read_json(storage.join(prefix, "metrics.json"))
+    assert metrics["complete"] is True and len(metrics["history"]) == config.stage("s1").epochs
+    assert 0.0 <= result["val_metric"] <= 1.0 and result["world_size"] == 1
+    # Checkpoints hold tensors and plain values only.
+    state = torch.load(result["checkpoint_uri"], weights_only=True)
+    assert state["global_batch"] == result["global_batch"] and set(state["model"]) == set(build_model(
+        ModelSpec(num_features=64, num_classes=10, hidden=32)).state_dict())
+    for path in added:
+        if path.endswith(".pt"):
+            torch.load(path, weights_only=True)
+    model, bundle = load_bundle(result["model_uri"])
+    manifest = storage.read_json(storage.join(out, "preprocess", "manifest.json"))
+    assert bundle["preprocessing"]["features"] == manifest["features"], "the bundle carries its normalisation"
+    assert bundle["preprocessing"]["mean"] == manifest["mean"] and not model.training
+
+
+def test_rerun_resumes_from_the_checkpoint_without_retraining(digits_run, single_process):
+    """With a checkpoint at the last step, a second call resumes there: same result, no epoch trained again."""
+    config_path, out = digits_run
+    config = load_config(config_path, overrides={"train.checkpoint_every_steps": 1})
+    first = train.run_stage(config, "s1", out, PARAMS, None)
+    history = storage.read_json(storage.join(train.stage_prefix(out, "s1"), "metrics.json"))["history"]
+    weights = torch.load(first["checkpoint_uri"], weights_only=True)["model"]
+    second = train.run_stage(config, "s1", out, PARAMS, None)
+    assert second["resumed_from_step"] == first["steps"] == second["steps"]
+    again = storage.read_json(storage.join(train.stage_prefix(out, "s1"), "metrics.json"))["history"]
+    assert len(again) == len(history)
+    assert again[:-1] == history[:-1], "finished epochs come from the checkpoint, not from training again"
+    assert again[-1]["val_accuracy"] == history[-1]["val_accuracy"]
+    for name, tensor in torch.load(second["checkpoint_uri"], weights_only=True)["model"].items():
+        assert torch.equal(tensor, weights[name])
+
+
+def test_rerun_with_default_checkpointing_reproduces_the_result(digits_run, single_process):
+    """A re-run of a finished stage (default checkpoint interval) ends with the same steps, metric and weights."""
+    config_path, out = digits_run
+    config = load_config(config_path)
+    first = train.run_stage(config, "s1", out, PARAMS, None)
+    weights = torch.load(first["checkpoint_uri"], weights_only=True)["model"]
+    second = train.run_stage(config, "s1", out, PARAMS, None)
+    assert second["steps"] == first["steps"] and second["val_metric"] == first["val_metric"]
+    history = storage.read_json(storage.join(train.stage_prefix(out, "s1"), "metrics.json"))["history"]
+    assert len(history) == config.stage("s1").epochs
+    for name, tensor in torch.load(second["checkpoint_uri"], weights_only=True)["model"].items():
+        torch.testing.assert_close(tensor, weights[name], rtol=1e-6, atol=1e-7)
+
+
+def test_rerun_of_a_finished_stage_trains_no_step_again(digits_run, single_process):
+    """Re-running a finished stage (Airflow retry after success, or a cleared task) resumes at its last step."""
+    config_path, out = digits_run
+    config = load_config(config_path)
+    first = train.run_stage(config, "s1", out, PARAMS, None)
+    second = train.run_stage(config, "s1", out, PARAMS, None)
+    assert second["resumed_from_step"] == first["steps"]
+
+
+def test_init_from_loads_the_previous_stage(digits_run, single_process):
+    """s2 started from s1's final checkpoint begins with s1's weights and records s1's global batch."""
+    config_path, out = digits_run
+    config = load_config(config_path)
+    first = train.run_stage(config, "s1", out, PARAMS, None)
+    # A vanishing lr keeps s2's weights where they started, so they must equal s1's.
+    second = train.run_stage(config, "s2", out, {**PARAMS, "lr": 1e-12}, first["checkpoint_uri"])
+    start = torch.load(first["checkpoint_uri"], weights_only=True)
+    end = torch.load(second["checkpoint_uri"], weights_only=True)
+    assert end["previous_global_batch"] == first["global_batch"]
+    assert second["global_batch"] > first["global_batch"]
+    assert second["warmup_steps"] == config.stage("s2").warmup_steps, "warmup applies when the batch grew"
+    for name, tensor in start["model"].items():
+        torch.testing.assert_close(end["model"][name], tensor, rtol=0, atol=1e-6)
+    assert second["val_metric"] == pytest.approx(first["val_metric"], abs=0.02)
+
+
+def test_init_from_a_model_of_another_shape_is_a_user_error(digits_run, single_process):
+    """Handing a stage a checkpoint whose layers do not fit fails as bad input naming the file."""
+    config_path, out = digits_run
+    config = load_config(config_path)
+    first = train.run_stage(config, "s1", out, PARAMS, None)
+    with pytest.raises(UserError, match="does not fit") as caught:
+        train.run_stage(config, "s2", out, {**PARAMS, "hidden": 48}, first["checkpoint_uri"])
+    assert first["checkpoint_uri"] in str(caught.value)
+
+
+def test_unknown_stage_is_a_config_error(digits_run, single_process):
+    """Asking for a stage not in train.stages names the known ones."""
+    config_path, out = digits_run
+    with pytest.raises(UserError, match="s9"):
+        train.run_stage(load_config(config_path), "s9", out, PARAMS, None)
