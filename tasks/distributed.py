@@ -5,8 +5,11 @@ Only rank 0 (``master``) logs progress and writes to storage.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from dataclasses import dataclass
+from typing import Iterator
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +67,22 @@ def init_process_group(env: DistEnv) -> None:
         dist.init_process_group("nccl", device_id=torch.device(env.device))
     else:
         dist.init_process_group("gloo")
+
+
+@contextlib.contextmanager
+def distributed_job(device: str, threads: int) -> Iterator[DistEnv]:
+    """Read the environment, pin threads, quiet every rank but 0, and hold the process group for the block."""
+    import torch
+
+    env = read_env(device)
+    torch.set_num_threads(threads)
+    if not env.master:
+        logging.getLogger().setLevel(logging.WARNING)
+    init_process_group(env)
+    try:
+        yield env
+    finally:
+        destroy_process_group(env)
 
 
 def destroy_process_group(env: DistEnv) -> None:

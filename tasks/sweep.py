@@ -170,7 +170,7 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict
     import optuna
     import torch
 
-    from tasks.distributed import destroy_process_group, init_process_group, read_env
+    from tasks.distributed import distributed_job
     from tasks.loader import split_batches
     from tasks.model import ModelSpec, build_model
     from tasks.preprocess import read_manifest
@@ -180,12 +180,7 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sweep = config.sweep
     profile = config.profile(sweep.profile)
-    env = read_env(profile.device)
-    torch.set_num_threads(profile.threads_per_process)
-    if not env.master:
-        logging.getLogger().setLevel(logging.WARNING)
-    init_process_group(env)
-    try:
+    with distributed_job(profile.device, profile.threads_per_process) as env:
         study, remaining = None, 0
         if env.master:
             study = optuna.load_study(study_name=name, storage=open_storage(sweep.storage),
@@ -246,8 +241,6 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict
                          worker, trial.number, state.lower(), value, suggested, len(finished), sweep.num_trials,
                          f"{best:.4f}" if best is not None else "n/a", time.monotonic() - started)
         return {"worker": worker, "trials_run": remaining, "epochs_run": epochs_run, "world_size": env.world_size}
-    finally:
-        destroy_process_group(env)
 
 
 def write_plots(study: Any, prefix: str) -> list[str]:

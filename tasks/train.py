@@ -106,7 +106,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
     import torch
 
     from tasks.checkpoint import CheckpointStore
-    from tasks.distributed import destroy_process_group, init_process_group, read_env
+    from tasks.distributed import distributed_job
     from tasks.loader import split_batches
     from tasks.model import ModelSpec, build_model, load_torch, save_bundle, save_torch
     from tasks.preprocess import read_manifest
@@ -114,12 +114,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
 
     stage = config.stage(stage_name)
     profile = config.profile(stage.profile)
-    env = read_env(profile.device)
-    torch.set_num_threads(profile.threads_per_process)
-    if not env.master:
-        logging.getLogger().setLevel(logging.WARNING)
-    init_process_group(env)
-    try:
+    with distributed_job(profile.device, profile.threads_per_process) as env:
         manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
         params = resolve_params(config, swept)
         micro_batch = stage.micro_batch(env.world_size)
@@ -215,8 +210,6 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                                {**result_info, "params": params, "history": history, "complete": True})
             result_info["model_uri"] = model_uri
         return result_info
-    finally:
-        destroy_process_group(env)
 
 
 def main(argv: list[str] | None = None) -> None:
