@@ -51,12 +51,12 @@ def write_digits(out_uri: str, num_shards: int = 4) -> list[str]:
 
 
 def synthetic_table(num_rows: int, num_features: int = 32, num_classes: int = 10, seed: int = 0,
-                    dirty_fraction: float = 0.0, first_key: int = 0) -> pa.Table:
+                    dirty_fraction: float = 0.0, first_key: int = 0, noise: float = 1.1) -> pa.Table:
     """A Gaussian-mixture classification table with a learnable, not trivially separable signal.
 
     Each class has a centroid; features are centroid plus noise, then a fixed random rotation and a
     per-column scale and offset so that normalisation matters. ``dirty_fraction`` of rows get a null
-    feature, to exercise cleaning.
+    feature, to exercise cleaning; a larger ``noise`` makes the classes overlap more (a harder task).
     """
     rng = np.random.default_rng(seed)
     structure = np.random.default_rng(12345)  # same class geometry for every chunk and seed
@@ -65,7 +65,7 @@ def synthetic_table(num_rows: int, num_features: int = 32, num_classes: int = 10
     scales = structure.uniform(0.5, 20.0, size=num_features)
     offsets = structure.uniform(-50.0, 50.0, size=num_features)
     labels = rng.integers(0, num_classes, size=num_rows)
-    features = (centroids[labels] + rng.normal(0.0, 1.1, size=(num_rows, num_features))) @ rotation
+    features = (centroids[labels] + rng.normal(0.0, noise, size=(num_rows, num_features))) @ rotation
     features = features * scales + offsets
     columns = {"row_id": pa.array(np.arange(first_key, first_key + num_rows, dtype=np.int64))}
     dirty = rng.random(num_rows) < dirty_fraction if dirty_fraction > 0 else None
@@ -78,14 +78,14 @@ def synthetic_table(num_rows: int, num_features: int = 32, num_classes: int = 10
 
 
 def write_synthetic(out_uri: str, num_rows: int, num_features: int = 32, num_classes: int = 10,
-                    num_shards: int = 8, seed: int = 0, dirty_fraction: float = 0.001) -> list[str]:
+                    num_shards: int = 8, seed: int = 0, dirty_fraction: float = 0.001, noise: float = 1.1) -> list[str]:
     """Synthetic raw shards, generated one shard at a time so memory stays bounded."""
     storage.makedirs(out_uri)
     bounds = np.linspace(0, num_rows, num_shards + 1).astype(int)
     uris = []
     for index, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
         table = synthetic_table(stop - start, num_features, num_classes, seed=seed * 100003 + index,
-                                dirty_fraction=dirty_fraction, first_key=int(start))
+                                dirty_fraction=dirty_fraction, first_key=int(start), noise=noise)
         uri = storage.join(out_uri, f"part-{index:05d}.parquet")
         fs, path = storage.filesystem(uri)
         with fs.open(path, "wb") as handle:

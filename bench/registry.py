@@ -1,0 +1,23 @@
+"""The benchmarks of `make bench`: name -> (function, goal). Each function returns ours and a baseline.
+
+A function returns ``{"ours": float, "baseline": float, "unit": str, "details": dict}``; the ratio
+is ours / baseline (for speed-ups defined as time ratios, the function puts the slower run in
+"ours", as its docstring says), judged against the goal, e.g. ">= 0.95".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from bench import sweep, training
+
+Benchmark = Callable[..., dict[str, Any]]
+
+BENCHMARKS: dict[str, tuple[Benchmark, str]] = {
+    "train_throughput": (training.train_throughput, ">= 0.95"),
+    "growing_batch_steps": (training.growing_batch_steps, "<= 0.5"),
+    "parquet_loading": (training.parquet_loading, ">= 0.7"),
+    "sweep_pruning_epochs": (sweep.sweep_pruning_epochs, "<= 0.4"),
+    "sweep_pruning_quality": (sweep.sweep_pruning_quality, ">= 0.99"),
+    "sweep_parallel_speedup": (sweep.sweep_parallel_speedup, ">= 1.6"),
+}

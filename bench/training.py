@@ -1,0 +1,186 @@
+"""Training benchmarks: steady-state throughput, the growing-batch schedule, and Parquet loading.
+
+Each function returns ``{"ours", "baseline", "unit", "details"}``; the harness turns that into a ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _prepare(workdir: Path, rows: int, features: int = 32, noise_seed: int = 0, noise: float = 1.1,
+             **config_changes: Any) -> tuple[Any, str]:
+    """Synthetic raw data, preprocessed by our own stage into a run prefix; returns (config, out)."""
+    from tasks import preprocess
+    from tasks.config import load_config
+    from tasks.data import write_synthetic
+
+    raw = yaml.safe_load((REPO_ROOT / "pipeline.yaml").read_text())
+    raw["storage_root"] = str(workdir)
+    raw["sweep"]["storage"] = f"journal://{workdir}/optuna.journal"
+    raw["dataset"].update({"uri": "raw/synthetic", "features": "f_*"})
+    for dotted, value in config_changes.items():
+        node = raw
+        *parents, leaf = dotted.split("__")
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        node[leaf] = value
+    config_path = workdir / "pipeline.yaml"
+    config_path.write_text(yaml.safe_dump(raw))
+    config = load_config(config_path)
+    write_synthetic(str(workdir / "raw" / "synthetic"), rows, num_features=features, num_shards=8, seed=noise_seed,
+                    dirty_fraction=0.0, noise=noise)
+    out = str(workdir / "runs" / "bench" / "r1")
+    shards = preprocess.plan(str(workdir / "raw" / "synthetic"))
+    stats = [preprocess.shard_stats(config, uri, i, out)["stats_uri"] for i, uri in enumerate(shards)]
+    reduced = preprocess.reduce_stats(config, out, stats)
+    results = [preprocess.transform_shard(config, uri, i, out, reduced["stats_uri"]) for i, uri in enumerate(shards)]
+    preprocess.commit(config, out, reduced["stats_uri"], results)
+    return config, out
+
+
+def train_throughput(rows: int = 120_000) -> dict[str, Any]:
+    """Our entrypoint (tasks.train.run_stage, Parquet per-rank loader) vs a plain loop over in-memory tensors.
+
+    Same model (hidden 1024, a step of several ms), batch 256, optimizer and 2 threads, one process;
+    samples/s over the epochs after the first (warm-up), validation and process start excluded.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from tasks.model import ModelSpec, build_model
+    from tasks.preprocess import load_split, read_manifest
+    from tasks.train import resolve_params, run_stage
+    from tasks.training import make_optimizer
+
+    epochs, batch, threads = 4, 256, 2
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        config, out = _prepare(Path(tmp), rows, **{
+            "profiles__ddp1__threads_per_process": threads, "train__checkpoint_every_steps": 10_000,
+            "train__stages": [{"name": "s1", "profile": "ddp1", "per_process_batch": batch, "epochs": epochs}]})
+        params = {"lr": 0.01, "hidden": 1024, "dropout": 0.0}
+        result = run_stage(config, "s1", out, params, None)
+        history = json.loads(Path(out, "train", "s1", "metrics.json").read_text())["history"]
+        ours = sum(h["samples_per_s"] for h in history[1:]) / (len(history) - 1)
+
+        torch.set_num_threads(threads)
+        x, y = (torch.from_numpy(a) for a in load_split(read_manifest(f"{out}/preprocess/manifest.json"), "train"))
+        full = resolve_params(config, params)
+        torch.manual_seed(0)
+        model = build_model(ModelSpec(num_features=x.shape[1], num_classes=10, hidden=1024))
+        optimizer = make_optimizer(model, full)
+        rates = []
+        for epoch in range(epochs):
+            order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
+            started = time.perf_counter()
+            steps = len(y) // batch
+            for step in range(steps):
+                index = order[step * batch : (step + 1) * batch]
+                loss = F.cross_entropy(model(x[index]), y[index])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+            rates.append(steps * batch / (time.perf_counter() - started))
+        baseline = sum(rates[1:]) / (len(rates) - 1)
+        step_ms = 1000 * batch / baseline
+    return {"ours": ours, "baseline": baseline, "unit": "samples/s",
+            "details": {"rows": rows, "train_rows": int(len(y)), "batch": batch, "threads": threads, "hidden": 1024,
+                        "baseline_step_ms": round(step_ms, 2), "epochs_measured": epochs - 1,
+                        "ours_val_accuracy": result["val_metric"]}}
+
+
+def growing_batch_steps(rows: int = 60_000) -> dict[str, Any]:
+    """Steps the growing-batch stages need to reach the accuracy of a fixed batch with step LR decay.
+
+    Fixed: batch 32 for 12 epochs, lr 0.05 divided by 5 at epochs 4 and 8 (our Loop, one stage).
+    Growing (Smith et al. 2018): the same lr throughout, the batch multiplied by 5 instead, as three
+    of our training stages (32 -> 160 -> 800, 4 epochs each, lr_rule none, no warmup), each starting
+    from the previous one's checkpoint. ratio = growing steps to reach (fixed final accuracy - 0.5
+    points) / fixed steps.
+    """
+    from tasks.loader import split_batches
+    from tasks.model import ModelSpec, build_model
+    from tasks.preprocess import read_manifest
+    from tasks.distributed import DistEnv
+    from tasks.train import resolve_params, run_stage
+    from tasks.training import Loop, make_optimizer
+
+    base_lr, factor, epochs_per_phase = 0.05, 5, 4
+    params = {"lr": base_lr, "hidden": 128, "dropout": 0.0, "momentum": 0.9, "weight_decay": 0.0}
+    stages = [{"name": f"g{i}", "profile": "ddp1", "per_process_batch": 32 * factor**i, "epochs": epochs_per_phase}
+              for i in range(3)]
+    with tempfile.TemporaryDirectory(prefix="bench-growing-") as tmp:
+        config, out = _prepare(Path(tmp), rows, noise=3.0, **{"train__stages": stages, "train__lr_rule": "none",
+                                                   "train__checkpoint_every_steps": 100_000})
+        manifest = read_manifest(f"{out}/preprocess/manifest.json")
+        full = resolve_params(config, params)
+        import torch
+
+        torch.manual_seed(config.train.seed)
+        model = build_model(ModelSpec(num_features=len(manifest["features"]), num_classes=10, hidden=128))
+        env = DistEnv(rank=0, local_rank=0, world_size=1, device="cpu")
+        loop = Loop(model=model, optimizer=make_optimizer(model, full), env=env,
+                    train=split_batches(manifest, "train", rank=0, world_size=1, batch_size=32, seed=1),
+                    validation=split_batches(manifest, "validation", rank=0, world_size=1, batch_size=4096, seed=0, shuffle=False))
+        steps_per_epoch = loop.steps_per_epoch(0)
+
+        def decayed(step: int) -> float:
+            return base_lr / factor ** min(step // (steps_per_epoch * epochs_per_phase), 2)
+
+        fixed = [loop.train_epoch(decayed) for _ in range(3 * epochs_per_phase)]
+        fixed_accuracy, fixed_steps = fixed[-1].val_accuracy, fixed[-1].steps
+
+        growing, offset, previous = [], 0, None
+        for stage in stages:
+            result = run_stage(config, stage["name"], out, params, previous)
+            history = json.loads(Path(out, "train", stage["name"], "metrics.json").read_text())["history"]
+            growing += [(offset + h["steps"], h["val_accuracy"]) for h in history]
+            offset += result["steps"]
+            previous = result["checkpoint_uri"]
+        target = fixed_accuracy - 0.005
+        reached = next((steps for steps, accuracy in growing if accuracy >= target), None)
+    ours_steps = reached if reached is not None else growing[-1][0]
+    return {"ours": float(ours_steps), "baseline": float(fixed_steps), "unit": "optimizer steps",
+            "details": {"fixed_final_accuracy": fixed_accuracy, "growing_final_accuracy": growing[-1][1],
+                        "growing_reached_target": reached is not None, "target_accuracy": target,
+                        "growing_total_steps": growing[-1][0], "rows": rows, "schedule": "batch 32 -> 160 -> 800 vs lr / 5 twice"}}
+
+
+def parquet_loading(rows: int = 1_000_000) -> dict[str, Any]:
+    """Rows/s from Parquet shards into shuffled, batched tensors through our loader vs pyarrow's raw read."""
+    import pyarrow.parquet as pq
+
+    from tasks.loader import ParquetBatches
+
+    with tempfile.TemporaryDirectory(prefix="bench-loading-") as tmp:
+        _, out = _prepare(Path(tmp), rows)
+        manifest = json.loads(Path(out, "preprocess", "manifest.json").read_text())
+        uris = [entry["uri"] for entry in manifest["splits"]["train"]]
+        total = sum(entry["rows"] for entry in manifest["splits"]["train"])
+
+        def ours_once() -> float:
+            loader = ParquetBatches(uris, manifest["features"], manifest["label"], rank=0, world_size=1,
+                                    batch_size=1024, seed=0)
+            started, seen = time.perf_counter(), 0
+            for x, y in loader.epoch(0):
+                seen += len(y)
+            return seen / (time.perf_counter() - started)
+
+        def raw_once() -> float:
+            started = time.perf_counter()
+            count = sum(pq.read_table(uri).num_rows for uri in uris)
+            return count / (time.perf_counter() - started)
+
+        ours_once(), raw_once()  # warm the page cache for both
+        ours = max(ours_once() for _ in range(3))
+        baseline = max(raw_once() for _ in range(3))
+    return {"ours": ours, "baseline": baseline, "unit": "rows/s",
+            "details": {"rows": total, "files": len(uris), "batch": 1024, "features": len(manifest["features"])}}
