@@ -305,6 +305,8 @@ class Inference(_Strict):
     input_uri: str = Field("", description="Raw-schema Parquet to score; empty means the pipeline's dataset.")
     rows_per_shard: int = Field(500, ge=1, description="Target rows per inference shard.")
     batch_size: int = Field(1024, ge=1, description="Rows scored per forward pass.")
+    bad_rows: Literal["quarantine", "fail"] = Field(
+        "quarantine", description="Rows that cannot be scored: set aside with a reason, or fail the shard.")
 
 
 class Pool(_Strict):
@@ -312,6 +314,20 @@ class Pool(_Strict):
 
     slots: int = Field(ge=1, description="Concurrent slots, e.g. the cores or GPUs of a worker.")
     description: str = Field("", description="Shown in the Airflow UI.")
+
+
+class Registry(_Strict):
+    """Versioned models under storage_root/models and the gate that moves `current`."""
+
+    gate_metric: Literal["test_accuracy"] = Field("test_accuracy", description="Metric the gate compares.")
+    margin: float = Field(0.0, ge=0, description="A new model must beat the current one by more than this.")
+
+
+class Retrain(_Strict):
+    """The retrain DAG: on a schedule and when new data lands."""
+
+    schedule: str = Field("0 3 * * 0", description="Cron schedule (UTC), besides the data-landed trigger.")
+    num_trials: int = Field(4, ge=1, description="Sweep budget of a retrain (warm-started from the current model).")
 
 
 class PipelineConfig(_Strict):
@@ -326,6 +342,8 @@ class PipelineConfig(_Strict):
     train: Train = Field(description="The training stages.")
     evaluate: Evaluate = Field(description="Test-split evaluation.")
     inference: Inference = Field(description="Sharded batch inference.")
+    registry: Registry = Field(default_factory=Registry, description="Model registry and gate.")
+    retrain: Retrain = Field(default_factory=Retrain, description="Scheduled and data-triggered retraining.")
 
     @model_validator(mode="after")
     def _profiles_exist(self) -> "PipelineConfig":

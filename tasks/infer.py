@@ -47,16 +47,30 @@ def plan(input_uri: str, rows_per_shard: int) -> list[dict[str, Any]]:
 
 
 def model_version(model_uri: str) -> str:
-    """A short, stable id of the model file's bytes."""
+    """The model's version: the hash of its bytes, the same id the registry gives it."""
     import hashlib
 
     fs, path = storage.filesystem(model_uri)
     with fs.open(path, "rb") as handle:
-        return hashlib.sha256(handle.read()).hexdigest()[:12]
+        return "m-" + hashlib.sha256(handle.read()).hexdigest()[:12]
+
+
+def _row_problems(batch: Any, key: str, features: list[str], matrix: Any) -> Any:
+    """Per row: '' when it can be scored, else the reason it cannot."""
+    import numpy as np
+
+    reasons = np.full(batch.num_rows, "", dtype=object)
+    finite = np.isfinite(matrix)
+    for j in np.flatnonzero(~finite.all(axis=0)):  # name the first bad feature of each row
+        bad = (~finite[:, j]) & (reasons == "")
+        reasons[bad] = f"null or non-finite feature '{features[j]}'"
+    null_key = np.asarray(batch.column(key).is_null().to_numpy(zero_copy_only=False))
+    reasons[null_key] = "null key"
+    return reasons
 
 
 def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], out: str) -> dict[str, Any]:
-    """Score one shard into an attempt-unique Parquet file; return its URI and row count."""
+    """Score one shard into an attempt-unique Parquet file; bad rows fail or go to quarantine with a reason."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -70,65 +84,93 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
     features, key = prep["features"], prep["key"]
     mean, std = np.asarray(prep["mean"]), np.asarray(prep["std"])
     version = model_version(model_uri)
-    uri = storage.join(out, "predictions", f"part-{shard['index']:05d}-{storage.unique_token()}.parquet")
-    schema = None
-    rows, skipped, started = 0, 0, time.monotonic()
-    fs_in, path_in = storage.filesystem(shard["uri"])
+    token = storage.unique_token()
+    uri = storage.join(out, "predictions", f"part-{shard['index']:05d}-{token}.parquet")
+    quarantine_uri = storage.join(out, "predictions", "quarantine", f"part-{shard['index']:05d}-{token}.parquet")
+    rows, quarantined, offset, started = 0, 0, 0, time.monotonic()
     fs_out, path_out = storage.filesystem(uri)
     fs_out.makedirs(path_out.rsplit("/", 1)[0], exist_ok=True)
-    with fs_in.open(path_in, "rb") as source, fs_out.open(path_out, "wb") as sink:
-        parquet = pq.ParquetFile(source)
-        missing = [c for c in [key, *features] if c not in parquet.schema_arrow.names]
+    writer = quarantine = quarantine_handle = None
+    with storage.open_parquet(shard["uri"]) as parquet, fs_out.open(path_out, "wb") as sink:
+        names = parquet.schema_arrow.names
+        missing = [c for c in [key, *features] if c not in names]
         if missing:
             raise DataError(f"{shard['uri']}: column(s) {missing} the model needs are missing")
-        writer = None
+        for name in features:
+            kind = parquet.schema_arrow.field(name).type
+            if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+                raise DataError(f"{shard['uri']}: feature column '{name}' has type {kind}; the model needs numbers")
+        output_schema = pa.schema([parquet.schema_arrow.field(key), pa.field("prediction", pa.int64()),
+                                   pa.field("probabilities", pa.list_(pa.float32(), bundle["spec"]["num_classes"])),
+                                   pa.field("model_version", pa.string())])
+        writer = pq.ParquetWriter(sink, output_schema)
         try:
             for batch in parquet.iter_batches(batch_size=config.inference.batch_size, row_groups=shard["row_groups"],
                                               columns=[key, *features]):
-                matrix = np.column_stack([batch.column(c).to_numpy(zero_copy_only=False).astype(np.float64) for c in features])
-                valid = np.isfinite(matrix).all(axis=1)
-                skipped += int((~valid).sum())
+                matrix = np.empty((batch.num_rows, len(features)), dtype=np.float64)
+                for j, name in enumerate(features):
+                    column = batch.column(name)
+                    matrix[:, j] = (column.cast(pa.float64()).fill_null(np.nan) if column.null_count else column).to_numpy(zero_copy_only=False)
+                reasons = _row_problems(batch, key, features, matrix)
+                valid = reasons == ""
+                if not valid.all():
+                    first = int(np.flatnonzero(~valid)[0])
+                    if config.inference.bad_rows == "fail":
+                        raise DataError(f"{shard['uri']}: {int((~valid).sum())} row(s) cannot be scored, first at row "
+                                        f"{offset + first} (key {batch.column(key)[first].as_py()!r}): {reasons[first]} "
+                                        f"(inference.bad_rows=fail)")
+                    bad = pa.table({key: batch.column(key).filter(pa.array(~valid)), "reason": pa.array(list(reasons[~valid]), pa.string()),
+                                    "source_uri": pa.array([shard["uri"]] * int((~valid).sum()), pa.string()),
+                                    "source_row": pa.array(offset + np.flatnonzero(~valid), pa.int64())})
+                    if quarantine is None:
+                        fs_q, path_q = storage.filesystem(quarantine_uri)
+                        fs_q.makedirs(path_q.rsplit("/", 1)[0], exist_ok=True)
+                        quarantine_handle = fs_q.open(path_q, "wb")
+                        quarantine = pq.ParquetWriter(quarantine_handle, bad.schema)
+                    quarantine.write_table(bad)
+                    quarantined += len(bad)
                 with torch.no_grad():
-                    probabilities = torch.softmax(model(torch.from_numpy(((matrix[valid] - mean) / std).astype(np.float32))), dim=1).numpy()
+                    scaled = ((matrix[valid] - mean) / std).astype(np.float32)
+                    probabilities = torch.softmax(model(torch.from_numpy(scaled)), dim=1).numpy()
                 keys = batch.column(key).filter(pa.array(valid))
-                table = pa.table({
+                writer.write_table(pa.table({
                     key: keys,
                     "prediction": pa.array(probabilities.argmax(axis=1).astype(np.int64)),
                     "probabilities": pa.FixedSizeListArray.from_arrays(pa.array(probabilities.reshape(-1)), probabilities.shape[1]),
                     "model_version": pa.array([version] * len(keys), pa.string()),
-                })
-                if writer is None:
-                    schema = table.schema
-                    writer = pq.ParquetWriter(sink, schema)
-                writer.write_table(table)
+                }, schema=output_schema))
                 rows += len(keys)
+                offset += batch.num_rows
                 elapsed = time.monotonic() - started
-                log.info("shard %d: %d rows scored, %.0f rows/s", shard["index"], rows, rows / max(elapsed, 1e-9))
-            if writer is None:  # an empty shard still commits a valid (empty) Parquet file
-                num_classes = bundle["spec"]["num_classes"]
-                schema = pa.schema([parquet.schema_arrow.field(key), pa.field("prediction", pa.int64()),
-                                    pa.field("probabilities", pa.list_(pa.float32(), num_classes)),
-                                    pa.field("model_version", pa.string())])
-                writer = pq.ParquetWriter(sink, schema)
+                log.info("shard %d: %d rows scored, %d quarantined, %.0f rows/s", shard["index"], rows, quarantined,
+                         rows / max(elapsed, 1e-9))
         finally:
-            if writer is not None:
-                writer.close()
-    if skipped:
-        log.warning("shard %d: %d row(s) with null or non-finite features were not scored", shard["index"], skipped)
-    return {"index": shard["index"], "uri": uri, "rows": rows, "rows_skipped": skipped}
+            writer.close()
+            if quarantine is not None:
+                quarantine.close()
+                quarantine_handle.close()
+    result = {"index": shard["index"], "uri": uri, "rows": rows, "rows_quarantined": quarantined}
+    if quarantined:
+        log.warning("shard %d: %d row(s) quarantined with reasons in %s", shard["index"], quarantined, quarantine_uri)
+        result["quarantine_uri"] = quarantine_uri
+    return result
 
 
 def commit(out: str, model_uri: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     """Write ``predictions/manifest.json`` listing exactly the shards' files; drop unlisted leftovers."""
     ordered = sorted(results, key=lambda r: r["index"])
-    manifest = {"kind": "predictions", "model_uri": model_uri, "files": [{"uri": r["uri"], "rows": r["rows"]} for r in ordered],
-                "rows": sum(r["rows"] for r in ordered), "rows_skipped": sum(r.get("rows_skipped", 0) for r in ordered)}
+    manifest = {"kind": "predictions", "model_uri": model_uri,
+                "files": [{"uri": r["uri"], "rows": r["rows"]} for r in ordered],
+                "quarantine": [{"uri": r["quarantine_uri"], "rows": r["rows_quarantined"]} for r in ordered if r.get("quarantine_uri")],
+                "rows": sum(r["rows"] for r in ordered), "rows_quarantined": sum(r.get("rows_quarantined", 0) for r in ordered)}
     prefix = storage.join(out, "predictions")
     uri = storage.join(prefix, "manifest.json")
     storage.write_json(uri, manifest)
-    removed = storage.remove_unlisted(prefix, {r["uri"] for r in ordered})
-    log.info("committed %s: %d rows in %d file(s), %d stale file(s) removed", uri, manifest["rows"], len(ordered), removed)
-    return {"uri": uri, "rows": manifest["rows"], "rows_skipped": manifest["rows_skipped"]}
+    listed = {r["uri"] for r in ordered} | {q["uri"] for q in manifest["quarantine"]}
+    removed = storage.remove_unlisted(prefix, listed)
+    log.info("committed %s: %d rows in %d file(s), %d quarantined, %d stale file(s) removed", uri, manifest["rows"],
+             len(ordered), manifest["rows_quarantined"], removed)
+    return {"uri": uri, "rows": manifest["rows"], "rows_quarantined": manifest["rows_quarantined"]}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,7 +31,7 @@ def stage_timing(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str
 
 def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str, list[dict[str, Any]]],
                  preprocess: dict[str, Any], sweep: dict[str, Any], training: list[dict[str, Any]],
-                 evaluation: dict[str, Any], predictions: dict[str, Any]) -> dict[str, Any]:
+                 evaluation: dict[str, Any], predictions: dict[str, Any], registry: dict[str, Any]) -> dict[str, Any]:
     """Assemble and write report.json; returns its URI and headline numbers."""
     report = {
         "dag_id": dag_id,
@@ -46,13 +46,28 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
                                                       "val_metric", "checkpoint_uri")} for stage in training],
         "test_accuracy": evaluation.get("test_accuracy"),
         "model_uri": training[-1].get("model_uri") if training else None,
+        "registry": registry,
         "predictions": {"uri": predictions.get("uri"), "rows": predictions.get("rows"),
-                        "rows_skipped": predictions.get("rows_skipped", 0)},
+                        "rows_quarantined": predictions.get("rows_quarantined", 0),
+                        "model_version": predictions.get("model_version")},
     }
     uri = storage.join(out, "report.json")
     storage.write_json(uri, report)
     log.info("report written to %s", uri)
     return {"report_uri": uri, "test_accuracy": report["test_accuracy"]}
+
+
+def build_inference_report(*, dag_id: str, run_id: str, out: str, model: dict[str, Any],
+                           stage_results: dict[str, list[dict[str, Any]]], predictions: dict[str, Any]) -> dict[str, Any]:
+    """report.json of a batch_inference run: which model scored what, and how much was quarantined."""
+    report = {"dag_id": dag_id, "run_id": run_id, "run_prefix": out, "stages": stage_timing(stage_results),
+              "model_version": model["current"], "model_uri": model["model_uri"],
+              "predictions": {"uri": predictions.get("uri"), "rows": predictions.get("rows"),
+                              "rows_quarantined": predictions.get("rows_quarantined", 0)}}
+    uri = storage.join(out, "report.json")
+    storage.write_json(uri, report)
+    log.info("report written to %s", uri)
+    return {"report_uri": uri, "rows": report["predictions"]["rows"]}
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
@@ -65,7 +80,12 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"  train {stage['stage']}: world size {stage['world_size']}, global batch {stage['global_batch']}, "
                      f"lr {stage['lr']:.4g}, {stage['epochs']} epochs, val accuracy {stage['val_metric']:.4f}")
     lines.append(f"  test accuracy: {report['test_accuracy']:.4f}")
-    lines.append(f"  predictions: {report['predictions']['rows']} rows at {report['predictions']['uri']}")
+    registry = report.get("registry") or {}
+    if registry:
+        lines.append(f"  registry: {registry['version']} {'promoted to current' if registry['promoted'] else 'not promoted'}"
+                     f" ({registry['reason']})")
+    lines.append(f"  predictions: {report['predictions']['rows']} rows by {report['predictions'].get('model_version')}, "
+                 f"{report['predictions'].get('rows_quarantined', 0)} quarantined, at {report['predictions']['uri']}")
     lines.append("  stage seconds: " + ", ".join(f"{name} {info['duration_s']:.1f}" for name, info in stages.items()))
     return lines
 

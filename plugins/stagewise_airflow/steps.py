@@ -66,8 +66,11 @@ def _inline(work: Callable[[], Any]) -> Any:
     return result
 
 
-def start_run() -> dict[str, Any]:
-    """Validate the config with the trigger form's values once, and fix the run's storage prefix."""
+def start_run(mode: str = "pipeline") -> dict[str, Any]:
+    """Validate the config with the trigger form's values once, and fix the run's storage prefix.
+
+    ``mode="retrain"`` warm-starts the sweep from the current model's study with the retrain budget.
+    """
     from stagewise_airflow.params import overrides_from_params
     from tasks.storage import run_prefix
     from tasks.sweep import study_name
@@ -79,14 +82,35 @@ def start_run() -> dict[str, Any]:
     def work() -> dict[str, Any]:
         base = load_config(path)
         try:
-            overrides = overrides_from_params(base, dict(context["params"]))
+            params = dict(context["params"])
+            if mode == "inference":
+                overrides = {"inference.input_uri": params["input_uri"]}
+            else:
+                overrides = overrides_from_params(base, params)
         except (KeyError, ValueError) as exc:
             raise ConfigError(f"trigger params: {exc}") from None
+        if mode == "retrain":
+            from tasks import registry
+
+            incumbent = registry.current(base.storage_root)
+            overrides["sweep.num_trials"] = base.retrain.num_trials
+            overrides["sweep.warm_start_from"] = (incumbent or {}).get("study", "")
         config = load_config(path, overrides)
         return {"dag_id": dag_id, "run_id": run_id, "config": path, "overrides": overrides,
                 "out": run_prefix(config.storage_root, dag_id, run_id), "study": study_name(dag_id, run_id)}
 
     return _inline(work)
+
+
+def ingest() -> dict[str, Any]:
+    """Copy the ``source_uri`` Param's Parquet into the data set; the task's outlet Asset announces it."""
+    from tasks import storage
+    from tasks.data import ingest as ingest_files
+
+    config = load_config()
+    source = _context()["params"]["source_uri"]
+    target = storage.resolve(config.storage_root, config.dataset.uri)
+    return _inline(lambda: ingest_files(config, source, target))
 
 
 def plan_shards(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -180,7 +204,49 @@ def evaluate(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
                    run_config(run).evaluate.profile)
 
 
-def plan_inference(run: dict[str, Any], evaluation: dict[str, Any]) -> list[dict[str, Any]]:
+def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dict[str, Any], swept: dict[str, Any]) -> dict[str, Any]:
+    """Add the trained model to the registry with its card (metrics, params, data, code, source run)."""
+    from tasks import registry, storage
+
+    config = run_config(run)
+    card = {"test_accuracy": evaluation["test_accuracy"], "val_accuracy": trained.get("val_metric"),
+            "params": swept.get("best_params"), "study": run["study"], "source_run": f"{run['dag_id']}/{run['run_id']}",
+            "data_fingerprint": registry.data_fingerprint(storage.join(run["out"], "preprocess", "manifest.json")),
+            "code_version": registry.code_version(), "stages": [trained.get("stage")]}
+    return _inline(lambda: registry.register(config.storage_root, trained["model_uri"], card))
+
+
+def gate_model(run: dict[str, Any], registered: dict[str, Any]) -> dict[str, Any]:
+    """Promote the new version only if it beats the current one; return the model inference should use."""
+    from tasks import registry
+
+    config = run_config(run)
+
+    def work() -> dict[str, Any]:
+        decision = registry.gate(config.storage_root, registered["version"], config.registry.gate_metric, config.registry.margin)
+        return {**decision, "model_uri": registry.card(config.storage_root, decision["current"])["model_uri"]}
+
+    return _inline(work)
+
+
+def resolve_model(run: dict[str, Any]) -> dict[str, Any]:
+    """The registered model a batch_inference run scores with: the version Param, else the current one."""
+    from tasks import registry
+
+    config = run_config(run)
+    version = _context()["params"].get("model_version") or None
+
+    def work() -> dict[str, Any]:
+        card = registry.card(config.storage_root, version) if version else registry.current(config.storage_root)
+        if card is None:
+            raise UserError(f"no current model under {registry.models_prefix(config.storage_root)}: run ml_pipeline "
+                            f"first or name a model_version")
+        return {"current": card["version"], "model_uri": card["model_uri"]}
+
+    return _inline(work)
+
+
+def plan_inference(run: dict[str, Any], model: dict[str, Any]) -> list[dict[str, Any]]:
     from tasks import infer, storage
 
     config = run_config(run)
@@ -188,25 +254,35 @@ def plan_inference(run: dict[str, Any], evaluation: dict[str, Any]) -> list[dict
     return _inline(lambda: infer.plan(source, config.inference.rows_per_shard))
 
 
-def infer_shard(run: dict[str, Any], trained: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
-    return _launch(run, "tasks.infer", ["shard", "--model", trained["model_uri"], "--shard", json.dumps(shard),
+def infer_shard(run: dict[str, Any], model: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
+    return _launch(run, "tasks.infer", ["shard", "--model", model["model_uri"], "--shard", json.dumps(shard),
                                         "--out", run["out"]], run_config(run).inference.profile)
 
 
-def commit_predictions(run: dict[str, Any], trained: dict[str, Any], scored: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def commit_predictions(run: dict[str, Any], model: dict[str, Any], scored: Sequence[dict[str, Any]]) -> dict[str, Any]:
     from tasks import infer
 
-    return _inline(lambda: infer.commit(run["out"], trained["model_uri"], _all(scored)))
+    return _inline(lambda: {**infer.commit(run["out"], model["model_uri"], _all(scored)), "model_version": model["current"]})
 
 
 def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, transformed: Sequence[dict], prepared: dict,
-                 workers: Sequence[dict], swept: dict, trained: list[dict], evaluation: dict, scored: Sequence[dict],
-                 predictions: dict) -> dict[str, Any]:
+                 workers: Sequence[dict], swept: dict, trained: list[dict], evaluation: dict, registered: dict,
+                 gated: dict, scored: Sequence[dict], predictions: dict) -> dict[str, Any]:
     from tasks import report
 
     stage_results = {"preprocess": [*_all(stats), reduced, *_all(transformed), prepared], "sweep": [*_all(workers), swept]}
     stage_results.update({f"train_{result['stage']}": [result] for result in trained})
-    stage_results.update({"evaluate": [evaluation], "inference": [*_all(scored), predictions]})
+    stage_results.update({"evaluate": [evaluation], "registry": [registered, gated], "inference": [*_all(scored), predictions]})
     return _inline(lambda: report.build_report(
         dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], stage_results=stage_results, preprocess=prepared,
-        sweep=swept, training=list(trained), evaluation=evaluation, predictions=predictions))
+        sweep=swept, training=list(trained), evaluation=evaluation, predictions=predictions,
+        registry={"version": registered["version"], "promoted": gated["promoted"], "reason": gated["reason"],
+                  "current": gated["current"]}))
+
+
+def write_inference_report(run: dict[str, Any], model: dict[str, Any], scored: Sequence[dict], predictions: dict) -> dict[str, Any]:
+    from tasks import report
+
+    return _inline(lambda: report.build_inference_report(
+        dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], model=model,
+        stage_results={"inference": [*_all(scored), predictions]}, predictions=predictions))

@@ -65,6 +65,52 @@ def test_predictions_manifest_lists_every_row_once(report):
     assert Path(report["model_uri"]).exists()
 
 
+def test_first_model_is_registered_promoted_and_used_for_inference(report, airflow_env):
+    """With no current model the gate promotes the new one; inference scores with exactly that version."""
+    registry = report["registry"]
+    assert registry["promoted"] and registry["reason"] == "no current model"
+    assert registry["current"] == registry["version"] == report["predictions"]["model_version"]
+    storage_root = Path(airflow_env["STAGEWISE_TEST_STORAGE"])
+    card = json.loads((storage_root / "models" / registry["version"] / "card.json").read_text())
+    assert card["test_accuracy"] == report["test_accuracy"] and card["data_fingerprint"] and card["code_version"]
+    assert json.loads((storage_root / "models" / "current.json").read_text())["version"] == registry["version"]
+
+
+def _with_rows_per_shard(airflow_env: dict, tmp_path: Path, rows: int) -> str:
+    import yaml
+
+    raw = yaml.safe_load(Path(airflow_env["STAGEWISE_CONFIG"]).read_text())
+    raw["inference"]["rows_per_shard"] = rows
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_batch_inference_dag_scores_with_the_current_model(report, airflow_env, tmp_path):
+    """batch_inference scores any raw-schema Parquet with the current model, quarantining unscorable rows."""
+    import numpy as np
+    import pyarrow as pa
+
+    storage_root = Path(airflow_env["STAGEWISE_TEST_STORAGE"])
+    source = pq.read_table(sorted((storage_root / "raw" / "digits").glob("*.parquet"))[0])
+    column = source.column("px_05").to_numpy().copy()
+    column[:3] = np.nan
+    dirty = source.set_column(source.column_names.index("px_05"), "px_05", pa.array(column))
+    pq.write_table(dirty, tmp_path / "to_score.parquet", row_group_size=100)
+    airflow({**airflow_env, "STAGEWISE_CONFIG": _with_rows_per_shard(airflow_env, tmp_path, 200)},
+            "dags", "test", "batch_inference", "-c", json.dumps({"input_uri": str(tmp_path / "to_score.parquet")}))
+    found = sorted(storage_root.glob("runs/batch_inference/*/report.json"))
+    assert len(found) == 1
+    inference = json.loads(found[0].read_text())
+    assert inference["model_version"] == report["registry"]["current"]
+    assert inference["predictions"]["rows"] == dirty.num_rows - 3 and inference["predictions"]["rows_quarantined"] == 3
+    from tasks.infer import plan
+
+    shards = plan(str(tmp_path / "to_score.parquet"), rows_per_shard=200)
+    assert len(shards) == 3  # 449 rows in row groups of 100, about 200 rows a shard
+    assert inference["stages"]["inference"]["num_tasks"] == len(shards) + 1  # the shards and the commit
+
+
 def test_out_of_bounds_conf_is_refused_naming_the_param(airflow_env):
     """A conf outside the Params' bounds never starts a run, and the error names the param."""
     result = airflow(airflow_env, "dags", "test", "ml_pipeline", "-c", json.dumps({"num_trials": 0}), check=False)

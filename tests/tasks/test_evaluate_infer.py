@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import numpy as np
@@ -202,21 +204,41 @@ def test_rescoring_a_shard_and_committing_again_is_idempotent(trained):
     assert on_disk == listed and not listed & {entry["uri"] for entry in first["files"]}
 
 
-def test_rows_with_missing_features_are_skipped_and_counted(trained, tmp_path):
-    """Null or non-finite feature rows are not scored; the shard and the manifest count them as skipped."""
-    config_path, out, model_uri = trained
-    config = load_config(config_path)
+def _dirty_input(config, tmp_path):
     source = pq.read_table(storage.list_parquet(storage.resolve(config.storage_root, config.dataset.uri))[0])
     column = source.column("px_10").to_numpy().copy()
     column[:5] = np.nan
     dirty = source.set_column(source.column_names.index("px_10"), "px_10", pa.array(column))
     path = tmp_path / "dirty" / "part-00000.parquet"
-    path.parent.mkdir()
+    path.parent.mkdir(exist_ok=True)
     pq.write_table(dirty, path)
+    return path, dirty
+
+
+def test_rows_with_missing_features_are_quarantined_with_a_reason(trained, tmp_path):
+    """Null or non-finite feature rows are not scored; they go to quarantine with a reason and are counted."""
+    config_path, out, model_uri = trained
+    config = load_config(config_path)
+    path, dirty = _dirty_input(config, tmp_path)
     prefix = str(tmp_path / "dirty_run")
     shards = infer.plan(str(path), rows_per_shard=10_000)
     committed = infer.commit(prefix, model_uri, _score_all(config, model_uri, shards, prefix))
-    assert committed["rows_skipped"] == 5 and committed["rows"] == dirty.num_rows - 5
+    assert committed["rows_quarantined"] == 5 and committed["rows"] == dirty.num_rows - 5
+    manifest = json.loads(Path(committed["uri"]).read_text())
+    quarantined = pq.read_table(manifest["quarantine"][0]["uri"])
+    assert quarantined.column("source_row").to_pylist() == [0, 1, 2, 3, 4]
+    assert set(quarantined.column("reason").to_pylist()) == {"null or non-finite feature 'px_10'"}
+    assert set(quarantined.column("row_id").to_pylist()) == set(dirty.column("row_id").to_pylist()[:5])
+
+
+def test_bad_rows_can_be_fatal_naming_file_row_and_reason(trained, tmp_path):
+    """With inference.bad_rows=fail the shard fails without retry, naming the file, the row and the reason."""
+    config_path, out, model_uri = trained
+    config = load_config(config_path, {"inference.bad_rows": "fail"})
+    path, _ = _dirty_input(config, tmp_path)
+    shard = infer.plan(str(path), rows_per_shard=10_000)[0]
+    with pytest.raises(UserError, match=r"5 row\(s\) cannot be scored, first at row 0 .*'px_10'.*bad_rows=fail"):
+        infer.score_shard(config, model_uri, shard, str(tmp_path / "fatal_run"))
 
 
 def test_missing_model_column_names_the_file(trained, tmp_path):

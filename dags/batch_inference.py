@@ -1,0 +1,39 @@
+"""batch_inference: score any Parquet data set with a registered model, in parallel shards.
+
+Params: ``input_uri`` (raw-schema Parquet file or folder) and ``model_version`` (empty: the current
+model). Output: ``runs/batch_inference/<run_id>/predictions/`` with a manifest, and report.json.
+"""
+
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import Param, dag, task
+
+from stagewise_airflow import steps, wiring
+from tasks.config import load_config
+
+CONFIG = load_config()
+
+
+@dag(
+    dag_id="batch_inference",
+    schedule=None,
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    params={
+        "input_uri": Param(CONFIG.inference.input_uri or CONFIG.dataset.uri, type="string", minLength=1,
+                           description="Parquet file or folder to score (relative to the storage root, or a URI)."),
+        "model_version": Param("", type="string", description="Registered model version; empty means the current one."),
+    },
+    tags=["stagewise", "ml", "inference"],
+    doc_md=__doc__,
+)
+def batch_inference() -> None:
+    run = wiring.start(CONFIG, mode="inference")
+    model = task(steps.resolve_model, task_id="resolve_model", retries=0)(run)
+    inferred = wiring.inference_chain(CONFIG, run, model)
+    task(steps.write_inference_report, task_id="report", **wiring.knobs(CONFIG, CONFIG.preprocess.profile))(
+        run, model, inferred["scored"], inferred["predictions"])
+
+
+batch_inference()

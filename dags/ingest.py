@@ -1,0 +1,32 @@
+"""ingest: copy new raw Parquet shards into the data set's location and announce them (the Asset).
+
+A finished ingest run emits an event on the ``stagewise_raw_data`` asset, which triggers ``retrain``.
+Param ``source_uri``: a Parquet file or folder with the data set's schema.
+"""
+
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import Param, dag, task
+
+from stagewise_airflow import steps, wiring
+from tasks.config import load_config
+
+CONFIG = load_config()
+
+
+@dag(
+    dag_id="ingest",
+    schedule=None,
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    params={"source_uri": Param("", type="string", minLength=1, description="New raw Parquet file or folder to add.")},
+    tags=["stagewise", "data"],
+    doc_md=__doc__,
+)
+def ingest() -> None:
+    task(steps.ingest, task_id="ingest", outlets=[wiring.raw_data_asset(CONFIG)],
+         **wiring.knobs(CONFIG, CONFIG.preprocess.profile))()
+
+
+ingest()

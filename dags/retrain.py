@@ -1,0 +1,35 @@
+"""retrain: the ML pipeline on a cron schedule and whenever new raw data lands (an Airflow Asset).
+
+The sweep warm-starts from the current model's study with the smaller retrain budget
+(``retrain.num_trials``); the new model replaces the current one only if it passes the gate.
+New data: an ``ingest`` run, or ``POST /api/v2/assets/events`` for the ``stagewise_raw_data`` asset.
+"""
+
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import AssetOrTimeSchedule, CronTriggerTimetable, dag
+
+from stagewise_airflow import wiring
+from stagewise_airflow.params import pipeline_params
+from tasks.config import load_config
+
+CONFIG = load_config()
+
+
+@dag(
+    dag_id="retrain",
+    schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable(CONFIG.retrain.schedule, timezone="UTC"),
+                                 assets=[wiring.raw_data_asset(CONFIG)]),
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    params=pipeline_params(CONFIG),
+    tags=["stagewise", "ml", "retrain"],
+    doc_md=__doc__,
+)
+def retrain() -> None:
+    wiring.pipeline(CONFIG, mode="retrain")
+
+
+retrain()

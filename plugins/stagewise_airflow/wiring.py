@@ -1,0 +1,79 @@
+"""Task chains shared by the DAG files: each function adds its tasks to the DAG being defined.
+
+Still wiring only: every task body is a thin step from :mod:`stagewise_airflow.steps`; the config
+decides task ids, mapping and each task's instance profile (pool, slots, queue, retries, timeout).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.sdk import Asset, task
+
+from stagewise_airflow import steps
+from stagewise_airflow.profiles import task_kwargs
+from tasks.config import PipelineConfig
+
+
+def knobs(config: PipelineConfig, profile: str) -> dict[str, Any]:
+    return task_kwargs(config.profile(profile))
+
+
+def raw_data_asset(config: PipelineConfig) -> Asset:
+    """The Asset for the raw data location: an ingest task or the REST API's asset events mark new data."""
+    from tasks.storage import resolve
+
+    location = resolve(config.storage_root, config.dataset.uri)
+    uri = location if "://" in location else f"file://{location}"
+    return Asset(uri=uri, name="stagewise_raw_data")
+
+
+def start(config: PipelineConfig, mode: str = "pipeline") -> Any:
+    return task(steps.start_run, task_id="start_run", retries=0)(mode)
+
+
+def training_chain(config: PipelineConfig, run: Any) -> dict[str, Any]:
+    """preprocess -> sweep -> train stages -> evaluate -> register -> gate; returns the XComArgs the report needs."""
+    bookkeeping = knobs(config, config.preprocess.profile)
+    shards = task(steps.plan_shards, task_id="plan_shards", **bookkeeping)(run)
+    stats = task(steps.preprocess_stats, task_id="preprocess_stats", **knobs(config, config.preprocess.profile)).partial(
+        run=run).expand(shard=shards)
+    reduced = task(steps.reduce_stats, task_id="reduce_stats", **bookkeeping)(run, stats)
+    transformed = task(steps.preprocess_transform, task_id="preprocess_transform", **knobs(config, config.preprocess.profile)).partial(
+        run=run, reduced=reduced).expand(shard=shards)
+    prepared = task(steps.commit_preprocess, task_id="commit_preprocess", **bookkeeping)(run, reduced, transformed)
+
+    worker_ids = task(steps.create_study, task_id="create_study", **bookkeeping)(run, prepared)
+    workers = task(steps.sweep_worker, task_id="sweep_worker", **knobs(config, config.sweep.profile)).partial(
+        run=run).expand(worker=worker_ids)
+    swept = task(steps.sweep_summary, task_id="sweep_summary", **bookkeeping)(run, workers)
+
+    trained, previous = [], None
+    for stage in config.train.stages:
+        previous = task(steps.train_stage, task_id=f"train_{stage.name}", **knobs(config, stage.profile))(
+            run, stage.name, swept, previous)
+        trained.append(previous)
+
+    evaluation = task(steps.evaluate, task_id="evaluate", **knobs(config, config.evaluate.profile))(run, previous)
+    registered = task(steps.register_model, task_id="register_model", **bookkeeping)(run, previous, evaluation, swept)
+    gated = task(steps.gate_model, task_id="gate_model", **bookkeeping)(run, registered)
+    return {"stats": stats, "reduced": reduced, "transformed": transformed, "prepared": prepared, "workers": workers,
+            "swept": swept, "trained": trained, "evaluation": evaluation, "registered": registered, "gated": gated}
+
+
+def inference_chain(config: PipelineConfig, run: Any, model: Any) -> dict[str, Any]:
+    """plan -> infer_shard[*] -> commit, scoring with ``model`` (a dict holding model_uri and version)."""
+    bookkeeping = knobs(config, config.preprocess.profile)
+    shards = task(steps.plan_inference, task_id="plan_inference", **bookkeeping)(run, model)
+    scored = task(steps.infer_shard, task_id="infer_shard", **knobs(config, config.inference.profile)).partial(
+        run=run, model=model).expand(shard=shards)
+    predictions = task(steps.commit_predictions, task_id="commit_predictions", **bookkeeping)(run, model, scored)
+    return {"scored": scored, "predictions": predictions}
+
+
+def pipeline(config: PipelineConfig, mode: str = "pipeline") -> None:
+    """The whole ML pipeline: training chain, then inference with the model the gate left current, then the report."""
+    run = start(config, mode)
+    trained = training_chain(config, run)
+    inferred = inference_chain(config, run, trained["gated"])
+    task(steps.write_report, task_id="report", **knobs(config, config.preprocess.profile))(run, **trained, **inferred)
