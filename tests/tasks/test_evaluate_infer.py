@@ -266,3 +266,53 @@ def test_an_empty_input_file_commits_a_readable_shard(trained, tmp_path):
     assert manifest["rows"] == 0
     for entry in manifest["files"]:
         assert pq.read_table(entry["uri"]).num_rows == 0
+
+
+def test_rerun_gives_byte_identical_committed_output(trained, tmp_path):
+    """Re-running every shard and the commit yields the same bytes in every committed file, and no duplicate row."""
+    config_path, out, model_uri = trained
+    config = load_config(config_path)
+    source = storage.resolve(config.storage_root, config.dataset.uri)
+    prefix = str(tmp_path / "rerun")
+    shards = infer.plan(source, rows_per_shard=200)
+    first = json.loads(Path(infer.commit(prefix, model_uri, _score_all(config, model_uri, shards, prefix))["uri"]).read_text())
+    first_bytes = [Path(entry["uri"]).read_bytes() for entry in first["files"]]
+    second = json.loads(Path(infer.commit(prefix, model_uri, _score_all(config, model_uri, shards, prefix))["uri"]).read_text())
+    assert [Path(entry["uri"]).read_bytes() for entry in second["files"]] == first_bytes
+    keys = _read(second).column("row_id").to_pylist()
+    assert len(keys) == len(set(keys)) == second["rows"]
+
+
+def test_crash_between_shard_writes_leaves_nothing_half_visible(trained, tmp_path, monkeypatch):
+    """Shards written before a crash (and a torn one) are invisible: no manifest; the retry's commit lists only its files."""
+    config_path, out, model_uri = trained
+    config = load_config(config_path)
+    source = storage.resolve(config.storage_root, config.dataset.uri)
+    prefix = str(tmp_path / "crashed")
+    shards = infer.plan(source, rows_per_shard=200)
+    infer.score_shard(config, model_uri, shards[0], prefix)  # one shard done, then the worker dies
+
+    import torch
+
+    calls = {"n": 0}
+    real_softmax = torch.softmax
+
+    def dying_softmax(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise OSError("worker lost mid-shard")
+        return real_softmax(*args, **kwargs)
+
+    small = load_config(config_path, {"inference.batch_size": 100})
+    monkeypatch.setattr(torch, "softmax", dying_softmax)
+    with pytest.raises(OSError):
+        infer.score_shard(small, model_uri, shards[1], prefix)  # torn: one batch written, then the crash
+    monkeypatch.undo()
+    assert not (Path(prefix) / "predictions" / "manifest.json").exists(), "no commit, nothing visible"
+
+    committed = infer.commit(prefix, model_uri, _score_all(config, model_uri, shards, prefix))
+    manifest = json.loads(Path(committed["uri"]).read_text())
+    on_disk = {str(p) for p in (Path(prefix) / "predictions").glob("*.parquet")}
+    assert on_disk == {entry["uri"] for entry in manifest["files"]}, "leftovers of the crash are gone"
+    keys = _read(manifest).column("row_id").to_pylist()
+    assert len(keys) == len(set(keys)) == sum(shard["rows"] for shard in shards)
