@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from bench import sweep, training
+from bench import inference, sweep, training
 
 Benchmark = Callable[..., dict[str, Any]]
 
@@ -20,4 +20,7 @@ BENCHMARKS: dict[str, tuple[Benchmark, str]] = {
     "sweep_pruning_epochs": (sweep.sweep_pruning_epochs, "<= 0.4"),
     "sweep_pruning_quality": (sweep.sweep_pruning_quality, ">= 0.99"),
     "sweep_parallel_speedup": (sweep.sweep_parallel_speedup, ">= 1.6"),
+    "inference_throughput": (inference.inference_throughput, ">= 0.9"),
+    "inference_parallel_speedup": (inference.inference_parallel_speedup, ">= 1.6"),
+    "inference_memory_growth": (inference.inference_memory_growth, "<= 1.5"),
 }

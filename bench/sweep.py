@@ -71,8 +71,9 @@ def sweep_pruning_quality(rows: int = 6_000) -> dict[str, Any]:
             "details": {"pruned_best_params": pruned["best_params"], "unpruned_best_params": full["best_params"]}}
 
 
-def _sweep_span(instances: list[dict]) -> float:
-    workers = [ti for ti in instances if ti["task_id"] == "sweep_worker"]
+def _span_of(instances: list[dict], task_id: str) -> float:
+    """Seconds from the first start to the last end of the mapped instances of ``task_id``."""
+    workers = [ti for ti in instances if ti["task_id"] == task_id]
     starts = [datetime.fromisoformat(ti["start_date"]) for ti in workers]
     ends = [datetime.fromisoformat(ti["end_date"]) for ti in workers]
     return (max(ends) - min(starts)).total_seconds()
@@ -117,7 +118,7 @@ def sweep_parallel_speedup(rows: int = 0) -> dict[str, Any]:
                 state = live.wait_for_run("ml_pipeline", run_id, timeout=900)
                 if state != "success":
                     raise RuntimeError(f"ml_pipeline run with {workers} worker(s) ended {state}:\n{live.logs_tail()}")
-                spans[workers] = _sweep_span(live.task_instances("ml_pipeline", run_id))
+                spans[workers] = _span_of(live.task_instances("ml_pipeline", run_id), "sweep_worker")
     return {"ours": spans[1], "baseline": spans[2], "unit": "s (1 worker / 2 workers)",
             "details": {"one_worker_s": round(spans[1], 2), "two_workers_s": round(spans[2], 2), "num_trials": 12,
                         "epochs_per_trial": 30, "note": "ratio = 1-worker time / 2-worker time (a speed-up)"}}

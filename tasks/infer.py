@@ -105,8 +105,7 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
                                    pa.field("model_version", pa.string())])
         writer = pq.ParquetWriter(sink, output_schema)
         try:
-            for batch in parquet.iter_batches(batch_size=config.inference.batch_size, row_groups=shard["row_groups"],
-                                              columns=[key, *features]):
+            for batch in storage.iter_batches(parquet, [key, *features], config.inference.batch_size, shard["row_groups"]):
                 matrix = np.empty((batch.num_rows, len(features)), dtype=np.float64)
                 for j, name in enumerate(features):
                     column = batch.column(name)
@@ -137,7 +136,7 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
                     key: keys,
                     "prediction": pa.array(probabilities.argmax(axis=1).astype(np.int64)),
                     "probabilities": pa.FixedSizeListArray.from_arrays(pa.array(probabilities.reshape(-1)), probabilities.shape[1]),
-                    "model_version": pa.array([version] * len(keys), pa.string()),
+                    "model_version": pa.repeat(pa.scalar(version, pa.string()), len(keys)),
                 }, schema=output_schema))
                 rows += len(keys)
                 offset += batch.num_rows

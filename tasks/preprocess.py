@@ -132,12 +132,10 @@ def iter_clean(uri: str, dataset: Dataset) -> Iterator[tuple[Columns, CleanBatch
 
     A label outside [0, num_classes) is not dirt but a wrong schema: it fails naming file and value.
     """
-    fs, path = storage.filesystem(uri)
-    with fs.open(path, "rb") as handle:
-        parquet = pq.ParquetFile(handle)
+    with storage.open_parquet(uri) as parquet:
         columns = resolve_columns(dataset, parquet.schema_arrow, uri)
         wanted = [columns.key, columns.label, *columns.features]
-        for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=wanted):
+        for batch in storage.iter_batches(parquet, wanted, BATCH_ROWS):
             features = _feature_matrix(batch, columns.features)
             label_column = batch.column(columns.label)
             key_column = batch.column(columns.key)

@@ -126,7 +126,7 @@ def open_parquet(uri: str) -> Iterator[Any]:
 
     fs, path = filesystem(uri)
     if isinstance(fs, LocalFileSystem):
-        parquet = pq.ParquetFile(path, memory_map=True)
+        parquet = pq.ParquetFile(path)  # not memory-mapped: mapped pages would count against the worker's memory
         try:
             yield parquet
         finally:
@@ -134,6 +134,19 @@ def open_parquet(uri: str) -> Iterator[Any]:
         return
     with fs.open(path, "rb") as handle:
         yield pq.ParquetFile(handle)
+
+
+def iter_batches(parquet: Any, columns: list[str], batch_size: int, row_groups: list[int] | None = None) -> Iterator[Any]:
+    """Record batches of ``columns``, one row group in memory at a time.
+
+    pyarrow's own ``ParquetFile.iter_batches`` reads ahead and held ~1.5x the file in memory in our
+    measurement (2M rows: 800 MB); reading row group by row group kept it at ~150 MB.
+    """
+    groups = range(parquet.num_row_groups) if row_groups is None else row_groups
+    for index in groups:
+        table = parquet.read_row_group(index, columns=columns)
+        yield from table.to_batches(max_chunksize=batch_size)
+        del table
 
 
 def remove_unlisted(prefix: str, keep: set[str]) -> int:
