@@ -28,7 +28,8 @@ def _inputs(out: str) -> dict:
                   {"stage": "s2", "world_size": 2, "global_batch": 128, "lr": 0.2, "epochs": 2, "steps": 20,
                    "val_metric": 0.95, "checkpoint_uri": f"{out}/train/s2/final.pt", "model_uri": f"{out}/train/s2/model.pt"}],
         evaluation={"test_accuracy": 0.93},
-        predictions={"uri": f"{out}/predictions/manifest.json", "rows": 16},
+        predictions={"uri": f"{out}/predictions/manifest.json", "rows": 16, "model_version": "m-abc"},
+        registry={"version": "m-abc", "promoted": True, "reason": "no current model", "current": "m-abc"},
     )
 
 
