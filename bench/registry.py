@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from bench import inference, sweep, training
+from bench import dag_parse, inference, preprocess, sweep, training
 
 Benchmark = Callable[..., dict[str, Any]]
 
 BENCHMARKS: dict[str, tuple[Benchmark, str]] = {
+    "preprocess_vs_pandas": (preprocess.preprocess_vs_pandas, ">= 1.5"),
+    "preprocess_vs_pyarrow": (preprocess.preprocess_vs_pyarrow, ">= 0.75"),
+    "dag_parse": (dag_parse.dag_parse, "<= 1.5"),
     "train_throughput": (training.train_throughput, ">= 0.95"),
     "growing_batch_steps": (training.growing_batch_steps, "<= 0.5"),
     "parquet_loading": (training.parquet_loading, ">= 0.7"),
