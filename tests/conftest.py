@@ -112,3 +112,26 @@ def postgres_url():
         with admin.cursor() as cursor:
             cursor.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         admin.close()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 HTTP endpoint on 127.0.0.1 (moto's server mode, as s3fs tests itself) and the AWS env to reach it.
+
+    Credentials are fake but distinctive, so a test can check they never leak into logs or outputs.
+    """
+    import secrets
+    import socket
+
+    server_module = pytest.importorskip("moto.server")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": f"AKIA{secrets.token_hex(8).upper()}",
+           "AWS_SECRET_ACCESS_KEY": secrets.token_urlsafe(30), "AWS_DEFAULT_REGION": "us-east-1"}
+    try:
+        yield env
+    finally:
+        server.stop()

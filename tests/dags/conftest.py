@@ -12,26 +12,30 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="session")
-def airflow_env(tmp_path_factory) -> dict:
-    """Environment for `airflow` CLI calls: a fresh home and DB, the demo config on a scratch storage root."""
-    home = tmp_path_factory.mktemp("airflow_home")
-    storage_root = tmp_path_factory.mktemp("storage")
+def make_airflow_env(home: Path, storage_root: str, journal_dir: Path, extra: dict | None = None) -> dict:
+    """A fresh Airflow home and DB, pools created, the demo config on ``storage_root`` and its data written."""
     with open(REPO_ROOT / "pipeline.yaml") as handle:
         raw = yaml.safe_load(handle)
-    raw["storage_root"] = str(storage_root)
-    raw["sweep"]["storage"] = f"journal://{storage_root}/optuna.journal"
+    raw["storage_root"] = storage_root
+    raw["sweep"]["storage"] = f"journal://{journal_dir}/optuna.journal"
     config_path = home / "pipeline.yaml"
     config_path.write_text(yaml.safe_dump(raw))
     env = dict(os.environ)
     env.update({"AIRFLOW_HOME": str(home), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
-                "STAGEWISE_CONFIG": str(config_path), "STAGEWISE_TEST_STORAGE": str(storage_root)})
+                "STAGEWISE_CONFIG": str(config_path), "STAGEWISE_TEST_STORAGE": storage_root, **(extra or {})})
     airflow(env, "db", "migrate")
     command = ". scripts/airflow_env.sh && exec python -m stagewise_airflow.pools"
     subprocess.run(["bash", "-c", command], cwd=REPO_ROOT, env=env, check=True, capture_output=True)
     subprocess.run([str(REPO_ROOT / ".venv/bin/python"), "-m", "tasks.data", "demo"], cwd=REPO_ROOT, env=_with_path(env),
                    check=True, capture_output=True)
     return env
+
+
+@pytest.fixture(scope="session")
+def airflow_env(tmp_path_factory) -> dict:
+    """Environment for `airflow` CLI calls: a fresh home and DB, the demo config on a scratch storage root."""
+    storage_root = tmp_path_factory.mktemp("storage")
+    return make_airflow_env(tmp_path_factory.mktemp("airflow_home"), str(storage_root), storage_root)
 
 
 def _with_path(env: dict) -> dict:
