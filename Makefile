@@ -7,12 +7,13 @@ AIRFLOW_ENV := . scripts/airflow_env.sh
 ONLY ?=
 PYTEST_ARGS ?=
 
-.PHONY: help venv airflow-init demo-data demo test bench clean
+.PHONY: help venv airflow-init demo-data demo test bench up down clean
 
 help:
 	@echo "make demo   - run ml_pipeline end to end on the digits data (SQLite, LocalExecutor, local files)"
 	@echo "make test   - run the whole test suite"
 	@echo "make bench  - run the benchmarks (ONLY=a,b for a subset) into bench/results/latest.json"
+	@echo "make up     - start a local Airflow (UI on 127.0.0.1:8080, scheduler, dag-processor); make down stops it"
 
 venv: $(STAMP)
 
@@ -41,5 +42,11 @@ test: airflow-init
 bench: airflow-init
 	@$(AIRFLOW_ENV) && python -m bench $(if $(ONLY),--only $(ONLY))
 
-clean:
+up: airflow-init demo-data
+	@bash scripts/airflow_up.sh
+
+down:
+	@bash scripts/airflow_down.sh
+
+clean: down
 	rm -rf .airflow .stagewise storage

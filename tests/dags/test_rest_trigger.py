@@ -1,0 +1,44 @@
+"""Triggering through the REST API with a conf, as the UI does: bad conf is refused naming the param."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def test_rest_trigger_refuses_out_of_bounds_conf_and_runs_a_valid_one(live_airflow, tmp_path, subprocess_env):
+    """POST dagRuns with num_trials=0 is a 400 naming num_trials; a valid ingest conf runs to success."""
+    import subprocess
+    import sys
+
+    storage_root = tmp_path / "storage"
+    raw = yaml.safe_load((REPO_ROOT / "pipeline.yaml").read_text())
+    raw["storage_root"] = str(storage_root)
+    raw["sweep"]["storage"] = f"journal://{storage_root}/optuna.journal"
+    config_path = tmp_path / "pipeline.yaml"
+    config_path.write_text(yaml.safe_dump(raw))
+    env = {**subprocess_env, "STAGEWISE_CONFIG": str(config_path)}
+    new_data = tmp_path / "incoming"
+    subprocess.run([sys.executable, "-m", "tasks.data", "digits", str(new_data), "--num-shards", "1"], cwd=REPO_ROOT,
+                   env=env, check=True, capture_output=True)
+
+    live = live_airflow(REPO_ROOT / "dags", {"STAGEWISE_CONFIG": str(config_path)})
+    live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "cpu_cores", "slots": 2})
+    for dag_id in ("ml_pipeline", "ingest"):
+        live.wait_for_dag(dag_id)
+        live.unpause(dag_id)
+
+    refused = live.api("POST", "/api/v2/dags/ml_pipeline/dagRuns", expect=(400,),
+                       json={"logical_date": None, "conf": {"num_trials": 0}})
+    assert "num_trials" in refused.text
+
+    run_id = live.trigger("ingest", {"source_uri": str(new_data)})
+    assert live.wait_for_run("ingest", run_id, timeout=180) == "success", live.logs_tail()
+    added = live.xcom("ingest", run_id, "ingest")["added"]
+    assert len(added) == 1 and Path(added[0]).parent == storage_root / "raw" / "digits"
