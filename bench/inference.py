@@ -153,7 +153,7 @@ def inference_parallel_speedup(rows: int = 400_000) -> dict[str, Any]:
             live.wait_for_dag("batch_inference")
             live.unpause("batch_inference")
             for workers in (1, 2):
-                live.api("PATCH", "/api/v2/pools/infer_pool", json={"name": "infer_pool", "slots": workers})
+                live.api("PATCH", "/api/v2/pools/infer_pool", json={"name": "infer_pool", "slots": workers, "include_deferred": False})
                 run_id = live.trigger("batch_inference", {"input_uri": source})
                 state = live.wait_for_run("batch_inference", run_id, timeout=600)
                 if state != "success":

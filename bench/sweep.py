@@ -5,7 +5,6 @@ Each function returns ``{"ours", "baseline", "unit", "details"}``; the harness t
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from datetime import datetime
@@ -114,11 +113,11 @@ def sweep_parallel_speedup(rows: int = 0) -> dict[str, Any]:
             live.wait_for_dag("ml_pipeline")
             live.unpause("ml_pipeline")
             for workers in (1, 2):
-                run_id = live.trigger("ml_pipeline", {"num_trials": 12, "num_sweep_workers": workers, "sweep_epochs": 30})
+                run_id = live.trigger("ml_pipeline", {"num_trials": 24, "num_sweep_workers": workers, "sweep_epochs": 30})
                 state = live.wait_for_run("ml_pipeline", run_id, timeout=900)
                 if state != "success":
                     raise RuntimeError(f"ml_pipeline run with {workers} worker(s) ended {state}:\n{live.logs_tail()}")
                 spans[workers] = _span_of(live.task_instances("ml_pipeline", run_id), "sweep_worker")
     return {"ours": spans[1], "baseline": spans[2], "unit": "s (1 worker / 2 workers)",
-            "details": {"one_worker_s": round(spans[1], 2), "two_workers_s": round(spans[2], 2), "num_trials": 12,
+            "details": {"one_worker_s": round(spans[1], 2), "two_workers_s": round(spans[2], 2), "num_trials": 24,
                         "epochs_per_trial": 30, "note": "ratio = 1-worker time / 2-worker time (a speed-up)"}}

@@ -92,8 +92,11 @@ def service_unavailable(reason: str) -> None:
 
 
 @pytest.fixture
-def postgres_url():
-    """A fresh, empty PostgreSQL database for one test (127.0.0.1:5432 by default, $STAGEWISE_TEST_PG to change)."""
+def postgres_databases():
+    """A factory of fresh, empty PostgreSQL databases (dropped after the test); returns their URLs.
+
+    The server is 127.0.0.1:5432 by default ($STAGEWISE_TEST_PG to change).
+    """
     import uuid
 
     psycopg2 = pytest.importorskip("psycopg2")
@@ -103,15 +106,28 @@ def postgres_url():
     except psycopg2.OperationalError as exc:
         service_unavailable(f"PostgreSQL at {server} is unreachable: {str(exc).strip()}")
     admin.autocommit = True
-    name = f"stagewise_test_{uuid.uuid4().hex[:8]}"
-    with admin.cursor() as cursor:
-        cursor.execute(f"CREATE DATABASE {name}")
+    created: list[str] = []
+
+    def create() -> str:
+        name = f"stagewise_test_{uuid.uuid4().hex[:8]}"
+        with admin.cursor() as cursor:
+            cursor.execute(f"CREATE DATABASE {name}")
+        created.append(name)
+        return f"{server}/{name}"
+
     try:
-        yield f"{server}/{name}"
+        yield create
     finally:
         with admin.cursor() as cursor:
-            cursor.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+            for name in created:
+                cursor.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         admin.close()
+
+
+@pytest.fixture
+def postgres_url(postgres_databases) -> str:
+    """One fresh, empty PostgreSQL database for a test."""
+    return postgres_databases()
 
 
 @pytest.fixture(scope="session")

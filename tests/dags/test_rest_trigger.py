@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import base_config
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
@@ -18,11 +20,8 @@ def test_rest_trigger_refuses_out_of_bounds_conf_and_runs_a_valid_one(live_airfl
     import sys
 
     storage_root = tmp_path / "storage"
-    raw = yaml.safe_load((REPO_ROOT / "pipeline.yaml").read_text())
-    raw["storage_root"] = str(storage_root)
-    raw["sweep"]["storage"] = f"journal://{storage_root}/optuna.journal"
     config_path = tmp_path / "pipeline.yaml"
-    config_path.write_text(yaml.safe_dump(raw))
+    config_path.write_text(yaml.safe_dump(base_config(storage_root)))
     env = {**subprocess_env, "STAGEWISE_CONFIG": str(config_path)}
     new_data = tmp_path / "incoming"
     subprocess.run([sys.executable, "-m", "tasks.data", "digits", str(new_data), "--num-shards", "1"], cwd=REPO_ROOT,

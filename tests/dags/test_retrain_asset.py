@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import base_config
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
@@ -19,12 +21,8 @@ def test_asset_event_triggers_retrain_which_registers_and_promotes(live_airflow,
     import sys
 
     storage_root = tmp_path / "storage"
-    raw = yaml.safe_load((REPO_ROOT / "pipeline.yaml").read_text())
-    raw["storage_root"] = str(storage_root)
-    raw["sweep"].update({"storage": f"journal://{storage_root}/optuna.journal", "epochs": 3})
+    raw = base_config(storage_root)  # small sweep, 2 epochs a stage
     raw["retrain"] = {"schedule": "0 0 1 1 *", "num_trials": 2}
-    for stage in raw["train"]["stages"]:
-        stage["epochs"] = 2
     config_path = tmp_path / "pipeline.yaml"
     config_path.write_text(yaml.safe_dump(raw))
     env = {**subprocess_env, "STAGEWISE_CONFIG": str(config_path)}

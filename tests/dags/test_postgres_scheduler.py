@@ -1,0 +1,58 @@
+"""Production layout on one machine: PostgreSQL as Airflow's metadata DB and as the Optuna storage, a real
+scheduler with LocalExecutor parallelism > 1, and mapped sub-jobs that really run side by side."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import base_config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def _overlapping(instances: list[dict]) -> bool:
+    spans = sorted((datetime.fromisoformat(ti["start_date"]), datetime.fromisoformat(ti["end_date"])) for ti in instances)
+    return any(later_start < earlier_end for (_, earlier_end), (later_start, _) in zip(spans, spans[1:]))
+
+
+def test_pipeline_on_postgresql_with_overlapping_mapped_tasks(live_airflow, postgres_databases, tmp_path, subprocess_env):
+    """ml_pipeline succeeds with Airflow and Optuna on PostgreSQL; mapped preprocess and sweep tasks overlapped."""
+    import subprocess
+    import sys
+
+    storage_root = tmp_path / "storage"
+    raw = base_config(storage_root)
+    # Separate databases: Airflow and Optuna each keep their own alembic_version table.
+    raw["sweep"]["storage"] = postgres_databases().replace("postgresql://", "postgresql+psycopg2://")
+    config_path = tmp_path / "pipeline.yaml"
+    config_path.write_text(yaml.safe_dump(raw))
+    env = {**subprocess_env, "STAGEWISE_CONFIG": str(config_path)}
+    subprocess.run([sys.executable, "-m", "tasks.data", "demo"], cwd=REPO_ROOT, env=env, check=True, capture_output=True)
+
+    airflow_db = postgres_databases().replace("postgresql://", "postgresql+psycopg2://")
+    live = live_airflow(REPO_ROOT / "dags", {"STAGEWISE_CONFIG": str(config_path),
+                                             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": airflow_db})
+    live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "cpu_cores", "slots": 2})
+    live.wait_for_dag("ml_pipeline")
+    live.unpause("ml_pipeline")
+    run_id = live.trigger("ml_pipeline", {"num_trials": 4, "num_sweep_workers": 2})
+    assert live.wait_for_run("ml_pipeline", run_id, timeout=600) == "success", live.logs_tail()
+
+    instances = live.task_instances("ml_pipeline", run_id)
+    for task_id in ("preprocess_stats", "sweep_worker"):
+        mapped = [ti for ti in instances if ti["task_id"] == task_id]
+        assert len(mapped) >= 2 and _overlapping(mapped), f"{task_id} instances never ran at the same time"
+    report = json.loads(next(storage_root.glob("runs/ml_pipeline/*/report.json")).read_text())
+    assert report["sweep"]["n_trials"] == 4
+
+    import optuna
+
+    studies = optuna.get_all_study_summaries(storage=raw["sweep"]["storage"])
+    assert [s.study_name for s in studies] == [report["sweep"]["study_name"]]
