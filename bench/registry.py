@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from bench import dag_parse, inference, preprocess, sweep, training
+from bench import dag_parse, inference, preprocess, s3, sweep, training
 
 Benchmark = Callable[..., dict[str, Any]]
 
@@ -26,4 +26,5 @@ BENCHMARKS: dict[str, tuple[Benchmark, str]] = {
     "inference_throughput": (inference.inference_throughput, ">= 0.9"),
     "inference_parallel_speedup": (inference.inference_parallel_speedup, ">= 1.6"),
     "inference_memory_growth": (inference.inference_memory_growth, "<= 1.5"),
+    "s3_pipeline_overhead": (s3.s3_pipeline_overhead, "<= 1.5"),
 }
