@@ -158,8 +158,19 @@ class LiveAirflow:
         self._client = httpx.Client(base_url=self.base_url, timeout=30.0, trust_env=False,
                                     headers={"Authorization": f"Bearer {self._token()}"})
 
-    def _spawn(self, name: str, *args: str) -> None:
-        handle = open(self.log_dir / f"{name}.log", "w")
+    def kill(self, name: str) -> int:
+        """SIGKILL one component's main process (not its children), as a crash would; returns its pid."""
+        process = self.processes[name]
+        process.kill()
+        process.wait(timeout=30)
+        return process.pid
+
+    def restart_scheduler(self) -> None:
+        """Start a new scheduler after :meth:`kill` (its log continues in scheduler.log)."""
+        self._spawn("scheduler", "scheduler", "--skip-serve-logs", mode="a")
+
+    def _spawn(self, name: str, *args: str, mode: str = "w") -> None:
+        handle = open(self.log_dir / f"{name}.log", mode)
         self._log_handles.append(handle)
         self.processes[name] = subprocess.Popen(
             [*self._airflow(), *args], env=self.env, cwd=self.tmp_dir, stdin=subprocess.DEVNULL,
