@@ -30,7 +30,8 @@ CONFIG = load_config()
 )
 def batch_inference() -> None:
     run = wiring.start(CONFIG, mode="inference")
-    model = task(steps.resolve_model, task_id="resolve_model", retries=0)(run)
+    model = task(steps.resolve_model, task_id="resolve_model",
+                 **{**wiring.knobs(CONFIG, CONFIG.preprocess.profile), "retries": 0})(run)
     inferred = wiring.inference_chain(CONFIG, run, model)
     task(steps.write_inference_report, task_id="report", **wiring.knobs(CONFIG, CONFIG.preprocess.profile))(
         run, model, inferred["scored"], inferred["predictions"])

@@ -151,3 +151,20 @@ def s3_endpoint():
         yield env
     finally:
         server.stop()
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """The Redis broker on 127.0.0.1:6379 ($STAGEWISE_TEST_REDIS to change), on a database of its own."""
+    import socket
+
+    url = os.environ.get("STAGEWISE_TEST_REDIS", "redis://127.0.0.1:6379/7")
+    host, port = url.split("//", 1)[1].split("/", 1)[0].split(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(b"PING\r\n")
+            if not sock.recv(16).startswith(b"+PONG"):
+                raise OSError("no PONG")
+    except OSError as exc:
+        service_unavailable(f"Redis at {url} is unreachable: {exc}")
+    return url

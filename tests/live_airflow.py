@@ -39,6 +39,14 @@ _LOG_CONTEXT_KEYS = frozenset({"event", "timestamp", "level", "logger", "dag_id"
                                "try_number", "map_index", "filename", "lineno"})
 
 
+WORKER_NAME_ENV = "STAGEWISE_WORKER_NAME"
+
+
+def worker_hostname() -> str:
+    """Airflow's ``[core] hostname_callable`` for tests: each Celery worker reports its own name."""
+    return os.environ.get(WORKER_NAME_ENV) or socket.getfqdn()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -165,15 +173,21 @@ class LiveAirflow:
         process.wait(timeout=30)
         return process.pid
 
+    def start_celery_worker(self, name: str, queues: list[str], concurrency: int = 2) -> None:
+        """A Celery worker serving ``queues``; the task instances it runs record ``name`` as their hostname."""
+        self._spawn(f"worker-{name}", "celery", "worker", "--queues", ",".join(queues), "--celery-hostname",
+                    f"{name}@%h", "--concurrency", str(concurrency), "--skip-serve-logs", "--without-gossip",
+                    "--without-mingle", extra_env={WORKER_NAME_ENV: name})
+
     def restart_scheduler(self) -> None:
         """Start a new scheduler after :meth:`kill` (its log continues in scheduler.log)."""
         self._spawn("scheduler", "scheduler", "--skip-serve-logs", mode="a")
 
-    def _spawn(self, name: str, *args: str, mode: str = "w") -> None:
+    def _spawn(self, name: str, *args: str, mode: str = "w", extra_env: dict[str, str] | None = None) -> None:
         handle = open(self.log_dir / f"{name}.log", mode)
         self._log_handles.append(handle)
         self.processes[name] = subprocess.Popen(
-            [*self._airflow(), *args], env=self.env, cwd=self.tmp_dir, stdin=subprocess.DEVNULL,
+            [*self._airflow(), *args], env={**self.env, **(extra_env or {})}, cwd=self.tmp_dir, stdin=subprocess.DEVNULL,
             stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
 
     def _wait_healthy(self) -> None:

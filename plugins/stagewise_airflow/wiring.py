@@ -29,7 +29,8 @@ def raw_data_asset(config: PipelineConfig) -> Asset:
 
 
 def start(config: PipelineConfig, mode: str = "pipeline") -> Any:
-    return task(steps.start_run, task_id="start_run", retries=0)(mode)
+    """Validates the conf: a bad one is the user's to fix, so no retry; it runs where bookkeeping runs."""
+    return task(steps.start_run, task_id="start_run", **{**knobs(config, config.preprocess.profile), "retries": 0})(mode)
 
 
 def training_chain(config: PipelineConfig, run: Any) -> dict[str, Any]:
