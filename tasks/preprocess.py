@@ -108,7 +108,7 @@ def split_of(keys: pa.Array | pa.ChunkedArray, split: Split) -> np.ndarray:
 
 
 def _feature_matrix(batch: pa.RecordBatch, features: list[str]) -> np.ndarray:
-    matrix = np.empty((batch.num_rows, len(features)), dtype=np.float64)
+    matrix = np.empty((batch.num_rows, len(features)), dtype=np.float64, order="F")  # column copies stay contiguous
     for index, name in enumerate(features):
         column = batch.column(name)
         if column.null_count:
