@@ -334,6 +334,7 @@ class PipelineConfig(_Strict):
     """The whole pipeline."""
 
     storage_root: str = Field(description="URI under which raw/, runs/ and models/ live (file path, file:// or s3://).")
+    storage_conn_id: str = Field("", description="Airflow connection (type aws) with S3 keys and extra endpoint_url; empty: the worker's AWS environment.")
     dataset: Dataset = Field(description="The input table.")
     profiles: dict[str, Profile] = Field(min_length=1, description="Named instance profiles.")
     pools: dict[str, Pool] = Field(default_factory=dict, description="Airflow pools to create (`make airflow-init`); default_pool always exists.")

@@ -2,6 +2,12 @@
 
 Writes that others read are atomic: a local file is written beside its target and renamed; an S3
 object appears whole on its single PUT. A manifest written last is the commit (see design notes).
+
+S3 requests that meet throttling (503 SlowDown), 5xx answers or dropped connections are retried
+with capped exponential backoff and jitter (botocore's "standard" mode, 10 attempts: about a
+minute of trouble is ridden out inside the sub-job); a fault that outlasts that fails the sub-job
+as an infrastructure fault, which Airflow retries with the profile's backoff. ``AWS_RETRY_MODE`` and
+``AWS_MAX_ATTEMPTS`` change the in-process retries, as for any AWS SDK.
 """
 
 from __future__ import annotations
@@ -18,13 +24,34 @@ import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from tasks.errors import DataError
+from tasks.errors import DataError, UserError
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
+_S3_PROTOCOLS = ("s3://", "s3a://")
+S3_RETRY_MODE = "standard"
+S3_MAX_ATTEMPTS = 10
+
+
+def s3_options() -> dict[str, Any]:
+    """s3fs arguments: botocore's retry mode and attempts, from the AWS environment or our defaults."""
+    # botocore would read these variables itself, but only when the client is given no retry config at all.
+    mode = os.environ.get("AWS_RETRY_MODE") or S3_RETRY_MODE
+    attempts_text = os.environ.get("AWS_MAX_ATTEMPTS") or str(S3_MAX_ATTEMPTS)
+    try:
+        attempts = int(attempts_text)
+    except ValueError:
+        raise UserError(f"AWS_MAX_ATTEMPTS must be a whole number, got {attempts_text!r}") from None
+    if attempts < 1:
+        raise UserError(f"AWS_MAX_ATTEMPTS must be at least 1, got {attempts}")
+    if mode not in ("legacy", "standard", "adaptive"):
+        raise UserError(f"AWS_RETRY_MODE must be legacy, standard or adaptive, got {mode!r}")
+    return {"config_kwargs": {"retries": {"mode": mode, "max_attempts": attempts}}}
 
 
 def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem and the protocol-free path of ``uri``."""
+    if uri.startswith(_S3_PROTOCOLS):
+        return url_to_fs(uri, **s3_options())
     return url_to_fs(uri)
 
 

@@ -12,7 +12,7 @@ import json
 import time
 from typing import Any, Callable, Sequence
 
-from stagewise_airflow import launch
+from stagewise_airflow import credentials, launch
 from tasks.config import ConfigError, PipelineConfig, config_path, load_config
 from tasks.errors import UserError
 
@@ -48,17 +48,19 @@ def _config_args(run: dict[str, Any]) -> list[str]:
 def _launch(run: dict[str, Any], module: str, args: list[str], profile: str, distributed: bool = False,
             **kwargs: Any) -> dict[str, Any]:
     attempt = _context()["ti"].try_number
-    return launch.run(module, [*args, *_config_args(run)], run_config(run).profile(profile),
-                      distributed=distributed, attempt=attempt, **kwargs)
+    config = run_config(run)
+    return launch.run(module, [*args, *_config_args(run)], config.profile(profile), distributed=distributed,
+                      attempt=attempt, extra_env=credentials.aws_environment(config.storage_conn_id), **kwargs)
 
 
-def _inline(work: Callable[[], Any]) -> Any:
-    """Run bookkeeping in-process; a user error fails the task without retry."""
+def _inline(config: PipelineConfig | None, work: Callable[[], Any]) -> Any:
+    """Run bookkeeping in-process with ``config``'s storage credentials; a user error fails the task without retry."""
     from airflow.sdk.exceptions import AirflowFailException
 
     started = time.monotonic()
     try:
-        result = work()
+        with credentials.exported(credentials.aws_environment(config.storage_conn_id) if config else {}):
+            result = work()
     except UserError as exc:
         raise AirflowFailException(str(exc)) from None
     if isinstance(result, dict):
@@ -92,14 +94,15 @@ def start_run(mode: str = "pipeline") -> dict[str, Any]:
         if mode == "retrain":
             from tasks import registry
 
-            incumbent = registry.current(base.storage_root)
+            with credentials.exported(credentials.aws_environment(base.storage_conn_id)):
+                incumbent = registry.current(base.storage_root)
             overrides["sweep.num_trials"] = base.retrain.num_trials
             overrides["sweep.warm_start_from"] = (incumbent or {}).get("study", "")
         config = load_config(path, overrides)
         return {"dag_id": dag_id, "run_id": run_id, "config": path, "overrides": overrides,
                 "out": run_prefix(config.storage_root, dag_id, run_id), "study": study_name(dag_id, run_id)}
 
-    return _inline(work)
+    return _inline(None, work)  # the config is read inside: a bad one must fail the task without retry
 
 
 def ingest() -> dict[str, Any]:
@@ -110,14 +113,14 @@ def ingest() -> dict[str, Any]:
     config = load_config()
     source = _context()["params"]["source_uri"]
     target = storage.resolve(config.storage_root, config.dataset.uri)
-    return _inline(lambda: ingest_files(config, source, target))
+    return _inline(config, lambda: ingest_files(config, source, target))
 
 
 def plan_shards(run: dict[str, Any]) -> list[dict[str, Any]]:
     from tasks import preprocess, storage
 
     config = run_config(run)
-    uris = _inline(lambda: preprocess.plan(storage.resolve(config.storage_root, config.dataset.uri)))
+    uris = _inline(config, lambda: preprocess.plan(storage.resolve(config.storage_root, config.dataset.uri)))
     return [{"index": index, "uri": uri} for index, uri in enumerate(uris)]
 
 
@@ -129,7 +132,7 @@ def preprocess_stats(run: dict[str, Any], shard: dict[str, Any]) -> dict[str, An
 def reduce_stats(run: dict[str, Any], stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     from tasks import preprocess
 
-    return _inline(lambda: preprocess.reduce_stats(run_config(run), run["out"], [s["stats_uri"] for s in _all(stats)]))
+    return _inline(run_config(run), lambda: preprocess.reduce_stats(run_config(run), run["out"], [s["stats_uri"] for s in _all(stats)]))
 
 
 def preprocess_transform(run: dict[str, Any], reduced: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
@@ -141,7 +144,7 @@ def preprocess_transform(run: dict[str, Any], reduced: dict[str, Any], shard: di
 def commit_preprocess(run: dict[str, Any], reduced: dict[str, Any], transformed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     from tasks import preprocess
 
-    return _inline(lambda: preprocess.commit(run_config(run), run["out"], reduced["stats_uri"], _all(transformed)))
+    return _inline(run_config(run), lambda: preprocess.commit(run_config(run), run["out"], reduced["stats_uri"], _all(transformed)))
 
 
 def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[int]:
@@ -149,7 +152,7 @@ def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[int]:
     from tasks import sweep
 
     config = run_config(run)
-    _inline(lambda: sweep.create(config, run["study"]))
+    _inline(config, lambda: sweep.create(config, run["study"]))
     return list(range(config.sweep.num_workers))
 
 
@@ -164,7 +167,7 @@ def sweep_worker(run: dict[str, Any], worker: int) -> dict[str, Any]:
 def sweep_summary(run: dict[str, Any], workers: Sequence[dict[str, Any]]) -> dict[str, Any]:
     from tasks import sweep
 
-    return _inline(lambda: sweep.summarize(run_config(run), run["study"], run["out"]))
+    return _inline(run_config(run), lambda: sweep.summarize(run_config(run), run["study"], run["out"]))
 
 
 def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
@@ -189,7 +192,8 @@ def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], i
     env = byo_environment(config, run["config"], stage, run["out"], params, init_from)
     env["STAGEWISE_OVERRIDES"] = json.dumps(run["overrides"])
     result = launch.run(entry.module or "", list(entry.args), config.profile(spec.profile), distributed=True,
-                        attempt=_context()["ti"].try_number, script=entry.script, extra_env=env,
+                        attempt=_context()["ti"].try_number, script=entry.script,
+                        extra_env={**credentials.aws_environment(config.storage_conn_id), **env},
                         result_arg=False)
     defaults = {"stage": stage, "world_size": config.profile(spec.profile).processes_per_node,
                 "global_batch": int(env["STAGEWISE_GLOBAL_BATCH"]), "lr": float(env["STAGEWISE_LR"]),
@@ -209,11 +213,15 @@ def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dic
     from tasks import registry, storage
 
     config = run_config(run)
-    card = {"test_accuracy": evaluation["test_accuracy"], "val_accuracy": trained.get("val_metric"),
-            "params": swept.get("best_params"), "study": run["study"], "source_run": f"{run['dag_id']}/{run['run_id']}",
-            "data_fingerprint": registry.data_fingerprint(storage.join(run["out"], "preprocess", "manifest.json")),
-            "code_version": registry.code_version(), "stages": [trained.get("stage")]}
-    return _inline(lambda: registry.register(config.storage_root, trained["model_uri"], card))
+
+    def work() -> dict[str, Any]:
+        card = {"test_accuracy": evaluation["test_accuracy"], "val_accuracy": trained.get("val_metric"),
+                "params": swept.get("best_params"), "study": run["study"], "source_run": f"{run['dag_id']}/{run['run_id']}",
+                "data_fingerprint": registry.data_fingerprint(storage.join(run["out"], "preprocess", "manifest.json")),
+                "code_version": registry.code_version(), "stages": [trained.get("stage")]}
+        return registry.register(config.storage_root, trained["model_uri"], card)
+
+    return _inline(config, work)
 
 
 def gate_model(run: dict[str, Any], registered: dict[str, Any]) -> dict[str, Any]:
@@ -226,7 +234,7 @@ def gate_model(run: dict[str, Any], registered: dict[str, Any]) -> dict[str, Any
         decision = registry.gate(config.storage_root, registered["version"], config.registry.gate_metric, config.registry.margin)
         return {**decision, "model_uri": registry.card(config.storage_root, decision["current"])["model_uri"]}
 
-    return _inline(work)
+    return _inline(config, work)
 
 
 def resolve_model(run: dict[str, Any]) -> dict[str, Any]:
@@ -243,7 +251,7 @@ def resolve_model(run: dict[str, Any]) -> dict[str, Any]:
                             f"first or name a model_version")
         return {"current": card["version"], "model_uri": card["model_uri"]}
 
-    return _inline(work)
+    return _inline(config, work)
 
 
 def plan_inference(run: dict[str, Any], model: dict[str, Any]) -> list[dict[str, Any]]:
@@ -251,7 +259,7 @@ def plan_inference(run: dict[str, Any], model: dict[str, Any]) -> list[dict[str,
 
     config = run_config(run)
     source = storage.resolve(config.storage_root, config.inference.input_uri or config.dataset.uri)
-    return _inline(lambda: infer.plan(source, config.inference.rows_per_shard))
+    return _inline(config, lambda: infer.plan(source, config.inference.rows_per_shard))
 
 
 def infer_shard(run: dict[str, Any], model: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
@@ -262,7 +270,7 @@ def infer_shard(run: dict[str, Any], model: dict[str, Any], shard: dict[str, Any
 def commit_predictions(run: dict[str, Any], model: dict[str, Any], scored: Sequence[dict[str, Any]]) -> dict[str, Any]:
     from tasks import infer
 
-    return _inline(lambda: {**infer.commit(run["out"], model["model_uri"], _all(scored)), "model_version": model["current"]})
+    return _inline(run_config(run), lambda: {**infer.commit(run["out"], model["model_uri"], _all(scored)), "model_version": model["current"]})
 
 
 def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, transformed: Sequence[dict], prepared: dict,
@@ -273,7 +281,7 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
     stage_results = {"preprocess": [*_all(stats), reduced, *_all(transformed), prepared], "sweep": [*_all(workers), swept]}
     stage_results.update({f"train_{result['stage']}": [result] for result in trained})
     stage_results.update({"evaluate": [evaluation], "registry": [registered, gated], "inference": [*_all(scored), predictions]})
-    return _inline(lambda: report.build_report(
+    return _inline(run_config(run), lambda: report.build_report(
         dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], stage_results=stage_results, preprocess=prepared,
         sweep=swept, training=list(trained), evaluation=evaluation, predictions=predictions,
         registry={"version": registered["version"], "promoted": gated["promoted"], "reason": gated["reason"],
@@ -283,6 +291,6 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
 def write_inference_report(run: dict[str, Any], model: dict[str, Any], scored: Sequence[dict], predictions: dict) -> dict[str, Any]:
     from tasks import report
 
-    return _inline(lambda: report.build_inference_report(
+    return _inline(run_config(run), lambda: report.build_inference_report(
         dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], model=model,
         stage_results={"inference": [*_all(scored), predictions]}, predictions=predictions))

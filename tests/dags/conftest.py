@@ -12,10 +12,16 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def make_airflow_env(home: Path, storage_root: str, journal_dir: Path, extra: dict | None = None) -> dict:
-    """A fresh Airflow home and DB, pools created, the demo config on ``storage_root`` and its data written."""
+def make_airflow_env(home: Path, storage_root: str, journal_dir: Path, extra: dict | None = None,
+                     config: dict | None = None, data_env: dict | None = None) -> dict:
+    """A fresh Airflow home and DB, pools created, the demo config on ``storage_root`` and its data written.
+
+    ``extra`` joins every process's environment, ``config`` the top-level config keys, and
+    ``data_env`` only the environment of the process that writes the demo data.
+    """
     with open(REPO_ROOT / "pipeline.yaml") as handle:
         raw = yaml.safe_load(handle)
+    raw.update(config or {})
     raw["storage_root"] = storage_root
     raw["sweep"]["storage"] = f"journal://{journal_dir}/optuna.journal"
     config_path = home / "pipeline.yaml"
@@ -26,7 +32,8 @@ def make_airflow_env(home: Path, storage_root: str, journal_dir: Path, extra: di
     airflow(env, "db", "migrate")
     command = ". scripts/airflow_env.sh && exec python -m stagewise_airflow.pools"
     subprocess.run(["bash", "-c", command], cwd=REPO_ROOT, env=env, check=True, capture_output=True)
-    subprocess.run([str(REPO_ROOT / ".venv/bin/python"), "-m", "tasks.data", "demo"], cwd=REPO_ROOT, env=_with_path(env),
+    subprocess.run([str(REPO_ROOT / ".venv/bin/python"), "-m", "tasks.data", "demo"], cwd=REPO_ROOT,
+                   env=_with_path({**env, **(data_env or {})}),
                    check=True, capture_output=True)
     return env
 

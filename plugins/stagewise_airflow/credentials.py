@@ -1,0 +1,72 @@
+"""S3 credentials from an Airflow connection, handed to sub-jobs as the standard AWS environment.
+
+The pipeline config's ``storage_conn_id`` names a connection of type ``aws``, the same shape the
+Amazon provider reads: login = access key id, password = secret access key, and in its extra
+``endpoint_url`` (an S3-compatible store), ``region_name`` and ``aws_session_token``. Sub-jobs stay
+free of Airflow: they get ``AWS_*`` variables, which every AWS SDK (and s3fs) reads. Airflow masks
+the connection's password in task logs; nothing here logs, returns or stores a value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+# connection extra key -> environment variable; the S3-only endpoint leaves other AWS services alone.
+_EXTRA_TO_ENV = {"endpoint_url": "AWS_ENDPOINT_URL_S3", "region_name": "AWS_DEFAULT_REGION",
+                 "aws_session_token": "AWS_SESSION_TOKEN"}
+
+
+def environment_from(login: str | None, password: str | None, extra: dict[str, Any]) -> dict[str, str]:
+    """The AWS variables a connection's fields stand for (the Amazon provider's extra keys are accepted too)."""
+    env = {}
+    access_key = login or extra.get("aws_access_key_id")
+    secret_key = password or extra.get("aws_secret_access_key")
+    if bool(access_key) != bool(secret_key):
+        raise ValueError("has an access key id without a secret access key, or the other way round; "
+                         "set both (login and password) or neither (to use the worker's own AWS credentials)")
+    if access_key:
+        env.update({"AWS_ACCESS_KEY_ID": str(access_key), "AWS_SECRET_ACCESS_KEY": str(secret_key)})
+    endpoint = extra.get("endpoint_url") or (extra.get("service_config") or {}).get("s3", {}).get("endpoint_url")
+    values = {**extra, "endpoint_url": endpoint}
+    for key, variable in _EXTRA_TO_ENV.items():
+        if values.get(key):
+            env[variable] = str(values[key])
+    return env
+
+
+def aws_environment(conn_id: str) -> dict[str, str]:
+    """The AWS variables of connection ``conn_id`` (empty id: none, the worker's own AWS setup applies)."""
+    if not conn_id:
+        return {}
+    from airflow.sdk import Connection
+    from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException
+
+    try:
+        connection = Connection.get(conn_id)
+    except AirflowNotFoundException:
+        raise AirflowFailException(f"storage_conn_id: Airflow connection '{conn_id}' does not exist; create it "
+                                   f"(type aws) or empty the key to use the worker's AWS environment") from None
+    if connection.conn_type not in ("aws", "s3"):
+        raise AirflowFailException(f"storage_conn_id: connection '{conn_id}' has type '{connection.conn_type}', "
+                                   f"expected 'aws'")
+    try:
+        return environment_from(connection.login, connection.password, connection.extra_dejson)
+    except ValueError as exc:
+        raise AirflowFailException(f"storage_conn_id: connection '{conn_id}' {exc}") from None
+
+
+@contextlib.contextmanager
+def exported(env: dict[str, str]) -> Iterator[None]:
+    """``env`` in this process's environment for the block (storage calls made in the task process)."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

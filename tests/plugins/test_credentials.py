@@ -1,0 +1,63 @@
+"""S3 credentials from an Airflow connection become the standard AWS variables of sub-jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from stagewise_airflow import credentials
+
+
+def test_login_password_and_extras_map_onto_aws_variables():
+    """login/password are the key pair; the endpoint is S3-only, so other AWS services keep theirs."""
+    env = credentials.environment_from("AKIAEXAMPLE", "s3cr3t-value", {"endpoint_url": "http://127.0.0.1:9000",
+                                                                      "region_name": "eu-west-1",
+                                                                      "aws_session_token": "tok"})
+    assert env == {"AWS_ACCESS_KEY_ID": "AKIAEXAMPLE", "AWS_SECRET_ACCESS_KEY": "s3cr3t-value",
+                   "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9000", "AWS_DEFAULT_REGION": "eu-west-1",
+                   "AWS_SESSION_TOKEN": "tok"}
+
+
+def test_amazon_provider_extra_keys_are_accepted():
+    """Keys in the extra (the Amazon provider's older form) and a service_config endpoint work too."""
+    env = credentials.environment_from(None, None, {"aws_access_key_id": "AK1", "aws_secret_access_key": "SK1",
+                                                    "service_config": {"s3": {"endpoint_url": "http://s3.local"}}})
+    assert env == {"AWS_ACCESS_KEY_ID": "AK1", "AWS_SECRET_ACCESS_KEY": "SK1", "AWS_ENDPOINT_URL_S3": "http://s3.local"}
+
+
+def test_a_connection_without_keys_leaves_the_worker_credentials_in_charge():
+    """No keys in the connection: no key variables, so an instance role or the worker's env applies."""
+    assert credentials.environment_from("", "", {"region_name": "us-east-1"}) == {"AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def test_half_a_key_pair_is_refused():
+    """An access key without its secret is a config mistake, not something to half-apply."""
+    with pytest.raises(ValueError, match="secret access key"):
+        credentials.environment_from("AKIAONLY", None, {})
+
+
+def test_connection_from_airflow_secrets_and_clear_errors(monkeypatch):
+    """A real Airflow connection (env-var secrets backend) resolves; a missing or wrong-type one fails naming it."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.setenv("AIRFLOW_CONN_STAGEWISE_TEST_S3", json.dumps(
+        {"conn_type": "aws", "login": "AKIATEST", "password": "secret-for-test", "extra": {"endpoint_url": "http://e:1"}}))
+    monkeypatch.setenv("AIRFLOW_CONN_STAGEWISE_TEST_PG", json.dumps({"conn_type": "postgres", "host": "db"}))
+    assert credentials.aws_environment("stagewise_test_s3") == {
+        "AWS_ACCESS_KEY_ID": "AKIATEST", "AWS_SECRET_ACCESS_KEY": "secret-for-test", "AWS_ENDPOINT_URL_S3": "http://e:1"}
+    assert credentials.aws_environment("") == {}
+    with pytest.raises(AirflowFailException, match="'stagewise_missing' does not exist"):
+        credentials.aws_environment("stagewise_missing")
+    with pytest.raises(AirflowFailException, match="type 'postgres'"):
+        credentials.aws_environment("stagewise_test_pg")
+
+
+def test_exported_restores_the_environment(monkeypatch):
+    """Variables are set only inside the block: earlier values come back and new ones go away."""
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    with credentials.exported({"AWS_DEFAULT_REGION": "eu-west-1", "AWS_SESSION_TOKEN": "t"}):
+        assert os.environ["AWS_DEFAULT_REGION"] == "eu-west-1" and os.environ["AWS_SESSION_TOKEN"] == "t"
+    assert os.environ["AWS_DEFAULT_REGION"] == "us-east-1" and "AWS_SESSION_TOKEN" not in os.environ

@@ -1,0 +1,125 @@
+"""Storage on a real S3 endpoint (moto) behind a proxy that injects 5xx answers, resets, lost replies and cut bodies."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from tasks import storage
+from tasks.errors import UserError
+from tests.conftest import REPO_ROOT, base_config, preprocess_digits
+from tests.s3_faults import FAULT_KINDS, FaultPlan, FaultyS3
+
+
+@pytest.fixture
+def faulty_s3(s3_endpoint, monkeypatch):
+    """A factory: start a fault proxy with a plan, point the AWS environment at it, return it and a fresh bucket."""
+    import s3fs
+
+    started = []
+
+    def start(plan: FaultPlan) -> tuple[FaultyS3, str]:
+        proxy = FaultyS3(s3_endpoint["AWS_ENDPOINT_URL"], plan).__enter__()
+        started.append(proxy)
+        for key, value in {**s3_endpoint, "AWS_ENDPOINT_URL": proxy.url}.items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()  # a cached client would still talk to the last endpoint
+        bucket = f"faults-{uuid.uuid4().hex[:10]}"
+        s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint["AWS_ENDPOINT_URL"]}, skip_instance_cache=True).mkdir(bucket)
+        return proxy, bucket
+
+    yield start
+    for proxy in started:
+        proxy.__exit__(None, None, None)
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_retry_settings_come_from_the_aws_environment(monkeypatch):
+    """Standard mode with 10 attempts by default; AWS_RETRY_MODE / AWS_MAX_ATTEMPTS win; bad values name the variable."""
+    monkeypatch.delenv("AWS_RETRY_MODE", raising=False)
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
+    assert storage.s3_options()["config_kwargs"]["retries"] == {"mode": "standard", "max_attempts": 10}
+    monkeypatch.setenv("AWS_RETRY_MODE", "adaptive")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "3")
+    assert storage.s3_options()["config_kwargs"]["retries"] == {"mode": "adaptive", "max_attempts": 3}
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "three")
+    with pytest.raises(UserError, match="AWS_MAX_ATTEMPTS"):
+        storage.s3_options()
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "3")
+    monkeypatch.setenv("AWS_RETRY_MODE", "eager")
+    with pytest.raises(UserError, match="AWS_RETRY_MODE"):
+        storage.s3_options()
+
+
+def test_round_trips_are_whole_through_every_fault_kind(faulty_s3):
+    """Every third request fails in one of five ways; each write lands once and each read returns exactly the bytes."""
+    proxy, bucket = faulty_s3(FaultPlan(every=3))
+    blobs = {f"s3://{bucket}/blobs/part-{i:02d}.bin": os.urandom(50_000 + 7919 * i) for i in range(12)}
+    for uri, data in blobs.items():
+        storage.write_bytes(uri, data)
+    storage.write_json(f"s3://{bucket}/blobs/manifest.json", {"files": sorted(blobs)})
+    for uri, data in blobs.items():
+        fs, path = storage.filesystem(uri)
+        assert fs.cat_file(path) == data, f"{uri} came back different"
+    assert storage.read_json(f"s3://{bucket}/blobs/manifest.json") == {"files": sorted(blobs)}
+    assert all(proxy.injected[kind] > 0 for kind in FAULT_KINDS), proxy.injected
+
+
+def test_preprocess_through_faults_commits_what_a_clean_local_run_commits(faulty_s3, tmp_path):
+    """The whole preprocess stage on S3 with faults on every 4th request writes the same tables as on local files."""
+    proxy, bucket = faulty_s3(FaultPlan(every=4))
+    local_root = tmp_path / "local"
+    local_root.mkdir()
+    committed = {}
+    for name, root in {"local": str(local_root), "s3": f"s3://{bucket}/root"}.items():
+        config_path = tmp_path / f"{name}.yaml"
+        config_path.write_text(json.dumps({**base_config(local_root), "storage_root": root}))
+        out = storage.join(root, "runs", "test", "r1")
+        preprocess_digits(config_path, out)
+        manifest = storage.read_json(storage.join(out, "preprocess", "manifest.json"))
+        committed[name] = {"mean": manifest["mean"], "std": manifest["std"], "rows": manifest["rows"]}
+        for split, entries in manifest["splits"].items():
+            tables = []
+            for entry in entries:
+                with storage.open_parquet(entry["uri"]) as parquet:
+                    tables.append(parquet.read())
+            committed[name][split] = pa.concat_tables(tables).sort_by("row_id").to_pydict()
+    assert committed["s3"]["rows"] == committed["local"]["rows"]
+    assert committed["s3"] == committed["local"], "the committed data differ from a fault-free run"
+    assert sum(proxy.injected.values()) > 10, proxy.injected
+
+
+def test_an_outage_beyond_the_retries_fails_as_retryable_and_the_retry_commits(faulty_s3, tmp_path, subprocess_env):
+    """With S3 down past its retries the sub-job exits 1 (Airflow retries it), not 3 (user error), and writes
+    nothing; once S3 is back, the same command (the retry) writes the shard's statistics."""
+    from tasks.data import write_digits
+
+    proxy, bucket = faulty_s3(FaultPlan())
+    root = f"s3://{bucket}/root"
+    shard = write_digits(storage.join(root, "raw", "digits"), num_shards=1)[0]
+    config_path = tmp_path / "pipeline.yaml"
+    config_path.write_text(json.dumps({**base_config(tmp_path), "storage_root": root}))
+    env = {**subprocess_env, **{k: v for k, v in os.environ.items() if k.startswith("AWS_")}, "AWS_MAX_ATTEMPTS": "2"}
+    command = [sys.executable, "-m", "tasks.preprocess", "stats", "--config", str(config_path), "--shard", shard,
+               "--index", "0", "--out", "runs/test/r1"]
+    stats_prefix = storage.join(root, "runs", "test", "r1")
+
+    proxy.plan = FaultPlan(outage_after=1, outage_s=3600)
+    proxy.requests = 0
+    down = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert down.returncode == 1, f"expected a retryable failure (1), got {down.returncode}:\n{down.stdout[-3000:]}\n{down.stderr[-3000:]}"
+    assert proxy.injected["outage"] > 0
+
+    proxy.plan = FaultPlan()
+    up = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    fs, path = storage.filesystem(stats_prefix)
+    written = [p for p in fs.find(path) if not p.endswith("/")]
+    assert len(written) == 1 and written[0].endswith(".json"), written
