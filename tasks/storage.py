@@ -13,8 +13,10 @@ as an infrastructure fault, which Airflow retries with the profile's backoff. ``
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import uuid
@@ -26,6 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from tasks.errors import DataError, UserError
 
+log = logging.getLogger("stagewise.storage")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
 _S3_PROTOCOLS = ("s3://", "s3a://")
 S3_RETRY_MODE = "standard"
@@ -48,10 +51,35 @@ def s3_options() -> dict[str, Any]:
     return {"config_kwargs": {"retries": {"mode": mode, "max_attempts": attempts}}}
 
 
+def _log_failed_attempt(attempts: int, operation: Any, response: Any = None, caught_exception: BaseException | None = None,
+                        **_: Any) -> None:
+    """botocore's needs-retry hook: put each failed S3 attempt in the task log (botocore keeps them at DEBUG)."""
+    if caught_exception is not None:
+        cause = f"{type(caught_exception).__name__}: {caught_exception}"
+    elif response is not None and response[0].status_code >= 500:
+        code = (response[1].get("Error") or {}).get("Code", "")
+        cause = f"{response[0].status_code} {code}" if code and code != str(response[0].status_code) else str(response[0].status_code)
+    else:
+        return None
+    log.warning("S3 %s attempt %d of %d failed (%s)", operation.name, attempts,
+                s3_options()["config_kwargs"]["retries"]["max_attempts"], cause)
+    return None  # no opinion: botocore's own retry handler decides
+
+
+@functools.lru_cache(maxsize=1)
+def _s3_session() -> Any:
+    """One botocore session per process (fsspec caches filesystems by their arguments, this one included)."""
+    from aiobotocore.session import AioSession
+
+    session = AioSession()
+    session.register("needs-retry.s3", _log_failed_attempt)
+    return session
+
+
 def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem and the protocol-free path of ``uri``."""
     if uri.startswith(_S3_PROTOCOLS):
-        return url_to_fs(uri, **s3_options())
+        return url_to_fs(uri, session=_s3_session(), **s3_options())
     return url_to_fs(uri)
 
 

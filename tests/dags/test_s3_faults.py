@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -61,6 +62,8 @@ def test_ml_pipeline_rides_out_s3_faults_with_credentials_from_a_connection(s3_e
     stored = {f"s3://{p}" for p in direct.glob(f"{prefix}/*.parquet")}
     assert stored == {entry["uri"] for entry in manifest["files"]}, "no stray or duplicate prediction objects"
 
+    assert re.search(r"S3 \w+ attempt \d+ of 10 failed \(50[03]", result.stdout + result.stderr), \
+        "failed S3 attempts are not visible in the task log"
     secret = s3_endpoint["AWS_SECRET_ACCESS_KEY"]
     assert secret not in result.stdout + result.stderr, "the secret key reached the logs"
     assert secret not in json.dumps(report)

@@ -58,8 +58,9 @@ def test_retry_settings_come_from_the_aws_environment(monkeypatch):
         storage.s3_options()
 
 
-def test_round_trips_are_whole_through_every_fault_kind(faulty_s3):
-    """Every third request fails in one of five ways; each write lands once and each read returns exactly the bytes."""
+def test_round_trips_are_whole_through_every_fault_kind(faulty_s3, caplog):
+    """Every third request fails in one of five ways; each write lands once, each read returns exactly the bytes,
+    and the failed attempts show in the log."""
     proxy, bucket = faulty_s3(FaultPlan(every=3))
     blobs = {f"s3://{bucket}/blobs/part-{i:02d}.bin": os.urandom(50_000 + 7919 * i) for i in range(12)}
     for uri, data in blobs.items():
@@ -70,6 +71,9 @@ def test_round_trips_are_whole_through_every_fault_kind(faulty_s3):
         assert fs.cat_file(path) == data, f"{uri} came back different"
     assert storage.read_json(f"s3://{bucket}/blobs/manifest.json") == {"files": sorted(blobs)}
     assert all(proxy.injected[kind] > 0 for kind in FAULT_KINDS), proxy.injected
+    failed = [r.getMessage() for r in caplog.records if r.name == "stagewise.storage"]
+    assert any("attempt 1 of 10 failed (503 SlowDown)" in m for m in failed), failed
+    assert any("(500 InternalError)" in m for m in failed), failed
 
 
 def test_preprocess_through_faults_commits_what_a_clean_local_run_commits(faulty_s3, tmp_path):
