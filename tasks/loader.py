@@ -4,8 +4,10 @@ Each epoch the row groups of a split are permuted with ``seed + epoch`` and rank
 world_size-th one from r (DistributedSampler semantics at row-group granularity), so no process
 loads the whole data set and every rank sees a different part each epoch. Rows are shuffled within
 a window of ``window_row_groups`` row groups (rows move whole, thanks to the processed vector
-column); background threads read the next windows while the current one trains, so memory stays
-bounded by a few windows.
+column): each row group is read on its own and its rows are scattered straight to their shuffled
+places in the window, one copy while the row group is still in cache. Background threads read the
+row groups of the next windows while the current one trains, so memory stays bounded by a few
+windows; a consumed window's memory serves a later window once no batch of it is referenced.
 All ranks take the same number of steps per epoch (the smallest rank's full batches), computed
 from Parquet metadata alone, so DDP never waits on a rank that ran out of data.
 """
@@ -13,18 +15,24 @@ from Parquet metadata alone, so DDP never waits on a rank that ran out of data.
 from __future__ import annotations
 
 import collections
+import contextlib
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from tasks import storage
-from tasks.errors import UserError
+from tasks.errors import DataError, UserError
 
-# Windows read ahead in parallel (pyarrow and numpy's row moves release the GIL): 2 cores stay busy.
+# Windows read ahead of the one being consumed: bounds memory at a few windows.
 PREFETCH_WINDOWS = 2
+# Threads reading row groups of those windows (pyarrow's read and numpy's row moves release the GIL).
+PREFETCH_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -46,46 +54,113 @@ def list_row_groups(uris: list[str]) -> list[RowGroup]:
     return [g for g in groups if g.num_rows > 0]
 
 
-def read_row_groups(groups: list[RowGroup], label: str, rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The (rows, features) float32 matrix and int64 labels of ``groups``, rows shuffled when ``rng`` is given.
+@dataclass
+class _Window:
+    """A window's output: the i-th row read lands at ``destination[i]`` (at ``i`` when unshuffled)."""
 
-    Each row group maps onto a matrix without a copy (the processed vector column); the shuffle
-    scatters each group's rows to random places of the output: one pass, rows moved whole.
+    x: np.ndarray
+    y: np.ndarray
+    destination: np.ndarray | None
+
+
+def _allocate_window(groups: list[RowGroup], width: int, rng: np.random.Generator | None) -> _Window:
+    total = sum(g.num_rows for g in groups)
+    destination = rng.permutation(total) if rng is not None else None
+    return _Window(np.empty((total, width), np.float32), np.empty(total, np.int64), destination)
+
+
+def _as_rows(matrix: np.ndarray) -> np.ndarray:
+    """One opaque element per row: numpy then moves a row with one memcpy (2-D fancy indexing: ~2x slower)."""
+    return matrix.view(np.dtype((np.void, matrix.shape[1] * matrix.itemsize))).reshape(-1)
+
+
+class _OpenFiles:
+    """Local Parquet files kept open for one epoch, each reader lent to one thread at a time.
+
+    A window's row groups come from many files, so re-opening one per row group (footer read and
+    parse) cost ~10% of an epoch. Remote files are opened per task through storage as before: an
+    open s3 handle holds its read-ahead buffer (up to 50 MB).
+    """
+
+    def __init__(self, keep: int = 64) -> None:
+        self.keep = keep  # idle readers kept, so thousands of shards cannot exhaust file descriptors
+        self._idle: list[tuple[str, pq.ParquetFile]] = []  # oldest first
+        self._lock = threading.Lock()
+        self._local_paths: dict[str, str | None] = {}
+
+    @contextlib.contextmanager
+    def open(self, uri: str) -> Iterator[pq.ParquetFile]:
+        if uri not in self._local_paths:
+            fs, path = storage.filesystem(uri)
+            self._local_paths[uri] = path if isinstance(fs, LocalFileSystem) else None
+        path = self._local_paths[uri]
+        if path is None:
+            with storage.open_parquet(uri) as parquet:
+                yield parquet
+            return
+        with self._lock:
+            found = [i for i, (idle_uri, _) in enumerate(self._idle) if idle_uri == uri]
+            parquet = self._idle.pop(found[-1])[1] if found else None
+        if parquet is None:
+            # Arrow's native reader, not memory-mapped, as storage.open_parquet opens it, but without pre-buffering:
+            # reads of one row group leave it nothing to coalesce, and its hand-off to Arrow's IO threads cost ~7%.
+            parquet = pq.ParquetFile(path, pre_buffer=False)
+        try:
+            yield parquet
+        except BaseException:
+            parquet.close()
+            raise
+        with self._lock:
+            self._idle.append((uri, parquet))
+            evicted = self._idle.pop(0)[1] if len(self._idle) > self.keep else None
+        if evicted is not None:
+            evicted.close()
+
+    def close(self) -> None:
+        """Close every reader; only once no thread reads any more."""
+        for _, parquet in self._idle:
+            parquet.close()
+        self._idle.clear()
+
+
+def _read_into(files: _OpenFiles, groups: list[RowGroup], label: str, window: Future, offset: int) -> None:
+    """Read consecutive row groups of one file and move their rows to their places in the window.
+
+    Each task owns a disjoint range of the window's reading order, so tasks write disjoint rows.
     """
     from tasks.preprocess import FEATURES_COLUMN, feature_matrix
 
-    matrices, labels = [], []
-    for uri, indices in _by_file(groups):
-        with storage.open_parquet(uri) as parquet:
-            table = parquet.read_row_groups(indices, columns=[label, FEATURES_COLUMN])
-        for batch in table.to_batches():  # row groups stay separate chunks: zero-copy views
-            matrices.append(feature_matrix(batch))
-            labels.append(batch.column(label).to_numpy().astype(np.int64, copy=False))
-    if not matrices:
-        return np.zeros((0, 0), np.float32), np.zeros(0, np.int64)
-    if rng is None:
-        return np.concatenate(matrices), np.concatenate(labels)
-    total = sum(len(m) for m in matrices)
-    destination = rng.permutation(total)
-    out_x = np.empty((total, matrices[0].shape[1]), np.float32)
-    out_y = np.empty(total, np.int64)
-    start = 0
-    for matrix, group_labels in zip(matrices, labels):
-        rows = destination[start : start + len(matrix)]
-        out_x[rows] = matrix
-        out_y[rows] = group_labels
-        start += len(matrix)
-    return out_x, out_y
+    with files.open(groups[0].uri) as parquet:
+        for group in groups:
+            # One row group per read: ~20% faster than several (no merged chunk to grow), and still in cache for the scatter.
+            table = parquet.read_row_group(group.index, columns=[label, FEATURES_COLUMN], use_threads=False)
+            if table.num_rows != group.num_rows:
+                raise DataError(f"{group.uri}: row group {group.index} has {table.num_rows} rows, its metadata says {group.num_rows}")
+            out = window.result()  # allocated by a task queued before this one, so it is running or done
+            for batch in table.to_batches():
+                matrix = feature_matrix(batch)
+                if matrix.shape[1] != out.x.shape[1]:
+                    raise DataError(f"{group.uri}: {matrix.shape[1]} features per row, the split declares {out.x.shape[1]}")
+                labels = batch.column(label).to_numpy()
+                end = offset + len(matrix)
+                if out.destination is None:
+                    out.x[offset:end] = matrix
+                    out.y[offset:end] = labels
+                else:
+                    rows = out.destination[offset:end]
+                    np.put(_as_rows(out.x), rows, _as_rows(matrix))
+                    out.y[rows] = labels
+                offset = end
 
 
-def _by_file(groups: list[RowGroup]) -> list[tuple[str, list[int]]]:
-    """Consecutive row groups of the same file, so each file is opened once per window."""
-    runs: list[tuple[str, list[int]]] = []
+def _by_file(groups: list[RowGroup]) -> list[list[RowGroup]]:
+    """Runs of consecutive row groups from the same file: one task and one open each."""
+    runs: list[list[RowGroup]] = []
     for group in groups:
-        if runs and runs[-1][0] == group.uri:
-            runs[-1][1].append(group.index)
+        if runs and runs[-1][0].uri == group.uri:
+            runs[-1].append(group)
         else:
-            runs.append((group.uri, [group.index]))
+            runs.append([group])
     return runs
 
 
@@ -121,35 +196,51 @@ class ParquetBatches:
         rows = [sum(g.num_rows for g in self.assignment(epoch, r)) for r in range(self.world_size)]
         return min(rows) // self.batch_size
 
-    def _windows(self, epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def _windows(self, epoch: int) -> Iterator[tuple[list[RowGroup], np.random.Generator | None]]:
         groups = self.assignment(epoch)
         for number, start in enumerate(range(0, len(groups), self.window_row_groups)):
             rng = np.random.default_rng([self.seed, epoch, self.rank, number]) if self.shuffle else None
             yield groups[start : start + self.window_row_groups], rng
 
     def _prefetched(self, epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Windows in order, read and shuffled up to PREFETCH_WINDOWS ahead on background threads."""
-        from concurrent.futures import ThreadPoolExecutor
+        """Windows in order; the row groups of up to PREFETCH_WINDOWS windows ahead are read on background threads.
 
+        Each file's run of row groups in a window is a task of its own, so both threads share every
+        window: no thread idles while the other finishes the last window, and the first batch waits
+        for about half a window's reads.
+        """
         windows = iter(self._windows(epoch))
-        pending: collections.deque = collections.deque()
-        with ThreadPoolExecutor(max_workers=PREFETCH_WINDOWS, thread_name_prefix="parquet-prefetch") as pool:
+        pending: collections.deque[tuple[Future, list[Future]]] = collections.deque()
+        files = _OpenFiles()
+        with contextlib.closing(files), ThreadPoolExecutor(max_workers=PREFETCH_THREADS,
+                                                           thread_name_prefix="parquet-prefetch") as pool:
 
             def submit_next() -> None:
                 item = next(windows, None)
-                if item is not None:
-                    pending.append(pool.submit(read_row_groups, item[0], self.label, item[1]))
+                if item is None:
+                    return
+                groups, rng = item
+                window = pool.submit(_allocate_window, groups, len(self.features), rng)
+                reads, offset = [], 0
+                for run in _by_file(groups):
+                    reads.append(pool.submit(_read_into, files, run, self.label, window, offset))
+                    offset += sum(g.num_rows for g in run)
+                pending.append((window, reads))
 
             for _ in range(PREFETCH_WINDOWS):
                 submit_next()
             try:
                 while pending:
-                    window = pending.popleft().result()
+                    window, reads = pending.popleft()
+                    for read in reads:
+                        read.result()
                     submit_next()
-                    yield window
+                    out = window.result()
+                    yield out.x, out.y
             finally:
-                for future in pending:
-                    future.cancel()
+                for window, reads in pending:
+                    for future in [*reads, window]:
+                        future.cancel()
 
     def epoch(self, epoch: int, skip_steps: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's batches for ``epoch``; ``skip_steps`` resumes mid-epoch at the same position."""

@@ -1,0 +1,178 @@
+"""tasks.loader: rows whole and once per epoch, an order fixed by (seed, epoch, rank, window), exact resume, files closed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tasks import loader, preprocess
+from tasks.loader import ParquetBatches
+from tasks.preprocess import Columns
+
+COLUMNS = Columns(key="row_id", label="label", features=["a", "b", "c"], num_classes=5)
+FEATURES = COLUMNS.features
+# Files of uneven row groups, so windows mix files and batches span windows.
+LAYOUT = [(23, 5), (17, 4), (30, 7)]  # (rows, rows per row group) per file
+
+
+def _table(first: int, rows: int) -> pa.Table:
+    """Rows whose features are (r, 2r, -r) and label r % 5: a batch shows which rows it holds, and whether they stayed whole."""
+    ids = np.arange(first, first + rows)
+    matrix = np.stack([ids, 2 * ids, -ids], axis=1).astype(np.float32)
+    schema = preprocess.processed_schema(COLUMNS, pa.int64())
+    return pa.Table.from_arrays([pa.array(ids), pa.array(ids % 5), preprocess.feature_vectors(matrix)], schema=schema)
+
+
+def _write(open_file, layout=LAYOUT) -> tuple[list[str], int]:
+    """Write the split through ``open_file(name) -> (uri, binary handle)``; returns the URIs and the row count."""
+    uris, first = [], 0
+    for number, (rows, per_group) in enumerate(layout):
+        uri, handle = open_file(f"part-{number:05d}.parquet")
+        with handle:
+            pq.write_table(_table(first, rows), handle, row_group_size=per_group)
+        uris.append(uri)
+        first += rows
+    return uris, first
+
+
+@pytest.fixture
+def split(tmp_path: Path) -> tuple[list[str], int]:
+    return _write(lambda name: (str(tmp_path / name), open(tmp_path / name, "wb")))
+
+
+def _make(uris: list[str], **kwargs) -> ParquetBatches:
+    options = {"rank": 0, "world_size": 1, "batch_size": 6, "seed": 3, "window_row_groups": 3} | kwargs
+    return ParquetBatches(uris, FEATURES, "label", **options)
+
+
+def _ids(batches) -> list[list[int]]:
+    return [inputs[:, 0].long().tolist() for inputs, _ in batches]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_every_row_arrives_whole_and_at_most_once(split, world_size):
+    """Features and label stay together; ranks never share a row; only the tail for equal steps is dropped."""
+    uris, total = split
+    ranks = [_make(uris, rank=r, world_size=world_size) for r in range(world_size)]
+    for epoch in range(2):
+        kept = [list(batches.epoch(epoch)) for batches in ranks]  # held all at once: no batch may be overwritten later
+        steps = ranks[0].steps_per_epoch(epoch)
+        seen = []
+        for part in kept:
+            assert len(part) == steps and all(len(labels) == 6 for _, labels in part)
+            for inputs, labels in part:
+                ids = inputs[:, 0].long()
+                assert (inputs[:, 1] == 2 * ids).all() and (inputs[:, 2] == -ids).all()
+                assert (labels == ids % 5).all()
+                seen += ids.tolist()
+        assert len(seen) == len(set(seen)) == world_size * steps * 6
+        assert set(seen) <= set(range(total))
+        if world_size == 1:
+            assert total - len(seen) < 6, "one rank drops less than a batch"
+
+
+def test_order_is_each_window_permuted_by_its_own_seed(split):
+    """Window n of (seed, epoch, rank) puts its i-th row read at default_rng([seed, epoch, rank, n]).permutation(rows)[i].
+
+    The order of earlier releases: a checkpoint taken mid-epoch before an upgrade resumes on the same batches.
+    """
+    uris, _ = split
+    batches = _make(uris, rank=1, world_size=2)
+    for epoch in range(2):
+        windows = []
+        groups = batches.assignment(epoch)
+        for number, start in enumerate(range(0, len(groups), 3)):
+            ids = np.concatenate([pq.ParquetFile(g.uri).read_row_group(g.index).column("row_id").to_numpy()
+                                  for g in groups[start : start + 3]])
+            window = np.empty_like(ids)
+            window[np.random.default_rng([3, epoch, 1, number]).permutation(len(ids))] = ids
+            windows.append(window)
+        expected = np.concatenate(windows)[: batches.steps_per_epoch(epoch) * 6].reshape(-1, 6).tolist()
+        assert _ids(batches.epoch(epoch)) == expected
+
+
+@pytest.mark.parametrize("threads,ahead", [(1, 1), (3, 1), (1, 3), (4, 4)])
+def test_order_does_not_depend_on_prefetch_threads_or_depth(split, monkeypatch, threads, ahead):
+    """Background threads race to fill a window; the batches must not show it."""
+    uris, _ = split
+    reference = [_ids(_make(uris).epoch(epoch)) for epoch in range(2)]
+    monkeypatch.setattr(loader, "PREFETCH_THREADS", threads)
+    monkeypatch.setattr(loader, "PREFETCH_WINDOWS", ahead)
+    assert [_ids(_make(uris).epoch(epoch)) for epoch in range(2)] == reference
+
+
+def test_skip_steps_equals_the_uninterrupted_run_at_every_step(split):
+    """Resuming at any step, a batch spanning two windows included, yields exactly the rest of the epoch."""
+    uris, _ = split
+    batches = _make(uris, batch_size=7, window_row_groups=2)
+    full = _ids(batches.epoch(1))
+    assert len(full) == batches.steps_per_epoch(1) > 3
+    for skip in range(len(full) + 1):
+        assert _ids(batches.epoch(1, skip_steps=skip)) == full[skip:]
+
+
+def test_unshuffled_reads_every_file_in_order_with_the_last_partial_batch(split):
+    """Evaluation order: files in split order, rows in file order, nothing dropped."""
+    uris, total = split
+    rows = [row for ids in _ids(_make(uris, batch_size=8, shuffle=False).epoch(0)) for row in ids]
+    assert rows == list(range(total))
+
+
+class _Tracker:
+    """Counts Parquet readers opened and closed from now on."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.opened = self.closed = 0
+        tracker = self
+
+        class Tracked(pq.ParquetFile):
+            def __init__(self, *args, **kwargs) -> None:
+                super().__init__(*args, **kwargs)
+                tracker.opened += 1
+
+            def close(self, *args, **kwargs) -> None:
+                tracker.closed += 1
+                super().close(*args, **kwargs)
+
+        monkeypatch.setattr(pq, "ParquetFile", Tracked)
+
+
+def test_an_epoch_closes_its_files_and_opens_each_local_one_at_most_once_per_thread(split, monkeypatch):
+    """Local files stay open across windows (not re-opened per row group) and are all closed at the end."""
+    uris, _ = split
+    batches = _make(uris, window_row_groups=2)
+    tracker = _Tracker(monkeypatch)
+    assert len(list(batches.epoch(0))) == batches.steps_per_epoch(0)
+    assert tracker.opened == tracker.closed
+    assert tracker.opened <= len(uris) * loader.PREFETCH_THREADS < len(batches.groups)
+
+
+def test_an_abandoned_epoch_closes_its_files(split, monkeypatch):
+    """A consumer that stops after one batch (a failed step, a finished sweep trial) leaves no file open."""
+    uris, _ = split
+    batches = _make(uris, window_row_groups=2)
+    tracker = _Tracker(monkeypatch)
+    epoch = batches.epoch(0)
+    next(epoch)
+    epoch.close()
+    assert tracker.opened == tracker.closed > 0
+
+
+def test_remote_files_give_the_same_batches(split):
+    """Through fsspec (memory:// here, s3:// in production) files are opened per task, with the same batches."""
+    uris, _ = split
+    fs = fsspec.filesystem("memory")
+    root = f"/loader-test-{id(split)}"
+    remote, _ = _write(lambda name: (f"memory://{root}/{name}", fs.open(f"{root}/{name}", "wb")))
+    try:
+        for epoch in range(2):
+            assert _ids(_make(remote).epoch(epoch)) == _ids(_make(uris).epoch(epoch))
+        assert _ids(_make(remote, shuffle=False).epoch(0)) == _ids(_make(uris, shuffle=False).epoch(0))
+    finally:
+        fs.rm(root, recursive=True)
