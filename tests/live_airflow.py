@@ -85,6 +85,9 @@ class LiveAirflow:
         self.marker = secrets.token_hex(8)
         self.env = self._build_env(env or {})
         self.processes: dict[str, subprocess.Popen] = {}
+        # Every group ever started: a killed scheduler's LocalExecutor workers live on in its group, and
+        # setproctitle overwrites their environment, so the marker sweep cannot find them.
+        self._groups: list[int] = []
         self._log_handles: list[Any] = []
         self._client: httpx.Client | None = None
         self.password = secrets.token_urlsafe(16)
@@ -189,6 +192,7 @@ class LiveAirflow:
         self.processes[name] = subprocess.Popen(
             [*self._airflow(), *args], env={**self.env, **(extra_env or {})}, cwd=self.tmp_dir, stdin=subprocess.DEVNULL,
             stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+        self._groups.append(self.processes[name].pid)
 
     def _wait_healthy(self) -> None:
         """Until the api-server answers and reports a live scheduler and dag-processor."""
@@ -221,15 +225,15 @@ class LiveAirflow:
         if self._client is not None:
             self._client.close()
             self._client = None
-        groups = {name: proc.pid for name, proc in self.processes.items()}
-        for pgid in groups.values():
+        groups = set(self._groups)
+        for pgid in groups:
             _killpg(pgid, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace
-        while time.monotonic() < deadline and any(_group_alive(pgid) for pgid in groups.values()):
+        while time.monotonic() < deadline and any(_group_alive(pgid) for pgid in groups):
             for proc in self.processes.values():
                 proc.poll()  # reap the leaders as they exit
             time.sleep(0.2)
-        for pgid in groups.values():
+        for pgid in groups:
             _killpg(pgid, signal.SIGKILL)
         for proc in self.processes.values():
             try:
@@ -246,6 +250,7 @@ class LiveAirflow:
             handle.close()
         self._log_handles.clear()
         self.processes.clear()
+        self._groups.clear()
 
     # -- processes ---------------------------------------------------------------------------------
 
