@@ -7,7 +7,7 @@ a window of ``window_row_groups`` row groups (rows move whole, thanks to the pro
 column): each row group is read on its own and its rows are scattered straight to their shuffled
 places in the window, one copy while the row group is still in cache. Background threads read the
 row groups of the next windows while the current one trains, so memory stays bounded by a few
-windows; a consumed window's memory serves a later window once no batch of it is referenced.
+windows.
 All ranks take the same number of steps per epoch (the smallest rank's full batches), computed
 from Parquet metadata alone, so DDP never waits on a rank that ran out of data.
 """

@@ -132,7 +132,8 @@ def preprocess_stats(run: dict[str, Any], shard: dict[str, Any]) -> dict[str, An
 def reduce_stats(run: dict[str, Any], stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     from tasks import preprocess
 
-    return _inline(run_config(run), lambda: preprocess.reduce_stats(run_config(run), run["out"], [s["stats_uri"] for s in _all(stats)]))
+    config = run_config(run)
+    return _inline(config, lambda: preprocess.reduce_stats(config, run["out"], [s["stats_uri"] for s in _all(stats)]))
 
 
 def preprocess_transform(run: dict[str, Any], reduced: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
@@ -144,7 +145,8 @@ def preprocess_transform(run: dict[str, Any], reduced: dict[str, Any], shard: di
 def commit_preprocess(run: dict[str, Any], reduced: dict[str, Any], transformed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     from tasks import preprocess
 
-    return _inline(run_config(run), lambda: preprocess.commit(run_config(run), run["out"], reduced["stats_uri"], _all(transformed)))
+    config = run_config(run)
+    return _inline(config, lambda: preprocess.commit(config, run["out"], reduced["stats_uri"], _all(transformed)))
 
 
 def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[int]:
@@ -167,7 +169,8 @@ def sweep_worker(run: dict[str, Any], worker: int) -> dict[str, Any]:
 def sweep_summary(run: dict[str, Any], workers: Sequence[dict[str, Any]]) -> dict[str, Any]:
     from tasks import sweep
 
-    return _inline(run_config(run), lambda: sweep.summarize(run_config(run), run["study"], run["out"]))
+    config = run_config(run)
+    return _inline(config, lambda: sweep.summarize(config, run["study"], run["out"]))
 
 
 def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
