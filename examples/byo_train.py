@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from tasks.model import ModelSpec, build_model, load_torch, save_bundle, save_torch
+from tasks.model import ModelSpec, build_model, load_torch, restore_training_state, save_bundle, save_torch
 from tasks.preprocess import feature_matrix
 
 
@@ -66,8 +66,7 @@ def main() -> None:
     start_epoch = 0
     if fs.exists(checkpoint):  # an Airflow retry: pick up where the last attempt stopped
         state = load_torch(checkpoint)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        restore_training_state(model, optimizer, state, "cpu")  # on GPUs: the model's device, before its optimizer loads
         start_epoch = state["epoch"] + 1
     ddp = DistributedDataParallel(model) if world > 1 else model
     batch = int(os.environ["STAGEWISE_PER_PROCESS_BATCH"])

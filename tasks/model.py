@@ -46,10 +46,24 @@ def save_torch(uri: str, payload: dict[str, Any]) -> None:
 
 
 def load_torch(uri: str) -> dict[str, Any]:
+    """Read a file written by :func:`save_torch`; tensors land on the CPU (see :func:`restore_training_state`)."""
     fs, path = storage.filesystem(uri)
     with fs.open(path, "rb") as handle:
         data = handle.read()
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def restore_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                           device: str | torch.device) -> None:
+    """Load a checkpoint's model and optimizer state for training on ``device``.
+
+    The model moves to ``device`` first: ``Optimizer.load_state_dict`` puts each state tensor (e.g.
+    SGD momentum, Adam moments) on its parameter's device, so loading into a model still on the CPU
+    would leave those buffers behind and the first GPU step would fail on mixed devices.
+    """
+    model.to(device)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
 
 
 def save_bundle(uri: str, model: nn.Module, spec: ModelSpec, preprocessing: dict[str, Any], extra: dict[str, Any]) -> None:

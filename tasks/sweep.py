@@ -211,7 +211,7 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict
                 params = resolve_params(config, suggested)
                 torch.manual_seed(sweep.seed + (trial.number if trial else 0))
                 model = build_model(ModelSpec(num_features=len(manifest["features"]), num_classes=manifest["num_classes"],
-                                              hidden=params["hidden"], dropout=float(params["dropout"])))
+                                              hidden=params["hidden"], dropout=float(params["dropout"]))).to(env.device)
                 loop = Loop(model=model, optimizer=make_optimizer(model, params), env=env, train=train,
                             validation=validation, seed=sweep.seed)
                 for epoch in range(sweep.epochs):

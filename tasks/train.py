@@ -108,7 +108,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
     from tasks.checkpoint import CheckpointStore
     from tasks.distributed import distributed_job
     from tasks.loader import split_batches
-    from tasks.model import ModelSpec, build_model, load_torch, save_bundle, save_torch
+    from tasks.model import ModelSpec, build_model, load_torch, restore_training_state, save_bundle, save_torch
     from tasks.preprocess import read_manifest
     from tasks.training import Loop, Position, eta_s, make_optimizer, scaled_lr, warmup_factor
 
@@ -129,7 +129,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         spec = ModelSpec(num_features=len(manifest["features"]), num_classes=manifest["num_classes"],
                          hidden=params["hidden"], dropout=float(params["dropout"]))
         torch.manual_seed(config.train.seed)
-        model = build_model(spec)
+        model = build_model(spec).to(env.device)  # before the optimizer exists or loads state: its buffers follow the params
         optimizer = make_optimizer(model, params)
         digest = config_hash(stage.model_dump(), params, env.world_size, config.train.seed)
         prefix = stage_prefix(out, stage.name)
@@ -139,8 +139,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         found = checkpoints.latest()
         if found and found[1]["config_hash"] == digest:
             uri, state = found
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+            restore_training_state(model, optimizer, state, env.device)
             position = Position(**json.loads(state["position"]))
             history, previous_batch = json.loads(state["history"]), state["previous_global_batch"]
             resumed_from = position.step
@@ -151,10 +150,9 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         if resumed_from is None and init_from:
             state = load_torch(init_from)
             try:
-                model.load_state_dict(state["model"])
-            except RuntimeError as exc:
+                restore_training_state(model, optimizer, state, env.device)
+            except (RuntimeError, ValueError) as exc:
                 raise UserError(f"{init_from}: the previous stage's model does not fit this stage's: {exc}") from None
-            optimizer.load_state_dict(state["optimizer"])
             previous_batch = state["global_batch"]
             log.info("stage %s starts from %s (global batch %d -> %d)", stage.name, init_from, previous_batch, global_batch)
 

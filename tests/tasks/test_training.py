@@ -327,3 +327,35 @@ def test_unknown_stage_is_a_config_error(digits_run, single_process):
     config_path, out = digits_run
     with pytest.raises(UserError, match="s9"):
         train.run_stage(load_config(config_path), "s9", out, PARAMS, None)
+
+
+def test_state_is_loaded_only_after_the_model_is_on_its_device(digits_run, single_process, monkeypatch):
+    """Hand-off and resume move the model to the stage's device before the optimizer loads state.
+
+    Optimizer.load_state_dict puts momentum buffers on their parameters' device; loaded the other way
+    round, a GPU stage keeps CPU buffers and its first step fails (seen on an H100).
+    """
+    config_path, out = digits_run
+    config = load_config(config_path, overrides={"train.checkpoint_every_steps": 1})
+    first = train.run_stage(config, "s1", out, PARAMS, None)
+    events: list[str] = []
+    original_to, original_load = torch.nn.Module.to, torch.optim.Optimizer.load_state_dict
+
+    def recording_to(module, *args, **kwargs):
+        if isinstance(module, torch.nn.Sequential):
+            events.append(f"model.to({args[0] if args else kwargs})")
+        return original_to(module, *args, **kwargs)
+
+    def recording_load(optimizer, state):
+        events.append("optimizer.load_state_dict")
+        return original_load(optimizer, state)
+
+    monkeypatch.setattr(torch.nn.Module, "to", recording_to)
+    monkeypatch.setattr(torch.optim.Optimizer, "load_state_dict", recording_load)
+    train.run_stage(config, "s2", out, PARAMS, first["checkpoint_uri"])  # hand-off
+    assert "optimizer.load_state_dict" in events
+    assert events.index("model.to(cpu)") < events.index("optimizer.load_state_dict"), events
+    events.clear()
+    train.run_stage(config, "s2", out, PARAMS, first["checkpoint_uri"])  # resume from s2's own checkpoint
+    assert events.index("model.to(cpu)") < events.index("optimizer.load_state_dict"), events
+
