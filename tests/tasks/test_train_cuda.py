@@ -80,3 +80,17 @@ def test_killed_gpu_stage_resumes_from_its_checkpoint(digits_run, subprocess_env
     clean_model = torch.load(Path(reference_out, "train", "s1", "final.pt"), weights_only=True)["model"]
     for name, tensor in clean_model.items():
         torch.testing.assert_close(resumed_model[name], tensor, rtol=1e-3, atol=1e-4)
+
+
+def test_sweep_trials_train_on_the_gpu(digits_run, single_process):
+    """A sweep worker on a cuda profile runs its trials on the device and the study gets real values."""
+    pytest.importorskip("optuna")
+    from tasks.sweep import create, run_worker, summarize
+
+    config_path, out = digits_run
+    config = load_config(config_path, {"profiles.small.device": "cuda", "sweep.num_trials": 2, "sweep.num_workers": 1})
+    create(config, "gpu")
+    result = run_worker(config, "gpu", 0, out)
+    summary = summarize(config, "gpu", out)
+    assert result["trials_run"] == 2 and result["epochs_run"] > 0
+    assert summary["n_complete"] >= 1 and summary["best_value"] > 0.5
