@@ -24,7 +24,7 @@ from typing import Any
 
 from tasks import storage
 from tasks.cli import common_parser, json_arg, parse_overrides, run_subjob
-from tasks.config import PipelineConfig, load_config
+from tasks.config import PipelineConfig, hyperparameter_problem, load_config
 from tasks.errors import UserError
 
 log = logging.getLogger("stagewise.train")
@@ -39,14 +39,14 @@ def stage_prefix(out: str, stage: str) -> str:
 
 
 def resolve_params(config: PipelineConfig, swept: dict[str, Any]) -> dict[str, Any]:
-    """Hyperparameters: built-in defaults, then train.default_params, then the sweep's best."""
+    """Hyperparameters: built-in defaults, then train.default_params, then the sweep's best (each checked by name)."""
+    if not isinstance(swept or {}, dict):
+        raise UserError(f"--params must be a JSON object of hyperparameters, got {type(swept).__name__}")
     params = {**HYPER_DEFAULTS, **config.train.default_params, **(swept or {})}
-    unknown = sorted(set(params) - set(HYPER_DEFAULTS))
-    if unknown:
-        raise UserError(f"unknown hyperparameter(s) {unknown} in --params / train.default_params; known: {sorted(HYPER_DEFAULTS)}")
+    problems = [problem for name, value in params.items() if (problem := hyperparameter_problem(name, value))]
+    if problems:
+        raise UserError(f"bad hyperparameter(s) in --params / sweep result / train.default_params: {'; '.join(problems)}")
     params["hidden"] = int(params["hidden"])
-    if params["optimizer"] not in ("sgd", "adamw"):
-        raise UserError(f"hyperparameter optimizer='{params['optimizer']}' is not sgd or adamw")
     return params
 
 

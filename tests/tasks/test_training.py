@@ -207,9 +207,18 @@ def test_resolve_params_precedence(write_config):
 def test_unknown_param_is_a_user_error(write_config, where):
     """An unknown hyperparameter, from the sweep or from train.default_params, is refused by name."""
     overrides = {"train.default_params": {"gamma": 0.5}} if where == "default_params" else {}
-    config = load_config(write_config(), overrides=overrides)
     with pytest.raises(UserError, match="gamma"):
+        config = load_config(write_config(), overrides=overrides)
         train.resolve_params(config, {"gamma": 0.5} if where == "swept" else {})
+
+
+@pytest.mark.parametrize("name,value", [("lr", -0.05), ("hidden", 0), ("momentum", 5), ("dropout", 1.0),
+                                        ("weight_decay", -1e-4), ("optimizer", "lion"), ("lr", "fast")])
+def test_params_outside_their_domain_are_a_user_error(write_config, name, value):
+    """--params (or a sweep's best) outside a hyperparameter's obvious domain is refused naming the key and value."""
+    config = load_config(write_config())
+    with pytest.raises(UserError, match=f"{name}={value!r} is out of range"):
+        train.resolve_params(config, {name: value})
 
 
 # --- a whole stage, one process, in-process ---------------------------------------------------------------------
