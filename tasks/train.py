@@ -110,7 +110,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
     from tasks.loader import split_batches
     from tasks.model import ModelSpec, build_model, load_torch, restore_training_state, save_bundle, save_torch
     from tasks.preprocess import read_manifest
-    from tasks.training import Loop, Position, eta_s, make_optimizer, scaled_lr, warmup_factor
+    from tasks.training import Diverged, Loop, Position, eta_s, make_optimizer, scaled_lr, warmup_factor
 
     stage = config.stage(stage_name)
     profile = config.profile(stage.profile)
@@ -158,8 +158,10 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
 
         lr = scaled_lr(params["lr"], global_batch, config.train.base_batch, config.train.lr_rule)
         warmup = stage.warmup_steps if (previous_batch is None or global_batch > previous_batch) else 0
+        # Checked at each checkpoint step too, so no checkpoint is ever written from NaN weights.
         loop = Loop(model=model, optimizer=optimizer, env=env, train=train, validation=validation,
-                    grad_accum_steps=stage.grad_accum_steps, seed=data_seed)
+                    grad_accum_steps=stage.grad_accum_steps, seed=data_seed,
+                    check_every_steps=config.train.checkpoint_every_steps)
         loop.position = position
         fault_step = _fault_step(env.rank) if resumed_from is None else None
 
@@ -181,7 +183,10 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                  config.train.lr_rule, config.train.base_batch, warmup, stage.epochs, loop.steps_per_epoch(0), train.num_rows)
         started, first_epoch = time.monotonic(), loop.position.epoch
         while loop.position.epoch < stage.epochs:
-            result = loop.train_epoch(lambda s: lr * warmup_factor(s, warmup), on_step=on_step)
+            try:
+                result = loop.train_epoch(lambda s: lr * warmup_factor(s, warmup), on_step=on_step)
+            except Diverged as exc:
+                raise UserError(f"stage {stage.name}: {exc}") from None
             history.append(asdict(result))
             if env.master:
                 done = result.epoch + 1
