@@ -136,7 +136,8 @@ def test_all_trials_failing_makes_the_summary_a_user_error(digits_run, single_pr
 def test_diverging_trial_is_failed_with_its_reason_and_the_sweep_goes_on(digits_run, single_process):
     """A trial whose loss turns NaN (lr 1e6) becomes a FAIL trial naming the divergence; the next trial still runs
     and the summary's best is the trial that trained."""
-    config, out = _fast_config(digits_run, num_trials=2, num_workers=1, pruner={"type": "none"})
+    config, out = _fast_config(digits_run, num_trials=2, num_workers=1, pruner={"type": "none"},
+                               **{"search_space.lr": {"type": "float", "low": 0.01, "high": 1e6, "log": True}})
     create(config, "diverging")
     study = _load(config, "diverging")
     study.enqueue_trial({"lr": 1e6, "hidden": 16})
