@@ -507,7 +507,7 @@ def _format_validation_error(path: Path, error: ValidationError, overrides: dict
         # Cross-field checks name their own keys in the message.
         line = f"  {location}: {message}" if location else f"  {message}"
         culprits = [key for key in overrides if _same_branch(item["loc"], key)]
-        lines.append(line + (f" (set by --override {', '.join(culprits)})" if culprits else ""))
+        lines.append(line + (f" (from override {', '.join(culprits)})" if culprits else ""))
     return "\n".join(lines)
 
 

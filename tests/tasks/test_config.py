@@ -329,4 +329,4 @@ def test_override_creating_an_unknown_key_is_traced_to_the_override(write_config
     """An override that invents a key fails validation naming the key and the override that set it."""
     with pytest.raises(ConfigError) as caught:
         load_config(write_config(), overrides={"sweep.nonexistent.x": 1})
-    assert "sweep.nonexistent: unknown key (typo?) (set by --override sweep.nonexistent.x)" in str(caught.value)
+    assert "sweep.nonexistent: unknown key (typo?) (from override sweep.nonexistent.x)" in str(caught.value)
