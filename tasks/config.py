@@ -52,6 +52,35 @@ class Profile(_Strict):
     max_restarts: int = Field(0, ge=0, le=10, description="torchrun --max-restarts inside one Airflow try.")
 
 
+def filesystem_problem(uri: str) -> str | None:
+    """Why fsspec cannot open ``uri``'s scheme here (unknown, or its package not installed), or None."""
+    if "://" not in uri:
+        return None
+    import importlib.util
+
+    from fsspec.registry import known_implementations, registry
+
+    scheme = uri.split("://", 1)[0].lower()
+    if scheme in registry:
+        return None
+    known = known_implementations.get(scheme)
+    if known is None:
+        return f"scheme '{scheme}://' has no fsspec filesystem; use a local path, file:// or s3://"
+    package = known["class"].split(".", 1)[0]
+    # find_spec looks the package up without importing it, so loading a config stays fast.
+    if importlib.util.find_spec(package) is None:
+        hint = known.get("err") or f"install {package}"
+        return f"scheme '{scheme}://' needs the {package} package, which is not installed ({hint}: pip install {package})"
+    return None
+
+
+def _check_filesystem(uri: str) -> str:
+    problem = filesystem_problem(uri)
+    if problem:
+        raise ValueError(problem)
+    return uri
+
+
 class Dataset(_Strict):
     """The input table: where it is and which columns play which part."""
 
@@ -71,6 +100,11 @@ class Dataset(_Strict):
         if isinstance(value, list) and len(set(value)) != len(value):
             raise ValueError("feature columns repeat")
         return value
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_filesystem(cls, value: str) -> str:
+        return _check_filesystem(value)
 
 
 class Split(_Strict):
@@ -130,6 +164,8 @@ class IntParam(_Dimension):
     def _bounds(self) -> "IntParam":
         if not self.low < self.high:
             raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        if self.log and self.low < 1:
+            raise ValueError(f"log scale needs low >= 1, got {self.low}")
         return self
 
 
@@ -141,7 +177,49 @@ class CategoricalParam(_Dimension):
 
 
 SearchParam = FloatParam | IntParam | CategoricalParam
-TUNABLE = ("lr", "weight_decay", "hidden", "dropout", "momentum", "optimizer")
+OPTIMIZERS = ("sgd", "adamw")
+# What each tunable hyperparameter must be, as the error message words it.
+HYPER_DOMAINS = {"lr": "> 0", "weight_decay": ">= 0", "hidden": "a whole number >= 1", "dropout": "in [0, 1)",
+                 "momentum": "in [0, 1)", "optimizer": "one of sgd, adamw"}
+TUNABLE = tuple(HYPER_DOMAINS)
+
+
+def _in_domain(name: str, value: Any) -> bool:
+    if name == "optimizer":
+        return value in OPTIMIZERS
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    if name == "lr":
+        return value > 0
+    if name == "weight_decay":
+        return value >= 0
+    if name == "hidden":
+        return value >= 1 and float(value).is_integer()
+    return 0 <= value < 1  # dropout, momentum
+
+
+def hyperparameter_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` is no valid ``name`` (unknown name or outside its obvious domain), or None when it is."""
+    if name not in HYPER_DOMAINS:
+        return f"unknown hyperparameter '{name}'; known: {list(TUNABLE)}"
+    if not _in_domain(name, value):
+        return f"{name}={value!r} is out of range: {name} must be {HYPER_DOMAINS[name]}"
+    return None
+
+
+def _space_problem(name: str, space: SearchParam) -> str | None:
+    """Why a search dimension can sample values outside ``name``'s domain, or None."""
+    if name == "optimizer" and not isinstance(space, CategoricalParam):
+        return f"{name}: must be a categorical param (choices among {list(OPTIMIZERS)})"
+    if name == "hidden" and isinstance(space, FloatParam):
+        return f"{name}: a float param gives fractional widths; use type int or categorical"
+    points = {"choices": space.choices} if isinstance(space, CategoricalParam) else {"low": [space.low], "high": [space.high]}
+    points["grid"] = space.grid or []
+    for which, values in points.items():
+        for value in values:
+            if not _in_domain(name, value):
+                return f"{name}.{which} {value!r} is out of range: {name} must be {HYPER_DOMAINS[name]}"
+    return None
 
 
 class Sampler(_Strict):
@@ -190,9 +268,10 @@ class Sweep(_Strict):
             raise ValueError(f"unknown hyperparameter(s) {unknown}; tunable: {list(TUNABLE)}")
         if "lr" not in value:
             raise ValueError("'lr' must be searched: training rescales it by batch size")
-        dropout = value.get("dropout")
-        if isinstance(dropout, FloatParam) and not (0 <= dropout.low and dropout.high < 1):
-            raise ValueError(f"dropout: [{dropout.low}, {dropout.high}] must lie within [0, 1)")
+        for name, space in value.items():
+            problem = _space_problem(name, space)
+            if problem:
+                raise ValueError(problem)
         for name, space in value.items():
             for parent, values in (space.when or {}).items():
                 parent_space = value.get(parent)
@@ -274,13 +353,21 @@ class Train(_Strict):
 
     base_batch: int = Field(32, ge=1, description="Global batch at which the swept lr holds.")
     lr_rule: Literal["linear", "sqrt", "none"] = Field("linear", description="How lr scales with global batch.")
-    default_params: dict[str, float | int] = Field(
+    default_params: dict[str, float | int | str] = Field(
         default_factory=dict, description="Hyperparameters used where the sweep does not set them."
     )
     seed: int = Field(0, description="Seed of init, shuffling and dropout.")
     checkpoint_every_steps: int = Field(50, ge=1, description="Rank 0 checkpoints every this many optimizer steps (a retry redoes at most these).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept per stage (older ones are deleted).")
     stages: list[TrainStage] = Field(min_length=1, description="The stages, run in order.")
+
+    @field_validator("default_params")
+    @classmethod
+    def _params_in_domain(cls, value: dict[str, float | int | str]) -> dict[str, float | int | str]:
+        problems = [problem for name, v in value.items() if (problem := hyperparameter_problem(name, v))]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
 
     @field_validator("stages")
     @classmethod
@@ -308,6 +395,11 @@ class Inference(_Strict):
     bad_rows: Literal["quarantine", "fail"] = Field(
         "quarantine", description="Rows that cannot be scored: set aside with a reason, or fail the shard.")
 
+    @field_validator("input_uri")
+    @classmethod
+    def _input_filesystem(cls, value: str) -> str:
+        return _check_filesystem(value)
+
 
 class Pool(_Strict):
     """An Airflow pool: the slots that profiles' pool_slots draw from."""
@@ -329,6 +421,18 @@ class Retrain(_Strict):
     schedule: str = Field("0 3 * * 0", description="Cron schedule (UTC), besides the data-landed trigger.")
     num_trials: int = Field(4, ge=1, description="Sweep budget of a retrain (warm-started from the current model).")
 
+    @field_validator("schedule")
+    @classmethod
+    def _cron(cls, value: str) -> str:
+        from croniter import croniter  # a plain package (Airflow's own cron parser), so tasks/ needs no Airflow
+
+        try:
+            croniter(value)
+        except (ValueError, KeyError) as exc:
+            raise ValueError(f"'{value}' is not a cron expression ({exc}): give 5 fields, minute hour day-of-month "
+                             f"month day-of-week (e.g. '0 3 * * 0' is Sundays 03:00), or a preset such as @daily") from None
+        return value
+
 
 class PipelineConfig(_Strict):
     """The whole pipeline."""
@@ -345,6 +449,11 @@ class PipelineConfig(_Strict):
     inference: Inference = Field(description="Sharded batch inference.")
     registry: Registry = Field(default_factory=Registry, description="Model registry and gate.")
     retrain: Retrain = Field(default_factory=Retrain, description="Scheduled and data-triggered retraining.")
+
+    @field_validator("storage_root")
+    @classmethod
+    def _root_filesystem(cls, value: str) -> str:
+        return _check_filesystem(value)
 
     @model_validator(mode="after")
     def _profiles_exist(self) -> "PipelineConfig":
@@ -388,7 +497,7 @@ class PipelineConfig(_Strict):
         raise ConfigError(f"train stage '{name}' is not in train.stages ({[s.name for s in self.train.stages]})")
 
 
-def _format_validation_error(path: Path, error: ValidationError) -> str:
+def _format_validation_error(path: Path, error: ValidationError, overrides: dict[str, Any]) -> str:
     lines = [f"{path}: invalid pipeline config"]
     for item in error.errors():
         location = ".".join(str(part) for part in item["loc"])
@@ -396,8 +505,19 @@ def _format_validation_error(path: Path, error: ValidationError) -> str:
         if item["type"] == "extra_forbidden":
             message = "unknown key (typo?)"
         # Cross-field checks name their own keys in the message.
-        lines.append(f"  {location}: {message}" if location else f"  {message}")
+        line = f"  {location}: {message}" if location else f"  {message}"
+        culprits = [key for key in overrides if _same_branch(item["loc"], key)]
+        lines.append(line + (f" (from override {', '.join(culprits)})" if culprits else ""))
     return "\n".join(lines)
+
+
+def _same_branch(location: tuple, dotted: str) -> bool:
+    """Whether an error at ``location`` lies on an override key's path (one is a prefix of the other)."""
+    # A search dimension's location carries its union tag (lr.float.low); override keys do not.
+    parts = [str(part) for part in location if part not in ("float", "int", "categorical")]
+    keys = dotted.split(".")
+    common = min(len(parts), len(keys))
+    return common > 0 and parts[:common] == keys[:common]
 
 
 def config_path(path: str | os.PathLike | None = None) -> Path:
@@ -406,15 +526,29 @@ def config_path(path: str | os.PathLike | None = None) -> Path:
 
 
 def _apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """Set each dotted key (``train.stages.1.epochs``); a path that cannot exist raises naming the key."""
     for dotted, value in overrides.items():
-        node = raw
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
-        if isinstance(node, list):
-            node[int(leaf)] = value
-        else:
-            node[leaf] = value
+        parts = dotted.split(".")
+        if "" in parts:
+            raise ValueError(f"override '{dotted}': a key path needs names between its dots")
+        node: Any = raw
+        for depth, part in enumerate(parts):
+            where, last = ".".join(parts[:depth]) or "the top level", depth == len(parts) - 1
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ValueError(f"override '{dotted}': {where} is a list of {len(node)} item(s), "
+                                     f"so '{part}' is not one of its indexes (0..{len(node) - 1})")
+                if last:
+                    node[int(part)] = value
+                else:
+                    node = node[int(part)]
+            elif isinstance(node, dict):
+                if last:
+                    node[part] = value
+                else:
+                    node = node.setdefault(part, {})
+            else:
+                raise ValueError(f"override '{dotted}': {where} is {node!r}, not a mapping or list")
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
@@ -432,8 +566,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         raise ConfigError(f"{resolved}: the top level must be a mapping of keys, got {type(raw).__name__}")
     try:
         _apply_overrides(raw, overrides or {})
-    except (KeyError, IndexError, ValueError, TypeError) as exc:
-        raise ConfigError(f"{resolved}: cannot apply override {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{resolved}: cannot apply {exc}") from None
     root = raw.get("storage_root")
     if isinstance(root, str) and "://" not in root and not os.path.isabs(root):
         # A relative storage root is relative to the config file, not to whatever cwd a worker has.
@@ -445,7 +579,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(resolved, exc)) from None
+        raise ConfigError(_format_validation_error(resolved, exc, overrides or {})) from None
 
 
 def reference(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> list[str]:

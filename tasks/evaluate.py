@@ -31,6 +31,10 @@ def evaluate(config: PipelineConfig, model_uri: str, out: str) -> dict[str, Any]
     if len(labels) == 0:
         raise UserError(f"{out}: the committed test split is empty; raise preprocess.split.test")
     model, bundle = load_bundle(model_uri)
+    nonfinite = [name for name, tensor in model.state_dict().items() if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+    if nonfinite:
+        raise UserError(f"{model_uri}: the model's weights are NaN/inf ({', '.join(nonfinite)}): its training diverged, "
+                        f"so it is neither evaluated nor registered")
     if bundle["preprocessing"]["features"] != manifest["features"]:
         raise UserError(f"{model_uri}: model features differ from the run's preprocess manifest")
     with torch.no_grad():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import math
 import subprocess
 import time
 from typing import Any
@@ -60,6 +61,10 @@ def register(storage_root: str, model_uri: str, card: dict[str, Any]) -> dict[st
     with fs.open(path, "rb") as handle:
         data = handle.read()
     version = "m-" + hashlib.sha256(data).hexdigest()[:12]  # tasks.infer.model_version gives the same id
+    nonfinite = {key: value for key, value in card.items() if isinstance(value, float) and not math.isfinite(value)}
+    if nonfinite:
+        raise UserError(f"refusing to register {model_uri} (version {version}): its metric(s) {nonfinite} are not finite; "
+                        f"a model whose training or evaluation diverged is never registered")
     folder = storage.join(models_prefix(storage_root), version)
     card_uri = storage.join(folder, "card.json")
     if storage.exists(card_uri):

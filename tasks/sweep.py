@@ -119,10 +119,11 @@ def create(config: PipelineConfig, name: str) -> dict[str, Any]:
     warm = config.sweep.warm_start_from
     if warm and not study.trials and not study.user_attrs.get("warm_started_from"):
         try:
-            source = optuna.load_study(study_name=warm, storage=backend)
-            best = source.best_trial
-        except (KeyError, ValueError) as exc:
+            best = best_trial(optuna.load_study(study_name=warm, storage=backend))
+        except KeyError as exc:
             raise UserError(f"sweep.warm_start_from: study '{warm}' has no completed trial to start from ({exc})") from None
+        if best is None:
+            raise UserError(f"sweep.warm_start_from: study '{warm}' has no completed trial to start from")
         params = {k: v for k, v in best.params.items() if k in config.sweep.search_space}
         study.enqueue_trial(params, user_attrs={"warm_start_of": f"{warm}#{best.number}"})
         study.set_user_attr("warm_started_from", warm)
@@ -134,6 +135,28 @@ def create(config: PipelineConfig, name: str) -> dict[str, Any]:
 
 def _counted(trial: Any) -> bool:
     return trial.state.name in FINISHED and not trial.user_attrs.get("abandoned")
+
+
+def outcome(trial: Any) -> str:
+    """The trial's state as the sweep counts it: a COMPLETE trial that took no optimizer step counts as FAIL."""
+    if trial.state.name == "COMPLETE" and trial.user_attrs.get("steps") == 0:
+        return "FAIL"  # its value is a random init's accuracy, never a result
+    return trial.state.name
+
+
+def best_trial(study: Any) -> Any | None:
+    """The best trial that completed and trained (Optuna's own best_trial would accept a 0-step one)."""
+    complete = [t for t in study.get_trials(deepcopy=False) if _counted(t) and outcome(t) == "COMPLETE"]
+    return max(complete, key=lambda t: t.value, default=None)
+
+
+def _ask(study: Any, sweep: Sweep) -> Any:
+    """A new trial; a sampler that cannot propose one (bad settings for this space) is a user error, not a retry."""
+    try:
+        return study.ask()
+    except (ValueError, TypeError, ArithmeticError) as exc:
+        raise UserError(f"sweep.sampler ({sweep.sampler.type}) cannot propose a trial for sweep.search_space: "
+                        f"{type(exc).__name__}: {exc}") from None
 
 
 def recover_abandoned(study: Any, worker: int | None) -> int:
@@ -181,6 +204,16 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict
     sweep = config.sweep
     profile = config.profile(sweep.profile)
     with distributed_job(profile.device, profile.threads_per_process) as env:
+        manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
+        train = split_batches(manifest, "train", rank=env.rank, world_size=env.world_size, batch_size=sweep.batch_size,
+                              seed=sweep.seed)
+        validation = split_batches(manifest, "validation", rank=env.rank, world_size=env.world_size, batch_size=4096,
+                                   seed=0, shuffle=False)
+        # Every rank computes the same step count from Parquet metadata, so all refuse together (no DDP hang).
+        if train.steps_per_epoch(0) == 0:
+            raise UserError(f"sweep.batch_size {sweep.batch_size} exceeds the ~{train.num_rows // env.world_size} train rows "
+                            f"each of {env.world_size} process(es) gets (sweep.profile '{sweep.profile}'): a trial would "
+                            f"take no optimizer step; lower sweep.batch_size or the process count")
         study, remaining = None, 0
         if env.master:
             study = optuna.load_study(study_name=name, storage=open_storage(sweep.storage),
@@ -192,51 +225,54 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict
             log.info("worker %d: %d of its %d trial(s) already finished, %d recovered from a dead attempt; running %d",
                      worker, len(done), quota, recovered, remaining)
         remaining = _broadcast(env, remaining)
-        manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
-        train = split_batches(manifest, "train", rank=env.rank, world_size=env.world_size, batch_size=sweep.batch_size,
-                              seed=sweep.seed)
-        validation = split_batches(manifest, "validation", rank=env.rank, world_size=env.world_size, batch_size=4096,
-                                   seed=0, shuffle=False)
         fault_trial = int(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
         epochs_run, started = 0, time.monotonic()
         for _ in range(remaining):
-            trial, suggested = None, None
+            trial, suggested, error = None, None, None
             if env.master:
-                trial = study.ask()
+                trial = _ask(study, sweep)
                 trial.set_user_attr("worker", worker)
-                suggested = suggest(trial, sweep)
-            suggested = _broadcast(env, suggested)
-            value, state, error = float("nan"), "COMPLETE", None
-            try:
-                params = resolve_params(config, suggested)
-                torch.manual_seed(sweep.seed + (trial.number if trial else 0))
-                model = build_model(ModelSpec(num_features=len(manifest["features"]), num_classes=manifest["num_classes"],
-                                              hidden=params["hidden"], dropout=float(params["dropout"]))).to(env.device)
-                loop = Loop(model=model, optimizer=make_optimizer(model, params), env=env, train=train,
-                            validation=validation, seed=sweep.seed)
-                for epoch in range(sweep.epochs):
-                    value = loop.train_epoch(lambda _step: params["lr"]).val_accuracy  # identical on every rank
-                    epochs_run += 1
-                    prune = False
+                try:
+                    suggested = suggest(trial, sweep)
+                except Exception as exc:  # e.g. a space edited since the study began: this trial fails, the sweep goes on
+                    error = f"suggesting params failed: {type(exc).__name__}: {exc}"[:500]
+            suggested, error = _broadcast(env, (suggested, error))
+            value, state, steps = float("nan"), "FAIL" if error else "COMPLETE", 0
+            if not error:
+                try:
+                    params = resolve_params(config, suggested)
+                    torch.manual_seed(sweep.seed + (trial.number if trial else 0))
+                    model = build_model(ModelSpec(num_features=len(manifest["features"]), num_classes=manifest["num_classes"],
+                                                  hidden=params["hidden"], dropout=float(params["dropout"]))).to(env.device)
+                    loop = Loop(model=model, optimizer=make_optimizer(model, params), env=env, train=train,
+                                validation=validation, seed=sweep.seed)
+                    for epoch in range(sweep.epochs):
+                        value = loop.train_epoch(lambda _step: params["lr"]).val_accuracy  # identical on every rank
+                        steps = loop.position.step
+                        epochs_run += 1
+                        prune = False
+                        if env.master:
+                            trial.report(value, epoch + 1)
+                            prune = trial.should_prune()
+                            if fault_trial == trial.number and "retry_of" not in trial.user_attrs:
+                                os.kill(os.getpid(), signal.SIGKILL)
+                        if _broadcast(env, prune):
+                            state = "PRUNED"
+                            break
                     if env.master:
-                        trial.report(value, epoch + 1)
-                        prune = trial.should_prune()
-                        if fault_trial == trial.number and "retry_of" not in trial.user_attrs:
-                            os.kill(os.getpid(), signal.SIGKILL)
-                    if _broadcast(env, prune):
-                        state = "PRUNED"
-                        break
-                if env.master:
-                    trial.set_user_attr("epochs", epoch + 1)
-            except Exception as exc:  # a failing objective is recorded and the sweep goes on
-                state, error = "FAIL", f"{type(exc).__name__}: {exc}"[:500]
+                        trial.set_user_attr("epochs", epoch + 1)
+                    if steps == 0:  # a random init's accuracy is no result
+                        state, error = "FAIL", f"took 0 optimizer steps (sweep.batch_size {sweep.batch_size})"
+                except Exception as exc:  # a failing or diverging objective is recorded and the sweep goes on
+                    state, error = "FAIL", f"{type(exc).__name__}: {exc}"[:500]
             if env.master:
+                trial.set_user_attr("steps", steps)
                 if error:
                     trial.set_user_attr("error", error)
                     log.warning("trial %d failed: %s", trial.number, error)
                 study.tell(trial, value if state == "COMPLETE" else None, state=optuna.trial.TrialState[state])
                 finished = [t for t in study.get_trials(deepcopy=False) if _counted(t)]
-                best = max((t.value for t in finished if t.state.name == "COMPLETE"), default=None)
+                best = max((t.value for t in finished if outcome(t) == "COMPLETE"), default=None)
                 log.info("worker %d: trial %d %s (value %.4f, %s); study %d/%d trials done, best so far %s, %.1fs elapsed",
                          worker, trial.number, state.lower(), value, suggested, len(finished), sweep.num_trials,
                          f"{best:.4f}" if best is not None else "n/a", time.monotonic() - started)
@@ -275,7 +311,7 @@ def summarize(config: PipelineConfig, name: str, out: str) -> dict[str, Any]:
     stale = recover_abandoned(study, worker=None)  # every worker is done: nothing may stay RUNNING
     trials = study.get_trials(deepcopy=False)
     counted = [t for t in trials if _counted(t)]
-    counts = {state: sum(1 for t in counted if t.state.name == state) for state in FINISHED}
+    counts = {state: sum(1 for t in counted if outcome(t) == state) for state in FINISHED}
     summary: dict[str, Any] = {
         "study_name": name, "n_trials": len(counted), "n_complete": counts["COMPLETE"], "n_pruned": counts["PRUNED"],
         "n_failed": counts["FAIL"], "n_abandoned": sum(1 for t in trials if t.user_attrs.get("abandoned")),
@@ -285,15 +321,17 @@ def summarize(config: PipelineConfig, name: str, out: str) -> dict[str, Any]:
     if counts["COMPLETE"] == 0:
         reasons: dict[str, int] = {}
         for t in counted:
-            reason = t.user_attrs.get("error", "pruned" if t.state.name == "PRUNED" else "no value")
+            reason = t.user_attrs.get("error") or ("pruned" if t.state.name == "PRUNED" else
+                                                   "took 0 optimizer steps" if outcome(t) == "FAIL" else "no value")
             reasons[reason] = reasons.get(reason, 0) + 1
         listed = "; ".join(f"{count} x {reason}" for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1])[:5])
         raise UserError(f"sweep {name}: none of {len(counted)} trials completed ({counts}); why: {listed}")
-    summary.update({"best_value": study.best_value, "best_params": study.best_params, "best_trial": study.best_trial.number})
+    best = best_trial(study)
+    summary.update({"best_value": best.value, "best_params": best.params, "best_trial": best.number})
     summary["plots"] = write_plots(study, storage.join(out, "sweep", "plots"))
     storage.write_json(storage.join(out, "sweep", "summary.json"), summary)
     log.info("sweep %s: %d trials (%d complete, %d pruned, %d failed); best %.4f with %s", name, len(counted),
-             counts["COMPLETE"], counts["PRUNED"], counts["FAIL"], study.best_value, study.best_params)
+             counts["COMPLETE"], counts["PRUNED"], counts["FAIL"], best.value, best.params)
     return summary
 
 

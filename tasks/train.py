@@ -24,7 +24,7 @@ from typing import Any
 
 from tasks import storage
 from tasks.cli import common_parser, json_arg, parse_overrides, run_subjob
-from tasks.config import PipelineConfig, load_config
+from tasks.config import PipelineConfig, hyperparameter_problem, load_config
 from tasks.errors import UserError
 
 log = logging.getLogger("stagewise.train")
@@ -39,14 +39,14 @@ def stage_prefix(out: str, stage: str) -> str:
 
 
 def resolve_params(config: PipelineConfig, swept: dict[str, Any]) -> dict[str, Any]:
-    """Hyperparameters: built-in defaults, then train.default_params, then the sweep's best."""
+    """Hyperparameters: built-in defaults, then train.default_params, then the sweep's best (each checked by name)."""
+    if not isinstance(swept or {}, dict):
+        raise UserError(f"--params must be a JSON object of hyperparameters, got {type(swept).__name__}")
     params = {**HYPER_DEFAULTS, **config.train.default_params, **(swept or {})}
-    unknown = sorted(set(params) - set(HYPER_DEFAULTS))
-    if unknown:
-        raise UserError(f"unknown hyperparameter(s) {unknown} in --params / train.default_params; known: {sorted(HYPER_DEFAULTS)}")
+    problems = [problem for name, value in params.items() if (problem := hyperparameter_problem(name, value))]
+    if problems:
+        raise UserError(f"bad hyperparameter(s) in --params / sweep result / train.default_params: {'; '.join(problems)}")
     params["hidden"] = int(params["hidden"])
-    if params["optimizer"] not in ("sgd", "adamw"):
-        raise UserError(f"hyperparameter optimizer='{params['optimizer']}' is not sgd or adamw")
     return params
 
 
@@ -110,7 +110,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
     from tasks.loader import split_batches
     from tasks.model import ModelSpec, build_model, load_torch, restore_training_state, save_bundle, save_torch
     from tasks.preprocess import read_manifest
-    from tasks.training import Loop, Position, eta_s, make_optimizer, scaled_lr, warmup_factor
+    from tasks.training import Diverged, Loop, Position, eta_s, make_optimizer, scaled_lr, warmup_factor
 
     stage = config.stage(stage_name)
     profile = config.profile(stage.profile)
@@ -158,8 +158,10 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
 
         lr = scaled_lr(params["lr"], global_batch, config.train.base_batch, config.train.lr_rule)
         warmup = stage.warmup_steps if (previous_batch is None or global_batch > previous_batch) else 0
+        # Checked at each checkpoint step too, so no checkpoint is ever written from NaN weights.
         loop = Loop(model=model, optimizer=optimizer, env=env, train=train, validation=validation,
-                    grad_accum_steps=stage.grad_accum_steps, seed=data_seed)
+                    grad_accum_steps=stage.grad_accum_steps, seed=data_seed,
+                    check_every_steps=config.train.checkpoint_every_steps)
         loop.position = position
         fault_step = _fault_step(env.rank) if resumed_from is None else None
 
@@ -181,7 +183,10 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                  config.train.lr_rule, config.train.base_batch, warmup, stage.epochs, loop.steps_per_epoch(0), train.num_rows)
         started, first_epoch = time.monotonic(), loop.position.epoch
         while loop.position.epoch < stage.epochs:
-            result = loop.train_epoch(lambda s: lr * warmup_factor(s, warmup), on_step=on_step)
+            try:
+                result = loop.train_epoch(lambda s: lr * warmup_factor(s, warmup), on_step=on_step)
+            except Diverged as exc:
+                raise UserError(f"stage {stage.name}: {exc}") from None
             history.append(asdict(result))
             if env.master:
                 done = result.epoch + 1

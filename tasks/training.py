@@ -47,6 +47,18 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
     return (step + 1) / warmup_steps
 
 
+class Diverged(UserError):
+    """The training loss or the weights turned NaN/inf: the learning rate (or the data) is bad; a retry cannot help."""
+
+    def __init__(self, message: str, *, epoch: int, step: int, lr: float) -> None:
+        super().__init__(message)
+        self.epoch, self.step, self.lr = epoch, step, lr
+
+
+# Stands for "no non-finite loss seen yet" in the device-side first-bad-step tracker.
+_NO_STEP = 2**62
+
+
 @dataclass(kw_only=True)
 class EpochResult:
     """What one epoch did, reduced over ranks."""
@@ -85,7 +97,10 @@ class Loop:
     """Runs epochs of one model over per-rank Parquet batches; DDP-wrapped when the job has several ranks."""
 
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv,
-                 train: "ParquetBatches", validation: "ParquetBatches", grad_accum_steps: int = 1, seed: int = 0) -> None:
+                 train: "ParquetBatches", validation: "ParquetBatches", grad_accum_steps: int = 1, seed: int = 0,
+                 check_every_steps: int | None = None) -> None:
+        """``check_every_steps``: also check for divergence after every this many optimizer steps (besides each
+        epoch's end); give the checkpoint interval so no checkpoint is ever written from NaN weights."""
         self.env = env
         self.module = model.to(env.device)
         self.model: nn.Module = self.module
@@ -98,6 +113,10 @@ class Loop:
         self.grad_accum_steps = grad_accum_steps
         self.seed = seed
         self.position = Position()
+        self.check_every_steps = check_every_steps
+        # Kept on the device and read only at checks, so a step never waits for the GPU.
+        self._pending_loss = torch.zeros((), dtype=torch.float64, device=env.device)
+        self._first_bad_step = torch.full((), _NO_STEP, dtype=torch.int64, device=env.device)
 
     @property
     def global_batch(self) -> int:
@@ -135,7 +154,10 @@ class Loop:
             with sync:
                 loss = F.cross_entropy(self.model(inputs), targets)
                 (loss / self.grad_accum_steps).backward()
-            position.loss_sum += float(loss.detach()) * len(targets)
+            detached = loss.detach()
+            self._pending_loss += detached.double() * len(targets)
+            self._first_bad_step = torch.where(torch.isfinite(detached), self._first_bad_step,
+                                               torch.clamp(self._first_bad_step, max=position.step))
             position.seen += len(targets)
             position.micro_step += 1
             if boundary:
@@ -145,8 +167,11 @@ class Loop:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 position.step += 1
+                if self.check_every_steps and position.step % self.check_every_steps == 0:
+                    self.check_finite(lr_at)
                 if on_step is not None:
                     on_step(self)
+        self.check_finite(lr_at)
         elapsed = time.perf_counter() - started
         correct, count = self.evaluate_counts()
         loss_sum, seen, new_samples, correct, count = self._all_reduce(
@@ -155,6 +180,32 @@ class Loop:
                              samples_per_s=new_samples / max(elapsed, 1e-9), lr=lr, steps=position.step)
         self.position = Position(epoch=position.epoch + 1, step=position.step)
         return result
+
+    @torch.no_grad()
+    def check_finite(self, lr_at: Callable[[int], float]) -> None:
+        """Fold the losses since the last check into the position; raise :class:`Diverged` when a loss or a
+        weight is NaN/inf on any rank (every rank reaches the same verdict, so none is left waiting)."""
+        weights_bad = torch.stack([~torch.isfinite(p).all() for p in self.module.parameters()]).any()
+        verdict = torch.stack([-self._first_bad_step.double(), weights_bad.double()])
+        if self.env.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        negated_first_bad, any_weights_bad = verdict.tolist()
+        self.position.loss_sum += float(self._pending_loss)
+        self._pending_loss.zero_()
+        first_bad = int(-negated_first_bad)
+        if first_bad == _NO_STEP and not any_weights_bad:
+            return
+        epoch = self.position.epoch + 1
+        if first_bad != _NO_STEP:  # steps count from 1 in messages, as in the progress log
+            step, lr = first_bad + 1, lr_at(first_bad)
+            what = f"the training loss turned NaN/inf at epoch {epoch}, step {step}"
+        else:
+            step, lr = self.position.step, lr_at(max(self.position.step - 1, 0))
+            what = f"the weights turned NaN/inf by epoch {epoch}, step {step}"
+        raise Diverged(f"training diverged: {what} (lr {lr:.4g}); lower the learning rate (sweep.search_space.lr, "
+                       f"--params or train.default_params) or check the data", epoch=epoch, step=step, lr=lr)
 
     @torch.no_grad()
     def evaluate_counts(self) -> tuple[int, int]:

@@ -222,3 +222,111 @@ def test_config_env_var_picks_the_file(write_config, monkeypatch, storage_root):
     path = write_config()
     monkeypatch.setenv("STAGEWISE_CONFIG", str(path))
     assert load_config().storage_root == str(storage_root)
+
+
+# --- obvious domains of hyperparameters (issue 10) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,value", [("lr", -0.1), ("lr", 0), ("hidden", 0), ("hidden", 2.5), ("momentum", 5),
+                                        ("dropout", 1.0), ("weight_decay", -0.01), ("optimizer", "lion")])
+def test_default_param_outside_its_domain_is_refused(write_config, storage_root, name, value):
+    """train.default_params values outside their obvious domain fail at load, naming the section and the key."""
+    raw = base_config(storage_root)
+    raw["train"]["default_params"] = {name: value}
+    message = _load_error(write_config, raw)
+    assert "train.default_params" in message and f"{name}={value!r} is out of range" in message
+
+
+def test_default_params_inside_their_domains_load(write_config, storage_root):
+    """Edge values of each domain (momentum 0, dropout 0, weight_decay 0, an adamw optimizer) are accepted."""
+    raw = base_config(storage_root)
+    raw["train"]["default_params"] = {"lr": 1e-6, "momentum": 0.0, "dropout": 0.0, "weight_decay": 0.0, "hidden": 1,
+                                      "optimizer": "adamw"}
+    assert load_config(write_config(raw)).train.default_params["optimizer"] == "adamw"
+
+
+@pytest.mark.parametrize("name,space,fragment", [
+    ("lr", {"type": "float", "low": -0.1, "high": 0.1}, "lr.low -0.1 is out of range"),
+    ("weight_decay", {"type": "float", "low": -1.0, "high": 0.1}, "weight_decay.low -1.0 is out of range"),
+    ("hidden", {"type": "int", "low": 0, "high": 64}, "hidden.low 0 is out of range"),
+    ("hidden", {"type": "categorical", "choices": [0, 64]}, "hidden.choices 0 is out of range"),
+    ("hidden", {"type": "float", "low": 8, "high": 64}, "fractional widths"),
+    ("momentum", {"type": "float", "low": 0.5, "high": 5.0}, "momentum.high 5.0 is out of range"),
+    ("optimizer", {"type": "categorical", "choices": ["sgd", "lion"]}, "optimizer.choices 'lion' is out of range"),
+    ("lr", {"type": "float", "low": 0.01, "high": 0.1, "grid": [0.01, -0.1]}, "lr.grid -0.1 is out of range"),
+])
+def test_search_space_reaching_outside_a_domain_is_refused(write_config, storage_root, name, space, fragment):
+    """A search dimension that could sample a value outside its hyperparameter's domain fails at load, naming it."""
+    raw = base_config(storage_root)
+    raw["sweep"]["search_space"][name] = space
+    message = _load_error(write_config, raw)
+    assert "sweep.search_space" in message and fragment in message
+
+
+def test_int_log_param_needs_a_low_of_at_least_one(write_config, storage_root):
+    """An int dimension on a log scale with low 0 is refused at load (Optuna would raise inside suggest())."""
+    raw = base_config(storage_root)
+    raw["sweep"]["search_space"]["hidden"] = {"type": "int", "low": 0, "high": 64, "log": True}
+    message = _load_error(write_config, raw)
+    assert "sweep.search_space.hidden" in message and "log scale needs low >= 1" in message
+
+
+# --- URIs, schedule and overrides (issue 10) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key,uri,package", [("storage_root", "gs://bucket/stagewise", "gcsfs"),
+                                             ("storage_root", "abfs://container/stagewise", "adlfs"),
+                                             ("dataset.uri", "gs://bucket/raw/digits", "gcsfs")])
+def test_uri_whose_filesystem_is_not_installed_is_refused(write_config, storage_root, key, uri, package):
+    """A URI scheme whose fsspec filesystem is missing fails at load naming the key, the scheme and what to install."""
+    raw = base_config(storage_root)
+    section, _, leaf = key.rpartition(".")
+    (raw[section] if section else raw)[leaf] = uri
+    message = _load_error(write_config, raw)
+    scheme = uri.split("://")[0]
+    assert f"{key}: scheme '{scheme}://'" in message and f"pip install {package}" in message
+
+
+def test_uri_with_an_unknown_scheme_is_refused(write_config, storage_root):
+    """A scheme fsspec does not know at all is named with the schemes that work."""
+    raw = base_config(storage_root)
+    raw["storage_root"] = "nosuch://bucket/x"
+    message = _load_error(write_config, raw)
+    assert "storage_root: scheme 'nosuch://' has no fsspec filesystem" in message
+
+
+@pytest.mark.parametrize("schedule", ["every sunday", "61 * * * *", "0 3 * *"])
+def test_bad_retrain_schedule_is_refused(write_config, storage_root, schedule):
+    """retrain.schedule must be a cron expression; anything else fails at load naming the key and the value."""
+    raw = base_config(storage_root)
+    raw["retrain"] = {"schedule": schedule}
+    message = _load_error(write_config, raw)
+    assert f"retrain.schedule: '{schedule}' is not a cron expression" in message
+
+
+@pytest.mark.parametrize("schedule", ["0 3 * * 0", "*/15 * * * 1-5", "@daily"])
+def test_cron_schedules_and_presets_load(write_config, storage_root, schedule):
+    """Valid cron expressions and presets pass as they are."""
+    raw = base_config(storage_root)
+    raw["retrain"] = {"schedule": schedule}
+    assert load_config(write_config(raw)).retrain.schedule == schedule
+
+
+@pytest.mark.parametrize("key,fragment", [
+    ("train.stages.5.epochs", "train.stages is a list of 2 item(s)"),
+    ("train.stages.x.epochs", "'x' is not one of its indexes"),
+    ("sweep.num_trials.x", "sweep.num_trials is 4, not a mapping"),
+    ("sweep..epochs", "names between its dots"),
+])
+def test_override_that_cannot_be_applied_names_its_key(write_config, key, fragment):
+    """An override whose path cannot exist fails as a ConfigError naming the override key and why."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(write_config(), overrides={key: 3})
+    assert f"override '{key}'" in str(caught.value) and fragment in str(caught.value)
+
+
+def test_override_creating_an_unknown_key_is_traced_to_the_override(write_config):
+    """An override that invents a key fails validation naming the key and the override that set it."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(write_config(), overrides={"sweep.nonexistent.x": 1})
+    assert "sweep.nonexistent: unknown key (typo?) (from override sweep.nonexistent.x)" in str(caught.value)

@@ -93,6 +93,23 @@ def test_evaluate_refuses_a_model_of_other_features(trained, tmp_path):
         evaluate(load_config(config_path), uri, out)
 
 
+def test_evaluate_refuses_a_model_with_nan_weights(trained, tmp_path):
+    """A bundle whose weights are NaN (a diverged training) fails evaluation as a user error naming the file, so
+    it never reaches the registry; no metrics are written."""
+    config_path, out, _ = trained
+    uri = _constant_model(out, tmp_path, 0)
+    model, bundle = load_bundle(uri)
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    save_bundle(uri, model, ModelSpec(**bundle["spec"]), bundle["preprocessing"], {})
+    metrics = Path(storage.join(out, "evaluate", "metrics.json"))
+    before = metrics.read_bytes() if metrics.exists() else None
+    with pytest.raises(UserError, match="weights are NaN/inf") as caught:
+        evaluate(load_config(config_path), uri, out)
+    assert uri in str(caught.value)
+    assert (metrics.read_bytes() if metrics.exists() else None) == before
+
+
 # --- infer: plan ------------------------------------------------------------------------------------------------
 
 

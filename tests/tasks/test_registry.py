@@ -88,3 +88,15 @@ def test_cli_lists_versions_marks_current_and_rolls_back(storage_root, tmp_path,
     assert f"* {second}" in listing and f"  {first}" in listing
     assert f"current: {first}" in cli("rollback")
     assert json.loads(cli("show"))["version"] == first
+
+
+@pytest.mark.parametrize("metric", [float("nan"), float("inf")])
+def test_model_with_a_non_finite_metric_is_never_registered(storage_root, tmp_path, metric):
+    """register refuses a model whose metric is NaN/inf, naming its URI and version, and writes no version folder."""
+    model_uri = _model(tmp_path, "diverged", b"diverged" * 10)
+    with pytest.raises(UserError) as caught:
+        registry.register(str(storage_root), model_uri, {"test_accuracy": metric, "source_run": "diverged"})
+    message = str(caught.value)
+    assert model_uri in message and "version m-" in message and "test_accuracy" in message
+    assert registry.versions(str(storage_root)) == []
+    assert not (storage_root / "models").exists() or not any((storage_root / "models").iterdir())

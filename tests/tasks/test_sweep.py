@@ -118,19 +118,84 @@ def test_summary_counts_and_file(digits_run, single_process):
 
 def test_all_trials_failing_makes_the_summary_a_user_error(digits_run, single_process):
     """A search space whose every point breaks the objective records FAIL trials; summarize fails naming the reason."""
-    # SGD refuses a negative weight decay: every trial's optimizer raises when it is built.
+    # An absurd learning rate makes every trial's loss NaN/inf in its first epoch.
     config, out = _fast_config(digits_run, num_trials=2, num_workers=1,
-                               **{"search_space.weight_decay": {"type": "float", "low": -2.0, "high": -1.0}})
+                               **{"search_space.lr": {"type": "float", "low": 1e5, "high": 1e6, "log": True}})
     create(config, "broken")
     result = run_worker(config, "broken", 0, out)
     assert result["trials_run"] == 2 and result["epochs_run"] == 0
     study = _load(config, "broken")
     assert [t.state.name for t in study.trials] == ["FAIL", "FAIL"]
-    assert all("weight_decay" in t.user_attrs["error"] for t in study.trials)
-    with pytest.raises(UserError, match="weight_decay") as caught:
+    assert all("training diverged" in t.user_attrs["error"] for t in study.trials)
+    with pytest.raises(UserError, match="training diverged") as caught:
         summarize(config, "broken", out)
     assert "broken" in str(caught.value)
     assert not storage.exists(storage.join(out, "sweep", "summary.json")), "no summary is published for a failed sweep"
+
+
+def test_diverging_trial_is_failed_with_its_reason_and_the_sweep_goes_on(digits_run, single_process):
+    """A trial whose loss turns NaN (lr 1e6) becomes a FAIL trial naming the divergence; the next trial still runs
+    and the summary's best is the trial that trained."""
+    config, out = _fast_config(digits_run, num_trials=2, num_workers=1, pruner={"type": "none"},
+                               **{"search_space.lr": {"type": "float", "low": 0.01, "high": 1e6, "log": True}})
+    create(config, "diverging")
+    study = _load(config, "diverging")
+    study.enqueue_trial({"lr": 1e6, "hidden": 16})
+    study.enqueue_trial({"lr": 0.05, "hidden": 16})
+    result = run_worker(config, "diverging", 0, out)
+    assert result["trials_run"] == 2
+    first, second = sorted(_load(config, "diverging").trials, key=lambda t: t.number)
+    assert first.state.name == "FAIL" and "training diverged" in first.user_attrs["error"]
+    assert "lr 1e+06" in first.user_attrs["error"]
+    assert second.state.name == "COMPLETE" and second.user_attrs["steps"] > 0
+    summary = summarize(config, "diverging", out)
+    assert summary["n_failed"] == 1 and summary["n_complete"] == 1 and summary["best_params"]["lr"] == 0.05
+
+
+def test_batch_size_beyond_a_ranks_rows_is_refused_before_any_trial(digits_run, single_process):
+    """sweep.batch_size larger than a rank's train rows would make every trial take 0 steps: the worker refuses
+    before asking for a trial, naming sweep.batch_size, the rows per rank and the process count."""
+    config, out = _fast_config(digits_run, num_trials=2, num_workers=1, batch_size=100000)
+    create(config, "too_big")
+    with pytest.raises(UserError) as caught:
+        run_worker(config, "too_big", 0, out)
+    message = str(caught.value)
+    assert "sweep.batch_size 100000 exceeds the ~" in message and "train rows each of 1 process(es)" in message
+    assert _load(config, "too_big").trials == [], "no trial was started"
+
+
+def test_trial_that_took_no_step_never_counts_as_complete(digits_run, single_process):
+    """A COMPLETE trial recorded with 0 optimizer steps (a random init's accuracy) counts as failed: it is never
+    the best, and a study with only such trials fails its summary."""
+    config, out = _fast_config(digits_run, num_trials=2, num_workers=1)
+    create(config, "untrained")
+    study = _load(config, "untrained")
+    space = {"lr": optuna.distributions.FloatDistribution(0.005, 0.3, log=True)}
+    untrained = study.ask(space)
+    untrained.set_user_attr("steps", 0)
+    study.tell(untrained, 0.99)
+    with pytest.raises(UserError, match="took 0 optimizer steps"):
+        summarize(config, "untrained", out)
+    trained = study.ask(space)
+    trained.set_user_attr("steps", 30)
+    study.tell(trained, 0.5)
+    summary = summarize(config, "untrained", out)
+    assert summary["best_trial"] == trained.number and summary["best_value"] == 0.5
+    assert summary["n_complete"] == 1 and summary["n_failed"] == 1
+
+
+def test_params_that_cannot_be_suggested_fail_the_trial_not_the_worker(digits_run, single_process):
+    """When suggest() raises (here: the space was edited after the study began, so 'hidden' changes kind), the
+    trial is recorded as FAIL with the reason and the worker finishes its quota instead of crashing."""
+    config, out = _fast_config(digits_run, num_trials=2, num_workers=2, sampler={"type": "random"})
+    create(config, "edited")
+    run_worker(config, "edited", 0, out)
+    edited, _ = _fast_config(digits_run, num_trials=2, num_workers=2, sampler={"type": "random"},
+                             **{"search_space.hidden": {"type": "int", "low": 16, "high": 32}})
+    assert run_worker(edited, "edited", 1, out)["trials_run"] == 1
+    failed = [t for t in _load(config, "edited").trials if t.user_attrs.get("worker") == 1]
+    assert [t.state.name for t in failed] == ["FAIL"]
+    assert "suggesting params failed" in failed[0].user_attrs["error"]
 
 
 def test_objective_fault_injected_in_the_model_fails_each_trial(digits_run, single_process, monkeypatch):

@@ -93,3 +93,21 @@ def test_ddp_trial_reports_each_epoch_once(digits_run, subprocess_env):
     reports = [op for op in operations if "intermediate_value" in op and "step" in op]
     assert len(reports) == 2 * config.sweep.epochs, "each epoch of each trial is reported exactly once"
     assert sum("trial 0" in line for line in output.splitlines() if "worker 0: trial" in line) == 1, "only rank 0 logs"
+
+
+def test_ddp_worker_with_a_batch_beyond_a_ranks_rows_fails_on_every_rank_before_a_trial(digits_run, subprocess_env,
+                                                                                         tmp_path):
+    """A 2-process worker whose sweep.batch_size exceeds a rank's train rows fails on both ranks as a user error
+    naming sweep.batch_size and the process count (no rank left waiting), and starts no trial."""
+    config_path, out = digits_run
+    config_path = _sweep_config(config_path, num_trials=2, num_workers=1, profile="ddp2", batch_size=5000)
+    config = load_config(config_path)
+    create(config, "ddp_big")
+    error_file = tmp_path / "errors.txt"
+    process = _worker(config_path, "ddp_big", 0, out, {**subprocess_env, "STAGEWISE_ERROR_FILE": str(error_file)}, nproc=2)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode != 0, output[-3000:]
+    messages = error_file.read_text().splitlines()
+    assert len(messages) == 2 and all("sweep.batch_size 5000 exceeds" in m and "2 process(es)" in m for m in messages)
+    study = optuna.load_study(study_name="ddp_big", storage=open_storage(config.sweep.storage))
+    assert study.trials == []

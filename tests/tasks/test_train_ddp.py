@@ -43,3 +43,23 @@ def test_two_stages_grow_the_batch_and_hand_off_the_checkpoint(digits_run, subpr
     assert checkpoint["global_batch"] == 128 and checkpoint["previous_global_batch"] == 32
     files = sorted(p.name for p in (Path(out) / "train" / "s2").iterdir())
     assert set(files) - {"checkpoints"} == {"final.pt", "metrics.json", "model.pt"}
+
+
+def test_diverging_ddp_stage_fails_on_every_rank_as_a_user_error(digits_run, subprocess_env, tmp_path):
+    """A 2-process stage whose loss turns NaN (lr 1e6) ends on both ranks with the user-error exit (3) and one
+    message naming stage, epoch, step and lr; no rank hangs waiting for the other, and no model is written."""
+    config, out = digits_run
+    error_file = tmp_path / "errors.txt"
+    env = {**subprocess_env, "STAGEWISE_ERROR_FILE": str(error_file)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tasks.train",
+               "--config", str(config), "--stage", "s2", "--out", out, "--params", json.dumps({"lr": 1e6, "hidden": 64})]
+    completed = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode != 0
+    messages = error_file.read_text().splitlines()
+    assert len(messages) == 2, "both ranks reached the same verdict and failed as a user error"
+    # The lr named is the one applied at that step: 1e6 scaled to the 128 batch (x4), times the warmup factor.
+    assert all(m.startswith("stage s2: training diverged") and "epoch 1, step " in m and "(lr " in m
+               for m in messages), messages
+    assert len(set(messages)) == 1, "every rank names the same epoch and step"
+    assert not (Path(out) / "train" / "s2" / "final.pt").exists()
+    assert not (Path(out) / "train" / "s2" / "model.pt").exists()

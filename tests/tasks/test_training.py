@@ -207,9 +207,18 @@ def test_resolve_params_precedence(write_config):
 def test_unknown_param_is_a_user_error(write_config, where):
     """An unknown hyperparameter, from the sweep or from train.default_params, is refused by name."""
     overrides = {"train.default_params": {"gamma": 0.5}} if where == "default_params" else {}
-    config = load_config(write_config(), overrides=overrides)
     with pytest.raises(UserError, match="gamma"):
+        config = load_config(write_config(), overrides=overrides)
         train.resolve_params(config, {"gamma": 0.5} if where == "swept" else {})
+
+
+@pytest.mark.parametrize("name,value", [("lr", -0.05), ("hidden", 0), ("momentum", 5), ("dropout", 1.0),
+                                        ("weight_decay", -1e-4), ("optimizer", "lion"), ("lr", "fast")])
+def test_params_outside_their_domain_are_a_user_error(write_config, name, value):
+    """--params (or a sweep's best) outside a hyperparameter's obvious domain is refused naming the key and value."""
+    config = load_config(write_config())
+    with pytest.raises(UserError, match=f"{name}={value!r} is out of range"):
+        train.resolve_params(config, {name: value})
 
 
 # --- a whole stage, one process, in-process ---------------------------------------------------------------------
@@ -359,3 +368,34 @@ def test_state_is_loaded_only_after_the_model_is_on_its_device(digits_run, singl
     train.run_stage(config, "s2", out, PARAMS, first["checkpoint_uri"])  # resume from s2's own checkpoint
     assert events.index("model.to(cpu)") < events.index("optimizer.load_state_dict"), events
 
+
+
+def _finite(state_dict: dict) -> bool:
+    return all(torch.isfinite(tensor).all() for tensor in state_dict.values() if tensor.is_floating_point())
+
+
+def test_diverging_stage_fails_naming_stage_epoch_step_and_lr_and_writes_no_model(digits_run, single_process):
+    """An absurd lr makes the loss NaN/inf: the stage fails as a user error naming stage, epoch, step and lr;
+    no final.pt or model.pt is written and every checkpoint left on disk holds finite weights."""
+    config_path, out = digits_run
+    config = load_config(config_path, overrides={"train.checkpoint_every_steps": 1, "train.keep_checkpoints": 100})
+    with pytest.raises(UserError) as caught:
+        train.run_stage(config, "s1", out, {"lr": 1e6, "hidden": 32}, None)
+    message = str(caught.value)
+    assert "stage s1: training diverged" in message and "epoch 1, step " in message and "lr 1e+06" in message
+    prefix = Path(train.stage_prefix(out, "s1"))
+    assert not (prefix / "final.pt").exists() and not (prefix / "model.pt").exists()
+    assert not (prefix / "metrics.json").exists() or not storage.read_json(str(prefix / "metrics.json")).get("complete")
+    for checkpoint in prefix.glob("checkpoints/*.pt"):
+        assert _finite(torch.load(checkpoint, weights_only=True)["model"]), f"{checkpoint} holds NaN/inf weights"
+
+
+def test_divergence_is_caught_before_a_checkpoint_is_written(tmp_path):
+    """With checks at the checkpoint interval, a loop whose loss turns NaN raises before on_step could save its state."""
+    loop = _loop(tmp_path)
+    loop.check_every_steps = 1
+    saved: list[bool] = []
+    with pytest.raises(UserError, match="training diverged") as caught:
+        loop.train_epoch(lambda _step: 1e9, on_step=lambda current: saved.append(_finite(current.module.state_dict())))
+    assert all(saved), "on_step (where checkpoints are written) never saw non-finite weights"
+    assert caught.value.lr == 1e9 and caught.value.epoch == 1 and caught.value.step >= 1
