@@ -135,7 +135,7 @@ def iter_clean(uri: str, dataset: Dataset) -> Iterator[tuple[Columns, CleanBatch
     with storage.open_parquet(uri) as parquet:
         columns = resolve_columns(dataset, parquet.schema_arrow, uri)
         wanted = [columns.key, columns.label, *columns.features]
-        for batch in storage.iter_batches(parquet, wanted, BATCH_ROWS):
+        for batch in storage.iter_batches(parquet, wanted, BATCH_ROWS, uri=uri):
             features = _feature_matrix(batch, columns.features)
             label_column = batch.column(columns.label)
             key_column = batch.column(columns.key)
@@ -218,9 +218,7 @@ def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dic
         moments = _merge_moments(moments or _empty_moments(len(columns.features), columns.num_classes), part)
     if columns is None:
         # An empty file still has a schema; validate it so a wrong file fails here, not later.
-        fs, path = storage.filesystem(shard)
-        with fs.open(path, "rb") as handle:
-            columns = resolve_columns(config.dataset, pq.ParquetFile(handle).schema_arrow, shard)
+        columns = resolve_columns(config.dataset, storage.read_schema(shard), shard)
         moments = _empty_moments(len(columns.features), columns.num_classes)
     assert moments is not None
     moments.update({"shard": shard, "features": columns.features})

@@ -13,7 +13,8 @@ from tasks import preprocess, storage
 from tasks.config import Split, load_config
 from tasks.data import write_synthetic
 from tasks.errors import DataError
-from tests.conftest import base_config
+from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
+from tests.conftest import REPO_ROOT, base_config
 
 NUM_FEATURES = 5
 SPLIT = Split(validation=0.15, test=0.2, salt="stagewise")
@@ -208,6 +209,45 @@ def test_rows_with_null_label_or_key_are_dropped_not_fatal(synthetic, storage_ro
     uri = _write_bad(storage_root, columns)
     result = preprocess.shard_stats(config, uri, 0, str(storage_root / "runs" / "t" / "dirt"))
     assert (result["rows_in"], result["rows_kept"]) == (20, 16)
+
+
+# --- broken files -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+def test_a_broken_shard_fails_stats_and_transform_naming_the_file(synthetic, storage_root, kind):
+    """An empty, non-Parquet, truncated or corrupt raw shard is a DataError (no retry) naming the file and what is
+    wrong with it, in both the stats pass and the transform pass."""
+    config, raw_uri = synthetic(num_rows=2_000, num_shards=2, dirty_fraction=0.0)
+    out = str(storage_root / "runs" / "t" / "broken")
+    shards = preprocess.plan(raw_uri)
+    reduced = _stats_and_reduce(config, shards, out)
+    bad = str(write_bad_file(kind, Path(raw_uri) / "part-99999.parquet", Path(shards[0]).read_bytes()))
+    for step in (lambda: preprocess.shard_stats(config, bad, 2, out),
+                 lambda: preprocess.transform_shard(config, bad, 2, out, reduced["stats_uri"])):
+        with pytest.raises(DataError) as caught:
+            step()
+        assert bad in str(caught.value) and EXPECTED_WORDING[kind] in str(caught.value)
+
+
+def test_stats_cli_on_a_corrupt_shard_exits_as_user_error_naming_the_file(synthetic, storage_root, subprocess_env):
+    """`python -m tasks.preprocess stats` on a truncated shard exits USER_ERROR_EXIT (Airflow does not retry) and
+    its log names the file."""
+    import subprocess
+    import sys
+
+    from tasks.errors import USER_ERROR_EXIT
+
+    config, raw_uri = synthetic(num_rows=1_000, num_shards=1, dirty_fraction=0.0)
+    shard = preprocess.plan(raw_uri)[0]
+    bad = str(write_bad_file("truncated", Path(raw_uri) / "part-00001.parquet", Path(shard).read_bytes()))
+    config_path = storage_root.parent / "pipeline.yaml"
+    completed = subprocess.run([sys.executable, "-m", "tasks.preprocess", "stats", "--config", str(config_path),
+                                "--shard", bad, "--index", "1", "--out", "runs/t/cli"],
+                               cwd=REPO_ROOT, env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == USER_ERROR_EXIT, completed.stdout[-2000:] + completed.stderr[-2000:]
+    assert f"{bad}: has no Parquet footer" in completed.stdout
+    assert "is truncated" in completed.stdout
 
 
 # --- end to end -------------------------------------------------------------------------------------------------
