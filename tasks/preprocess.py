@@ -85,6 +85,24 @@ def resolve_columns(dataset: Dataset, schema: pa.Schema, uri: str) -> Columns:
     return Columns(key=dataset.key, label=dataset.label, features=features, num_classes=dataset.num_classes)
 
 
+def feature_difference(uri: str, features: list[str], reference_uri: str, reference: list[str]) -> str | None:
+    """None when ``features`` equal ``reference``; else a message naming only the columns that differ and both files."""
+    if features == reference:
+        return None
+    missing = [name for name in reference if name not in features]
+    extra = [name for name in features if name not in reference]
+    parts = []
+    if missing:
+        parts.append(f"lacks feature column(s) {missing} that {reference_uri} has")
+    if extra:
+        parts.append(f"has extra feature column(s) {extra} that {reference_uri} lacks")
+    if not parts:
+        position = next(i for i, (a, b) in enumerate(zip(features, reference)) if a != b)
+        parts.append(f"orders its feature columns differently from {reference_uri}: column {position} is "
+                     f"'{features[position]}' here and '{reference[position]}' there")
+    return f"{uri}: " + "; ".join(parts) + " (every file must have the same dataset.features columns)"
+
+
 def _mix64(values: np.ndarray) -> np.ndarray:
     # splitmix64 finaliser: a fast, well-spread, platform-independent integer hash.
     z = values.astype(np.uint64, copy=True)
@@ -237,8 +255,9 @@ def reduce_stats(config: PipelineConfig, out: str, stats_uris: list[str]) -> dic
         raise DataError("no shard statistics to reduce: the input held no Parquet shards")
     features = parts[0]["features"]
     for part in parts[1:]:
-        if part["features"] != features:
-            raise DataError(f"{part['shard']}: feature columns {part['features']} differ from {parts[0]['shard']}: {features}")
+        difference = feature_difference(part["shard"], part["features"], parts[0]["shard"], features)
+        if difference:
+            raise DataError(difference)
     total = _empty_moments(len(features), config.dataset.num_classes)
     for part in parts:
         total = _merge_moments(total, part)
@@ -250,7 +269,7 @@ def reduce_stats(config: PipelineConfig, out: str, stats_uris: list[str]) -> dic
                         f"preprocess.max_null_fraction={config.preprocess.max_null_fraction}")
     std = np.sqrt(np.asarray(total["m2"]) / max(total["count"] - 1, 1))
     std = np.where(std > 1e-12, std, 1.0)  # constant columns (e.g. blank pixels) pass through centred
-    stats = {"features": features, "mean": total["mean"], "std": std.tolist(), "rows_in": total["rows_in"],
+    stats = {"features": features, "features_from": parts[0]["shard"], "mean": total["mean"], "std": std.tolist(), "rows_in": total["rows_in"],
              "rows_kept": total["count"], "rows_dropped": dropped, "label_counts": total["label_counts"],
              "min": total["min"], "max": total["max"]}
     uri = storage.join(out, "preprocess", "stats.json")
@@ -306,8 +325,9 @@ def transform_shard(config: PipelineConfig, shard: str, index: int, out: str, st
     rows_in = 0
     try:
         for columns, batch in iter_clean(shard, config.dataset):
-            if columns.features != stats["features"]:
-                raise DataError(f"{shard}: feature columns differ from the reduced statistics' {stats['features']}")
+            difference = feature_difference(shard, columns.features, stats.get("features_from", stats_uri), stats["features"])
+            if difference:
+                raise DataError(difference)
             rows_in += batch.rows_in
             schema = processed_schema(columns, batch.keys.type)
             assignment = split_of(batch.keys, config.preprocess.split)

@@ -271,6 +271,59 @@ def iter_batches(parquet: Any, columns: list[str], batch_size: int, row_groups: 
         del table
 
 
+COPY_CHUNK_BYTES = 8 << 20
+
+
+def iter_chunks(uri: str, chunk_bytes: int = COPY_CHUNK_BYTES) -> Iterator[bytes]:
+    """The bytes of ``uri`` in chunks, so a file of any size streams through bounded memory."""
+    fs, path = filesystem(uri)
+    with fs.open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            yield chunk
+
+
+def sha256_of(uri: str) -> str:
+    """The hex SHA-256 of a file's bytes, streamed."""
+    digest = hashlib.sha256()
+    for chunk in iter_chunks(uri):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def copy_atomic(source: str, destination: str, expected_sha256: str | None = None) -> None:
+    """Stream ``source`` to ``destination`` so that the destination appears whole or not at all.
+
+    The bytes go to a ``.partial-<token>`` name beside the target (no ``*.parquet`` glob matches it)
+    and are renamed at the end: os.replace locally, a whole-object copy on S3. When
+    ``expected_sha256`` is given and the bytes differ (the source changed since it was checked),
+    nothing is published.
+    """
+    fs, path = filesystem(destination)
+    partial = f"{path}.partial-{unique_token()}"
+    digest = hashlib.sha256()
+    local = isinstance(fs, LocalFileSystem)
+    if local:
+        os.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    try:
+        with (open(partial, "wb") if local else fs.open(partial, "wb")) as handle:
+            for chunk in iter_chunks(source):
+                digest.update(chunk)
+                handle.write(chunk)
+            if local:
+                handle.flush()
+                os.fsync(handle.fileno())
+        if expected_sha256 is not None and digest.hexdigest() != expected_sha256:
+            raise RuntimeError(f"{source} changed while it was being copied to {destination}; a retry checks it again")
+        if local:
+            os.replace(partial, path)
+        else:
+            fs.mv(partial, path)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            fs.rm_file(partial)
+        raise
+
+
 def remove_unlisted(prefix: str, keep: set[str]) -> int:
     """Delete files under ``prefix`` that no manifest lists (leftovers of failed attempts)."""
     fs, path = filesystem(prefix)

@@ -211,6 +211,31 @@ def test_rows_with_null_label_or_key_are_dropped_not_fatal(synthetic, storage_ro
     assert (result["rows_in"], result["rows_kept"]) == (20, 16)
 
 
+@pytest.mark.parametrize("num_features,difference", [(NUM_FEATURES - 1, "lacks feature column(s) ['f_004']"),
+                                                     (NUM_FEATURES + 1, "has extra feature column(s) ['f_005']")],
+                         ids=["missing", "extra"])
+def test_a_shard_with_a_missing_or_extra_prefixed_feature_names_the_column_and_both_files(
+        synthetic, storage_root, num_features, difference):
+    """With dataset.features 'f_*', a shard lacking one column or having one more fails naming only that column and
+    the two files (not two full column lists), in reduce and in transform."""
+    from tasks.data import synthetic_table
+
+    config, raw_uri = synthetic(num_rows=1_000, num_shards=2, dirty_fraction=0.0)
+    out = str(storage_root / "runs" / "t" / "columns")
+    shards = preprocess.plan(raw_uri)
+    reduced = _stats_and_reduce(config, shards, out)
+    odd = str(Path(raw_uri) / "part-00002.parquet")
+    pq.write_table(synthetic_table(50, num_features=num_features, first_key=90_000), odd)
+    with pytest.raises(DataError) as in_reduce:
+        _stats_and_reduce(config, preprocess.plan(raw_uri), out)
+    with pytest.raises(DataError) as in_transform:
+        preprocess.transform_shard(config, odd, 2, out, reduced["stats_uri"])
+    for caught in (in_reduce, in_transform):
+        message = str(caught.value)
+        assert message.startswith(f"{odd}: {difference} that {shards[0]}")
+        assert "f_001" not in message
+
+
 # --- broken files -----------------------------------------------------------------------------------------------
 
 
