@@ -101,7 +101,7 @@ def test_preprocess_through_faults_commits_what_a_clean_local_run_commits(faulty
 
 def test_an_outage_beyond_the_retries_fails_as_retryable_and_the_retry_commits(faulty_s3, tmp_path, subprocess_env):
     """With S3 down past its retries the sub-job exits 1 (Airflow retries it), not 3 (user error), and writes
-    nothing; once S3 is back, the same command (the retry) writes the shard's statistics."""
+    nothing; once S3 is back, the same command (the retry) writes the shard's statistics and the key hashes they name."""
     from tasks.data import write_digits
 
     proxy, bucket = faulty_s3(FaultPlan())
@@ -124,5 +124,6 @@ def test_an_outage_beyond_the_retries_fails_as_retryable_and_the_retry_commits(f
     up = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
     fs, path = storage.filesystem(stats_prefix)
-    written = [p for p in fs.find(path) if not p.endswith("/")]
-    assert len(written) == 1 and written[0].endswith(".json"), written
+    written = sorted(p for p in fs.find(path) if not p.endswith("/"))
+    assert len(written) == 2 and written[0].endswith(".u64") and written[1].endswith("shard-00000.json"), written
+    assert storage.read_json(fs.unstrip_protocol(written[1]))["key_hashes_uri"] == fs.unstrip_protocol(written[0])
