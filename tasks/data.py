@@ -143,6 +143,8 @@ def ingest(config: Any, source_uri: str, target_uri: str) -> dict[str, Any]:
     """
     from tasks.preprocess import feature_difference, resolve_columns
 
+    storage.require_bucket(target_uri, "dataset.uri")
+    storage.require_bucket(source_uri, "source_uri")
     sources = storage.list_parquet(source_uri)
     checked = [_check_source(config, uri) for uri in sources]
     by_digest: dict[str, CheckedFile] = {}

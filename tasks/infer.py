@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def work() -> dict[str, Any]:
         config = load_config(args.config, parse_overrides(args.override))
+        storage.require_bucket(config.storage_root, "storage_root")
         if args.step == "plan":
             source = args.input or config.inference.input_uri or config.dataset.uri
             return {"shards": plan(storage.resolve(config.storage_root, source), config.inference.rows_per_shard)}

@@ -599,8 +599,11 @@ def main(argv: list[str] | None = None) -> None:
 
     def work() -> dict[str, Any]:
         config = load_config(args.config, parse_overrides(args.override))
+        storage.require_bucket(config.storage_root, "storage_root")
         if args.step == "plan":
-            return {"shards": plan(storage.resolve(config.storage_root, args.input or config.dataset.uri))}
+            source = storage.resolve(config.storage_root, args.input or config.dataset.uri)
+            storage.require_bucket(source, "--input" if args.input else "dataset.uri")
+            return {"shards": plan(source)}
         out = storage.resolve(config.storage_root, args.out)
         if args.step == "stats":
             return shard_stats(config, args.shard, args.index, out)

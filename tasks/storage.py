@@ -83,6 +83,36 @@ def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     return url_to_fs(uri)
 
 
+def _bucket_of(uri: str) -> str:
+    return uri.split("://", 1)[1].split("/", 1)[0]
+
+
+def require_bucket(uri: str, setting: str) -> None:
+    """For an s3:// URI: a missing bucket or missing credentials is a UserError naming ``setting``, ``uri`` and the bucket.
+
+    Only these two answers are the user's; a throttled or unreachable endpoint raises as before (retryable).
+    """
+    if uri.startswith(_S3_PROTOCOLS):
+        _check_bucket(_bucket_of(uri), setting, uri)
+
+
+@functools.lru_cache(maxsize=64)
+def _check_bucket(bucket: str, setting: str, uri: str) -> None:
+    from botocore.exceptions import NoCredentialsError
+
+    fs, _ = filesystem(uri)
+    try:
+        fs.call_s3("list_objects_v2", Bucket=bucket, MaxKeys=1)
+    except NoCredentialsError:
+        raise UserError(f"{setting} {uri}: no AWS credentials found to reach S3 bucket '{bucket}' (set "
+                        f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or run with an instance role)") from None
+    except FileNotFoundError as exc:
+        if "NoSuchBucket" not in repr(exc.__cause__) and "bucket does not exist" not in str(exc):
+            raise
+        raise UserError(f"{setting} {uri}: S3 bucket '{bucket}' does not exist (or these credentials cannot see it); "
+                        f"create the bucket or correct the {setting}") from None
+
+
 def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *(part.strip("/") for part in parts if part)])
 
@@ -167,6 +197,7 @@ def list_parquet(uri: str) -> list[str]:
     if fs.isfile(path):
         return [uri]
     if not fs.isdir(path):
+        require_bucket(uri, "input URI")
         raise DataError(f"{uri}: no such file or folder")
     found = sorted(fs.glob(path.rstrip("/") + "/**/*.parquet"))
     if not found:

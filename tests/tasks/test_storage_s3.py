@@ -127,3 +127,87 @@ def test_an_outage_beyond_the_retries_fails_as_retryable_and_the_retry_commits(f
     written = sorted(p for p in fs.find(path) if not p.endswith("/"))
     assert len(written) == 2 and written[0].endswith(".u64") and written[1].endswith("shard-00000.json"), written
     assert storage.read_json(fs.unstrip_protocol(written[1]))["key_hashes_uri"] == fs.unstrip_protocol(written[0])
+
+
+@pytest.fixture
+def s3_env(s3_endpoint, monkeypatch):
+    """The AWS environment of the plain (fault-free) S3 endpoint, with a fresh s3fs client and bucket check."""
+    import s3fs
+
+    for key, value in s3_endpoint.items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    storage._check_bucket.cache_clear()
+    yield s3_endpoint
+    s3fs.S3FileSystem.clear_instance_cache()
+    storage._check_bucket.cache_clear()
+
+
+def test_a_missing_bucket_is_a_user_error_naming_the_setting_and_the_bucket(s3_env):
+    """A storage_root whose bucket does not exist fails with a UserError naming storage_root, the URI and the bucket;
+    listing input in a missing bucket says the bucket is missing; an existing bucket passes."""
+    bucket = f"missing-{uuid.uuid4().hex[:10]}"
+    with pytest.raises(UserError) as caught:
+        storage.require_bucket(f"s3://{bucket}/root", "storage_root")
+    assert str(caught.value).startswith(f"storage_root s3://{bucket}/root: S3 bucket '{bucket}' does not exist")
+    with pytest.raises(UserError, match=f"S3 bucket '{bucket}' does not exist"):
+        storage.list_parquet(f"s3://{bucket}/raw/digits")
+    existing = f"present-{uuid.uuid4().hex[:10]}"
+    storage.filesystem(f"s3://{existing}")[0].mkdir(existing)
+    storage.require_bucket(f"s3://{existing}/root", "storage_root")
+
+
+def test_an_unreachable_endpoint_is_not_a_missing_bucket(s3_env, monkeypatch):
+    """With S3 unreachable (connection refused) the bucket check raises a retryable fault, never a UserError."""
+    import socket
+
+    import s3fs
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed_port = sock.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    s3fs.S3FileSystem.clear_instance_cache()
+    with pytest.raises(Exception) as caught:
+        storage.require_bucket("s3://any-bucket/root", "storage_root")
+    assert not isinstance(caught.value, UserError), caught.value
+
+
+def test_preprocess_cli_with_a_missing_bucket_exits_as_user_error_naming_storage_root(s3_env, tmp_path, subprocess_env):
+    """`python -m tasks.preprocess plan` with storage_root in a bucket that does not exist exits USER_ERROR_EXIT and
+    names storage_root and the bucket (not NoCredentialsError or a bare NoSuchBucket)."""
+    from tasks.errors import USER_ERROR_EXIT
+
+    bucket = f"missing-{uuid.uuid4().hex[:10]}"
+    config_path = tmp_path / "pipeline.yaml"
+    config_path.write_text(json.dumps({**base_config(tmp_path), "storage_root": f"s3://{bucket}/root"}))
+    env = {**subprocess_env, **s3_env, "AWS_MAX_ATTEMPTS": "2"}
+    completed = subprocess.run([sys.executable, "-m", "tasks.preprocess", "plan", "--config", str(config_path)],
+                               cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == USER_ERROR_EXIT, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert f"storage_root s3://{bucket}/root: S3 bucket '{bucket}' does not exist" in completed.stdout
+
+
+def test_a_broken_raw_shard_on_s3_is_a_data_error_naming_it(s3_env, tmp_path):
+    """A truncated Parquet object on S3 fails the stats step with a DataError naming its s3:// URI."""
+    from tasks import preprocess
+    from tasks.config import load_config
+    from tasks.errors import DataError
+    from tests.bad_parquet import write_bad_file
+
+    bucket = f"broken-{uuid.uuid4().hex[:10]}"
+    fs, _ = storage.filesystem(f"s3://{bucket}")
+    fs.mkdir(bucket)
+    good = tmp_path / "good.parquet"
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"row_id": list(range(50)), "label": [i % 10 for i in range(50)],
+                             **{f"px_{i:02d}": [0.5] * 50 for i in range(64)}}), good)
+    bad_local = write_bad_file("truncated", tmp_path / "bad.parquet", good.read_bytes())
+    shard = f"s3://{bucket}/raw/digits/part-00000.parquet"
+    fs.put_file(str(bad_local), shard)
+    config_path = tmp_path / "pipeline.yaml"
+    config_path.write_text(json.dumps({**base_config(tmp_path), "storage_root": f"s3://{bucket}/root"}))
+    with pytest.raises(DataError, match=f"{shard}: has no Parquet footer.*truncated"):
+        preprocess.shard_stats(load_config(config_path), shard, 0, f"s3://{bucket}/root/runs/t/r1")
