@@ -337,7 +337,11 @@ def _repeated_hashes(sidecars: list[str]) -> Iterator[tuple[np.ndarray, np.ndarr
 
 
 def _confirm_duplicates(config: PipelineConfig, shards: list[str], hashes: np.ndarray, owners: np.ndarray) -> None:
-    """Read the kept keys behind ``hashes`` from the shards involved; a real repeat raises DataError naming it."""
+    """Read the kept keys behind ``hashes`` from the shards involved; a real repeat raises DataError naming it.
+
+    Every row of an involved file whose hash matches is read, and the first merge round reaching a hash
+    holds an entry of every sidecar that has it, so a batch never misses one of a hash's files.
+    """
     wanted = np.unique(hashes)
     key = config.dataset.key
     first_file: dict[Any, str] = {}
@@ -369,7 +373,7 @@ def check_unique_keys(config: PipelineConfig, parts: list[dict[str, Any]]) -> in
         checked += len(hashes)
         _confirm_duplicates(config, shards, hashes, owners)
     if checked:
-        log.info("%d key hash match(es) were hash collisions, not duplicate keys", checked)
+        log.info("checked %d key hash match(es) against the key values: hash collisions, no duplicate key", checked)
     return sum(part["count"] for part in parts)
 
 

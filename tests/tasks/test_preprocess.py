@@ -303,6 +303,23 @@ def test_hash_collisions_are_confirmed_against_the_keys_not_reported(synthetic, 
         _stats_and_reduce(config, preprocess.plan(raw_uri), out)
 
 
+@pytest.mark.parametrize("clash_key", [4_321, 17_777, 25_002])
+def test_a_colliding_hash_spread_over_many_merge_rounds_is_confirmed_as_one_group(synthetic, storage_root, monkeypatch,
+                                                                                  clash_key):
+    """With a 3-value key hash, tiny merge buffers and tiny candidate batches, each hash's matches span many merge
+    rounds; they are still confirmed together, so a duplicate whose two rows fall in different rounds is found."""
+    from tasks.data import synthetic_table
+
+    monkeypatch.setattr(preprocess, "key_hashes", lambda keys: preprocess._key_bits(keys) % np.uint64(3))
+    monkeypatch.setattr(preprocess, "MERGE_BUDGET_HASHES", 1)  # 1024-hash chunks
+    monkeypatch.setattr(preprocess, "MAX_CANDIDATES", 100)
+    config, raw_uri = synthetic(num_rows=30_000, num_shards=3, dirty_fraction=0.0)
+    clash = _write_table(Path(raw_uri), "part-00003.parquet",
+                         synthetic_table(1, num_features=NUM_FEATURES, first_key=clash_key))
+    with pytest.raises(DataError, match=f"value {clash_key} occurs in both .*part-0000{clash_key // 10_000}.parquet and {clash}"):
+        _stats_and_reduce(config, preprocess.plan(raw_uri), str(storage_root / "runs" / "t" / "rounds"))
+
+
 def test_the_bounded_merge_finds_exactly_the_repeated_hashes(tmp_path, monkeypatch):
     """The k-way merge over sorted sidecars, in chunks far smaller than the data, reports exactly the hashes that occur
     more than once overall (within one sidecar, across sidecars, across chunk boundaries) and the sidecars holding them."""
