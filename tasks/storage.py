@@ -218,7 +218,7 @@ def parquet_problem(exc: BaseException) -> str | None:
     """
     import pyarrow as pa
 
-    message = str(exc).strip()
+    message = " ".join(str(exc).split())  # pyarrow's messages span lines; the task log wants one
     if isinstance(exc, pa.ArrowInvalid):
         if "size is 0 bytes" in message:
             return "is empty (0 bytes)"

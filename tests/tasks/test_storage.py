@@ -202,7 +202,7 @@ def good_parquet_bytes(tmp_path) -> bytes:
 @pytest.mark.parametrize("kind", BAD_KINDS)
 def test_a_broken_parquet_file_is_a_data_error_naming_it(tmp_path, good_parquet_bytes, kind):
     """Opening and reading an empty, non-Parquet, truncated or corrupt file raises DataError naming the file and
-    saying what is wrong with it (not pyarrow's bare ArrowInvalid/OSError, which Airflow would retry)."""
+    saying what is wrong with it, on one line (not pyarrow's bare ArrowInvalid/OSError, which Airflow would retry)."""
     path = write_bad_file(kind, tmp_path / "raw" / f"part-{kind}.parquet", good_parquet_bytes)
     with pytest.raises(DataError) as caught:
         with storage.open_parquet(str(path)) as parquet:
@@ -210,6 +210,7 @@ def test_a_broken_parquet_file_is_a_data_error_naming_it(tmp_path, good_parquet_
                 pass
     assert str(path) in str(caught.value)
     assert EXPECTED_WORDING[kind] in str(caught.value)
+    assert "\n" not in str(caught.value), "one line in the task log"
 
 
 def test_read_schema_of_a_broken_file_names_it(tmp_path, good_parquet_bytes):
