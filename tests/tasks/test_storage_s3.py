@@ -211,3 +211,34 @@ def test_a_broken_raw_shard_on_s3_is_a_data_error_naming_it(s3_env, tmp_path):
     config_path.write_text(json.dumps({**base_config(tmp_path), "storage_root": f"s3://{bucket}/root"}))
     with pytest.raises(DataError, match=f"{shard}: has no Parquet footer.*truncated"):
         preprocess.shard_stats(load_config(config_path), shard, 0, f"s3://{bucket}/root/runs/t/r1")
+
+
+def test_ingest_onto_s3_adds_each_file_once_and_leaves_no_partial_object(s3_env, tmp_path):
+    """Ingest from local files into an s3:// data set: every source file lands whole under its content name, no
+    '.partial' object stays behind, and a second run (a retry) adds nothing."""
+    import pyarrow.parquet as pq
+
+    from tasks.config import load_config
+    from tasks.data import ingest, synthetic_table, write_synthetic
+
+    bucket = f"ingest-{uuid.uuid4().hex[:10]}"
+    fs, _ = storage.filesystem(f"s3://{bucket}")
+    fs.mkdir(bucket)
+    target = f"s3://{bucket}/root/raw/synth"
+    write_synthetic(target, 400, num_features=4, num_shards=2, dirty_fraction=0.0)
+    source = tmp_path / "new"
+    source.mkdir()
+    for index in range(2):
+        pq.write_table(synthetic_table(50, num_features=4, seed=index, first_key=10_000 + 50 * index), source / f"p{index}.parquet")
+    raw = {**base_config(tmp_path), "storage_root": f"s3://{bucket}/root"}
+    raw["dataset"] = {"uri": "raw/synth", "key": "row_id", "label": "label", "features": "f_*", "num_classes": 10}
+    config_path = tmp_path / "pipeline.yaml"
+    config_path.write_text(json.dumps(raw))
+    config = load_config(config_path)
+    first = ingest(config, str(source), target)
+    assert len(first["added"]) == 2 and first["rows"] == 100
+    for uri in first["added"]:
+        assert fs.cat_file(fs._strip_protocol(uri)) in {(source / f"p{i}.parquet").read_bytes() for i in range(2)}
+    assert not [key for key in fs.find(f"{bucket}/root") if "partial" in key]
+    again = ingest(config, str(source), target)
+    assert again["added"] == [] and len(storage.list_parquet(target)) == 4
