@@ -401,12 +401,16 @@ def planned_stats(out: str, shards: list[str]) -> list[str]:
     return uris
 
 
+def _file_identity(uri: str) -> tuple[str, str]:
+    """One spelling per file: ``x``, ``file://x`` and a symlink to it name the same local file."""
+    fs, path = storage.filesystem(uri)
+    if isinstance(fs, LocalFileSystem):
+        return "file", os.path.realpath(path)
+    return type(fs).__name__, path
+
+
 def _same_file(a: str, b: str) -> bool:
-    fs_a, path_a = storage.filesystem(a)
-    fs_b, path_b = storage.filesystem(b)
-    if isinstance(fs_a, LocalFileSystem) and isinstance(fs_b, LocalFileSystem):
-        return os.path.realpath(path_a) == os.path.realpath(path_b)
-    return type(fs_a) is type(fs_b) and path_a == path_b
+    return _file_identity(a) == _file_identity(b)
 
 
 def reduce_stats(config: PipelineConfig, out: str, stats_uris: list[str]) -> dict[str, Any]:
@@ -414,12 +418,11 @@ def reduce_stats(config: PipelineConfig, out: str, stats_uris: list[str]) -> dic
     parts = [storage.read_json(uri) for uri in stats_uris]
     if not parts:
         raise DataError("no shard statistics to reduce: the input held no Parquet shards")
-    listed: dict[str, int] = {}
+    listed: dict[tuple[str, str], int] = {}
     for position, part in enumerate(parts):
-        twin = next((index for shard, index in listed.items() if _same_file(shard, part["shard"])), None)
-        if twin is not None:
+        twin = listed.setdefault(_file_identity(part["shard"]), position)
+        if twin != position:
             raise DataError(f"{part['shard']} is listed twice (shards {twin} and {position}): every row would be duplicated")
-        listed[part["shard"]] = position
     features = parts[0]["features"]
     for part in parts[1:]:
         difference = feature_difference(part["shard"], part["features"], parts[0]["shard"], features)

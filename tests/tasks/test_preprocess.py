@@ -270,11 +270,12 @@ def test_a_copy_of_a_shard_under_another_name_fails(synthetic, storage_root):
 
 
 def test_the_same_shard_listed_twice_fails(synthetic, storage_root):
-    """One file listed as two shards is refused naming it, before any statistics are merged."""
+    """One file listed as two shards, spelled the same or once as a file:// URI, is refused naming it."""
     config, raw_uri = synthetic(num_rows=1_000, num_shards=1, dirty_fraction=0.0)
     shard = preprocess.plan(raw_uri)[0]
-    with pytest.raises(DataError, match=f"{shard} is listed twice"):
-        _stats_and_reduce(config, [shard, shard], str(storage_root / "runs" / "t" / "twice"))
+    for second in (shard, f"file://{shard}"):
+        with pytest.raises(DataError, match=r"is listed twice \(shards 0 and 1\)"):
+            _stats_and_reduce(config, [shard, second], str(storage_root / "runs" / "t" / "twice"))
 
 
 def test_a_key_repeated_inside_one_file_fails_naming_the_file(synthetic, storage_root):
