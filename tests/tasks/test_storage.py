@@ -265,3 +265,26 @@ def test_an_io_fault_while_reading_parquet_is_not_a_data_error(good_parquet_byte
                 parquet.read_row_group(index)
     assert caught.value is fault
     assert not isinstance(caught.value, DataError)
+
+
+# --- copy_atomic ----------------------------------------------------------------------------------------------------
+
+
+def test_copy_atomic_copies_the_bytes_and_leaves_no_partial(tmp_path):
+    """A streamed copy holds exactly the source's bytes and leaves no '.partial' file beside it."""
+    source = tmp_path / "src.parquet"
+    source.write_bytes(os.urandom(3 * 1024 + 17))
+    destination = tmp_path / "data" / "copy.parquet"
+    storage.copy_atomic(str(source), str(destination))
+    assert destination.read_bytes() == source.read_bytes()
+    assert [p.name for p in destination.parent.iterdir()] == ["copy.parquet"]
+
+
+def test_copy_atomic_publishes_nothing_when_the_source_changed(tmp_path):
+    """When the bytes read differ from the checked digest (the source changed since), nothing appears at the target."""
+    source = tmp_path / "src.parquet"
+    source.write_bytes(b"changed since it was checked")
+    destination = tmp_path / "data" / "copy.parquet"
+    with pytest.raises(RuntimeError, match="changed while it was being copied"):
+        storage.copy_atomic(str(source), str(destination), expected_sha256="0" * 64)
+    assert list(destination.parent.iterdir()) == []
