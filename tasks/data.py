@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ import pyarrow.parquet as pq
 
 from tasks import storage
 from tasks.cli import setup_logging
+from tasks.errors import DataError
 
 log = logging.getLogger("stagewise.data")
 
@@ -97,30 +99,85 @@ def write_synthetic(out_uri: str, num_rows: int, num_features: int = 32, num_cla
     return uris
 
 
-def ingest(config: Any, source_uri: str, target_uri: str) -> dict[str, Any]:
-    """Validate new raw files against the data set's schema and copy them in, named by content.
+@dataclass(frozen=True)
+class CheckedFile:
+    """A source file that passed ingest's checks."""
 
-    Content-addressed names make a re-run a no-op (no duplicated rows); each copy is atomic.
-    """
-    import hashlib
+    uri: str
+    sha256: str
+    rows: int
+    size: int
+    features: list[str]
 
+
+def _check_source(config: Any, uri: str) -> CheckedFile:
+    """Read ``uri`` whole (every row group of the declared columns) and hash it; a bad file raises DataError naming it."""
     from tasks.preprocess import resolve_columns
 
-    added, rows = [], 0
-    for uri in storage.list_parquet(source_uri):
-        fs, path = storage.filesystem(uri)
-        with fs.open(path, "rb") as handle:
-            data = handle.read()
-        parquet = pq.ParquetFile(pa.BufferReader(data))
-        resolve_columns(config.dataset, parquet.schema_arrow, uri)  # a wrong file fails here, naming the column
-        name = f"part-ingest-{hashlib.sha256(data).hexdigest()[:16]}.parquet"
+    with storage.open_parquet(uri) as parquet:
+        columns = resolve_columns(config.dataset, parquet.schema_arrow, uri)
+        rows = parquet.metadata.num_rows
+        for _ in storage.iter_batches(parquet, [columns.key, columns.label, *columns.features], 65_536, uri=uri):
+            pass  # decoding every page is the check: a corrupt page fails here, before anything is copied
+    fs, path = storage.filesystem(uri)
+    return CheckedFile(uri=uri, sha256=storage.sha256_of(uri), rows=rows, size=fs.size(path), features=columns.features)
+
+
+def _existing_copy(checked: CheckedFile, target_sizes: dict[str, int], target_name: str) -> str | None:
+    """The data-set file that already holds ``checked``'s bytes, if any (same size first: hashing is the rare case)."""
+    for uri, size in target_sizes.items():
+        if uri.rsplit("/", 1)[-1] == target_name:
+            return uri  # content-addressed: the name is the hash
+        if size == checked.size and storage.sha256_of(uri) == checked.sha256:
+            return uri
+    return None
+
+
+def ingest(config: Any, source_uri: str, target_uri: str) -> dict[str, Any]:
+    """Add the source's Parquet files to the data set: all of them or none, never a file twice.
+
+    Every source file is checked first (readable Parquet, every page decodes, the data set's
+    schema and the same feature columns as the data set) and nothing is written unless all pass.
+    Copies are named by content and each appears whole (written aside, then renamed), so a retry
+    after a crash skips what an earlier attempt finished and adds exactly the rest.
+    """
+    from tasks.preprocess import feature_difference, resolve_columns
+
+    storage.require_bucket(target_uri, "dataset.uri")
+    storage.require_bucket(source_uri, "source_uri")
+    sources = storage.list_parquet(source_uri)
+    checked = [_check_source(config, uri) for uri in sources]
+    by_digest: dict[str, CheckedFile] = {}
+    for item in checked:
+        twin = by_digest.setdefault(item.sha256, item)
+        if twin is not item:
+            raise DataError(f"{item.uri} and {twin.uri} have identical bytes: ingesting both would duplicate every row "
+                            f"(dataset.key must be unique); remove one")
+    fs, path = storage.filesystem(target_uri)
+    target_files = storage.list_parquet(target_uri) if fs.isdir(path) and fs.glob(path.rstrip("/") + "/**/*.parquet") else []
+    target_sizes = {uri: fs.size(storage.filesystem(uri)[1]) for uri in target_files}
+    reference_uri = target_files[0] if target_files else checked[0].uri
+    reference = (resolve_columns(config.dataset, storage.read_schema(reference_uri), reference_uri).features
+                 if target_files else checked[0].features)
+    for item in checked:
+        difference = feature_difference(item.uri, item.features, reference_uri, reference)
+        if difference:
+            raise DataError(difference)
+
+    added, present, rows = [], [], 0
+    for item in checked:
+        name = f"part-ingest-{item.sha256[:16]}.parquet"
         destination = storage.join(target_uri, name)
-        if not storage.exists(destination):
-            storage.write_bytes(destination, data)
-            added.append(destination)
-            rows += parquet.metadata.num_rows
-    log.info("ingested %d new file(s), %d rows, into %s", len(added), rows, target_uri)
-    return {"added": added, "rows": rows, "target": target_uri}
+        existing = _existing_copy(item, target_sizes, name) or (destination if storage.exists(destination) else None)
+        if existing:
+            present.append(existing)  # an earlier attempt or run already added these bytes
+            continue
+        storage.copy_atomic(item.uri, destination, expected_sha256=item.sha256)
+        added.append(destination)
+        rows += item.rows
+    log.info("ingested %d new file(s), %d rows, into %s; %d file(s) were already there", len(added), rows, target_uri,
+             len(present))
+    return {"added": added, "already_present": present, "rows": rows, "target": target_uri}
 
 
 def write_demo() -> str:

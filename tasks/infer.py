@@ -26,13 +26,10 @@ log = logging.getLogger("stagewise.infer")
 
 def plan(input_uri: str, rows_per_shard: int) -> list[dict[str, Any]]:
     """Deterministic shards: consecutive row groups of each file, about ``rows_per_shard`` rows each."""
-    import pyarrow.parquet as pq
-
     shards: list[dict[str, Any]] = []
     for uri in storage.list_parquet(input_uri):
-        fs, path = storage.filesystem(uri)
-        with fs.open(path, "rb") as handle:
-            metadata = pq.ParquetFile(handle).metadata
+        with storage.open_parquet(uri) as parquet:
+            metadata = parquet.metadata
         group, rows = [], 0
         for index in range(metadata.num_row_groups):
             group.append(index)
@@ -105,7 +102,8 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
                                    pa.field("model_version", pa.string())])
         writer = pq.ParquetWriter(sink, output_schema)
         try:
-            for batch in storage.iter_batches(parquet, [key, *features], config.inference.batch_size, shard["row_groups"]):
+            for batch in storage.iter_batches(parquet, [key, *features], config.inference.batch_size, shard["row_groups"],
+                                              uri=shard["uri"]):
                 matrix = np.empty((batch.num_rows, len(features)), dtype=np.float64)
                 for j, name in enumerate(features):
                     column = batch.column(name)
@@ -189,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def work() -> dict[str, Any]:
         config = load_config(args.config, parse_overrides(args.override))
+        storage.require_bucket(config.storage_root, "storage_root")
         if args.step == "plan":
             source = args.input or config.inference.input_uri or config.dataset.uri
             return {"shards": plan(storage.resolve(config.storage_root, source), config.inference.rows_per_shard)}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -25,6 +26,7 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
 
 from tasks import storage
 from tasks.cli import common_parser, json_arg, parse_overrides, run_subjob
@@ -85,6 +87,24 @@ def resolve_columns(dataset: Dataset, schema: pa.Schema, uri: str) -> Columns:
     return Columns(key=dataset.key, label=dataset.label, features=features, num_classes=dataset.num_classes)
 
 
+def feature_difference(uri: str, features: list[str], reference_uri: str, reference: list[str]) -> str | None:
+    """None when ``features`` equal ``reference``; else a message naming only the columns that differ and both files."""
+    if features == reference:
+        return None
+    missing = [name for name in reference if name not in features]
+    extra = [name for name in features if name not in reference]
+    parts = []
+    if missing:
+        parts.append(f"lacks feature column(s) {missing} that {reference_uri} has")
+    if extra:
+        parts.append(f"has extra feature column(s) {extra} that {reference_uri} lacks")
+    if not parts:
+        position = next(i for i, (a, b) in enumerate(zip(features, reference)) if a != b)
+        parts.append(f"orders its feature columns differently from {reference_uri}: column {position} is "
+                     f"'{features[position]}' here and '{reference[position]}' there")
+    return f"{uri}: " + "; ".join(parts) + " (every file must have the same dataset.features columns)"
+
+
 def _mix64(values: np.ndarray) -> np.ndarray:
     # splitmix64 finaliser: a fast, well-spread, platform-independent integer hash.
     z = values.astype(np.uint64, copy=True)
@@ -94,16 +114,24 @@ def _mix64(values: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+def _key_bits(keys: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """64 bits per key: an integer key's own bits, a string key's stable SipHash."""
+    if pa.types.is_integer(keys.type):
+        return np.asarray(keys.to_numpy(zero_copy_only=False)).astype(np.int64).view(np.uint64)
+    from pandas.util import hash_array  # stable SipHash of strings with a fixed key
+
+    return hash_array(np.asarray(keys.to_numpy(zero_copy_only=False), dtype=object))
+
+
+def key_hashes(keys: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A 64-bit hash per key for the duplicate check: one-to-one for integer keys, may collide for strings."""
+    return _mix64(_key_bits(keys))
+
+
 def split_of(keys: pa.Array | pa.ChunkedArray, split: Split) -> np.ndarray:
     """0 = train, 1 = validation, 2 = test, decided by a salted hash of each key alone."""
     salt = np.uint64(int.from_bytes(hashlib.sha256(split.salt.encode()).digest()[:8], "little"))
-    if pa.types.is_integer(keys.type):
-        raw = np.asarray(keys.to_numpy(zero_copy_only=False)).astype(np.int64).view(np.uint64)
-    else:
-        from pandas.util import hash_array  # stable SipHash of strings with a fixed key
-
-        raw = hash_array(np.asarray(keys.to_numpy(zero_copy_only=False), dtype=object))
-    unit = (_mix64(raw ^ salt) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    unit = (_mix64(_key_bits(keys) ^ salt) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
     return np.where(unit < split.test, 2, np.where(unit < split.test + split.validation, 1, 0)).astype(np.int8)
 
 
@@ -135,7 +163,7 @@ def iter_clean(uri: str, dataset: Dataset) -> Iterator[tuple[Columns, CleanBatch
     with storage.open_parquet(uri) as parquet:
         columns = resolve_columns(dataset, parquet.schema_arrow, uri)
         wanted = [columns.key, columns.label, *columns.features]
-        for batch in storage.iter_batches(parquet, wanted, BATCH_ROWS):
+        for batch in storage.iter_batches(parquet, wanted, BATCH_ROWS, uri=uri):
             features = _feature_matrix(batch, columns.features)
             label_column = batch.column(columns.label)
             key_column = batch.column(columns.key)
@@ -209,55 +237,219 @@ def plan(input_uri: str) -> list[str]:
 
 
 def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dict[str, Any]:
-    """Validate and clean one shard; write its partial statistics; return their URI."""
+    """Validate and clean one shard; write its partial statistics and its keys' sorted hashes; return their URI."""
     started = time.monotonic()
     moments: dict[str, Any] | None = None
     columns: Columns | None = None
+    hashes: list[np.ndarray] = []
     for columns, batch in iter_clean(shard, config.dataset):
         part = _batch_moments(batch, columns.num_classes)
         moments = _merge_moments(moments or _empty_moments(len(columns.features), columns.num_classes), part)
+        hashes.append(key_hashes(batch.keys))
     if columns is None:
         # An empty file still has a schema; validate it so a wrong file fails here, not later.
-        fs, path = storage.filesystem(shard)
-        with fs.open(path, "rb") as handle:
-            columns = resolve_columns(config.dataset, pq.ParquetFile(handle).schema_arrow, shard)
+        columns = resolve_columns(config.dataset, storage.read_schema(shard), shard)
         moments = _empty_moments(len(columns.features), columns.num_classes)
     assert moments is not None
-    moments.update({"shard": shard, "features": columns.features})
+    moments.update({"shard": shard, "features": columns.features, "key_hashes_uri": _write_key_hashes(out, index, hashes)})
     uri = storage.join(_stats_prefix(out), f"shard-{index:05d}.json")
-    storage.write_json(uri, moments)
+    storage.write_json(uri, moments)  # last: it names this attempt's key hashes
     elapsed = time.monotonic() - started
     log.info("shard %d: %d rows read, %d kept, %.0f rows/s (%s)", index, moments["rows_in"], moments["count"],
              moments["rows_in"] / max(elapsed, 1e-9), shard)
     return {"stats_uri": uri, "rows_in": moments["rows_in"], "rows_kept": moments["count"]}
 
 
+# --- duplicate keys ---------------------------------------------------------------------------------------------
+# Each shard's stats step writes the sorted 64-bit hashes of its kept keys (8 bytes a row); reduce merges
+# them k-way in bounded memory, and every hash seen twice is confirmed by reading the real key values
+# from the files involved, so a hash collision is never reported and a duplicate never missed.
+
+KEY_HASHES_SUFFIX = ".u64"
+MERGE_BUDGET_HASHES = 8 << 20  # hashes buffered across all shards while merging: 64 MiB
+MAX_CANDIDATES = 1 << 20  # hash matches gathered before they are confirmed against the files
+
+
+def _write_key_hashes(out: str, index: int, hashes: list[np.ndarray]) -> str:
+    """Write one shard's sorted key hashes, attempt-unique (the stats JSON written after it names the file)."""
+    merged = np.sort(np.concatenate(hashes)) if hashes else np.zeros(0, np.uint64)
+    uri = storage.join(_stats_prefix(out), f"keys-{index:05d}-{storage.unique_token()}{KEY_HASHES_SUFFIX}")
+    storage.write_bytes(uri, merged.astype("<u8", copy=False).tobytes())
+    return uri
+
+
+def _iter_hash_chunks(uri: str, num_hashes: int) -> Iterator[np.ndarray]:
+    """A sidecar's hashes, ``num_hashes`` at a time."""
+    leftover = b""
+    for chunk in storage.iter_chunks(uri, num_hashes * 8):
+        chunk = leftover + chunk
+        whole = len(chunk) - len(chunk) % 8
+        leftover = chunk[whole:]
+        if whole:
+            yield np.frombuffer(chunk[:whole], dtype="<u8")
+    if leftover:
+        raise DataError(f"{uri}: key hash file is cut off ({len(leftover)} stray bytes); run the shard's stats again")
+
+
+def _repeated_hashes(sidecars: list[str]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(hash, sidecar position) pairs of every hash found more than once over the sorted sidecars, in batches.
+
+    A k-way merge by rounds: each round takes, from every buffer, the hashes up to the smallest of the
+    buffers' last hashes, so at least one buffer empties per round and at most MERGE_BUDGET_HASHES are held.
+    """
+    chunk_hashes = max(1024, MERGE_BUDGET_HASHES // max(len(sidecars), 1))
+    streams = [_iter_hash_chunks(uri, chunk_hashes) for uri in sidecars]
+    buffers: list[np.ndarray | None] = [next(stream, None) for stream in streams]
+    carried_hash, carried_owner = np.zeros(0, np.uint64), np.zeros(0, np.int32)  # the last hash of the previous round
+    found_hashes: list[np.ndarray] = []
+    found_owners: list[np.ndarray] = []
+    found = 0
+    while True:
+        active = [i for i, buffer in enumerate(buffers) if buffer is not None]
+        if not active:
+            break
+        threshold = min(buffers[i][-1] for i in active)
+        values, owners = [carried_hash], [carried_owner]
+        for i in active:
+            cut = int(np.searchsorted(buffers[i], threshold, side="right"))
+            values.append(buffers[i][:cut])
+            owners.append(np.full(cut, i, np.int32))
+            rest = buffers[i][cut:]
+            buffers[i] = rest if len(rest) else next(streams[i], None)
+        merged = np.concatenate(values)
+        owner = np.concatenate(owners)
+        order = np.argsort(merged, kind="stable")
+        merged, owner = merged[order], owner[order]
+        repeated = np.zeros(len(merged), bool)
+        same = merged[1:] == merged[:-1]
+        repeated[1:] |= same
+        repeated[:-1] |= same
+        if repeated.any():
+            found_hashes.append(merged[repeated])
+            found_owners.append(owner[repeated])
+            found += int(repeated.sum())
+        carried_hash, carried_owner = merged[-1:], owner[-1:]
+        if found >= MAX_CANDIDATES:
+            yield np.concatenate(found_hashes), np.concatenate(found_owners)
+            found_hashes, found_owners, found = [], [], 0
+    if found:
+        yield np.concatenate(found_hashes), np.concatenate(found_owners)
+
+
+def _confirm_duplicates(config: PipelineConfig, shards: list[str], hashes: np.ndarray, owners: np.ndarray) -> None:
+    """Read the kept keys behind ``hashes`` from the shards involved; a real repeat raises DataError naming it.
+
+    Every row of an involved file whose hash matches is read, and the first merge round reaching a hash
+    holds an entry of every sidecar that has it, so a batch never misses one of a hash's files.
+    """
+    wanted = np.unique(hashes)
+    key = config.dataset.key
+    first_file: dict[Any, str] = {}
+    for position in np.unique(owners).tolist():
+        uri = shards[position]
+        in_this_file: set[Any] = set()
+        for _, batch in iter_clean(uri, config.dataset):
+            matches = np.isin(key_hashes(batch.keys), wanted)
+            if not matches.any():
+                continue
+            for value in batch.keys.filter(pa.array(matches)).to_pylist():
+                if value in in_this_file:
+                    raise DataError(f"{uri}: dataset.key '{key}' value {value!r} occurs more than once in this file; "
+                                    f"the key must be unique (every such row would be trained on and predicted twice)")
+                if value in first_file:
+                    raise DataError(f"dataset.key '{key}' value {value!r} occurs in both {first_file[value]} and {uri}; "
+                                    f"the key must be unique across the data set (is one file a copy of the other?)")
+                in_this_file.add(value)
+        for value in in_this_file:
+            first_file[value] = uri
+
+
+def check_unique_keys(config: PipelineConfig, parts: list[dict[str, Any]]) -> int:
+    """Refuse a data set whose kept rows repeat a key (within a file or across files); returns the hashes merged."""
+    shards = [part["shard"] for part in parts]
+    sidecars = [part["key_hashes_uri"] for part in parts]
+    checked = 0
+    for hashes, owners in _repeated_hashes(sidecars):
+        checked += len(hashes)
+        _confirm_duplicates(config, shards, hashes, owners)
+    if checked:
+        log.info("checked %d key hash match(es) against the key values: hash collisions, no duplicate key", checked)
+    return sum(part["count"] for part in parts)
+
+
+def planned_stats(out: str, shards: list[str]) -> list[str]:
+    """The stats of every planned shard, in plan order; refuses a missing shard and stats computed for another file."""
+    uris, missing = [], []
+    for index, shard in enumerate(shards):
+        uri = storage.join(_stats_prefix(out), f"shard-{index:05d}.json")
+        if not storage.exists(uri):
+            missing.append(f"{index} ({shard})")
+            continue
+        recorded = storage.read_json(uri).get("shard", "")
+        if not _same_file(recorded, shard):
+            raise DataError(f"{uri}: statistics of {recorded}, but planned shard {index} is {shard}: stale statistics "
+                            f"from another input; run `python -m tasks.preprocess stats --index {index}` for it again")
+        uris.append(uri)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise DataError(f"no statistics for planned shard(s) {shown} under {_stats_prefix(out)}: run "
+                        f"`python -m tasks.preprocess stats` for each first; reduce merges every planned shard or none")
+    fs, path = storage.filesystem(_stats_prefix(out))
+    extra = [p for p in fs.glob(path + "/shard-*.json") if int(p.rsplit("-", 1)[1].split(".")[0]) >= len(shards)]
+    if extra:
+        log.warning("ignoring %d statistics file(s) beyond the %d planned shard(s), e.g. %s", len(extra), len(shards), extra[0])
+    return uris
+
+
+def _file_identity(uri: str) -> tuple[str, str]:
+    """One spelling per file: ``x``, ``file://x`` and a symlink to it name the same local file."""
+    fs, path = storage.filesystem(uri)
+    if isinstance(fs, LocalFileSystem):
+        return "file", os.path.realpath(path)
+    return type(fs).__name__, path
+
+
+def _same_file(a: str, b: str) -> bool:
+    return _file_identity(a) == _file_identity(b)
+
+
 def reduce_stats(config: PipelineConfig, out: str, stats_uris: list[str]) -> dict[str, Any]:
-    """Merge the shards' statistics into the normalisation stats of the whole data set."""
+    """Merge the shards' statistics into the normalisation stats of the whole data set; refuse duplicate keys."""
     parts = [storage.read_json(uri) for uri in stats_uris]
     if not parts:
         raise DataError("no shard statistics to reduce: the input held no Parquet shards")
+    listed: dict[tuple[str, str], int] = {}
+    for position, part in enumerate(parts):
+        twin = listed.setdefault(_file_identity(part["shard"]), position)
+        if twin != position:
+            raise DataError(f"{part['shard']} is listed twice (shards {twin} and {position}): every row would be duplicated")
     features = parts[0]["features"]
     for part in parts[1:]:
-        if part["features"] != features:
-            raise DataError(f"{part['shard']}: feature columns {part['features']} differ from {parts[0]['shard']}: {features}")
+        difference = feature_difference(part["shard"], part["features"], parts[0]["shard"], features)
+        if difference:
+            raise DataError(difference)
     total = _empty_moments(len(features), config.dataset.num_classes)
     for part in parts:
         total = _merge_moments(total, part)
+    if total["rows_in"] == 0:
+        names = ", ".join(part["shard"] for part in parts[:5]) + (f" and {len(parts) - 5} more" if len(parts) > 5 else "")
+        raise DataError(f"{config.dataset.uri} (dataset.uri) has no rows: all {len(parts)} file(s) are empty ({names})")
     if total["count"] == 0:
         raise DataError(f"{config.dataset.uri}: every row was dropped as dirty (nulls or non-finite features)")
     dropped = total["rows_in"] - total["count"]
     if dropped > config.preprocess.max_null_fraction * total["rows_in"]:
         raise DataError(f"{config.dataset.uri}: {dropped} of {total['rows_in']} rows are dirty, above "
                         f"preprocess.max_null_fraction={config.preprocess.max_null_fraction}")
+    check_unique_keys(config, parts)
     std = np.sqrt(np.asarray(total["m2"]) / max(total["count"] - 1, 1))
     std = np.where(std > 1e-12, std, 1.0)  # constant columns (e.g. blank pixels) pass through centred
-    stats = {"features": features, "mean": total["mean"], "std": std.tolist(), "rows_in": total["rows_in"],
-             "rows_kept": total["count"], "rows_dropped": dropped, "label_counts": total["label_counts"],
-             "min": total["min"], "max": total["max"]}
+    stats = {"features": features, "features_from": parts[0]["shard"], "mean": total["mean"], "std": std.tolist(),
+             "rows_in": total["rows_in"], "rows_kept": total["count"], "rows_dropped": dropped,
+             "label_counts": total["label_counts"], "min": total["min"], "max": total["max"],
+             "key_hashes": [part["key_hashes_uri"] for part in parts]}
     uri = storage.join(out, "preprocess", "stats.json")
     storage.write_json(uri, stats)
-    log.info("reduced %d shard(s): %d rows kept, %d dropped as dirty", len(parts), total["count"], dropped)
+    log.info("reduced %d shard(s): %d rows kept, %d dropped as dirty, keys unique", len(parts), total["count"], dropped)
     return {"stats_uri": uri, "rows_kept": total["count"], "rows_dropped": dropped}
 
 
@@ -308,8 +500,9 @@ def transform_shard(config: PipelineConfig, shard: str, index: int, out: str, st
     rows_in = 0
     try:
         for columns, batch in iter_clean(shard, config.dataset):
-            if columns.features != stats["features"]:
-                raise DataError(f"{shard}: feature columns differ from the reduced statistics' {stats['features']}")
+            difference = feature_difference(shard, columns.features, stats.get("features_from", stats_uri), stats["features"])
+            if difference:
+                raise DataError(difference)
             rows_in += batch.rows_in
             schema = processed_schema(columns, batch.keys.type)
             assignment = split_of(batch.keys, config.preprocess.split)
@@ -365,6 +558,7 @@ def commit(config: PipelineConfig, out: str, stats_uri: str, shard_results: list
     storage.write_json(uri, manifest)
     listed = {f["uri"] for files in splits.values() for f in files}
     removed = sum(storage.remove_unlisted(storage.join(out, "preprocess", name), listed) for name in SPLITS)
+    removed += storage.remove_unlisted(_stats_prefix(out), set(stats.get("key_hashes", [])))
     log.info("committed %s: rows %s, %d stale file(s) removed", uri, manifest["rows"], removed)
     return {"manifest_uri": uri, "rows": manifest["rows"], "rows_dropped": stats["rows_dropped"]}
 
@@ -404,6 +598,7 @@ def main(argv: list[str] | None = None) -> None:
     sub.choices["transform"].add_argument("--stats", default=None, help="reduced stats URI (default: under --out)")
     p_reduce = sub.add_parser("reduce", parents=[common], help="merge shard statistics")
     p_reduce.add_argument("--out", required=True)
+    p_reduce.add_argument("--input", default=None, help="raw data URI the stats were planned from (default: dataset.uri)")
     p_commit = sub.add_parser("commit", parents=[common], help="write the manifest from transform results")
     p_commit.add_argument("--out", required=True)
     p_commit.add_argument("--results", required=True, type=json_arg, help="JSON list of transform results, or @file")
@@ -411,15 +606,17 @@ def main(argv: list[str] | None = None) -> None:
 
     def work() -> dict[str, Any]:
         config = load_config(args.config, parse_overrides(args.override))
+        storage.require_bucket(config.storage_root, "storage_root")
         if args.step == "plan":
-            return {"shards": plan(storage.resolve(config.storage_root, args.input or config.dataset.uri))}
+            source = storage.resolve(config.storage_root, args.input or config.dataset.uri)
+            storage.require_bucket(source, "--input" if args.input else "dataset.uri")
+            return {"shards": plan(source)}
         out = storage.resolve(config.storage_root, args.out)
         if args.step == "stats":
             return shard_stats(config, args.shard, args.index, out)
         if args.step == "reduce":
-            fs, path = storage.filesystem(_stats_prefix(out))
-            uris = sorted(fs.unstrip_protocol(p) if "://" in out else p for p in fs.glob(path + "/shard-*.json"))
-            return reduce_stats(config, out, uris)
+            shards = plan(storage.resolve(config.storage_root, args.input or config.dataset.uri))
+            return reduce_stats(config, out, planned_stats(out, shards))
         if args.step == "transform":
             return transform_shard(config, args.shard, args.index, out, args.stats or storage.join(out, "preprocess", "stats.json"))
         return commit(config, out, storage.join(out, "preprocess", "stats.json"), args.results)

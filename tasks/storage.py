@@ -83,6 +83,36 @@ def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     return url_to_fs(uri)
 
 
+def _bucket_of(uri: str) -> str:
+    return uri.split("://", 1)[1].split("/", 1)[0]
+
+
+def require_bucket(uri: str, setting: str) -> None:
+    """For an s3:// URI: a missing bucket or missing credentials is a UserError naming ``setting``, ``uri`` and the bucket.
+
+    Only these two answers are the user's; a throttled or unreachable endpoint raises as before (retryable).
+    """
+    if uri.startswith(_S3_PROTOCOLS):
+        _check_bucket(_bucket_of(uri), setting, uri)
+
+
+@functools.lru_cache(maxsize=64)
+def _check_bucket(bucket: str, setting: str, uri: str) -> None:
+    from botocore.exceptions import NoCredentialsError
+
+    fs, _ = filesystem(uri)
+    try:
+        fs.call_s3("list_objects_v2", Bucket=bucket, MaxKeys=1)
+    except NoCredentialsError:
+        raise UserError(f"{setting} {uri}: no AWS credentials found to reach S3 bucket '{bucket}' (set "
+                        f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or run with an instance role)") from None
+    except FileNotFoundError as exc:
+        if "NoSuchBucket" not in repr(exc.__cause__) and "bucket does not exist" not in str(exc):
+            raise
+        raise UserError(f"{setting} {uri}: S3 bucket '{bucket}' does not exist (or these credentials cannot see it); "
+                        f"create the bucket or correct the {setting}") from None
+
+
 def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *(part.strip("/") for part in parts if part)])
 
@@ -167,6 +197,7 @@ def list_parquet(uri: str) -> list[str]:
     if fs.isfile(path):
         return [uri]
     if not fs.isdir(path):
+        require_bucket(uri, "input URI")
         raise DataError(f"{uri}: no such file or folder")
     found = sorted(fs.glob(path.rstrip("/") + "/**/*.parquet"))
     if not found:
@@ -174,34 +205,154 @@ def list_parquet(uri: str) -> list[str]:
     return [fs.unstrip_protocol(p) if "://" in uri else p for p in found]
 
 
+# Messages pyarrow gives an OSError (not ArrowInvalid) when the bytes are not valid Parquet; network faults never say these.
+_PARQUET_CORRUPTION = re.compile(r"thrift|corrupt|decompress|page header|end of stream|snappy|zstd|lz4|gzip|brotli", re.I)
+PARQUET_MAGIC = b"PAR1"
+
+
+def parquet_problem(exc: BaseException) -> str | None:
+    """What a read error says about the file when it is the file's fault (not Parquet, cut, corrupt), else None.
+
+    Only Arrow's format errors count: an OSError raised by the filesystem (S3 503, a reset
+    connection) passes through pyarrow unchanged, carries no Parquet wording and stays retryable.
+    """
+    import pyarrow as pa
+
+    message = " ".join(str(exc).split())  # pyarrow's messages span lines; the task log wants one
+    if isinstance(exc, pa.ArrowInvalid):
+        if "size is 0 bytes" in message:
+            return "is empty (0 bytes)"
+        if "magic bytes not found" in message:
+            return "has no Parquet footer (magic bytes PAR1 missing at its end)"
+        if "smaller than the minimum file footer" in message:
+            return f"is too short to be Parquet ({message})"
+        return f"is not valid Parquet ({message})"
+    if type(exc) is OSError and exc.errno is None and _PARQUET_CORRUPTION.search(message):
+        return f"is corrupt ({message})"
+    return None
+
+
+def _describe_headless(uri: str) -> str:
+    """For a file without a footer: truncated (starts like Parquet) or not Parquet at all (shows its first bytes)."""
+    try:
+        fs, path = filesystem(uri)
+        with fs.open(path, "rb") as handle:
+            head = handle.read(len(PARQUET_MAGIC))
+    except Exception:  # the error being reported matters more than this detail
+        return ""
+    if head == PARQUET_MAGIC:
+        return "; it starts like Parquet, so it is truncated (cut off while being written or copied)"
+    return f"; it starts with {head!r}, so it is not a Parquet file"
+
+
+@contextlib.contextmanager
+def reading_parquet(uri: str) -> Iterator[None]:
+    """Turn a Parquet format error raised inside the block into a DataError naming ``uri``; I/O faults pass."""
+    try:
+        yield
+    except (ValueError, OSError) as exc:
+        problem = parquet_problem(exc)
+        if problem is None:
+            raise
+        detail = _describe_headless(uri) if "footer" in problem or "too short" in problem else ""
+        raise DataError(f"{uri}: {problem}{detail}; fix or remove the file") from exc
+
+
 @contextlib.contextmanager
 def open_parquet(uri: str) -> Iterator[Any]:
-    """A ``pyarrow.parquet.ParquetFile``: Arrow's native reader for local files, fsspec for the rest."""
+    """A ``pyarrow.parquet.ParquetFile``: Arrow's native reader for local files, fsspec for the rest.
+
+    A file that is empty, not Parquet, truncated or has a corrupt footer raises DataError naming it.
+    """
     import pyarrow.parquet as pq
 
     fs, path = filesystem(uri)
     if isinstance(fs, LocalFileSystem):
-        parquet = pq.ParquetFile(path)  # not memory-mapped: mapped pages would count against the worker's memory
+        with reading_parquet(uri):
+            parquet = pq.ParquetFile(path)  # not memory-mapped: mapped pages would count against the worker's memory
         try:
             yield parquet
         finally:
             parquet.close()
         return
     with fs.open(path, "rb") as handle:
-        yield pq.ParquetFile(handle)
+        with reading_parquet(uri):
+            parquet = pq.ParquetFile(handle)
+        yield parquet
 
 
-def iter_batches(parquet: Any, columns: list[str], batch_size: int, row_groups: list[int] | None = None) -> Iterator[Any]:
-    """Record batches of ``columns``, one row group in memory at a time.
+def read_schema(uri: str) -> Any:
+    """The Arrow schema of a Parquet file (its footer only); a bad file raises DataError naming it."""
+    with open_parquet(uri) as parquet:
+        return parquet.schema_arrow
+
+
+def iter_batches(parquet: Any, columns: list[str], batch_size: int, row_groups: list[int] | None = None,
+                 *, uri: str = "a Parquet file") -> Iterator[Any]:
+    """Record batches of ``columns``, one row group in memory at a time; corrupt pages raise DataError naming ``uri``.
 
     pyarrow's own ``ParquetFile.iter_batches`` reads ahead and held ~1.5x the file in memory in our
     measurement (2M rows: 800 MB); reading row group by row group kept it at ~150 MB.
     """
     groups = range(parquet.num_row_groups) if row_groups is None else row_groups
     for index in groups:
-        table = parquet.read_row_group(index, columns=columns)
+        with reading_parquet(uri):
+            table = parquet.read_row_group(index, columns=columns)
         yield from table.to_batches(max_chunksize=batch_size)
         del table
+
+
+COPY_CHUNK_BYTES = 8 << 20
+
+
+def iter_chunks(uri: str, chunk_bytes: int = COPY_CHUNK_BYTES) -> Iterator[bytes]:
+    """The bytes of ``uri`` in chunks, so a file of any size streams through bounded memory."""
+    fs, path = filesystem(uri)
+    with fs.open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            yield chunk
+
+
+def sha256_of(uri: str) -> str:
+    """The hex SHA-256 of a file's bytes, streamed."""
+    digest = hashlib.sha256()
+    for chunk in iter_chunks(uri):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def copy_atomic(source: str, destination: str, expected_sha256: str | None = None) -> None:
+    """Stream ``source`` to ``destination`` so that the destination appears whole or not at all.
+
+    The bytes go to a ``.partial-<token>`` name beside the target (no ``*.parquet`` glob matches it)
+    and are renamed at the end: os.replace locally, a whole-object copy on S3. When
+    ``expected_sha256`` is given and the bytes differ (the source changed since it was checked),
+    nothing is published.
+    """
+    fs, path = filesystem(destination)
+    partial = f"{path}.partial-{unique_token()}"
+    digest = hashlib.sha256()
+    local = isinstance(fs, LocalFileSystem)
+    if local:
+        os.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    try:
+        with (open(partial, "wb") if local else fs.open(partial, "wb")) as handle:
+            for chunk in iter_chunks(source):
+                digest.update(chunk)
+                handle.write(chunk)
+            if local:
+                handle.flush()
+                os.fsync(handle.fileno())
+        if expected_sha256 is not None and digest.hexdigest() != expected_sha256:
+            raise RuntimeError(f"{source} changed while it was being copied to {destination}; a retry checks it again")
+        if local:
+            os.replace(partial, path)
+        else:
+            fs.mv(partial, path)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            fs.rm_file(partial)
+        raise
 
 
 def remove_unlisted(prefix: str, keep: set[str]) -> int:

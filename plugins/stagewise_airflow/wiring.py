@@ -19,13 +19,22 @@ def knobs(config: PipelineConfig, profile: str) -> dict[str, Any]:
     return task_kwargs(config.profile(profile))
 
 
+RAW_DATA_ASSET_PREFIX = "stagewise_raw_data"
+
+
 def raw_data_asset(config: PipelineConfig) -> Asset:
-    """The Asset for the raw data location: an ingest task or the REST API's asset events mark new data."""
+    """The Asset for the raw data location: an ingest task or the REST API's asset events mark new data.
+
+    Its name carries a hash of the URI: Airflow keeps an asset name bound to its first URI, so a fixed
+    name would leave the asset inactive (and ingest failing) once dataset.uri changes.
+    """
+    import hashlib
+
     from tasks.storage import resolve
 
     location = resolve(config.storage_root, config.dataset.uri)
     uri = location if "://" in location else f"file://{location}"
-    return Asset(uri=uri, name="stagewise_raw_data")
+    return Asset(uri=uri, name=f"{RAW_DATA_ASSET_PREFIX}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}")
 
 
 def start(config: PipelineConfig, mode: str = "pipeline") -> Any:

@@ -74,3 +74,174 @@ def test_synthetic_classes_are_learnable():
     centroids = np.stack([features[fit][labels[fit] == c].mean(axis=0) for c in range(4)])
     predicted = np.argmin(((features[held][:, None, :] - centroids[None]) ** 2).sum(axis=2), axis=1)
     assert (predicted == labels[held]).mean() > 0.5  # chance is 0.25
+
+
+# --- ingest: all or nothing, never a file twice ------------------------------------------------------------------
+
+
+@pytest.fixture
+def dataset(write_config, storage_root):
+    """A data set of 2 synthetic shards (keys 0..599) and a config over it; returns (config, data set URI)."""
+    from tasks.config import load_config
+    from tests.conftest import base_config
+
+    target = str(storage_root / "raw" / "synth")
+    write_synthetic(target, 600, num_features=4, num_shards=2, dirty_fraction=0.0)
+    raw = base_config(storage_root)
+    raw["dataset"] = {"uri": "raw/synth", "key": "row_id", "label": "label", "features": "f_*", "num_classes": 10}
+    return load_config(write_config(raw)), target
+
+
+def _new_source(folder, num_files: int = 3, first_key: int = 10_000) -> list[str]:
+    """``num_files`` new shards of 100 rows each with keys from ``first_key`` on, sorted by name."""
+    folder.mkdir(parents=True, exist_ok=True)
+    uris = []
+    for index in range(num_files):
+        path = folder / f"part-{index:05d}.parquet"
+        pq.write_table(synthetic_table(100, num_features=4, seed=index, first_key=first_key + 100 * index), path)
+        uris.append(str(path))
+    return uris
+
+
+def _content(uris: list[str]) -> list[bytes]:
+    return sorted(open(uri, "rb").read() for uri in uris)
+
+
+def test_ingest_adds_exactly_the_source_files_and_a_rerun_adds_nothing(dataset, tmp_path):
+    """Ingest copies each source file once; running it again (a retry or a re-run) adds nothing."""
+    from tasks import storage
+    from tasks.data import ingest
+
+    config, target = dataset
+    before = storage.list_parquet(target)
+    sources = _new_source(tmp_path / "new")
+    first = ingest(config, str(tmp_path / "new"), target)
+    assert len(first["added"]) == 3 and first["rows"] == 300
+    after = storage.list_parquet(target)
+    assert _content(sorted(set(after) - set(before))) == _content(sources)
+    again = ingest(config, str(tmp_path / "new"), target)
+    assert again["added"] == [] and sorted(again["already_present"]) == sorted(first["added"])
+    assert storage.list_parquet(target) == after
+
+
+@pytest.mark.parametrize("kind", ["empty", "truncated", "corrupt_pages"])
+def test_ingest_with_a_broken_file_names_it_and_writes_nothing(dataset, tmp_path, kind):
+    """A broken file anywhere in the source fails ingest with a DataError naming it, before any file is copied
+    (the good files sorted before it are not left in the data set)."""
+    from tasks import storage
+    from tasks.data import ingest
+    from tasks.errors import DataError
+    from tests.bad_parquet import EXPECTED_WORDING, write_bad_file
+
+    config, target = dataset
+    before = storage.list_parquet(target)
+    good = _new_source(tmp_path / "new", num_files=2)
+    bad = str(write_bad_file(kind, tmp_path / "new" / "part-00009.parquet", open(good[0], "rb").read()))
+    with pytest.raises(DataError) as caught:
+        ingest(config, str(tmp_path / "new"), target)
+    assert bad in str(caught.value) and EXPECTED_WORDING[kind] in str(caught.value)
+    assert storage.list_parquet(target) == before
+    assert sorted(p.name for p in (tmp_path / "storage" / "raw" / "synth").iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
+
+
+def test_ingest_with_a_wrong_schema_last_writes_nothing(dataset, tmp_path):
+    """A file lacking the label column, sorted last, fails naming file and column; nothing was copied before it."""
+    from tasks import storage
+    from tasks.data import ingest
+    from tasks.errors import DataError
+
+    config, target = dataset
+    before = storage.list_parquet(target)
+    _new_source(tmp_path / "new", num_files=2)
+    wrong = tmp_path / "new" / "part-00009.parquet"
+    pq.write_table(synthetic_table(10, num_features=4, first_key=90_000).drop_columns(["label"]), wrong)
+    with pytest.raises(DataError, match=f"{wrong}: label column 'label'"):
+        ingest(config, str(tmp_path / "new"), target)
+    assert storage.list_parquet(target) == before
+
+
+def test_ingest_with_an_extra_feature_column_names_it_and_both_files(dataset, tmp_path):
+    """A new file with one more prefix-matched feature than the data set is refused naming that column and both files."""
+    from tasks import storage
+    from tasks.data import ingest
+    from tasks.errors import DataError
+
+    config, target = dataset
+    wider = tmp_path / "new" / "part-00000.parquet"
+    wider.parent.mkdir()
+    pq.write_table(synthetic_table(50, num_features=5, first_key=50_000), wider)
+    with pytest.raises(DataError) as caught:
+        ingest(config, str(wider.parent), target)
+    message = str(caught.value)
+    assert str(wider) in message and storage.list_parquet(target)[0] in message
+    assert "['f_004']" in message and "f_003" not in message
+
+
+def test_ingest_of_the_same_bytes_twice_in_one_source_is_refused(dataset, tmp_path):
+    """Two source files with identical bytes would duplicate every key: refused naming both, nothing copied."""
+    import shutil
+
+    from tasks import storage
+    from tasks.data import ingest
+    from tasks.errors import DataError
+
+    config, target = dataset
+    before = storage.list_parquet(target)
+    first = _new_source(tmp_path / "new", num_files=1)[0]
+    twin = str(tmp_path / "new" / "part-00001.parquet")
+    shutil.copy(first, twin)
+    with pytest.raises(DataError) as caught:
+        ingest(config, str(tmp_path / "new"), target)
+    assert first in str(caught.value) and twin in str(caught.value)
+    assert storage.list_parquet(target) == before
+
+
+def test_ingest_skips_a_file_already_in_the_data_set_under_another_name(dataset, tmp_path):
+    """Re-ingesting one of the data set's own files (a copy under a new name) adds nothing: no duplicated rows."""
+    import shutil
+
+    from tasks import storage
+    from tasks.data import ingest
+
+    config, target = dataset
+    before = storage.list_parquet(target)
+    (tmp_path / "again").mkdir()
+    shutil.copy(before[1], tmp_path / "again" / "renamed.parquet")
+    result = ingest(config, str(tmp_path / "again"), target)
+    assert result["added"] == [] and result["already_present"] == [before[1]]
+    assert storage.list_parquet(target) == before
+
+
+def test_ingest_crashing_mid_copy_leaves_no_partial_file_and_the_retry_adds_the_rest_once(dataset, tmp_path, monkeypatch):
+    """A crash while copying the second file leaves only whole files visible; the retry adds exactly the source's files,
+    each once."""
+    import os
+
+    from tasks import storage
+    from tasks.data import ingest
+
+    config, target = dataset
+    before = storage.list_parquet(target)
+    sources = _new_source(tmp_path / "new", num_files=3)
+    real_replace = os.replace
+    calls = []
+
+    def power_cut_on_second(source, destination):
+        calls.append(destination)
+        if len(calls) == 2:
+            raise OSError("power cut before the rename")
+        return real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", power_cut_on_second)
+    with pytest.raises(OSError, match="power cut"):
+        ingest(config, str(tmp_path / "new"), target)
+    monkeypatch.undo()
+    visible = storage.list_parquet(target)
+    assert len(visible) == len(before) + 1, "only the first, whole copy is visible"
+    for uri in visible:
+        pq.read_metadata(uri)  # whole files only
+    retry = ingest(config, str(tmp_path / "new"), target)
+    assert len(retry["added"]) == 2 and len(retry["already_present"]) == 1
+    after = storage.list_parquet(target)
+    assert _content(sorted(set(after) - set(before))) == _content(sources)
+    assert not [name for name in os.listdir(target) if "partial" in name], "the failed attempt's partial copy was removed"

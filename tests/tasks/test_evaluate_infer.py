@@ -19,6 +19,7 @@ from tasks.errors import UserError
 from tasks.evaluate import evaluate
 from tasks.model import ModelSpec, build_model, load_bundle, save_bundle
 from tasks.preprocess import load_split, read_manifest
+from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
 from tests.conftest import base_config, preprocess_digits
 
 
@@ -267,6 +268,22 @@ def test_missing_model_column_names_the_file(trained, tmp_path):
     with pytest.raises(UserError) as caught:
         infer.score_shard(load_config(config_path), model_uri, shard, str(tmp_path / "narrow_run"))
     assert str(path) in str(caught.value) and "px_01" in str(caught.value)
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+def test_a_broken_input_file_is_a_data_error_naming_it(trained, tmp_path, kind):
+    """Planning or scoring an empty, non-Parquet, truncated or corrupt input file raises DataError naming the file."""
+    from tasks.errors import DataError
+
+    config_path, out, model_uri = trained
+    config = load_config(config_path)
+    good = storage.list_parquet(storage.resolve(config.storage_root, config.dataset.uri))[0]
+    path = str(write_bad_file(kind, tmp_path / "input" / "part-00000.parquet", Path(good).read_bytes()))
+    with pytest.raises(DataError) as caught:
+        # A file whose footer still reads plans fine; then scoring meets the broken pages.
+        for shard in infer.plan(path, rows_per_shard=100):
+            infer.score_shard(config, model_uri, shard, str(tmp_path / "broken_run"))
+    assert path in str(caught.value) and EXPECTED_WORDING[kind] in str(caught.value)
 
 
 def test_an_empty_input_file_commits_a_readable_shard(trained, tmp_path):

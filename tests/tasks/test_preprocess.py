@@ -13,7 +13,8 @@ from tasks import preprocess, storage
 from tasks.config import Split, load_config
 from tasks.data import write_synthetic
 from tasks.errors import DataError
-from tests.conftest import base_config
+from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
+from tests.conftest import REPO_ROOT, base_config
 
 NUM_FEATURES = 5
 SPLIT = Split(validation=0.15, test=0.2, salt="stagewise")
@@ -208,6 +209,239 @@ def test_rows_with_null_label_or_key_are_dropped_not_fatal(synthetic, storage_ro
     uri = _write_bad(storage_root, columns)
     result = preprocess.shard_stats(config, uri, 0, str(storage_root / "runs" / "t" / "dirt"))
     assert (result["rows_in"], result["rows_kept"]) == (20, 16)
+
+
+@pytest.mark.parametrize("num_features,difference", [(NUM_FEATURES - 1, "lacks feature column(s) ['f_004']"),
+                                                     (NUM_FEATURES + 1, "has extra feature column(s) ['f_005']")],
+                         ids=["missing", "extra"])
+def test_a_shard_with_a_missing_or_extra_prefixed_feature_names_the_column_and_both_files(
+        synthetic, storage_root, num_features, difference):
+    """With dataset.features 'f_*', a shard lacking one column or having one more fails naming only that column and
+    the two files (not two full column lists), in reduce and in transform."""
+    from tasks.data import synthetic_table
+
+    config, raw_uri = synthetic(num_rows=1_000, num_shards=2, dirty_fraction=0.0)
+    out = str(storage_root / "runs" / "t" / "columns")
+    shards = preprocess.plan(raw_uri)
+    reduced = _stats_and_reduce(config, shards, out)
+    odd = str(Path(raw_uri) / "part-00002.parquet")
+    pq.write_table(synthetic_table(50, num_features=num_features, first_key=90_000), odd)
+    with pytest.raises(DataError) as in_reduce:
+        _stats_and_reduce(config, preprocess.plan(raw_uri), out)
+    with pytest.raises(DataError) as in_transform:
+        preprocess.transform_shard(config, odd, 2, out, reduced["stats_uri"])
+    for caught in (in_reduce, in_transform):
+        message = str(caught.value)
+        assert message.startswith(f"{odd}: {difference} that {shards[0]}")
+        assert "f_001" not in message
+
+
+# --- duplicate keys ---------------------------------------------------------------------------------------------
+
+
+def _write_table(folder: Path, name: str, table: pa.Table) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, folder / name)
+    return str(folder / name)
+
+
+def test_the_same_keys_in_two_shards_fail_naming_the_key_and_both_files(synthetic, storage_root):
+    """Two shards sharing one key fail reduce with a DataError naming the key value and both files."""
+    from tasks.data import synthetic_table
+
+    config, raw_uri = synthetic(num_rows=3_000, num_shards=3, dirty_fraction=0.0)
+    clash = _write_table(Path(raw_uri), "part-00003.parquet", synthetic_table(500, num_features=NUM_FEATURES, first_key=2_999))
+    with pytest.raises(DataError) as caught:
+        _stats_and_reduce(config, preprocess.plan(raw_uri), str(storage_root / "runs" / "t" / "dup"))
+    message = str(caught.value)
+    assert "'row_id' value 2999 occurs in both" in message
+    assert str(Path(raw_uri) / "part-00002.parquet") in message and clash in message
+
+
+def test_a_copy_of_a_shard_under_another_name_fails(synthetic, storage_root):
+    """The same file twice in the data set (a copy under another name) is caught: every key is duplicated."""
+    import shutil
+
+    config, raw_uri = synthetic(num_rows=2_000, num_shards=2, dirty_fraction=0.0)
+    shutil.copy(Path(raw_uri) / "part-00001.parquet", Path(raw_uri) / "part-00001-copy.parquet")
+    with pytest.raises(DataError, match="occurs in both") as caught:
+        _stats_and_reduce(config, preprocess.plan(raw_uri), str(storage_root / "runs" / "t" / "copy"))
+    assert f"{raw_uri}/part-00001.parquet" in str(caught.value) and f"{raw_uri}/part-00001-copy.parquet" in str(caught.value)
+
+
+def test_the_same_shard_listed_twice_fails(synthetic, storage_root):
+    """One file listed as two shards, spelled the same or once as a file:// URI, is refused naming it."""
+    config, raw_uri = synthetic(num_rows=1_000, num_shards=1, dirty_fraction=0.0)
+    shard = preprocess.plan(raw_uri)[0]
+    for second in (shard, f"file://{shard}"):
+        with pytest.raises(DataError, match=r"is listed twice \(shards 0 and 1\)"):
+            _stats_and_reduce(config, [shard, second], str(storage_root / "runs" / "t" / "twice"))
+
+
+def test_a_key_repeated_inside_one_file_fails_naming_the_file(synthetic, storage_root):
+    """A string key that occurs twice in one file fails naming that file and the value."""
+    config, _ = synthetic(num_rows=100, num_shards=1, dataset={"uri": "raw/strings"})
+    columns = _good_columns()
+    columns["row_id"] = pa.array([f"user-{i:03d}" for i in range(19)] + ["user-007"])
+    uri = _write_table(storage_root / "raw" / "strings", "part-00000.parquet", pa.table(columns))
+    with pytest.raises(DataError) as caught:
+        _stats_and_reduce(config, preprocess.plan(uri), str(storage_root / "runs" / "t" / "in_file"))
+    assert str(caught.value).startswith(f"{uri}: dataset.key 'row_id' value 'user-007' occurs more than once in this file")
+
+
+def test_hash_collisions_are_confirmed_against_the_keys_not_reported(synthetic, storage_root, monkeypatch):
+    """With a deliberately coarse key hash (every key collides with hundreds of others) unique keys still pass and a
+    real duplicate among the collisions is the one reported: the check is exact, the hash only narrows it."""
+    from tasks.data import synthetic_table
+
+    monkeypatch.setattr(preprocess, "key_hashes", lambda keys: preprocess._key_bits(keys) % np.uint64(7))
+    config, raw_uri = synthetic(num_rows=3_000, num_shards=3, dirty_fraction=0.0)
+    out = str(storage_root / "runs" / "t" / "collide")
+    reduced = _stats_and_reduce(config, preprocess.plan(raw_uri), out)
+    assert reduced["rows_kept"] == 3_000
+    clash = _write_table(Path(raw_uri), "part-00003.parquet", synthetic_table(1, num_features=NUM_FEATURES, first_key=1_234))
+    with pytest.raises(DataError, match=f"value 1234 occurs in both .*part-00001.parquet and {clash}"):
+        _stats_and_reduce(config, preprocess.plan(raw_uri), out)
+
+
+@pytest.mark.parametrize("clash_key", [4_321, 17_777, 25_002])
+def test_a_colliding_hash_spread_over_many_merge_rounds_is_confirmed_as_one_group(synthetic, storage_root, monkeypatch,
+                                                                                  clash_key):
+    """With a 3-value key hash, tiny merge buffers and tiny candidate batches, each hash's matches span many merge
+    rounds; they are still confirmed together, so a duplicate whose two rows fall in different rounds is found."""
+    from tasks.data import synthetic_table
+
+    monkeypatch.setattr(preprocess, "key_hashes", lambda keys: preprocess._key_bits(keys) % np.uint64(3))
+    monkeypatch.setattr(preprocess, "MERGE_BUDGET_HASHES", 1)  # 1024-hash chunks
+    monkeypatch.setattr(preprocess, "MAX_CANDIDATES", 100)
+    config, raw_uri = synthetic(num_rows=30_000, num_shards=3, dirty_fraction=0.0)
+    clash = _write_table(Path(raw_uri), "part-00003.parquet",
+                         synthetic_table(1, num_features=NUM_FEATURES, first_key=clash_key))
+    with pytest.raises(DataError, match=f"value {clash_key} occurs in both .*part-0000{clash_key // 10_000}.parquet and {clash}"):
+        _stats_and_reduce(config, preprocess.plan(raw_uri), str(storage_root / "runs" / "t" / "rounds"))
+
+
+def test_the_bounded_merge_finds_exactly_the_repeated_hashes(tmp_path, monkeypatch):
+    """The k-way merge over sorted sidecars, in chunks far smaller than the data, reports exactly the hashes that occur
+    more than once overall (within one sidecar, across sidecars, across chunk boundaries) and the sidecars holding them."""
+    monkeypatch.setattr(preprocess, "MERGE_BUDGET_HASHES", 1)  # 1024-hash chunks: many rounds
+    monkeypatch.setattr(preprocess, "MAX_CANDIDATES", 500)  # several confirmation batches
+    rng = np.random.default_rng(4)
+    arrays = [np.sort(rng.integers(0, 40_000, size=size).astype(np.uint64)) for size in (5_000, 3_100, 0, 7_777)]
+    sidecars = []
+    for index, array in enumerate(arrays):
+        uri = str(tmp_path / f"keys-{index}.u64")
+        storage.write_bytes(uri, array.astype("<u8").tobytes())
+        sidecars.append(uri)
+    found = list(preprocess._repeated_hashes(sidecars))
+    assert len(found) > 1, "the candidate cap splits the work into batches"
+    pairs = {(int(h), int(o)) for hashes, owners in found for h, o in zip(hashes, owners)}
+    everything = np.concatenate(arrays)
+    owner = np.concatenate([np.full(len(a), i) for i, a in enumerate(arrays)])
+    values, counts = np.unique(everything, return_counts=True)
+    repeated = set(values[counts > 1].tolist())
+    assert {h for h, _ in pairs} == repeated
+    assert pairs == {(int(h), int(o)) for h, o in zip(everything, owner) if int(h) in repeated}
+
+
+def test_a_retried_shard_leaves_no_stale_key_hashes_that_count_twice(synthetic, storage_root):
+    """Running a shard's stats twice (a retry) uses only the hashes its stats name: no false duplicate, and the
+    commit deletes the earlier attempt's hash file."""
+    config, raw_uri = synthetic(num_rows=2_000, num_shards=2, dirty_fraction=0.0)
+    out = str(storage_root / "runs" / "t" / "retry_keys")
+    shards = preprocess.plan(raw_uri)
+    preprocess.shard_stats(config, shards[0], 0, out)  # the first attempt, later retried
+    manifest, _ = _run_all(config, raw_uri, out)
+    assert sum(manifest["rows"].values()) == 2_000
+    left = sorted(p.name for p in (Path(out) / "preprocess" / "stats").glob("*.u64"))
+    named = sorted(Path(storage.read_json(str(Path(out) / "preprocess" / "stats" / f"shard-{i:05d}.json"))["key_hashes_uri"]).name
+                   for i in range(2))
+    assert left == named
+
+
+def test_an_input_of_only_empty_files_says_it_has_no_rows(synthetic, storage_root):
+    """Only 0-row files: the error says the input has no rows and names the files (not that rows were dirty)."""
+    config, _ = synthetic(num_rows=100, num_shards=1, dataset={"uri": "raw/empty"})
+    empty = pa.table(_good_columns()).slice(0, 0)
+    uris = [_write_table(storage_root / "raw" / "empty", f"part-{i:05d}.parquet", empty) for i in range(2)]
+    with pytest.raises(DataError) as caught:
+        _stats_and_reduce(config, uris, str(storage_root / "runs" / "t" / "empty"))
+    message = str(caught.value)
+    assert "has no rows" in message and "dirty" not in message
+    assert all(uri in message for uri in uris)
+
+
+def test_standalone_reduce_refuses_when_a_planned_shard_has_no_stats(synthetic, storage_root, subprocess_env):
+    """`python -m tasks.preprocess reduce` with one planned shard's stats missing exits USER_ERROR_EXIT naming that
+    shard, and writes no stats.json (a failed shard is never silently left out)."""
+    import subprocess
+    import sys
+
+    from tasks.errors import USER_ERROR_EXIT
+
+    config, raw_uri = synthetic(num_rows=3_000, num_shards=3, dirty_fraction=0.0)
+    out = storage_root / "runs" / "t" / "partial"
+    shards = preprocess.plan(raw_uri)
+    for index in (0, 2):
+        preprocess.shard_stats(config, shards[index], index, str(out))
+    completed = subprocess.run([sys.executable, "-m", "tasks.preprocess", "reduce", "--config",
+                                str(storage_root.parent / "pipeline.yaml"), "--out", "runs/t/partial"],
+                               cwd=REPO_ROOT, env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == USER_ERROR_EXIT, completed.stdout[-2000:] + completed.stderr[-2000:]
+    assert f"no statistics for planned shard(s) 1 ({shards[1]})" in completed.stdout
+    assert not (out / "preprocess" / "stats.json").exists()
+
+
+def test_planned_stats_refuses_stats_of_another_file(synthetic, storage_root):
+    """Stats left at a shard's index by another input (a stale file) are refused naming both files."""
+    config, raw_uri = synthetic(num_rows=2_000, num_shards=2, dirty_fraction=0.0)
+    out = str(storage_root / "runs" / "t" / "stale")
+    shards = preprocess.plan(raw_uri)
+    preprocess.shard_stats(config, shards[0], 0, out)
+    preprocess.shard_stats(config, shards[0], 1, out)  # index 1 computed for the wrong file
+    with pytest.raises(DataError, match=f"statistics of {shards[0]}, but planned shard 1 is {shards[1]}"):
+        preprocess.planned_stats(out, shards)
+    preprocess.shard_stats(config, shards[1], 1, out)
+    assert len(preprocess.planned_stats(out, shards)) == 2
+
+
+# --- broken files -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+def test_a_broken_shard_fails_stats_and_transform_naming_the_file(synthetic, storage_root, kind):
+    """An empty, non-Parquet, truncated or corrupt raw shard is a DataError (no retry) naming the file and what is
+    wrong with it, in both the stats pass and the transform pass."""
+    config, raw_uri = synthetic(num_rows=2_000, num_shards=2, dirty_fraction=0.0)
+    out = str(storage_root / "runs" / "t" / "broken")
+    shards = preprocess.plan(raw_uri)
+    reduced = _stats_and_reduce(config, shards, out)
+    bad = str(write_bad_file(kind, Path(raw_uri) / "part-99999.parquet", Path(shards[0]).read_bytes()))
+    for step in (lambda: preprocess.shard_stats(config, bad, 2, out),
+                 lambda: preprocess.transform_shard(config, bad, 2, out, reduced["stats_uri"])):
+        with pytest.raises(DataError) as caught:
+            step()
+        assert bad in str(caught.value) and EXPECTED_WORDING[kind] in str(caught.value)
+
+
+def test_stats_cli_on_a_corrupt_shard_exits_as_user_error_naming_the_file(synthetic, storage_root, subprocess_env):
+    """`python -m tasks.preprocess stats` on a truncated shard exits USER_ERROR_EXIT (Airflow does not retry) and
+    its log names the file."""
+    import subprocess
+    import sys
+
+    from tasks.errors import USER_ERROR_EXIT
+
+    config, raw_uri = synthetic(num_rows=1_000, num_shards=1, dirty_fraction=0.0)
+    shard = preprocess.plan(raw_uri)[0]
+    bad = str(write_bad_file("truncated", Path(raw_uri) / "part-00001.parquet", Path(shard).read_bytes()))
+    config_path = storage_root.parent / "pipeline.yaml"
+    completed = subprocess.run([sys.executable, "-m", "tasks.preprocess", "stats", "--config", str(config_path),
+                                "--shard", bad, "--index", "1", "--out", "runs/t/cli"],
+                               cwd=REPO_ROOT, env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == USER_ERROR_EXIT, completed.stdout[-2000:] + completed.stderr[-2000:]
+    assert f"{bad}: has no Parquet footer" in completed.stdout
+    assert "is truncated" in completed.stdout
 
 
 # --- end to end -------------------------------------------------------------------------------------------------

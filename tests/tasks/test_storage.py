@@ -11,6 +11,7 @@ import pytest
 
 from tasks import storage
 from tasks.errors import DataError
+from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
 
 
 def _crash_on_replace(monkeypatch) -> None:
@@ -185,3 +186,105 @@ def test_remove_unlisted_matches_file_uris_against_paths(tmp_path):
 def test_remove_unlisted_on_a_missing_prefix_is_a_no_op(tmp_path):
     """Nothing to clean when the folder was never written."""
     assert storage.remove_unlisted(str(tmp_path / "never"), set()) == 0
+
+
+# --- broken Parquet files are the user's data error; I/O faults stay retryable ------------------------------------
+
+
+@pytest.fixture
+def good_parquet_bytes(tmp_path) -> bytes:
+    """The bytes of a small valid Parquet file with two row groups."""
+    path = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"row_id": list(range(400)), "value": [float(i) for i in range(400)]}), path, row_group_size=200)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+def test_a_broken_parquet_file_is_a_data_error_naming_it(tmp_path, good_parquet_bytes, kind):
+    """Opening and reading an empty, non-Parquet, truncated or corrupt file raises DataError naming the file and
+    saying what is wrong with it, on one line (not pyarrow's bare ArrowInvalid/OSError, which Airflow would retry)."""
+    path = write_bad_file(kind, tmp_path / "raw" / f"part-{kind}.parquet", good_parquet_bytes)
+    with pytest.raises(DataError) as caught:
+        with storage.open_parquet(str(path)) as parquet:
+            for _ in storage.iter_batches(parquet, ["row_id", "value"], 100, uri=str(path)):
+                pass
+    assert str(path) in str(caught.value)
+    assert EXPECTED_WORDING[kind] in str(caught.value)
+    assert "\n" not in str(caught.value), "one line in the task log"
+
+
+def test_read_schema_of_a_broken_file_names_it(tmp_path, good_parquet_bytes):
+    """read_schema (the footer only) fails on a truncated file with a DataError naming it."""
+    path = write_bad_file("truncated", tmp_path / "part-00000.parquet", good_parquet_bytes)
+    with pytest.raises(DataError, match=re.escape(str(path))):
+        storage.read_schema(str(path))
+
+
+class _DroppingHandle:
+    """A readable file whose reads fail with ``fault`` after ``good_reads`` reads: a connection lost mid-file."""
+
+    def __init__(self, data: bytes, fault: OSError, good_reads: int) -> None:
+        import io
+
+        self._data, self._fault, self._left = io.BytesIO(data), fault, good_reads
+        self.closed = False
+
+    def read(self, size: int = -1) -> bytes:
+        if self._left <= 0:
+            raise self._fault
+        self._left -= 1
+        return self._data.read(size)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._data.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._data.tell()
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("fault", [ConnectionResetError(104, "Connection reset by peer"),
+                                   OSError("An error occurred (SlowDown) when calling the GetObject operation"),
+                                   OSError("Read timeout on endpoint URL")], ids=["reset", "slow-down", "timeout"])
+@pytest.mark.parametrize("good_reads", [0, 2], ids=["at-open", "mid-file"])
+def test_an_io_fault_while_reading_parquet_is_not_a_data_error(good_parquet_bytes, fault, good_reads):
+    """A connection fault while pyarrow reads passes through unchanged (retryable), at open or in the second row group."""
+    handle = _DroppingHandle(good_parquet_bytes, fault, good_reads)
+    with pytest.raises(OSError) as caught:
+        with storage.reading_parquet("s3://bucket/raw/part-00000.parquet"):
+            parquet = pq.ParquetFile(handle)
+            for index in range(parquet.num_row_groups):
+                parquet.read_row_group(index)
+    assert caught.value is fault
+    assert not isinstance(caught.value, DataError)
+
+
+# --- copy_atomic ----------------------------------------------------------------------------------------------------
+
+
+def test_copy_atomic_copies_the_bytes_and_leaves_no_partial(tmp_path):
+    """A streamed copy holds exactly the source's bytes and leaves no '.partial' file beside it."""
+    source = tmp_path / "src.parquet"
+    source.write_bytes(os.urandom(3 * 1024 + 17))
+    destination = tmp_path / "data" / "copy.parquet"
+    storage.copy_atomic(str(source), str(destination))
+    assert destination.read_bytes() == source.read_bytes()
+    assert [p.name for p in destination.parent.iterdir()] == ["copy.parquet"]
+
+
+def test_copy_atomic_publishes_nothing_when_the_source_changed(tmp_path):
+    """When the bytes read differ from the checked digest (the source changed since), nothing appears at the target."""
+    source = tmp_path / "src.parquet"
+    source.write_bytes(b"changed since it was checked")
+    destination = tmp_path / "data" / "copy.parquet"
+    with pytest.raises(RuntimeError, match="changed while it was being copied"):
+        storage.copy_atomic(str(source), str(destination), expected_sha256="0" * 64)
+    assert list(destination.parent.iterdir()) == []

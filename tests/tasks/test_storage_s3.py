@@ -101,7 +101,7 @@ def test_preprocess_through_faults_commits_what_a_clean_local_run_commits(faulty
 
 def test_an_outage_beyond_the_retries_fails_as_retryable_and_the_retry_commits(faulty_s3, tmp_path, subprocess_env):
     """With S3 down past its retries the sub-job exits 1 (Airflow retries it), not 3 (user error), and writes
-    nothing; once S3 is back, the same command (the retry) writes the shard's statistics."""
+    nothing; once S3 is back, the same command (the retry) writes the shard's statistics and the key hashes they name."""
     from tasks.data import write_digits
 
     proxy, bucket = faulty_s3(FaultPlan())
@@ -124,5 +124,121 @@ def test_an_outage_beyond_the_retries_fails_as_retryable_and_the_retry_commits(f
     up = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
     fs, path = storage.filesystem(stats_prefix)
-    written = [p for p in fs.find(path) if not p.endswith("/")]
-    assert len(written) == 1 and written[0].endswith(".json"), written
+    written = sorted(p for p in fs.find(path) if not p.endswith("/"))
+    assert len(written) == 2 and written[0].endswith(".u64") and written[1].endswith("shard-00000.json"), written
+    assert storage.read_json(fs.unstrip_protocol(written[1]))["key_hashes_uri"] == fs.unstrip_protocol(written[0])
+
+
+@pytest.fixture
+def s3_env(s3_endpoint, monkeypatch):
+    """The AWS environment of the plain (fault-free) S3 endpoint, with a fresh s3fs client and bucket check."""
+    import s3fs
+
+    for key, value in s3_endpoint.items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    storage._check_bucket.cache_clear()
+    yield s3_endpoint
+    s3fs.S3FileSystem.clear_instance_cache()
+    storage._check_bucket.cache_clear()
+
+
+def test_a_missing_bucket_is_a_user_error_naming_the_setting_and_the_bucket(s3_env):
+    """A storage_root whose bucket does not exist fails with a UserError naming storage_root, the URI and the bucket;
+    listing input in a missing bucket says the bucket is missing; an existing bucket passes."""
+    bucket = f"missing-{uuid.uuid4().hex[:10]}"
+    with pytest.raises(UserError) as caught:
+        storage.require_bucket(f"s3://{bucket}/root", "storage_root")
+    assert str(caught.value).startswith(f"storage_root s3://{bucket}/root: S3 bucket '{bucket}' does not exist")
+    with pytest.raises(UserError, match=f"S3 bucket '{bucket}' does not exist"):
+        storage.list_parquet(f"s3://{bucket}/raw/digits")
+    existing = f"present-{uuid.uuid4().hex[:10]}"
+    storage.filesystem(f"s3://{existing}")[0].mkdir(existing)
+    storage.require_bucket(f"s3://{existing}/root", "storage_root")
+
+
+def test_an_unreachable_endpoint_is_not_a_missing_bucket(s3_env, monkeypatch):
+    """With S3 unreachable (connection refused) the bucket check raises a retryable fault, never a UserError."""
+    import socket
+
+    import s3fs
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed_port = sock.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    s3fs.S3FileSystem.clear_instance_cache()
+    with pytest.raises(Exception) as caught:
+        storage.require_bucket("s3://any-bucket/root", "storage_root")
+    assert not isinstance(caught.value, UserError), caught.value
+
+
+def test_preprocess_cli_with_a_missing_bucket_exits_as_user_error_naming_storage_root(s3_env, tmp_path, subprocess_env):
+    """`python -m tasks.preprocess plan` with storage_root in a bucket that does not exist exits USER_ERROR_EXIT and
+    names storage_root and the bucket (not NoCredentialsError or a bare NoSuchBucket)."""
+    from tasks.errors import USER_ERROR_EXIT
+
+    bucket = f"missing-{uuid.uuid4().hex[:10]}"
+    config_path = tmp_path / "pipeline.yaml"
+    config_path.write_text(json.dumps({**base_config(tmp_path), "storage_root": f"s3://{bucket}/root"}))
+    env = {**subprocess_env, **s3_env, "AWS_MAX_ATTEMPTS": "2"}
+    completed = subprocess.run([sys.executable, "-m", "tasks.preprocess", "plan", "--config", str(config_path)],
+                               cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == USER_ERROR_EXIT, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert f"storage_root s3://{bucket}/root: S3 bucket '{bucket}' does not exist" in completed.stdout
+
+
+def test_a_broken_raw_shard_on_s3_is_a_data_error_naming_it(s3_env, tmp_path):
+    """A truncated Parquet object on S3 fails the stats step with a DataError naming its s3:// URI."""
+    from tasks import preprocess
+    from tasks.config import load_config
+    from tasks.errors import DataError
+    from tests.bad_parquet import write_bad_file
+
+    bucket = f"broken-{uuid.uuid4().hex[:10]}"
+    fs, _ = storage.filesystem(f"s3://{bucket}")
+    fs.mkdir(bucket)
+    good = tmp_path / "good.parquet"
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"row_id": list(range(50)), "label": [i % 10 for i in range(50)],
+                             **{f"px_{i:02d}": [0.5] * 50 for i in range(64)}}), good)
+    bad_local = write_bad_file("truncated", tmp_path / "bad.parquet", good.read_bytes())
+    shard = f"s3://{bucket}/raw/digits/part-00000.parquet"
+    fs.put_file(str(bad_local), shard)
+    config_path = tmp_path / "pipeline.yaml"
+    config_path.write_text(json.dumps({**base_config(tmp_path), "storage_root": f"s3://{bucket}/root"}))
+    with pytest.raises(DataError, match=f"{shard}: has no Parquet footer.*truncated"):
+        preprocess.shard_stats(load_config(config_path), shard, 0, f"s3://{bucket}/root/runs/t/r1")
+
+
+def test_ingest_onto_s3_adds_each_file_once_and_leaves_no_partial_object(s3_env, tmp_path):
+    """Ingest from local files into an s3:// data set: every source file lands whole under its content name, no
+    '.partial' object stays behind, and a second run (a retry) adds nothing."""
+    import pyarrow.parquet as pq
+
+    from tasks.config import load_config
+    from tasks.data import ingest, synthetic_table, write_synthetic
+
+    bucket = f"ingest-{uuid.uuid4().hex[:10]}"
+    fs, _ = storage.filesystem(f"s3://{bucket}")
+    fs.mkdir(bucket)
+    target = f"s3://{bucket}/root/raw/synth"
+    write_synthetic(target, 400, num_features=4, num_shards=2, dirty_fraction=0.0)
+    source = tmp_path / "new"
+    source.mkdir()
+    for index in range(2):
+        pq.write_table(synthetic_table(50, num_features=4, seed=index, first_key=10_000 + 50 * index), source / f"p{index}.parquet")
+    raw = {**base_config(tmp_path), "storage_root": f"s3://{bucket}/root"}
+    raw["dataset"] = {"uri": "raw/synth", "key": "row_id", "label": "label", "features": "f_*", "num_classes": 10}
+    config_path = tmp_path / "pipeline.yaml"
+    config_path.write_text(json.dumps(raw))
+    config = load_config(config_path)
+    first = ingest(config, str(source), target)
+    assert len(first["added"]) == 2 and first["rows"] == 100
+    for uri in first["added"]:
+        assert fs.cat_file(fs._strip_protocol(uri)) in {(source / f"p{i}.parquet").read_bytes() for i in range(2)}
+    assert not [key for key in fs.find(f"{bucket}/root") if "partial" in key]
+    again = ingest(config, str(source), target)
+    assert again["added"] == [] and len(storage.list_parquet(target)) == 4
