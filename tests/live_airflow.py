@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ipaddress
 import json
 import os
 import secrets
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import httpx
 import pytest
@@ -52,6 +53,65 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(int(target[8:-1]))
+    except OSError:  # the process ended meanwhile
+        pass
+    return inodes
+
+
+def _proc_net_address(hex_address: str) -> str:
+    """``0100007F:1F90`` (or its IPv6 form) from /proc/net/tcp{,6} as ``127.0.0.1:8080`` / ``[::1]:8080``."""
+    host, port = hex_address.split(":")
+    # The kernel prints each 32-bit word of the address in host (little-endian) byte order.
+    raw = b"".join(bytes.fromhex(host[i:i + 8])[::-1] for i in range(0, len(host), 8))
+    address = ipaddress.ip_address(raw)
+    return f"{address}:{int(port, 16)}" if address.version == 4 else f"[{address}]:{int(port, 16)}"
+
+
+def listening_sockets(pids: Iterable[int]) -> list[str]:
+    """Every TCP socket in LISTEN state owned by one of ``pids``, as ``host:port`` (read from /proc, no ``ss``)."""
+    inodes: set[int] = set()
+    for pid in pids:
+        inodes |= _socket_inodes(pid)
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as handle:
+            for line in list(handle)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[9]) in inodes:  # 0A: TCP_LISTEN
+                    found.append(_proc_net_address(fields[1]))
+    return found
+
+
+def is_loopback(host_port: str) -> bool:
+    """Whether a ``host:port`` from :func:`listening_sockets` is on 127.0.0.0/8 or ::1 (not 0.0.0.0 or ::)."""
+    return ipaddress.ip_address(host_port.rsplit(":", 1)[0].strip("[]")).is_loopback
+
+
+def process_tree(root_pid: int) -> list[int]:
+    """``root_pid`` and every live descendant (torchrun starts each rank in a session of its own, so no group will do)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if fields[0] != "Z":
+                    children.setdefault(int(fields[1]), []).append(int(entry.name))
+    tree, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
 
 
 class LiveAirflowError(AssertionError):

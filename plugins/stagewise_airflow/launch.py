@@ -40,10 +40,13 @@ def _die_with_parent() -> None:
 
 
 def command(module: str, args: list[str], profile: Profile, distributed: bool, script: str | None = None) -> list[str]:
-    """The argv: torchrun for a distributed sub-job, else python; ``script`` (a file) replaces ``-m module``."""
+    """The argv: torchrun for a distributed sub-job, else python; ``script`` (a file) replaces ``-m module``.
+
+    torchrun runs through tasks.local_torchrun, which keeps its rendezvous store on 127.0.0.1.
+    """
     entry = [script] if script else ["-m", module]
     if distributed:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        return [sys.executable, "-m", "tasks.local_torchrun",
                 f"--nproc-per-node={profile.processes_per_node}", f"--max-restarts={profile.max_restarts}",
                 *entry, *args]
     return [sys.executable, *entry, *args]

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from stagewise_airflow import launch
 from tasks.config import Profile
+from tests.live_airflow import is_loopback, listening_sockets, process_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,9 +40,9 @@ def test_crash_is_retryable():
 
 
 def test_torchrun_command_follows_the_profile():
-    """A distributed sub-job runs under torchrun with the profile's process count and restarts."""
+    """A distributed sub-job runs under the loopback torchrun with the profile's process count and restarts."""
     argv = launch.command("tasks.train", ["--stage", "s2"], Profile(processes_per_node=2, max_restarts=1), distributed=True)
-    assert argv[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert argv[1:3] == ["-m", "tasks.local_torchrun"]
     assert "--nproc-per-node=2" in argv and "--max-restarts=1" in argv
     assert argv[-3:] == ["tasks.train", "--stage", "s2"]
 
@@ -118,3 +120,37 @@ def test_task_timeout_ends_the_whole_process_group(tmp_path):
     while _alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(grandchild), "the sub-job's child outlived the timed-out task"
+
+
+def test_torchrun_job_listens_on_loopback_only(tmp_path):
+    """Every socket a 2-rank torchrun job listens on (agent store, ranks, gloo) is on loopback, none on */0.0.0.0/::."""
+    ready, release = tmp_path / "ready", tmp_path / "release"
+    outcome: dict = {}
+
+    def launch_job() -> None:
+        try:
+            outcome["result"] = launch.run("probe", [str(ready), str(release)], Profile(processes_per_node=2),
+                                           distributed=True, script=str(REPO_ROOT / "tests/plugins/rendezvous_probe.py"))
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            outcome["error"] = exc
+
+    job = threading.Thread(target=launch_job)
+    job.start()
+    seen: set[str] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while job.is_alive() and time.monotonic() < deadline and not ready.exists():
+            time.sleep(0.05)
+        assert ready.exists(), f"the job never got its process group up: {outcome}"
+        agent, total = map(int, ready.read_text().split())
+        assert total == 2, "both ranks took part in the all_reduce"
+        # The rendezvous is over and the group is up: whatever listens now listens for the whole job.
+        for _ in range(10):
+            seen.update(listening_sockets(process_tree(agent)))
+            time.sleep(0.1)
+    finally:
+        release.touch()
+        job.join(timeout=120)
+    assert "error" not in outcome, outcome
+    assert seen, "the agent's rendezvous store must show up as a listener (else this test checks nothing)"
+    assert all(is_loopback(address) for address in seen), f"listening beyond loopback: {sorted(seen)}"
