@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -85,6 +86,60 @@ def terminate(process: subprocess.Popen) -> None:
 
 RESULT_FILE_ENV = "STAGEWISE_RESULT_FILE"
 
+_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR,
+           "CRITICAL": logging.CRITICAL}
+_GLOG_LEVELS = {"D": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
+# tasks.cli.setup_logging's "%(asctime)s %(levelname)s %(name)s: %(message)s" (timestamp optional).
+_RECORD = re.compile(r"^(?:\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[,.]\d+)? )?"
+                     r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) (\S+?): ?(.*)$")
+# Python's logging.basicConfig() default, "LEVEL:name:message".
+_BASIC_RECORD = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL):([^:\s]*):(.*)$")
+# torch's C++ and torchelastic lines: "W1123 11:15:01.919000 17897 path/api.py:1002] message" (C++ in brackets).
+_GLOG_RECORD = re.compile(r"^\[?([DIWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +(?:\d+ +)?[^\]\s]+\] ?(.*)$")
+# warnings.warn on stderr: "/path/file.py:8: UserWarning: text", then the indented source line.
+_PY_WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")
+_TRACEBACK_START = "Traceback (most recent call last):"
+
+
+def _short_logger(name: str) -> str:
+    """``stagewise.train`` -> ``train``; the root logger and ``__main__`` add nothing to a line."""
+    short = name.removeprefix("stagewise.")
+    return "" if short in ("root", "__main__", "stagewise") else short
+
+
+class SubjobLines:
+    """Turns a sub-job's output lines into (level, text) for the task log, one line at a time.
+
+    Records of the child's logging keep their level and lose their timestamp and level prefix
+    (the task log adds its own); the logger name stays once, short. torch's own ``W…]``/``E…]``
+    lines and Python warnings keep their level; a traceback is an error until the next record.
+    Anything else (a user's print) is INFO.
+    """
+
+    def __init__(self) -> None:
+        self._block_level: int | None = None  # the level a traceback or warning's following lines inherit
+
+    def classify(self, line: str) -> tuple[int, str]:
+        if match := _RECORD.match(line) or _BASIC_RECORD.match(line):
+            self._block_level = None
+            level, name, message = _LEVELS[match.group(1)], _short_logger(match.group(2)), match.group(3)
+            return level, f"{name}: {message}" if name else message
+        if match := _GLOG_RECORD.match(line):
+            self._block_level = None
+            return _GLOG_LEVELS[match.group(1)], f"torch: {match.group(2)}"
+        if line.startswith(_TRACEBACK_START):
+            self._block_level = logging.ERROR
+            return logging.ERROR, line
+        if _PY_WARNING.match(line):
+            self._block_level = logging.WARNING
+            return logging.WARNING, line
+        if self._block_level == logging.ERROR:
+            return logging.ERROR, line  # frames, the exception line and torchrun's failure summary
+        if self._block_level == logging.WARNING and line[:1].isspace():
+            return logging.WARNING, line  # the warning's source line
+        self._block_level = None
+        return logging.INFO, line
+
 
 def visible_gpus() -> int:
     """GPUs this worker may use, without touching CUDA in the Airflow process (its task runner forks)."""
@@ -151,8 +206,10 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
         previous = None
     try:
         assert process.stdout is not None
+        lines = SubjobLines()
         for line in process.stdout:
-            log.info("%s", line.rstrip())
+            level, text = lines.classify(line.rstrip())
+            log.log(level, "%s", text)
         code = process.wait()
     finally:
         terminate(process)

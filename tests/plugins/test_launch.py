@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -154,3 +155,73 @@ def test_torchrun_job_listens_on_loopback_only(tmp_path):
     assert "error" not in outcome, outcome
     assert seen, "the agent's rendezvous store must show up as a listener (else this test checks nothing)"
     assert all(is_loopback(address) for address in seen), f"listening beyond loopback: {sorted(seen)}"
+
+
+# Lines as a sub-job under torchrun really prints them (captured from tasks.local_torchrun, one rank raising).
+_TORCHRUN_CRASH = [
+    "2026-11-23 11:15:01,838 INFO stagewise.train: epoch 1/3 step 10 lr 0.05 loss 1.2 ETA 0:01:00",
+    "2026-11-23 11:15:01,838 WARNING stagewise.train: loss is rising",
+    "/tmp/lx/crash.py:8: UserWarning: a user warning",
+    '  warnings.warn("a user warning")',
+    "plain print line",
+    "Traceback (most recent call last):",
+    '  File "/tmp/lx/crash.py", line 11, in <module>',
+    '    raise ValueError("boom on rank 1")',
+    "ValueError: boom on rank 1",
+    "E1123 11:15:01.919000 17897 /venv/site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] "
+    "failed (exitcode: 1) local_rank: 1 (pid: 17904) of binary: /venv/bin/python",
+    "Traceback (most recent call last):",
+    '  File "/venv/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent',
+    "    raise ChildFailedError(",
+    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+    "============================================================",
+    "/tmp/lx/crash.py FAILED",
+    "2026-11-23 11:15:02,001 INFO stagewise.train: a record after the crash summary",
+]
+
+
+def test_subjob_lines_keep_their_level_and_lose_the_duplicate_prefix():
+    """Each sub-job line gets the level it was written at; records lose timestamp/level and keep a short logger name."""
+    lines = launch.SubjobLines()
+    got = [lines.classify(line) for line in _TORCHRUN_CRASH]
+    info, warning, error = logging.INFO, logging.WARNING, logging.ERROR
+    assert got[0] == (info, "train: epoch 1/3 step 10 lr 0.05 loss 1.2 ETA 0:01:00")
+    assert got[1] == (warning, "train: loss is rising")
+    assert [level for level, _ in got[2:4]] == [warning, warning], "a Python warning and its source line"
+    assert got[4] == (info, "plain print line"), "a plain print stays INFO"
+    assert [level for level, _ in got[5:9]] == [error] * 4, "the rank's traceback, frames and exception line"
+    assert got[9] == (error, "torch: failed (exitcode: 1) local_rank: 1 (pid: 17904) of binary: /venv/bin/python")
+    assert [level for level, _ in got[10:16]] == [error] * 6, "torchrun's own traceback and failure summary"
+    assert got[16] == (info, "train: a record after the crash summary"), "a new record ends the traceback"
+
+
+@pytest.mark.parametrize(("line", "expected"), [
+    ("INFO stagewise.sweep: trial 3 pruned", (logging.INFO, "sweep: trial 3 pruned")),
+    ("2026-11-23 11:15:01,838 ERROR stagewise: train failed on bad input, not retrying: x.parquet: column 'y'",
+     (logging.ERROR, "train failed on bad input, not retrying: x.parquet: column 'y'")),
+    ("WARNING:my_module:disk almost full", (logging.WARNING, "my_module: disk almost full")),
+    ("WARNING:root:no GPU, using CPU", (logging.WARNING, "no GPU, using CPU")),
+    ("2026-11-23 11:15:01,838 CRITICAL optuna.study: study lost", (logging.CRITICAL, "optuna.study: study lost")),
+    ("[W1123 11:15:01.919000000 socket.cpp:204] [c10d] hostname not resolved",
+     (logging.WARNING, "torch: [c10d] hostname not resolved")),
+    ("I1123 11:15:01.919000 17897 torch/distributed/run.py:766] Using nproc_per_node=2.",
+     (logging.INFO, "torch: Using nproc_per_node=2.")),
+    ("step 10/100 loss=0.5 100% done", (logging.INFO, "step 10/100 loss=0.5 100% done")),
+    ("ERRORS: 0 (a user's print that only looks like a level)", (logging.INFO, "ERRORS: 0 (a user's print that only looks like a level)")),
+])
+def test_one_line_maps_to_its_level(line, expected):
+    """Our record format, logging's default format, torch's glog lines and plain prints each map to the right level."""
+    assert launch.SubjobLines().classify(line) == expected
+
+
+def test_subjob_warning_reaches_the_task_log_as_a_warning(caplog):
+    """End to end: a real sub-job's WARNING/ERROR records become warning/error records of the launcher's logger,
+    without a second timestamp or level; its plain prints stay INFO."""
+    caplog.set_level(logging.INFO, logger="stagewise.launch")
+    launch.run("tests.plugins.fake_subjob", ["noisy"], Profile())
+    records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "stagewise.launch"]
+    assert (logging.WARNING, "train: validation loss rose two epochs in a row") in records, records
+    assert (logging.ERROR, "train: checkpoint upload failed, retrying") in records, records
+    assert (logging.INFO, "train: epoch 1/3 step 10 lr 0.05 loss 1.2 ETA 0:00:42") in records, records
+    assert (logging.INFO, "a plain line from a user's print") in records, records
+    assert not [m for _, m in records if " INFO " in m or " WARNING " in m], "no level prefix left in a message"
