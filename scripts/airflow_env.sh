@@ -16,4 +16,6 @@ export AIRFLOW__API__PORT="${AIRFLOW__API__PORT:-8080}"
 export AIRFLOW__API__BASE_URL="${AIRFLOW__API__BASE_URL:-http://127.0.0.1:$AIRFLOW__API__PORT}"
 export AIRFLOW__CORE__EXECUTION_API_SERVER_URL="${AIRFLOW__CORE__EXECUTION_API_SERVER_URL:-$AIRFLOW__API__BASE_URL/execution/}"
 export AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT="${AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT:-8793}"
+# One machine: tasks record 127.0.0.1 as their host, so the UI reads running logs from the loopback log server.
+export AIRFLOW__CORE__HOSTNAME_CALLABLE="${AIRFLOW__CORE__HOSTNAME_CALLABLE:-stagewise_airflow.log_server.loopback_hostname}"
 mkdir -p "$AIRFLOW_HOME"

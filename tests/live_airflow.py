@@ -188,6 +188,9 @@ class LiveAirflow:
         })
         if self.plugins_folder:
             env["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(self.plugins_folder)
+        # As `make up`: tasks record 127.0.0.1, where our log server serves their running logs.
+        env["AIRFLOW__CORE__HOSTNAME_CALLABLE"] = "stagewise_airflow.log_server.loopback_hostname"
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*env["PYTHONPATH"].split(os.pathsep), str(REPO_ROOT / "plugins")]))
         env.update(extra)
         return env
 
@@ -225,6 +228,8 @@ class LiveAirflow:
         self._spawn("api-server", "api-server", "-H", "127.0.0.1", "-p", str(self.port), "-w", "1")
         self._spawn("scheduler", "scheduler", "--skip-serve-logs")
         self._spawn("dag-processor", "dag-processor")
+        # The scheduler's own log server binds every interface; this one serves the same app on 127.0.0.1.
+        self._spawn("log-server", "-m", "stagewise_airflow.log_server", argv0=[sys.executable])
         self._wait_healthy()
         self._client = httpx.Client(base_url=self.base_url, timeout=30.0, trust_env=False,
                                     headers={"Authorization": f"Bearer {self._token()}"})
@@ -246,11 +251,13 @@ class LiveAirflow:
         """Start a new scheduler after :meth:`kill` (its log continues in scheduler.log)."""
         self._spawn("scheduler", "scheduler", "--skip-serve-logs", mode="a")
 
-    def _spawn(self, name: str, *args: str, mode: str = "w", extra_env: dict[str, str] | None = None) -> None:
+    def _spawn(self, name: str, *args: str, mode: str = "w", extra_env: dict[str, str] | None = None,
+               argv0: list[str] | None = None) -> None:
+        """Start ``airflow ARGS`` (or ``argv0 ARGS``) as component ``name``, logging to ``<tmp>/logs/<name>.log``."""
         handle = open(self.log_dir / f"{name}.log", mode)
         self._log_handles.append(handle)
         self.processes[name] = subprocess.Popen(
-            [*self._airflow(), *args], env={**self.env, **(extra_env or {})}, cwd=self.tmp_dir, stdin=subprocess.DEVNULL,
+            [*(argv0 or self._airflow()), *args], env={**self.env, **(extra_env or {})}, cwd=self.tmp_dir, stdin=subprocess.DEVNULL,
             stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
         self._groups.append(self.processes[name].pid)
 
@@ -373,7 +380,7 @@ class LiveAirflow:
         return f"--- {path.name} (last {len(text)} lines)\n" + "\n".join(text)
 
     def component_log(self, name: str) -> str:
-        """The whole log of one component: api-server, scheduler, dag-processor or db-migrate."""
+        """The whole log of one component: api-server, scheduler, dag-processor, log-server or db-migrate."""
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
     def logs_tail(self, lines: int = 40) -> str:
