@@ -98,6 +98,10 @@ _BASIC_RECORD = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL):([^:\s]*):(.*)
 _GLOG_RECORD = re.compile(r"^\[?([DIWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +(?:\d+ +)?[^\]\s]+\] ?(.*)$")
 # warnings.warn on stderr: "/path/file.py:8: UserWarning: text", then the indented source line.
 _PY_WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")
+# gloo's own lines: "[/path/gloo/transport/tcp/debug_logger.cc:9] ERROR failed to connect, ...".
+_SOURCE_RECORD = re.compile(r"^\[\S+:\d+\] (DEBUG|INFO|WARNING|ERROR|CRITICAL) (.*)$")
+# torch prefixes what a rank prints on a crash: "[rank0]: Traceback (most recent call last):".
+_RANK_PREFIX = re.compile(r"^(\[rank\d+\]: ?)(.*)$")
 _TRACEBACK_START = "Traceback (most recent call last):"
 
 
@@ -113,31 +117,41 @@ class SubjobLines:
     Records of the child's logging keep their level and lose their timestamp and level prefix
     (the task log adds its own); the logger name stays once, short. torch's own ``W…]``/``E…]``
     lines and Python warnings keep their level; a traceback is an error until the next record.
-    Anything else (a user's print) is INFO.
+    Anything else (a user's print) is INFO. torch's ``[rankN]:`` prefix stays, and each rank's
+    traceback is followed on its own.
     """
 
     def __init__(self) -> None:
-        self._block_level: int | None = None  # the level a traceback or warning's following lines inherit
+        # Per source ('' or '[rankN]: '): the level a traceback's or a warning's following lines inherit.
+        self._block_level: dict[str, int] = {}
 
     def classify(self, line: str) -> tuple[int, str]:
+        source, body = "", line
+        if match := _RANK_PREFIX.match(line):
+            source, body = match.group(1), match.group(2)
+        level, text = self._classify(source, body)
+        return level, source + text
+
+    def _classify(self, source: str, line: str) -> tuple[int, str]:
+        block_level = self._block_level.pop(source, None)
         if match := _RECORD.match(line) or _BASIC_RECORD.match(line):
-            self._block_level = None
             level, name, message = _LEVELS[match.group(1)], _short_logger(match.group(2)), match.group(3)
             return level, f"{name}: {message}" if name else message
         if match := _GLOG_RECORD.match(line):
-            self._block_level = None
             return _GLOG_LEVELS[match.group(1)], f"torch: {match.group(2)}"
+        if match := _SOURCE_RECORD.match(line):
+            return _LEVELS[match.group(1)], f"torch: {match.group(2)}"
         if line.startswith(_TRACEBACK_START):
-            self._block_level = logging.ERROR
+            self._block_level[source] = logging.ERROR
             return logging.ERROR, line
         if _PY_WARNING.match(line):
-            self._block_level = logging.WARNING
+            self._block_level[source] = logging.WARNING
             return logging.WARNING, line
-        if self._block_level == logging.ERROR:
+        if block_level == logging.ERROR:
+            self._block_level[source] = logging.ERROR
             return logging.ERROR, line  # frames, the exception line and torchrun's failure summary
-        if self._block_level == logging.WARNING and line[:1].isspace():
+        if block_level == logging.WARNING and line[:1].isspace():
             return logging.WARNING, line  # the warning's source line
-        self._block_level = None
         return logging.INFO, line
 
 

@@ -207,11 +207,34 @@ def test_subjob_lines_keep_their_level_and_lose_the_duplicate_prefix():
     ("I1123 11:15:01.919000 17897 torch/distributed/run.py:766] Using nproc_per_node=2.",
      (logging.INFO, "torch: Using nproc_per_node=2.")),
     ("step 10/100 loss=0.5 100% done", (logging.INFO, "step 10/100 loss=0.5 100% done")),
+    ("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/debug_logger.cc:9] ERROR failed to connect, retry=1",
+     (logging.ERROR, "torch: failed to connect, retry=1")),
+    ("[rank1]: 2026-11-23 11:15:01,838 WARNING stagewise.train: loss is rising",
+     (logging.WARNING, "[rank1]: train: loss is rising")),
     ("ERRORS: 0 (a user's print that only looks like a level)", (logging.INFO, "ERRORS: 0 (a user's print that only looks like a level)")),
 ])
 def test_one_line_maps_to_its_level(line, expected):
     """Our record format, logging's default format, torch's glog lines and plain prints each map to the right level."""
     assert launch.SubjobLines().classify(line) == expected
+
+
+def test_rank_prefixed_tracebacks_are_errors_per_rank():
+    """torch's "[rankN]: " crash output stays prefixed; each rank's traceback is an error until that rank logs again."""
+    lines = launch.SubjobLines()
+    got = [lines.classify(line) for line in [
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "/tmp/job.py", line 7, in <module>',
+        "[rank1]: 2026-11-23 11:15:01,838 INFO stagewise.train: epoch 2/3",
+        "[rank0]: RuntimeError: Connection closed by peer [127.0.0.1]:393.",
+        "[rank1]: step 20",
+    ]]
+    assert got == [
+        (logging.ERROR, "[rank0]: Traceback (most recent call last):"),
+        (logging.ERROR, '[rank0]:   File "/tmp/job.py", line 7, in <module>'),
+        (logging.INFO, "[rank1]: train: epoch 2/3"),
+        (logging.ERROR, "[rank0]: RuntimeError: Connection closed by peer [127.0.0.1]:393."),
+        (logging.INFO, "[rank1]: step 20"),
+    ]
 
 
 def test_subjob_warning_reaches_the_task_log_as_a_warning(caplog):
