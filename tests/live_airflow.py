@@ -1,4 +1,4 @@
-"""A real Airflow 3.3 stack for tests: api-server, scheduler (LocalExecutor) and dag-processor.
+"""A real Airflow 3.3 stack for tests: api-server, scheduler (LocalExecutor), dag-processor and task-log server.
 
 Use: ``with LiveAirflow(tmp_path, dags_folder, env={...}) as live: run_id = live.trigger("my_dag")``,
 or in a test module ``from tests.live_airflow import live_airflow`` and take the ``live_airflow`` fixture
@@ -6,7 +6,8 @@ or in a test module ``from tests.live_airflow import live_airflow`` and take the
 
 Everything lives under one scratch folder: an isolated AIRFLOW_HOME with a SQLite file DB, one log
 file per component (``<tmp>/logs/*.log``, tails are attached to every failure) and the task logs.
-Servers bind 127.0.0.1 on free ports only (never ``airflow standalone``: it binds all interfaces).
+Servers bind 127.0.0.1 on free ports only (never ``airflow standalone``: it binds all interfaces); as with
+``make up``, running tasks' logs are served by ``stagewise_airflow.log_server`` on loopback.
 Each component runs in its own process group; on exit the groups get SIGTERM, then SIGKILL, and a
 sweep by an environment marker ends anything that left its group (e.g. a sub-job in its own session).
 Every wait is bounded and fails with the component logs, so a broken stack never hangs CI.
