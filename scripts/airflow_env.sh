@@ -16,4 +16,15 @@ export AIRFLOW__API__PORT="${AIRFLOW__API__PORT:-8080}"
 export AIRFLOW__API__BASE_URL="${AIRFLOW__API__BASE_URL:-http://127.0.0.1:$AIRFLOW__API__PORT}"
 export AIRFLOW__CORE__EXECUTION_API_SERVER_URL="${AIRFLOW__CORE__EXECUTION_API_SERVER_URL:-$AIRFLOW__API__BASE_URL/execution/}"
 export AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT="${AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT:-8793}"
+# One machine: tasks record 127.0.0.1 as their host, so the UI reads running logs from the loopback log server.
+export AIRFLOW__CORE__HOSTNAME_CALLABLE="${AIRFLOW__CORE__HOSTNAME_CALLABLE:-stagewise_airflow.log_server.loopback_hostname}"
 mkdir -p "$AIRFLOW_HOME"
+# The SQLite DB and the generated admin password are secrets: create them empty and private (0600) before
+# Airflow does (it keeps an existing file's mode), and make existing ones private too.
+for _stagewise_secret in "${AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE:-$AIRFLOW_HOME/simple_auth_manager_passwords.json.generated}" \
+    "$(case "$AIRFLOW__DATABASE__SQL_ALCHEMY_CONN" in sqlite:///*) echo "${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN#sqlite:///}";; esac)"; do
+  [ -n "$_stagewise_secret" ] || continue
+  [ -e "$_stagewise_secret" ] || (umask 077 && : > "$_stagewise_secret") 2>/dev/null || true
+  chmod 600 "$_stagewise_secret" 2>/dev/null || true
+done
+unset _stagewise_secret

@@ -1,4 +1,4 @@
-"""A real Airflow 3.3 stack for tests: api-server, scheduler (LocalExecutor) and dag-processor.
+"""A real Airflow 3.3 stack for tests: api-server, scheduler (LocalExecutor), dag-processor and task-log server.
 
 Use: ``with LiveAirflow(tmp_path, dags_folder, env={...}) as live: run_id = live.trigger("my_dag")``,
 or in a test module ``from tests.live_airflow import live_airflow`` and take the ``live_airflow`` fixture
@@ -6,7 +6,8 @@ or in a test module ``from tests.live_airflow import live_airflow`` and take the
 
 Everything lives under one scratch folder: an isolated AIRFLOW_HOME with a SQLite file DB, one log
 file per component (``<tmp>/logs/*.log``, tails are attached to every failure) and the task logs.
-Servers bind 127.0.0.1 on free ports only (never ``airflow standalone``: it binds all interfaces).
+Servers bind 127.0.0.1 on free ports only (never ``airflow standalone``: it binds all interfaces); as with
+``make up``, running tasks' logs are served by ``stagewise_airflow.log_server`` on loopback.
 Each component runs in its own process group; on exit the groups get SIGTERM, then SIGKILL, and a
 sweep by an environment marker ends anything that left its group (e.g. a sub-job in its own session).
 Every wait is bounded and fails with the component logs, so a broken stack never hangs CI.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ipaddress
 import json
 import os
 import secrets
@@ -25,7 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import httpx
 import pytest
@@ -52,6 +54,65 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(int(target[8:-1]))
+    except OSError:  # the process ended meanwhile
+        pass
+    return inodes
+
+
+def _proc_net_address(hex_address: str) -> str:
+    """``0100007F:1F90`` (or its IPv6 form) from /proc/net/tcp{,6} as ``127.0.0.1:8080`` / ``[::1]:8080``."""
+    host, port = hex_address.split(":")
+    # The kernel prints each 32-bit word of the address in host (little-endian) byte order.
+    raw = b"".join(bytes.fromhex(host[i:i + 8])[::-1] for i in range(0, len(host), 8))
+    address = ipaddress.ip_address(raw)
+    return f"{address}:{int(port, 16)}" if address.version == 4 else f"[{address}]:{int(port, 16)}"
+
+
+def listening_sockets(pids: Iterable[int]) -> list[str]:
+    """Every TCP socket in LISTEN state owned by one of ``pids``, as ``host:port`` (read from /proc, no ``ss``)."""
+    inodes: set[int] = set()
+    for pid in pids:
+        inodes |= _socket_inodes(pid)
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as handle:
+            for line in list(handle)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[9]) in inodes:  # 0A: TCP_LISTEN
+                    found.append(_proc_net_address(fields[1]))
+    return found
+
+
+def is_loopback(host_port: str) -> bool:
+    """Whether a ``host:port`` from :func:`listening_sockets` is on 127.0.0.0/8 or ::1 (not 0.0.0.0 or ::)."""
+    return ipaddress.ip_address(host_port.rsplit(":", 1)[0].strip("[]")).is_loopback
+
+
+def process_tree(root_pid: int) -> list[int]:
+    """``root_pid`` and every live descendant (torchrun starts each rank in a session of its own, so no group will do)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if fields[0] != "Z":
+                    children.setdefault(int(fields[1]), []).append(int(entry.name))
+    tree, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
 
 
 class LiveAirflowError(AssertionError):
@@ -128,6 +189,9 @@ class LiveAirflow:
         })
         if self.plugins_folder:
             env["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(self.plugins_folder)
+        # As `make up`: tasks record 127.0.0.1, where our log server serves their running logs.
+        env["AIRFLOW__CORE__HOSTNAME_CALLABLE"] = "stagewise_airflow.log_server.loopback_hostname"
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*env["PYTHONPATH"].split(os.pathsep), str(REPO_ROOT / "plugins")]))
         env.update(extra)
         return env
 
@@ -165,6 +229,8 @@ class LiveAirflow:
         self._spawn("api-server", "api-server", "-H", "127.0.0.1", "-p", str(self.port), "-w", "1")
         self._spawn("scheduler", "scheduler", "--skip-serve-logs")
         self._spawn("dag-processor", "dag-processor")
+        # The scheduler's own log server binds every interface; this one serves the same app on 127.0.0.1.
+        self._spawn("log-server", "-m", "stagewise_airflow.log_server", argv0=[sys.executable])
         self._wait_healthy()
         self._client = httpx.Client(base_url=self.base_url, timeout=30.0, trust_env=False,
                                     headers={"Authorization": f"Bearer {self._token()}"})
@@ -186,11 +252,13 @@ class LiveAirflow:
         """Start a new scheduler after :meth:`kill` (its log continues in scheduler.log)."""
         self._spawn("scheduler", "scheduler", "--skip-serve-logs", mode="a")
 
-    def _spawn(self, name: str, *args: str, mode: str = "w", extra_env: dict[str, str] | None = None) -> None:
+    def _spawn(self, name: str, *args: str, mode: str = "w", extra_env: dict[str, str] | None = None,
+               argv0: list[str] | None = None) -> None:
+        """Start ``airflow ARGS`` (or ``argv0 ARGS``) as component ``name``, logging to ``<tmp>/logs/<name>.log``."""
         handle = open(self.log_dir / f"{name}.log", mode)
         self._log_handles.append(handle)
         self.processes[name] = subprocess.Popen(
-            [*self._airflow(), *args], env={**self.env, **(extra_env or {})}, cwd=self.tmp_dir, stdin=subprocess.DEVNULL,
+            [*(argv0 or self._airflow()), *args], env={**self.env, **(extra_env or {})}, cwd=self.tmp_dir, stdin=subprocess.DEVNULL,
             stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
         self._groups.append(self.processes[name].pid)
 
@@ -313,7 +381,7 @@ class LiveAirflow:
         return f"--- {path.name} (last {len(text)} lines)\n" + "\n".join(text)
 
     def component_log(self, name: str) -> str:
-        """The whole log of one component: api-server, scheduler, dag-processor or db-migrate."""
+        """The whole log of one component: api-server, scheduler, dag-processor, log-server or db-migrate."""
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
     def logs_tail(self, lines: int = 40) -> str:

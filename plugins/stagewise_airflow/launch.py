@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -40,10 +41,13 @@ def _die_with_parent() -> None:
 
 
 def command(module: str, args: list[str], profile: Profile, distributed: bool, script: str | None = None) -> list[str]:
-    """The argv: torchrun for a distributed sub-job, else python; ``script`` (a file) replaces ``-m module``."""
+    """The argv: torchrun for a distributed sub-job, else python; ``script`` (a file) replaces ``-m module``.
+
+    torchrun runs through tasks.local_torchrun, which keeps its rendezvous store on 127.0.0.1.
+    """
     entry = [script] if script else ["-m", module]
     if distributed:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        return [sys.executable, "-m", "tasks.local_torchrun",
                 f"--nproc-per-node={profile.processes_per_node}", f"--max-restarts={profile.max_restarts}",
                 *entry, *args]
     return [sys.executable, *entry, *args]
@@ -81,6 +85,74 @@ def terminate(process: subprocess.Popen) -> None:
 
 
 RESULT_FILE_ENV = "STAGEWISE_RESULT_FILE"
+
+_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR,
+           "CRITICAL": logging.CRITICAL}
+_GLOG_LEVELS = {"D": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
+# tasks.cli.setup_logging's "%(asctime)s %(levelname)s %(name)s: %(message)s" (timestamp optional).
+_RECORD = re.compile(r"^(?:\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[,.]\d+)? )?"
+                     r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) (\S+?): ?(.*)$")
+# Python's logging.basicConfig() default, "LEVEL:name:message".
+_BASIC_RECORD = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL):([^:\s]*):(.*)$")
+# torch's C++ and torchelastic lines: "W1123 11:15:01.919000 17897 path/api.py:1002] message" (C++ in brackets).
+_GLOG_RECORD = re.compile(r"^\[?([DIWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +(?:\d+ +)?[^\]\s]+\] ?(.*)$")
+# warnings.warn on stderr: "/path/file.py:8: UserWarning: text", then the indented source line.
+_PY_WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")
+# gloo's own lines: "[/path/gloo/transport/tcp/debug_logger.cc:9] ERROR failed to connect, ...".
+_SOURCE_RECORD = re.compile(r"^\[\S+:\d+\] (DEBUG|INFO|WARNING|ERROR|CRITICAL) (.*)$")
+# torch prefixes what a rank prints on a crash: "[rank0]: Traceback (most recent call last):".
+_RANK_PREFIX = re.compile(r"^(\[rank\d+\]: ?)(.*)$")
+_TRACEBACK_START = "Traceback (most recent call last):"
+
+
+def _short_logger(name: str) -> str:
+    """``stagewise.train`` -> ``train``; the root logger and ``__main__`` add nothing to a line."""
+    short = name.removeprefix("stagewise.")
+    return "" if short in ("root", "__main__", "stagewise") else short
+
+
+class SubjobLines:
+    """Turns a sub-job's output lines into (level, text) for the task log, one line at a time.
+
+    Records of the child's logging keep their level and lose their timestamp and level prefix
+    (the task log adds its own); the logger name stays once, short. torch's own ``W…]``/``E…]``
+    lines and Python warnings keep their level; a traceback is an error until the next record.
+    Anything else (a user's print) is INFO. torch's ``[rankN]:`` prefix stays, and each rank's
+    traceback is followed on its own.
+    """
+
+    def __init__(self) -> None:
+        # Per source ('' or '[rankN]: '): the level a traceback's or a warning's following lines inherit.
+        self._block_level: dict[str, int] = {}
+
+    def classify(self, line: str) -> tuple[int, str]:
+        source, body = "", line
+        if match := _RANK_PREFIX.match(line):
+            source, body = match.group(1), match.group(2)
+        level, text = self._classify(source, body)
+        return level, source + text
+
+    def _classify(self, source: str, line: str) -> tuple[int, str]:
+        block_level = self._block_level.pop(source, None)
+        if match := _RECORD.match(line) or _BASIC_RECORD.match(line):
+            level, name, message = _LEVELS[match.group(1)], _short_logger(match.group(2)), match.group(3)
+            return level, f"{name}: {message}" if name else message
+        if match := _GLOG_RECORD.match(line):
+            return _GLOG_LEVELS[match.group(1)], f"torch: {match.group(2)}"
+        if match := _SOURCE_RECORD.match(line):
+            return _LEVELS[match.group(1)], f"torch: {match.group(2)}"
+        if line.startswith(_TRACEBACK_START):
+            self._block_level[source] = logging.ERROR
+            return logging.ERROR, line
+        if _PY_WARNING.match(line):
+            self._block_level[source] = logging.WARNING
+            return logging.WARNING, line
+        if block_level == logging.ERROR:
+            self._block_level[source] = logging.ERROR
+            return logging.ERROR, line  # frames, the exception line and torchrun's failure summary
+        if block_level == logging.WARNING and line[:1].isspace():
+            return logging.WARNING, line  # the warning's source line
+        return logging.INFO, line
 
 
 def visible_gpus() -> int:
@@ -148,8 +220,10 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
         previous = None
     try:
         assert process.stdout is not None
+        lines = SubjobLines()
         for line in process.stdout:
-            log.info("%s", line.rstrip())
+            level, text = lines.classify(line.rstrip())
+            log.log(level, "%s", text)
         code = process.wait()
     finally:
         terminate(process)

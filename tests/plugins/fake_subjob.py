@@ -1,11 +1,12 @@
-"""A sub-job that fails or hangs on purpose, to test the launcher's fault handling.
+"""A sub-job that fails, hangs or logs at every level on purpose, to test the launcher.
 
-Run: ``python -m tests.plugins.fake_subjob ok|user-error|crash|hang --result-file F [--pid-file P]``
+Run: ``python -m tests.plugins.fake_subjob ok|user-error|crash|hang|noisy --result-file F [--pid-file P]``
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from tasks.errors import DataError
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["ok", "user-error", "crash", "hang"])
+    parser.add_argument("mode", choices=["ok", "user-error", "crash", "hang", "noisy"])
     parser.add_argument("--result-file")
     parser.add_argument("--pid-file")
     args = parser.parse_args()
@@ -27,6 +28,11 @@ def main() -> None:
             raise DataError("raw/x.parquet: column 'label' is missing")
         if args.mode == "crash":
             sys.exit(7)
+        if args.mode == "noisy":
+            logging.getLogger("stagewise.train").info("epoch 1/3 step 10 lr 0.05 loss 1.2 ETA 0:00:42")
+            logging.getLogger("stagewise.train").warning("validation loss rose two epochs in a row")
+            print("a plain line from a user's print", flush=True)
+            logging.getLogger("stagewise.train").error("checkpoint upload failed, retrying")
         if args.mode == "hang":
             child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
             with open(args.pid_file, "w") as handle:

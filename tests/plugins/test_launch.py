@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from stagewise_airflow import launch
 from tasks.config import Profile
+from tests.live_airflow import is_loopback, listening_sockets, process_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,9 +41,9 @@ def test_crash_is_retryable():
 
 
 def test_torchrun_command_follows_the_profile():
-    """A distributed sub-job runs under torchrun with the profile's process count and restarts."""
+    """A distributed sub-job runs under the loopback torchrun with the profile's process count and restarts."""
     argv = launch.command("tasks.train", ["--stage", "s2"], Profile(processes_per_node=2, max_restarts=1), distributed=True)
-    assert argv[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert argv[1:3] == ["-m", "tasks.local_torchrun"]
     assert "--nproc-per-node=2" in argv and "--max-restarts=1" in argv
     assert argv[-3:] == ["tasks.train", "--stage", "s2"]
 
@@ -118,3 +121,130 @@ def test_task_timeout_ends_the_whole_process_group(tmp_path):
     while _alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(grandchild), "the sub-job's child outlived the timed-out task"
+
+
+def test_torchrun_job_listens_on_loopback_only(tmp_path):
+    """Every socket a 2-rank torchrun job listens on (agent store, ranks, gloo) is on loopback, none on */0.0.0.0/::."""
+    ready, release = tmp_path / "ready", tmp_path / "release"
+    outcome: dict = {}
+
+    def launch_job() -> None:
+        try:
+            outcome["result"] = launch.run("probe", [str(ready), str(release)], Profile(processes_per_node=2),
+                                           distributed=True, script=str(REPO_ROOT / "tests/plugins/rendezvous_probe.py"))
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            outcome["error"] = exc
+
+    job = threading.Thread(target=launch_job)
+    job.start()
+    seen: set[str] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while job.is_alive() and time.monotonic() < deadline and not ready.exists():
+            time.sleep(0.05)
+        assert ready.exists(), f"the job never got its process group up: {outcome}"
+        agent, total = map(int, ready.read_text().split())
+        assert total == 2, "both ranks took part in the all_reduce"
+        # The rendezvous is over and the group is up: whatever listens now listens for the whole job.
+        for _ in range(10):
+            seen.update(listening_sockets(process_tree(agent)))
+            time.sleep(0.1)
+    finally:
+        release.touch()
+        job.join(timeout=120)
+    assert "error" not in outcome, outcome
+    assert seen, "the agent's rendezvous store must show up as a listener (else this test checks nothing)"
+    assert all(is_loopback(address) for address in seen), f"listening beyond loopback: {sorted(seen)}"
+
+
+# Lines as a sub-job under torchrun really prints them (captured from tasks.local_torchrun, one rank raising).
+_TORCHRUN_CRASH = [
+    "2026-11-23 11:15:01,838 INFO stagewise.train: epoch 1/3 step 10 lr 0.05 loss 1.2 ETA 0:01:00",
+    "2026-11-23 11:15:01,838 WARNING stagewise.train: loss is rising",
+    "/tmp/lx/crash.py:8: UserWarning: a user warning",
+    '  warnings.warn("a user warning")',
+    "plain print line",
+    "Traceback (most recent call last):",
+    '  File "/tmp/lx/crash.py", line 11, in <module>',
+    '    raise ValueError("boom on rank 1")',
+    "ValueError: boom on rank 1",
+    "E1123 11:15:01.919000 17897 /venv/site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] "
+    "failed (exitcode: 1) local_rank: 1 (pid: 17904) of binary: /venv/bin/python",
+    "Traceback (most recent call last):",
+    '  File "/venv/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent',
+    "    raise ChildFailedError(",
+    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+    "============================================================",
+    "/tmp/lx/crash.py FAILED",
+    "2026-11-23 11:15:02,001 INFO stagewise.train: a record after the crash summary",
+]
+
+
+def test_subjob_lines_keep_their_level_and_lose_the_duplicate_prefix():
+    """Each sub-job line gets the level it was written at; records lose timestamp/level and keep a short logger name."""
+    lines = launch.SubjobLines()
+    got = [lines.classify(line) for line in _TORCHRUN_CRASH]
+    info, warning, error = logging.INFO, logging.WARNING, logging.ERROR
+    assert got[0] == (info, "train: epoch 1/3 step 10 lr 0.05 loss 1.2 ETA 0:01:00")
+    assert got[1] == (warning, "train: loss is rising")
+    assert [level for level, _ in got[2:4]] == [warning, warning], "a Python warning and its source line"
+    assert got[4] == (info, "plain print line"), "a plain print stays INFO"
+    assert [level for level, _ in got[5:9]] == [error] * 4, "the rank's traceback, frames and exception line"
+    assert got[9] == (error, "torch: failed (exitcode: 1) local_rank: 1 (pid: 17904) of binary: /venv/bin/python")
+    assert [level for level, _ in got[10:16]] == [error] * 6, "torchrun's own traceback and failure summary"
+    assert got[16] == (info, "train: a record after the crash summary"), "a new record ends the traceback"
+
+
+@pytest.mark.parametrize(("line", "expected"), [
+    ("INFO stagewise.sweep: trial 3 pruned", (logging.INFO, "sweep: trial 3 pruned")),
+    ("2026-11-23 11:15:01,838 ERROR stagewise: train failed on bad input, not retrying: x.parquet: column 'y'",
+     (logging.ERROR, "train failed on bad input, not retrying: x.parquet: column 'y'")),
+    ("WARNING:my_module:disk almost full", (logging.WARNING, "my_module: disk almost full")),
+    ("WARNING:root:no GPU, using CPU", (logging.WARNING, "no GPU, using CPU")),
+    ("2026-11-23 11:15:01,838 CRITICAL optuna.study: study lost", (logging.CRITICAL, "optuna.study: study lost")),
+    ("[W1123 11:15:01.919000000 socket.cpp:204] [c10d] hostname not resolved",
+     (logging.WARNING, "torch: [c10d] hostname not resolved")),
+    ("I1123 11:15:01.919000 17897 torch/distributed/run.py:766] Using nproc_per_node=2.",
+     (logging.INFO, "torch: Using nproc_per_node=2.")),
+    ("step 10/100 loss=0.5 100% done", (logging.INFO, "step 10/100 loss=0.5 100% done")),
+    ("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/debug_logger.cc:9] ERROR failed to connect, retry=1",
+     (logging.ERROR, "torch: failed to connect, retry=1")),
+    ("[rank1]: 2026-11-23 11:15:01,838 WARNING stagewise.train: loss is rising",
+     (logging.WARNING, "[rank1]: train: loss is rising")),
+    ("ERRORS: 0 (a user's print that only looks like a level)", (logging.INFO, "ERRORS: 0 (a user's print that only looks like a level)")),
+])
+def test_one_line_maps_to_its_level(line, expected):
+    """Our record format, logging's default format, torch's glog lines and plain prints each map to the right level."""
+    assert launch.SubjobLines().classify(line) == expected
+
+
+def test_rank_prefixed_tracebacks_are_errors_per_rank():
+    """torch's "[rankN]: " crash output stays prefixed; each rank's traceback is an error until that rank logs again."""
+    lines = launch.SubjobLines()
+    got = [lines.classify(line) for line in [
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "/tmp/job.py", line 7, in <module>',
+        "[rank1]: 2026-11-23 11:15:01,838 INFO stagewise.train: epoch 2/3",
+        "[rank0]: RuntimeError: Connection closed by peer [127.0.0.1]:393.",
+        "[rank1]: step 20",
+    ]]
+    assert got == [
+        (logging.ERROR, "[rank0]: Traceback (most recent call last):"),
+        (logging.ERROR, '[rank0]:   File "/tmp/job.py", line 7, in <module>'),
+        (logging.INFO, "[rank1]: train: epoch 2/3"),
+        (logging.ERROR, "[rank0]: RuntimeError: Connection closed by peer [127.0.0.1]:393."),
+        (logging.INFO, "[rank1]: step 20"),
+    ]
+
+
+def test_subjob_warning_reaches_the_task_log_as_a_warning(caplog):
+    """End to end: a real sub-job's WARNING/ERROR records become warning/error records of the launcher's logger,
+    without a second timestamp or level; its plain prints stay INFO."""
+    caplog.set_level(logging.INFO, logger="stagewise.launch")
+    launch.run("tests.plugins.fake_subjob", ["noisy"], Profile())
+    records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "stagewise.launch"]
+    assert (logging.WARNING, "train: validation loss rose two epochs in a row") in records, records
+    assert (logging.ERROR, "train: checkpoint upload failed, retrying") in records, records
+    assert (logging.INFO, "train: epoch 1/3 step 10 lr 0.05 loss 1.2 ETA 0:00:42") in records, records
+    assert (logging.INFO, "a plain line from a user's print") in records, records
+    assert not [m for _, m in records if " INFO " in m or " WARNING " in m], "no level prefix left in a message"
