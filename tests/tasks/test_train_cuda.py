@@ -50,7 +50,7 @@ def test_second_stage_starts_from_the_first_on_the_gpu(digits_run, single_proces
 
 def _torchrun(config: Path, out: str, env: dict, result_name: str) -> subprocess.CompletedProcess:
     overrides = [f"--override={key}={json.dumps(value)}" for key, value in ONE_GPU.items()]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "tasks.train",
+    command = [sys.executable, "-m", "tasks.local_torchrun", "--nproc-per-node=1", "-m", "tasks.train",  # as the launcher runs it
                "--config", str(config), "--stage", "s1", "--out", out, "--params", json.dumps(PARAMS),
                "--override=train.checkpoint_every_steps=10", "--override=train.stages.0.epochs=3", *overrides,
                "--result-file", str(Path(out) / result_name)]
