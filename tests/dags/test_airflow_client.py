@@ -81,7 +81,7 @@ def test_official_client_triggers_waits_lists_named_mapped_tasks_and_reads_the_r
                 [ti.rendered_map_index for ti in shards]
 
             entry = XComApi(api_client).get_xcom_entry("ml_pipeline", "report", run_id, "return_value", deserialize=True)
-            report_uri = entry.value["report_uri"]
+            report_uri = entry.actual_instance.value["report_uri"]  # anyOf(native, string): deserialize=True gives native
 
     report = json.loads(Path(report_uri).read_text())
     assert (report["dag_id"], report["run_id"]) == ("ml_pipeline", run_id)
