@@ -41,7 +41,9 @@ def test_trigger_form_can_be_submitted_with_its_defaults(logged_in, dag_id):
         expect(trigger).to_be_disabled()  # the field really is required: the form must not start a run without it
     for name, value in REQUIRED_INPUT.get(dag_id, {}).items():
         dialog.locator(f"#element_{name}").fill(value)
+        dialog.locator(f"#element_{name}").press("Tab")
     expect(trigger).to_be_enabled()
+    trigger.scroll_into_view_if_needed()  # the screenshot shows the button itself, below the long forms
     screens.shot(f"{dag_id}-form-ready")
 
 
@@ -58,6 +60,8 @@ def test_a_run_triggered_from_the_form_succeeds_in_the_grid_with_epoch_progress_
     expect(trials).to_have_value("3")
     screens.shot("form-num-trials-3")
     expect(trigger).to_be_enabled()
+    trigger.scroll_into_view_if_needed()
+    screens.shot("form-trigger-enabled")
     trigger.click()
     expect(dialog).to_be_hidden()
     screens.shot("triggered")
