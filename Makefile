@@ -7,11 +7,12 @@ AIRFLOW_ENV := . scripts/airflow_env.sh
 ONLY ?=
 PYTEST_ARGS ?=
 
-.PHONY: help venv airflow-init demo-data demo test bench up down clean
+.PHONY: help venv airflow-init demo-data demo test test-ui bench up down clean
 
 help:
 	@echo "make demo   - run ml_pipeline end to end on the digits data (SQLite, LocalExecutor, local files)"
 	@echo "make test   - run the whole test suite"
+	@echo "make test-ui - the browser suite (Debian chromium) and the official-client test; screenshots in tests/ui/artifacts/"
 	@echo "make bench  - run the benchmarks (ONLY=a,b for a subset) into bench/results/latest.json"
 	@echo "make up     - start a local Airflow (UI on 127.0.0.1:8080, scheduler, dag-processor); make down stops it"
 
@@ -38,6 +39,9 @@ demo: airflow-init demo-data
 
 test: airflow-init
 	@$(AIRFLOW_ENV) && python -m pytest $(PYTEST_ARGS)
+
+test-ui: airflow-init
+	@$(AIRFLOW_ENV) && python -m pytest tests/ui tests/dags/test_airflow_client.py $(PYTEST_ARGS)
 
 bench: airflow-init
 	@$(AIRFLOW_ENV) && python -m bench $(if $(ONLY),--only $(ONLY))

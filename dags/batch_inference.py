@@ -7,9 +7,10 @@ model). Output: ``runs/batch_inference/<run_id>/predictions/`` with a manifest, 
 from __future__ import annotations
 
 import pendulum
-from airflow.sdk import Param, dag, task
+from airflow.sdk import dag, task
 
 from stagewise_airflow import steps, wiring
+from stagewise_airflow.params import inference_params
 from tasks.config import load_config
 
 CONFIG = load_config()
@@ -20,11 +21,7 @@ CONFIG = load_config()
     schedule=None,
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
-    params={
-        "input_uri": Param(CONFIG.inference.input_uri or CONFIG.dataset.uri, type="string", minLength=1,
-                           description="Parquet file or folder to score (relative to the storage root, or a URI)."),
-        "model_version": Param("", type="string", description="Registered model version; empty means the current one."),
-    },
+    params=inference_params(CONFIG),
     tags=["stagewise", "ml", "inference"],
     doc_md=__doc__,
 )

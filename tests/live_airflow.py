@@ -500,3 +500,30 @@ def _group_alive(pgid: int) -> bool:
         if fields[0] != "Z" and int(fields[2]) == pgid:
             return True
     return False
+
+
+@contextlib.contextmanager
+def small_pipeline_airflow(tmp_dir: str | os.PathLike, dag_ids: tuple[str, ...] = ("ml_pipeline",)):
+    """A LiveAirflow over the repo's DAGs with tests.conftest's small config and the digits data written.
+
+    Yields ``(live, storage_root)``; ``dag_ids`` are waited for and unpaused. For tests that watch a whole
+    ml_pipeline run from outside (the browser suite, the official client).
+    """
+    import yaml
+
+    from tests.conftest import base_config
+
+    tmp_dir = Path(tmp_dir)
+    storage_root = tmp_dir / "storage"
+    config_path = tmp_dir / "pipeline.yaml"
+    config_path.write_text(yaml.safe_dump(base_config(storage_root)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW__")}
+    env.update({"STAGEWISE_CONFIG": str(config_path), "PYTHONPATH": str(REPO_ROOT)})
+    subprocess.run([sys.executable, "-m", "tasks.data", "demo"], cwd=REPO_ROOT, env=env, check=True,
+                   capture_output=True)
+    with LiveAirflow(tmp_dir / "live_airflow", REPO_ROOT / "dags", {"STAGEWISE_CONFIG": str(config_path)}) as live:
+        live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "cpu_cores", "slots": 2})
+        for dag_id in dag_ids:
+            live.wait_for_dag(dag_id)
+            live.unpause(dag_id)
+        yield live, storage_root

@@ -6,31 +6,70 @@ from typing import Any
 
 from tasks.config import PipelineConfig
 
+# A string Param that may be left empty: the UI treats a non-null type with an empty value as a missing field.
+OPTIONAL_STRING = ["null", "string"]
+
+
+def bounded(default: Any, description: str, *, minimum: float, maximum: float, **schema: Any) -> Any:
+    """A number Param whose description states the bounds it is validated against (the form clamps silently)."""
+    from airflow.sdk import Param
+
+    return Param(default, minimum=minimum, maximum=maximum, description=f"{description} {minimum} to {maximum}.",
+                 **schema)
+
+
+def optional_text(value: str | None) -> str:
+    """The config's value for an optional string Param: the form sends None (or "") for 'not set'."""
+    return value or ""
+
 
 def pipeline_params(config: PipelineConfig) -> dict[str, Any]:
     """Params with JSON-schema bounds; defaults come from the config so the form shows what will run."""
     from airflow.sdk import Param
 
     stage_epochs = {stage.name: stage.epochs for stage in config.train.stages}
+    epochs_min, epochs_max = 1, 1000
     return {
         "input_uri": Param(config.dataset.uri, type="string", minLength=1,
                            description="Raw Parquet file or folder to train on (relative to the storage root, or a URI)."),
-        "num_trials": Param(config.sweep.num_trials, type="integer", minimum=1, maximum=500,
-                            description="Trial budget of the Optuna sweep."),
-        "num_sweep_workers": Param(config.sweep.num_workers, type="integer", minimum=1, maximum=32,
-                                   description="Parallel sweep worker tasks sharing the study."),
-        "sweep_epochs": Param(config.sweep.epochs, type="integer", minimum=1, maximum=200,
-                              description="Max epochs of one trial (Hyperband's max resource)."),
+        "num_trials": bounded(config.sweep.num_trials, "Trial budget of the Optuna sweep:", type="integer",
+                              minimum=1, maximum=500),
+        "num_sweep_workers": bounded(config.sweep.num_workers, "Parallel sweep worker tasks sharing the study:",
+                                     type="integer", minimum=1, maximum=32),
+        "sweep_epochs": bounded(config.sweep.epochs, "Max epochs of one trial (Hyperband's max resource):",
+                                type="integer", minimum=1, maximum=200),
         "stage_epochs": Param(stage_epochs, type="object",
-                              properties={name: {"type": "integer", "minimum": 1, "maximum": 1000} for name in stage_epochs},
-                              additionalProperties=False, description="Epochs of each training stage."),
-        "warm_start_study": Param(config.sweep.warm_start_from, type="string",
-                                  description="Optuna study of an earlier run whose best params are tried first (empty: cold start)."),
-        "seed": Param(config.train.seed, type="integer", minimum=0, maximum=2**31 - 1,
-                      description="Seed of the sweep sampler and of training."),
-        "min_test_accuracy": Param(config.evaluate.min_test_accuracy, type="number", minimum=0, maximum=1,
-                                   description="Fail the run when the test accuracy is lower."),
+                              properties={name: {"type": "integer", "minimum": epochs_min, "maximum": epochs_max}
+                                          for name in stage_epochs},
+                              additionalProperties=False,
+                              description=f"Epochs of each training stage ({', '.join(stage_epochs)}): each "
+                                          f"{epochs_min} to {epochs_max}."),
+        "warm_start_study": Param(config.sweep.warm_start_from or None, type=OPTIONAL_STRING,
+                                  description="Optuna study of an earlier run whose best params are tried first "
+                                              "(empty: cold start)."),
+        "seed": bounded(config.train.seed, "Seed of the sweep sampler and of training:", type="integer",
+                        minimum=0, maximum=2**31 - 1),
+        "min_test_accuracy": bounded(config.evaluate.min_test_accuracy, "Fail the run when the test accuracy is lower:",
+                                     type="number", minimum=0, maximum=1),
     }
+
+
+def inference_params(config: PipelineConfig) -> dict[str, Any]:
+    """batch_inference's form: what to score and with which registered model (empty: the current one)."""
+    from airflow.sdk import Param
+
+    return {
+        "input_uri": Param(config.inference.input_uri or config.dataset.uri, type="string", minLength=1,
+                           description="Parquet file or folder to score (relative to the storage root, or a URI)."),
+        "model_version": Param(None, type=OPTIONAL_STRING,
+                               description="Registered model version (python -m tasks.registry list); empty means "
+                                           "the current one."),
+    }
+
+
+def unknown_trigger_keys(conf: dict[str, Any] | None, known: Any) -> list[str]:
+    """Keys of a run's conf that name no Param of the DAG (a typo such as ``num_trails``), sorted."""
+    return sorted(set(conf or {}) - set(known))
 
 
 def overrides_from_params(config: PipelineConfig, params: dict[str, Any]) -> dict[str, Any]:
@@ -41,7 +80,7 @@ def overrides_from_params(config: PipelineConfig, params: dict[str, Any]) -> dic
         "sweep.num_workers": params["num_sweep_workers"],
         "sweep.epochs": params["sweep_epochs"],
         "sweep.seed": params["seed"],
-        "sweep.warm_start_from": params["warm_start_study"],
+        "sweep.warm_start_from": optional_text(params["warm_start_study"]),
         "train.seed": params["seed"],
         "evaluate.min_test_accuracy": params["min_test_accuracy"],
     }

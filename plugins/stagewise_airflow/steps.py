@@ -73,7 +73,7 @@ def start_run(mode: str = "pipeline") -> dict[str, Any]:
 
     ``mode="retrain"`` warm-starts the sweep from the current model's study with the retrain budget.
     """
-    from stagewise_airflow.params import overrides_from_params
+    from stagewise_airflow.params import overrides_from_params, unknown_trigger_keys
     from tasks.storage import run_prefix
     from tasks.sweep import study_name
 
@@ -83,6 +83,8 @@ def start_run(mode: str = "pipeline") -> dict[str, Any]:
 
     def work() -> dict[str, Any]:
         base = load_config(path)
+        if unknown := unknown_trigger_keys(context["dag_run"].conf, context["dag"].params):
+            raise ConfigError(f"trigger conf: unknown key(s) {unknown}; {dag_id} takes {sorted(context['dag'].params)}")
         try:
             params = dict(context["params"])
             if mode == "inference":

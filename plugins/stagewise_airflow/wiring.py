@@ -15,6 +15,14 @@ from stagewise_airflow.profiles import task_kwargs
 from tasks.config import PipelineConfig
 
 
+# Names of mapped task instances in the grid (Jinja over the task's expanded kwargs; rendered before the body runs).
+SHARD_FILE_NAME = "{{ task.op_kwargs['shard']['uri'].rstrip('/').split('/')[-1] }}"
+SWEEP_WORKER_NAME = "worker {{ task.op_kwargs['worker'] }}"
+INFERENCE_SHARD_NAME = ("{% set shard = task.op_kwargs['shard'] %}{% set groups = shard['row_groups'] %}"
+                        "{{ shard['uri'].rstrip('/').split('/')[-1] }}, row group{% if groups | length > 1 %}s "
+                        "{{ groups[0] }}-{{ groups[-1] }}{% else %} {{ groups[0] }}{% endif %}, {{ shard['rows'] }} rows")
+
+
 def knobs(config: PipelineConfig, profile: str) -> dict[str, Any]:
     return task_kwargs(config.profile(profile))
 
@@ -46,15 +54,18 @@ def training_chain(config: PipelineConfig, run: Any) -> dict[str, Any]:
     """preprocess -> sweep -> train stages -> evaluate -> register -> gate; returns the XComArgs the report needs."""
     bookkeeping = knobs(config, config.preprocess.profile)
     shards = task(steps.plan_shards, task_id="plan_shards", **bookkeeping)(run)
-    stats = task(steps.preprocess_stats, task_id="preprocess_stats", **knobs(config, config.preprocess.profile)).partial(
+    stats = task(steps.preprocess_stats, task_id="preprocess_stats", map_index_template=SHARD_FILE_NAME,
+                 **knobs(config, config.preprocess.profile)).partial(
         run=run).expand(shard=shards)
     reduced = task(steps.reduce_stats, task_id="reduce_stats", **bookkeeping)(run, stats)
-    transformed = task(steps.preprocess_transform, task_id="preprocess_transform", **knobs(config, config.preprocess.profile)).partial(
+    transformed = task(steps.preprocess_transform, task_id="preprocess_transform",
+                       map_index_template=SHARD_FILE_NAME, **knobs(config, config.preprocess.profile)).partial(
         run=run, reduced=reduced).expand(shard=shards)
     prepared = task(steps.commit_preprocess, task_id="commit_preprocess", **bookkeeping)(run, reduced, transformed)
 
     worker_ids = task(steps.create_study, task_id="create_study", **bookkeeping)(run, prepared)
-    workers = task(steps.sweep_worker, task_id="sweep_worker", **knobs(config, config.sweep.profile)).partial(
+    workers = task(steps.sweep_worker, task_id="sweep_worker", map_index_template=SWEEP_WORKER_NAME,
+                   **knobs(config, config.sweep.profile)).partial(
         run=run).expand(worker=worker_ids)
     swept = task(steps.sweep_summary, task_id="sweep_summary", **bookkeeping)(run, workers)
 
@@ -75,7 +86,8 @@ def inference_chain(config: PipelineConfig, run: Any, model: Any) -> dict[str, A
     """plan -> infer_shard[*] -> commit, scoring with ``model`` (a dict holding model_uri and version)."""
     bookkeeping = knobs(config, config.preprocess.profile)
     shards = task(steps.plan_inference, task_id="plan_inference", **bookkeeping)(run, model)
-    scored = task(steps.infer_shard, task_id="infer_shard", **knobs(config, config.inference.profile)).partial(
+    scored = task(steps.infer_shard, task_id="infer_shard", map_index_template=INFERENCE_SHARD_NAME,
+                  **knobs(config, config.inference.profile)).partial(
         run=run, model=model).expand(shard=shards)
     predictions = task(steps.commit_predictions, task_id="commit_predictions", **bookkeeping)(run, model, scored)
     return {"scored": scored, "predictions": predictions}

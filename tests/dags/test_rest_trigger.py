@@ -41,3 +41,22 @@ def test_rest_trigger_refuses_out_of_bounds_conf_and_runs_a_valid_one(live_airfl
     assert live.wait_for_run("ingest", run_id, timeout=180) == "success", live.logs_tail()
     added = live.xcom("ingest", run_id, "ingest")["added"]
     assert len(added) == 1 and Path(added[0]).parent == storage_root / "raw" / "digits"
+
+
+def test_unknown_trigger_key_fails_the_run_at_start_run_without_retry(live_airflow, tmp_path):
+    """A conf key that is no Param (num_trails) fails start_run once, naming it and the known keys; nothing else runs."""
+    storage_root = tmp_path / "storage"
+    config_path = tmp_path / "pipeline.yaml"
+    config_path.write_text(yaml.safe_dump(base_config(storage_root)))
+    live = live_airflow(REPO_ROOT / "dags", {"STAGEWISE_CONFIG": str(config_path)})
+    live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "cpu_cores", "slots": 2})
+    live.wait_for_dag("ml_pipeline")
+    live.unpause("ml_pipeline")
+
+    run_id = live.trigger("ml_pipeline", {"num_trails": 3})  # Airflow accepts extra keys at trigger time
+    assert live.wait_for_run("ml_pipeline", run_id, timeout=180) == "failed", live.logs_tail()
+    instances = {ti["task_id"]: ti for ti in live.task_instances("ml_pipeline", run_id) if ti["map_index"] == -1}
+    assert (instances["start_run"]["state"], instances["start_run"]["try_number"]) == ("failed", 1)
+    assert instances["plan_shards"]["state"] == "upstream_failed"
+    log = live.task_log("ml_pipeline", run_id, "start_run")
+    assert "unknown key(s) ['num_trails']" in log and "'num_trials'" in log, log[-3000:]

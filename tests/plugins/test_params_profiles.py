@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
-from stagewise_airflow.params import overrides_from_params, pipeline_params
+from stagewise_airflow.params import overrides_from_params, pipeline_params, unknown_trigger_keys
 from stagewise_airflow.profiles import task_kwargs
 from tasks.config import Profile, load_config
 
@@ -51,3 +52,59 @@ def test_profile_maps_to_pool_queue_retries_and_timeout():
     assert kwargs["retries"] == 3 and kwargs["retry_delay"] == timedelta(seconds=10)
     assert kwargs["retry_exponential_backoff"] == 2.0 and kwargs["max_retry_delay"] == timedelta(seconds=60)
     assert kwargs["execution_timeout"] == timedelta(seconds=120)
+
+
+def _dag_params() -> dict:
+    """Every DAG's Params as Airflow's parser serializes them, by DAG id."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(Path(__file__).resolve().parents[2] / "dags"))
+    assert bag.import_errors == {}
+    return {dag_id: dag.params for dag_id, dag in bag.dags.items()}
+
+
+def _form_flags_as_missing(param) -> bool:
+    """The UI's rule: a typed param without "null" in its type is required, and an empty value then disables Trigger."""
+    kind = param.schema.get("type")
+    required = bool(kind) and not (isinstance(kind, list) and "null" in kind)
+    return required and param.value in (None, "")
+
+
+def test_every_trigger_form_opens_with_only_truly_required_fields_empty():
+    """Each DAG's form can be triggered with its defaults; only ingest's source_uri (no sensible default) must be filled."""
+    flagged = {(dag_id, name) for dag_id, params in _dag_params().items()
+               for name in params if _form_flags_as_missing(params.get_param(name))}
+    assert flagged == {("ingest", "source_uri")}
+
+
+def test_number_params_state_their_bounds_in_the_description():
+    """The form clamps out-of-range numbers silently, so every bounded Param's description names its bounds."""
+    checked = 0
+    for dag_id, params in _dag_params().items():
+        for name in params:
+            param = params.get_param(name)
+            schemas = [param.schema, *(param.schema.get("properties") or {}).values()]
+            for schema in schemas:
+                if "minimum" in schema or "maximum" in schema:
+                    bounds = f"{schema['minimum']} to {schema['maximum']}"
+                    assert bounds in (param.description or ""), f"{dag_id}.{name}: {param.description!r} lacks {bounds}"
+                    checked += 1
+    assert checked >= 6, "the pipeline forms have bounded params"
+
+
+def test_empty_optional_strings_mean_cold_start_and_current_model():
+    """A form left empty sends null for warm_start_study; that maps onto the config's cold start ("")."""
+    config = load_config()
+    for empty in (None, ""):
+        params = {**_defaults(config), "warm_start_study": empty}
+        assert load_config(overrides=overrides_from_params(config, params)).sweep.warm_start_from == ""
+    params = {**_defaults(config), "warm_start_study": "ml_pipeline__earlier"}
+    assert load_config(overrides=overrides_from_params(config, params)).sweep.warm_start_from == "ml_pipeline__earlier"
+
+
+def test_unknown_trigger_keys_are_named_and_known_ones_pass():
+    """A typo in a run's conf (num_trails) is reported; declared Params and an empty conf are not."""
+    known = pipeline_params(load_config())
+    assert unknown_trigger_keys({"num_trails": 3, "seed": 1}, known) == ["num_trails"]
+    assert unknown_trigger_keys({"num_trials": 3}, known) == []
+    assert unknown_trigger_keys(None, known) == []

@@ -1,0 +1,84 @@
+"""Fixtures of the browser suite: Debian's chromium driven by playwright, a live Airflow, screenshots kept.
+
+Screenshots go to $STAGEWISE_UI_ARTIFACTS (default tests/ui/artifacts/, ignored by git), one folder per test.
+Without chromium or playwright the suite skips with the reason; under CI=true it fails instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import service_unavailable
+from tests.live_airflow import small_pipeline_airflow
+
+CHROMIUM = os.environ.get("STAGEWISE_CHROMIUM", "/usr/bin/chromium")
+ARTIFACTS = Path(os.environ.get("STAGEWISE_UI_ARTIFACTS", Path(__file__).resolve().parent / "artifacts"))
+UI_TIMEOUT_MS = 60_000  # a 2-core machine running the scheduler and sub-jobs renders slowly
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """A headless Debian chromium under playwright (playwright's own browser download is not used)."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        service_unavailable("playwright for Python is not installed (pip install -r requirements.txt)")
+    if not os.access(CHROMIUM, os.X_OK):
+        service_unavailable(f"no chromium at {CHROMIUM} (apt-get install -y chromium, or set STAGEWISE_CHROMIUM)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture(scope="module")
+def ui_airflow(chromium, tmp_path_factory):
+    """A live api-server, scheduler and dag-processor; ml_pipeline unpaused (retrain stays paused: its cron would run it)."""
+    with small_pipeline_airflow(tmp_path_factory.mktemp("ui")) as (live, storage_root):
+        for dag_id in ("retrain", "batch_inference", "ingest"):
+            live.wait_for_dag(dag_id)
+        yield live, storage_root
+
+
+class Screens:
+    """Numbered full-page screenshots of one test, so the steps read in order."""
+
+    def __init__(self, page, folder: Path) -> None:
+        self.page, self.folder, self.count = page, folder, 0
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.glob("*.png"):
+            old.unlink()
+
+    def shot(self, step: str) -> Path:
+        self.count += 1
+        path = self.folder / f"{self.count:02d}-{step}.png"
+        self.page.screenshot(path=str(path), full_page=True)
+        return path
+
+
+@pytest.fixture
+def logged_in(chromium, ui_airflow, request):
+    """A fresh browser page logged in as admin through the login form; yields (page, live, screens)."""
+    live, _ = ui_airflow
+    context = chromium.new_context(viewport={"width": 1600, "height": 1000})
+    context.set_default_timeout(UI_TIMEOUT_MS)
+    page = context.new_page()
+    screens = Screens(page, ARTIFACTS / re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name))
+    try:
+        page.goto(live.base_url)
+        page.get_by_label("Username").fill("admin")
+        page.get_by_label("Password").fill(live.password)
+        screens.shot("login-form")
+        page.get_by_role("button", name="Sign in").click()
+        page.get_by_role("heading", name="Welcome").wait_for()
+        screens.shot("logged-in-home")
+        yield page, live, screens
+    finally:
+        screens.shot("last-state")
+        context.close()

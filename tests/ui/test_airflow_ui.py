@@ -1,0 +1,95 @@
+"""What a user sees in the Airflow 3.3 UI, driven in Debian's chromium: trigger forms, a run in the grid, a task log.
+
+Run: ``python -m pytest -q tests/ui`` (screenshots in tests/ui/artifacts/ or $STAGEWISE_UI_ARTIFACTS).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+RUN_TIMEOUT_S = 600
+# Fields without a usable default that a person must fill before triggering; everything else has one.
+REQUIRED_INPUT = {"ingest": {"source_uri": "raw/incoming"}}
+
+
+def _open_trigger_form(page, live, dag_id: str):
+    """The DAG page's Trigger button opens the trigger dialog; returns (dialog, its Trigger button)."""
+    page.goto(f"{live.base_url}/dags/{dag_id}")
+    page.get_by_role("button", name="Trigger Dag").click()
+    dialog = page.get_by_role("dialog")
+    dialog.get_by_text("Run Parameters").wait_for()
+    return dialog, dialog.get_by_role("button", name="Trigger", exact=True)
+
+
+@pytest.mark.parametrize("dag_id", ["ml_pipeline", "retrain", "batch_inference", "ingest"])
+def test_trigger_form_can_be_submitted_with_its_defaults(logged_in, dag_id):
+    """Each DAG's trigger form opens with Trigger enabled once the fields without a default are filled."""
+    from playwright.sync_api import expect
+
+    page, live, screens = logged_in
+    dialog, trigger = _open_trigger_form(page, live, dag_id)
+    for name in REQUIRED_INPUT.get(dag_id, {}):
+        field = dialog.locator(f"#element_{name}")
+        field.wait_for()
+        screens.shot(f"{dag_id}-form-before-filling-{name}")
+        expect(trigger).to_be_disabled()  # the field really is required: the form must not start a run without it
+    for name, value in REQUIRED_INPUT.get(dag_id, {}).items():
+        dialog.locator(f"#element_{name}").fill(value)
+        dialog.locator(f"#element_{name}").press("Tab")
+    expect(trigger).to_be_enabled()
+    trigger.scroll_into_view_if_needed()  # the screenshot shows the button itself, below the long forms
+    screens.shot(f"{dag_id}-form-ready")
+
+
+def test_a_run_triggered_from_the_form_succeeds_in_the_grid_with_epoch_progress_in_the_log(logged_in):
+    """ml_pipeline triggered from the form with num_trials changed runs to success; train_s1's log shows its epochs."""
+    from playwright.sync_api import expect
+
+    page, live, screens = logged_in
+    dialog, trigger = _open_trigger_form(page, live, "ml_pipeline")
+    expect(dialog.get_by_text("Trial budget of the Optuna sweep: 1 to 500.")).to_be_visible()  # bounds shown
+    trials = dialog.get_by_role("spinbutton", name="num_trials")
+    trials.fill("3")
+    trials.press("Tab")
+    expect(trials).to_have_value("3")
+    screens.shot("form-num-trials-3")
+    expect(trigger).to_be_enabled()
+    trigger.scroll_into_view_if_needed()
+    screens.shot("form-trigger-enabled")
+    trigger.click()
+    expect(dialog).to_be_hidden()
+    screens.shot("triggered")
+
+    runs = live.api("GET", "/api/v2/dags/ml_pipeline/dagRuns").json()["dag_runs"]
+    assert len(runs) == 1 and runs[0]["triggered_by"] == "ui", runs
+    run_id = runs[0]["dag_run_id"]
+    assert runs[0]["conf"]["num_trials"] == 3, runs[0]["conf"]
+
+    page.goto(f"{live.base_url}/dags/ml_pipeline/runs/{run_id}")
+    run_state = page.get_by_test_id("state-badge").first
+    deadline, seen_running = time.monotonic() + RUN_TIMEOUT_S, False
+    while (state := run_state.inner_text().strip()) != "Success":
+        live.check_alive()
+        assert state != "Failed", f"run {run_id} failed\n{live.logs_tail()}"
+        assert time.monotonic() < deadline, f"run {run_id} still {state!r} after {RUN_TIMEOUT_S}s\n{live.logs_tail()}"
+        if state == "Running" and not seen_running:
+            seen_running = True
+            screens.shot("grid-running")
+        time.sleep(3)  # the page refreshes itself while the run is active
+    page.reload()
+    expect(page.get_by_text("part-00000.parquet", exact=True).first).to_be_visible()  # named mapped tasks
+    expect(page.get_by_text("worker 0", exact=True).first).to_be_visible()
+    screens.shot("grid-success")
+
+    page.goto(f"{live.base_url}/dags/ml_pipeline/runs/{run_id}/tasks/train_s1")
+    expect(page.get_by_text("stage s1 epoch").first).to_be_visible()
+    screens.shot("train-s1-log")
+
+    report_uri = live.xcom("ml_pipeline", run_id, "report")["report_uri"]
+    assert json.loads(Path(report_uri).read_text())["sweep"]["n_trials"] == 3, "the form's value reached the sweep"
