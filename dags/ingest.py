@@ -1,6 +1,6 @@
 """ingest: copy new raw Parquet shards into the data set's location and announce them (the Asset).
 
-A finished ingest run emits an event on the ``stagewise_raw_data`` asset, which triggers ``retrain``.
+A finished ingest run emits an event on the raw-data asset (``stagewise_raw_data-<hash of dataset.uri>``), which triggers ``retrain``.
 Param ``source_uri``: a Parquet file or folder with the data set's schema.
 """
 

@@ -2,7 +2,8 @@
 
 The sweep warm-starts from the current model's study with the smaller retrain budget
 (``retrain.num_trials``); the new model replaces the current one only if it passes the gate.
-New data: an ``ingest`` run, or ``POST /api/v2/assets/events`` for the ``stagewise_raw_data`` asset.
+New data: an ``ingest`` run, or ``POST /api/v2/assets/events`` for the raw-data asset
+(``stagewise_raw_data-<hash of dataset.uri>``).
 """
 
 from __future__ import annotations
