@@ -7,6 +7,9 @@ Run: ``python -m tasks.local_torchrun --nproc-per-node=2 [--max-restarts=1] -m t
 the wildcard address whatever host it is given. Here the agent hosts one store instead, on a socket
 bound to 127.0.0.1 before the store takes it over (``master_listen_fd``); the ranks join it as
 clients (``use_agent_store``), and gloo/NCCL pick the loopback interface for their own sockets.
+
+Each rank starts through ``tasks.rank_guard``, which gives it a parent-death SIGKILL before it becomes the rank's
+own command: torch starts ranks in sessions of their own, so without it a rank whose agent is killed runs on.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ LOOPBACK = "127.0.0.1"
 RENDEZVOUS_BACKEND = "stagewise-loopback"
 _RENDEZVOUS_OPTIONS = ("--standalone", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint",
                        "--master-addr", "--master_addr", "--master-port", "--master_port", "--nnodes")
+# How the user named the entrypoint; the guard's command replaces it ("--" only ends the options).
+_ENTRYPOINT_OPTIONS = ("-m", "--module", "--no-python", "--no_python", "--")
 # Collective libraries listen and connect on the interface named here; one machine needs only loopback.
 LOOPBACK_INTERFACE_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 
@@ -84,14 +89,33 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 def torchrun_argv(argv: list[str]) -> list[str]:
-    """torchrun's arguments with the loopback rendezvous; refuses rendezvous options that would undo it."""
-    for arg in argv:
-        if arg in ("-m", "--module") or not arg.startswith("-"):
-            break  # the script or module and its own arguments follow
+    """torchrun's arguments with the loopback rendezvous and every rank started through tasks.rank_guard.
+
+    Refuses rendezvous options, which would undo the loopback store, and ``--run-path``, which would run the
+    ranks as this agent's multiprocessing children instead of commands the guard can start.
+    """
+    from torch.distributed.run import get_args_parser
+
+    parsed = get_args_parser().parse_args(argv)
+    options = argv[:len(argv) - len(parsed.training_script_args) - 1]  # the script and its arguments end argv
+    for arg in options:
         if arg.split("=", 1)[0] in _RENDEZVOUS_OPTIONS:
             raise SystemExit(f"tasks.local_torchrun: {arg.split('=', 1)[0]} is not accepted: this launcher runs one "
                              f"node with its rendezvous on {LOOPBACK}")
-    return ["--nnodes=1", f"--rdzv-backend={RENDEZVOUS_BACKEND}", f"--rdzv-endpoint={LOOPBACK}:0", *argv]
+    if parsed.run_path:
+        raise SystemExit("tasks.local_torchrun: --run-path is not accepted: each rank runs as a process of its own "
+                         "that dies with this agent")
+    if parsed.no_python and parsed.module:
+        raise SystemExit("tasks.local_torchrun: --no-python and --module exclude each other")
+    if parsed.no_python:
+        rank = [parsed.training_script]
+    else:  # the command torchrun itself would give each rank
+        rank = [os.getenv("PYTHON_EXEC", sys.executable), "-u", *(["-m"] if parsed.module else []), parsed.training_script]
+    # This process becomes the agent, the ranks' parent: the guard checks it is still there once the signal is armed.
+    guard = [sys.executable, "-m", "tasks.rank_guard", str(os.getpid()), *rank, *parsed.training_script_args]
+    options = [arg for arg in options if arg not in _ENTRYPOINT_OPTIONS]
+    return ["--nnodes=1", f"--rdzv-backend={RENDEZVOUS_BACKEND}", f"--rdzv-endpoint={LOOPBACK}:0", *options,
+            "--no-python", *guard]
 
 
 def main(argv: list[str] | None = None) -> None:
