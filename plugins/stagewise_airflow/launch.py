@@ -1,8 +1,9 @@
 """Run a sub-job as a child process group and stream its output into the Airflow task log.
 
 One process (``python -m tasks.X``) or a torchrun job, per the stage's profile. The child gets its
-own session so the whole group (torchrun and its ranks) can be ended together: on task timeout, on
-SIGTERM from Airflow (mark failed, kill), or if the task process itself dies (PDEATHSIG).
+own session, and its group plus every descendant (torchrun's ranks have sessions of their own) is
+ended together: on task timeout, on SIGTERM from Airflow (mark failed, kill). If the task process
+itself dies, the child is SIGKILLed (PDEATHSIG) and torchrun's ranks die with it (tasks.rank_guard).
 A sub-job that reports a user error (bad config or data) fails the task without retry.
 """
 
@@ -20,7 +21,9 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, Iterable
+
+import psutil
 
 from stagewise_airflow import REPO_ROOT
 from tasks.cli import ERROR_FILE_ENV
@@ -33,9 +36,9 @@ _TERMINATE_GRACE_S = 3.0
 
 
 def _die_with_parent() -> None:
-    # Linux: if the Airflow task process is SIGKILLed, the sub-job gets SIGTERM instead of living on.
+    # Linux: if the Airflow task process dies, nobody reads or waits for the sub-job, so it goes at once, ranks too.
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 
@@ -64,23 +67,42 @@ def child_env(profile: Profile, error_file: str) -> dict[str, str]:
     return env
 
 
-def _kill_group(process: subprocess.Popen) -> None:
+def _job_processes(process: subprocess.Popen) -> list[psutil.Process]:
+    """The child and its descendants now, in any session (psutil refuses to signal a pid reused since)."""
+    if process.returncode is not None:
+        return []  # reaped: its pid may belong to another process by now
+    try:
+        child = psutil.Process(process.pid)
+        return [child, *child.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _signal_job(process: subprocess.Popen, members: Iterable[psutil.Process], signum: int) -> None:
+    """Signal the child's process group and each of ``members``, whichever are still there."""
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+        os.killpg(process.pid, signum)
+    for member in members:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            member.send_signal(signum)
+
+
+def _kill_group(process: subprocess.Popen, members: Iterable[psutil.Process] = ()) -> None:
+    """SIGKILL the group, ``members`` (listed at the SIGTERM) and whatever descends from the child now."""
+    _signal_job(process, {*members, *_job_processes(process)}, signal.SIGKILL)
 
 
 def terminate(process: subprocess.Popen) -> None:
-    """SIGTERM the child's whole process group, then SIGKILL what is left after a grace period."""
+    """SIGTERM the child's group and all its descendants, then SIGKILL what is left after a grace period."""
     if process.poll() is not None:
         return
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
+    # Listed before any signal: once torchrun's agent dies, its ranks are no longer its descendants.
+    members = _job_processes(process)
+    _signal_job(process, members, signal.SIGTERM)
     deadline = time.monotonic() + _TERMINATE_GRACE_S
     while time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.1)
-    _kill_group(process)
+    _kill_group(process, members)
     process.wait()
 
 
@@ -208,9 +230,9 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
     def on_term(signum: int, frame: Any) -> None:
         # Don't block in the handler: the loop below keeps draining the sub-job's last words into the log.
         stopped.set()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        threading.Timer(_TERMINATE_GRACE_S, _kill_group, args=(process,)).start()
+        members = _job_processes(process)
+        _signal_job(process, members, signal.SIGTERM)
+        threading.Timer(_TERMINATE_GRACE_S, _kill_group, args=(process, members)).start()
         if callable(previous):
             previous(signum, frame)
 
