@@ -208,8 +208,10 @@ def hyperparameter_problem(name: str, value: Any, known: tuple[str, ...] | None 
 
     ``known=None`` accepts any name (a user's spec declares its own; it is checked when the spec is loaded).
     """
+    if known is not None and name not in known:
+        return f"unknown hyperparameter '{name}'; known: {list(known)}"
     if name not in HYPER_DOMAINS:
-        return f"unknown hyperparameter '{name}'; known: {list(known)}" if known is not None and name not in known else None
+        return None  # a user spec's own parameter: its domain is the spec's to check
     if not _in_domain(name, value):
         return f"{name}={value!r} is out of range: {name} must be {HYPER_DOMAINS[name]}"
     return None
