@@ -65,8 +65,8 @@ def inference_throughput(rows: int = 400_000) -> dict[str, Any]:
 
         def plain_once() -> float:
             torch.set_num_threads(1)
-            model, bundle = load_bundle(model_uri)
-            prep = bundle["preprocessing"]
+            bundle = load_bundle(model_uri)
+            model, prep = bundle.module, bundle.preprocessing
             mean, std = np.asarray(prep["mean"]), np.asarray(prep["std"])
             started, seen = time.perf_counter(), 0
             parquet = pq.ParquetFile(source)

@@ -56,7 +56,7 @@ def train_throughput(rows: int = 120_000) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from tasks.model import ModelSpec, build_model
+    from tasks.model import MLPClassifier, build, data_info
     from tasks.preprocess import load_split, read_manifest
     from tasks.train import resolve_params, run_stage
     from tasks.training import make_optimizer
@@ -72,10 +72,11 @@ def train_throughput(rows: int = 120_000) -> dict[str, Any]:
         ours = sum(h["samples_per_s"] for h in history[1:]) / (len(history) - 1)
 
         torch.set_num_threads(threads)
-        x, y = (torch.from_numpy(a) for a in load_split(read_manifest(f"{out}/preprocess/manifest.json"), "train"))
+        manifest = read_manifest(f"{out}/preprocess/manifest.json")
+        x, y = (torch.from_numpy(a) for a in load_split(manifest, "train"))
         full = resolve_params(config, params)
         torch.manual_seed(0)
-        model = build_model(ModelSpec(num_features=x.shape[1], num_classes=10, hidden=1024))
+        model = build(MLPClassifier(), data_info(manifest), full)
         optimizer = make_optimizer(model, full)
         rates = []
         for epoch in range(epochs):
@@ -107,7 +108,7 @@ def growing_batch_steps(rows: int = 60_000) -> dict[str, Any]:
     points) / fixed steps.
     """
     from tasks.loader import split_batches
-    from tasks.model import ModelSpec, build_model
+    from tasks.model import MLPClassifier, build, data_info
     from tasks.preprocess import read_manifest
     from tasks.distributed import DistEnv
     from tasks.train import resolve_params, run_stage
@@ -125,9 +126,9 @@ def growing_batch_steps(rows: int = 60_000) -> dict[str, Any]:
         import torch
 
         torch.manual_seed(config.train.seed)
-        model = build_model(ModelSpec(num_features=len(manifest["features"]), num_classes=10, hidden=128))
+        model = build(MLPClassifier(), data_info(manifest), full)
         env = DistEnv(rank=0, local_rank=0, world_size=1, device="cpu")
-        loop = Loop(model=model, optimizer=make_optimizer(model, full), env=env,
+        loop = Loop(model=model, optimizer=make_optimizer(model, full), env=env, spec=MLPClassifier(),
                     train=split_batches(manifest, "train", rank=0, world_size=1, batch_size=32, seed=1),
                     validation=split_batches(manifest, "validation", rank=0, world_size=1, batch_size=4096, seed=0, shuffle=False))
         steps_per_epoch = loop.steps_per_epoch(0)
@@ -136,13 +137,13 @@ def growing_batch_steps(rows: int = 60_000) -> dict[str, Any]:
             return base_lr / factor ** min(step // (steps_per_epoch * epochs_per_phase), 2)
 
         fixed = [loop.train_epoch(decayed) for _ in range(3 * epochs_per_phase)]
-        fixed_accuracy, fixed_steps = fixed[-1].val_accuracy, fixed[-1].steps
+        fixed_accuracy, fixed_steps = fixed[-1].val_metric, fixed[-1].steps
 
         growing, offset, previous = [], 0, None
         for stage in stages:
             result = run_stage(config, stage["name"], out, params, previous)
             history = json.loads(Path(out, "train", stage["name"], "metrics.json").read_text())["history"]
-            growing += [(offset + h["steps"], h["val_accuracy"]) for h in history]
+            growing += [(offset + h["steps"], h["val_metric"]) for h in history]
             offset += result["steps"]
             previous = result["checkpoint_uri"]
         target = fixed_accuracy - 0.005

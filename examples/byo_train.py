@@ -28,7 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from tasks.model import ModelSpec, build_model, load_torch, restore_training_state, save_bundle, save_torch
+from tasks.model import MLPClassifier, build, data_info, load_torch, restore_training_state, save_bundle, save_torch
+from tasks.spec import SpecRef
 from tasks.preprocess import feature_matrix
 
 
@@ -57,9 +58,9 @@ def main() -> None:
     x, y = read_files(files[rank::world], manifest["label"])  # this rank's files only
     x_val, y_val = read_files([e["uri"] for e in manifest["splits"]["validation"]], manifest["label"])
 
-    spec = ModelSpec(num_features=len(manifest["features"]), num_classes=manifest["num_classes"], hidden=args.hidden)
+    data, params = data_info(manifest), {"hidden": args.hidden, "dropout": 0.0}
     torch.manual_seed(int(os.environ.get("STAGEWISE_SEED", 0)))
-    model = build_model(spec)
+    model = build(MLPClassifier(), data, params)
     optimizer = torch.optim.SGD(model.parameters(), lr=float(os.environ["STAGEWISE_LR"]), momentum=0.9)
     checkpoint = f"{os.environ['STAGEWISE_CHECKPOINT_DIR']}/byo.pt"
     fs = fsspec.core.url_to_fs(checkpoint)[0]
@@ -94,8 +95,9 @@ def main() -> None:
         out = os.environ["STAGEWISE_OUTPUT_DIR"]
         save_torch(f"{out}/final.pt", {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                        "global_batch": int(os.environ["STAGEWISE_GLOBAL_BATCH"])})
-        save_bundle(f"{out}/model.pt", model, spec, {key: manifest[key] for key in ("features", "mean", "std", "key", "label")},
-                    {"stage": os.environ["STAGEWISE_STAGE"], "val_accuracy": accuracy})
+        save_bundle(f"{out}/model.pt", model, SpecRef("tasks.model:MLPClassifier"), data, params,
+                    {key: manifest[key] for key in ("features", "mean", "std", "key", "label")},
+                    {"stage": os.environ["STAGEWISE_STAGE"], "val_metric": accuracy})
         seen = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
         with open(os.environ["STAGEWISE_RESULT_FILE"], "w") as handle:
             json.dump({"val_metric": accuracy, "world_size": world, "torchrun_env": seen, "args": vars(args)}, handle)

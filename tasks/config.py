@@ -182,6 +182,11 @@ OPTIMIZERS = ("sgd", "adamw")
 HYPER_DOMAINS = {"lr": "> 0", "weight_decay": ">= 0", "hidden": "a whole number >= 1", "dropout": "in [0, 1)",
                  "momentum": "in [0, 1)", "optimizer": "one of sgd, adamw"}
 TUNABLE = tuple(HYPER_DOMAINS)
+# The hyperparameters the framework itself reads (optimizer and learning-rate rules); a spec adds its own.
+FRAMEWORK_PARAMS = ("lr", "weight_decay", "momentum", "optimizer")
+BUILTIN_SPEC = "tasks.model:MLPClassifier"
+# The built-in spec's own hyperparameters (tasks.model.MLPClassifier.default_params; a test keeps them equal).
+BUILTIN_SPEC_PARAMS = ("hidden", "dropout")
 
 
 def _in_domain(name: str, value: Any) -> bool:
@@ -198,10 +203,15 @@ def _in_domain(name: str, value: Any) -> bool:
     return 0 <= value < 1  # dropout, momentum
 
 
-def hyperparameter_problem(name: str, value: Any) -> str | None:
-    """Why ``value`` is no valid ``name`` (unknown name or outside its obvious domain), or None when it is."""
+def hyperparameter_problem(name: str, value: Any, known: tuple[str, ...] | None = TUNABLE) -> str | None:
+    """Why ``value`` is no valid ``name`` (unknown name or outside its obvious domain), or None when it is.
+
+    ``known=None`` accepts any name (a user's spec declares its own; it is checked when the spec is loaded).
+    """
+    if known is not None and name not in known:
+        return f"unknown hyperparameter '{name}'; known: {list(known)}"
     if name not in HYPER_DOMAINS:
-        return f"unknown hyperparameter '{name}'; known: {list(TUNABLE)}"
+        return None  # a user spec's own parameter: its domain is the spec's to check
     if not _in_domain(name, value):
         return f"{name}={value!r} is out of range: {name} must be {HYPER_DOMAINS[name]}"
     return None
@@ -209,6 +219,8 @@ def hyperparameter_problem(name: str, value: Any) -> str | None:
 
 def _space_problem(name: str, space: SearchParam) -> str | None:
     """Why a search dimension can sample values outside ``name``'s domain, or None."""
+    if name not in HYPER_DOMAINS:
+        return None  # a user spec's own parameter: no domain the framework knows
     if name == "optimizer" and not isinstance(space, CategoricalParam):
         return f"{name}: must be a categorical param (choices among {list(OPTIMIZERS)})"
     if name == "hidden" and isinstance(space, FloatParam):
@@ -263,9 +275,6 @@ class Sweep(_Strict):
     @field_validator("search_space")
     @classmethod
     def _known_params(cls, value: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(value) - set(TUNABLE))
-        if unknown:
-            raise ValueError(f"unknown hyperparameter(s) {unknown}; tunable: {list(TUNABLE)}")
         if "lr" not in value:
             raise ValueError("'lr' must be searched: training rescales it by batch size")
         for name, space in value.items():
@@ -364,7 +373,7 @@ class Train(_Strict):
     @field_validator("default_params")
     @classmethod
     def _params_in_domain(cls, value: dict[str, float | int | str]) -> dict[str, float | int | str]:
-        problems = [problem for name, v in value.items() if (problem := hyperparameter_problem(name, v))]
+        problems = [problem for name, v in value.items() if (problem := hyperparameter_problem(name, v, known=None))]
         if problems:
             raise ValueError("; ".join(problems))
         return value
@@ -411,8 +420,35 @@ class Pool(_Strict):
 class Registry(_Strict):
     """Versioned models under storage_root/models and the gate that moves `current`."""
 
-    gate_metric: Literal["test_accuracy"] = Field("test_accuracy", description="Metric the gate compares.")
-    margin: float = Field(0.0, ge=0, description="A new model must beat the current one by more than this.")
+    gate_metric: str | None = Field(None, description="Test metric the gate compares; default: test_<objective.metric>, in the objective's direction.")
+    margin: float = Field(0.0, ge=0, description="A new model must beat the current one by more than this, in the objective's direction.")
+
+    @field_validator("gate_metric")
+    @classmethod
+    def _test_metric(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^test_\w+$", value):
+            raise ValueError(f"'{value}' is not a test metric name such as test_accuracy")
+        return value
+
+
+class Model(_Strict):
+    """The model: a ModelSpec subclass named by import path, with its arguments (see tasks/spec.py)."""
+
+    spec: str = Field(BUILTIN_SPEC, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+                      description="The ModelSpec as module:Class, importable from the repo root or installed.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the spec class.")
+
+
+class Objective(_Strict):
+    """What 'better' means: drives the sweep, pruning, stage reporting, the gate and the registry."""
+
+    metric: str = Field("accuracy", pattern=r"^\w+$",
+                        description="A validation/test metric the spec reports (its metrics() names, or loss).")
+    direction: Literal["maximize", "minimize"] = Field("maximize", description="maximize or minimize the metric.")
+
+    def better(self, a: float, b: float, margin: float = 0.0) -> bool:
+        """Whether ``a`` beats ``b`` by more than ``margin`` in this direction."""
+        return a > b + margin if self.direction == "maximize" else a < b - margin
 
 
 class Retrain(_Strict):
@@ -440,6 +476,8 @@ class PipelineConfig(_Strict):
     storage_root: str = Field(description="URI under which raw/, runs/ and models/ live (file path, file:// or s3://).")
     storage_conn_id: str = Field("", description="Airflow connection (type aws) with S3 keys and extra endpoint_url; empty: the worker's AWS environment.")
     dataset: Dataset = Field(description="The input table.")
+    model: Model = Field(default_factory=Model, description="The model spec every stage trains, evaluates and serves.")
+    objective: Objective = Field(default_factory=Objective, description="The metric and direction that decide what is better.")
     profiles: dict[str, Profile] = Field(min_length=1, description="Named instance profiles.")
     pools: dict[str, Pool] = Field(default_factory=dict, description="Airflow pools to create (`make airflow-init`); default_pool always exists.")
     preprocess: Preprocess = Field(description="Sharded cleaning, statistics, normalisation and split.")
@@ -454,6 +492,21 @@ class PipelineConfig(_Strict):
     @classmethod
     def _root_filesystem(cls, value: str) -> str:
         return _check_filesystem(value)
+
+    @model_validator(mode="after")
+    def _params_known_to_the_builtin_spec(self) -> "PipelineConfig":
+        if self.model.spec != BUILTIN_SPEC:
+            return self  # a user spec declares its own hyperparameters; checked when it is loaded
+        known = (*FRAMEWORK_PARAMS, *BUILTIN_SPEC_PARAMS)
+        for where, names in (("sweep.search_space", self.sweep.search_space), ("train.default_params", self.train.default_params)):
+            unknown = sorted(set(names) - set(known))
+            if unknown:
+                raise ValueError(f"{where}: unknown hyperparameter(s) {unknown} for {BUILTIN_SPEC}; tunable: {list(known)}")
+        return self
+
+    def gate_metric(self) -> str:
+        """The test metric the gate compares."""
+        return self.registry.gate_metric or f"test_{self.objective.metric}"
 
     @model_validator(mode="after")
     def _profiles_exist(self) -> "PipelineConfig":

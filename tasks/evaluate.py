@@ -18,39 +18,55 @@ log = logging.getLogger("stagewise.evaluate")
 
 
 def evaluate(config: PipelineConfig, model_uri: str, out: str) -> dict[str, Any]:
-    """Test accuracy (overall and per class); fails when below ``evaluate.min_test_accuracy``."""
+    """Every metric of the model's spec on the test split (``test_<name>``; per class too when it predicts
+    classes); fails below ``evaluate.min_test_accuracy``."""
     import numpy as np
     import torch
 
     from tasks.model import load_bundle
     from tasks.preprocess import load_split, read_manifest
+    from tasks.training import accumulate_metrics
 
     torch.set_num_threads(config.profile(config.evaluate.profile).threads_per_process)
     manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
     features, labels = load_split(manifest, "test")
     if len(labels) == 0:
         raise UserError(f"{out}: the committed test split is empty; raise preprocess.split.test")
-    model, bundle = load_bundle(model_uri)
+    bundle = load_bundle(model_uri)
+    model = bundle.module
     nonfinite = [name for name, tensor in model.state_dict().items() if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
     if nonfinite:
         raise UserError(f"{model_uri}: the model's weights are NaN/inf ({', '.join(nonfinite)}): its training diverged, "
                         f"so it is neither evaluated nor registered")
-    if bundle["preprocessing"]["features"] != manifest["features"]:
+    if bundle.preprocessing["features"] != manifest["features"]:
         raise UserError(f"{model_uri}: model features differ from the run's preprocess manifest")
+    batches = [(torch.from_numpy(features[i : i + 8192]), torch.from_numpy(labels[i : i + 8192]))
+               for i in range(0, len(labels), 8192)]
     with torch.no_grad():
-        predicted = torch.cat([model(torch.from_numpy(features[i : i + 8192])).argmax(dim=1)
-                               for i in range(0, len(labels), 8192)]).numpy()
-    correct = predicted == labels
-    per_class = {str(c): float(correct[labels == c].mean()) for c in np.unique(labels)}
-    metrics = {"test_accuracy": float(correct.mean()), "test_rows": int(len(labels)), "per_class_accuracy": per_class,
-               "model_uri": model_uri}
+        sums = accumulate_metrics(bundle.spec, model, batches, "cpu")
+        predicted = [bundle.spec.predict(model(bundle.spec.batch(x, y)[0])).get("prediction") for x, y in batches]
+    values = {name: (total / max(count, 1e-12)) ** (0.5 if root else 1) for name, (total, count, root) in sums.items()}
+    metrics: dict[str, Any] = {f"test_{name}": float(value) for name, value in values.items()}
+    metrics.update({"test_rows": int(len(labels)), "model_uri": model_uri, "spec": bundle.ref.path,
+                    "objective": config.objective.metric})
+    if all(p is not None for p in predicted) and bundle.data.num_classes:
+        correct = torch.cat(predicted).numpy() == labels
+        metrics["per_class_accuracy"] = {str(c): float(correct[labels == c].mean()) for c in np.unique(labels)}
+    objective = f"test_{config.objective.metric}"
+    if objective not in metrics:
+        raise UserError(f"objective.metric '{config.objective.metric}' is not among the test metrics {bundle.ref.path} "
+                        f"reports: {sorted(values)}")
     uri = storage.join(out, "evaluate", "metrics.json")
     storage.write_json(uri, metrics)
-    log.info("test accuracy %.4f on %d rows (model %s)", metrics["test_accuracy"], len(labels), model_uri)
-    if metrics["test_accuracy"] < config.evaluate.min_test_accuracy:
-        raise UserError(f"test accuracy {metrics['test_accuracy']:.4f} is below evaluate.min_test_accuracy="
-                        f"{config.evaluate.min_test_accuracy}")
-    return {"test_accuracy": metrics["test_accuracy"], "test_rows": metrics["test_rows"], "metrics_uri": uri}
+    log.info("test %s %.4f on %d rows (model %s); %s", config.objective.metric, metrics[objective], len(labels), model_uri,
+             ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()) if k.startswith("test_") and k != "test_rows"))
+    minimum = config.evaluate.min_test_accuracy
+    if minimum > 0 and "test_accuracy" not in metrics:
+        raise UserError(f"evaluate.min_test_accuracy={minimum} needs an 'accuracy' metric, which {bundle.ref.path} does not report")
+    if minimum > 0 and metrics["test_accuracy"] < minimum:
+        raise UserError(f"test accuracy {metrics['test_accuracy']:.4f} is below evaluate.min_test_accuracy={minimum}")
+    return {**{k: v for k, v in metrics.items() if k.startswith("test_")}, "test_objective": metrics[objective],
+            "objective": config.objective.metric, "metrics_uri": uri}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -66,6 +66,45 @@ def _row_problems(batch: Any, key: str, features: list[str], matrix: Any) -> Any
     return reasons
 
 
+def _arrow_type(name: str, tensor: Any, spec_path: str) -> Any:
+    """The Parquet column type of a prediction column: a scalar per row, or a fixed-size list."""
+    import pyarrow as pa
+    import torch
+
+    scalar = pa.int64() if not tensor.is_floating_point() and tensor.dtype != torch.bool else (
+        pa.bool_() if tensor.dtype == torch.bool else pa.float32())
+    if tensor.ndim == 1:
+        return scalar
+    if tensor.ndim == 2:
+        return pa.list_(scalar, tensor.shape[1])
+    raise DataError(f"{spec_path}.predict()['{name}'] has shape {tuple(tensor.shape)}: a prediction column must be "
+                    f"(rows,) or (rows, k)")
+
+
+def prediction_columns(bundle: Any, key_field: Any) -> Any:
+    """The output schema: the key, the spec's prediction columns (probed on one row of zeros), the model version."""
+    import pyarrow as pa
+    import torch
+
+    with torch.no_grad():
+        probe_features = torch.zeros(1, bundle.data.num_features)
+        probe = bundle.spec.predict(bundle.module(bundle.spec.batch(probe_features, torch.zeros(1, dtype=torch.int64))[0]))
+    clash = sorted(set(probe) & {key_field.name, "model_version"})
+    if clash:
+        raise DataError(f"{bundle.ref.path}.predict() names column(s) {clash}, which the output already has")
+    return pa.schema([key_field, *(pa.field(name, _arrow_type(name, t, bundle.ref.path)) for name, t in probe.items()),
+                      pa.field("model_version", pa.string())])
+
+
+def _to_arrow(tensor: Any, kind: Any) -> Any:
+    import pyarrow as pa
+
+    values = tensor.detach().cpu().numpy()
+    if pa.types.is_fixed_size_list(kind):
+        return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), kind.value_type), kind.list_size)
+    return pa.array(values, kind)
+
+
 def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], out: str) -> dict[str, Any]:
     """Score one shard into an attempt-unique Parquet file; bad rows fail or go to quarantine with a reason."""
     import numpy as np
@@ -76,8 +115,8 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
     from tasks.model import load_bundle
 
     torch.set_num_threads(config.profile(config.inference.profile).threads_per_process)
-    model, bundle = load_bundle(model_uri)
-    prep = bundle["preprocessing"]
+    bundle = load_bundle(model_uri)
+    model, prep = bundle.module, bundle.preprocessing
     features, key = prep["features"], prep["key"]
     mean, std = np.asarray(prep["mean"]), np.asarray(prep["std"])
     version = model_version(model_uri)
@@ -97,9 +136,7 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
             kind = parquet.schema_arrow.field(name).type
             if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
                 raise DataError(f"{shard['uri']}: feature column '{name}' has type {kind}; the model needs numbers")
-        output_schema = pa.schema([parquet.schema_arrow.field(key), pa.field("prediction", pa.int64()),
-                                   pa.field("probabilities", pa.list_(pa.float32(), bundle["spec"]["num_classes"])),
-                                   pa.field("model_version", pa.string())])
+        output_schema = prediction_columns(bundle, parquet.schema_arrow.field(key))
         writer = pq.ParquetWriter(sink, output_schema)
         try:
             for batch in storage.iter_batches(parquet, [key, *features], config.inference.batch_size, shard["row_groups"],
@@ -127,15 +164,16 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
                     quarantine.write_table(bad)
                     quarantined += len(bad)
                 with torch.no_grad():
-                    scaled = ((matrix[valid] - mean) / std).astype(np.float32)
-                    probabilities = torch.softmax(model(torch.from_numpy(scaled)), dim=1).numpy()
+                    scaled = torch.from_numpy(((matrix[valid] - mean) / std).astype(np.float32))
+                    inputs = bundle.spec.batch(scaled, torch.zeros(len(scaled), dtype=torch.int64))[0]
+                    predicted = bundle.spec.predict(model(inputs))
                 keys = batch.column(key).filter(pa.array(valid))
-                writer.write_table(pa.table({
-                    key: keys,
-                    "prediction": pa.array(probabilities.argmax(axis=1).astype(np.int64)),
-                    "probabilities": pa.FixedSizeListArray.from_arrays(pa.array(probabilities.reshape(-1)), probabilities.shape[1]),
-                    "model_version": pa.repeat(pa.scalar(version, pa.string()), len(keys)),
-                }, schema=output_schema))
+                columns = {key: keys}
+                for field in output_schema:
+                    if field.name in predicted:
+                        columns[field.name] = _to_arrow(predicted[field.name], field.type)
+                columns["model_version"] = pa.repeat(pa.scalar(version, pa.string()), len(keys))
+                writer.write_table(pa.table(columns, schema=output_schema))
                 rows += len(keys)
                 offset += batch.num_rows
                 elapsed = time.monotonic() - started

@@ -74,7 +74,7 @@ def register(storage_root: str, model_uri: str, card: dict[str, Any]) -> dict[st
     full_card = {**card, "version": version, "model_uri": storage.join(folder, "model.pt"),
                  "registered_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     storage.write_json(card_uri, full_card)  # the card, written last, is what makes a version exist
-    log.info("registered model %s (%s)", version, {k: card.get(k) for k in ("test_accuracy", "source_run")})
+    log.info("registered model %s (%s)", version, {k: v for k, v in card.items() if k.startswith("test_") or k == "source_run"})
     return full_card
 
 
@@ -113,8 +113,8 @@ def promote(storage_root: str, version: str, reason: str = "manual") -> dict[str
     return _move_pointer(storage_root, version, history, reason)
 
 
-def gate(storage_root: str, version: str, metric: str, margin: float) -> dict[str, Any]:
-    """Promote ``version`` only if it beats the current model's ``metric`` by ``margin`` (or none is current)."""
+def gate(storage_root: str, version: str, metric: str, margin: float, direction: str = "maximize") -> dict[str, Any]:
+    """Promote ``version`` only if it beats the current model's ``metric`` by ``margin`` in ``direction`` (or none is current)."""
     candidate = card(storage_root, version)
     if metric not in candidate:
         raise UserError(f"model {version} has no metric '{metric}' (registry.gate_metric) in its card")
@@ -124,10 +124,14 @@ def gate(storage_root: str, version: str, metric: str, margin: float) -> dict[st
     elif incumbent["version"] == version:
         decision = {"promoted": False, "reason": "already current"}
     else:
-        needed = incumbent[metric] + margin
-        better = candidate[metric] > needed
-        decision = {"promoted": better, "reason": f"{metric} {candidate[metric]:.4f} {'>' if better else '<='} "
-                                                  f"current {incumbent[metric]:.4f} + margin {margin}"}
+        if metric not in incumbent:
+            raise UserError(f"current model {incumbent['version']} has no metric '{metric}' to compare with: it was "
+                            f"trained for another objective; promote explicitly (python -m tasks.registry promote {version})")
+        minimize = direction == "minimize"
+        better = candidate[metric] < incumbent[metric] - margin if minimize else candidate[metric] > incumbent[metric] + margin
+        relation = ("<" if better else ">=") if minimize else (">" if better else "<=")
+        decision = {"promoted": better, "reason": f"{metric} {candidate[metric]:.4f} {relation} current "
+                                                  f"{incumbent[metric]:.4f} {'-' if minimize else '+'} margin {margin}"}
         decision["previous"] = incumbent["version"]
     if decision["promoted"]:
         promote(storage_root, version, reason=f"gate: {decision['reason']}")
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
             now = pointer(root)["version"]
             for entry in versions(root):
                 mark = "*" if entry["version"] == now else " "
-                print(f"{mark} {entry['version']}  {entry['registered_at']}  test_accuracy={entry.get('test_accuracy')}  "
+                print(f"{mark} {entry['version']}  {entry['registered_at']}  {entry.get('objective', 'accuracy')}={entry.get('test_' + entry.get('objective', 'accuracy'))}  "
                       f"run={entry.get('source_run')}")
         elif args.command == "show":
             import json

@@ -45,6 +45,8 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
         "training": [{key: stage.get(key) for key in ("stage", "world_size", "global_batch", "lr", "epochs", "steps",
                                                       "val_metric", "checkpoint_uri")} for stage in training],
         "test_accuracy": evaluation.get("test_accuracy"),
+        "objective": {"metric": evaluation.get("objective"), "test": evaluation.get("test_objective")},
+        "test_metrics": {k: v for k, v in evaluation.items() if k.startswith("test_") and k != "test_objective"},
         "model_uri": training[-1].get("model_uri") if training else None,
         "registry": registry,
         "predictions": {"uri": predictions.get("uri"), "rows": predictions.get("rows"),
@@ -54,7 +56,7 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
     uri = storage.join(out, "report.json")
     storage.write_json(uri, report)
     log.info("report written to %s", uri)
-    return {"report_uri": uri, "test_accuracy": report["test_accuracy"]}
+    return {"report_uri": uri, "test_accuracy": report["test_accuracy"], "test_objective": report["objective"]["test"]}
 
 
 def build_inference_report(*, dag_id: str, run_id: str, out: str, model: dict[str, Any],
@@ -72,14 +74,16 @@ def build_inference_report(*, dag_id: str, run_id: str, out: str, model: dict[st
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
     sweep, stages = report["sweep"], report["stages"]
+    metric = (report.get("objective") or {}).get("metric") or "accuracy"
     lines = [f"run {report['dag_id']} / {report['run_id']}",
              f"  data: {report['data']['rows']} rows by split, {report['data']['rows_dropped']} dropped as dirty",
              f"  sweep: {sweep['n_trials']} trials ({sweep['n_complete']} complete, {sweep['n_pruned']} pruned, "
-             f"{sweep['n_failed']} failed), best val accuracy {sweep['best_value']:.4f}"]
+             f"{sweep['n_failed']} failed), best val {metric} {sweep['best_value']:.4f}"]
     for stage in report["training"]:
         lines.append(f"  train {stage['stage']}: world size {stage['world_size']}, global batch {stage['global_batch']}, "
-                     f"lr {stage['lr']:.4g}, {stage['epochs']} epochs, val accuracy {stage['val_metric']:.4f}")
-    lines.append(f"  test accuracy: {report['test_accuracy']:.4f}")
+                     f"lr {stage['lr']:.4g}, {stage['epochs']} epochs, val {metric} {stage['val_metric']:.4f}")
+    test = (report.get("objective") or {}).get("test")
+    lines.append(f"  test {metric}: {test if test is not None else report['test_accuracy']:.4f}")
     registry = report.get("registry") or {}
     if registry:
         lines.append(f"  registry: {registry['version']} {'promoted to current' if registry['promoted'] else 'not promoted'}"

@@ -115,7 +115,8 @@ def create(config: PipelineConfig, name: str) -> dict[str, Any]:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     backend = open_storage(config.sweep.storage)
-    study = optuna.create_study(study_name=name, storage=backend, direction="maximize", load_if_exists=True)
+    study = optuna.create_study(study_name=name, storage=backend, direction=config.objective.direction,
+                                load_if_exists=True)
     warm = config.sweep.warm_start_from
     if warm and not study.trials and not study.user_attrs.get("warm_started_from"):
         try:
@@ -147,7 +148,8 @@ def outcome(trial: Any) -> str:
 def best_trial(study: Any) -> Any | None:
     """The best trial that completed and trained (Optuna's own best_trial would accept a 0-step one)."""
     complete = [t for t in study.get_trials(deepcopy=False) if _counted(t) and outcome(t) == "COMPLETE"]
-    return max(complete, key=lambda t: t.value, default=None)
+    pick = min if study.direction.name == "MINIMIZE" else max
+    return pick(complete, key=lambda t: t.value, default=None)
 
 
 def _ask(study: Any, sweep: Sweep) -> Any:
@@ -195,9 +197,8 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict
 
     from tasks.distributed import distributed_job
     from tasks.loader import split_batches
-    from tasks.model import ModelSpec, build_model
+    from tasks.model import model_for_run
     from tasks.preprocess import read_manifest
-    from tasks.train import resolve_params
     from tasks.training import Loop, make_optimizer
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -240,14 +241,13 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict
             value, state, steps = float("nan"), "FAIL" if error else "COMPLETE", 0
             if not error:
                 try:
-                    params = resolve_params(config, suggested)
                     torch.manual_seed(sweep.seed + (trial.number if trial else 0))
-                    model = build_model(ModelSpec(num_features=len(manifest["features"]), num_classes=manifest["num_classes"],
-                                                  hidden=params["hidden"], dropout=float(params["dropout"]))).to(env.device)
+                    built = model_for_run(config, manifest, suggested)
+                    params, model = built.params, built.module.to(env.device)
                     loop = Loop(model=model, optimizer=make_optimizer(model, params), env=env, train=train,
-                                validation=validation, seed=sweep.seed)
+                                validation=validation, spec=built.spec, objective=config.objective.metric, seed=sweep.seed)
                     for epoch in range(sweep.epochs):
-                        value = loop.train_epoch(lambda _step: params["lr"]).val_accuracy  # identical on every rank
+                        value = loop.train_epoch(lambda _step: params["lr"]).val_metric  # identical on every rank
                         steps = loop.position.step
                         epochs_run += 1
                         prune = False
@@ -272,10 +272,10 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict
                     log.warning("trial %d failed: %s", trial.number, error)
                 study.tell(trial, value if state == "COMPLETE" else None, state=optuna.trial.TrialState[state])
                 finished = [t for t in study.get_trials(deepcopy=False) if _counted(t)]
-                best = max((t.value for t in finished if outcome(t) == "COMPLETE"), default=None)
-                log.info("worker %d: trial %d %s (value %.4f, %s); study %d/%d trials done, best so far %s, %.1fs elapsed",
-                         worker, trial.number, state.lower(), value, suggested, len(finished), sweep.num_trials,
-                         f"{best:.4f}" if best is not None else "n/a", time.monotonic() - started)
+                best = best_trial(study)
+                log.info("worker %d: trial %d %s (val_%s %.4f, %s); study %d/%d trials done, best so far %s, %.1fs elapsed",
+                         worker, trial.number, state.lower(), config.objective.metric, value, suggested, len(finished),
+                         sweep.num_trials, f"{best.value:.4f}" if best is not None else "n/a", time.monotonic() - started)
         return {"worker": worker, "trials_run": remaining, "epochs_run": epochs_run, "world_size": env.world_size}
 
 

@@ -29,7 +29,8 @@ from tasks.errors import UserError
 
 log = logging.getLogger("stagewise.train")
 
-HYPER_DEFAULTS = {"lr": 0.05, "weight_decay": 0.0, "momentum": 0.9, "hidden": 128, "dropout": 0.0, "optimizer": "sgd"}
+# The framework's own hyperparameters; a spec adds its own (ModelSpec.default_params).
+FRAMEWORK_DEFAULTS = {"lr": 0.05, "weight_decay": 0.0, "momentum": 0.9, "optimizer": "sgd"}
 # Fault injection for tests: rank R SIGKILLs itself after optimizer step S of a fresh (not resumed) run.
 FAULT_ENV = "STAGEWISE_FAULT_KILL_AT"
 
@@ -38,15 +39,22 @@ def stage_prefix(out: str, stage: str) -> str:
     return storage.join(out, "train", stage)
 
 
-def resolve_params(config: PipelineConfig, swept: dict[str, Any]) -> dict[str, Any]:
-    """Hyperparameters: built-in defaults, then train.default_params, then the sweep's best (each checked by name)."""
+def resolve_params(config: PipelineConfig, swept: dict[str, Any], spec: Any = None) -> dict[str, Any]:
+    """Hyperparameters: the framework's and the spec's defaults, then train.default_params, then the sweep's best
+    (each checked by name: the framework's and those the spec declares)."""
+    from tasks.model import load_spec
+
     if not isinstance(swept or {}, dict):
         raise UserError(f"--params must be a JSON object of hyperparameters, got {type(swept).__name__}")
-    params = {**HYPER_DEFAULTS, **config.train.default_params, **(swept or {})}
-    problems = [problem for name, value in params.items() if (problem := hyperparameter_problem(name, value))]
+    spec = spec or load_spec(config)
+    known = (*FRAMEWORK_DEFAULTS, *spec.default_params)
+    params = {**FRAMEWORK_DEFAULTS, **spec.default_params, **config.train.default_params, **(swept or {})}
+    problems = [problem for name, value in params.items() if (problem := hyperparameter_problem(name, value, known))]
     if problems:
-        raise UserError(f"bad hyperparameter(s) in --params / sweep result / train.default_params: {'; '.join(problems)}")
-    params["hidden"] = int(params["hidden"])
+        raise UserError(f"bad hyperparameter(s) in --params / sweep result / train.default_params for {config.model.spec}: "
+                        f"{'; '.join(problems)}")
+    if "hidden" in params:
+        params["hidden"] = int(params["hidden"])
     return params
 
 
@@ -108,7 +116,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
     from tasks.checkpoint import CheckpointStore
     from tasks.distributed import distributed_job
     from tasks.loader import split_batches
-    from tasks.model import ModelSpec, build_model, load_torch, restore_training_state, save_bundle, save_torch
+    from tasks.model import load_torch, model_for_run, preprocessing_of, restore_training_state, save_bundle, save_torch
     from tasks.preprocess import read_manifest
     from tasks.training import Diverged, Loop, Position, eta_s, make_optimizer, scaled_lr, warmup_factor
 
@@ -116,7 +124,6 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
     profile = config.profile(stage.profile)
     with distributed_job(profile.device, profile.threads_per_process) as env:
         manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
-        params = resolve_params(config, swept)
         micro_batch = stage.micro_batch(env.world_size)
         global_batch = micro_batch * env.world_size * stage.grad_accum_steps
         data_seed = config.train.seed + 7919 * (config.train.stages.index(stage) + 1)
@@ -126,10 +133,10 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         if train.steps_per_epoch(0) == 0:
             raise UserError(f"stage {stage.name}: per-process batch {micro_batch} exceeds the ~{train.num_rows // env.world_size} "
                             f"train rows each of {env.world_size} rank(s) gets; lower the batch or the process count")
-        spec = ModelSpec(num_features=len(manifest["features"]), num_classes=manifest["num_classes"],
-                         hidden=params["hidden"], dropout=float(params["dropout"]))
         torch.manual_seed(config.train.seed)
-        model = build_model(spec).to(env.device)  # before the optimizer exists or loads state: its buffers follow the params
+        built = model_for_run(config, manifest, swept)
+        params = built.params
+        model = built.module.to(env.device)  # before the optimizer exists or loads state: its buffers follow the params
         optimizer = make_optimizer(model, params)
         digest = config_hash(stage.model_dump(), params, env.world_size, config.train.seed)
         prefix = stage_prefix(out, stage.name)
@@ -159,8 +166,8 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         lr = scaled_lr(params["lr"], global_batch, config.train.base_batch, config.train.lr_rule)
         warmup = stage.warmup_steps if (previous_batch is None or global_batch > previous_batch) else 0
         # Checked at each checkpoint step too, so no checkpoint is ever written from NaN weights.
-        loop = Loop(model=model, optimizer=optimizer, env=env, train=train, validation=validation,
-                    grad_accum_steps=stage.grad_accum_steps, seed=data_seed,
+        loop = Loop(model=model, optimizer=optimizer, env=env, train=train, validation=validation, spec=built.spec,
+                    objective=config.objective.metric, grad_accum_steps=stage.grad_accum_steps, seed=data_seed,
                     check_every_steps=config.train.checkpoint_every_steps)
         loop.position = position
         fault_step = _fault_step(env.rank) if resumed_from is None else None
@@ -190,25 +197,26 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             history.append(asdict(result))
             if env.master:
                 done = result.epoch + 1
-                log.info("stage %s epoch %d/%d: loss %.4f, val_accuracy %.4f, %.0f samples/s, lr %.4g, step %d, ETA %.0fs",
-                         stage.name, done, stage.epochs, result.train_loss, result.val_accuracy, result.samples_per_s,
+                log.info("stage %s epoch %d/%d: loss %.4f, val_%s %.4f, %.0f samples/s, lr %.4g, step %d, ETA %.0fs",
+                         stage.name, done, stage.epochs, result.train_loss, config.objective.metric, result.val_metric,
+                         result.samples_per_s,
                          result.lr, result.steps, eta_s(done - first_epoch, stage.epochs - first_epoch, time.monotonic() - started))
                 storage.write_json(storage.join(prefix, "metrics.json"), {"stage": stage.name, "history": history, "complete": False})
-        final = history[-1] if history else {"val_accuracy": float("nan")}
+        final = history[-1] if history else {"val_metric": float("nan"), "val_metrics": {}}
         final_uri = storage.join(prefix, "final.pt")
         result_info = {"stage": stage.name, "world_size": env.world_size, "global_batch": global_batch,
                        "per_process_batch": micro_batch, "grad_accum_steps": stage.grad_accum_steps, "lr": lr,
-                       "warmup_steps": warmup, "epochs": stage.epochs, "val_metric": final["val_accuracy"],
+                       "warmup_steps": warmup, "epochs": stage.epochs, "val_metric": final["val_metric"],
+                       "val_metrics": final["val_metrics"], "objective": config.objective.metric,
                        "steps": loop.position.step, "resumed_from_step": resumed_from, "checkpoint_uri": final_uri}
         if env.master:
             if loop.position.step != resumed_from:
                 checkpoints.save(loop.position.step, state_now())  # a re-run of a finished stage retrains nothing
             save_torch(final_uri, state_now())
             model_uri = storage.join(prefix, "model.pt")
-            save_bundle(model_uri, loop.module.cpu(), spec,
-                        {"features": manifest["features"], "mean": manifest["mean"], "std": manifest["std"],
-                         "key": manifest["key"], "label": manifest["label"]},
-                        {"stage": stage.name, "params": json.dumps(params), "val_accuracy": final["val_accuracy"]})
+            save_bundle(model_uri, loop.module.cpu(), built.ref, built.data, params, preprocessing_of(manifest),
+                        {"stage": stage.name, "objective": config.objective.metric, "val_metric": final["val_metric"],
+                         "val_metrics": final["val_metrics"]})
             storage.write_json(storage.join(prefix, "metrics.json"),
                                {**result_info, "params": params, "history": history, "complete": True})
             result_info["model_uri"] = model_uri

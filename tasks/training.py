@@ -13,14 +13,14 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tasks.distributed import DistEnv
 from tasks.errors import UserError
+from tasks.spec import Average, ModelSpec
 
 if TYPE_CHECKING:
     from tasks.loader import ParquetBatches
@@ -67,8 +67,10 @@ class EpochResult:
     """Zero-based epoch number."""
     train_loss: float
     """Mean training loss over the epoch's samples."""
-    val_accuracy: float
-    """Accuracy on the validation split."""
+    val_metric: float
+    """The objective's metric on the validation split."""
+    val_metrics: dict[str, float]
+    """Every metric the spec reports on the validation split, plus ``loss``."""
     samples_per_s: float
     """Training samples per second over all ranks (validation excluded)."""
     lr: float
@@ -97,8 +99,8 @@ class Loop:
     """Runs epochs of one model over per-rank Parquet batches; DDP-wrapped when the job has several ranks."""
 
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv,
-                 train: "ParquetBatches", validation: "ParquetBatches", grad_accum_steps: int = 1, seed: int = 0,
-                 check_every_steps: int | None = None) -> None:
+                 train: "ParquetBatches", validation: "ParquetBatches", spec: ModelSpec, objective: str = "accuracy",
+                 grad_accum_steps: int = 1, seed: int = 0, check_every_steps: int | None = None) -> None:
         """``check_every_steps``: also check for divergence after every this many optimizer steps (besides each
         epoch's end); give the checkpoint interval so no checkpoint is ever written from NaN weights."""
         self.env = env
@@ -114,6 +116,8 @@ class Loop:
         self.seed = seed
         self.position = Position()
         self.check_every_steps = check_every_steps
+        self.spec, self.objective = spec, objective
+        self._metric_names: list[str] | None = None
         # Kept on the device and read only at checks, so a step never waits for the GPU.
         self._pending_loss = torch.zeros((), dtype=torch.float64, device=env.device)
         self._first_bad_step = torch.full((), _NO_STEP, dtype=torch.int64, device=env.device)
@@ -152,7 +156,8 @@ class Loop:
             torch.manual_seed(hash((self.seed, position.epoch, index, self.env.rank)) & 0x7FFFFFFF)
             sync = self.model.no_sync() if (self.env.distributed and not boundary) else contextlib.nullcontext()
             with sync:
-                loss = F.cross_entropy(self.model(inputs), targets)
+                inputs, targets = self.spec.batch(inputs, targets)
+                loss = self.spec.loss(self.model(inputs), targets)
                 (loss / self.grad_accum_steps).backward()
             detached = loss.detach()
             self._pending_loss += detached.double() * len(targets)
@@ -173,11 +178,22 @@ class Loop:
                     on_step(self)
         self.check_finite(lr_at)
         elapsed = time.perf_counter() - started
-        correct, count = self.evaluate_counts()
-        loss_sum, seen, new_samples, correct, count = self._all_reduce(
-            [position.loss_sum, position.seen, position.seen - samples_before, correct, count])
-        result = EpochResult(epoch=position.epoch, train_loss=loss_sum / max(seen, 1), val_accuracy=correct / max(count, 1),
-                             samples_per_s=new_samples / max(elapsed, 1e-9), lr=lr, steps=position.step)
+        sums = self.validation_sums()
+        names = self._agreed_metric_names(sums)
+        totals = [float(sums[name][0]) if name in sums else 0.0 for name in names]
+        counts = [float(sums[name][1]) if name in sums else 0.0 for name in names]
+        reduced = self._all_reduce([position.loss_sum, position.seen, position.seen - samples_before, *totals, *counts])
+        loss_sum, seen, new_samples = reduced[:3]
+        roots = {name: bool(sums[name][2]) for name in sums}
+        metrics = {}
+        for index, name in enumerate(names):
+            mean = reduced[3 + index] / max(reduced[3 + len(names) + index], 1e-12)
+            metrics[name] = math.sqrt(mean) if roots.get(name) else mean
+        if self.objective not in metrics:
+            raise UserError(f"objective.metric '{self.objective}' is not among the validation metrics "
+                            f"{type(self.spec).__name__} reports: {sorted(metrics)}")
+        result = EpochResult(epoch=position.epoch, train_loss=loss_sum / max(seen, 1), val_metric=metrics[self.objective],
+                             val_metrics=metrics, samples_per_s=new_samples / max(elapsed, 1e-9), lr=lr, steps=position.step)
         self.position = Position(epoch=position.epoch + 1, step=position.step)
         return result
 
@@ -208,16 +224,46 @@ class Loop:
                        f"--params or train.default_params) or check the data", epoch=epoch, step=step, lr=lr)
 
     @torch.no_grad()
-    def evaluate_counts(self) -> tuple[int, int]:
-        """Correct predictions and count on this rank's part of the validation split."""
+    def validation_sums(self) -> dict[str, tuple[float, float, bool]]:
+        """This rank's (total, count, root) of every validation metric, ``loss`` included."""
         self.module.eval()
-        correct, count = 0, 0
-        for inputs, targets in self.validation_data.epoch(0):
-            inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
-            correct += int((self.module(inputs).argmax(dim=1) == targets).sum())
-            count += len(targets)
+        sums = accumulate_metrics(self.spec, self.module, self.validation_data.epoch(0), self.env.device)
         self.module.train()
-        return correct, count
+        return sums
+
+    def _agreed_metric_names(self, sums: dict[str, tuple[float, float, bool]]) -> list[str]:
+        # A rank without validation rows has no names of its own: every rank takes the union, once.
+        if self._metric_names is None:
+            names = set(sums)
+            if self.env.distributed:
+                import torch.distributed as dist
+
+                gathered: list[Any] = [None] * self.env.world_size
+                dist.all_gather_object(gathered, sorted(names))
+                names = set().union(*map(set, gathered))
+            self._metric_names = sorted(names)
+        return self._metric_names
+
+
+def accumulate_metrics(spec: ModelSpec, module: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                       device: str) -> dict[str, tuple[float, float, bool]]:
+    """Sum a spec's metrics (and its loss) over batches: name -> (total, count, root). Shared by validation and test."""
+    totals: dict[str, list[Any]] = {}
+    for features, labels in batches:
+        inputs, targets = spec.batch(features.to(device), labels.to(device))
+        outputs = module(inputs)
+        reported = spec.metrics(outputs, targets)
+        if not isinstance(reported, dict):
+            raise UserError(f"{type(spec).__name__}.metrics must return a dict of name -> Average, got {type(reported).__name__}")
+        rows = len(targets)
+        for name, value in {**reported, "loss": Average(spec.loss(outputs, targets).detach() * rows, rows)}.items():
+            if not isinstance(value, Average):
+                raise UserError(f"{type(spec).__name__}.metrics()['{name}'] is a {type(value).__name__}, not an "
+                                f"Average(total, count): per-batch means cannot be reduced across batches and ranks")
+            entry = totals.setdefault(name, [0.0, 0.0, value.root])
+            entry[0] = entry[0] + value.total  # stays on the device until the end: no sync per batch
+            entry[1] = entry[1] + value.count
+    return {name: (float(total), float(count), root) for name, (total, count, root) in totals.items()}
 
 
 def make_optimizer(model: nn.Module, params: dict) -> torch.optim.Optimizer:

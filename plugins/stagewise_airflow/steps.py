@@ -220,7 +220,9 @@ def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dic
     config = run_config(run)
 
     def work() -> dict[str, Any]:
-        card = {"test_accuracy": evaluation["test_accuracy"], "val_accuracy": trained.get("val_metric"),
+        card = {**{k: v for k, v in evaluation.items() if k.startswith("test_") and k != "test_objective"},
+                "objective": config.objective.metric, "direction": config.objective.direction,
+                f"val_{config.objective.metric}": trained.get("val_metric"),
                 "params": swept.get("best_params"), "study": run["study"], "source_run": f"{run['dag_id']}/{run['run_id']}",
                 "data_fingerprint": registry.data_fingerprint(storage.join(run["out"], "preprocess", "manifest.json")),
                 "code_version": registry.code_version(), "stages": [trained.get("stage")]}
@@ -236,7 +238,8 @@ def gate_model(run: dict[str, Any], registered: dict[str, Any]) -> dict[str, Any
     config = run_config(run)
 
     def work() -> dict[str, Any]:
-        decision = registry.gate(config.storage_root, registered["version"], config.registry.gate_metric, config.registry.margin)
+        decision = registry.gate(config.storage_root, registered["version"], config.gate_metric(), config.registry.margin,
+                                 config.objective.direction)
         return {**decision, "model_uri": registry.card(config.storage_root, decision["current"])["model_uri"]}
 
     return _inline(config, work)

@@ -13,13 +13,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_airflow_env(home: Path, storage_root: str, journal_dir: Path, extra: dict | None = None,
-                     config: dict | None = None, data_env: dict | None = None) -> dict:
+                     config: dict | None = None, data_env: dict | None = None,
+                     base_config: Path = REPO_ROOT / "pipeline.yaml") -> dict:
     """A fresh Airflow home and DB, pools created, the demo config on ``storage_root`` and its data written.
 
     ``extra`` joins every process's environment, ``config`` the top-level config keys, and
-    ``data_env`` only the environment of the process that writes the demo data.
+    ``data_env`` only the environment of the process that writes the demo data; ``base_config``
+    is the YAML those changes apply to (an example's, say).
     """
-    with open(REPO_ROOT / "pipeline.yaml") as handle:
+    with open(base_config) as handle:
         raw = yaml.safe_load(handle)
     raw.update(config or {})
     raw["storage_root"] = storage_root

@@ -17,7 +17,8 @@ from tasks import infer, storage, train
 from tasks.config import load_config
 from tasks.errors import UserError
 from tasks.evaluate import evaluate
-from tasks.model import ModelSpec, build_model, load_bundle, save_bundle
+from tasks.model import BUILTIN_SPEC, MLPClassifier, build, data_info, load_bundle, preprocessing_of, save_bundle
+from tasks.spec import DataInfo, SpecRef
 from tasks.preprocess import load_split, read_manifest
 from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
 from tests.conftest import base_config, preprocess_digits
@@ -41,14 +42,14 @@ def trained(tmp_path_factory):
 def _constant_model(out: str, path: Path, label: int) -> str:
     """A bundle that always predicts ``label`` (zero weights, one positive bias): its accuracy is that label's share."""
     manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
-    spec = ModelSpec(num_features=len(manifest["features"]), num_classes=manifest["num_classes"], hidden=8)
-    model = build_model(spec)
+    params = {"hidden": 8, "dropout": 0.0}
+    model = build(MLPClassifier(), data_info(manifest), params)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.zero_()
         model[-1].bias[label] = 1.0
     uri = str(path / "constant.pt")
-    save_bundle(uri, model, spec, {name: manifest[name] for name in ("features", "mean", "std", "key", "label")}, {})
+    save_bundle(uri, model, SpecRef(BUILTIN_SPEC), data_info(manifest), params, preprocessing_of(manifest), {})
     return uri
 
 
@@ -61,7 +62,7 @@ def test_evaluate_reports_the_models_accuracy_on_the_test_rows(trained):
     result = evaluate(load_config(config_path), model_uri, out)
     assert 0.0 <= result["test_accuracy"] <= 1.0
     features, labels = load_split(read_manifest(storage.join(out, "preprocess", "manifest.json")), "test")
-    model, _ = load_bundle(model_uri)
+    model = load_bundle(model_uri).module
     with torch.no_grad():
         expected = float((model(torch.from_numpy(features)).argmax(dim=1).numpy() == labels).mean())
     assert result["test_accuracy"] == pytest.approx(expected)
@@ -86,10 +87,10 @@ def test_evaluate_below_the_gate_is_a_user_error(trained, tmp_path):
 def test_evaluate_refuses_a_model_of_other_features(trained, tmp_path):
     """A bundle trained on other columns is refused rather than scored on the wrong inputs."""
     config_path, out, _ = trained
-    spec = ModelSpec(num_features=3, num_classes=10, hidden=8)
+    data, params = DataInfo(features=["a", "b", "c"], num_classes=10), {"hidden": 8, "dropout": 0.0}
     uri = str(tmp_path / "other.pt")
-    save_bundle(uri, build_model(spec), spec, {"features": ["a", "b", "c"], "mean": [0] * 3, "std": [1] * 3,
-                                               "key": "row_id", "label": "label"}, {})
+    save_bundle(uri, build(MLPClassifier(), data, params), SpecRef(BUILTIN_SPEC), data, params,
+                {"features": ["a", "b", "c"], "mean": [0] * 3, "std": [1] * 3, "key": "row_id", "label": "label"}, {})
     with pytest.raises(UserError, match="features differ"):
         evaluate(load_config(config_path), uri, out)
 
@@ -99,10 +100,10 @@ def test_evaluate_refuses_a_model_with_nan_weights(trained, tmp_path):
     it never reaches the registry; no metrics are written."""
     config_path, out, _ = trained
     uri = _constant_model(out, tmp_path, 0)
-    model, bundle = load_bundle(uri)
+    bundle = load_bundle(uri)
     with torch.no_grad():
-        model[0].weight[0, 0] = float("nan")
-    save_bundle(uri, model, ModelSpec(**bundle["spec"]), bundle["preprocessing"], {})
+        bundle.module[0].weight[0, 0] = float("nan")
+    save_bundle(uri, bundle.module, bundle.ref, bundle.data, bundle.params, bundle.preprocessing, {})
     metrics = Path(storage.join(out, "evaluate", "metrics.json"))
     before = metrics.read_bytes() if metrics.exists() else None
     with pytest.raises(UserError, match="weights are NaN/inf") as caught:
@@ -195,7 +196,7 @@ def test_predictions_match_the_model_on_normalised_inputs(trained):
     features, _ = load_split(preprocess_manifest, "test")
     keys = np.concatenate([pq.read_table(e["uri"], columns=["row_id"]).column(0).to_numpy()
                            for e in preprocess_manifest["splits"]["test"]])  # same files, same order as load_split
-    model, _ = load_bundle(model_uri)
+    model = load_bundle(model_uri).module
     with torch.no_grad():
         expected = model(torch.from_numpy(features)).argmax(dim=1).numpy()
     agreement = (scored.loc[keys].to_numpy() == expected).mean()

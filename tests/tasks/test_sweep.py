@@ -202,10 +202,10 @@ def test_objective_fault_injected_in_the_model_fails_each_trial(digits_run, sing
     """An exception from model building (forced on purpose) fails the trial with its message; the worker carries on."""
     config, out = _fast_config(digits_run, num_trials=2, num_workers=1)
 
-    def broken(spec):
+    def broken(spec, data, params):
         raise RuntimeError("forced fault")
 
-    monkeypatch.setattr("tasks.model.build_model", broken)
+    monkeypatch.setattr("tasks.model.build", broken)
     create(config, "forced")
     assert run_worker(config, "forced", 0, out)["trials_run"] == 2
     with pytest.raises(UserError, match="forced fault"):

@@ -66,10 +66,10 @@ def test_failing_trials_are_recorded_and_an_all_failed_sweep_says_why(digits_run
     config_path, out = digits_run
     config = _config(config_path)
 
-    def broken_model(spec):
+    def broken_model(spec, data, params):
         raise MemoryError("model too big for this worker")
 
-    monkeypatch.setattr("tasks.model.build_model", broken_model)
+    monkeypatch.setattr("tasks.model.build", broken_model)
     create(config, "doomed")
     run_worker(config, "doomed", 0, out)
     study = optuna.load_study(study_name="doomed", storage=open_storage(config.sweep.storage))

@@ -17,7 +17,8 @@ from tasks.distributed import DistEnv
 from tasks.errors import UserError
 from tasks.loader import ParquetBatches
 from tasks.preprocess import Columns
-from tasks.model import ModelSpec, build_model, load_bundle
+from tasks.model import MLPClassifier, build, load_bundle
+from tasks.spec import DataInfo
 from tasks.training import Loop, scaled_lr, warmup_factor
 
 CPU = DistEnv(rank=0, local_rank=0, world_size=1, device="cpu")
@@ -157,13 +158,13 @@ def _blobs(tmp_path: Path, name: str, num_rows: int, seed: int) -> str:
 
 def _loop(tmp_path: Path, grad_accum_steps: int = 1) -> Loop:
     torch.manual_seed(0)
-    model = build_model(ModelSpec(num_features=2, num_classes=4, hidden=16))
+    model = build(MLPClassifier(), DataInfo(features=["x0", "x1"], num_classes=4), {"hidden": 16, "dropout": 0.0})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     train_data = ParquetBatches([_blobs(tmp_path, "train", 600, 1)], ["x0", "x1"], "label", rank=0, world_size=1,
                                 batch_size=16, seed=0)
     validation = ParquetBatches([_blobs(tmp_path, "validation", 200, 2)], ["x0", "x1"], "label", rank=0, world_size=1,
                                 batch_size=64, seed=0, shuffle=False)
-    return Loop(model=model, optimizer=optimizer, env=CPU, train=train_data, validation=validation,
+    return Loop(model=model, optimizer=optimizer, env=CPU, train=train_data, validation=validation, spec=MLPClassifier(),
                 grad_accum_steps=grad_accum_steps, seed=0)
 
 
@@ -171,7 +172,7 @@ def test_single_process_loop_learns_a_separable_set(tmp_path):
     """A few epochs lift validation accuracy far above chance (0.25) and lower the training loss."""
     loop = _loop(tmp_path)
     results = [loop.train_epoch(lambda _step: 0.05) for _ in range(3)]
-    assert results[-1].val_accuracy > 0.9
+    assert results[-1].val_metric > 0.9 and results[-1].val_metrics["accuracy"] == results[-1].val_metric
     assert results[-1].train_loss < results[0].train_loss
     assert [r.epoch for r in results] == [0, 1, 2]
     assert results[-1].steps == sum(loop.steps_per_epoch(e) for e in range(3))
@@ -198,9 +199,9 @@ def test_resolve_params_precedence(write_config):
     params = train.resolve_params(config, {"weight_decay": 0.02, "lr": 0.2, "hidden": 64.0})
     assert params["momentum"] == 0.5, "train.default_params beats the built-in default"
     assert params["weight_decay"] == 0.02 and params["lr"] == 0.2, "the sweep beats train.default_params"
-    assert params["dropout"] == train.HYPER_DEFAULTS["dropout"], "untouched keys keep the built-in default"
+    assert params["dropout"] == MLPClassifier.default_params["dropout"], "untouched keys keep the spec's default"
     assert params["hidden"] == 64 and isinstance(params["hidden"], int)
-    assert train.resolve_params(config, {})["lr"] == train.HYPER_DEFAULTS["lr"]
+    assert train.resolve_params(config, {})["lr"] == train.FRAMEWORK_DEFAULTS["lr"]
 
 
 @pytest.mark.parametrize("where", ["swept", "default_params"])
@@ -253,15 +254,18 @@ def test_stage_writes_its_outputs_only_under_its_prefix(digits_run, storage_root
     assert 0.0 <= result["val_metric"] <= 1.0 and result["world_size"] == 1
     # Checkpoints hold tensors and plain values only.
     state = torch.load(result["checkpoint_uri"], weights_only=True)
-    assert state["global_batch"] == result["global_batch"] and set(state["model"]) == set(build_model(
-        ModelSpec(num_features=64, num_classes=10, hidden=32)).state_dict())
+    assert state["global_batch"] == result["global_batch"] and set(state["model"]) == set(build(
+        MLPClassifier(), DataInfo(features=[f"f{i}" for i in range(64)], num_classes=10), {"hidden": 32, "dropout": 0.0}
+    ).state_dict())
     for path in added:
         if path.endswith(".pt"):
             torch.load(path, weights_only=True)
-    model, bundle = load_bundle(result["model_uri"])
+    bundle = load_bundle(result["model_uri"])
+    model = bundle.module
     manifest = storage.read_json(storage.join(out, "preprocess", "manifest.json"))
-    assert bundle["preprocessing"]["features"] == manifest["features"], "the bundle carries its normalisation"
-    assert bundle["preprocessing"]["mean"] == manifest["mean"] and not model.training
+    assert bundle.preprocessing["features"] == manifest["features"], "the bundle carries its normalisation"
+    assert bundle.preprocessing["mean"] == manifest["mean"] and not model.training
+    assert bundle.ref.path == "tasks.model:MLPClassifier" and bundle.params["hidden"] == 32
 
 
 def test_rerun_resumes_from_the_checkpoint_without_retraining(digits_run, single_process):
@@ -276,7 +280,7 @@ def test_rerun_resumes_from_the_checkpoint_without_retraining(digits_run, single
     again = storage.read_json(storage.join(train.stage_prefix(out, "s1"), "metrics.json"))["history"]
     assert len(again) == len(history)
     assert again[:-1] == history[:-1], "finished epochs come from the checkpoint, not from training again"
-    assert again[-1]["val_accuracy"] == history[-1]["val_accuracy"]
+    assert again[-1]["val_metric"] == history[-1]["val_metric"]
     for name, tensor in torch.load(second["checkpoint_uri"], weights_only=True)["model"].items():
         assert torch.equal(tensor, weights[name])
 

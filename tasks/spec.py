@@ -1,0 +1,115 @@
+"""Your own model in every stage: subclass :class:`ModelSpec` and name it in the pipeline config.
+
+Use::
+
+    model:
+      spec: "examples.digits_cnn:DigitsCNN"      # module:Class, importable from the repo or installed
+      args: {channels: 16}                         # passed to the class as keyword arguments
+    objective: {metric: accuracy, direction: maximize}
+
+A spec answers only what the framework cannot know: how to build the ``nn.Module`` from the
+hyperparameters and the data's description, how a batch of rows becomes (inputs, targets), the
+loss, metrics that reduce across ranks (sums and counts, never per-rank means) and what a
+prediction row holds. The framework keeps the rest: torchrun and DDP, batch arithmetic and the LR
+rules, warmup, checkpoints and exact resume, sharding, the sweep and pruning, evaluation, the
+registry and its gate, batch inference and the report. The built-in
+:class:`tasks.model.MLPClassifier` is one example of a spec.
+
+Artifacts hold the spec's import path and arguments, never pickled code: loading a model imports
+the spec, builds the module and loads the state dict with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tasks.errors import UserError
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataInfo:
+    """What a spec may know about the data when it builds a model."""
+
+    features: list[str]
+    """Input columns, in the order of each row's feature vector."""
+    num_classes: int | None = None
+    """Classes of an integer label; None when the label is a float target."""
+
+    @property
+    def num_features(self) -> int:
+        return len(self.features)
+
+
+@dataclass(frozen=True)
+class Average:
+    """A metric as ``total / count`` (square-rooted when ``root``), summed over batches and ranks before dividing."""
+
+    total: torch.Tensor | float
+    """Sum of the per-row values of this batch."""
+    count: torch.Tensor | float
+    """Rows (or items) the total covers."""
+    root: bool = False
+    """Report the square root of the mean (e.g. RMSE from squared errors)."""
+
+
+class ModelSpec:
+    """Subclass this; override :meth:`build`, :meth:`loss`, :meth:`metrics` and :meth:`predict` (and
+    :meth:`batch` when rows are not the model's input as they are)."""
+
+    default_params: dict[str, Any] = {}
+    """The hyperparameters :meth:`build` reads, with their defaults (the sweep may search any of them)."""
+
+    def __init__(self, **args: Any) -> None:
+        self.args = dict(args)
+
+    def build(self, data: DataInfo, params: dict[str, Any]) -> nn.Module:
+        """The untrained module for this data and these hyperparameters."""
+        raise NotImplementedError
+
+    def batch(self, features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) from a batch of rows: ``features`` is (rows, num_features) float32, ``labels`` the label column."""
+        return features, labels
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean training loss of a batch (a scalar with a gradient)."""
+        raise NotImplementedError
+
+    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Average]:
+        """Validation/test metrics of a batch as sums and counts; the framework adds ``loss`` itself."""
+        raise NotImplementedError
+
+    def predict(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Prediction columns of a batch: name -> a (rows,) or (rows, k) tensor."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class SpecRef:
+    """A spec named by import path, with its arguments: what configs and artifacts store."""
+
+    path: str
+    """``module:Class``."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the class."""
+
+    def load(self) -> ModelSpec:
+        """Import and instantiate; a path that does not import or is no ModelSpec is a user error naming it."""
+        module_name, _, class_name = self.path.partition(":")
+        if not module_name or not class_name:
+            raise UserError(f"model.spec '{self.path}' is not 'module:Class'")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise UserError(f"model.spec '{self.path}': cannot import module '{module_name}' ({exc})") from None
+        cls = getattr(module, class_name, None)
+        if not (isinstance(cls, type) and issubclass(cls, ModelSpec)):
+            raise UserError(f"model.spec '{self.path}': '{class_name}' is not a ModelSpec subclass in {module_name}")
+        try:
+            return cls(**self.args)
+        except TypeError as exc:
+            raise UserError(f"model.spec '{self.path}': bad model.args {self.args}: {exc}") from None
