@@ -88,6 +88,26 @@ def byo_environment(config: PipelineConfig, config_file: str, stage_name: str, o
     }
 
 
+# What a user's stage must leave in STAGEWISE_OUTPUT_DIR: the next stage starts from final.pt, evaluation loads model.pt.
+BYO_OUTPUTS = {"final.pt": "model and optimizer state plus global_batch, which the next stage starts from",
+               "model.pt": "the model bundle (tasks.model.save_bundle), which evaluation, the registry and inference load"}
+
+
+def check_byo_outputs(config: PipelineConfig, stage_name: str, out: str) -> dict[str, str]:
+    """The URIs of a finished user stage's outputs; a UserError naming each missing file and where it was expected."""
+    stage = config.stage(stage_name)
+    prefix = stage_prefix(out, stage.name)
+    uris = {name: storage.join(prefix, name) for name in BYO_OUTPUTS}
+    missing = [name for name, uri in uris.items() if not storage.exists(uri)]
+    if missing:
+        entry = stage.entrypoint
+        what = f"script {entry.script}" if entry and entry.script else f"module {entry.module}" if entry else "tasks.train"
+        needs = "; ".join(f"{name}: {BYO_OUTPUTS[name]}" for name in missing)
+        raise UserError(f"stage {stage.name}: {what} ended without writing {' and '.join(missing)} in "
+                        f"STAGEWISE_OUTPUT_DIR ({prefix}); rank 0 must write them there ({needs})")
+    return uris
+
+
 def scaled_lr_for(config: PipelineConfig, base_lr: float, global_batch: int) -> float:
     from tasks.training import scaled_lr
 

@@ -188,8 +188,7 @@ def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous
 
 def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], init_from: str | None) -> dict[str, Any]:
     """Bring your own script: same profile, retries and torchrun; the contract is in environment variables."""
-    from tasks import storage
-    from tasks.train import byo_environment
+    from tasks.train import byo_environment, check_byo_outputs
 
     config = run_config(run)
     spec = config.stage(stage)
@@ -200,11 +199,11 @@ def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], i
                         attempt=_context()["ti"].try_number, script=entry.script,
                         extra_env={**credentials.aws_environment(config.storage_conn_id), **env},
                         result_arg=False)
+    outputs = _inline(config, lambda: check_byo_outputs(config, stage, run["out"]))  # missing: fail now, without retry
     defaults = {"stage": stage, "world_size": config.profile(spec.profile).processes_per_node,
                 "global_batch": int(env["STAGEWISE_GLOBAL_BATCH"]), "lr": float(env["STAGEWISE_LR"]),
                 "epochs": spec.epochs, "val_metric": None,
-                "checkpoint_uri": storage.join(env["STAGEWISE_OUTPUT_DIR"], "final.pt"),
-                "model_uri": storage.join(env["STAGEWISE_OUTPUT_DIR"], "model.pt")}
+                "checkpoint_uri": outputs["final.pt"], "model_uri": outputs["model.pt"]}
     return {**defaults, **result}
 
 

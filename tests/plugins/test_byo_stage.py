@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from stagewise_airflow import launch
 from tasks.config import Profile, load_config
-from tasks.train import byo_environment
+from tasks.train import byo_environment, check_byo_outputs
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +35,7 @@ def test_user_script_runs_under_torchrun_with_the_stage_contract(digits_run):
     stage_dir = Path(out) / "train" / "s2"
     assert (stage_dir / "final.pt").exists() and (stage_dir / "model.pt").exists()
     assert (stage_dir / "checkpoints" / "byo.pt").exists()
+    assert check_byo_outputs(config, "s2", out) == {"final.pt": str(stage_dir / "final.pt"), "model.pt": str(stage_dir / "model.pt")}
 
 
 def test_entrypoint_needs_exactly_one_target(write_config):
@@ -64,3 +66,32 @@ def test_user_script_runs_in_a_scratch_cwd_that_no_later_run_sees():
         assert Path(first["cwd"]) != repo_root and not Path(first["cwd"]).exists(), "the scratch cwd is removed"
     finally:
         leftover.unlink(missing_ok=True)
+
+
+def _set_entrypoint(config_path: Path, stage: int, entrypoint: dict) -> None:
+    raw = yaml.safe_load(config_path.read_text())
+    raw["train"]["stages"][stage]["entrypoint"] = entrypoint
+    config_path.write_text(yaml.safe_dump(raw))
+
+
+def test_stage_whose_script_wrote_no_model_fails_without_retry_naming_what_is_missing(write_config, storage_root):
+    """A user stage that exits 0 without final.pt and model.pt fails at once (no retry), naming both files and the dir.
+
+    Before, the stage passed and evaluate failed three times with FileNotFoundError.
+    """
+    from airflow.sdk.exceptions import AirflowFailException
+    from airflow.sdk.execution_time.context import set_current_context
+
+    from stagewise_airflow import steps
+
+    config_path = write_config()
+    _set_entrypoint(config_path, 0, {"script": "tests/plugins/byo_snapshot_script.py"})
+    out = str(storage_root / "runs" / "test" / "no-model")
+    run = {"dag_id": "test", "run_id": "no-model", "config": str(config_path), "overrides": {}, "out": out}
+    # The task's Airflow context: only the try number is read by the step.
+    with set_current_context({"ti": SimpleNamespace(try_number=1)}):
+        with pytest.raises(AirflowFailException) as failure:
+            steps.train_stage(run, "s1", {"best_params": {"lr": 0.02}}, None)
+    message = str(failure.value)
+    assert "stage s1: script tests/plugins/byo_snapshot_script.py ended without writing final.pt and model.pt" in message
+    assert str(Path(out) / "train" / "s1") in message and "save_bundle" in message
