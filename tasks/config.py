@@ -308,12 +308,35 @@ class Sweep(_Strict):
         return {name: list(space.grid or getattr(space, "choices", [])) for name, space in self.search_space.items()}
 
 
+# The stage values a user's entrypoint gets: each as $STAGEWISE_<NAME> and as {name} in its args (tasks.train fills them).
+STAGE_CONTRACT = ("config", "stage", "run_prefix", "output_dir", "checkpoint_dir", "data_manifest", "init_from",
+                  "params", "per_process_batch", "grad_accum_steps", "global_batch", "lr", "epochs", "seed")
+# params is a JSON object (braces and all): a script reads it from $STAGEWISE_PARAMS, not from an argument.
+ARG_PLACEHOLDERS = tuple(name for name in STAGE_CONTRACT if name != "params")
+
+
+def placeholders(arg: str) -> list[str]:
+    """The ``{name}`` fields of one entrypoint argument (``{{``/``}}`` are literal braces); ValueError if malformed."""
+    import string
+
+    names = []
+    for _, field, spec, _ in string.Formatter().parse(arg):
+        if field is None:
+            continue
+        if not field.isidentifier():
+            raise ValueError(f"'{{{field}}}' is not a placeholder name")
+        if spec and "{" in spec:
+            raise ValueError(f"'{{{field}:{spec}}}' nests a placeholder in a format spec")
+        names.append(field)
+    return names
+
+
 class EntryPoint(_Strict):
     """A user's own torchrun script or module for a stage (bring your own training code)."""
 
     script: str | None = Field(None, description="Python file, relative to the repo root or absolute.")
     module: str | None = Field(None, description="Importable module, run as `-m module`.")
-    args: list[str] = Field(default_factory=list, description="Arguments passed to the script as they are.")
+    args: list[str] = Field(default_factory=list, description="Arguments; {epochs}, {lr}, {per_process_batch}, ... and hyperparameter names are filled in ({{ }}: literal braces).")
 
     @model_validator(mode="after")
     def _one_target(self) -> "EntryPoint":
@@ -480,12 +503,31 @@ class PipelineConfig(_Strict):
                     f"train.stages[{index}] ({stage.name}): global_batch {stage.global_batch} does not divide into "
                     f"{world} process(es) x {stage.grad_accum_steps} accumulation step(s) "
                     f"({stage.global_batch} / {world * stage.grad_accum_steps} = {stage.global_batch / (world * stage.grad_accum_steps):g})")
+        self._entrypoint_args_known()
         for where, name in used.items():
             if where.startswith(("train.", "sweep.")):
                 continue
             if self.profiles[name].processes_per_node != 1:
                 raise ValueError(f"{where}: profile '{name}' has processes_per_node > 1; only train stages and sweep trials run DDP")
         return self
+
+    def arg_placeholders(self) -> list[str]:
+        """Names an entrypoint's args may use: the stage contract, then every hyperparameter a stage can get."""
+        hyper = [name for name in [*TUNABLE, *self.sweep.search_space, *self.train.default_params] if name not in ARG_PLACEHOLDERS]
+        return [*ARG_PLACEHOLDERS, *dict.fromkeys(hyper)]
+
+    def _entrypoint_args_known(self) -> None:
+        known = self.arg_placeholders()
+        for index, stage in enumerate(self.train.stages):
+            for position, arg in enumerate(stage.entrypoint.args if stage.entrypoint else []):
+                where = f"train.stages[{index}] ({stage.name}): entrypoint.args[{position}] {arg!r}"
+                try:
+                    unknown = [name for name in placeholders(arg) if name not in known]
+                except ValueError as exc:
+                    raise ValueError(f"{where}: {exc}; write literal braces as {{{{ and }}}}") from None
+                if unknown:
+                    raise ValueError(f"{where}: unknown placeholder {{{unknown[0]}}}; known: {known} "
+                                     f"(write literal braces as {{{{ and }}}})")
 
     def profile(self, name: str) -> Profile:
         return self.profiles[name]

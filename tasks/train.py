@@ -24,7 +24,7 @@ from typing import Any
 
 from tasks import storage
 from tasks.cli import common_parser, json_arg, parse_overrides, run_subjob
-from tasks.config import PipelineConfig, hyperparameter_problem, load_config
+from tasks.config import ARG_PLACEHOLDERS, STAGE_CONTRACT, PipelineConfig, hyperparameter_problem, load_config, placeholders
 from tasks.errors import UserError
 
 log = logging.getLogger("stagewise.train")
@@ -56,6 +56,27 @@ def config_hash(stage: dict[str, Any], params: dict[str, Any], world_size: int, 
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def byo_contract(config: PipelineConfig, config_file: str, stage_name: str, out: str, swept: dict[str, Any],
+                 init_from: str | None) -> dict[str, Any]:
+    """The stage's values a user's own script gets, by name (tasks.config.STAGE_CONTRACT), typed."""
+    stage = config.stage(stage_name)
+    world = config.profile(stage.profile).processes_per_node
+    micro = stage.micro_batch(world)
+    global_batch = micro * world * stage.grad_accum_steps
+    params = resolve_params(config, swept)
+    prefix = stage_prefix(out, stage.name)
+    values = {
+        "config": config_file, "stage": stage.name, "run_prefix": out, "output_dir": prefix,
+        "checkpoint_dir": storage.join(prefix, "checkpoints"),
+        "data_manifest": storage.join(out, "preprocess", "manifest.json"), "init_from": init_from or "",
+        "params": params, "per_process_batch": micro, "grad_accum_steps": stage.grad_accum_steps,
+        "global_batch": global_batch, "lr": scaled_lr_for(config, params["lr"], global_batch), "epochs": stage.epochs,
+        "seed": config.train.seed,
+    }
+    assert tuple(values) == STAGE_CONTRACT, "tasks.config.STAGE_CONTRACT names the contract; keep both in step"
+    return values
+
+
 def byo_environment(config: PipelineConfig, config_file: str, stage_name: str, out: str, swept: dict[str, Any],
                     init_from: str | None) -> dict[str, str]:
     """What a user's own stage script gets besides torchrun's RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT.
@@ -64,28 +85,30 @@ def byo_environment(config: PipelineConfig, config_file: str, stage_name: str, o
     (a retry finds them there), and for a later stage or evaluation writes ``final.pt`` (model and
     optimizer state, global_batch) and ``model.pt`` (tasks.model.save_bundle) in STAGEWISE_OUTPUT_DIR.
     """
+    values = byo_contract(config, config_file, stage_name, out, swept, init_from)
+    text = {"params": json.dumps(values["params"]), "lr": repr(values["lr"])}
+    return {f"STAGEWISE_{name.upper()}": text.get(name, str(value)) for name, value in values.items()}
+
+
+def byo_args(config: PipelineConfig, stage_name: str, contract: dict[str, Any]) -> list[str]:
+    """The stage entrypoint's args with each ``{name}`` filled from the contract, else from the hyperparameters.
+
+    ``{lr}`` is the stage's rescaled lr (as $STAGEWISE_LR); the swept base lr is in $STAGEWISE_PARAMS.
+    """
     stage = config.stage(stage_name)
-    world = config.profile(stage.profile).processes_per_node
-    micro = stage.micro_batch(world)
-    global_batch = micro * world * stage.grad_accum_steps
-    params = resolve_params(config, swept)
-    prefix = stage_prefix(out, stage.name)
-    return {
-        "STAGEWISE_CONFIG": config_file,
-        "STAGEWISE_STAGE": stage.name,
-        "STAGEWISE_RUN_PREFIX": out,
-        "STAGEWISE_OUTPUT_DIR": prefix,
-        "STAGEWISE_CHECKPOINT_DIR": storage.join(prefix, "checkpoints"),
-        "STAGEWISE_DATA_MANIFEST": storage.join(out, "preprocess", "manifest.json"),
-        "STAGEWISE_INIT_FROM": init_from or "",
-        "STAGEWISE_PARAMS": json.dumps(params),
-        "STAGEWISE_PER_PROCESS_BATCH": str(micro),
-        "STAGEWISE_GRAD_ACCUM_STEPS": str(stage.grad_accum_steps),
-        "STAGEWISE_GLOBAL_BATCH": str(global_batch),
-        "STAGEWISE_LR": repr(scaled_lr_for(config, params["lr"], global_batch)),
-        "STAGEWISE_EPOCHS": str(stage.epochs),
-        "STAGEWISE_SEED": str(config.train.seed),
-    }
+    entry = stage.entrypoint
+    values = {**contract["params"], **{name: contract[name] for name in ARG_PLACEHOLDERS}}
+    args = []
+    for position, arg in enumerate(entry.args if entry else []):
+        where = f"train.stages ({stage.name}): entrypoint.args[{position}] {arg!r}"
+        try:
+            missing = [name for name in placeholders(arg) if name not in values]
+            if missing:
+                raise ValueError(f"unknown placeholder {{{missing[0]}}}; known: {sorted(values)}")
+            args.append(arg.format_map(values))
+        except ValueError as exc:
+            raise UserError(f"{where}: {exc}") from None
+    return args
 
 
 # What a user's stage must leave in STAGEWISE_OUTPUT_DIR: the next stage starts from final.pt, evaluation loads model.pt.

@@ -188,14 +188,19 @@ def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous
 
 def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], init_from: str | None) -> dict[str, Any]:
     """Bring your own script: same profile, retries and torchrun; the contract is in environment variables."""
-    from tasks.train import byo_environment, check_byo_outputs
+    from tasks.train import byo_args, byo_contract, byo_environment, check_byo_outputs
 
     config = run_config(run)
     spec = config.stage(stage)
     entry = spec.entrypoint
-    env = byo_environment(config, run["config"], stage, run["out"], params, init_from)
+
+    def contract() -> tuple[dict[str, str], list[str]]:
+        values = byo_contract(config, run["config"], stage, run["out"], params, init_from)
+        return byo_environment(config, run["config"], stage, run["out"], params, init_from), byo_args(config, stage, values)
+
+    env, args = _inline(config, contract)  # bad params or args are the user's to fix: no retry
     env["STAGEWISE_OVERRIDES"] = json.dumps(run["overrides"])
-    result = launch.run(entry.module or "", list(entry.args), config.profile(spec.profile), distributed=True,
+    result = launch.run(entry.module or "", args, config.profile(spec.profile), distributed=True,
                         attempt=_context()["ti"].try_number, script=entry.script,
                         extra_env={**credentials.aws_environment(config.storage_conn_id), **env},
                         result_arg=False)

@@ -10,23 +10,24 @@ import yaml
 
 from stagewise_airflow import launch
 from tasks.config import Profile, load_config
-from tasks.train import byo_environment, check_byo_outputs
+from tasks.train import byo_args, byo_contract, byo_environment, check_byo_outputs
 
 pytestmark = pytest.mark.slow
 
 
 def test_user_script_runs_under_torchrun_with_the_stage_contract(digits_run):
-    """The script gets torchrun's variables, its own args, the data manifest and the output dirs, and its result."""
+    """The script gets torchrun's variables, its own args (placeholders filled), the data manifest, the output dirs; its result comes back."""
     config_path, out = digits_run
     raw = yaml.safe_load(config_path.read_text())
-    raw["train"]["stages"][1]["entrypoint"] = {"script": "examples/byo_train.py", "args": ["--hidden", "32"]}
+    raw["train"]["stages"][1]["entrypoint"] = {"script": "examples/byo_train.py", "args": ["--hidden", "{hidden}"]}
     config_path.write_text(yaml.safe_dump(raw))
     config = load_config(config_path)
     stage = config.stage("s2")
-    env = byo_environment(config, str(config_path), "s2", out, {"lr": 0.02}, init_from=None)
+    env = byo_environment(config, str(config_path), "s2", out, {"lr": 0.02, "hidden": 32}, init_from=None)
     assert env["STAGEWISE_GLOBAL_BATCH"] == "128" and float(env["STAGEWISE_LR"]) == pytest.approx(0.02 * 128 / 32)
+    args = byo_args(config, "s2", byo_contract(config, str(config_path), "s2", out, {"lr": 0.02, "hidden": 32}, None))
 
-    result = launch.run("", stage.entrypoint.args, config.profile(stage.profile), distributed=True,
+    result = launch.run("", args, config.profile(stage.profile), distributed=True,
                         script=stage.entrypoint.script, extra_env=env)
     assert result["world_size"] == 2 and result["args"] == {"hidden": 32}
     seen = result["torchrun_env"]
