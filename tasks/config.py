@@ -431,9 +431,20 @@ class Pool(_Strict):
     description: str = Field("", description="Shown in the Airflow UI.")
 
 
-class Registry(_Strict):
-    """Versioned models under storage_root/models and the gate that moves `current`."""
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
 
+
+def default_model_name(dataset_uri: str) -> str:
+    """The registry name a config gets when it names none: the data set's last path component (raw/digits -> digits)."""
+    last = dataset_uri.rstrip("/").rsplit("/", 1)[-1].removesuffix(".parquet")
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", last).lstrip(".-") or "default"
+
+
+class Registry(_Strict):
+    """Versioned models under storage_root/models/<model_name> and the gate that moves `current`."""
+
+    model_name: str = Field("", pattern=r"^$|" + MODEL_NAME_PATTERN,
+                            description="Registry scope (models/<model_name>/): the gate and inference see only this name's models; empty: the last path component of dataset.uri as the config file gives it.")
     gate_metric: Literal["test_accuracy"] = Field("test_accuracy", description="Metric the gate compares.")
     margin: float = Field(0.0, ge=0, description="A new model must beat the current one by more than this.")
 
@@ -477,6 +488,17 @@ class PipelineConfig(_Strict):
     @classmethod
     def _root_filesystem(cls, value: str) -> str:
         return _check_filesystem(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_the_model(cls, raw: Any) -> Any:
+        # load_config fills the name from the file before overrides; this covers configs built in code.
+        if not isinstance(raw, dict) or not isinstance(raw.get("dataset"), dict) or not isinstance(raw["dataset"].get("uri"), str):
+            return raw
+        registry = raw.get("registry", {})
+        if isinstance(registry, dict) and not registry.get("model_name"):
+            return {**raw, "registry": {**registry, "model_name": default_model_name(raw["dataset"]["uri"])}}
+        return raw
 
     @model_validator(mode="after")
     def _profiles_exist(self) -> "PipelineConfig":
@@ -593,6 +615,14 @@ def _apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> None:
                 raise ValueError(f"override '{dotted}': {where} is {node!r}, not a mapping or list")
 
 
+def _fill_model_name(raw: dict[str, Any]) -> None:
+    """Derive the registry name from the file's dataset.uri, so a run scoring another input_uri keeps its model."""
+    dataset, registry = raw.get("dataset"), raw.setdefault("registry", {})
+    if isinstance(dataset, dict) and isinstance(dataset.get("uri"), str) and isinstance(registry, dict) \
+            and not registry.get("model_name"):
+        registry["model_name"] = default_model_name(dataset["uri"])
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
     """Read, override (dotted keys such as ``sweep.num_trials``) and validate the pipeline config."""
     resolved = config_path(path)
@@ -606,6 +636,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         raise ConfigError(f"{resolved}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{resolved}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    _fill_model_name(raw)
     try:
         _apply_overrides(raw, overrides or {})
     except ValueError as exc:

@@ -97,7 +97,7 @@ def start_run(mode: str = "pipeline") -> dict[str, Any]:
             from tasks import registry
 
             with credentials.exported(credentials.aws_environment(base.storage_conn_id)):
-                incumbent = registry.current(base.storage_root)
+                incumbent = registry.current(base.storage_root, base.registry.model_name)
             overrides["sweep.num_trials"] = base.retrain.num_trials
             overrides["sweep.warm_start_from"] = (incumbent or {}).get("study", "")
         config = load_config(path, overrides)
@@ -228,7 +228,7 @@ def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dic
                 "params": swept.get("best_params"), "study": run["study"], "source_run": f"{run['dag_id']}/{run['run_id']}",
                 "data_fingerprint": registry.data_fingerprint(storage.join(run["out"], "preprocess", "manifest.json")),
                 "code_version": registry.code_version(), "stages": [trained.get("stage")]}
-        return registry.register(config.storage_root, trained["model_uri"], card)
+        return registry.register(config.storage_root, config.registry.model_name, trained["model_uri"], card)
 
     return _inline(config, work)
 
@@ -240,8 +240,9 @@ def gate_model(run: dict[str, Any], registered: dict[str, Any]) -> dict[str, Any
     config = run_config(run)
 
     def work() -> dict[str, Any]:
-        decision = registry.gate(config.storage_root, registered["version"], config.registry.gate_metric, config.registry.margin)
-        return {**decision, "model_uri": registry.card(config.storage_root, decision["current"])["model_uri"]}
+        name = config.registry.model_name
+        decision = registry.gate(config.storage_root, name, registered["version"], config.registry.gate_metric, config.registry.margin)
+        return {**decision, "model_uri": registry.card(config.storage_root, name, decision["current"])["model_uri"]}
 
     return _inline(config, work)
 
@@ -254,10 +255,11 @@ def resolve_model(run: dict[str, Any]) -> dict[str, Any]:
     version = _context()["params"].get("model_version") or None
 
     def work() -> dict[str, Any]:
-        card = registry.card(config.storage_root, version) if version else registry.current(config.storage_root)
+        name = config.registry.model_name
+        card = registry.card(config.storage_root, name, version) if version else registry.current(config.storage_root, name)
         if card is None:
-            raise UserError(f"no current model under {registry.models_prefix(config.storage_root)}: run ml_pipeline "
-                            f"first or name a model_version")
+            raise UserError(f"no current '{name}' model (registry.model_name) under "
+                            f"{registry.models_prefix(config.storage_root, name)}: run ml_pipeline first or name a model_version")
         return {"current": card["version"], "model_uri": card["model_uri"]}
 
     return _inline(config, work)
@@ -293,7 +295,8 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
     return _inline(run_config(run), lambda: report.build_report(
         dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], stage_results=stage_results, preprocess=prepared,
         sweep=swept, training=list(trained), evaluation=evaluation, predictions=predictions,
-        registry={"version": registered["version"], "promoted": gated["promoted"], "reason": gated["reason"],
+        registry={"model_name": gated.get("model_name"), "version": registered["version"], "promoted": gated["promoted"],
+                  "reason": gated["reason"],
                   "current": gated["current"]}))
 
 
