@@ -131,6 +131,36 @@ def check_byo_outputs(config: PipelineConfig, stage_name: str, out: str) -> dict
     return uris
 
 
+# What a model card says in place of params when a user's script did not report the ones it trained with.
+PARAMS_NOT_REPORTED = "not reported by the script"
+
+
+def byo_result(config: PipelineConfig, stage_name: str, out: str, contract: dict[str, Any],
+               reported: dict[str, Any]) -> dict[str, Any]:
+    """A finished user stage's result: outputs checked, the contract's numbers, and params only as the script reported them.
+
+    ``reported`` is the script's own result JSON ($STAGEWISE_RESULT_FILE; empty when it wrote none).
+    """
+    outputs = check_byo_outputs(config, stage_name, out)
+    stage = config.stage(stage_name)
+    params = reported.get("params")
+    if params is not None and not isinstance(params, dict):
+        raise UserError(f"stage {stage.name}: 'params' in the script's result JSON ($STAGEWISE_RESULT_FILE) must be an "
+                        f"object of the hyperparameters it trained with, got {type(params).__name__} {params!r}")
+    result = {"stage": stage.name, "world_size": config.profile(stage.profile).processes_per_node,
+              "global_batch": contract["global_batch"], "lr": contract["lr"], "epochs": stage.epochs, "val_metric": None,
+              "checkpoint_uri": outputs["final.pt"], "model_uri": outputs["model.pt"], **reported}
+    return {**result, "params": params, "params_source": "script"}
+
+
+def card_params(trained: dict[str, Any], swept_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The params a model card records: a user script's own report (or that it gave none), never the sweep's in its place."""
+    if trained.get("params_source") != "script":
+        return {"params": swept_params, "params_source": "sweep"}
+    reported = trained.get("params")
+    return {"params": PARAMS_NOT_REPORTED if reported is None else reported, "params_source": "script"}
+
+
 def scaled_lr_for(config: PipelineConfig, base_lr: float, global_batch: int) -> float:
     from tasks.training import scaled_lr
 

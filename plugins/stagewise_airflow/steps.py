@@ -188,28 +188,27 @@ def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous
 
 def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], init_from: str | None) -> dict[str, Any]:
     """Bring your own script: same profile, retries and torchrun; the contract is in environment variables."""
-    from tasks.train import byo_args, byo_contract, byo_environment, check_byo_outputs
+    from tasks.train import byo_args, byo_contract, byo_environment, byo_result
 
     config = run_config(run)
     spec = config.stage(stage)
     entry = spec.entrypoint
+    started = time.monotonic()
 
-    def contract() -> tuple[dict[str, str], list[str]]:
+    def contract() -> tuple[dict[str, Any], dict[str, str], list[str]]:
         values = byo_contract(config, run["config"], stage, run["out"], params, init_from)
-        return byo_environment(config, run["config"], stage, run["out"], params, init_from), byo_args(config, stage, values)
+        env = byo_environment(config, run["config"], stage, run["out"], params, init_from)
+        return values, env, byo_args(config, stage, values)
 
-    env, args = _inline(config, contract)  # bad params or args are the user's to fix: no retry
+    values, env, args = _inline(config, contract)  # bad params or args are the user's to fix: no retry
     env["STAGEWISE_OVERRIDES"] = json.dumps(run["overrides"])
-    result = launch.run(entry.module or "", args, config.profile(spec.profile), distributed=True,
-                        attempt=_context()["ti"].try_number, script=entry.script,
-                        extra_env={**credentials.aws_environment(config.storage_conn_id), **env},
-                        result_arg=False)
-    outputs = _inline(config, lambda: check_byo_outputs(config, stage, run["out"]))  # missing: fail now, without retry
-    defaults = {"stage": stage, "world_size": config.profile(spec.profile).processes_per_node,
-                "global_batch": int(env["STAGEWISE_GLOBAL_BATCH"]), "lr": float(env["STAGEWISE_LR"]),
-                "epochs": spec.epochs, "val_metric": None,
-                "checkpoint_uri": outputs["final.pt"], "model_uri": outputs["model.pt"]}
-    return {**defaults, **result}
+    reported = launch.run(entry.module or "", args, config.profile(spec.profile), distributed=True,
+                          attempt=_context()["ti"].try_number, script=entry.script,
+                          extra_env={**credentials.aws_environment(config.storage_conn_id), **env},
+                          result_arg=False)
+    # Missing outputs fail here, without retry, rather than in evaluate three times.
+    result = _inline(config, lambda: byo_result(config, stage, run["out"], values, reported))
+    return {**result, "duration_s": round(time.monotonic() - started, 3)}
 
 
 def evaluate(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
@@ -220,12 +219,13 @@ def evaluate(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
 def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dict[str, Any], swept: dict[str, Any]) -> dict[str, Any]:
     """Add the trained model to the registry with its card (metrics, params, data, code, source run)."""
     from tasks import registry, storage
+    from tasks.train import card_params
 
     config = run_config(run)
 
     def work() -> dict[str, Any]:
         card = {"test_accuracy": evaluation["test_accuracy"], "val_accuracy": trained.get("val_metric"),
-                "params": swept.get("best_params"), "study": run["study"], "source_run": f"{run['dag_id']}/{run['run_id']}",
+                **card_params(trained, swept.get("best_params")), "study": run["study"], "source_run": f"{run['dag_id']}/{run['run_id']}",
                 "data_fingerprint": registry.data_fingerprint(storage.join(run["out"], "preprocess", "manifest.json")),
                 "code_version": registry.code_version(), "stages": [trained.get("stage")]}
         return registry.register(config.storage_root, config.registry.model_name, trained["model_uri"], card)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -96,3 +97,49 @@ def test_stage_whose_script_wrote_no_model_fails_without_retry_naming_what_is_mi
     message = str(failure.value)
     assert "stage s1: script tests/plugins/byo_snapshot_script.py ended without writing final.pt and model.pt" in message
     assert str(Path(out) / "train" / "s1") in message and "save_bundle" in message
+
+
+@pytest.mark.parametrize("reported, card_params", [
+    (None, "not reported by the script"),
+    ({"hidden": 16, "lr": 0.5}, {"hidden": 16, "lr": 0.5}),
+])
+def test_model_card_records_the_params_the_script_reported_not_the_sweeps(write_config, storage_root, reported, card_params):
+    """A BYO stage's card holds its result JSON's params, or says they were not reported; never the sweep's best.
+
+    Before, the card claimed the sweep's params although the script ignored them.
+    """
+    from airflow.sdk.execution_time.context import set_current_context
+
+    from stagewise_airflow import steps
+
+    config_path = write_config()
+    args = ["--write-outputs"] + (["--params", json.dumps(reported).replace("{", "{{").replace("}", "}}")] if reported else [])
+    _set_entrypoint(config_path, 0, {"script": "tests/plugins/byo_snapshot_script.py", "args": args})
+    out = storage_root / "runs" / "test" / "card"
+    (out / "preprocess").mkdir(parents=True)
+    (out / "preprocess" / "manifest.json").write_text("{}")  # the card fingerprints it; its content does not matter here
+    run = {"dag_id": "test", "run_id": "card", "config": str(config_path), "overrides": {}, "out": str(out), "study": "s"}
+    swept = {"best_params": {"lr": 0.02, "hidden": 256}}
+    with set_current_context({"ti": SimpleNamespace(try_number=1)}):
+        trained = steps.train_stage(run, "s1", swept, None)
+        card = steps.register_model(run, trained, {"test_accuracy": 0.5}, swept)
+    assert trained["model_uri"] == str(out / "train" / "s1" / "model.pt") and trained["global_batch"] == 32
+    assert card["params"] == card_params and card["params_source"] == "script"
+    assert card["model_uri"].startswith(str(storage_root / "models" / "digits"))
+
+
+def test_script_reporting_params_that_are_no_object_fails_without_retry(write_config, storage_root):
+    """'params' in a script's result JSON must be an object: anything else fails the stage naming the key."""
+    from airflow.sdk.exceptions import AirflowFailException
+    from airflow.sdk.execution_time.context import set_current_context
+
+    from stagewise_airflow import steps
+
+    config_path = write_config()
+    _set_entrypoint(config_path, 0, {"script": "tests/plugins/byo_snapshot_script.py",
+                                     "args": ["--write-outputs", "--params", "[1, 2]"]})
+    run = {"dag_id": "test", "run_id": "bad", "config": str(config_path), "overrides": {},
+           "out": str(storage_root / "runs" / "test" / "bad")}
+    with set_current_context({"ti": SimpleNamespace(try_number=1)}):
+        with pytest.raises(AirflowFailException, match=r"stage s1: 'params' in the script's result JSON .* got list \[1, 2\]"):
+            steps.train_stage(run, "s1", {"best_params": {"lr": 0.02}}, None)
