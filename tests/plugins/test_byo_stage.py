@@ -52,17 +52,21 @@ def test_entrypoint_needs_exactly_one_target(write_config):
         load_config(path)
 
 
-def test_user_script_runs_in_a_scratch_cwd_that_no_later_run_sees():
+@pytest.mark.parametrize("entry", [{"script": "tests/plugins/byo_snapshot_script.py"},
+                                   {"module": "tests.plugins.byo_snapshot_script"}])
+def test_user_script_runs_in_a_scratch_cwd_that_no_later_run_sees(entry):
     """A script writing snapshot.pt relative to its cwd leaves nothing in the repo root, and a second run starts clean.
 
-    A relative ``script:`` path still resolves against the repo root although the cwd is elsewhere.
+    A relative ``script:`` path still resolves against the repo root, and a ``module:`` still imports,
+    although the cwd is elsewhere.
     """
     repo_root = Path(launch.REPO_ROOT)
     leftover = repo_root / "snapshot.pt"
     assert not leftover.exists(), "a snapshot.pt from an earlier run sits in the repo root"
+    kwargs = {"script": entry.get("script"), "result_arg": False}
     try:
-        first = launch.run("", [], Profile(), distributed=True, script="tests/plugins/byo_snapshot_script.py")
-        second = launch.run("", [], Profile(), distributed=True, script="tests/plugins/byo_snapshot_script.py")
+        first = launch.run(entry.get("module", ""), [], Profile(), distributed=True, **kwargs)
+        second = launch.run(entry.get("module", ""), [], Profile(), distributed=True, **kwargs)
         assert not leftover.exists(), "the script's relative snapshot.pt landed in the repo root"
         assert not first["found_snapshot"] and not second["found_snapshot"], "the second run saw the first run's snapshot"
         assert Path(first["cwd"]) != repo_root and not Path(first["cwd"]).exists(), "the scratch cwd is removed"
