@@ -137,8 +137,9 @@ def inference_parallel_speedup(rows: int = 400_000) -> dict[str, Any]:
         config, _, model_uri = _trained_model(workdir)
         from tasks import registry
 
-        version = registry.register(config.storage_root, model_uri, {"test_accuracy": 0.0, "source_run": "bench"})["version"]
-        registry.promote(config.storage_root, version)
+        name = config.registry.model_name
+        version = registry.register(config.storage_root, name, model_uri, {"test_accuracy": 0.0, "source_run": "bench"})["version"]
+        registry.promote(config.storage_root, name, version)
         source = _raw_file(workdir, "score.parquet", rows, row_group_rows=rows // 4)
         raw = yaml.safe_load((workdir / "pipeline.yaml").read_text())
         raw["pools"]["infer_pool"] = {"slots": 2, "description": "bench"}

@@ -6,12 +6,13 @@ Run under the pipeline by naming it in a stage (see README, "Bring your own scri
       profile: ddp2
       per_process_batch: 64
       epochs: 3
-      entrypoint: {script: examples/byo_train.py, args: ["--hidden", "64"]}
+      entrypoint: {script: examples/byo_train.py, args: ["--hidden", "{hidden}"]}   # {hidden}: the sweep's best
 
 or alone: ``STAGEWISE_DATA_MANIFEST=... STAGEWISE_OUTPUT_DIR=... torchrun --nproc-per-node 2 examples/byo_train.py``.
 It uses only torchrun's variables and the STAGEWISE_* contract: data through the committed manifest,
 checkpoints in STAGEWISE_CHECKPOINT_DIR (resumed on retry), final.pt and model.pt in
-STAGEWISE_OUTPUT_DIR, and a small JSON result in STAGEWISE_RESULT_FILE.
+STAGEWISE_OUTPUT_DIR, and a small JSON result in STAGEWISE_RESULT_FILE (its ``params``, the ones it
+trained with, go into the model card).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def main() -> None:
     data, params = data_info(manifest), {"hidden": args.hidden, "dropout": 0.0}
     torch.manual_seed(int(os.environ.get("STAGEWISE_SEED", 0)))
     model = build(MLPClassifier(), data, params)
-    optimizer = torch.optim.SGD(model.parameters(), lr=float(os.environ["STAGEWISE_LR"]), momentum=0.9)
+    lr = float(os.environ["STAGEWISE_LR"])  # already rescaled for this stage's global batch
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     checkpoint = f"{os.environ['STAGEWISE_CHECKPOINT_DIR']}/byo.pt"
     fs = fsspec.core.url_to_fs(checkpoint)[0]
     start_epoch = 0
@@ -100,7 +102,9 @@ def main() -> None:
                     {"stage": os.environ["STAGEWISE_STAGE"], "val_metric": accuracy})
         seen = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
         with open(os.environ["STAGEWISE_RESULT_FILE"], "w") as handle:
-            json.dump({"val_metric": accuracy, "world_size": world, "torchrun_env": seen, "args": vars(args)}, handle)
+            params = {"hidden": args.hidden, "optimizer": "sgd", "momentum": 0.9, "lr": lr}  # what this script trained with
+            json.dump({"val_metric": accuracy, "world_size": world, "torchrun_env": seen, "args": vars(args), "params": params},
+                      handle)
     if world > 1:
         dist.destroy_process_group()
 

@@ -317,12 +317,35 @@ class Sweep(_Strict):
         return {name: list(space.grid or getattr(space, "choices", [])) for name, space in self.search_space.items()}
 
 
+# The stage values a user's entrypoint gets: each as $STAGEWISE_<NAME> and as {name} in its args (tasks.train fills them).
+STAGE_CONTRACT = ("config", "stage", "run_prefix", "output_dir", "checkpoint_dir", "data_manifest", "init_from",
+                  "params", "per_process_batch", "grad_accum_steps", "global_batch", "lr", "epochs", "seed")
+# params is a JSON object (braces and all): a script reads it from $STAGEWISE_PARAMS, not from an argument.
+ARG_PLACEHOLDERS = tuple(name for name in STAGE_CONTRACT if name != "params")
+
+
+def placeholders(arg: str) -> list[str]:
+    """The ``{name}`` fields of one entrypoint argument (``{{``/``}}`` are literal braces); ValueError if malformed."""
+    import string
+
+    names = []
+    for _, field, spec, _ in string.Formatter().parse(arg):
+        if field is None:
+            continue
+        if not field.isidentifier():
+            raise ValueError(f"'{{{field}}}' is not a placeholder name")
+        if spec and "{" in spec:
+            raise ValueError(f"'{{{field}:{spec}}}' nests a placeholder in a format spec")
+        names.append(field)
+    return names
+
+
 class EntryPoint(_Strict):
     """A user's own torchrun script or module for a stage (bring your own training code)."""
 
     script: str | None = Field(None, description="Python file, relative to the repo root or absolute.")
     module: str | None = Field(None, description="Importable module, run as `-m module`.")
-    args: list[str] = Field(default_factory=list, description="Arguments passed to the script as they are.")
+    args: list[str] = Field(default_factory=list, description="Arguments; {epochs}, {lr}, {per_process_batch}, ... and hyperparameter names are filled in ({{ }}: literal braces).")
 
     @model_validator(mode="after")
     def _one_target(self) -> "EntryPoint":
@@ -417,9 +440,20 @@ class Pool(_Strict):
     description: str = Field("", description="Shown in the Airflow UI.")
 
 
-class Registry(_Strict):
-    """Versioned models under storage_root/models and the gate that moves `current`."""
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
 
+
+def default_model_name(dataset_uri: str) -> str:
+    """The registry name a config gets when it names none: the data set's last path component (raw/digits -> digits)."""
+    last = dataset_uri.rstrip("/").rsplit("/", 1)[-1].removesuffix(".parquet")
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", last).lstrip(".-") or "default"
+
+
+class Registry(_Strict):
+    """Versioned models under storage_root/models/<model_name> and the gate that moves `current`."""
+
+    model_name: str = Field("", pattern=r"^$|" + MODEL_NAME_PATTERN,
+                            description="Registry scope (models/<model_name>/): the gate and inference see only this name's models; empty: the last path component of dataset.uri as the config file gives it.")
     gate_metric: str | None = Field(None, description="Test metric the gate compares; default: test_<objective.metric>, in the objective's direction.")
     margin: float = Field(0.0, ge=0, description="A new model must beat the current one by more than this, in the objective's direction.")
 
@@ -429,8 +463,6 @@ class Registry(_Strict):
         if value is not None and not re.match(r"^test_\w+$", value):
             raise ValueError(f"'{value}' is not a test metric name such as test_accuracy")
         return value
-
-
 class Model(_Strict):
     """The model: a ModelSpec subclass named by import path, with its arguments (see tasks/spec.py)."""
 
@@ -445,10 +477,6 @@ class Objective(_Strict):
     metric: str = Field("accuracy", pattern=r"^\w+$",
                         description="A validation/test metric the spec reports (its metrics() names, or loss).")
     direction: Literal["maximize", "minimize"] = Field("maximize", description="maximize or minimize the metric.")
-
-    def better(self, a: float, b: float, margin: float = 0.0) -> bool:
-        """Whether ``a`` beats ``b`` by more than ``margin`` in this direction."""
-        return a > b + margin if self.direction == "maximize" else a < b - margin
 
 
 class Retrain(_Strict):
@@ -493,6 +521,17 @@ class PipelineConfig(_Strict):
     def _root_filesystem(cls, value: str) -> str:
         return _check_filesystem(value)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _name_the_model(cls, raw: Any) -> Any:
+        # load_config fills the name from the file before overrides; this covers configs built in code.
+        if not isinstance(raw, dict) or not isinstance(raw.get("dataset"), dict) or not isinstance(raw["dataset"].get("uri"), str):
+            return raw
+        registry = raw.get("registry", {})
+        if isinstance(registry, dict) and not registry.get("model_name"):
+            return {**raw, "registry": {**registry, "model_name": default_model_name(raw["dataset"]["uri"])}}
+        return raw
+
     @model_validator(mode="after")
     def _params_known_to_the_builtin_spec(self) -> "PipelineConfig":
         if self.model.spec != BUILTIN_SPEC:
@@ -533,12 +572,31 @@ class PipelineConfig(_Strict):
                     f"train.stages[{index}] ({stage.name}): global_batch {stage.global_batch} does not divide into "
                     f"{world} process(es) x {stage.grad_accum_steps} accumulation step(s) "
                     f"({stage.global_batch} / {world * stage.grad_accum_steps} = {stage.global_batch / (world * stage.grad_accum_steps):g})")
+        self._entrypoint_args_known()
         for where, name in used.items():
             if where.startswith(("train.", "sweep.")):
                 continue
             if self.profiles[name].processes_per_node != 1:
                 raise ValueError(f"{where}: profile '{name}' has processes_per_node > 1; only train stages and sweep trials run DDP")
         return self
+
+    def arg_placeholders(self) -> list[str]:
+        """Names an entrypoint's args may use: the stage contract, then every hyperparameter a stage can get."""
+        hyper = [name for name in [*TUNABLE, *self.sweep.search_space, *self.train.default_params] if name not in ARG_PLACEHOLDERS]
+        return [*ARG_PLACEHOLDERS, *dict.fromkeys(hyper)]
+
+    def _entrypoint_args_known(self) -> None:
+        known = self.arg_placeholders()
+        for index, stage in enumerate(self.train.stages):
+            for position, arg in enumerate(stage.entrypoint.args if stage.entrypoint else []):
+                where = f"train.stages[{index}] ({stage.name}): entrypoint.args[{position}] {arg!r}"
+                try:
+                    unknown = [name for name in placeholders(arg) if name not in known]
+                except ValueError as exc:
+                    raise ValueError(f"{where}: {exc}; write literal braces as {{{{ and }}}}") from None
+                if unknown:
+                    raise ValueError(f"{where}: unknown placeholder {{{unknown[0]}}}; known: {known} "
+                                     f"(write literal braces as {{{{ and }}}})")
 
     def profile(self, name: str) -> Profile:
         return self.profiles[name]
@@ -604,6 +662,14 @@ def _apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> None:
                 raise ValueError(f"override '{dotted}': {where} is {node!r}, not a mapping or list")
 
 
+def _fill_model_name(raw: dict[str, Any]) -> None:
+    """Derive the registry name from the file's dataset.uri, so a run scoring another input_uri keeps its model."""
+    dataset, registry = raw.get("dataset"), raw.setdefault("registry", {})
+    if isinstance(dataset, dict) and isinstance(dataset.get("uri"), str) and isinstance(registry, dict) \
+            and not registry.get("model_name"):
+        registry["model_name"] = default_model_name(dataset["uri"])
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
     """Read, override (dotted keys such as ``sweep.num_trials``) and validate the pipeline config."""
     resolved = config_path(path)
@@ -617,6 +683,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         raise ConfigError(f"{resolved}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{resolved}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    _fill_model_name(raw)
     try:
         _apply_overrides(raw, overrides or {})
     except ValueError as exc:

@@ -4,11 +4,14 @@ Run: ``python -m tasks.registry list``            versions, newest first, the cu
      ``python -m tasks.registry show [VERSION]``  one version's card (default: current)
      ``python -m tasks.registry rollback``        point ``current`` back at the previous version
      ``python -m tasks.registry promote VERSION`` point ``current`` at VERSION (no gate)
+Each takes ``--model NAME`` (default: the config's ``registry.model_name``).
 
-Layout: ``models/<version>/model.pt`` and ``card.json`` (metrics, params, data fingerprint, code
-version, source run); ``models/current.json`` names the current version and keeps the history of
-promotions. A version id is the hash of the model's bytes, so registering the same model again is a
-no-op. The pointer file is replaced in one atomic write (rename locally, one PUT on S3).
+Layout, one registry per model name: ``models/<name>/<version>/model.pt`` and ``card.json``
+(metrics, params, data fingerprint, code version, source run); ``models/<name>/current.json`` names
+the current version and keeps the history of promotions. Models of different names never meet: the
+gate compares only within a name and inference resolves only within it. A version id is the hash of
+the model's bytes, so registering the same model again is a no-op. The pointer file is replaced in
+one atomic write (rename locally, one PUT on S3).
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ from tasks.errors import UserError
 log = logging.getLogger("stagewise.registry")
 
 
-def models_prefix(storage_root: str) -> str:
-    return storage.join(storage_root, "models")
+def models_prefix(storage_root: str, name: str) -> str:
+    """The registry of one model name: ``models/<name>``."""
+    if not name or "/" in name or name in (".", ".."):
+        raise UserError(f"'{name}' is no model name (registry.model_name): give letters, digits, '_', '.' or '-'")
+    return storage.join(storage_root, "models", name)
 
 
-def pointer_uri(storage_root: str) -> str:
-    return storage.join(models_prefix(storage_root), "current.json")
+def pointer_uri(storage_root: str, name: str) -> str:
+    return storage.join(models_prefix(storage_root, name), "current.json")
 
 
 def code_version() -> str:
@@ -55,8 +61,8 @@ def data_fingerprint(manifest_uri: str) -> str:
         return hashlib.sha256(handle.read()).hexdigest()[:16]
 
 
-def register(storage_root: str, model_uri: str, card: dict[str, Any]) -> dict[str, Any]:
-    """Copy the model into ``models/<version>/`` with its card; idempotent per model bytes."""
+def register(storage_root: str, name: str, model_uri: str, card: dict[str, Any]) -> dict[str, Any]:
+    """Copy the model into ``models/<name>/<version>/`` with its card; idempotent per model bytes."""
     fs, path = storage.filesystem(model_uri)
     with fs.open(path, "rb") as handle:
         data = handle.read()
@@ -65,60 +71,76 @@ def register(storage_root: str, model_uri: str, card: dict[str, Any]) -> dict[st
     if nonfinite:
         raise UserError(f"refusing to register {model_uri} (version {version}): its metric(s) {nonfinite} are not finite; "
                         f"a model whose training or evaluation diverged is never registered")
-    folder = storage.join(models_prefix(storage_root), version)
+    folder = storage.join(models_prefix(storage_root, name), version)
     card_uri = storage.join(folder, "card.json")
     if storage.exists(card_uri):
-        log.info("model %s is already registered", version)
-        return storage.read_json(card_uri)
+        log.info("model %s/%s is already registered", name, version)
+        return _card_at(folder)
     storage.write_bytes(storage.join(folder, "model.pt"), data)
-    full_card = {**card, "version": version, "model_uri": storage.join(folder, "model.pt"),
+    full_card = {**card, "model_name": name, "version": version, "model_uri": storage.join(folder, "model.pt"),
                  "registered_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     storage.write_json(card_uri, full_card)  # the card, written last, is what makes a version exist
-    log.info("registered model %s (%s)", version, {k: v for k, v in card.items() if k.startswith("test_") or k == "source_run"})
+    log.info("registered model %s/%s (%s)", name, version, {k: v for k, v in card.items() if k.startswith("test_") or k == "source_run"})
     return full_card
 
 
-def pointer(storage_root: str) -> dict[str, Any]:
-    uri = pointer_uri(storage_root)
-    return storage.read_json(uri) if storage.exists(uri) else {"version": None, "history": []}
+def _card_at(folder: str) -> dict[str, Any]:
+    # The folder, not the stored URI, locates the model: a registry moved as a whole stays usable.
+    return {**storage.read_json(storage.join(folder, "card.json")), "model_uri": storage.join(folder, "model.pt")}
 
 
-def card(storage_root: str, version: str) -> dict[str, Any]:
-    uri = storage.join(models_prefix(storage_root), version, "card.json")
-    if not storage.exists(uri):
-        raise UserError(f"model version '{version}' is not registered under {models_prefix(storage_root)}")
-    return storage.read_json(uri)
+def _warn_if_unscoped(storage_root: str, name: str) -> None:
+    legacy = storage.join(storage_root, "models", "current.json")
+    if storage.exists(legacy):
+        log.warning("%s is an unscoped registry from before model names and is ignored; move its versions into "
+                    "models/%s/ (see README, 'Models, batch inference and retraining')", legacy, name)
 
 
-def current(storage_root: str) -> dict[str, Any] | None:
-    """The current version's card, or None before the first promotion."""
-    version = pointer(storage_root)["version"]
-    return card(storage_root, version) if version else None
+def pointer(storage_root: str, name: str) -> dict[str, Any]:
+    uri = pointer_uri(storage_root, name)
+    if storage.exists(uri):
+        return storage.read_json(uri)
+    _warn_if_unscoped(storage_root, name)
+    return {"version": None, "history": []}
 
 
-def _move_pointer(storage_root: str, version: str | None, history: list[str], reason: str) -> dict[str, Any]:
-    state = {"version": version, "history": history, "reason": reason,
+def card(storage_root: str, name: str, version: str) -> dict[str, Any]:
+    folder = storage.join(models_prefix(storage_root, name), version)
+    if not storage.exists(storage.join(folder, "card.json")):
+        raise UserError(f"model version '{version}' is not registered under {models_prefix(storage_root, name)} "
+                        f"(model name '{name}', registry.model_name)")
+    return _card_at(folder)
+
+
+def current(storage_root: str, name: str) -> dict[str, Any] | None:
+    """The current version's card of model ``name``, or None before its first promotion."""
+    version = pointer(storage_root, name)["version"]
+    return card(storage_root, name, version) if version else None
+
+
+def _move_pointer(storage_root: str, name: str, version: str | None, history: list[str], reason: str) -> dict[str, Any]:
+    state = {"model_name": name, "version": version, "history": history, "reason": reason,
              "moved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    storage.write_json(pointer_uri(storage_root), state)
+    storage.write_json(pointer_uri(storage_root, name), state)
     return state
 
 
-def promote(storage_root: str, version: str, reason: str = "manual") -> dict[str, Any]:
-    card(storage_root, version)  # must exist
-    state = pointer(storage_root)
+def promote(storage_root: str, name: str, version: str, reason: str = "manual") -> dict[str, Any]:
+    card(storage_root, name, version)  # must exist under this name
+    state = pointer(storage_root, name)
     if state["version"] == version:
         return state
     history = [*state["history"], state["version"]] if state["version"] else list(state["history"])
-    log.info("current model: %s -> %s (%s)", state["version"], version, reason)
-    return _move_pointer(storage_root, version, history, reason)
+    log.info("current %s model: %s -> %s (%s)", name, state["version"], version, reason)
+    return _move_pointer(storage_root, name, version, history, reason)
 
 
-def gate(storage_root: str, version: str, metric: str, margin: float, direction: str = "maximize") -> dict[str, Any]:
-    """Promote ``version`` only if it beats the current model's ``metric`` by ``margin`` in ``direction`` (or none is current)."""
-    candidate = card(storage_root, version)
+def gate(storage_root: str, name: str, version: str, metric: str, margin: float, direction: str = "maximize") -> dict[str, Any]:
+    """Promote ``version`` only if it beats model ``name``'s current ``metric`` by ``margin`` in ``direction`` (or none is current)."""
+    candidate = card(storage_root, name, version)
     if metric not in candidate:
-        raise UserError(f"model {version} has no metric '{metric}' (registry.gate_metric) in its card")
-    incumbent = current(storage_root)
+        raise UserError(f"model {name}/{version} has no metric '{metric}' (registry.gate_metric) in its card")
+    incumbent = current(storage_root, name)
     if incumbent is None:
         decision = {"promoted": True, "reason": "no current model"}
     elif incumbent["version"] == version:
@@ -134,32 +156,35 @@ def gate(storage_root: str, version: str, metric: str, margin: float, direction:
                                                   f"{incumbent[metric]:.4f} {'-' if minimize else '+'} margin {margin}"}
         decision["previous"] = incumbent["version"]
     if decision["promoted"]:
-        promote(storage_root, version, reason=f"gate: {decision['reason']}")
-    log.info("gate for %s: %s (%s)", version, "promoted" if decision["promoted"] else "refused", decision["reason"])
-    return {"version": version, "current": pointer(storage_root)["version"], **decision}
+        promote(storage_root, name, version, reason=f"gate: {decision['reason']}")
+    log.info("gate for %s/%s: %s (%s)", name, version, "promoted" if decision["promoted"] else "refused", decision["reason"])
+    return {"model_name": name, "version": version, "current": pointer(storage_root, name)["version"], **decision}
 
 
-def rollback(storage_root: str) -> dict[str, Any]:
-    """Point ``current`` back at the version before it."""
-    state = pointer(storage_root)
+def rollback(storage_root: str, name: str) -> dict[str, Any]:
+    """Point model ``name``'s ``current`` back at the version before it."""
+    state = pointer(storage_root, name)
     if not state["history"]:
-        raise UserError(f"nothing to roll back to: {pointer_uri(storage_root)} has no earlier version")
+        raise UserError(f"nothing to roll back to: {pointer_uri(storage_root, name)} has no earlier version")
     *earlier, previous = state["history"]
-    log.info("rollback: current model %s -> %s", state["version"], previous)
-    return _move_pointer(storage_root, previous, earlier, f"rollback from {state['version']}")
+    log.info("rollback: current %s model %s -> %s", name, state["version"], previous)
+    return _move_pointer(storage_root, name, previous, earlier, f"rollback from {state['version']}")
 
 
-def versions(storage_root: str) -> list[dict[str, Any]]:
-    fs, path = storage.filesystem(models_prefix(storage_root))
+def versions(storage_root: str, name: str) -> list[dict[str, Any]]:
+    """Model ``name``'s registered versions, newest first."""
+    fs, path = storage.filesystem(models_prefix(storage_root, name))
     if not fs.isdir(path):
         return []
-    cards = [storage.read_json(fs.unstrip_protocol(p) if "://" in storage_root else p) for p in fs.glob(path + "/*/card.json")]
+    folders = [p.rsplit("/", 1)[0] for p in fs.glob(path + "/*/card.json")]
+    cards = [_card_at(fs.unstrip_protocol(f) if "://" in storage_root else f) for f in folders]
     return sorted(cards, key=lambda c: c["registered_at"], reverse=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="The model registry.")
     common = common_parser()
+    common.add_argument("--model", default=None, help="model name (default: the config's registry.model_name)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", parents=[common], help="versions, newest first")
     show = sub.add_parser("show", parents=[common], help="one version's card")
@@ -169,22 +194,23 @@ def main(argv: list[str] | None = None) -> None:
     promote_cmd.add_argument("version")
     args = parser.parse_args(argv)
     setup_logging(quiet=True)
-    root = load_config(args.config, parse_overrides(args.override)).storage_root
+    config = load_config(args.config, parse_overrides(args.override))
+    root, name = config.storage_root, args.model or config.registry.model_name
     try:
         if args.command == "list":
-            now = pointer(root)["version"]
-            for entry in versions(root):
+            now = pointer(root, name)["version"]
+            for entry in versions(root, name):
                 mark = "*" if entry["version"] == now else " "
                 print(f"{mark} {entry['version']}  {entry['registered_at']}  {entry.get('objective', 'accuracy')}={entry.get('test_' + entry.get('objective', 'accuracy'))}  "
                       f"run={entry.get('source_run')}")
         elif args.command == "show":
             import json
 
-            print(json.dumps(card(root, args.version) if args.version else current(root), indent=2))
+            print(json.dumps(card(root, name, args.version) if args.version else current(root, name), indent=2))
         elif args.command == "rollback":
-            print(f"current: {rollback(root)['version']}")
+            print(f"current {name}: {rollback(root, name)['version']}")
         else:
-            print(f"current: {promote(root, args.version)['version']}")
+            print(f"current {name}: {promote(root, name, args.version)['version']}")
     except UserError as exc:
         raise SystemExit(str(exc)) from None
 

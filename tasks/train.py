@@ -24,7 +24,7 @@ from typing import Any
 
 from tasks import storage
 from tasks.cli import common_parser, json_arg, parse_overrides, run_subjob
-from tasks.config import PipelineConfig, hyperparameter_problem, load_config
+from tasks.config import ARG_PLACEHOLDERS, STAGE_CONTRACT, PipelineConfig, hyperparameter_problem, load_config, placeholders
 from tasks.errors import UserError
 
 log = logging.getLogger("stagewise.train")
@@ -64,6 +64,27 @@ def config_hash(stage: dict[str, Any], params: dict[str, Any], world_size: int, 
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def byo_contract(config: PipelineConfig, config_file: str, stage_name: str, out: str, swept: dict[str, Any],
+                 init_from: str | None) -> dict[str, Any]:
+    """The stage's values a user's own script gets, by name (tasks.config.STAGE_CONTRACT), typed."""
+    stage = config.stage(stage_name)
+    world = config.profile(stage.profile).processes_per_node
+    micro = stage.micro_batch(world)
+    global_batch = micro * world * stage.grad_accum_steps
+    params = resolve_params(config, swept)
+    prefix = stage_prefix(out, stage.name)
+    values = {
+        "config": config_file, "stage": stage.name, "run_prefix": out, "output_dir": prefix,
+        "checkpoint_dir": storage.join(prefix, "checkpoints"),
+        "data_manifest": storage.join(out, "preprocess", "manifest.json"), "init_from": init_from or "",
+        "params": params, "per_process_batch": micro, "grad_accum_steps": stage.grad_accum_steps,
+        "global_batch": global_batch, "lr": scaled_lr_for(config, params["lr"], global_batch), "epochs": stage.epochs,
+        "seed": config.train.seed,
+    }
+    assert tuple(values) == STAGE_CONTRACT, "tasks.config.STAGE_CONTRACT names the contract; keep both in step"
+    return values
+
+
 def byo_environment(config: PipelineConfig, config_file: str, stage_name: str, out: str, swept: dict[str, Any],
                     init_from: str | None) -> dict[str, str]:
     """What a user's own stage script gets besides torchrun's RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT.
@@ -72,28 +93,80 @@ def byo_environment(config: PipelineConfig, config_file: str, stage_name: str, o
     (a retry finds them there), and for a later stage or evaluation writes ``final.pt`` (model and
     optimizer state, global_batch) and ``model.pt`` (tasks.model.save_bundle) in STAGEWISE_OUTPUT_DIR.
     """
+    values = byo_contract(config, config_file, stage_name, out, swept, init_from)
+    text = {"params": json.dumps(values["params"]), "lr": repr(values["lr"])}
+    return {f"STAGEWISE_{name.upper()}": text.get(name, str(value)) for name, value in values.items()}
+
+
+def byo_args(config: PipelineConfig, stage_name: str, contract: dict[str, Any]) -> list[str]:
+    """The stage entrypoint's args with each ``{name}`` filled from the contract, else from the hyperparameters.
+
+    ``{lr}`` is the stage's rescaled lr (as $STAGEWISE_LR); the swept base lr is in $STAGEWISE_PARAMS.
+    """
     stage = config.stage(stage_name)
-    world = config.profile(stage.profile).processes_per_node
-    micro = stage.micro_batch(world)
-    global_batch = micro * world * stage.grad_accum_steps
-    params = resolve_params(config, swept)
+    entry = stage.entrypoint
+    values = {**contract["params"], **{name: contract[name] for name in ARG_PLACEHOLDERS}}
+    args = []
+    for position, arg in enumerate(entry.args if entry else []):
+        where = f"train.stages ({stage.name}): entrypoint.args[{position}] {arg!r}"
+        try:
+            missing = [name for name in placeholders(arg) if name not in values]
+            if missing:
+                raise ValueError(f"unknown placeholder {{{missing[0]}}}; known: {sorted(values)}")
+            args.append(arg.format_map(values))
+        except ValueError as exc:
+            raise UserError(f"{where}: {exc}") from None
+    return args
+
+
+# What a user's stage must leave in STAGEWISE_OUTPUT_DIR: the next stage starts from final.pt, evaluation loads model.pt.
+BYO_OUTPUTS = {"final.pt": "model and optimizer state plus global_batch, which the next stage starts from",
+               "model.pt": "the model bundle (tasks.model.save_bundle), which evaluation, the registry and inference load"}
+
+
+def check_byo_outputs(config: PipelineConfig, stage_name: str, out: str) -> dict[str, str]:
+    """The URIs of a finished user stage's outputs; a UserError naming each missing file and where it was expected."""
+    stage = config.stage(stage_name)
     prefix = stage_prefix(out, stage.name)
-    return {
-        "STAGEWISE_CONFIG": config_file,
-        "STAGEWISE_STAGE": stage.name,
-        "STAGEWISE_RUN_PREFIX": out,
-        "STAGEWISE_OUTPUT_DIR": prefix,
-        "STAGEWISE_CHECKPOINT_DIR": storage.join(prefix, "checkpoints"),
-        "STAGEWISE_DATA_MANIFEST": storage.join(out, "preprocess", "manifest.json"),
-        "STAGEWISE_INIT_FROM": init_from or "",
-        "STAGEWISE_PARAMS": json.dumps(params),
-        "STAGEWISE_PER_PROCESS_BATCH": str(micro),
-        "STAGEWISE_GRAD_ACCUM_STEPS": str(stage.grad_accum_steps),
-        "STAGEWISE_GLOBAL_BATCH": str(global_batch),
-        "STAGEWISE_LR": repr(scaled_lr_for(config, params["lr"], global_batch)),
-        "STAGEWISE_EPOCHS": str(stage.epochs),
-        "STAGEWISE_SEED": str(config.train.seed),
-    }
+    uris = {name: storage.join(prefix, name) for name in BYO_OUTPUTS}
+    missing = [name for name, uri in uris.items() if not storage.exists(uri)]
+    if missing:
+        entry = stage.entrypoint
+        what = f"script {entry.script}" if entry and entry.script else f"module {entry.module}" if entry else "tasks.train"
+        needs = "; ".join(f"{name}: {BYO_OUTPUTS[name]}" for name in missing)
+        raise UserError(f"stage {stage.name}: {what} ended without writing {' and '.join(missing)} in "
+                        f"STAGEWISE_OUTPUT_DIR ({prefix}); rank 0 must write them there ({needs})")
+    return uris
+
+
+# What a model card says in place of params when a user's script did not report the ones it trained with.
+PARAMS_NOT_REPORTED = "not reported by the script"
+
+
+def byo_result(config: PipelineConfig, stage_name: str, out: str, contract: dict[str, Any],
+               reported: dict[str, Any]) -> dict[str, Any]:
+    """A finished user stage's result: outputs checked, the contract's numbers, and params only as the script reported them.
+
+    ``reported`` is the script's own result JSON ($STAGEWISE_RESULT_FILE; empty when it wrote none).
+    """
+    outputs = check_byo_outputs(config, stage_name, out)
+    stage = config.stage(stage_name)
+    params = reported.get("params")
+    if params is not None and not isinstance(params, dict):
+        raise UserError(f"stage {stage.name}: 'params' in the script's result JSON ($STAGEWISE_RESULT_FILE) must be an "
+                        f"object of the hyperparameters it trained with, got {type(params).__name__} {params!r}")
+    result = {"stage": stage.name, "world_size": config.profile(stage.profile).processes_per_node,
+              "global_batch": contract["global_batch"], "lr": contract["lr"], "epochs": stage.epochs, "val_metric": None,
+              "checkpoint_uri": outputs["final.pt"], "model_uri": outputs["model.pt"], **reported}
+    return {**result, "params": params, "params_source": "script"}
+
+
+def card_params(trained: dict[str, Any], swept_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The params a model card records: a user script's own report (or that it gave none), never the sweep's in its place."""
+    if trained.get("params_source") != "script":
+        return {"params": swept_params, "params_source": "sweep"}
+    reported = trained.get("params")
+    return {"params": PARAMS_NOT_REPORTED if reported is None else reported, "params_source": "script"}
 
 
 def scaled_lr_for(config: PipelineConfig, base_lr: float, global_batch: int) -> float:

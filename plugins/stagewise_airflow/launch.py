@@ -208,6 +208,9 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
 
     Our sub-jobs take ``--result-file``; a user's own script or module (``script``, or
     ``result_arg=False``) finds the path in $STAGEWISE_RESULT_FILE instead and may leave it unwritten.
+    A user's entrypoint runs in a scratch working directory of its own, removed when the attempt
+    ends, so files it writes relative to its cwd never reach the repo, a later stage or a later run;
+    a relative ``script`` still names a file under the repo root.
     """
     import json
 
@@ -218,10 +221,16 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
     result_file = os.path.join(workdir, "result.json")
     error_file = os.path.join(workdir, "user_error.txt")
     ours = script is None and result_arg
+    name, cwd = script or module, REPO_ROOT
+    if not ours:
+        cwd = os.path.join(workdir, "cwd")
+        os.mkdir(cwd)
+        if script:
+            script = os.path.join(REPO_ROOT, script)  # an absolute script stays as it is
     argv = command(module, [*args, "--result-file", result_file] if ours else args, profile, distributed, script)
     env = {**child_env(profile, error_file), RESULT_FILE_ENV: result_file, **(extra_env or {})}
     log.info("launching: %s", " ".join(argv))
-    process = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+    process = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
                                preexec_fn=_die_with_parent)
     previous = signal.getsignal(signal.SIGTERM)
@@ -252,7 +261,6 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     try:
-        name = script or module
         if stopped.is_set():
             raise RuntimeError(f"{name} was stopped: the task got SIGTERM (killed, marked failed or timed out)")
         if os.path.exists(error_file):

@@ -97,7 +97,7 @@ def start_run(mode: str = "pipeline") -> dict[str, Any]:
             from tasks import registry
 
             with credentials.exported(credentials.aws_environment(base.storage_conn_id)):
-                incumbent = registry.current(base.storage_root)
+                incumbent = registry.current(base.storage_root, base.registry.model_name)
             overrides["sweep.num_trials"] = base.retrain.num_trials
             overrides["sweep.warm_start_from"] = (incumbent or {}).get("study", "")
         config = load_config(path, overrides)
@@ -188,24 +188,27 @@ def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous
 
 def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], init_from: str | None) -> dict[str, Any]:
     """Bring your own script: same profile, retries and torchrun; the contract is in environment variables."""
-    from tasks import storage
-    from tasks.train import byo_environment
+    from tasks.train import byo_args, byo_contract, byo_environment, byo_result
 
     config = run_config(run)
     spec = config.stage(stage)
     entry = spec.entrypoint
-    env = byo_environment(config, run["config"], stage, run["out"], params, init_from)
+    started = time.monotonic()
+
+    def contract() -> tuple[dict[str, Any], dict[str, str], list[str]]:
+        values = byo_contract(config, run["config"], stage, run["out"], params, init_from)
+        env = byo_environment(config, run["config"], stage, run["out"], params, init_from)
+        return values, env, byo_args(config, stage, values)
+
+    values, env, args = _inline(config, contract)  # bad params or args are the user's to fix: no retry
     env["STAGEWISE_OVERRIDES"] = json.dumps(run["overrides"])
-    result = launch.run(entry.module or "", list(entry.args), config.profile(spec.profile), distributed=True,
-                        attempt=_context()["ti"].try_number, script=entry.script,
-                        extra_env={**credentials.aws_environment(config.storage_conn_id), **env},
-                        result_arg=False)
-    defaults = {"stage": stage, "world_size": config.profile(spec.profile).processes_per_node,
-                "global_batch": int(env["STAGEWISE_GLOBAL_BATCH"]), "lr": float(env["STAGEWISE_LR"]),
-                "epochs": spec.epochs, "val_metric": None,
-                "checkpoint_uri": storage.join(env["STAGEWISE_OUTPUT_DIR"], "final.pt"),
-                "model_uri": storage.join(env["STAGEWISE_OUTPUT_DIR"], "model.pt")}
-    return {**defaults, **result}
+    reported = launch.run(entry.module or "", args, config.profile(spec.profile), distributed=True,
+                          attempt=_context()["ti"].try_number, script=entry.script,
+                          extra_env={**credentials.aws_environment(config.storage_conn_id), **env},
+                          result_arg=False)
+    # Missing outputs fail here, without retry, rather than in evaluate three times.
+    result = _inline(config, lambda: byo_result(config, stage, run["out"], values, reported))
+    return {**result, "duration_s": round(time.monotonic() - started, 3)}
 
 
 def evaluate(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
@@ -216,6 +219,7 @@ def evaluate(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
 def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dict[str, Any], swept: dict[str, Any]) -> dict[str, Any]:
     """Add the trained model to the registry with its card (metrics, params, data, code, source run)."""
     from tasks import registry, storage
+    from tasks.train import card_params
 
     config = run_config(run)
 
@@ -223,10 +227,10 @@ def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dic
         card = {**{k: v for k, v in evaluation.items() if k.startswith("test_") and k != "test_objective"},
                 "objective": config.objective.metric, "direction": config.objective.direction,
                 f"val_{config.objective.metric}": trained.get("val_metric"),
-                "params": swept.get("best_params"), "study": run["study"], "source_run": f"{run['dag_id']}/{run['run_id']}",
+                **card_params(trained, swept.get("best_params")), "study": run["study"], "source_run": f"{run['dag_id']}/{run['run_id']}",
                 "data_fingerprint": registry.data_fingerprint(storage.join(run["out"], "preprocess", "manifest.json")),
                 "code_version": registry.code_version(), "stages": [trained.get("stage")]}
-        return registry.register(config.storage_root, trained["model_uri"], card)
+        return registry.register(config.storage_root, config.registry.model_name, trained["model_uri"], card)
 
     return _inline(config, work)
 
@@ -238,9 +242,10 @@ def gate_model(run: dict[str, Any], registered: dict[str, Any]) -> dict[str, Any
     config = run_config(run)
 
     def work() -> dict[str, Any]:
-        decision = registry.gate(config.storage_root, registered["version"], config.gate_metric(), config.registry.margin,
+        name = config.registry.model_name
+        decision = registry.gate(config.storage_root, name, registered["version"], config.gate_metric(), config.registry.margin,
                                  config.objective.direction)
-        return {**decision, "model_uri": registry.card(config.storage_root, decision["current"])["model_uri"]}
+        return {**decision, "model_uri": registry.card(config.storage_root, name, decision["current"])["model_uri"]}
 
     return _inline(config, work)
 
@@ -253,10 +258,11 @@ def resolve_model(run: dict[str, Any]) -> dict[str, Any]:
     version = _context()["params"].get("model_version") or None
 
     def work() -> dict[str, Any]:
-        card = registry.card(config.storage_root, version) if version else registry.current(config.storage_root)
+        name = config.registry.model_name
+        card = registry.card(config.storage_root, name, version) if version else registry.current(config.storage_root, name)
         if card is None:
-            raise UserError(f"no current model under {registry.models_prefix(config.storage_root)}: run ml_pipeline "
-                            f"first or name a model_version")
+            raise UserError(f"no current '{name}' model (registry.model_name) under "
+                            f"{registry.models_prefix(config.storage_root, name)}: run ml_pipeline first or name a model_version")
         return {"current": card["version"], "model_uri": card["model_uri"]}
 
     return _inline(config, work)
@@ -292,7 +298,8 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
     return _inline(run_config(run), lambda: report.build_report(
         dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], stage_results=stage_results, preprocess=prepared,
         sweep=swept, training=list(trained), evaluation=evaluation, predictions=predictions,
-        registry={"version": registered["version"], "promoted": gated["promoted"], "reason": gated["reason"],
+        registry={"model_name": gated.get("model_name"), "version": registered["version"], "promoted": gated["promoted"],
+                  "reason": gated["reason"],
                   "current": gated["current"]}))
 
 

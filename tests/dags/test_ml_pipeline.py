@@ -71,9 +71,9 @@ def test_first_model_is_registered_promoted_and_used_for_inference(report, airfl
     assert registry["promoted"] and registry["reason"] == "no current model"
     assert registry["current"] == registry["version"] == report["predictions"]["model_version"]
     storage_root = Path(airflow_env["STAGEWISE_TEST_STORAGE"])
-    card = json.loads((storage_root / "models" / registry["version"] / "card.json").read_text())
+    card = json.loads((storage_root / "models" / "digits" / registry["version"] / "card.json").read_text())
     assert card["test_accuracy"] == report["test_accuracy"] and card["data_fingerprint"] and card["code_version"]
-    assert json.loads((storage_root / "models" / "current.json").read_text())["version"] == registry["version"]
+    assert json.loads((storage_root / "models" / "digits" / "current.json").read_text())["version"] == registry["version"]
 
 
 def _with_rows_per_shard(airflow_env: dict, tmp_path: Path, rows: int) -> str:

@@ -46,5 +46,5 @@ def test_asset_event_triggers_retrain_which_registers_and_promotes(live_airflow,
     report = json.loads(next(storage_root.glob("runs/retrain/*/report.json")).read_text())
     assert report["sweep"]["n_trials"] == 2, "retrain uses its own smaller budget"
     assert report["registry"]["promoted"] and report["registry"]["reason"] == "no current model"
-    current = json.loads((storage_root / "models" / "current.json").read_text())
+    current = json.loads((storage_root / "models" / "digits" / "current.json").read_text())
     assert current["version"] == report["registry"]["version"]

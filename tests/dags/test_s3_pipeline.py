@@ -27,7 +27,7 @@ def test_ml_pipeline_runs_on_s3_without_leaking_credentials(s3_endpoint, tmp_pat
     report = json.loads(fs.cat(reports[0]))
     assert report["model_uri"].startswith("s3://stagewise-test/root/") and report["test_accuracy"] > 0.9
     assert report["predictions"]["rows"] == 1797 and report["predictions"]["uri"].startswith("s3://")
-    assert fs.exists("stagewise-test/root/models/current.json")
+    assert fs.exists("stagewise-test/root/models/digits/current.json")
     secret = s3_endpoint["AWS_SECRET_ACCESS_KEY"]
     assert secret not in result.stdout + result.stderr, "the secret key reached the logs"
     assert secret not in json.dumps(report)

@@ -2,30 +2,33 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from stagewise_airflow import launch
-from tasks.config import load_config
-from tasks.train import byo_environment
+from tasks.config import Profile, load_config
+from tasks.train import byo_args, byo_contract, byo_environment, check_byo_outputs
 
 pytestmark = pytest.mark.slow
 
 
 def test_user_script_runs_under_torchrun_with_the_stage_contract(digits_run):
-    """The script gets torchrun's variables, its own args, the data manifest and the output dirs, and its result."""
+    """The script gets torchrun's variables, its own args (placeholders filled), the data manifest, the output dirs; its result comes back."""
     config_path, out = digits_run
     raw = yaml.safe_load(config_path.read_text())
-    raw["train"]["stages"][1]["entrypoint"] = {"script": "examples/byo_train.py", "args": ["--hidden", "32"]}
+    raw["train"]["stages"][1]["entrypoint"] = {"script": "examples/byo_train.py", "args": ["--hidden", "{hidden}"]}
     config_path.write_text(yaml.safe_dump(raw))
     config = load_config(config_path)
     stage = config.stage("s2")
-    env = byo_environment(config, str(config_path), "s2", out, {"lr": 0.02}, init_from=None)
+    env = byo_environment(config, str(config_path), "s2", out, {"lr": 0.02, "hidden": 32}, init_from=None)
     assert env["STAGEWISE_GLOBAL_BATCH"] == "128" and float(env["STAGEWISE_LR"]) == pytest.approx(0.02 * 128 / 32)
+    args = byo_args(config, "s2", byo_contract(config, str(config_path), "s2", out, {"lr": 0.02, "hidden": 32}, None))
 
-    result = launch.run("", stage.entrypoint.args, config.profile(stage.profile), distributed=True,
+    result = launch.run("", args, config.profile(stage.profile), distributed=True,
                         script=stage.entrypoint.script, extra_env=env)
     assert result["world_size"] == 2 and result["args"] == {"hidden": 32}
     seen = result["torchrun_env"]
@@ -34,6 +37,7 @@ def test_user_script_runs_under_torchrun_with_the_stage_contract(digits_run):
     stage_dir = Path(out) / "train" / "s2"
     assert (stage_dir / "final.pt").exists() and (stage_dir / "model.pt").exists()
     assert (stage_dir / "checkpoints" / "byo.pt").exists()
+    assert check_byo_outputs(config, "s2", out) == {"final.pt": str(stage_dir / "final.pt"), "model.pt": str(stage_dir / "model.pt")}
 
 
 def test_entrypoint_needs_exactly_one_target(write_config):
@@ -46,3 +50,100 @@ def test_entrypoint_needs_exactly_one_target(write_config):
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match=r"train\.stages\.0\.entrypoint"):
         load_config(path)
+
+
+@pytest.mark.parametrize("entry", [{"script": "tests/plugins/byo_snapshot_script.py"},
+                                   {"module": "tests.plugins.byo_snapshot_script"}])
+def test_user_script_runs_in_a_scratch_cwd_that_no_later_run_sees(entry):
+    """A script writing snapshot.pt relative to its cwd leaves nothing in the repo root, and a second run starts clean.
+
+    A relative ``script:`` path still resolves against the repo root, and a ``module:`` still imports,
+    although the cwd is elsewhere.
+    """
+    repo_root = Path(launch.REPO_ROOT)
+    leftover = repo_root / "snapshot.pt"
+    assert not leftover.exists(), "a snapshot.pt from an earlier run sits in the repo root"
+    kwargs = {"script": entry.get("script"), "result_arg": False}
+    try:
+        first = launch.run(entry.get("module", ""), [], Profile(), distributed=True, **kwargs)
+        second = launch.run(entry.get("module", ""), [], Profile(), distributed=True, **kwargs)
+        assert not leftover.exists(), "the script's relative snapshot.pt landed in the repo root"
+        assert not first["found_snapshot"] and not second["found_snapshot"], "the second run saw the first run's snapshot"
+        assert Path(first["cwd"]) != repo_root and not Path(first["cwd"]).exists(), "the scratch cwd is removed"
+    finally:
+        leftover.unlink(missing_ok=True)
+
+
+def _set_entrypoint(config_path: Path, stage: int, entrypoint: dict) -> None:
+    raw = yaml.safe_load(config_path.read_text())
+    raw["train"]["stages"][stage]["entrypoint"] = entrypoint
+    config_path.write_text(yaml.safe_dump(raw))
+
+
+def test_stage_whose_script_wrote_no_model_fails_without_retry_naming_what_is_missing(write_config, storage_root):
+    """A user stage that exits 0 without final.pt and model.pt fails at once (no retry), naming both files and the dir.
+
+    Before, the stage passed and evaluate failed three times with FileNotFoundError.
+    """
+    from airflow.sdk.exceptions import AirflowFailException
+    from airflow.sdk.execution_time.context import set_current_context
+
+    from stagewise_airflow import steps
+
+    config_path = write_config()
+    _set_entrypoint(config_path, 0, {"script": "tests/plugins/byo_snapshot_script.py"})
+    out = str(storage_root / "runs" / "test" / "no-model")
+    run = {"dag_id": "test", "run_id": "no-model", "config": str(config_path), "overrides": {}, "out": out}
+    # The task's Airflow context: only the try number is read by the step.
+    with set_current_context({"ti": SimpleNamespace(try_number=1)}):
+        with pytest.raises(AirflowFailException) as failure:
+            steps.train_stage(run, "s1", {"best_params": {"lr": 0.02}}, None)
+    message = str(failure.value)
+    assert "stage s1: script tests/plugins/byo_snapshot_script.py ended without writing final.pt and model.pt" in message
+    assert str(Path(out) / "train" / "s1") in message and "save_bundle" in message
+
+
+@pytest.mark.parametrize("reported, card_params", [
+    (None, "not reported by the script"),
+    ({"hidden": 16, "lr": 0.5}, {"hidden": 16, "lr": 0.5}),
+])
+def test_model_card_records_the_params_the_script_reported_not_the_sweeps(write_config, storage_root, reported, card_params):
+    """A BYO stage's card holds its result JSON's params, or says they were not reported; never the sweep's best.
+
+    Before, the card claimed the sweep's params although the script ignored them.
+    """
+    from airflow.sdk.execution_time.context import set_current_context
+
+    from stagewise_airflow import steps
+
+    config_path = write_config()
+    args = ["--write-outputs"] + (["--params", json.dumps(reported).replace("{", "{{").replace("}", "}}")] if reported else [])
+    _set_entrypoint(config_path, 0, {"script": "tests/plugins/byo_snapshot_script.py", "args": args})
+    out = storage_root / "runs" / "test" / "card"
+    (out / "preprocess").mkdir(parents=True)
+    (out / "preprocess" / "manifest.json").write_text("{}")  # the card fingerprints it; its content does not matter here
+    run = {"dag_id": "test", "run_id": "card", "config": str(config_path), "overrides": {}, "out": str(out), "study": "s"}
+    swept = {"best_params": {"lr": 0.02, "hidden": 256}}
+    with set_current_context({"ti": SimpleNamespace(try_number=1)}):
+        trained = steps.train_stage(run, "s1", swept, None)
+        card = steps.register_model(run, trained, {"test_accuracy": 0.5}, swept)
+    assert trained["model_uri"] == str(out / "train" / "s1" / "model.pt") and trained["global_batch"] == 32
+    assert card["params"] == card_params and card["params_source"] == "script"
+    assert card["model_uri"].startswith(str(storage_root / "models" / "digits"))
+
+
+def test_script_reporting_params_that_are_no_object_fails_without_retry(write_config, storage_root):
+    """'params' in a script's result JSON must be an object: anything else fails the stage naming the key."""
+    from airflow.sdk.exceptions import AirflowFailException
+    from airflow.sdk.execution_time.context import set_current_context
+
+    from stagewise_airflow import steps
+
+    config_path = write_config()
+    _set_entrypoint(config_path, 0, {"script": "tests/plugins/byo_snapshot_script.py",
+                                     "args": ["--write-outputs", "--params", "[1, 2]"]})
+    run = {"dag_id": "test", "run_id": "bad", "config": str(config_path), "overrides": {},
+           "out": str(storage_root / "runs" / "test" / "bad")}
+    with set_current_context({"ti": SimpleNamespace(try_number=1)}):
+        with pytest.raises(AirflowFailException, match=r"stage s1: 'params' in the script's result JSON .* got list \[1, 2\]"):
+            steps.train_stage(run, "s1", {"best_params": {"lr": 0.02}}, None)

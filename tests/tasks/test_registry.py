@@ -13,6 +13,7 @@ from tasks import registry
 from tasks.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+NAME = "digits"  # the registry name the test config gets from its dataset.uri (raw/digits)
 
 
 def _model(tmp_path: Path, name: str, payload: bytes) -> str:
@@ -22,7 +23,7 @@ def _model(tmp_path: Path, name: str, payload: bytes) -> str:
 
 
 def _register(root: Path, tmp_path: Path, name: str, accuracy: float) -> str:
-    card = registry.register(str(root), _model(tmp_path, name, name.encode() * 10), {"test_accuracy": accuracy, "source_run": name})
+    card = registry.register(str(root), NAME, _model(tmp_path, name, name.encode() * 10), {"test_accuracy": accuracy, "source_run": name})
     return card["version"]
 
 
@@ -30,46 +31,46 @@ def test_registering_the_same_model_twice_is_one_version(storage_root, tmp_path)
     """A version is the hash of the model's bytes: a retried register task adds nothing."""
     first = _register(storage_root, tmp_path, "a", 0.9)
     again = _register(storage_root, tmp_path, "a", 0.9)
-    assert first == again and len(registry.versions(str(storage_root))) == 1
-    card = json.loads((storage_root / "models" / first / "card.json").read_text())
-    assert card["test_accuracy"] == 0.9 and (storage_root / "models" / first / "model.pt").exists()
+    assert first == again and len(registry.versions(str(storage_root), NAME)) == 1
+    card = json.loads((storage_root / "models" / NAME / first / "card.json").read_text())
+    assert card["test_accuracy"] == 0.9 and (storage_root / "models" / NAME / first / "model.pt").exists()
 
 
 def test_gate_promotes_the_first_model_and_a_better_one(storage_root, tmp_path):
     """No current model: promote. A later model beating the current by more than the margin: promote."""
     first = _register(storage_root, tmp_path, "a", 0.90)
-    assert registry.gate(str(storage_root), first, "test_accuracy", margin=0.01)["promoted"]
+    assert registry.gate(str(storage_root), NAME, first, "test_accuracy", margin=0.01)["promoted"]
     better = _register(storage_root, tmp_path, "b", 0.95)
-    decision = registry.gate(str(storage_root), better, "test_accuracy", margin=0.01)
+    decision = registry.gate(str(storage_root), NAME, better, "test_accuracy", margin=0.01)
     assert decision["promoted"] and decision["current"] == better and decision["previous"] == first
 
 
 def test_gate_refuses_a_model_that_does_not_beat_the_margin(storage_root, tmp_path):
     """A model within the margin (or worse) is registered but the pointer stays where it was."""
     first = _register(storage_root, tmp_path, "a", 0.90)
-    registry.gate(str(storage_root), first, "test_accuracy", margin=0.0)
+    registry.gate(str(storage_root), NAME, first, "test_accuracy", margin=0.0)
     close = _register(storage_root, tmp_path, "b", 0.905)
-    decision = registry.gate(str(storage_root), close, "test_accuracy", margin=0.01)
+    decision = registry.gate(str(storage_root), NAME, close, "test_accuracy", margin=0.01)
     assert not decision["promoted"] and decision["current"] == first
     assert "0.9050 <= current 0.9000 + margin 0.01" in decision["reason"]
-    assert registry.current(str(storage_root))["version"] == first
+    assert registry.current(str(storage_root), NAME)["version"] == first
 
 
 def test_rollback_moves_the_pointer_back_and_runs_out(storage_root, tmp_path):
     """Rollback restores the previous current version; with no history it is a clear error."""
     first = _register(storage_root, tmp_path, "a", 0.90)
     second = _register(storage_root, tmp_path, "b", 0.95)
-    registry.gate(str(storage_root), first, "test_accuracy", 0.0)
-    registry.gate(str(storage_root), second, "test_accuracy", 0.0)
-    assert registry.rollback(str(storage_root))["version"] == first
+    registry.gate(str(storage_root), NAME, first, "test_accuracy", 0.0)
+    registry.gate(str(storage_root), NAME, second, "test_accuracy", 0.0)
+    assert registry.rollback(str(storage_root), NAME)["version"] == first
     with pytest.raises(UserError, match="nothing to roll back to"):
-        registry.rollback(str(storage_root))
+        registry.rollback(str(storage_root), NAME)
 
 
 def test_unknown_version_is_a_user_error(storage_root):
     """Asking for a version that was never registered names it."""
     with pytest.raises(UserError, match="model version 'm-nope' is not registered"):
-        registry.card(str(storage_root), "m-nope")
+        registry.card(str(storage_root), NAME, "m-nope")
 
 
 def test_cli_lists_versions_marks_current_and_rolls_back(storage_root, tmp_path, write_config, subprocess_env):
@@ -77,8 +78,8 @@ def test_cli_lists_versions_marks_current_and_rolls_back(storage_root, tmp_path,
     config = write_config()
     first = _register(storage_root, tmp_path, "a", 0.90)
     second = _register(storage_root, tmp_path, "b", 0.95)
-    registry.gate(str(storage_root), first, "test_accuracy", 0.0)
-    registry.gate(str(storage_root), second, "test_accuracy", 0.0)
+    registry.gate(str(storage_root), NAME, first, "test_accuracy", 0.0)
+    registry.gate(str(storage_root), NAME, second, "test_accuracy", 0.0)
 
     def cli(*args: str) -> str:
         return subprocess.run([sys.executable, "-m", "tasks.registry", *args, "--config", str(config)], cwd=REPO_ROOT,
@@ -86,7 +87,7 @@ def test_cli_lists_versions_marks_current_and_rolls_back(storage_root, tmp_path,
 
     listing = cli("list")
     assert f"* {second}" in listing and f"  {first}" in listing
-    assert f"current: {first}" in cli("rollback")
+    assert f"current {NAME}: {first}" in cli("rollback")
     assert json.loads(cli("show"))["version"] == first
 
 
@@ -95,8 +96,72 @@ def test_model_with_a_non_finite_metric_is_never_registered(storage_root, tmp_pa
     """register refuses a model whose metric is NaN/inf, naming its URI and version, and writes no version folder."""
     model_uri = _model(tmp_path, "diverged", b"diverged" * 10)
     with pytest.raises(UserError) as caught:
-        registry.register(str(storage_root), model_uri, {"test_accuracy": metric, "source_run": "diverged"})
+        registry.register(str(storage_root), NAME, model_uri, {"test_accuracy": metric, "source_run": "diverged"})
     message = str(caught.value)
     assert model_uri in message and "version m-" in message and "test_accuracy" in message
-    assert registry.versions(str(storage_root)) == []
+    assert registry.versions(str(storage_root), NAME) == []
     assert not (storage_root / "models").exists() or not any((storage_root / "models").iterdir())
+
+
+def test_model_name_defaults_to_the_data_sets_last_path_component_and_ignores_input_overrides(write_config, storage_root):
+    """No registry.model_name: the file's dataset.uri names the registry; a run's input_uri override does not move it."""
+    from tasks.config import load_config
+    from tests.conftest import base_config
+
+    path = write_config()
+    assert load_config(path).registry.model_name == "digits"
+    assert load_config(path, {"dataset.uri": "raw/digits_v2"}).registry.model_name == "digits"
+    raw = base_config(storage_root)
+    raw["dataset"]["uri"] = "s3://bucket/raw/diabetes.parquet"
+    raw["storage_root"] = str(storage_root)
+    assert load_config(write_config(raw, "other.yaml")).registry.model_name == "diabetes"
+
+
+def test_two_model_names_on_one_storage_root_each_have_their_own_current_model(write_config, storage_root, tmp_path,
+                                                                            subprocess_env):
+    """A diabetes model is never gated against the digits model, and each name keeps its own current.json and list.
+
+    Before, one registry spanned the storage root: the weak regressor was compared with the digits classifier.
+    """
+    from tasks.config import load_config
+    from tests.conftest import base_config
+
+    raw = base_config(storage_root)
+    raw["registry"] = {"model_name": "diabetes"}
+    digits, diabetes = load_config(write_config()), load_config(write_config(raw, "diabetes.yaml"))
+    assert digits.storage_root == diabetes.storage_root
+    assert (digits.registry.model_name, diabetes.registry.model_name) == ("digits", "diabetes")
+    root = str(storage_root)
+    strong = registry.register(root, "digits", _model(tmp_path, "cnn", b"cnn" * 10), {"test_accuracy": 0.97})["version"]
+    assert registry.gate(root, "digits", strong, "test_accuracy", 0.0)["promoted"]
+    weak = registry.register(root, "diabetes", _model(tmp_path, "reg", b"reg" * 10), {"test_accuracy": 0.30})["version"]
+    decision = registry.gate(root, "diabetes", weak, "test_accuracy", 0.0)
+    assert decision["promoted"] and decision["reason"] == "no current model", "gated against another name's model"
+    assert registry.current(root, "digits")["version"] == strong and registry.current(root, "diabetes")["version"] == weak
+    for name, version in (("digits", strong), ("diabetes", weak)):
+        assert json.loads((storage_root / "models" / name / "current.json").read_text())["version"] == version
+        assert [card["version"] for card in registry.versions(root, name)] == [version]
+    with pytest.raises(UserError, match=f"model version '{strong}' is not registered under .*diabetes"):
+        registry.card(root, "diabetes", strong)
+
+    def cli(config: str, *args: str) -> str:
+        return subprocess.run([sys.executable, "-m", "tasks.registry", *args, "--config", config], cwd=REPO_ROOT,
+                              env=subprocess_env, capture_output=True, text=True, check=True).stdout
+
+    listing = cli(str(tmp_path / "diabetes.yaml"), "list")
+    assert weak in listing and strong not in listing
+    assert strong in cli(str(tmp_path / "diabetes.yaml"), "list", "--model", "digits")
+
+
+def test_an_unscoped_registry_from_before_model_names_is_ignored_with_a_warning(storage_root, tmp_path, caplog):
+    """models/current.json and models/<version>/ from the old layout neither crash nor count as the current model."""
+    old = storage_root / "models" / "m-0123456789ab"
+    old.mkdir(parents=True)
+    (old / "card.json").write_text(json.dumps({"version": old.name, "test_accuracy": 0.99, "registered_at": "2026-01-01"}))
+    (storage_root / "models" / "current.json").write_text(json.dumps({"version": old.name, "history": []}))
+    with caplog.at_level("WARNING", logger="stagewise.registry"):
+        assert registry.current(str(storage_root), NAME) is None
+    assert "unscoped registry" in caplog.text and f"models/{NAME}/" in caplog.text
+    assert registry.versions(str(storage_root), NAME) == []
+    fresh = _register(storage_root, tmp_path, "a", 0.5)
+    assert registry.gate(str(storage_root), NAME, fresh, "test_accuracy", 0.0)["reason"] == "no current model"

@@ -159,10 +159,10 @@ def test_a_minimised_objective_drives_the_sweep_and_the_gate(digits_run, single_
     for name, nll in (("a", 0.30), ("b", 0.20), ("c", 0.25)):
         path = tmp_path / f"{name}.pt"
         path.write_bytes(data + name.encode())  # distinct bytes: distinct versions
-        uris[name] = registry.register(root, str(path), {"test_nll": nll, "objective": "nll"})["version"]
-    decisions = [registry.gate(root, uris[name], "test_nll", 0.0, "minimize")["promoted"] for name in ("a", "b", "c")]
+        uris[name] = registry.register(root, "nll", str(path), {"test_nll": nll, "objective": "nll"})["version"]
+    decisions = [registry.gate(root, "nll", uris[name], "test_nll", 0.0, "minimize")["promoted"] for name in ("a", "b", "c")]
     assert decisions == [True, True, False]
-    assert registry.pointer(root)["version"] == uris["b"]
+    assert registry.pointer(root, "nll")["version"] == uris["b"]
 
 
 @pytest.mark.slow

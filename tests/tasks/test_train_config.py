@@ -53,3 +53,46 @@ def test_undeclared_pool_is_refused(write_config, storage_root):
     raw["profiles"]["small"]["pool"] = "gpus"
     with pytest.raises(ConfigError, match=r"profiles\.small\.pool: pool 'gpus' is not defined"):
         load_config(write_config(raw))
+
+
+def test_entrypoint_args_name_the_stage_values_and_hyperparameters(write_config, storage_root):
+    """{epochs}, {lr}, {per_process_batch}, ... and hyperparameter names in entrypoint args become the stage's values.
+
+    {lr} is the rescaled lr (as $STAGEWISE_LR); {{ and }} stay literal braces; a format spec applies.
+    """
+    from tasks.train import byo_args, byo_contract
+
+    args = ["--epochs", "{epochs}", "--lr", "{lr}", "--batch-size", "{per_process_batch}", "--global={global_batch}",
+            "--hidden", "{hidden}", "--wd={weight_decay:.0e}", "--out", "{output_dir}", "--init={init_from}",
+            "--json={{\"seed\": {seed}}}", "--stage", "{stage}", "plain"]
+    path = _with_stage(write_config, storage_root, per_process_batch=16, grad_accum_steps=2,
+                       entrypoint={"script": "x.py", "args": args})
+    config = load_config(path)
+    contract = byo_contract(config, str(path), "s2", "/runs/r", {"lr": 0.02, "hidden": 48, "weight_decay": 0.001}, None)
+    assert byo_args(config, "s2", contract) == [
+        "--epochs", "1", "--lr", repr(0.02 * 64 / 32), "--batch-size", "16", "--global=64", "--hidden", "48",
+        "--wd=1e-03", "--out", "/runs/r/train/s2", "--init=", '--json={"seed": 0}', "--stage", "s2", "plain"]
+
+
+@pytest.mark.parametrize("arg, fragment", [
+    ("{epoch}", r"unknown placeholder \{epoch\}; known: \['config', 'stage', .*'epochs', 'seed', .*'hidden'"),
+    ("{}", r"'\{\}' is not a placeholder name"),
+    ("{params.lr}", r"'\{params\.lr\}' is not a placeholder name"),
+    ("--json={\"a\": 1}", r"write literal braces as \{\{ and \}\}"),
+    ("{lr", r"expected '\}' before end of string; write literal braces"),
+])
+def test_unknown_or_malformed_placeholder_in_entrypoint_args_is_a_config_error(write_config, storage_root, arg, fragment):
+    """An entrypoint arg naming no stage value or hyperparameter is refused when the config loads, naming the arg."""
+    path = _with_stage(write_config, storage_root, per_process_batch=16, entrypoint={"script": "x.py", "args": ["--a", arg]})
+    with pytest.raises(ConfigError, match=r"train\.stages\[1\] \(s2\): entrypoint\.args\[1\]") as failure:
+        load_config(path)
+    import re
+
+    assert re.search(fragment, str(failure.value)), str(failure.value)
+
+
+def test_searched_and_default_hyperparameters_are_placeholders(write_config, storage_root):
+    """Every hyperparameter a stage can get (search space, default params) may be named in args."""
+    path = _with_stage(write_config, storage_root, per_process_batch=16,
+                       entrypoint={"script": "x.py", "args": ["{dropout}", "{momentum}", "{optimizer}"]})
+    assert load_config(path).stage("s2").entrypoint.args == ["{dropout}", "{momentum}", "{optimizer}"]
