@@ -18,10 +18,13 @@ help:
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt
+# The pinned set first, then this project itself, editable and without dependencies (pyproject.toml lists none):
+# tasks, stagewise_airflow and examples import from the checkout in every process, with no PYTHONPATH.
+$(STAMP): requirements.txt pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -r requirements.txt
+	$(VENV)/bin/python -m pip install --quiet --no-deps -e .
 	@touch $(STAMP)
 
 airflow-init: $(STAMP)
