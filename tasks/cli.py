@@ -15,11 +15,12 @@ import sys
 import time
 from typing import Any, Callable
 
+from tasks import contract
 from tasks.errors import USER_ERROR_EXIT, UserError
 
 log = logging.getLogger("stagewise")
 
-ERROR_FILE_ENV = "STAGEWISE_ERROR_FILE"
+ERROR_FILE_ENV = contract.ERROR_FILE
 
 
 def setup_logging(quiet: bool = False) -> None:

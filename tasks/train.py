@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from tasks import storage
+from tasks import contract, storage
 from tasks.cli import common_parser, json_arg, parse_overrides, run_subjob
 from tasks.config import PipelineConfig, hyperparameter_problem, load_config
 from tasks.errors import UserError
@@ -57,8 +57,10 @@ def config_hash(stage: dict[str, Any], params: dict[str, Any], world_size: int, 
 
 
 def byo_environment(config: PipelineConfig, config_file: str, stage_name: str, out: str, swept: dict[str, Any],
-                    init_from: str | None) -> dict[str, str]:
+                    init_from: str | None, overrides: dict[str, Any] | None = None) -> dict[str, str]:
     """What a user's own stage script gets besides torchrun's RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT.
+
+    Exactly tasks.contract.STAGE_ENV (the names and their docs live there); the launcher adds LAUNCH_ENV.
 
     The script reads data through the manifest, keeps its checkpoints in STAGEWISE_CHECKPOINT_DIR
     (a retry finds them there), and for a later stage or evaluation writes ``final.pt`` (model and
@@ -71,20 +73,21 @@ def byo_environment(config: PipelineConfig, config_file: str, stage_name: str, o
     params = resolve_params(config, swept)
     prefix = stage_prefix(out, stage.name)
     return {
-        "STAGEWISE_CONFIG": config_file,
-        "STAGEWISE_STAGE": stage.name,
-        "STAGEWISE_RUN_PREFIX": out,
-        "STAGEWISE_OUTPUT_DIR": prefix,
-        "STAGEWISE_CHECKPOINT_DIR": storage.join(prefix, "checkpoints"),
-        "STAGEWISE_DATA_MANIFEST": storage.join(out, "preprocess", "manifest.json"),
-        "STAGEWISE_INIT_FROM": init_from or "",
-        "STAGEWISE_PARAMS": json.dumps(params),
-        "STAGEWISE_PER_PROCESS_BATCH": str(micro),
-        "STAGEWISE_GRAD_ACCUM_STEPS": str(stage.grad_accum_steps),
-        "STAGEWISE_GLOBAL_BATCH": str(global_batch),
-        "STAGEWISE_LR": repr(scaled_lr_for(config, params["lr"], global_batch)),
-        "STAGEWISE_EPOCHS": str(stage.epochs),
-        "STAGEWISE_SEED": str(config.train.seed),
+        contract.CONFIG: config_file,
+        contract.OVERRIDES: json.dumps(overrides or {}),
+        contract.STAGE: stage.name,
+        contract.RUN_PREFIX: out,
+        contract.OUTPUT_DIR: prefix,
+        contract.CHECKPOINT_DIR: storage.join(prefix, "checkpoints"),
+        contract.DATA_MANIFEST: storage.join(out, "preprocess", "manifest.json"),
+        contract.INIT_FROM: init_from or "",
+        contract.PARAMS: json.dumps(params),
+        contract.PER_PROCESS_BATCH: str(micro),
+        contract.GRAD_ACCUM_STEPS: str(stage.grad_accum_steps),
+        contract.GLOBAL_BATCH: str(global_batch),
+        contract.LR: repr(scaled_lr_for(config, params["lr"], global_batch)),
+        contract.EPOCHS: str(stage.epochs),
+        contract.SEED: str(config.train.seed),
     }
 
 

@@ -194,8 +194,7 @@ def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], i
     config = run_config(run)
     spec = config.stage(stage)
     entry = spec.entrypoint
-    env = byo_environment(config, run["config"], stage, run["out"], params, init_from)
-    env["STAGEWISE_OVERRIDES"] = json.dumps(run["overrides"])
+    env = byo_environment(config, run["config"], stage, run["out"], params, init_from, run["overrides"])
     result = launch.run(entry.module or "", list(entry.args), config.profile(spec.profile), distributed=True,
                         attempt=_context()["ti"].try_number, script=entry.script,
                         extra_env={**credentials.aws_environment(config.storage_conn_id), **env},
