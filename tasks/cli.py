@@ -13,7 +13,8 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tasks import contract
 from tasks.errors import USER_ERROR_EXIT, UserError

@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from stagewise_airflow import credentials, launch
 from tasks.config import ConfigError, PipelineConfig, config_path, load_config

@@ -16,8 +16,8 @@ from tasks.config import load_config
 from tasks.distributed import DistEnv
 from tasks.errors import UserError
 from tasks.loader import ParquetBatches
-from tasks.preprocess import Columns
 from tasks.model import ModelSpec, build_model, load_bundle
+from tasks.preprocess import Columns
 from tasks.training import Loop, scaled_lr, warmup_factor
 
 CPU = DistEnv(rank=0, local_rank=0, world_size=1, device="cpu")
