@@ -11,17 +11,20 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make demo   - run ml_pipeline end to end on the digits data (SQLite, LocalExecutor, local files)"
-	@echo "make test   - run the whole test suite"
+	@echo "make test   - lint (ruff check .), then run the whole test suite"
 	@echo "make test-ui - the browser suite (Debian chromium) and the official-client test; screenshots in tests/ui/artifacts/"
 	@echo "make bench  - run the benchmarks (ONLY=a,b for a subset) into bench/results/latest.json"
 	@echo "make up     - start a local Airflow (UI on 127.0.0.1:8080, scheduler, dag-processor); make down stops it"
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt
+# The pinned set first, then this project itself, editable and without dependencies (pyproject.toml lists none):
+# tasks, stagewise_airflow and examples import from the checkout in every process, with no PYTHONPATH.
+$(STAMP): requirements.txt pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -r requirements.txt
+	$(VENV)/bin/python -m pip install --quiet --no-deps -e .
 	@touch $(STAMP)
 
 airflow-init: $(STAMP)
@@ -38,7 +41,7 @@ demo: airflow-init demo-data
 	  && python -m tasks.report latest
 
 test: airflow-init
-	@$(AIRFLOW_ENV) && python -m pytest $(PYTEST_ARGS)
+	@$(AIRFLOW_ENV) && python -m ruff check . && python -m pytest $(PYTEST_ARGS)
 
 test-ui: airflow-init
 	@$(AIRFLOW_ENV) && python -m pytest tests/ui tests/dags/test_airflow_client.py $(PYTEST_ARGS)

@@ -7,7 +7,8 @@ is ours / baseline (for speed-ups defined as time ratios, the function puts the 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from bench import dag_parse, inference, preprocess, s3, sweep, training
 

@@ -95,10 +95,10 @@ def sweep_parallel_speedup(rows: int = 0) -> dict[str, Any]:
         config_path = Path(tmp, "pipeline.yaml")
         config_path.write_text(yaml.safe_dump(raw))
         env = {"STAGEWISE_CONFIG": str(config_path)}
+        import os
+
         from tasks.config import load_config
         from tasks.data import write_demo
-
-        import os
 
         previous = os.environ.get("STAGEWISE_CONFIG")
         os.environ["STAGEWISE_CONFIG"] = str(config_path)

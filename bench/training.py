@@ -107,10 +107,10 @@ def growing_batch_steps(rows: int = 60_000) -> dict[str, Any]:
     from the previous one's checkpoint. ratio = growing steps to reach (fixed final accuracy - 0.5
     points) / fixed steps.
     """
+    from tasks.distributed import DistEnv
     from tasks.loader import split_batches
     from tasks.model import MLPClassifier, build, data_info
     from tasks.preprocess import read_manifest
-    from tasks.distributed import DistEnv
     from tasks.train import resolve_params, run_stage
     from tasks.training import Loop, make_optimizer
 
@@ -171,7 +171,7 @@ def parquet_loading(rows: int = 1_000_000) -> dict[str, Any]:
             loader = ParquetBatches(uris, manifest["features"], manifest["label"], rank=0, world_size=1,
                                     batch_size=1024, seed=0)
             started, seen = time.perf_counter(), 0
-            for x, y in loader.epoch(0):
+            for _x, y in loader.epoch(0):
                 seen += len(y)
             return seen / (time.perf_counter() - started)
 

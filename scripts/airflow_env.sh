@@ -2,8 +2,8 @@
 # Usage: . scripts/airflow_env.sh   (variables already set in the environment win)
 STAGEWISE_HOME="${STAGEWISE_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]:-$0}")/.." && pwd)}"
 export STAGEWISE_HOME
+# The venv has this project installed editable (make venv), so no PYTHONPATH: tasks and stagewise_airflow import as is.
 export PATH="$STAGEWISE_HOME/.venv/bin:$PATH"
-export PYTHONPATH="$STAGEWISE_HOME:$STAGEWISE_HOME/plugins${PYTHONPATH:+:$PYTHONPATH}"
 export AIRFLOW_HOME="${AIRFLOW_HOME:-$STAGEWISE_HOME/.airflow}"
 export AIRFLOW__CORE__DAGS_FOLDER="${AIRFLOW__CORE__DAGS_FOLDER:-$STAGEWISE_HOME/dags}"
 export AIRFLOW__CORE__PLUGINS_FOLDER="${AIRFLOW__CORE__PLUGINS_FOLDER:-$STAGEWISE_HOME/plugins}"

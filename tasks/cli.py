@@ -13,13 +13,15 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
+from tasks import contract
 from tasks.errors import USER_ERROR_EXIT, UserError
 
 log = logging.getLogger("stagewise")
 
-ERROR_FILE_ENV = "STAGEWISE_ERROR_FILE"
+ERROR_FILE_ENV = contract.ERROR_FILE
 
 
 def setup_logging(quiet: bool = False) -> None:

@@ -115,7 +115,7 @@ class Split(_Strict):
     salt: str = Field("stagewise", description="Hash salt; change it to draw a different split.")
 
     @model_validator(mode="after")
-    def _leaves_training_rows(self) -> "Split":
+    def _leaves_training_rows(self) -> Split:
         if self.validation + self.test >= 0.9:
             raise ValueError(f"validation + test = {self.validation + self.test:g} leaves too little for training (< 0.1)")
         return self
@@ -144,7 +144,7 @@ class FloatParam(_Dimension):
     log: bool = Field(False, description="Sample on a log scale.")
 
     @model_validator(mode="after")
-    def _bounds(self) -> "FloatParam":
+    def _bounds(self) -> FloatParam:
         if not self.low < self.high:
             raise ValueError(f"low ({self.low}) must be below high ({self.high})")
         if self.log and self.low <= 0:
@@ -161,7 +161,7 @@ class IntParam(_Dimension):
     log: bool = Field(False, description="Sample on a log scale.")
 
     @model_validator(mode="after")
-    def _bounds(self) -> "IntParam":
+    def _bounds(self) -> IntParam:
         if not self.low < self.high:
             raise ValueError(f"low ({self.low}) must be below high ({self.high})")
         if self.log and self.low < 1:
@@ -299,7 +299,7 @@ class Sweep(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _grid_is_complete(self) -> "Sweep":
+    def _grid_is_complete(self) -> Sweep:
         if self.sampler.type != "grid":
             return self
         for name, space in self.search_space.items():
@@ -348,7 +348,7 @@ class EntryPoint(_Strict):
     args: list[str] = Field(default_factory=list, description="Arguments; {epochs}, {lr}, {per_process_batch}, ... and hyperparameter names are filled in ({{ }}: literal braces).")
 
     @model_validator(mode="after")
-    def _one_target(self) -> "EntryPoint":
+    def _one_target(self) -> EntryPoint:
         if (self.script is None) == (self.module is None):
             raise ValueError("give exactly one of script and module")
         return self
@@ -367,7 +367,7 @@ class TrainStage(_Strict):
     entrypoint: EntryPoint | None = Field(None, description="Run this user script/module instead of tasks.train.")
 
     @model_validator(mode="after")
-    def _one_batch_size(self) -> "TrainStage":
+    def _one_batch_size(self) -> TrainStage:
         if (self.per_process_batch is None) == (self.global_batch is None):
             raise ValueError("give exactly one of per_process_batch and global_batch")
         return self
@@ -548,7 +548,7 @@ class PipelineConfig(_Strict):
         return self.registry.gate_metric or f"test_{self.objective.metric}"
 
     @model_validator(mode="after")
-    def _profiles_exist(self) -> "PipelineConfig":
+    def _profiles_exist(self) -> PipelineConfig:
         used = {
             "preprocess.profile": self.preprocess.profile,
             "sweep.profile": self.sweep.profile,

@@ -17,9 +17,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import pyarrow.parquet as pq

@@ -20,7 +20,8 @@ import logging
 import os
 import re
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import fsspec
 from fsspec.core import url_to_fs

@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from tasks import contract as env_contract
 from tasks import storage
 from tasks.cli import common_parser, json_arg, parse_overrides, run_subjob
 from tasks.config import ARG_PLACEHOLDERS, STAGE_CONTRACT, PipelineConfig, hyperparameter_problem, load_config, placeholders
@@ -86,8 +87,10 @@ def byo_contract(config: PipelineConfig, config_file: str, stage_name: str, out:
 
 
 def byo_environment(config: PipelineConfig, config_file: str, stage_name: str, out: str, swept: dict[str, Any],
-                    init_from: str | None) -> dict[str, str]:
+                    init_from: str | None, overrides: dict[str, Any] | None = None) -> dict[str, str]:
     """What a user's own stage script gets besides torchrun's RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT.
+
+    Exactly tasks.contract.STAGE_ENV (the names and their docs live there); the launcher adds LAUNCH_ENV.
 
     The script reads data through the manifest, keeps its checkpoints in STAGEWISE_CHECKPOINT_DIR
     (a retry finds them there), and for a later stage or evaluation writes ``final.pt`` (model and
@@ -95,7 +98,9 @@ def byo_environment(config: PipelineConfig, config_file: str, stage_name: str, o
     """
     values = byo_contract(config, config_file, stage_name, out, swept, init_from)
     text = {"params": json.dumps(values["params"]), "lr": repr(values["lr"])}
-    return {f"STAGEWISE_{name.upper()}": text.get(name, str(value)) for name, value in values.items()}
+    env = {f"STAGEWISE_{name.upper()}": text.get(name, str(value)) for name, value in values.items()}
+    env[env_contract.OVERRIDES] = json.dumps(overrides or {})
+    return env
 
 
 def byo_args(config: PipelineConfig, stage_name: str, contract: dict[str, Any]) -> list[str]:

@@ -12,8 +12,9 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -99,7 +100,7 @@ class Loop:
     """Runs epochs of one model over per-rank Parquet batches; DDP-wrapped when the job has several ranks."""
 
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv,
-                 train: "ParquetBatches", validation: "ParquetBatches", spec: ModelSpec, objective: str = "accuracy",
+                 train: ParquetBatches, validation: ParquetBatches, spec: ModelSpec, objective: str = "accuracy",
                  grad_accum_steps: int = 1, seed: int = 0, check_every_steps: int | None = None) -> None:
         """``check_every_steps``: also check for divergence after every this many optimizer steps (besides each
         epoch's end); give the checkpoint interval so no checkpoint is ever written from NaN weights."""
@@ -139,7 +140,7 @@ class Loop:
         return tensor.tolist()
 
     def train_epoch(self, lr_at: Callable[[int], float],
-                    on_step: Callable[["Loop"], None] | None = None) -> EpochResult:
+                    on_step: Callable[[Loop], None] | None = None) -> EpochResult:
         """Finish the epoch at ``self.position`` (from its start, or mid-way after a resume)."""
         position = self.position
         self.model.train()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,6 @@ import yaml
 pytest_plugins = ["tests.live_airflow"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-for path in (REPO_ROOT, REPO_ROOT / "plugins"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 
 
 def base_config(storage_root: Path) -> dict:

@@ -26,8 +26,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import httpx
 import pytest
@@ -197,7 +198,7 @@ class LiveAirflow:
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
-    def __enter__(self) -> "LiveAirflow":
+    def __enter__(self) -> LiveAirflow:
         try:
             self.start()
         except BaseException:

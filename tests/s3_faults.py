@@ -78,7 +78,7 @@ class FaultyS3:
     def url(self) -> str:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
-    def __enter__(self) -> "FaultyS3":
+    def __enter__(self) -> FaultyS3:
         self._thread.start()
         return self
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 # connection extra key -> environment variable; the S3-only endpoint leaves other AWS services alone.
 _EXTRA_TO_ENV = {"endpoint_url": "AWS_ENDPOINT_URL_S3", "region_name": "AWS_DEFAULT_REGION",

@@ -26,7 +26,7 @@ from typing import Any, Iterable
 import psutil
 
 from stagewise_airflow import REPO_ROOT
-from tasks.cli import ERROR_FILE_ENV
+from tasks import contract
 from tasks.config import Profile
 
 log = logging.getLogger("stagewise.launch")
@@ -60,7 +60,7 @@ def child_env(profile: Profile, error_file: str) -> dict[str, str]:
     env = dict(os.environ)
     threads = str(profile.threads_per_process)
     env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1",
-                ERROR_FILE_ENV: error_file,
+                contract.ERROR_FILE: error_file,
                 "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)})
     if profile.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -106,7 +106,7 @@ def terminate(process: subprocess.Popen) -> None:
     process.wait()
 
 
-RESULT_FILE_ENV = "STAGEWISE_RESULT_FILE"
+RESULT_FILE_ENV = contract.RESULT_FILE
 
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR,
            "CRITICAL": logging.CRITICAL}

@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from stagewise_airflow import credentials, launch
 from tasks.config import ConfigError, PipelineConfig, config_path, load_config
@@ -197,11 +198,10 @@ def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], i
 
     def contract() -> tuple[dict[str, Any], dict[str, str], list[str]]:
         values = byo_contract(config, run["config"], stage, run["out"], params, init_from)
-        env = byo_environment(config, run["config"], stage, run["out"], params, init_from)
+        env = byo_environment(config, run["config"], stage, run["out"], params, init_from, run["overrides"])
         return values, env, byo_args(config, stage, values)
 
     values, env, args = _inline(config, contract)  # bad params or args are the user's to fix: no retry
-    env["STAGEWISE_OVERRIDES"] = json.dumps(run["overrides"])
     reported = launch.run(entry.module or "", args, config.profile(spec.profile), distributed=True,
                           attempt=_context()["ti"].try_number, script=entry.script,
                           extra_env={**credentials.aws_environment(config.storage_conn_id), **env},

@@ -14,7 +14,6 @@ from stagewise_airflow import steps
 from stagewise_airflow.profiles import task_kwargs
 from tasks.config import PipelineConfig
 
-
 # Names of mapped task instances in the grid (Jinja over the task's expanded kwargs; rendered before the body runs).
 SHARD_FILE_NAME = "{{ task.op_kwargs['shard']['uri'].rstrip('/').split('/')[-1] }}"
 SWEEP_WORKER_NAME = "worker {{ task.op_kwargs['worker'] }}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DAG_FILES = sorted((REPO_ROOT / "dags").glob("*.py"))
 HEAVY = ("torch", "optuna", "pyarrow", "pandas", "sklearn")
 
+# No sys.path edits: as in Airflow's dag-processor, tasks and stagewise_airflow import as the installed package.
 PROBE = """
 import json, runpy, sys
-sys.path[:0] = [{root!r}, {plugins!r}]
 namespace = runpy.run_path({path!r})
 from airflow.sdk import DAG
 dags = [v.dag_id for v in namespace.values() if isinstance(v, DAG)]
@@ -24,10 +25,13 @@ print(json.dumps({{"heavy": [m for m in {heavy!r} if m in sys.modules], "dags": 
 
 
 @pytest.mark.parametrize("path", DAG_FILES, ids=[p.name for p in DAG_FILES])
-def test_dag_file_imports_without_heavy_modules(path):
-    """A fresh interpreter imports the file with no error and no torch/optuna/pyarrow/pandas loaded."""
-    code = PROBE.format(root=str(REPO_ROOT), plugins=str(REPO_ROOT / "plugins"), path=str(path), heavy=HEAVY)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+def test_dag_file_imports_without_heavy_modules(path, tmp_path):
+    """A fresh interpreter outside the checkout, with no PYTHONPATH, imports the file with no error and no
+    torch/optuna/pyarrow/pandas loaded."""
+    code = PROBE.format(path=str(path), heavy=HEAVY)
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, result.stderr[-4000:]
     probe = json.loads(result.stdout.strip().splitlines()[-1])
     assert probe["heavy"] == [], f"{path.name} imports {probe['heavy']} at module level"

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-
 TEST_DAGS = Path(__file__).resolve().parent / "test_dags"
 TOKEN_LIFETIME_S = 15
 SLEEP_S = 3 * TOKEN_LIFETIME_S

@@ -9,7 +9,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from tasks import loader, preprocess
 from tasks.loader import ParquetBatches

@@ -16,8 +16,8 @@ from tasks.config import load_config
 from tasks.distributed import DistEnv
 from tasks.errors import UserError
 from tasks.loader import ParquetBatches
-from tasks.preprocess import Columns
 from tasks.model import MLPClassifier, build, load_bundle
+from tasks.preprocess import Columns
 from tasks.spec import DataInfo
 from tasks.training import Loop, scaled_lr, warmup_factor
 

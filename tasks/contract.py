@@ -1,0 +1,72 @@
+"""The STAGEWISE_* environment a bring-your-own script gets: every variable's name and meaning, in one place.
+
+``tasks.train.byo_environment`` sets the stage's variables, the Airflow launcher the ones every sub-job
+gets; both take the names from here, and the README's list is this module's output
+(``python -m tasks.contract``), checked by tests/test_readme.py. Add a variable here, never inline.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+STAGE_ENV: dict[str, str] = {}
+"""Set for a bring-your-own stage by tasks.train.byo_environment (name -> meaning)."""
+LAUNCH_ENV: dict[str, str] = {}
+"""Set by the launcher for every sub-job, ours and a user's (name -> meaning)."""
+
+
+def _declare(group: dict[str, str], name: str, doc: str) -> str:
+    if name in STAGE_ENV or name in LAUNCH_ENV:
+        raise ValueError(f"{name} is declared twice")
+    group[name] = doc
+    return name
+
+
+DATA_MANIFEST = _declare(STAGE_ENV, "STAGEWISE_DATA_MANIFEST",
+                         "URI of the committed preprocess manifest: the train/validation/test files, features, "
+                         "label and normalisation stats.")
+OUTPUT_DIR = _declare(STAGE_ENV, "STAGEWISE_OUTPUT_DIR",
+                      "The stage's output dir (`train/<stage>/` of the run): write `final.pt` and `model.pt` here.")
+CHECKPOINT_DIR = _declare(STAGE_ENV, "STAGEWISE_CHECKPOINT_DIR",
+                          "Keep checkpoints here: an Airflow retry of the stage finds them and can resume.")
+INIT_FROM = _declare(STAGE_ENV, "STAGEWISE_INIT_FROM",
+                     "The previous stage's `final.pt` to start from; empty for the first stage.")
+PARAMS = _declare(STAGE_ENV, "STAGEWISE_PARAMS",
+                  "Hyperparameters as a JSON object: built-in defaults, `train.default_params`, then the sweep's best.")
+PER_PROCESS_BATCH = _declare(STAGE_ENV, "STAGEWISE_PER_PROCESS_BATCH", "Samples per process per micro-step.")
+GRAD_ACCUM_STEPS = _declare(STAGE_ENV, "STAGEWISE_GRAD_ACCUM_STEPS", "Micro-steps accumulated per optimizer step.")
+GLOBAL_BATCH = _declare(STAGE_ENV, "STAGEWISE_GLOBAL_BATCH",
+                        "Samples per optimizer step over all processes (per-process batch x world size x "
+                        "accumulation steps); store it in `final.pt` as `global_batch`.")
+LR = _declare(STAGE_ENV, "STAGEWISE_LR", "The learning rate, already rescaled for the global batch (`train.lr_rule`).")
+EPOCHS = _declare(STAGE_ENV, "STAGEWISE_EPOCHS", "Epochs this stage trains.")
+SEED = _declare(STAGE_ENV, "STAGEWISE_SEED", "The run's seed (`train.seed`).")
+STAGE = _declare(STAGE_ENV, "STAGEWISE_STAGE", "The stage's name.")
+RUN_PREFIX = _declare(STAGE_ENV, "STAGEWISE_RUN_PREFIX", "The run's storage prefix (`runs/<dag_id>/<run_id>`).")
+CONFIG = _declare(STAGE_ENV, "STAGEWISE_CONFIG", "Path of the pipeline YAML the run uses.")
+OVERRIDES = _declare(STAGE_ENV, "STAGEWISE_OVERRIDES",
+                     "The run's config overrides (e.g. from the trigger form) as a JSON object of dotted key -> "
+                     "value; `tasks.config.load_config(path, overrides)` applies them.")
+RESULT_FILE = _declare(LAUNCH_ENV, "STAGEWISE_RESULT_FILE",
+                       "Optional: a JSON object written here becomes the task's result (XCom), over the defaults.")
+ERROR_FILE = _declare(LAUNCH_ENV, "STAGEWISE_ERROR_FILE",
+                      "Write a reason here (e.g. bad input) to fail the task without retry; it becomes the error.")
+
+ENVIRONMENT: dict[str, str] = {**STAGE_ENV, **LAUNCH_ENV}
+"""Everything a bring-your-own script gets besides torchrun's own variables (name -> meaning)."""
+
+
+def markdown() -> str:
+    """The README's table of the contract: one row per variable, in declaration order."""
+    rows = [f"| `{name}` | {doc} |" for name, doc in ENVIRONMENT.items()]
+    return "\n".join(["| variable | meaning |", "|---|---|", *rows])
+
+
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description="Print the STAGEWISE_* environment of a bring-your-own script as a "
+                                        "Markdown table (the README's list).").parse_args(argv)
+    print(markdown())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The README's generated blocks: each is a command's output between two markers, never edited by hand.
+
+    <!-- BEGIN generated: python -m tasks.config --reference -->
+    ...the command's stdout...
+    <!-- END generated -->
+
+tests/test_readme.py fails when a block differs from what its command prints now; refresh them all with
+``python -m tests.readme_blocks`` (rewrites README.md in place).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+README = REPO_ROOT / "README.md"
+# Only our own generators run: `python -m tasks.<module> [--flag ...]`.
+_BLOCK = re.compile(r"^<!-- BEGIN generated: (?P<command>python -m tasks\.[\w.]+(?: --[\w-]+)*) -->\n"
+                    r"(?P<body>.*?)^<!-- END generated -->$", re.MULTILINE | re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Block:
+    command: str
+    body: str  # the text between the markers, without the final newline
+    start: int  # offsets of the body in the README text
+    end: int
+
+
+def blocks(text: str) -> list[Block]:
+    """Every generated block of a README text, in order."""
+    found = []
+    for match in _BLOCK.finditer(text):
+        body = match.group("body")
+        found.append(Block(match.group("command"), body.removesuffix("\n"), match.start("body"),
+                           match.start("body") + len(body)))
+    return found
+
+
+def render(command: str) -> str:
+    """What the block's command prints now (run with this interpreter in the repo root), without the final newline."""
+    argv = shlex.split(command)
+    completed = subprocess.run([sys.executable, *argv[1:]], cwd=REPO_ROOT, capture_output=True, text=True,
+                               timeout=120)
+    if completed.returncode != 0:
+        raise RuntimeError(f"`{command}` failed ({completed.returncode}): {completed.stderr[-2000:]}")
+    return completed.stdout.removesuffix("\n")
+
+
+def refreshed(text: str) -> str:
+    """The README text with every generated block replaced by its command's current output."""
+    for block in reversed(blocks(text)):
+        body = render(block.command)
+        text = text[:block.start] + (body + "\n" if body else "") + text[block.end:]
+    return text
+
+
+def main() -> None:
+    text = README.read_text()
+    new = refreshed(text)
+    README.write_text(new)
+    print(f"{README.name}: {len(blocks(new))} generated block(s), {'rewritten' if new != text else 'already current'}")
+
+
+if __name__ == "__main__":
+    main()
