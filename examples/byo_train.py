@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from tasks.model import MLPClassifier, build, data_info, load_torch, restore_training_state, save_bundle, save_torch
-from tasks.spec import SpecRef
 from tasks.preprocess import feature_matrix
+from tasks.spec import SpecRef
 
 
 def read_files(uris: list[str], label: str) -> tuple[torch.Tensor, torch.Tensor]:

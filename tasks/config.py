@@ -345,7 +345,8 @@ class EntryPoint(_Strict):
 
     script: str | None = Field(None, description="Python file, relative to the repo root or absolute.")
     module: str | None = Field(None, description="Importable module, run as `-m module`.")
-    args: list[str] = Field(default_factory=list, description="Arguments; {epochs}, {lr}, {per_process_batch}, ... and hyperparameter names are filled in ({{ }}: literal braces).")
+    args: list[str] = Field(default_factory=list, description=(
+        "Arguments; {epochs}, {lr}, {per_process_batch}, ... and hyperparameter names are filled in ({{ }}: literal braces)."))
 
     @model_validator(mode="after")
     def _one_target(self) -> EntryPoint:
@@ -453,7 +454,9 @@ class Registry(_Strict):
     """Versioned models under storage_root/models/<model_name> and the gate that moves `current`."""
 
     model_name: str = Field("", pattern=r"^$|" + MODEL_NAME_PATTERN,
-                            description="Registry scope (models/<model_name>/): the gate and inference see only this name's models; empty: the last path component of dataset.uri as the config file gives it.")
+                            description=("Registry scope (models/<model_name>/): the gate and inference see only this "
+                                         "name's models; empty: the last path component of dataset.uri as the config "
+                                         "file gives it."))
     gate_metric: str | None = Field(None, description="Test metric the gate compares; default: test_<objective.metric>, in the objective's direction.")
     margin: float = Field(0.0, ge=0, description="A new model must beat the current one by more than this, in the objective's direction.")
 
@@ -533,7 +536,7 @@ class PipelineConfig(_Strict):
         return raw
 
     @model_validator(mode="after")
-    def _params_known_to_the_builtin_spec(self) -> "PipelineConfig":
+    def _params_known_to_the_builtin_spec(self) -> PipelineConfig:
         if self.model.spec != BUILTIN_SPEC:
             return self  # a user spec declares its own hyperparameters; checked when it is loaded
         known = (*FRAMEWORK_PARAMS, *BUILTIN_SPEC_PARAMS)

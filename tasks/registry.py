@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
             now = pointer(root, name)["version"]
             for entry in versions(root, name):
                 mark = "*" if entry["version"] == now else " "
-                print(f"{mark} {entry['version']}  {entry['registered_at']}  {entry.get('objective', 'accuracy')}={entry.get('test_' + entry.get('objective', 'accuracy'))}  "
+                objective = entry.get("objective", "accuracy")
+                print(f"{mark} {entry['version']}  {entry['registered_at']}  {objective}={entry.get('test_' + objective)}  "
                       f"run={entry.get('source_run')}")
         elif args.command == "show":
             import json

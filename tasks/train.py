@@ -25,7 +25,14 @@ from typing import Any
 from tasks import contract as env_contract
 from tasks import storage
 from tasks.cli import common_parser, json_arg, parse_overrides, run_subjob
-from tasks.config import ARG_PLACEHOLDERS, STAGE_CONTRACT, PipelineConfig, hyperparameter_problem, load_config, placeholders
+from tasks.config import (
+    ARG_PLACEHOLDERS,
+    STAGE_CONTRACT,
+    PipelineConfig,
+    hyperparameter_problem,
+    load_config,
+    placeholders,
+)
 from tasks.errors import UserError
 
 log = logging.getLogger("stagewise.train")

@@ -21,7 +21,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import psutil
 

@@ -17,8 +17,8 @@ from tasks.config import load_config
 from tasks.errors import UserError
 from tasks.evaluate import evaluate
 from tasks.model import BUILTIN_SPEC, MLPClassifier, build, data_info, load_bundle, preprocessing_of, save_bundle
-from tasks.spec import DataInfo, SpecRef
 from tasks.preprocess import load_split, read_manifest
+from tasks.spec import DataInfo, SpecRef
 from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
 from tests.conftest import base_config, preprocess_digits
 

@@ -89,8 +89,9 @@ def test_unknown_hyperparameter_of_a_user_spec_is_checked_against_its_own(digits
 
 def test_a_user_spec_trains_evaluates_and_scores(digits_run, single_process, tmp_path):
     """The CNN example through a stage, evaluation and one inference shard: its bundle names the spec and args."""
-    from tasks import infer
     import pyarrow.parquet as pq
+
+    from tasks import infer
 
     config_path, out = digits_run
     config = _config(config_path, "examples.digits_cnn:DigitsCNN", {"channels": 4})
