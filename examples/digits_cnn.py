@@ -10,14 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tasks.spec import Average, DataInfo, ModelSpec
+from tasks.spec import Classifier, DataInfo, UserError
 
 
-class DigitsCNN(ModelSpec):
-    """Two 3x3 convolutions over the 8x8 image, then a linear classifier."""
+class DigitsCNN(Classifier):
+    """Two 3x3 convolutions over the 8x8 image, then a linear classifier (loss, accuracy and predictions: Classifier)."""
 
     default_params = {"dropout": 0.0}
 
@@ -27,7 +26,7 @@ class DigitsCNN(ModelSpec):
 
     def build(self, data: DataInfo, params: dict[str, Any]) -> nn.Module:
         if data.num_features != self.side * self.side:
-            raise ValueError(f"DigitsCNN(side={self.side}) needs {self.side * self.side} pixel features, got {data.num_features}")
+            raise UserError(f"DigitsCNN(side={self.side}) needs {self.side * self.side} pixel features, got {data.num_features}")
         c = self.channels
         return nn.Sequential(
             nn.Conv2d(1, c, 3, padding=1), nn.ReLU(),
@@ -38,12 +37,3 @@ class DigitsCNN(ModelSpec):
 
     def batch(self, features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return features.view(-1, 1, self.side, self.side), labels
-
-    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(outputs, targets)
-
-    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Average]:
-        return {"accuracy": Average((outputs.argmax(dim=1) == targets).sum(), len(targets))}
-
-    def predict(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"prediction": outputs.argmax(dim=1), "probabilities": torch.softmax(outputs, dim=1)}

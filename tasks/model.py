@@ -16,19 +16,18 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tasks import storage
 from tasks.errors import UserError
-from tasks.spec import Average, DataInfo, ModelSpec, SpecRef
+from tasks.spec import Classifier, DataInfo, ModelSpec, SpecRef
 
 BUILTIN_SPEC = "tasks.model:MLPClassifier"
 BUNDLE_FORMAT = "stagewise-model/2"
 
 
-class MLPClassifier(ModelSpec):
-    """Two hidden ReLU layers over the feature vector; cross-entropy; accuracy; class and probabilities."""
+class MLPClassifier(Classifier):
+    """Two hidden ReLU layers over the feature vector; cross-entropy, accuracy, class and probabilities (Classifier)."""
 
     default_params = {"hidden": 128, "dropout": 0.0}
 
@@ -41,15 +40,6 @@ class MLPClassifier(ModelSpec):
             nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(dropout),
             nn.Linear(hidden, data.num_classes),
         )
-
-    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(outputs, targets)
-
-    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Average]:
-        return {"accuracy": Average((outputs.argmax(dim=1) == targets).sum(), len(targets))}
-
-    def predict(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"prediction": outputs.argmax(dim=1), "probabilities": torch.softmax(outputs, dim=1)}
 
 
 def data_info(manifest: dict[str, Any]) -> DataInfo:

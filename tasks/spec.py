@@ -88,6 +88,20 @@ class ModelSpec:
         raise NotImplementedError
 
 
+class Classifier(ModelSpec):
+    """A ModelSpec for an integer class label whose module outputs one logit per class: cross-entropy,
+    accuracy, and the predicted class with its probabilities. Subclasses write only :meth:`build` (and :meth:`batch`)."""
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(outputs, targets)
+
+    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Average]:
+        return {"accuracy": Average((outputs.argmax(dim=1) == targets).sum(), len(targets))}
+
+    def predict(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"prediction": outputs.argmax(dim=1), "probabilities": torch.softmax(outputs, dim=1)}
+
+
 @dataclass(frozen=True)
 class SpecRef:
     """A spec named by import path, with its arguments: what configs and artifacts store."""
