@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, tuple[Benchmark, str]] = {
     "preprocess_vs_pyarrow": (preprocess.preprocess_vs_pyarrow, ">= 0.75"),
     "dag_parse": (dag_parse.dag_parse, "<= 1.5"),
     "train_throughput": (training.train_throughput, ">= 0.95"),
+    "custom_model_throughput": (training.custom_model_throughput, ">= 0.95"),
     "growing_batch_steps": (training.growing_batch_steps, "<= 0.5"),
     "parquet_loading": (training.parquet_loading, ">= 0.7"),
     "sweep_pruning_epochs": (sweep.sweep_pruning_epochs, "<= 0.4"),
