@@ -26,7 +26,7 @@ from typing import Any
 
 from tasks import storage
 from tasks.cli import common_parser, parse_overrides, setup_logging
-from tasks.config import load_config
+from tasks.config import PipelineConfig, load_config
 from tasks.errors import UserError
 
 log = logging.getLogger("stagewise.registry")
@@ -159,6 +159,42 @@ def gate(storage_root: str, name: str, version: str, metric: str, margin: float,
         promote(storage_root, name, version, reason=f"gate: {decision['reason']}")
     log.info("gate for %s/%s: %s (%s)", name, version, "promoted" if decision["promoted"] else "refused", decision["reason"])
     return {"model_name": name, "version": version, "current": pointer(storage_root, name)["version"], **decision}
+
+
+def model_card(config: PipelineConfig, *, trained: dict[str, Any], evaluation: dict[str, Any],
+               best_params: dict[str, Any] | None, study: str, source_run: str, manifest_uri: str) -> dict[str, Any]:
+    """What a registered version records: its test metrics, the objective and its validation value, the params
+    it trained with, the data fingerprint, the code version, the study and the run that made it."""
+    from tasks.train import card_params
+
+    metric = config.objective.metric
+    return {**{k: v for k, v in evaluation.items() if k.startswith("test_") and k != "test_objective"},
+            "objective": metric, "direction": config.objective.direction, f"val_{metric}": trained.get("val_metric"),
+            **card_params(trained, best_params), "study": study, "source_run": source_run,
+            "data_fingerprint": data_fingerprint(manifest_uri), "code_version": code_version(), "stages": [trained.get("stage")]}
+
+
+def gate_new_version(config: PipelineConfig, version: str) -> dict[str, Any]:
+    """The config's gate (metric, margin, direction) on a newly registered version, plus the model inference should use."""
+    name = config.registry.model_name
+    decision = gate(config.storage_root, name, version, config.gate_metric(), config.registry.margin, config.objective.direction)
+    return {**decision, "model_uri": card(config.storage_root, name, decision["current"])["model_uri"]}
+
+
+def serving_model(config: PipelineConfig, version: str | None) -> dict[str, Any]:
+    """The registered model batch inference scores with: ``version`` when given, else the current one."""
+    name = config.registry.model_name
+    chosen = card(config.storage_root, name, version) if version else current(config.storage_root, name)
+    if chosen is None:
+        raise UserError(f"no current '{name}' model (registry.model_name) under {models_prefix(config.storage_root, name)}: "
+                        f"run ml_pipeline first or name a model_version")
+    return {"current": chosen["version"], "model_uri": chosen["model_uri"]}
+
+
+def retrain_overrides(config: PipelineConfig) -> dict[str, Any]:
+    """A retrain's sweep: the retrain budget, warm-started from the study of the current model (cold without one)."""
+    incumbent = current(config.storage_root, config.registry.model_name)
+    return {"sweep.num_trials": config.retrain.num_trials, "sweep.warm_start_from": (incumbent or {}).get("study", "")}
 
 
 def rollback(storage_root: str, name: str) -> dict[str, Any]:

@@ -98,9 +98,7 @@ def start_run(mode: str = "pipeline") -> dict[str, Any]:
             from tasks import registry
 
             with credentials.exported(credentials.aws_environment(base.storage_conn_id)):
-                incumbent = registry.current(base.storage_root, base.registry.model_name)
-            overrides["sweep.num_trials"] = base.retrain.num_trials
-            overrides["sweep.warm_start_from"] = (incumbent or {}).get("study", "")
+                overrides.update(registry.retrain_overrides(base))
         config = load_config(path, overrides)
         return {"dag_id": dag_id, "run_id": run_id, "config": path, "overrides": overrides,
                 "out": run_prefix(config.storage_root, dag_id, run_id), "study": study_name(dag_id, run_id)}
@@ -219,17 +217,13 @@ def evaluate(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
 def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dict[str, Any], swept: dict[str, Any]) -> dict[str, Any]:
     """Add the trained model to the registry with its card (metrics, params, data, code, source run)."""
     from tasks import registry, storage
-    from tasks.train import card_params
 
     config = run_config(run)
 
     def work() -> dict[str, Any]:
-        card = {**{k: v for k, v in evaluation.items() if k.startswith("test_") and k != "test_objective"},
-                "objective": config.objective.metric, "direction": config.objective.direction,
-                f"val_{config.objective.metric}": trained.get("val_metric"),
-                **card_params(trained, swept.get("best_params")), "study": run["study"], "source_run": f"{run['dag_id']}/{run['run_id']}",
-                "data_fingerprint": registry.data_fingerprint(storage.join(run["out"], "preprocess", "manifest.json")),
-                "code_version": registry.code_version(), "stages": [trained.get("stage")]}
+        card = registry.model_card(config, trained=trained, evaluation=evaluation, best_params=swept.get("best_params"),
+                                   study=run["study"], source_run=f"{run['dag_id']}/{run['run_id']}",
+                                   manifest_uri=storage.join(run["out"], "preprocess", "manifest.json"))
         return registry.register(config.storage_root, config.registry.model_name, trained["model_uri"], card)
 
     return _inline(config, work)
@@ -240,14 +234,7 @@ def gate_model(run: dict[str, Any], registered: dict[str, Any]) -> dict[str, Any
     from tasks import registry
 
     config = run_config(run)
-
-    def work() -> dict[str, Any]:
-        name = config.registry.model_name
-        decision = registry.gate(config.storage_root, name, registered["version"], config.gate_metric(), config.registry.margin,
-                                 config.objective.direction)
-        return {**decision, "model_uri": registry.card(config.storage_root, name, decision["current"])["model_uri"]}
-
-    return _inline(config, work)
+    return _inline(config, lambda: registry.gate_new_version(config, registered["version"]))
 
 
 def resolve_model(run: dict[str, Any]) -> dict[str, Any]:
@@ -256,16 +243,7 @@ def resolve_model(run: dict[str, Any]) -> dict[str, Any]:
 
     config = run_config(run)
     version = _context()["params"].get("model_version") or None
-
-    def work() -> dict[str, Any]:
-        name = config.registry.model_name
-        card = registry.card(config.storage_root, name, version) if version else registry.current(config.storage_root, name)
-        if card is None:
-            raise UserError(f"no current '{name}' model (registry.model_name) under "
-                            f"{registry.models_prefix(config.storage_root, name)}: run ml_pipeline first or name a model_version")
-        return {"current": card["version"], "model_uri": card["model_uri"]}
-
-    return _inline(config, work)
+    return _inline(config, lambda: registry.serving_model(config, version))
 
 
 def plan_inference(run: dict[str, Any], model: dict[str, Any]) -> list[dict[str, Any]]:

@@ -165,3 +165,41 @@ def test_an_unscoped_registry_from_before_model_names_is_ignored_with_a_warning(
     assert registry.versions(str(storage_root), NAME) == []
     fresh = _register(storage_root, tmp_path, "a", 0.5)
     assert registry.gate(str(storage_root), NAME, fresh, "test_accuracy", 0.0)["reason"] == "no current model"
+
+
+def test_the_config_drives_the_gate_serving_and_a_retrains_warm_start(write_config, storage_root, tmp_path):
+    """The registry rules a run follows, from its config: a minimize objective's gate, the model inference scores
+    with (named version or current), and a retrain warm-started from the current model's study."""
+    from tasks.config import load_config
+
+    config = load_config(write_config(), {"objective.metric": "rmse", "objective.direction": "minimize",
+                                          "registry.gate_metric": "test_rmse", "retrain.num_trials": 3})
+    assert registry.retrain_overrides(config) == {"sweep.num_trials": 3, "sweep.warm_start_from": ""}
+    with pytest.raises(UserError, match="no current 'digits' model"):
+        registry.serving_model(config, None)
+    first = registry.register(str(storage_root), NAME, _model(tmp_path, "a", b"a" * 10), {"test_rmse": 50.0, "study": "s-a"})["version"]
+    assert registry.gate_new_version(config, first)["promoted"]
+    worse = registry.register(str(storage_root), NAME, _model(tmp_path, "b", b"b" * 10), {"test_rmse": 60.0, "study": "s-b"})["version"]
+    decision = registry.gate_new_version(config, worse)
+    assert not decision["promoted"] and decision["current"] == first
+    assert decision["model_uri"] == registry.card(str(storage_root), NAME, first)["model_uri"]
+    assert registry.serving_model(config, None)["current"] == first
+    assert registry.serving_model(config, worse) == {"current": worse, "model_uri": registry.card(str(storage_root), NAME, worse)["model_uri"]}
+    assert registry.retrain_overrides(config)["sweep.warm_start_from"] == "s-a"
+
+
+def test_a_model_card_records_the_objective_and_the_params_it_trained_with(write_config, storage_root, tmp_path):
+    """The card holds the test metrics (not the derived test_objective), the objective's validation value, the
+    sweep's params for our own stage, and what makes the version traceable (data, code, study, source run)."""
+    from tasks.config import load_config
+
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"features": ["a"], "splits": {}}))
+    config = load_config(write_config())
+    card = registry.model_card(config, trained={"val_metric": 0.93, "stage": "s2"},
+                               evaluation={"test_accuracy": 0.95, "test_loss": 0.2, "test_objective": 0.95, "metrics_uri": "x"},
+                               best_params={"lr": 0.1}, study="st", source_run="ml_pipeline/r1", manifest_uri=str(manifest))
+    assert card["test_accuracy"] == 0.95 and "test_objective" not in card and "metrics_uri" not in card
+    assert card["objective"] == "accuracy" and card["direction"] == "maximize" and card["val_accuracy"] == 0.93
+    assert card["params"] == {"lr": 0.1} and card["params_source"] == "sweep" and card["stages"] == ["s2"]
+    assert card["study"] == "st" and card["source_run"] == "ml_pipeline/r1" and card["data_fingerprint"]
