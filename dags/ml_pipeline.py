@@ -27,7 +27,12 @@ CONFIG = load_config()
     doc_md=__doc__,
 )
 def ml_pipeline() -> None:
-    wiring.pipeline(CONFIG)
+    run = wiring.start(CONFIG)
+    data = wiring.preprocess(CONFIG, run)
+    swept = wiring.sweep(CONFIG, run, data)
+    trained = wiring.train_stages(CONFIG, run, swept)
+    gated = wiring.evaluate_and_gate(CONFIG, run, swept, trained)
+    wiring.report(CONFIG, run, data, swept, trained, gated, wiring.inference_chain(CONFIG, run, gated["gated"]))
 
 
 ml_pipeline()

@@ -30,7 +30,13 @@ CONFIG = load_config()
     doc_md=__doc__,
 )
 def retrain() -> None:
-    wiring.pipeline(CONFIG, mode="retrain")
+    # ml_pipeline's shape; start_run in retrain mode gives the sweep the retrain budget and the warm start.
+    run = wiring.start(CONFIG, mode="retrain")
+    data = wiring.preprocess(CONFIG, run)
+    swept = wiring.sweep(CONFIG, run, data)
+    trained = wiring.train_stages(CONFIG, run, swept)
+    gated = wiring.evaluate_and_gate(CONFIG, run, swept, trained)
+    wiring.report(CONFIG, run, data, swept, trained, gated, wiring.inference_chain(CONFIG, run, gated["gated"]))
 
 
 retrain()

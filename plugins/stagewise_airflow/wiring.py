@@ -49,8 +49,8 @@ def start(config: PipelineConfig, mode: str = "pipeline") -> Any:
     return task(steps.start_run, task_id="start_run", **{**knobs(config, config.preprocess.profile), "retries": 0})(mode)
 
 
-def training_chain(config: PipelineConfig, run: Any) -> dict[str, Any]:
-    """preprocess -> sweep -> train stages -> evaluate -> register -> gate; returns the XComArgs the report needs."""
+def preprocess(config: PipelineConfig, run: Any) -> dict[str, Any]:
+    """plan_shards -> preprocess_stats[shard] -> reduce_stats -> preprocess_transform[shard] -> commit_preprocess."""
     bookkeeping = knobs(config, config.preprocess.profile)
     shards = task(steps.plan_shards, task_id="plan_shards", **bookkeeping)(run)
     stats = task(steps.preprocess_stats, task_id="preprocess_stats", map_index_template=SHARD_FILE_NAME,
@@ -61,24 +61,38 @@ def training_chain(config: PipelineConfig, run: Any) -> dict[str, Any]:
                        map_index_template=SHARD_FILE_NAME, **knobs(config, config.preprocess.profile)).partial(
         run=run, reduced=reduced).expand(shard=shards)
     prepared = task(steps.commit_preprocess, task_id="commit_preprocess", **bookkeeping)(run, reduced, transformed)
+    return {"stats": stats, "reduced": reduced, "transformed": transformed, "prepared": prepared}
 
-    worker_ids = task(steps.create_study, task_id="create_study", **bookkeeping)(run, prepared)
+
+def sweep(config: PipelineConfig, run: Any, data: dict[str, Any]) -> dict[str, Any]:
+    """create_study -> sweep_worker[i] (trials in parallel on one shared study) -> sweep_summary (the best params)."""
+    bookkeeping = knobs(config, config.preprocess.profile)
+    worker_ids = task(steps.create_study, task_id="create_study", **bookkeeping)(run, data["prepared"])
     workers = task(steps.sweep_worker, task_id="sweep_worker", map_index_template=SWEEP_WORKER_NAME,
                    **knobs(config, config.sweep.profile)).partial(
         run=run).expand(worker=worker_ids)
     swept = task(steps.sweep_summary, task_id="sweep_summary", **bookkeeping)(run, workers)
+    return {"workers": workers, "swept": swept}
 
+
+def train_stages(config: PipelineConfig, run: Any, swept: dict[str, Any]) -> dict[str, Any]:
+    """train_<stage> for each configured stage in order, each starting from the previous one's checkpoint."""
     trained, previous = [], None
     for stage in config.train.stages:
         previous = task(steps.train_stage, task_id=f"train_{stage.name}", **knobs(config, stage.profile))(
-            run, stage.name, swept, previous)
+            run, stage.name, swept["swept"], previous)
         trained.append(previous)
+    return {"trained": trained}
 
-    evaluation = task(steps.evaluate, task_id="evaluate", **knobs(config, config.evaluate.profile))(run, previous)
-    registered = task(steps.register_model, task_id="register_model", **bookkeeping)(run, previous, evaluation, swept)
+
+def evaluate_and_gate(config: PipelineConfig, run: Any, swept: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
+    """evaluate -> register_model -> gate_model: the last stage's model on the test split, registered, promoted if better."""
+    bookkeeping = knobs(config, config.preprocess.profile)
+    final = trained["trained"][-1]
+    evaluation = task(steps.evaluate, task_id="evaluate", **knobs(config, config.evaluate.profile))(run, final)
+    registered = task(steps.register_model, task_id="register_model", **bookkeeping)(run, final, evaluation, swept["swept"])
     gated = task(steps.gate_model, task_id="gate_model", **bookkeeping)(run, registered)
-    return {"stats": stats, "reduced": reduced, "transformed": transformed, "prepared": prepared, "workers": workers,
-            "swept": swept, "trained": trained, "evaluation": evaluation, "registered": registered, "gated": gated}
+    return {"evaluation": evaluation, "registered": registered, "gated": gated}
 
 
 def inference_chain(config: PipelineConfig, run: Any, model: Any) -> dict[str, Any]:
@@ -92,9 +106,7 @@ def inference_chain(config: PipelineConfig, run: Any, model: Any) -> dict[str, A
     return {"scored": scored, "predictions": predictions}
 
 
-def pipeline(config: PipelineConfig, mode: str = "pipeline") -> None:
-    """The whole ML pipeline: training chain, then inference with the model the gate left current, then the report."""
-    run = start(config, mode)
-    trained = training_chain(config, run)
-    inferred = inference_chain(config, run, trained["gated"])
-    task(steps.write_report, task_id="report", **knobs(config, config.preprocess.profile))(run, **trained, **inferred)
+def report(config: PipelineConfig, run: Any, *phases: dict[str, Any]) -> Any:
+    """The run's report.json from every phase's results (see tasks.report)."""
+    results = {name: value for phase in phases for name, value in phase.items()}
+    return task(steps.write_report, task_id="report", **knobs(config, config.preprocess.profile))(run, **results)
