@@ -19,10 +19,11 @@ KILL_AT_STEP = 25
 pytestmark = pytest.mark.slow
 
 
-def run_stage(config: Path, out: str, env: dict, result_name: str) -> subprocess.CompletedProcess:
+def run_stage(config: Path, out: str, env: dict, result_name: str, spec: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tasks.train",
                "--config", str(config), "--stage", "s2", "--out", out, "--params", json.dumps({"lr": 0.02, "dropout": 0.1}),
                f"--override=train.checkpoint_every_steps={CHECKPOINT_EVERY}", "--override=train.stages.1.epochs=4",
+               f"--override=model.spec={spec}",
                "--result-file", str(Path(out) / result_name)]
     return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -40,28 +41,30 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def test_killed_rank_fails_the_stage_and_the_retry_resumes_exactly(digits_run, subprocess_env, tmp_path):
-    """SIGKILL of rank 1 at step 25 ends every process; the retry redoes at most K steps and ends where a clean run does."""
+@pytest.mark.parametrize("spec", ["tasks.model:MLPClassifier", "examples.digits_cnn:DigitsCNN"])
+def test_killed_rank_fails_the_stage_and_the_retry_resumes_exactly(digits_run, subprocess_env, tmp_path, spec):
+    """SIGKILL of rank 1 at step 25 ends every process; the retry redoes at most K steps and ends where a clean run
+    does, for the built-in MLP and for a user's spec (the example CNN) alike."""
     config, out = digits_run
     reference_out = str(tmp_path / "reference")
     os.makedirs(f"{reference_out}/preprocess")
     shutil.copy(f"{out}/preprocess/manifest.json", f"{reference_out}/preprocess/manifest.json")
 
     faulty_env = {**subprocess_env, "STAGEWISE_FAULT_KILL_AT": f"1:{KILL_AT_STEP}"}
-    crashed = run_stage(config, out, faulty_env, "crashed.json")
+    crashed = run_stage(config, out, faulty_env, "crashed.json", spec)
     assert crashed.returncode != 0, "a killed rank must fail the stage"
     assert processes_mentioning(out) == [], "no rank or agent may outlive the failed stage"
     pointer = json.loads(Path(out, "train", "s2", "checkpoints", "latest.json").read_text())
     assert pointer["step"] == (KILL_AT_STEP // CHECKPOINT_EVERY) * CHECKPOINT_EVERY
 
     # The Airflow retry: same command, same environment (the fault fires only on a fresh start).
-    resumed = run_stage(config, out, faulty_env, "resumed.json")
+    resumed = run_stage(config, out, faulty_env, "resumed.json", spec)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     result = json.loads(Path(out, "resumed.json").read_text())
     steps_redone = KILL_AT_STEP - result["resumed_from_step"]
     assert 0 <= steps_redone <= CHECKPOINT_EVERY, f"redid {steps_redone} steps"
 
-    clean = run_stage(config, reference_out, subprocess_env, "clean.json")
+    clean = run_stage(config, reference_out, subprocess_env, "clean.json", spec)
     assert clean.returncode == 0, clean.stderr[-3000:]
     reference = json.loads(Path(reference_out, "clean.json").read_text())
     assert result["steps"] == reference["steps"]
@@ -69,5 +72,6 @@ def test_killed_rank_fails_the_stage_and_the_retry_resumes_exactly(digits_run, s
     assert result["val_metric"] == pytest.approx(reference["val_metric"], abs=1e-9)
     resumed_model = torch.load(Path(out, "train", "s2", "final.pt"), weights_only=True)["model"]
     clean_model = torch.load(Path(reference_out, "train", "s2", "final.pt"), weights_only=True)["model"]
+    assert any(t.dim() == 4 for t in clean_model.values()) == spec.endswith("DigitsCNN"), "the stage trained another model"
     for name, tensor in clean_model.items():
         torch.testing.assert_close(resumed_model[name], tensor, rtol=1e-5, atol=1e-6)
