@@ -119,6 +119,7 @@ class Loop:
         self.check_every_steps = check_every_steps
         self.spec, self.objective = spec, objective
         self._metric_names: list[str] | None = None
+        self._spec_checked = False
         # Kept on the device and read only at checks, so a step never waits for the GPU.
         self._pending_loss = torch.zeros((), dtype=torch.float64, device=env.device)
         self._first_bad_step = torch.full((), _NO_STEP, dtype=torch.int64, device=env.device)
@@ -151,6 +152,9 @@ class Loop:
         for inputs, targets in self.train_data.epoch(position.epoch, skip_steps=position.micro_step):
             if to_device:
                 inputs, targets = inputs.to(self.env.device, non_blocking=True), targets.to(self.env.device, non_blocking=True)
+            if not self._spec_checked:
+                check_spec(self.spec, self.module, inputs, targets)
+                self._spec_checked = True
             index = position.micro_step
             boundary = (index + 1) % self.grad_accum_steps == 0 or index + 1 == micro_total
             # Dropout masks depend only on (seed, epoch, micro-step, rank): a resumed run draws the same ones.
@@ -244,6 +248,43 @@ class Loop:
                 names = set().union(*map(set, gathered))
             self._metric_names = sorted(names)
         return self._metric_names
+
+
+def _shape(value: Any) -> str:
+    return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def check_spec(spec: ModelSpec, module: nn.Module, features: torch.Tensor, labels: torch.Tensor) -> None:
+    """Run the spec once on a real batch before training and name the part that breaks its contract.
+
+    A module whose outputs do not fit the targets (e.g. fewer logits than classes) or a loss that is no
+    scalar would otherwise fail deep inside the first step as a bare RuntimeError that Airflow retries.
+    """
+    name, rows = type(spec).__name__, len(labels)
+    where, inputs, targets, outputs = "batch", None, None, None
+    try:
+        inputs, targets = spec.batch(features, labels)
+        where = "build's module"
+        outputs = module(inputs)
+        where = "loss"
+        loss = spec.loss(outputs, targets)
+        where = "predict"
+        predictions = spec.predict(outputs.detach())
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except (RuntimeError, IndexError, ValueError, TypeError, KeyError) as exc:
+        shapes = ", ".join(f"{label} {_shape(value)}" for label, value in
+                           (("features", features), ("labels", labels), ("inputs", inputs), ("targets", targets),
+                            ("outputs", outputs)) if value is not None)
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"{name}.{where} failed on a first batch of {rows} rows ({shapes}): {first_line}") from None
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
+        raise UserError(f"{name}.loss must return a scalar tensor with a gradient (the batch mean), got {_shape(loss)}"
+                        f"{'' if not isinstance(loss, torch.Tensor) or loss.requires_grad else ' without a gradient'}")
+    for column, tensor in (predictions.items() if isinstance(predictions, dict) else [("(return value)", predictions)]):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or len(tensor) != rows:
+            raise UserError(f"{name}.predict()['{column}'] must be a tensor with one row per input row ({rows}), "
+                            f"got {_shape(tensor)}")
 
 
 def accumulate_metrics(spec: ModelSpec, module: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],

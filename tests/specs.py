@@ -52,3 +52,17 @@ class LogLoss(MLPClassifier):
     def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Average]:
         nll = torch.nn.functional.cross_entropy(outputs, targets, reduction="sum")
         return {**super().metrics(outputs, targets), "nll": Average(nll, len(targets))}
+
+
+class TooFewClasses(MLPClassifier):
+    """Builds three logits for the ten digit classes: its outputs do not fit the targets."""
+
+    def build(self, data: DataInfo, params: dict[str, Any]) -> nn.Module:
+        return nn.Linear(data.num_features, 3)
+
+
+class SummedLoss(MLPClassifier):
+    """Returns the per-row losses, not their mean: no scalar to call backward on."""
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(outputs, targets, reduction="none")

@@ -71,6 +71,18 @@ def test_a_metric_that_does_not_reduce_is_refused(digits_run, single_process):
         train.run_stage(_config(config_path, "tests.specs:MeanAccuracy"), "s1", out, PARAMS, None)
 
 
+@pytest.mark.parametrize("spec, message", [
+    ("tests.specs:TooFewClasses", r"TooFewClasses.loss failed on a first batch of \d+ rows \(.*outputs shape \(\d+, 3\)\): "
+                                  r"Target \d+ is out of bounds"),
+    ("tests.specs:SummedLoss", r"SummedLoss.loss must return a scalar tensor with a gradient .*, got shape \(\d+,\)"),
+])
+def test_outputs_that_do_not_fit_the_contract_fail_before_the_first_step(digits_run, single_process, spec, message):
+    """Wrong output shapes and a non-scalar loss are named, with the batch's shapes, before any step is taken."""
+    config_path, out = digits_run
+    with pytest.raises(UserError, match=message):
+        train.run_stage(_config(config_path, spec), "s1", out, PARAMS, None)
+
+
 def test_an_objective_the_spec_does_not_report_is_named(digits_run, single_process):
     """objective.metric must be one of the spec's metrics (or loss); the error lists those it has."""
     config_path, out = digits_run
