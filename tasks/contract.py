@@ -1,8 +1,9 @@
 """The STAGEWISE_* environment a bring-your-own script gets: every variable's name and meaning, in one place.
 
 ``tasks.train.byo_environment`` sets the stage's variables, the Airflow launcher the ones every sub-job
-gets; both take the names from here, and the README's list is this module's output
-(``python -m tasks.contract``), checked by tests/test_readme.py. Add a variable here, never inline.
+gets, ``tasks.sweep`` a trial's (a trial gets the stage's variables too, filled from ``sweep``); all take
+the names from here, and the README's list is this module's output (``python -m tasks.contract``),
+checked by tests/test_readme.py. Add a variable here, never inline.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ STAGE_ENV: dict[str, str] = {}
 """Set for a bring-your-own stage by tasks.train.byo_environment (name -> meaning)."""
 LAUNCH_ENV: dict[str, str] = {}
 """Set by the launcher for every sub-job, ours and a user's (name -> meaning)."""
+TRIAL_ENV: dict[str, str] = {}
+"""Set, besides STAGE_ENV and LAUNCH_ENV, for a bring-your-own sweep trial by tasks.sweep (name -> meaning)."""
 
 
 def _declare(group: dict[str, str], name: str, doc: str) -> str:
-    if name in STAGE_ENV or name in LAUNCH_ENV:
+    if name in STAGE_ENV or name in LAUNCH_ENV or name in TRIAL_ENV:
         raise ValueError(f"{name} is declared twice")
     group[name] = doc
     return name
@@ -47,12 +50,22 @@ CONFIG = _declare(STAGE_ENV, "STAGEWISE_CONFIG", "Path of the pipeline YAML the 
 OVERRIDES = _declare(STAGE_ENV, "STAGEWISE_OVERRIDES",
                      "The run's config overrides (e.g. from the trigger form) as a JSON object of dotted key -> "
                      "value; `tasks.config.load_config(path, overrides)` applies them.")
+OBJECTIVE = _declare(STAGE_ENV, "STAGEWISE_OBJECTIVE",
+                      "The objective metric (`objective.metric`): `tasks.spec.report` needs it among the metrics.")
 RESULT_FILE = _declare(LAUNCH_ENV, "STAGEWISE_RESULT_FILE",
                        "Optional: a JSON object written here becomes the task's result (XCom), over the defaults.")
 ERROR_FILE = _declare(LAUNCH_ENV, "STAGEWISE_ERROR_FILE",
                       "Write a reason here (e.g. bad input) to fail the task without retry; it becomes the error.")
 
-ENVIRONMENT: dict[str, str] = {**STAGE_ENV, **LAUNCH_ENV}
+METRICS_FILE = _declare(LAUNCH_ENV, "STAGEWISE_METRICS_FILE",
+                        "Where `tasks.spec.report` keeps rank 0's latest epoch, metrics and prune decision for the "
+                        "framework (a trial's value, a stage's val_metric).")
+STUDY_STORAGE = _declare(TRIAL_ENV, "STAGEWISE_STUDY_STORAGE", "The Optuna storage of the sweep's shared study.")
+STUDY_NAME = _declare(TRIAL_ENV, "STAGEWISE_STUDY_NAME", "The shared study's name.")
+TRIAL_ID = _declare(TRIAL_ENV, "STAGEWISE_TRIAL_ID", "The Optuna trial id `tasks.spec.report` reports to.")
+TRIAL_NUMBER = _declare(TRIAL_ENV, "STAGEWISE_TRIAL_NUMBER", "The trial's number in the study (for logs).")
+
+ENVIRONMENT: dict[str, str] = {**STAGE_ENV, **LAUNCH_ENV, **TRIAL_ENV}
 """Everything a bring-your-own script gets besides torchrun's own variables (name -> meaning)."""
 
 
