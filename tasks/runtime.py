@@ -231,7 +231,7 @@ def report(epoch: int, metrics: dict[str, float]) -> bool:
         if ctx.trial is not None:
             trial = _trial()
             trial.report(values[ctx.objective], step=epoch + 1)
-            pruned = trial.should_prune()
+            pruned = bool(trial.should_prune())
         _latest.update({"epoch": epoch + 1, "metrics": values, "pruned": pruned})
         path = os.environ.get(contract.METRICS_FILE)
         if path:
