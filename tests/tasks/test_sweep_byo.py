@@ -52,5 +52,5 @@ def test_script_trials_complete_prune_and_fail_and_the_sweep_goes_on(write_confi
 def test_sweep_entrypoint_with_an_unknown_placeholder_is_a_config_error(write_config, storage_root):
     """A {name} that is neither a stage value nor a hyperparameter fails config validation, naming sweep's arg."""
     path = byo_sweep_config(write_config, storage_root, {"script": "x.py", "args": ["--width", "{widht}"]})
-    with pytest.raises(ConfigError, match=r"sweep: entrypoint.args\[0\] '--width \{widht\}': unknown placeholder \{widht\}"):
+    with pytest.raises(ConfigError, match=r"sweep: entrypoint.args\[1\] '\{widht\}': unknown placeholder \{widht\}"):
         load_config(path)
