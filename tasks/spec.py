@@ -144,6 +144,3 @@ from tasks.runtime import (  # noqa: E402
     save_model,
     save_state,
 )
-
-__all__ = ["Average", "Classifier", "Context", "DataInfo", "ModelSpec", "SpecRef", "build_model", "checkpoint_dir",
-           "context", "init_from", "load_state", "params", "read_split", "report", "save_model", "save_state"]
