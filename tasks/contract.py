@@ -70,9 +70,11 @@ ENVIRONMENT: dict[str, str] = {**STAGE_ENV, **LAUNCH_ENV, **TRIAL_ENV}
 
 
 def markdown() -> str:
-    """The README's table of the contract: one row per variable, in declaration order."""
-    rows = [f"| `{name}` | {doc} |" for name, doc in ENVIRONMENT.items()]
-    return "\n".join(["| variable | meaning |", "|---|---|", *rows])
+    """The README's table of the contract: one row per variable, in declaration order, with who gets it."""
+    who = {**dict.fromkeys(STAGE_ENV, "stage, trial"), **dict.fromkeys(LAUNCH_ENV, "every sub-job"),
+           **dict.fromkeys(TRIAL_ENV, "trial")}
+    rows = [f"| `{name}` | {who[name]} | {doc} |" for name, doc in ENVIRONMENT.items()]
+    return "\n".join(["| variable | set for | meaning |", "|---|---|---|", *rows])
 
 
 def main(argv: list[str] | None = None) -> None:

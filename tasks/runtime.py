@@ -73,6 +73,12 @@ def _fail(message: str) -> UserError:
     return UserError(message)
 
 
+# Rank 0's latest report in this process (save_model records its metrics in the bundle).
+_latest: dict[str, Any] = {}
+# The hyperparameters build_model last built with (save_model's bundle rebuilds the module from them).
+_built: dict[str, Any] = {}
+
+
 @functools.cache
 def context() -> Context:
     """This run's stage values (epochs, batch sizes, rescaled lr, seed, objective) and rank, read once."""
@@ -87,7 +93,7 @@ def context() -> Context:
                    rank=env.rank, world_size=env.world_size)
 
 
-def params() -> dict[str, Any]:
+def hyperparameters() -> dict[str, Any]:
     """This run's hyperparameters: the trial's suggestion, or the stage's resolved ones (the sweep's best), with defaults."""
     return dict(json.loads(_env(contract.PARAMS)))
 
@@ -151,14 +157,17 @@ def read_split(name: str) -> Any:
     return TensorDataset(torch.from_numpy(features), torch.from_numpy(labels).to(label_type))
 
 
-def build_model() -> Any:
-    """The config's ``model.spec`` built from :func:`params` and the data's description (seeded with the run's seed)."""
+def build_model(**overrides: Any) -> Any:
+    """The config's ``model.spec`` built from :func:`hyperparameters` (with ``overrides``, e.g. the script's own arguments) and
+    the data's description, seeded with the run's seed; :func:`save_model` records the same hyperparameters."""
     import torch
 
     from tasks.model import model_for_run
 
     torch.manual_seed(context().seed)
-    return model_for_run(_config(), _manifest(), params()).module
+    built = model_for_run(_config(), _manifest(), {**hyperparameters(), **overrides})
+    _built["params"] = built.params
+    return built.module
 
 
 def save_model(module: Any, *, optimizer: Any = None, global_batch: int | None = None) -> None:
@@ -179,16 +188,12 @@ def save_model(module: Any, *, optimizer: Any = None, global_batch: int | None =
     out, config, manifest = _env(contract.OUTPUT_DIR), _config(), _manifest()
     last = _latest.get("metrics", {})
     save_bundle(storage.join(out, "model.pt"), module, SpecRef(config.model.spec, dict(config.model.args)),
-                data_info(manifest), params(), preprocessing_of(manifest),
+                data_info(manifest), _built.get("params") or hyperparameters(), preprocessing_of(manifest),
                 {"stage": ctx.stage, "objective": ctx.objective, "val_metric": last.get(ctx.objective), "val_metrics": last})
     state = {"model": module.state_dict(), "global_batch": global_batch or ctx.global_batch}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     save_torch(storage.join(out, "final.pt"), state)
-
-
-# Rank 0's latest report in this process (save_model records its metrics in the bundle).
-_latest: dict[str, Any] = {}
 
 
 @functools.cache

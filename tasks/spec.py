@@ -131,14 +131,14 @@ class SpecRef:
 
 # The runtime helper of your own torchrun script, as a stage or a sweep trial (implemented in tasks/runtime.py):
 # user code imports it from here, the one public module.
-from tasks.runtime import (  # noqa: E402
+from tasks.runtime import (  # noqa: E402, F401
     Context,
     build_model,
     checkpoint_dir,
     context,
+    hyperparameters,
     init_from,
     load_state,
-    params,
     read_split,
     report,
     save_model,

@@ -8,11 +8,11 @@ import json
 import os
 import sys
 
-from tasks.spec import context, params, report
+from tasks.spec import context, hyperparameters, report
 
 ctx = context()
 with open(os.path.join(os.environ["BYO_TRIAL_LOG"], f"trial{ctx.trial}.json"), "w") as handle:
-    json.dump({"cwd": os.getcwd(), "args": sys.argv[1:], "params": params(), "epochs": ctx.epochs,
+    json.dump({"cwd": os.getcwd(), "args": sys.argv[1:], "params": hyperparameters(), "epochs": ctx.epochs,
                "per_process_batch": ctx.per_process_batch}, handle)
 if ctx.trial == 3:
     sys.exit(0)

@@ -27,6 +27,7 @@ def fresh_runtime(monkeypatch):
     for cached in (runtime.context, runtime._config, runtime._manifest, runtime._trial):
         cached.cache_clear()
     runtime._latest.clear()
+    runtime._built.clear()
     yield
     for cached in (runtime.context, runtime._config, runtime._manifest, runtime._trial):
         cached.cache_clear()
@@ -93,12 +94,12 @@ def test_report_without_the_objective_metric_names_it_and_fails_without_retry(wr
 
 
 def test_stage_values_and_params_come_from_the_contract(write_config, storage_root, tmp_path, monkeypatch):
-    """context() and params() give the stage's rescaled lr, batches and epochs and the resolved hyperparameters."""
+    """context() and hyperparameters() give the stage's rescaled lr, batches and epochs and the resolved hyperparameters."""
     stage_env(monkeypatch, write_config(), storage_root, tmp_path)
     ctx = spec.context()
     assert (ctx.stage, ctx.trial, ctx.epochs, ctx.per_process_batch, ctx.world_size) == ("s2", None, 2, 64, 1)
     assert ctx.global_batch == 64 * 2 and ctx.lr == pytest.approx(0.02 * 128 / 32) and ctx.objective == "accuracy"
-    assert spec.params()["lr"] == 0.02 and spec.params()["hidden"] == 128
+    assert spec.hyperparameters()["lr"] == 0.02 and spec.hyperparameters()["hidden"] == 128
     assert spec.init_from() is None and spec.checkpoint_dir().endswith("train/s2/checkpoints")
 
 
