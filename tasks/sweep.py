@@ -2,7 +2,8 @@
 
 Run:  ``python -m tasks.sweep create --study S``
       ``python -m tasks.sweep worker --study S --worker 0 --out storage/runs/x/y``   (one per worker;
-      under ``torchrun --nproc-per-node N`` each trial is an N-process DDP job)
+      under ``torchrun --nproc-per-node N`` each trial is an N-process DDP job; with ``sweep.entrypoint``
+      one process drives the user's script as each trial, under torchrun itself)
       ``python -m tasks.sweep summary --study S --out storage/runs/x/y``
 
 Sampler and pruner come from the config (default: multivariate TPE with constant liar, so parallel
@@ -37,6 +38,8 @@ log = logging.getLogger("stagewise.sweep")
 FINISHED = ("COMPLETE", "PRUNED", "FAIL")
 # Fault injection for tests: the worker SIGKILLs itself after the first epoch of this trial number.
 FAULT_ENV = "STAGEWISE_FAULT_KILL_TRIAL"
+# A relative sweep.entrypoint script names a file under the repo root, which its trials can import.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def open_storage(uri: str) -> Any:
@@ -297,9 +300,6 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
                 trial.set_user_attr("steps", steps)
                 _finish(study, trial, state, value, error, config, worker, suggested, started)
         return {"worker": worker, "trials_run": remaining, "epochs_run": epochs_run, "world_size": env.world_size}
-
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def absolute_storage(uri: str) -> str:

@@ -150,3 +150,35 @@ def test_every_rank_of_a_torchrun_trial_gets_rank_0s_prune_decision(write_config
     assert {p.name: json.loads(p.read_text()) for p in answers.iterdir()} == {"rank0.json": True, "rank1.json": True}
     assert study._storage.get_trial(trial._trial_id).intermediate_values == {1: 0.1}  # reported once, by rank 0
     assert done.stdout.count("epoch 1/") == 1  # one progress line, rank 0's
+
+
+def test_a_stage_scripts_outputs_are_what_the_next_stage_and_evaluation_accept(digits_run, tmp_path, monkeypatch):
+    """read_split, build_model and save_model give the committed data, the config's model and final.pt + model.pt that
+    check_byo_outputs, load_bundle and the next stage take; the last report becomes the stage's val_metric."""
+    import torch
+
+    from tasks.model import load_bundle, load_torch
+    from tasks.train import LAST_REPORT, byo_contract, byo_result, check_byo_outputs
+
+    config_path, out = digits_run
+    config = load_config(config_path)
+    env = byo_environment(config, str(config_path), "s1", out, {"lr": 0.02, "hidden": 16}, None, {})
+    env[contract.METRICS_FILE] = str(tmp_path / "metrics.json")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    train = spec.read_split("train")
+    features, labels = train.tensors
+    assert features.dtype == torch.float32 and labels.dtype == torch.int64 and features.shape[1] == 64
+    model = spec.build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec.context().lr)
+    spec.report(0, {"accuracy": 0.5})
+    spec.save_model(model, optimizer=optimizer)
+    outputs = check_byo_outputs(config, "s1", out)
+    final = load_torch(outputs["final.pt"])
+    assert final["global_batch"] == 32 and "optimizer" in final and set(final["model"]) == set(model.state_dict())
+    bundle = load_bundle(outputs["model.pt"])
+    assert bundle.params["hidden"] == 16 and bundle.extra["val_metric"] == 0.5
+    assert torch.equal(bundle.module(features[:4]), model.eval()(features[:4]))
+    contract_values = byo_contract(config, str(config_path), "s1", out, {"lr": 0.02, "hidden": 16}, None)
+    last = runtime.read_last_report(env[contract.METRICS_FILE])
+    assert byo_result(config, "s1", out, contract_values, {LAST_REPORT: last})["val_metric"] == 0.5
