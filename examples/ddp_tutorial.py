@@ -97,7 +97,7 @@ class Trainer:
 def load_train_objs() -> tuple[Dataset, Dataset, torch.nn.Module, torch.optim.Optimizer]:
     train_set, val_set = spec.read_split("train"), spec.read_split("validation")  # stagewise: the committed splits
     model = spec.build_model()  # stagewise: the config's model spec with this run's hyperparameters
-    params = spec.hyperparameters()
+    params = spec.hyperparameters()  # stagewise: the trial's suggestion or the stage's (the sweep's best)
     optimizer = torch.optim.SGD(model.parameters(), lr=spec.context().lr, momentum=params["momentum"],  # stagewise:
                                 weight_decay=params["weight_decay"])
     return train_set, val_set, model, optimizer
