@@ -36,14 +36,14 @@ INIT_FROM = _declare(STAGE_ENV, "STAGEWISE_INIT_FROM",
                      "The previous stage's `final.pt` to start from; empty for the first stage.")
 PARAMS = _declare(STAGE_ENV, "STAGEWISE_PARAMS",
                   "Hyperparameters as a JSON object: built-in defaults, `train.default_params`, then the sweep's best.")
-PER_PROCESS_BATCH = _declare(STAGE_ENV, "STAGEWISE_PER_PROCESS_BATCH", "Samples per process per micro-step.")
+PER_PROCESS_BATCH = _declare(STAGE_ENV, "STAGEWISE_PER_PROCESS_BATCH", "Samples per process per micro-step (a trial: `sweep.batch_size`).")
 GRAD_ACCUM_STEPS = _declare(STAGE_ENV, "STAGEWISE_GRAD_ACCUM_STEPS", "Micro-steps accumulated per optimizer step.")
 GLOBAL_BATCH = _declare(STAGE_ENV, "STAGEWISE_GLOBAL_BATCH",
                         "Samples per optimizer step over all processes (per-process batch x world size x "
                         "accumulation steps); store it in `final.pt` as `global_batch`.")
-LR = _declare(STAGE_ENV, "STAGEWISE_LR", "The learning rate, already rescaled for the global batch (`train.lr_rule`).")
-EPOCHS = _declare(STAGE_ENV, "STAGEWISE_EPOCHS", "Epochs this stage trains.")
-SEED = _declare(STAGE_ENV, "STAGEWISE_SEED", "The run's seed (`train.seed`).")
+LR = _declare(STAGE_ENV, "STAGEWISE_LR", "The learning rate, already rescaled for the global batch (`train.lr_rule`); a trial's is the suggested one.")
+EPOCHS = _declare(STAGE_ENV, "STAGEWISE_EPOCHS", "Epochs this stage trains (a trial: `sweep.epochs`).")
+SEED = _declare(STAGE_ENV, "STAGEWISE_SEED", "The run's seed (`train.seed`; a trial: `sweep.seed` plus its number).")
 STAGE = _declare(STAGE_ENV, "STAGEWISE_STAGE", "The stage's name.")
 RUN_PREFIX = _declare(STAGE_ENV, "STAGEWISE_RUN_PREFIX", "The run's storage prefix (`runs/<dag_id>/<run_id>`).")
 CONFIG = _declare(STAGE_ENV, "STAGEWISE_CONFIG", "Path of the pipeline YAML the run uses.")
