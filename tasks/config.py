@@ -253,6 +253,21 @@ class Pruner(_Strict):
     n_warmup_steps: int = Field(1, ge=0, description="Median: epochs of a trial before it can be pruned.")
 
 
+class EntryPoint(_Strict):
+    """A user's own torchrun script or module for a stage or for each sweep trial (bring your own training code)."""
+
+    script: str | None = Field(None, description="Python file, relative to the repo root or absolute.")
+    module: str | None = Field(None, description="Importable module, run as `-m module`.")
+    args: list[str] = Field(default_factory=list, description=(
+        "Arguments; {epochs}, {lr}, {per_process_batch}, ... and hyperparameter names are filled in ({{ }}: literal braces)."))
+
+    @model_validator(mode="after")
+    def _one_target(self) -> EntryPoint:
+        if (self.script is None) == (self.module is None):
+            raise ValueError("give exactly one of script and module")
+        return self
+
+
 class Sweep(_Strict):
     """An Optuna study shared by parallel worker tasks."""
 
@@ -269,6 +284,9 @@ class Sweep(_Strict):
     sampler: Sampler = Field(default_factory=Sampler, description="The sampler.")
     pruner: Pruner = Field(default_factory=Pruner, description="The pruner.")
     warm_start_from: str = Field("", description="Study name whose best params are enqueued first (empty: cold start).")
+    entrypoint: EntryPoint | None = Field(None, description=(
+        "Run each trial as this user script/module under torchrun (it reports through tasks.spec.report) "
+        "instead of the built-in loop; {epochs} is sweep.epochs, {per_process_batch} sweep.batch_size."))
     search_space: dict[str, Annotated[SearchParam, Field(discriminator="type")]] = Field(
         description="Tunable hyperparameters by name.")
 
@@ -338,21 +356,6 @@ def placeholders(arg: str) -> list[str]:
             raise ValueError(f"'{{{field}:{spec}}}' nests a placeholder in a format spec")
         names.append(field)
     return names
-
-
-class EntryPoint(_Strict):
-    """A user's own torchrun script or module for a stage (bring your own training code)."""
-
-    script: str | None = Field(None, description="Python file, relative to the repo root or absolute.")
-    module: str | None = Field(None, description="Importable module, run as `-m module`.")
-    args: list[str] = Field(default_factory=list, description=(
-        "Arguments; {epochs}, {lr}, {per_process_batch}, ... and hyperparameter names are filled in ({{ }}: literal braces)."))
-
-    @model_validator(mode="after")
-    def _one_target(self) -> EntryPoint:
-        if (self.script is None) == (self.module is None):
-            raise ValueError("give exactly one of script and module")
-        return self
 
 
 class TrainStage(_Strict):
@@ -590,9 +593,10 @@ class PipelineConfig(_Strict):
 
     def _entrypoint_args_known(self) -> None:
         known = self.arg_placeholders()
-        for index, stage in enumerate(self.train.stages):
-            for position, arg in enumerate(stage.entrypoint.args if stage.entrypoint else []):
-                where = f"train.stages[{index}] ({stage.name}): entrypoint.args[{position}] {arg!r}"
+        entries = [(f"train.stages[{index}] ({stage.name})", stage.entrypoint) for index, stage in enumerate(self.train.stages)]
+        for owner, entry in [*entries, ("sweep", self.sweep.entrypoint)]:
+            for position, arg in enumerate(entry.args if entry else []):
+                where = f"{owner}: entrypoint.args[{position}] {arg!r}"
                 try:
                     unknown = [name for name in placeholders(arg) if name not in known]
                 except ValueError as exc:

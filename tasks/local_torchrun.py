@@ -118,6 +118,13 @@ def torchrun_argv(argv: list[str]) -> list[str]:
             "--no-python", *guard]
 
 
+def command(entry: list[str], args: list[str], nproc_per_node: int, max_restarts: int = 0) -> list[str]:
+    """The argv running ``entry`` (``[script]`` or ``["-m", module]``) with ``args`` under this launcher: the one torchrun
+    command of the Airflow launcher's DDP sub-jobs and of tasks.sweep's bring-your-own trials."""
+    return [sys.executable, "-m", "tasks.local_torchrun", f"--nproc-per-node={nproc_per_node}",
+            f"--max-restarts={max_restarts}", *entry, *args]
+
+
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run as torchrun
 

@@ -127,3 +127,20 @@ class SpecRef:
             return cls(**self.args)
         except TypeError as exc:
             raise UserError(f"model.spec '{self.path}': bad model.args {self.args}: {exc}") from None
+
+
+# The runtime helper of your own torchrun script, as a stage or a sweep trial (implemented in tasks/runtime.py):
+# user code imports it from here, the one public module.
+from tasks.runtime import (  # noqa: E402, F401
+    Context,
+    build_model,
+    checkpoint_dir,
+    context,
+    hyperparameters,
+    init_from,
+    load_state,
+    read_split,
+    report,
+    save_model,
+    save_state,
+)

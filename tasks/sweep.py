@@ -2,7 +2,8 @@
 
 Run:  ``python -m tasks.sweep create --study S``
       ``python -m tasks.sweep worker --study S --worker 0 --out storage/runs/x/y``   (one per worker;
-      under ``torchrun --nproc-per-node N`` each trial is an N-process DDP job)
+      under ``torchrun --nproc-per-node N`` each trial is an N-process DDP job; with ``sweep.entrypoint``
+      one process drives the user's script as each trial, under torchrun itself)
       ``python -m tasks.sweep summary --study S --out storage/runs/x/y``
 
 Sampler and pruner come from the config (default: multivariate TPE with constant liar, so parallel
@@ -26,9 +27,10 @@ import signal
 import time
 from typing import Any
 
+from tasks import contract as env_contract
 from tasks import storage
 from tasks.cli import common_parser, parse_overrides, run_subjob
-from tasks.config import CategoricalParam, FloatParam, PipelineConfig, Sweep, load_config
+from tasks.config import CategoricalParam, FloatParam, PipelineConfig, Sweep, config_path, load_config
 from tasks.errors import UserError
 
 log = logging.getLogger("stagewise.sweep")
@@ -36,6 +38,8 @@ log = logging.getLogger("stagewise.sweep")
 FINISHED = ("COMPLETE", "PRUNED", "FAIL")
 # Fault injection for tests: the worker SIGKILLs itself after the first epoch of this trial number.
 FAULT_ENV = "STAGEWISE_FAULT_KILL_TRIAL"
+# A relative sweep.entrypoint script names a file under the repo root, which its trials can import.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def open_storage(uri: str) -> Any:
@@ -189,9 +193,45 @@ def _broadcast(env: Any, value: Any) -> Any:
     return holder[0]
 
 
-def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict[str, Any]:
+def _worker_study(sweep: Sweep, name: str, worker: int) -> tuple[Any, int]:
+    """The shared study (this worker's sampler, the pruner) and how many trials of its quota are left to run."""
+    import optuna
+
+    study = optuna.load_study(study_name=name, storage=open_storage(sweep.storage),
+                              sampler=make_sampler(sweep, worker), pruner=make_pruner(sweep))
+    recovered = recover_abandoned(study, worker)
+    done = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("worker") == worker and _counted(t)]
+    quota = worker_quota(sweep.num_trials, sweep.num_workers, worker)
+    remaining = max(quota - len(done), 0)
+    log.info("worker %d: %d of its %d trial(s) already finished, %d recovered from a dead attempt; running %d",
+             worker, len(done), quota, recovered, remaining)
+    return study, remaining
+
+
+def _finish(study: Any, trial: Any, state: str, value: float | None, error: str | None, config: PipelineConfig,
+            worker: int, suggested: Any, started: float) -> None:
+    """Tell the study how a trial ended and log one line of the sweep's progress."""
+    import optuna
+
+    if error:
+        trial.set_user_attr("error", error)
+        log.warning("trial %d failed: %s", trial.number, error)
+    study.tell(trial, value if state == "COMPLETE" else None, state=optuna.trial.TrialState[state])
+    finished = [t for t in study.get_trials(deepcopy=False) if _counted(t)]
+    best = best_trial(study)
+    log.info("worker %d: trial %d %s (val_%s %.4f, %s); study %d/%d trials done, best so far %s, %.1fs elapsed",
+             worker, trial.number, state.lower(), config.objective.metric, float("nan") if value is None else value,
+             suggested, len(finished), config.sweep.num_trials, f"{best.value:.4f}" if best is not None else "n/a",
+             time.monotonic() - started)
+
+
+def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_file: str = "",
+               overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run this worker's share of the budget. Under torchrun each trial is a DDP job: rank 0 owns the
-    Optuna trial, reports once per epoch, and broadcasts params and prune decisions to every rank."""
+    Optuna trial, reports once per epoch, and broadcasts params and prune decisions to every rank.
+    With ``sweep.entrypoint`` each trial is the user's script instead (:func:`run_script_trials`)."""
+    if config.sweep.entrypoint is not None:
+        return run_script_trials(config, name, worker, out, config_file, overrides or {})
     import optuna
     import torch
 
@@ -215,16 +255,7 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict
             raise UserError(f"sweep.batch_size {sweep.batch_size} exceeds the ~{train.num_rows // env.world_size} train rows "
                             f"each of {env.world_size} process(es) gets (sweep.profile '{sweep.profile}'): a trial would "
                             f"take no optimizer step; lower sweep.batch_size or the process count")
-        study, remaining = None, 0
-        if env.master:
-            study = optuna.load_study(study_name=name, storage=open_storage(sweep.storage),
-                                      sampler=make_sampler(sweep, worker), pruner=make_pruner(sweep))
-            recovered = recover_abandoned(study, worker)
-            done = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("worker") == worker and _counted(t)]
-            quota = worker_quota(sweep.num_trials, sweep.num_workers, worker)
-            remaining = max(quota - len(done), 0)
-            log.info("worker %d: %d of its %d trial(s) already finished, %d recovered from a dead attempt; running %d",
-                     worker, len(done), quota, recovered, remaining)
+        study, remaining = _worker_study(sweep, name, worker) if env.master else (None, 0)
         remaining = _broadcast(env, remaining)
         fault_trial = int(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
         epochs_run, started = 0, time.monotonic()
@@ -267,16 +298,114 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str) -> dict
                     state, error = "FAIL", f"{type(exc).__name__}: {exc}"[:500]
             if env.master:
                 trial.set_user_attr("steps", steps)
-                if error:
-                    trial.set_user_attr("error", error)
-                    log.warning("trial %d failed: %s", trial.number, error)
-                study.tell(trial, value if state == "COMPLETE" else None, state=optuna.trial.TrialState[state])
-                finished = [t for t in study.get_trials(deepcopy=False) if _counted(t)]
-                best = best_trial(study)
-                log.info("worker %d: trial %d %s (val_%s %.4f, %s); study %d/%d trials done, best so far %s, %.1fs elapsed",
-                         worker, trial.number, state.lower(), config.objective.metric, value, suggested, len(finished),
-                         sweep.num_trials, f"{best.value:.4f}" if best is not None else "n/a", time.monotonic() - started)
+                _finish(study, trial, state, value, error, config, worker, suggested, started)
         return {"worker": worker, "trials_run": remaining, "epochs_run": epochs_run, "world_size": env.world_size}
+
+
+def absolute_storage(uri: str) -> str:
+    """The study's storage URI as a trial's script (in a scratch working dir) must see it: a journal file's path absolute."""
+    if uri.startswith("journal://"):
+        return "journal://" + os.path.abspath(uri[len("journal://"):])
+    return uri
+
+
+def trial_contract(config: PipelineConfig, config_file: str, trial: Any, params: dict[str, Any], out: str,
+                   workdir: str) -> dict[str, Any]:
+    """A bring-your-own trial's stage values (tasks.config.STAGE_CONTRACT) filled from ``sweep``: its batch, its
+    epochs, the suggested lr as it is, the sweep's seed plus the trial number, outputs in the scratch ``workdir``."""
+    sweep = config.sweep
+    world = config.profile(sweep.profile).processes_per_node
+    return {"config": os.path.abspath(config_file), "stage": f"trial-{trial.number}", "run_prefix": out,
+            "output_dir": os.path.join(workdir, "output"), "checkpoint_dir": os.path.join(workdir, "checkpoints"),
+            "data_manifest": storage.join(out, "preprocess", "manifest.json"), "init_from": "", "params": params,
+            "per_process_batch": sweep.batch_size, "grad_accum_steps": 1, "global_batch": sweep.batch_size * world,
+            "lr": params["lr"], "epochs": sweep.epochs, "seed": sweep.seed + trial.number}
+
+
+def trial_environment(config: PipelineConfig, name: str, trial: Any, values: dict[str, Any], workdir: str,
+                      overrides: dict[str, Any]) -> dict[str, str]:
+    """What a bring-your-own trial script gets: the stage variables from :func:`trial_contract`, its own result,
+    error and metrics files in ``workdir`` (never the worker's), and the trial's study (tasks.contract.TRIAL_ENV)."""
+    from tasks.train import contract_environment
+
+    return {**contract_environment(config, values, overrides),
+            env_contract.RESULT_FILE: os.path.join(workdir, "result.json"),
+            env_contract.ERROR_FILE: os.path.join(workdir, "user_error.txt"),
+            env_contract.METRICS_FILE: os.path.join(workdir, "metrics.json"),
+            env_contract.STUDY_STORAGE: absolute_storage(config.sweep.storage), env_contract.STUDY_NAME: name,
+            env_contract.TRIAL_ID: str(trial._trial_id), env_contract.TRIAL_NUMBER: str(trial.number)}
+
+
+def script_trial(config: PipelineConfig, config_file: str, name: str, trial: Any, suggested: dict[str, Any], out: str,
+                 overrides: dict[str, Any]) -> tuple[str, float | None, str | None, int]:
+    """Run ``sweep.entrypoint`` as one trial under torchrun (sweep.profile's processes) in a scratch working dir.
+
+    Returns (state, value, error, epochs): PRUNED if its last report was pruned, COMPLETE with the last reported
+    objective, else FAIL with why (a nonzero exit, no report, a reason in $STAGEWISE_ERROR_FILE).
+    """
+    import subprocess
+    import tempfile
+
+    from tasks.local_torchrun import command
+    from tasks.runtime import read_last_report
+    from tasks.train import entrypoint_args, resolve_params
+
+    sweep = config.sweep
+    entry = sweep.entrypoint
+    assert entry is not None
+    what = entry.script or entry.module
+    profile = config.profile(sweep.profile)
+    with tempfile.TemporaryDirectory(prefix=f"stagewise-trial{trial.number}-") as workdir:
+        values = trial_contract(config, config_file, trial, resolve_params(config, suggested), out, workdir)
+        env = trial_environment(config, name, trial, values, workdir, overrides)
+        target = [os.path.join(REPO_ROOT, entry.script)] if entry.script else ["-m", entry.module]
+        cwd = os.path.join(workdir, "cwd")
+        os.mkdir(cwd)
+        child = {**os.environ, **env, "OMP_NUM_THREADS": str(profile.threads_per_process),
+                 "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)}
+        log.info("trial %d: running %s with %s", trial.number, what, suggested)
+        argv = command(target, entrypoint_args(entry, "sweep", values), profile.processes_per_node)
+        code = subprocess.run(argv, cwd=cwd, env=child).returncode  # its output goes straight into the task log
+        last = read_last_report(env[env_contract.METRICS_FILE])
+        reason = None
+        if os.path.exists(env[env_contract.ERROR_FILE]):
+            with open(env[env_contract.ERROR_FILE]) as handle:
+                reason = f"{what}: {handle.read().strip()}"
+    epochs = last["epoch"] if last else 0
+    trial.set_user_attr("epochs", epochs)
+    if code != 0 or reason:
+        return "FAIL", None, reason or f"{what} exited with code {code}", epochs
+    if last is None:
+        return "FAIL", None, f"{what} ended without reporting a metric (tasks.spec.report)", epochs
+    if last["pruned"]:
+        return "PRUNED", None, None, epochs
+    return "COMPLETE", float(last["metrics"][config.objective.metric]), None, epochs
+
+
+def run_script_trials(config: PipelineConfig, name: str, worker: int, out: str, config_file: str,
+                      overrides: dict[str, Any]) -> dict[str, Any]:
+    """This worker's share of the budget as runs of the user's ``sweep.entrypoint``: ask the study for a trial,
+    run the script (it reports through tasks.spec.report, which prunes), tell the study; a failing trial is
+    recorded and the sweep goes on. One process drives; each trial is its own torchrun job."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sweep = config.sweep
+    study, remaining = _worker_study(sweep, name, worker)
+    epochs_run, started = 0, time.monotonic()
+    for _ in range(remaining):
+        trial = _ask(study, sweep)
+        trial.set_user_attr("worker", worker)
+        suggested, epochs = None, 0
+        try:
+            suggested = suggest(trial, sweep)
+            state, value, error, epochs = script_trial(config, config_file, name, trial, suggested, out, overrides)
+        except Exception as exc:  # e.g. a space edited since the study began: this trial fails, the sweep goes on
+            state, value, error = "FAIL", None, f"{type(exc).__name__}: {exc}"[:500]
+        epochs_run += epochs
+        _finish(study, trial, state, value, error, config, worker, suggested, started)
+    return {"worker": worker, "trials_run": remaining, "epochs_run": epochs_run, "world_size":
+            config.profile(sweep.profile).processes_per_node}
 
 
 def write_plots(study: Any, prefix: str) -> list[str]:
@@ -354,7 +483,8 @@ def main(argv: list[str] | None = None) -> None:
             return create(config, args.study)
         out = storage.resolve(config.storage_root, args.out)
         if args.step == "worker":
-            return run_worker(config, args.study, args.worker, out)
+            return run_worker(config, args.study, args.worker, out, str(config_path(args.config)),
+                              parse_overrides(args.override))
         return summarize(config, args.study, out)
 
     run_subjob(f"sweep {args.step}", work, args.result_file if rank == 0 else None, quiet=rank != 0)

@@ -28,6 +28,7 @@ from tasks.cli import common_parser, json_arg, parse_overrides, run_subjob
 from tasks.config import (
     ARG_PLACEHOLDERS,
     STAGE_CONTRACT,
+    EntryPoint,
     PipelineConfig,
     hyperparameter_problem,
     load_config,
@@ -101,12 +102,18 @@ def byo_environment(config: PipelineConfig, config_file: str, stage_name: str, o
 
     The script reads data through the manifest, keeps its checkpoints in STAGEWISE_CHECKPOINT_DIR
     (a retry finds them there), and for a later stage or evaluation writes ``final.pt`` (model and
-    optimizer state, global_batch) and ``model.pt`` (tasks.model.save_bundle) in STAGEWISE_OUTPUT_DIR.
+    optimizer state, global_batch) and ``model.pt`` (tasks.model.save_bundle) in STAGEWISE_OUTPUT_DIR
+    (tasks.spec.save_model writes both).
     """
-    values = byo_contract(config, config_file, stage_name, out, swept, init_from)
+    return contract_environment(config, byo_contract(config, config_file, stage_name, out, swept, init_from), overrides)
+
+
+def contract_environment(config: PipelineConfig, values: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, str]:
+    """tasks.contract.STAGE_ENV from a stage's (or a sweep trial's) contract values, all as strings."""
     text = {"params": json.dumps(values["params"]), "lr": repr(values["lr"])}
     env = {f"STAGEWISE_{name.upper()}": text.get(name, str(value)) for name, value in values.items()}
     env[env_contract.OVERRIDES] = json.dumps(overrides or {})
+    env[env_contract.OBJECTIVE] = config.objective.metric
     return env
 
 
@@ -116,11 +123,15 @@ def byo_args(config: PipelineConfig, stage_name: str, contract: dict[str, Any]) 
     ``{lr}`` is the stage's rescaled lr (as $STAGEWISE_LR); the swept base lr is in $STAGEWISE_PARAMS.
     """
     stage = config.stage(stage_name)
-    entry = stage.entrypoint
+    return entrypoint_args(stage.entrypoint, f"train.stages ({stage.name})", contract)
+
+
+def entrypoint_args(entry: EntryPoint | None, owner: str, contract: dict[str, Any]) -> list[str]:
+    """An entrypoint's args with each ``{name}`` filled from the contract values, else from the hyperparameters."""
     values = {**contract["params"], **{name: contract[name] for name in ARG_PLACEHOLDERS}}
     args = []
     for position, arg in enumerate(entry.args if entry else []):
-        where = f"train.stages ({stage.name}): entrypoint.args[{position}] {arg!r}"
+        where = f"{owner}: entrypoint.args[{position}] {arg!r}"
         try:
             missing = [name for name in placeholders(arg) if name not in values]
             if missing:
@@ -151,6 +162,9 @@ def check_byo_outputs(config: PipelineConfig, stage_name: str, out: str) -> dict
     return uris
 
 
+# The key under which the launcher hands a user script's last tasks.spec.report ($STAGEWISE_METRICS_FILE) to byo_result.
+LAST_REPORT = "last_report"
+
 # What a model card says in place of params when a user's script did not report the ones it trained with.
 PARAMS_NOT_REPORTED = "not reported by the script"
 
@@ -159,16 +173,21 @@ def byo_result(config: PipelineConfig, stage_name: str, out: str, contract: dict
                reported: dict[str, Any]) -> dict[str, Any]:
     """A finished user stage's result: outputs checked, the contract's numbers, and params only as the script reported them.
 
-    ``reported`` is the script's own result JSON ($STAGEWISE_RESULT_FILE; empty when it wrote none).
+    ``reported`` is the script's own result JSON ($STAGEWISE_RESULT_FILE; empty when it wrote none) plus, under
+    ``last_report``, what its last tasks.spec.report recorded: the objective there is the val_metric unless the
+    result JSON gives one.
     """
     outputs = check_byo_outputs(config, stage_name, out)
+    reported = dict(reported)
+    last = reported.pop(LAST_REPORT, None) or {}
     stage = config.stage(stage_name)
     params = reported.get("params")
     if params is not None and not isinstance(params, dict):
         raise UserError(f"stage {stage.name}: 'params' in the script's result JSON ($STAGEWISE_RESULT_FILE) must be an "
                         f"object of the hyperparameters it trained with, got {type(params).__name__} {params!r}")
     result = {"stage": stage.name, "world_size": config.profile(stage.profile).processes_per_node,
-              "global_batch": contract["global_batch"], "lr": contract["lr"], "epochs": stage.epochs, "val_metric": None,
+              "global_batch": contract["global_batch"], "lr": contract["lr"], "epochs": stage.epochs,
+              "val_metric": last.get("metrics", {}).get(config.objective.metric),
               "checkpoint_uri": outputs["final.pt"], "model_uri": outputs["model.pt"], **reported}
     return {**result, "params": params, "params_source": "script"}
 

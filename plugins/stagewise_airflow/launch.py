@@ -51,9 +51,9 @@ def command(module: str, args: list[str], profile: Profile, distributed: bool, s
     """
     entry = [script] if script else ["-m", module]
     if distributed:
-        return [sys.executable, "-m", "tasks.local_torchrun",
-                f"--nproc-per-node={profile.processes_per_node}", f"--max-restarts={profile.max_restarts}",
-                *entry, *args]
+        from tasks import local_torchrun  # imports torch: not at DAG parse time
+
+        return local_torchrun.command(entry, args, profile.processes_per_node, profile.max_restarts)
     return [sys.executable, *entry, *args]
 
 
@@ -208,7 +208,8 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
     """Run the sub-job to completion; return its JSON result plus ``attempt``.
 
     Our sub-jobs take ``--result-file``; a user's own script or module (``script``, or
-    ``result_arg=False``) finds the path in $STAGEWISE_RESULT_FILE instead and may leave it unwritten.
+    ``result_arg=False``) finds the path in $STAGEWISE_RESULT_FILE instead and may leave it unwritten; what its
+    last tasks.spec.report recorded ($STAGEWISE_METRICS_FILE) comes back under ``last_report``.
     A user's entrypoint runs in a scratch working directory of its own, removed when the attempt
     ends, so files it writes relative to its cwd never reach the repo, a later stage or a later run;
     a relative ``script`` still names a file under the repo root.
@@ -217,10 +218,14 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
 
     from airflow.sdk.exceptions import AirflowFailException
 
+    from tasks.runtime import read_last_report
+    from tasks.train import LAST_REPORT
+
     check_devices(profile)
     workdir = tempfile.mkdtemp(prefix="stagewise-")
     result_file = os.path.join(workdir, "result.json")
     error_file = os.path.join(workdir, "user_error.txt")
+    metrics_file = os.path.join(workdir, "metrics.json")
     ours = script is None and result_arg
     name, cwd = script or module, REPO_ROOT
     if not ours:
@@ -229,7 +234,8 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
         if script:
             script = os.path.join(REPO_ROOT, script)  # an absolute script stays as it is
     argv = command(module, [*args, "--result-file", result_file] if ours else args, profile, distributed, script)
-    env = {**child_env(profile, error_file), RESULT_FILE_ENV: result_file, **(extra_env or {})}
+    env = {**child_env(profile, error_file), RESULT_FILE_ENV: result_file, contract.METRICS_FILE: metrics_file,
+           **(extra_env or {})}
     log.info("launching: %s", " ".join(argv))
     process = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
@@ -273,6 +279,8 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
         if ours or os.path.exists(result_file):
             with open(result_file) as handle:
                 result = json.load(handle)
+        if not ours and (last := read_last_report(metrics_file)) is not None:
+            result[LAST_REPORT] = last  # the script's last tasks.spec.report: byo_result takes its val_metric
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     result["attempt"] = attempt

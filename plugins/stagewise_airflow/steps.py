@@ -160,11 +160,16 @@ def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[int]:
 
 
 def sweep_worker(run: dict[str, Any], worker: int) -> dict[str, Any]:
-    """One worker of the shared study; a multi-process trial profile makes every trial a torchrun DDP job."""
+    """One worker of the shared study; a multi-process trial profile makes every trial a torchrun DDP job.
+
+    With ``sweep.entrypoint`` the worker is one process that drives the user's script as each of its trials,
+    under torchrun with the profile's processes (tasks.sweep.run_script_trials).
+    """
     config = run_config(run)
     profile = config.sweep.profile
+    ddp_trials = config.profile(profile).processes_per_node > 1 and config.sweep.entrypoint is None
     return _launch(run, "tasks.sweep", ["worker", "--study", run["study"], "--worker", str(worker), "--out", run["out"]],
-                   profile, distributed=config.profile(profile).processes_per_node > 1)
+                   profile, distributed=ddp_trials)
 
 
 def sweep_summary(run: dict[str, Any], workers: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -34,8 +34,8 @@ def test_byo_environment_sets_exactly_the_stage_contract(write_config, storage_r
 
 
 def test_every_variable_is_named_stagewise_and_documented():
-    """Each variable is STAGEWISE_-prefixed with a one-line doc, and stage and launch variables do not overlap."""
-    assert len(contract.ENVIRONMENT) == len(contract.STAGE_ENV) + len(contract.LAUNCH_ENV)
+    """Each variable is STAGEWISE_-prefixed with a one-line doc, and stage, launch and trial variables do not overlap."""
+    assert len(contract.ENVIRONMENT) == len(contract.STAGE_ENV) + len(contract.LAUNCH_ENV) + len(contract.TRIAL_ENV)
     for name, doc in contract.ENVIRONMENT.items():
         assert re.fullmatch(r"STAGEWISE_[A-Z_]+", name), name
         assert doc.strip() and "\n" not in doc and doc.endswith("."), f"{name}: {doc!r}"

@@ -1,0 +1,56 @@
+"""sweep.entrypoint: a user's script runs as each sweep trial, against a real journal study."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+
+from tasks import sweep
+from tasks.config import ConfigError, load_config
+from tests.conftest import base_config
+
+
+def byo_sweep_config(write_config, storage_root, entrypoint: dict) -> str:
+    raw = base_config(storage_root)
+    raw["sweep"].update({"num_trials": 4, "num_workers": 1, "epochs": 3, "entrypoint": entrypoint,
+                         "pruner": {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 0},
+                         "sampler": {"type": "random"}})
+    return str(write_config(raw))
+
+
+def test_script_trials_complete_prune_and_fail_and_the_sweep_goes_on(write_config, storage_root, tmp_path, monkeypatch,
+                                                                     subprocess_env):
+    """Each trial runs the script under torchrun in its own cwd with its params: a reported value COMPLETEs, a pruned
+    report PRUNEs, a nonzero exit or no report FAILs with the reason, and the summary and best params see them."""
+    for key, value in subprocess_env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("BYO_TRIAL_LOG", str(tmp_path))
+    path = byo_sweep_config(write_config, storage_root, {"script": "tests/tasks/byo_trial_script.py",
+                                                           "args": ["--hidden", "{hidden}", "--epochs", "{epochs}"]})
+    config = load_config(path)
+    sweep.create(config, "byo_study")
+    out = str(storage_root / "runs" / "t" / "r1")
+    result = sweep.run_worker(config, "byo_study", 0, out, path, {})
+    assert result["trials_run"] == 4
+    study = optuna.load_study(study_name="byo_study", storage=sweep.open_storage(config.sweep.storage))
+    trials = sorted(study.get_trials(), key=lambda t: t.number)
+    assert [t.state.name for t in trials] == ["COMPLETE", "PRUNED", "FAIL", "FAIL"]
+    assert trials[0].value == 0.9 and trials[0].user_attrs["epochs"] == 3 and trials[1].user_attrs["epochs"] == 1
+    assert "byo_trial_script.py exited with code" in trials[2].user_attrs["error"]  # torchrun: 1 when a rank fails
+    assert "ended without reporting a metric" in trials[3].user_attrs["error"]
+    seen = [json.loads((tmp_path / f"trial{n}.json").read_text()) for n in range(4)]
+    assert len({s["cwd"] for s in seen}) == 4 and all("stagewise-trial" in s["cwd"] for s in seen)
+    assert seen[0]["args"] == ["--hidden", str(trials[0].params["hidden"]), "--epochs", "3"]
+    assert seen[0]["params"]["lr"] == trials[0].params["lr"] and seen[0]["per_process_batch"] == config.sweep.batch_size
+    assert sweep.best_trial(study).params == trials[0].params
+    summary = sweep.summarize(config, "byo_study", out)
+    assert (summary["n_complete"], summary["n_pruned"], summary["n_failed"]) == (1, 1, 2)
+
+
+def test_sweep_entrypoint_with_an_unknown_placeholder_is_a_config_error(write_config, storage_root):
+    """A {name} that is neither a stage value nor a hyperparameter fails config validation, naming sweep's arg."""
+    path = byo_sweep_config(write_config, storage_root, {"script": "x.py", "args": ["--width", "{widht}"]})
+    with pytest.raises(ConfigError, match=r"sweep: entrypoint.args\[1\] '\{widht\}': unknown placeholder \{widht\}"):
+        load_config(path)
