@@ -117,7 +117,7 @@ def _check_source(config: Any, uri: str) -> CheckedFile:
     with storage.open_parquet(uri) as parquet:
         columns = resolve_columns(config.dataset, parquet.schema_arrow, uri)
         rows = parquet.metadata.num_rows
-        for _ in storage.iter_batches(parquet, [columns.key, columns.label, *columns.features], 65_536, uri=uri):
+        for _ in storage.iter_batches(parquet, [columns.key, columns.label, *columns.raw], 65_536, uri=uri):
             pass  # decoding every page is the check: a corrupt page fails here, before anything is copied
     fs, path = storage.filesystem(uri)
     return CheckedFile(uri=uri, sha256=storage.sha256_of(uri), rows=rows, size=fs.size(path), features=columns.features)
