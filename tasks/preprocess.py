@@ -196,7 +196,7 @@ def _tensor_block(column: pa.Array, name: str, shape: list[int], uri: str) -> np
     wrong = np.flatnonzero(lengths != size)
     if len(wrong):
         raise DataError(f"{uri}: feature column '{name}' is declared with shape {shape} ({size} numbers a row) but "
-                        f"{len(wrong)} row(s) hold another count, e.g. {int(lengths[wrong[0]])} at batch row {int(wrong[0])}")
+                        f"{len(wrong)} row(s) hold another count (found {int(lengths[wrong[0]])} numbers)")
     block = np.full((len(column), size), np.nan)
     present = ~np.asarray(column.is_null().to_numpy(zero_copy_only=False))
     values = pc.list_flatten(column.filter(pa.array(present)) if not present.all() else column)

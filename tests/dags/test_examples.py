@@ -39,3 +39,41 @@ def test_cnn_example_runs_every_stage_with_its_own_model(cnn_report):
     bundle = torch.load(cnn_report["model_uri"], weights_only=True)
     assert bundle["spec"] == {"path": "examples.digits_cnn:DigitsCNN", "args": {"channels": 16}}
     assert cnn_report["predictions"]["rows"] == 1797
+
+
+@pytest.fixture(scope="module")
+def diabetes_report(tmp_path_factory) -> dict:
+    """One ml_pipeline run of examples/diabetes.yaml (a float target, a Regressor, rmse minimised) on scratch storage."""
+    storage_root = tmp_path_factory.mktemp("diabetes_storage")
+    env = make_airflow_env(tmp_path_factory.mktemp("diabetes_home"), str(storage_root), storage_root,
+                           base_config=REPO_ROOT / "examples" / "diabetes.yaml")
+    airflow(env, "dags", "test", "ml_pipeline")
+    found = sorted(Path(storage_root).glob("runs/ml_pipeline/*/report.json"))
+    assert len(found) == 1, found
+    return json.loads(found[0].read_text())
+
+
+def test_diabetes_example_beats_the_mean_baseline(diabetes_report):
+    """The regressor's test RMSE (the minimised objective, in the target's units) clearly beats predicting the mean."""
+    objective, baseline = diabetes_report["objective"], diabetes_report["baseline"]["test_rmse"]
+    assert objective["metric"] == "rmse" and "test_accuracy" not in diabetes_report
+    assert objective["test"] == diabetes_report["test_metrics"]["test_rmse"]
+    assert objective["test"] < 0.9 * baseline, (objective["test"], baseline)
+
+
+def test_diabetes_example_runs_every_stage_with_a_float_target(diabetes_report):
+    """Its sweep prunes, two stages grow the global batch, the registry keeps its own name, predictions are floats for every row."""
+    import pyarrow.parquet as pq
+
+    sweep, (s1, s2) = diabetes_report["sweep"], diabetes_report["training"]
+    assert sweep["n_pruned"] >= 1 and sweep["n_complete"] >= 1
+    assert s2["global_batch"] > s1["global_batch"] and s2["world_size"] == 2
+    assert diabetes_report["registry"]["model_name"] == "diabetes_mlp" and diabetes_report["registry"]["promoted"]
+    assert (Path(diabetes_report["run_prefix"]).parents[2] / "models" / "diabetes_mlp").is_dir()
+    bundle = torch.load(diabetes_report["model_uri"], weights_only=True)
+    assert bundle["spec"]["path"] == "examples.diabetes:DiabetesMLP" and bundle["data"]["num_classes"] is None
+    predictions = json.loads(Path(diabetes_report["predictions"]["uri"]).read_text())
+    table = pq.read_table(predictions["files"][0]["uri"])
+    assert diabetes_report["predictions"]["rows"] == 442
+    assert str(table.schema.field("prediction").type) == "float"
+    assert 25 <= table.column("prediction").to_numpy().mean() <= 346, "predictions are in the target's units"
