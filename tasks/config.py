@@ -102,6 +102,23 @@ class Dataset(_Strict):
     demo_data: Literal["digits", "digits-images", "diabetes", "synthetic"] = Field(
         "digits", description="What `python -m tasks.data demo` (make demo) writes into uri when it holds no shards.")
 
+    @field_validator("features", mode="before")
+    @classmethod
+    def _tensor_columns(cls, value: Any) -> Any:
+        # One clear message per bad {column, shape} entry instead of pydantic's error for every member of the union.
+        if not isinstance(value, list):
+            return value
+        items = []
+        for index, item in enumerate(value):
+            if isinstance(item, dict):
+                try:
+                    item = TensorColumn.model_validate(item)
+                except ValidationError as exc:
+                    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+                    raise ValueError(f"item {index} {item}: {problems}") from None
+            items.append(item)
+        return items
+
     @field_validator("features")
     @classmethod
     def _features_not_empty(cls, value: list[str | TensorColumn] | str) -> list[str | TensorColumn] | str:
