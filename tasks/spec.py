@@ -13,7 +13,9 @@ loss, metrics that reduce across ranks (sums and counts, never per-rank means) a
 prediction row holds. The framework keeps the rest: torchrun and DDP, batch arithmetic and the LR
 rules, warmup, checkpoints and exact resume, sharding, the sweep and pruning, evaluation, the
 registry and its gate, batch inference and the report. The built-in
-:class:`tasks.model.MLPClassifier` is one example of a spec.
+:class:`tasks.model.MLPClassifier` is one example of a spec. :class:`Classifier` (integer classes) and
+:class:`Regressor` (a float target: no ``dataset.num_classes``) supply the loss, metrics and
+predictions, so a subclass of either writes only :meth:`ModelSpec.build`.
 
 Artifacts hold the spec's import path and arguments, never pickled code: loading a model imports
 the spec, builds the module and loads the state dict with ``torch.load(weights_only=True)``.
