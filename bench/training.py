@@ -16,9 +16,26 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def _pack_image_column(folder: Path) -> None:
+    """Rewrite each synthetic shard with its f_* columns packed into one fixed-size-list ``image`` column."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for shard in sorted(folder.glob("*.parquet")):
+        table = pq.read_table(shard)
+        names = [name for name in table.column_names if name.startswith("f_")]
+        pixels = np.column_stack([table.column(name).to_numpy() for name in names])
+        image = pa.FixedSizeListArray.from_arrays(pa.array(pixels.reshape(-1)), len(names))
+        pq.write_table(table.drop_columns(names).append_column("image", image), shard)
+
+
 def _prepare(workdir: Path, rows: int, features: int = 32, noise_seed: int = 0, noise: float = 1.1,
-             **config_changes: Any) -> tuple[Any, str]:
-    """Synthetic raw data, preprocessed by our own stage into a run prefix; returns (config, out)."""
+             image_shape: list[int] | None = None, **config_changes: Any) -> tuple[Any, str]:
+    """Synthetic raw data, preprocessed by our own stage into a run prefix; returns (config, out).
+
+    ``image_shape``: the features as one declared tensor column ``image`` of that shape instead of f_* columns.
+    """
     from tasks import preprocess
     from tasks.config import load_config
     from tasks.data import write_synthetic
@@ -26,7 +43,8 @@ def _prepare(workdir: Path, rows: int, features: int = 32, noise_seed: int = 0, 
     raw = yaml.safe_load((REPO_ROOT / "pipeline.yaml").read_text())
     raw["storage_root"] = str(workdir)
     raw["sweep"]["storage"] = f"journal://{workdir}/optuna.journal"
-    raw["dataset"].update({"uri": "raw/synthetic", "features": "f_*"})
+    raw["dataset"].update({"uri": "raw/synthetic",
+                           "features": [{"column": "image", "shape": image_shape}] if image_shape else "f_*"})
     for dotted, value in config_changes.items():
         node = raw
         *parents, leaf = dotted.split("__")
@@ -38,6 +56,8 @@ def _prepare(workdir: Path, rows: int, features: int = 32, noise_seed: int = 0, 
     config = load_config(config_path)
     write_synthetic(str(workdir / "raw" / "synthetic"), rows, num_features=features, num_shards=8, seed=noise_seed,
                     dirty_fraction=0.0, noise=noise)
+    if image_shape:
+        _pack_image_column(workdir / "raw" / "synthetic")
     out = str(workdir / "runs" / "bench" / "r1")
     shards = preprocess.plan(str(workdir / "raw" / "synthetic"))
     stats = [preprocess.shard_stats(config, uri, i, out)["stats_uri"] for i, uri in enumerate(shards)]
@@ -48,7 +68,7 @@ def _prepare(workdir: Path, rows: int, features: int = 32, noise_seed: int = 0, 
 
 
 def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict[str, Any], params: dict[str, Any],
-                         batch: int, threads: int = 2, epochs: int = 4) -> dict[str, Any]:
+                         batch: int, image_shape: list[int] | None = None, threads: int = 2, epochs: int = 4) -> dict[str, Any]:
     """Samples/s of our stage (tasks.train.run_stage, Parquet per-rank loader, the spec's batch/loss) and of a
     plain PyTorch loop over in-memory tensors with the same module, optimizer, batch and threads.
 
@@ -64,7 +84,7 @@ def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict
     from tasks.training import make_optimizer
 
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
-        config, out = _prepare(Path(tmp), rows, features=features, **{
+        config, out = _prepare(Path(tmp), rows, features=features, image_shape=image_shape, **{
             "model": {"spec": spec, "args": spec_args},
             "profiles__ddp1__threads_per_process": threads, "train__checkpoint_every_steps": 10_000,
             "train__stages": [{"name": "s1", "profile": "ddp1", "per_process_batch": batch, "epochs": epochs}]})
@@ -113,10 +133,10 @@ def train_throughput(rows: int = 120_000) -> dict[str, Any]:
 
 
 def custom_model_throughput(rows: int = 60_000) -> dict[str, Any]:
-    """A user's spec, the example CNN (examples.digits_cnn, 32 channels) on 1x8x8 inputs, batch 256, 2 threads:
+    """A user's spec, the example CNN (examples.digits_cnn, 32 channels) on a declared 1x8x8 image column, batch 256, 2 threads:
     our stage vs a plain PyTorch loop over the same CNN, data and batch."""
-    return _stage_vs_plain_loop(rows, features=64, spec="examples.digits_cnn:DigitsCNN", spec_args={"channels": 32},
-                                params={"lr": 0.01, "dropout": 0.0}, batch=256)
+    return _stage_vs_plain_loop(rows, features=64, image_shape=[1, 8, 8], spec="examples.digits_cnn:DigitsCNN",
+                                spec_args={"channels": 32}, params={"lr": 0.01, "dropout": 0.0}, batch=256)
 
 
 def growing_batch_steps(rows: int = 60_000) -> dict[str, Any]:

@@ -81,25 +81,62 @@ def _check_filesystem(uri: str) -> str:
     return uri
 
 
+class TensorColumn(_Strict):
+    """A feature column holding a fixed-shape tensor per row (a list of numbers), flattened into the feature vector."""
+
+    column: str = Field(description="List column with prod(shape) numbers in every row.")
+    shape: list[Annotated[int, Field(ge=1)]] = Field(min_length=1, description="Each row's tensor shape, e.g. [1, 8, 8].")
+    normalize: bool = Field(True, description="Standardise its elements with the data set's mean/std; false keeps them as they are.")
+
+
 class Dataset(_Strict):
     """The input table: where it is and which columns play which part."""
 
     uri: str = Field(description="Parquet file or folder of raw shards; relative paths are under storage_root.")
     key: str = Field(description="Unique row key column (integer or string); drives the split.")
-    label: str = Field(description="Integer class label column.")
-    features: list[str] | str = Field(description="Feature columns, or a prefix ending in '*' (e.g. 'px_*').")
-    num_classes: int = Field(ge=2, description="Number of label classes; labels lie in [0, num_classes).")
+    label: str = Field(description="Label column: integer classes with num_classes, else a float target (regression).")
+    features: list[str | TensorColumn] | str = Field(
+        description="Feature columns (names or {column, shape} tensor columns), or a prefix ending in '*' (e.g. 'px_*').")
+    num_classes: int | None = Field(None, ge=2, description="Classes of an integer label in [0, num_classes); null: the label is a float target.")
+    normalize: bool = Field(True, description="Standardise the plain (scalar) feature columns; false keeps them as they are.")
+    demo_data: Literal["digits", "digits-images", "diabetes", "synthetic"] = Field(
+        "digits", description="What `python -m tasks.data demo` (make demo) writes into uri when it holds no shards.")
+
+    @field_validator("features", mode="before")
+    @classmethod
+    def _tensor_columns(cls, value: Any) -> Any:
+        # One clear message per bad {column, shape} entry instead of pydantic's error for every member of the union.
+        if not isinstance(value, list):
+            return value
+        items = []
+        for index, item in enumerate(value):
+            if isinstance(item, dict):
+                try:
+                    item = TensorColumn.model_validate(item)
+                except ValidationError as exc:
+                    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+                    raise ValueError(f"item {index} {item}: {problems}") from None
+            items.append(item)
+        return items
 
     @field_validator("features")
     @classmethod
-    def _features_not_empty(cls, value: list[str] | str) -> list[str] | str:
+    def _features_not_empty(cls, value: list[str | TensorColumn] | str) -> list[str | TensorColumn] | str:
         if isinstance(value, str) and not value.endswith("*"):
             raise ValueError("a string must be a prefix ending in '*', e.g. 'px_*'; otherwise give a list")
         if isinstance(value, list) and not value:
             raise ValueError("at least one feature column is needed")
-        if isinstance(value, list) and len(set(value)) != len(value):
-            raise ValueError("feature columns repeat")
+        if isinstance(value, list):
+            names = [item if isinstance(item, str) else item.column for item in value]
+            if len(set(names)) != len(names):
+                raise ValueError("feature columns repeat")
         return value
+
+    @property
+    def shapes(self) -> dict[str, list[int]]:
+        """Declared tensor columns -> their shapes."""
+        return {} if isinstance(self.features, str) else {
+            item.column: list(item.shape) for item in self.features if isinstance(item, TensorColumn)}
 
     @field_validator("uri")
     @classmethod
@@ -419,6 +456,8 @@ class Evaluate(_Strict):
 
     profile: str = Field(description="Instance profile of the evaluation task.")
     min_test_accuracy: float = Field(0.0, ge=0, le=1, description="Fail the run below this test accuracy.")
+    objective_limit: float | None = Field(
+        None, description="Fail the run when test_<objective.metric> is worse than this in objective.direction; null: no limit.")
 
 
 class Inference(_Strict):

@@ -1,11 +1,13 @@
-"""Data sets: the bundled handwritten digits and a synthetic generator of any size.
+"""Data sets: scikit-learn's bundled digits and diabetes, and a synthetic generator of any size.
 
-Run: ``python -m tasks.data demo`` (digits into the config's dataset.uri, unless already there)
-     ``python -m tasks.data digits OUT_URI [--num-shards 4]``
+Run: ``python -m tasks.data demo`` (the config's dataset.demo_data into its dataset.uri, unless already there)
+     ``python -m tasks.data digits OUT_URI [--num-shards 4]``          (64 columns px_00..px_63)
+     ``python -m tasks.data digits-images OUT_URI [--num-shards 4]``   (one 64-value list column ``image``)
+     ``python -m tasks.data diabetes OUT_URI [--num-shards 2]``        (10 float features, a float ``target``)
      ``python -m tasks.data synthetic OUT_URI --rows 1000000 [--features 32 --classes 10]``
 
-Both write raw Parquet shards with an integer row key ``row_id``, an integer ``label`` and numeric
-feature columns: the raw layout the preprocess stage expects.
+Each writes raw Parquet shards with an integer row key ``row_id``, a label (an integer class, or the
+diabetes' float ``target``) and numeric feature columns: the raw layout the preprocess stage expects.
 """
 
 from __future__ import annotations
@@ -50,6 +52,35 @@ def write_digits(out_uri: str, num_shards: int = 4) -> list[str]:
     columns["label"] = pa.array(digits.target.astype(np.int64))
     uris = _write_shards(out_uri, pa.table(columns), num_shards)
     log.info("wrote %d digits rows in %d shards to %s", len(digits.target), num_shards, out_uri)
+    return uris
+
+
+def write_digits_images(out_uri: str, num_shards: int = 4) -> list[str]:
+    """The same digits with each 8x8 image in one ``image`` column (fixed_size_list<double>[64], row-major)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    pixels = digits.data.astype(np.float64)
+    image = pa.FixedSizeListArray.from_arrays(pa.array(pixels.reshape(-1)), pixels.shape[1])
+    table = pa.table({"row_id": pa.array(np.arange(len(digits.target), dtype=np.int64)), "image": image,
+                      "label": pa.array(digits.target.astype(np.int64))})
+    uris = _write_shards(out_uri, table, num_shards)
+    log.info("wrote %d digits image rows in %d shards to %s", len(digits.target), num_shards, out_uri)
+    return uris
+
+
+def write_diabetes(out_uri: str, num_shards: int = 2) -> list[str]:
+    """scikit-learn's bundled diabetes (442 rows): 10 float features at their raw scale, the float ``target``
+    (disease progression after a year, about 25..346) unscaled."""
+    from sklearn.datasets import load_diabetes
+
+    diabetes = load_diabetes(scaled=False)
+    columns = {"row_id": pa.array(np.arange(len(diabetes.target), dtype=np.int64))}
+    for index, name in enumerate(diabetes.feature_names):
+        columns[name] = pa.array(diabetes.data[:, index].astype(np.float64))
+    columns["target"] = pa.array(diabetes.target.astype(np.float64))
+    uris = _write_shards(out_uri, pa.table(columns), num_shards)
+    log.info("wrote %d diabetes rows in %d shards to %s", len(diabetes.target), num_shards, out_uri)
     return uris
 
 
@@ -117,7 +148,7 @@ def _check_source(config: Any, uri: str) -> CheckedFile:
     with storage.open_parquet(uri) as parquet:
         columns = resolve_columns(config.dataset, parquet.schema_arrow, uri)
         rows = parquet.metadata.num_rows
-        for _ in storage.iter_batches(parquet, [columns.key, columns.label, *columns.features], 65_536, uri=uri):
+        for _ in storage.iter_batches(parquet, [columns.key, columns.label, *columns.raw], 65_536, uri=uri):
             pass  # decoding every page is the check: a corrupt page fails here, before anything is copied
     fs, path = storage.filesystem(uri)
     return CheckedFile(uri=uri, sha256=storage.sha256_of(uri), rows=rows, size=fs.size(path), features=columns.features)
@@ -180,8 +211,13 @@ def ingest(config: Any, source_uri: str, target_uri: str) -> dict[str, Any]:
     return {"added": added, "already_present": present, "rows": rows, "target": target_uri}
 
 
+DEMO_WRITERS = {"digits": write_digits, "digits-images": write_digits_images, "diabetes": write_diabetes,
+                "synthetic": lambda uri: write_synthetic(uri, 20_000)}
+"""dataset.demo_data -> the writer of that data set."""
+
+
 def write_demo() -> str:
-    """Write the digits shards where the pipeline config's dataset points, once."""
+    """Write the data set the pipeline config asks for (dataset.demo_data) where its dataset.uri points, once."""
     from tasks.config import load_config
 
     config = load_config()
@@ -190,17 +226,20 @@ def write_demo() -> str:
     if fs.isdir(path) and fs.glob(path.rstrip("/") + "/*.parquet"):
         log.info("demo data already at %s", target)
     else:
-        write_digits(target)
+        DEMO_WRITERS[config.dataset.demo_data](target)
     return target
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="kind", required=True)
-    digits = sub.add_parser("digits", help="scikit-learn's bundled handwritten digits")
-    digits.add_argument("out_uri")
-    digits.add_argument("--num-shards", type=int, default=4)
-    sub.add_parser("demo", help="digits into the pipeline config's dataset.uri unless it already holds shards")
+    for name, text, shards in (("digits", "scikit-learn's bundled handwritten digits, a column per pixel", 4),
+                               ("digits-images", "the digits with each image in one 64-value list column 'image'", 4),
+                               ("diabetes", "scikit-learn's bundled diabetes regression set (float target)", 2)):
+        bundled = sub.add_parser(name, help=text)
+        bundled.add_argument("out_uri")
+        bundled.add_argument("--num-shards", type=int, default=shards)
+    sub.add_parser("demo", help="dataset.demo_data into the pipeline config's dataset.uri unless it already holds shards")
     synth = sub.add_parser("synthetic", help="a learnable synthetic classification set")
     synth.add_argument("out_uri")
     synth.add_argument("--rows", type=int, required=True)
@@ -213,10 +252,10 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     if args.kind == "demo":
         write_demo()
-    elif args.kind == "digits":
-        write_digits(args.out_uri, args.num_shards)
-    else:
+    elif args.kind == "synthetic":
         write_synthetic(args.out_uri, args.rows, args.features, args.classes, args.num_shards, args.seed, args.dirty_fraction)
+    else:
+        DEMO_WRITERS[args.kind](args.out_uri, args.num_shards)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ log = logging.getLogger("stagewise.evaluate")
 
 
 def evaluate(config: PipelineConfig, model_uri: str, out: str) -> dict[str, Any]:
-    """Every metric of the model's spec on the test split (``test_<name>``; per class too when it predicts
-    classes); fails below ``evaluate.min_test_accuracy``."""
+    """Every metric of the model's spec on the test split (``test_<name>``; per class too when it predicts classes;
+    ``test_baseline_rmse`` of predicting the mean target for a float target); fails below
+    ``evaluate.min_test_accuracy`` or when the objective is worse than ``evaluate.objective_limit``."""
     import numpy as np
     import torch
 
@@ -52,6 +53,9 @@ def evaluate(config: PipelineConfig, model_uri: str, out: str) -> dict[str, Any]
     if all(p is not None for p in predicted) and bundle.data.num_classes:
         correct = torch.cat(predicted).numpy() == labels
         metrics["per_class_accuracy"] = {str(c): float(correct[labels == c].mean()) for c in np.unique(labels)}
+    target = manifest.get("target")
+    if target is not None:  # what predicting the data set's mean target scores: the bar a regressor must clear
+        metrics["test_baseline_rmse"] = float(np.sqrt(np.mean((labels.astype(np.float64) - target["mean"]) ** 2)))
     objective = f"test_{config.objective.metric}"
     if objective not in metrics:
         raise UserError(f"objective.metric '{config.objective.metric}' is not among the test metrics {bundle.ref.path} "
@@ -65,6 +69,10 @@ def evaluate(config: PipelineConfig, model_uri: str, out: str) -> dict[str, Any]
         raise UserError(f"evaluate.min_test_accuracy={minimum} needs an 'accuracy' metric, which {bundle.ref.path} does not report")
     if minimum > 0 and metrics["test_accuracy"] < minimum:
         raise UserError(f"test accuracy {metrics['test_accuracy']:.4f} is below evaluate.min_test_accuracy={minimum}")
+    limit, direction = config.evaluate.objective_limit, config.objective.direction
+    if limit is not None and (metrics[objective] > limit if direction == "minimize" else metrics[objective] < limit):
+        raise UserError(f"{objective} {metrics[objective]:.4f} is worse than evaluate.objective_limit={limit} "
+                        f"(objective.direction: {direction})")
     return {**{k: v for k, v in metrics.items() if k.startswith("test_")}, "test_objective": metrics[objective],
             "objective": config.objective.metric, "metrics_uri": uri}
 

@@ -4,8 +4,10 @@ Run:  ``python -m tasks.infer plan --input raw/digits``
       ``python -m tasks.infer shard --model M --shard '{"index": 0, "uri": "...", "row_groups": [0]}' --out P``
       ``python -m tasks.infer commit --out P --model M --results @results.json``
 
-Each shard streams its row groups in batches, so memory is bounded by the batch size. Output rows
-carry the key, the predicted class, the class probabilities and the model version. Shard files
+Each shard streams its row groups in batches, so memory is bounded by the batch size. Raw rows become
+the model's inputs as in preprocessing (tensor columns flattened by the same function, the bundle's
+normalisation). Output rows carry the key, the spec's prediction columns (e.g. the class and its
+probabilities, or a regressor's float value) and the model version. Shard files
 are attempt-unique; only ``predictions/manifest.json``, written last, makes them visible.
 """
 
@@ -113,11 +115,14 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
     import torch
 
     from tasks.model import load_bundle
+    from tasks.preprocess import check_feature_types, flatten_features
 
     torch.set_num_threads(config.profile(config.inference.profile).threads_per_process)
     bundle = load_bundle(model_uri)
     model, prep = bundle.module, bundle.preprocessing
     features, key = prep["features"], prep["key"]
+    # Bundles from before tensor columns list only plain feature columns.
+    columns, shapes = prep.get("columns") or features, prep.get("feature_shapes") or {}
     mean, std = np.asarray(prep["mean"]), np.asarray(prep["std"])
     version = model_version(model_uri)
     token = storage.unique_token()
@@ -129,22 +134,16 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
     writer = quarantine = quarantine_handle = None
     with storage.open_parquet(shard["uri"]) as parquet, fs_out.open(path_out, "wb") as sink:
         names = parquet.schema_arrow.names
-        missing = [c for c in [key, *features] if c not in names]
+        missing = [c for c in [key, *columns] if c not in names]
         if missing:
             raise DataError(f"{shard['uri']}: column(s) {missing} the model needs are missing")
-        for name in features:
-            kind = parquet.schema_arrow.field(name).type
-            if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
-                raise DataError(f"{shard['uri']}: feature column '{name}' has type {kind}; the model needs numbers")
+        check_feature_types(parquet.schema_arrow, columns, shapes, shard["uri"])
         output_schema = prediction_columns(bundle, parquet.schema_arrow.field(key))
         writer = pq.ParquetWriter(sink, output_schema)
         try:
-            for batch in storage.iter_batches(parquet, [key, *features], config.inference.batch_size, shard["row_groups"],
+            for batch in storage.iter_batches(parquet, [key, *columns], config.inference.batch_size, shard["row_groups"],
                                               uri=shard["uri"]):
-                matrix = np.empty((batch.num_rows, len(features)), dtype=np.float64)
-                for j, name in enumerate(features):
-                    column = batch.column(name)
-                    matrix[:, j] = (column.cast(pa.float64()).fill_null(np.nan) if column.null_count else column).to_numpy(zero_copy_only=False)
+                matrix = flatten_features(batch, columns, shapes, shard["uri"])
                 reasons = _row_problems(batch, key, features, matrix)
                 valid = reasons == ""
                 if not valid.all():

@@ -63,10 +63,10 @@ class _Window:
     destination: np.ndarray | None
 
 
-def _allocate_window(groups: list[RowGroup], width: int, rng: np.random.Generator | None) -> _Window:
+def _allocate_window(groups: list[RowGroup], width: int, rng: np.random.Generator | None, label_dtype: type) -> _Window:
     total = sum(g.num_rows for g in groups)
     destination = rng.permutation(total) if rng is not None else None
-    return _Window(np.empty((total, width), np.float32), np.empty(total, np.int64), destination)
+    return _Window(np.empty((total, width), np.float32), np.empty(total, label_dtype), destination)
 
 
 def _as_rows(matrix: np.ndarray) -> np.ndarray:
@@ -168,7 +168,8 @@ class ParquetBatches:
     """Batches of one rank over a split's Parquet files."""
 
     def __init__(self, uris: list[str], features: list[str], label: str, *, rank: int, world_size: int,
-                 batch_size: int, seed: int, window_row_groups: int = 8, shuffle: bool = True) -> None:
+                 batch_size: int, seed: int, window_row_groups: int = 8, shuffle: bool = True,
+                 label_dtype: type = np.int64) -> None:
         self.groups = list_row_groups(uris)
         if shuffle and len(self.groups) < world_size:
             raise UserError(f"the split has {len(self.groups)} row group(s) in {len(uris)} file(s), fewer than "
@@ -178,6 +179,7 @@ class ParquetBatches:
         self.batch_size, self.seed = batch_size, seed
         self.window_row_groups = max(1, window_row_groups)
         self.shuffle = shuffle
+        self.label_dtype = label_dtype  # int64 class labels, or float32 targets
 
     @property
     def num_rows(self) -> int:
@@ -220,7 +222,7 @@ class ParquetBatches:
                 if item is None:
                     return
                 groups, rng = item
-                window = pool.submit(_allocate_window, groups, len(self.features), rng)
+                window = pool.submit(_allocate_window, groups, len(self.features), rng, self.label_dtype)
                 reads, offset = [], 0
                 for run in _by_file(groups):
                     reads.append(pool.submit(_read_into, files, run, self.label, window, offset))
@@ -247,7 +249,7 @@ class ParquetBatches:
         total = self.steps_per_epoch(epoch) if self.shuffle else None
         size = self.batch_size
         carry_x = np.zeros((0, len(self.features)), np.float32)
-        carry_y = np.zeros(0, np.int64)
+        carry_y = np.zeros(0, self.label_dtype)
         step = 0
         for window_x, window_y in self._prefetched(epoch):
             start = 0
@@ -281,5 +283,7 @@ def split_batches(manifest: dict, split: str, *, rank: int, world_size: int, bat
     uris = [entry["uri"] for entry in manifest["splits"].get(split, [])]
     if not uris:
         raise UserError(f"the committed '{split}' split is empty; check preprocess.split and the input data")
+    from tasks.preprocess import label_dtype
+
     return ParquetBatches(uris, manifest["features"], manifest["label"], rank=rank, world_size=world_size,
-                          batch_size=batch_size, seed=seed, shuffle=shuffle)
+                          batch_size=batch_size, seed=seed, shuffle=shuffle, label_dtype=label_dtype(manifest))

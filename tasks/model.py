@@ -44,7 +44,10 @@ class MLPClassifier(Classifier):
 
 def data_info(manifest: dict[str, Any]) -> DataInfo:
     """The data description a spec builds from, read off a preprocess manifest (or a bundle's preprocessing)."""
-    return DataInfo(features=list(manifest["features"]), num_classes=manifest.get("num_classes"))
+    target = manifest.get("target") or {}
+    return DataInfo(features=list(manifest["features"]), num_classes=manifest.get("num_classes"),
+                    target_mean=target.get("mean"), target_std=target.get("std"),
+                    shapes={name: list(shape) for name, shape in (manifest.get("feature_shapes") or {}).items()})
 
 
 def spec_params(spec: ModelSpec, params: dict[str, Any]) -> dict[str, Any]:
@@ -53,7 +56,8 @@ def spec_params(spec: ModelSpec, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def build(spec: ModelSpec, data: DataInfo, params: dict[str, Any]) -> nn.Module:
-    """The one way a module comes to be: the spec builds it; a spec that returns no module is named."""
+    """The one way a module comes to be: the spec is prepared for the data and builds it; a spec that returns no module is named."""
+    spec.prepare(data)
     module = spec.build(data, spec_params(spec, params))
     if not isinstance(module, nn.Module):
         raise UserError(f"{type(spec).__name__}.build returned {type(module).__name__}, not a torch.nn.Module")
@@ -120,8 +124,9 @@ def model_for_run(config: Any, manifest: dict[str, Any], swept: dict[str, Any]) 
 
 
 def preprocessing_of(manifest: dict[str, Any]) -> dict[str, Any]:
-    """What inference needs to turn raw rows into the model's inputs: columns and normalisation."""
-    return {name: manifest[name] for name in ("features", "mean", "std", "key", "label")}
+    """What inference needs to turn raw rows into the model's inputs: raw columns, tensor shapes and normalisation."""
+    return {**{name: manifest[name] for name in ("features", "mean", "std", "key", "label")},
+            "columns": manifest.get("columns") or manifest["features"], "feature_shapes": manifest.get("feature_shapes") or {}}
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
@@ -51,11 +53,55 @@ class Columns:
     key: str
     """Row key column."""
     label: str
-    """Integer label column."""
+    """Label column: integer classes, or a float target when ``num_classes`` is None."""
     features: list[str]
-    """Feature columns, in model input order."""
-    num_classes: int
-    """Labels lie in [0, num_classes)."""
+    """Feature vector element names, in model input order (a tensor column's elements are ``name[i]``)."""
+    num_classes: int | None
+    """Labels lie in [0, num_classes); None: the label is a float target."""
+    columns: list[str] = field(default_factory=list)
+    """Raw feature columns, in order (empty: ``features`` themselves)."""
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    """Declared tensor columns -> their per-row shape."""
+    normalize: list[bool] = field(default_factory=list)
+    """Per element of ``features``: standardise it (empty: all)."""
+
+    @property
+    def raw(self) -> list[str]:
+        """The raw columns the feature vector is read from."""
+        return self.columns or self.features
+
+
+def element_names(columns: list[str], shapes: dict[str, list[int]]) -> list[str]:
+    """The feature vector's element names: a plain column's own name, ``name[i]`` for a tensor column's i-th value."""
+    names: list[str] = []
+    for name in columns:
+        names.extend([f"{name}[{i}]" for i in range(math.prod(shapes[name]))] if name in shapes else [name])
+    return names
+
+
+def check_feature_types(schema: pa.Schema, columns: list[str], shapes: dict[str, list[int]], uri: str) -> None:
+    """A plain feature must be a number; a declared tensor column a list of numbers (of prod(shape) values if fixed-size)."""
+    for name in columns:
+        kind = schema.field(name).type
+        listlike = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+        if name not in shapes:
+            if listlike:
+                raise DataError(f"{uri}: feature column '{name}' has type {kind}, a list; declare it in dataset.features "
+                                f"as {{column: {name}, shape: [...]}}")
+            if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+                raise DataError(f"{uri}: feature column '{name}' has type {kind}; features must be numeric")
+            continue
+        shape = shapes[name]
+        expected = f"shape {shape} ({math.prod(shape)} numbers a row)"
+        if not listlike:
+            raise DataError(f"{uri}: feature column '{name}' is declared with {expected} (dataset.features) but has "
+                            f"type {kind}, not a list")
+        if not (pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)):
+            raise DataError(f"{uri}: feature column '{name}' is declared with {expected} but its elements have type "
+                            f"{kind.value_type}, not numbers")
+        if pa.types.is_fixed_size_list(kind) and kind.list_size != math.prod(shape):
+            raise DataError(f"{uri}: feature column '{name}' is declared with {expected} but has type {kind}: "
+                            f"{kind.list_size} numbers a row")
 
 
 def resolve_columns(dataset: Dataset, schema: pa.Schema, uri: str) -> Columns:
@@ -66,26 +112,33 @@ def resolve_columns(dataset: Dataset, schema: pa.Schema, uri: str) -> Columns:
             raise DataError(f"dataset.{role} '{column}' clashes with the processed '{FEATURES_COLUMN}' vector column; rename it")
         if column not in names:
             raise DataError(f"{uri}: {role} column '{column}' (dataset.{role}) is missing; columns are {schema.names}")
+    shapes = dataset.shapes
     if isinstance(dataset.features, str):
         prefix = dataset.features[:-1]
-        features = [name for name in schema.names if name.startswith(prefix) and name not in (dataset.key, dataset.label)]
-        if not features:
+        columns = [name for name in schema.names if name.startswith(prefix) and name not in (dataset.key, dataset.label)]
+        if not columns:
             raise DataError(f"{uri}: no column matches dataset.features '{dataset.features}'")
     else:
-        features = list(dataset.features)
-        missing = [name for name in features if name not in names]
+        columns = [item if isinstance(item, str) else item.column for item in dataset.features]
+        missing = [name for name in columns if name not in names]
         if missing:
             raise DataError(f"{uri}: feature column(s) {missing} (dataset.features) are missing")
-    for name in features:
-        kind = schema.field(name).type
-        if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
-            raise DataError(f"{uri}: feature column '{name}' has type {kind}; features must be numeric")
-    if not pa.types.is_integer(schema.field(dataset.label).type):
-        raise DataError(f"{uri}: label column '{dataset.label}' has type {schema.field(dataset.label).type}; it must be an integer")
+    check_feature_types(schema, columns, shapes, uri)
+    label_type = schema.field(dataset.label).type
+    if dataset.num_classes is not None and not pa.types.is_integer(label_type):
+        raise DataError(f"{uri}: label column '{dataset.label}' has type {label_type}; it must be an integer "
+                        f"(dataset.num_classes={dataset.num_classes}; leave num_classes out for a float target)")
+    if not (pa.types.is_integer(label_type) or pa.types.is_floating(label_type)):
+        raise DataError(f"{uri}: label column '{dataset.label}' has type {label_type}; a float target must be a number")
     key_type = schema.field(dataset.key).type
     if not (pa.types.is_integer(key_type) or pa.types.is_string(key_type) or pa.types.is_large_string(key_type)):
         raise DataError(f"{uri}: key column '{dataset.key}' has type {key_type}; it must be an integer or a string")
-    return Columns(key=dataset.key, label=dataset.label, features=features, num_classes=dataset.num_classes)
+    declared = {} if isinstance(dataset.features, str) else {
+        item.column: item.normalize for item in dataset.features if not isinstance(item, str)}
+    normalize = [flag for name in columns
+                 for flag in [declared.get(name, dataset.normalize)] * (math.prod(shapes[name]) if name in shapes else 1)]
+    return Columns(key=dataset.key, label=dataset.label, features=element_names(columns, shapes),
+                   num_classes=dataset.num_classes, columns=columns, shapes=shapes, normalize=normalize)
 
 
 def feature_difference(uri: str, features: list[str], reference_uri: str, reference: list[str]) -> str | None:
@@ -136,19 +189,46 @@ def split_of(keys: pa.Array | pa.ChunkedArray, split: Split) -> np.ndarray:
     return np.where(unit < split.test, 2, np.where(unit < split.test + split.validation, 1, 0)).astype(np.int8)
 
 
-def _feature_matrix(batch: pa.RecordBatch, features: list[str]) -> np.ndarray:
-    matrix = np.empty((batch.num_rows, len(features)), dtype=np.float64, order="F")  # column copies stay contiguous
-    for index, name in enumerate(features):
+def _tensor_block(column: pa.Array, name: str, shape: list[int], uri: str) -> np.ndarray:
+    """(rows, prod(shape)) float64 from a list column; a null list or element is NaN (a dirty row), a wrong length fails."""
+    size = math.prod(shape)
+    lengths = pc.list_value_length(column).fill_null(size).to_numpy(zero_copy_only=False)
+    wrong = np.flatnonzero(lengths != size)
+    if len(wrong):
+        raise DataError(f"{uri}: feature column '{name}' is declared with shape {shape} ({size} numbers a row) but "
+                        f"{len(wrong)} row(s) hold another count (found {int(lengths[wrong[0]])} numbers)")
+    block = np.full((len(column), size), np.nan)
+    present = ~np.asarray(column.is_null().to_numpy(zero_copy_only=False))
+    values = pc.list_flatten(column.filter(pa.array(present)) if not present.all() else column)
+    if values.null_count:
+        values = values.cast(pa.float64()).fill_null(np.nan)
+    block[present] = np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.float64).reshape(-1, size)
+    return block
+
+
+def flatten_features(batch: pa.RecordBatch, columns: list[str], shapes: dict[str, list[int]], uri: str) -> np.ndarray:
+    """The (rows, features) float64 matrix of raw rows: plain columns as they are, tensor columns flattened in
+    row-major order; a null or non-finite value stays NaN/inf (the row is dirty). Shared by preprocess and inference."""
+    width = sum(math.prod(shapes[name]) if name in shapes else 1 for name in columns)
+    matrix = np.empty((batch.num_rows, width), dtype=np.float64, order="F")  # column copies stay contiguous
+    index = 0
+    for name in columns:
         column = batch.column(name)
+        if name in shapes:
+            block = _tensor_block(column, name, shapes[name], uri)
+            matrix[:, index : index + block.shape[1]] = block
+            index += block.shape[1]
+            continue
         if column.null_count:
             column = column.cast(pa.float64()).fill_null(np.nan)
         matrix[:, index] = column.to_numpy(zero_copy_only=False)
+        index += 1
     return matrix
 
 
 @dataclass
 class CleanBatch:
-    """One cleaned record batch: kept keys, labels and the float64 feature matrix."""
+    """One cleaned record batch: kept keys, labels (int64 classes or float64 targets) and the float64 feature matrix."""
 
     keys: pa.Array
     labels: np.ndarray
@@ -157,35 +237,39 @@ class CleanBatch:
 
 
 def iter_clean(uri: str, dataset: Dataset) -> Iterator[tuple[Columns, CleanBatch]]:
-    """Stream ``uri`` in batches; drop rows with a null key/label or a null/non-finite feature.
+    """Stream ``uri`` in batches; drop rows with a null key/label, a null/non-finite feature or float target.
 
-    A label outside [0, num_classes) is not dirt but a wrong schema: it fails naming file and value.
+    A class label outside [0, num_classes) is not dirt but a wrong schema: it fails naming file and value.
     """
     with storage.open_parquet(uri) as parquet:
         columns = resolve_columns(dataset, parquet.schema_arrow, uri)
-        wanted = [columns.key, columns.label, *columns.features]
+        wanted = [columns.key, columns.label, *columns.raw]
         for batch in storage.iter_batches(parquet, wanted, BATCH_ROWS, uri=uri):
-            features = _feature_matrix(batch, columns.features)
+            features = flatten_features(batch, columns.raw, columns.shapes, uri)
             label_column = batch.column(columns.label)
             key_column = batch.column(columns.key)
             keep = np.isfinite(features).all(axis=1)
             keep &= ~np.asarray(label_column.is_null().to_numpy(zero_copy_only=False))
             keep &= ~np.asarray(key_column.is_null().to_numpy(zero_copy_only=False))
-            labels = label_column.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-            bad = keep & ((labels < 0) | (labels >= columns.num_classes))
-            if bad.any():
-                raise DataError(f"{uri}: label column '{columns.label}' has value {labels[bad][0]} outside "
-                                f"[0, {columns.num_classes}) (dataset.num_classes) in {int(bad.sum())} row(s)")
+            if columns.num_classes is None:
+                labels = label_column.cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False)
+                keep &= np.isfinite(labels)
+            else:
+                labels = label_column.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+                bad = keep & ((labels < 0) | (labels >= columns.num_classes))
+                if bad.any():
+                    raise DataError(f"{uri}: label column '{columns.label}' has value {labels[bad][0]} outside "
+                                    f"[0, {columns.num_classes}) (dataset.num_classes) in {int(bad.sum())} row(s)")
             if keep.all():
                 yield columns, CleanBatch(key_column, labels, features, batch.num_rows)
             else:
                 yield columns, CleanBatch(key_column.filter(pa.array(keep)), labels[keep], features[keep], batch.num_rows)
 
 
-def _merge_moments(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    # Chan et al.'s pairwise update: stable where sum-of-squares would cancel.
+def _merge_core(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    # Chan et al.'s pairwise update of count, mean, m2, min, max: stable where sum-of-squares would cancel.
     if a["count"] == 0:
-        return b
+        return {**a, **{k: b[k] for k in ("count", "mean", "m2", "min", "max")}}
     if b["count"] == 0:
         return a
     count = a["count"] + b["count"]
@@ -193,37 +277,48 @@ def _merge_moments(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     delta = mean_b - mean_a
     mean = mean_a + delta * (b["count"] / count)
     m2 = np.asarray(a["m2"]) + np.asarray(b["m2"]) + delta**2 * (a["count"] * b["count"] / count)
-    return {
-        "count": count,
-        "mean": mean.tolist(),
-        "m2": m2.tolist(),
-        "min": np.minimum(a["min"], b["min"]).tolist(),
-        "max": np.maximum(a["max"], b["max"]).tolist(),
-        "rows_in": a["rows_in"] + b["rows_in"],
-        "label_counts": (np.asarray(a["label_counts"]) + np.asarray(b["label_counts"])).tolist(),
-    }
+    return {**a, "count": count, "mean": mean.tolist(), "m2": m2.tolist(),
+            "min": np.minimum(a["min"], b["min"]).tolist(), "max": np.maximum(a["max"], b["max"]).tolist()}
 
 
-def _empty_moments(num_features: int, num_classes: int) -> dict[str, Any]:
-    zeros = [0.0] * num_features
-    return {"count": 0, "mean": zeros, "m2": zeros, "min": [float("inf")] * num_features,
-            "max": [float("-inf")] * num_features, "rows_in": 0, "label_counts": [0] * num_classes}
+def _merge_moments(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Feature moments, rows read, and the label's class counts or the float target's moments, merged."""
+    merged = {**_merge_core(a, b), "rows_in": a["rows_in"] + b["rows_in"]}
+    if "target" in a:
+        merged["target"] = _merge_core(a["target"], b["target"])
+    else:
+        merged["label_counts"] = (np.asarray(a["label_counts"]) + np.asarray(b["label_counts"])).tolist()
+    return merged
 
 
-def _batch_moments(batch: CleanBatch, num_classes: int) -> dict[str, Any]:
-    num_features = batch.features.shape[1]
-    if not len(batch.labels):
-        return {**_empty_moments(num_features, num_classes), "rows_in": batch.rows_in}
-    mean = batch.features.mean(axis=0)
-    return {
-        "count": len(batch.labels),
-        "mean": mean.tolist(),
-        "m2": ((batch.features - mean) ** 2).sum(axis=0).tolist(),
-        "min": batch.features.min(axis=0).tolist(),
-        "max": batch.features.max(axis=0).tolist(),
-        "rows_in": batch.rows_in,
-        "label_counts": np.bincount(batch.labels, minlength=num_classes).tolist(),
-    }
+def _core(values: np.ndarray) -> dict[str, Any]:
+    """count, mean, m2, min, max per column of a (rows, columns) matrix."""
+    if not len(values):
+        width = values.shape[1]
+        return {"count": 0, "mean": [0.0] * width, "m2": [0.0] * width, "min": [float("inf")] * width,
+                "max": [float("-inf")] * width}
+    mean = values.mean(axis=0)
+    return {"count": len(values), "mean": mean.tolist(), "m2": ((values - mean) ** 2).sum(axis=0).tolist(),
+            "min": values.min(axis=0).tolist(), "max": values.max(axis=0).tolist()}
+
+
+def _empty_moments(num_features: int, num_classes: int | None) -> dict[str, Any]:
+    return _batch_moments(CleanBatch(pa.array([], pa.int64()), np.zeros(0), np.zeros((0, num_features)), 0), num_classes)
+
+
+def _batch_moments(batch: CleanBatch, num_classes: int | None) -> dict[str, Any]:
+    moments = {**_core(batch.features), "rows_in": batch.rows_in}
+    if num_classes is None:
+        moments["target"] = _core(batch.labels.astype(np.float64).reshape(-1, 1))
+    else:
+        moments["label_counts"] = np.bincount(batch.labels.astype(np.int64), minlength=num_classes).tolist()
+    return moments
+
+
+def _std(moments: dict[str, Any]) -> np.ndarray:
+    """Sample standard deviation; 1 where a column is constant (e.g. blank pixels), so it passes through centred."""
+    std = np.sqrt(np.asarray(moments["m2"]) / max(moments["count"] - 1, 1))
+    return np.where(std > 1e-12, std, 1.0)
 
 
 def _stats_prefix(out: str) -> str:
@@ -252,7 +347,9 @@ def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dic
         columns = resolve_columns(config.dataset, storage.read_schema(shard), shard)
         moments = _empty_moments(len(columns.features), columns.num_classes)
     assert moments is not None
-    moments.update({"shard": shard, "features": columns.features, "key_hashes_uri": _write_key_hashes(out, index, hashes)})
+    moments.update({"shard": shard, "features": columns.features, "columns": columns.raw, "feature_shapes": columns.shapes,
+                    "normalize": columns.normalize or [True] * len(columns.features),
+                    "key_hashes_uri": _write_key_hashes(out, index, hashes)})
     uri = storage.join(_stats_prefix(out), f"shard-{index:05d}.json")
     storage.write_json(uri, moments)  # last: it names this attempt's key hashes
     elapsed = time.monotonic() - started
@@ -436,18 +533,24 @@ def reduce_stats(config: PipelineConfig, out: str, stats_uris: list[str]) -> dic
         names = ", ".join(part["shard"] for part in parts[:5]) + (f" and {len(parts) - 5} more" if len(parts) > 5 else "")
         raise DataError(f"{config.dataset.uri} (dataset.uri) has no rows: all {len(parts)} file(s) are empty ({names})")
     if total["count"] == 0:
-        raise DataError(f"{config.dataset.uri}: every row was dropped as dirty (nulls or non-finite features)")
+        raise DataError(f"{config.dataset.uri}: every row was dropped as dirty (nulls or non-finite features or target)")
     dropped = total["rows_in"] - total["count"]
     if dropped > config.preprocess.max_null_fraction * total["rows_in"]:
         raise DataError(f"{config.dataset.uri}: {dropped} of {total['rows_in']} rows are dirty, above "
                         f"preprocess.max_null_fraction={config.preprocess.max_null_fraction}")
     check_unique_keys(config, parts)
-    std = np.sqrt(np.asarray(total["m2"]) / max(total["count"] - 1, 1))
-    std = np.where(std > 1e-12, std, 1.0)  # constant columns (e.g. blank pixels) pass through centred
-    stats = {"features": features, "features_from": parts[0]["shard"], "mean": total["mean"], "std": std.tolist(),
+    normalize = np.asarray(parts[0]["normalize"], bool)
+    stats = {"features": features, "features_from": parts[0]["shard"], "columns": parts[0]["columns"],
+             "feature_shapes": parts[0]["feature_shapes"],
+             "mean": np.where(normalize, total["mean"], 0.0).tolist(), "std": np.where(normalize, _std(total), 1.0).tolist(),
              "rows_in": total["rows_in"], "rows_kept": total["count"], "rows_dropped": dropped,
-             "label_counts": total["label_counts"], "min": total["min"], "max": total["max"],
-             "key_hashes": [part["key_hashes_uri"] for part in parts]}
+             "min": total["min"], "max": total["max"], "key_hashes": [part["key_hashes_uri"] for part in parts]}
+    if "target" in total:
+        target = total["target"]
+        stats["target"] = {"mean": target["mean"][0], "std": float(_std(target)[0]), "min": target["min"][0],
+                           "max": target["max"][0], "count": target["count"]}
+    else:
+        stats["label_counts"] = total["label_counts"]
     uri = storage.join(out, "preprocess", "stats.json")
     storage.write_json(uri, stats)
     log.info("reduced %d shard(s): %d rows kept, %d dropped as dirty, keys unique", len(parts), total["count"], dropped)
@@ -455,13 +558,15 @@ def reduce_stats(config: PipelineConfig, out: str, stats_uris: list[str]) -> dic
 
 
 def processed_schema(columns: Columns, key_type: pa.DataType) -> pa.Schema:
-    """Key, label and each row's features as one little-endian float32 vector (names in the manifest).
+    """Key, label (int64 classes or a float32 target) and each row's features as one little-endian float32 vector
+    (names in the manifest).
 
     A fixed-size binary column decodes about as fast as raw bytes (a Parquet list column is ~5x
     slower) and maps onto a (rows, features) matrix without a copy, so a training batch is one
     contiguous row gather. ``feature_matrix`` reads it back.
     """
-    return pa.schema([pa.field(columns.key, key_type), pa.field(columns.label, pa.int64()),
+    label_type = pa.float32() if columns.num_classes is None else pa.int64()
+    return pa.schema([pa.field(columns.key, key_type), pa.field(columns.label, label_type),
                       pa.field(FEATURES_COLUMN, pa.binary(4 * len(columns.features)))])
 
 
@@ -514,14 +619,16 @@ def transform_shard(config: PipelineConfig, shard: str, index: int, out: str, st
                 if not count:
                     continue
                 block = normalised[chosen]
-                arrays = [batch.keys.filter(pa.array(chosen)), pa.array(batch.labels[chosen]), feature_vectors(block)]
+                arrays = [batch.keys.filter(pa.array(chosen)), pa.array(batch.labels[chosen], schema.field(columns.label).type),
+                          feature_vectors(block)]
                 if name not in writers:
                     fs, path = storage.filesystem(uris[name])
                     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
                     handle = fs.open(path, "wb")
                     handles.append(handle)
                     # Float bytes neither dictionary-encode nor compress well; skipping both reads faster.
-                    writers[name] = pq.ParquetWriter(handle, schema, use_dictionary=[columns.label],
+                    dictionary = [columns.label] if columns.num_classes is not None else False
+                    writers[name] = pq.ParquetWriter(handle, schema, use_dictionary=dictionary,
                                                      compression={columns.key: "snappy", columns.label: "snappy",
                                                                   FEATURES_COLUMN: "none"})
                 writers[name].write_batch(pa.record_batch(arrays, schema=schema), row_group_size=PROCESSED_ROW_GROUP_ROWS)
@@ -549,6 +656,9 @@ def commit(config: PipelineConfig, out: str, stats_uri: str, shard_results: list
         "label": config.dataset.label,
         "features": stats["features"],
         "num_classes": config.dataset.num_classes,
+        "columns": stats["columns"],
+        "feature_shapes": stats["feature_shapes"],
+        **({"target": stats["target"]} if "target" in stats else {}),
         "mean": stats["mean"],
         "std": stats["std"],
         "splits": splits,
@@ -571,17 +681,23 @@ def read_manifest(uri: str) -> dict[str, Any]:
     return manifest
 
 
+def label_dtype(manifest: dict[str, Any]) -> type:
+    """int64 for class labels, float32 for a float target (a manifest without num_classes)."""
+    return np.int64 if manifest.get("num_classes") is not None else np.float32
+
+
 def load_split(manifest: dict[str, Any], split: str) -> tuple[np.ndarray, np.ndarray]:
-    """The features (float32) and labels (int64) of a committed split, read from the listed files only."""
+    """The features (float32) and labels (int64 classes or float32 targets) of a committed split, read from the listed files only."""
     features, labels = [], []
+    dtype = label_dtype(manifest)
     for entry in manifest["splits"].get(split, []):
         fs, path = storage.filesystem(entry["uri"])
         with fs.open(path, "rb") as handle:
             table = pq.read_table(handle, columns=[manifest["label"], FEATURES_COLUMN])
         features.append(feature_matrix(table))
-        labels.append(table.column(manifest["label"]).to_numpy().astype(np.int64))
+        labels.append(table.column(manifest["label"]).to_numpy().astype(dtype))
     if not features:
-        return np.zeros((0, len(manifest["features"])), np.float32), np.zeros(0, np.int64)
+        return np.zeros((0, len(manifest["features"])), np.float32), np.zeros(0, dtype)
     return np.concatenate(features), np.concatenate(labels)
 
 

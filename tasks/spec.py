@@ -13,7 +13,9 @@ loss, metrics that reduce across ranks (sums and counts, never per-rank means) a
 prediction row holds. The framework keeps the rest: torchrun and DDP, batch arithmetic and the LR
 rules, warmup, checkpoints and exact resume, sharding, the sweep and pruning, evaluation, the
 registry and its gate, batch inference and the report. The built-in
-:class:`tasks.model.MLPClassifier` is one example of a spec.
+:class:`tasks.model.MLPClassifier` is one example of a spec. :class:`Classifier` (integer classes) and
+:class:`Regressor` (a float target: no ``dataset.num_classes``) supply the loss, metrics and
+predictions, so a subclass of either writes only :meth:`ModelSpec.build`.
 
 Artifacts hold the spec's import path and arguments, never pickled code: loading a model imports
 the spec, builds the module and loads the state dict with ``torch.load(weights_only=True)``.
@@ -39,6 +41,12 @@ class DataInfo:
     """Input columns, in the order of each row's feature vector."""
     num_classes: int | None = None
     """Classes of an integer label; None when the label is a float target."""
+    target_mean: float | None = None
+    """Mean of a float target over the data set (None for classes)."""
+    target_std: float | None = None
+    """Standard deviation of a float target (None for classes)."""
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    """Declared tensor columns -> their shape; column ``c``'s elements are the features ``c[0]``, ``c[1]``, ... in row-major order."""
 
     @property
     def num_features(self) -> int:
@@ -66,6 +74,9 @@ class ModelSpec:
 
     def __init__(self, **args: Any) -> None:
         self.args = dict(args)
+
+    def prepare(self, data: DataInfo) -> None:
+        """Called with the data description before every :meth:`build` (e.g. :class:`Regressor` keeps the target's scale)."""
 
     def build(self, data: DataInfo, params: dict[str, Any]) -> nn.Module:
         """The untrained module for this data and these hyperparameters."""
@@ -100,6 +111,35 @@ class Classifier(ModelSpec):
 
     def predict(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"prediction": outputs.argmax(dim=1), "probabilities": torch.softmax(outputs, dim=1)}
+
+
+class Regressor(ModelSpec):
+    """A ModelSpec for a float target whose module outputs one value per row: the standardised target, so training
+    is well conditioned whatever the target's scale. Loss: MSE on standardised targets; metrics ``rmse`` and ``mae``
+    in the target's own units; prediction: the de-standardised value. Subclasses write only :meth:`build` (and :meth:`batch`)."""
+
+    target_mean: float = 0.0
+    target_std: float = 1.0
+
+    def prepare(self, data: DataInfo) -> None:
+        if data.target_mean is None or data.target_std is None:
+            raise UserError(f"{type(self).__name__} is a Regressor: it needs a float target (leave dataset.num_classes out)")
+        self.target_mean, self.target_std = float(data.target_mean), float(data.target_std)
+
+    @staticmethod
+    def _column(outputs: torch.Tensor) -> torch.Tensor:
+        return outputs.reshape(-1) if outputs.ndim == 2 and outputs.shape[1] == 1 else outputs
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        standardised = (targets.float() - self.target_mean) / self.target_std
+        return torch.nn.functional.mse_loss(self._column(outputs), standardised)
+
+    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Average]:
+        error = self.predict(outputs)["prediction"] - targets.float()
+        return {"rmse": Average((error**2).sum(), len(targets), root=True), "mae": Average(error.abs().sum(), len(targets))}
+
+    def predict(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"prediction": self._column(outputs) * self.target_std + self.target_mean}
 
 
 @dataclass(frozen=True)

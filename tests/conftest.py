@@ -56,15 +56,15 @@ def subprocess_env() -> dict:
 
 
 def preprocess_digits(config_path: Path, out: str) -> dict:
-    """Write the digits demo data and run the whole preprocess stage into ``out``; returns the commit result."""
+    """Write the config's demo data (the digits) and run the whole preprocess stage into ``out``; returns the commit result."""
     from tasks import preprocess, storage
     from tasks.config import load_config
-    from tasks.data import write_digits
+    from tasks.data import DEMO_WRITERS
 
     config = load_config(config_path)
     raw = storage.resolve(config.storage_root, config.dataset.uri)
     if not storage.exists(raw):
-        write_digits(raw)
+        DEMO_WRITERS[config.dataset.demo_data](raw)
     shards = preprocess.plan(raw)
     stats = [preprocess.shard_stats(config, uri, i, out)["stats_uri"] for i, uri in enumerate(shards)]
     reduced = preprocess.reduce_stats(config, out, stats)
@@ -77,6 +77,18 @@ def digits_run(write_config, storage_root) -> tuple[Path, str]:
     """A config file and a run prefix holding a committed preprocess manifest of the digits."""
     config_path = write_config()
     out = str(storage_root / "runs" / "test" / "r1")
+    preprocess_digits(config_path, out)
+    return config_path, out
+
+
+@pytest.fixture
+def digits_images_run(write_config, storage_root) -> tuple[Path, str]:
+    """Like digits_run, over the digits as one declared 1x8x8 ``image`` column (what the CNN example reads)."""
+    raw = base_config(storage_root)
+    raw["dataset"].update({"uri": "raw/digits_images", "demo_data": "digits-images",
+                           "features": [{"column": "image", "shape": [1, 8, 8]}]})
+    config_path = write_config(raw)
+    out = str(storage_root / "runs" / "test" / "images")
     preprocess_digits(config_path, out)
     return config_path, out
 

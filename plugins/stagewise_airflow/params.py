@@ -51,6 +51,9 @@ def pipeline_params(config: PipelineConfig) -> dict[str, Any]:
                         minimum=0, maximum=2**31 - 1),
         "min_test_accuracy": bounded(config.evaluate.min_test_accuracy, "Fail the run when the test accuracy is lower:",
                                      type="number", minimum=0, maximum=1),
+        "objective_limit": Param(config.evaluate.objective_limit, type=["null", "number"],
+                                 description="Fail the run when the test objective is worse than this, in the "
+                                             "objective's direction (e.g. a test rmse above it); empty: no limit."),
     }
 
 
@@ -83,6 +86,7 @@ def overrides_from_params(config: PipelineConfig, params: dict[str, Any]) -> dic
         "sweep.warm_start_from": optional_text(params["warm_start_study"]),
         "train.seed": params["seed"],
         "evaluate.min_test_accuracy": params["min_test_accuracy"],
+        "evaluate.objective_limit": params.get("objective_limit"),
     }
     names = [stage.name for stage in config.train.stages]
     for name, epochs in (params.get("stage_epochs") or {}).items():

@@ -13,16 +13,21 @@ from tests.dags.conftest import REPO_ROOT, airflow, make_airflow_env
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cnn_report(tmp_path_factory) -> dict:
-    """One ml_pipeline run of examples/digits_cnn.yaml (its spec, search space and objective) on scratch storage."""
-    storage_root = tmp_path_factory.mktemp("cnn_storage")
-    env = make_airflow_env(tmp_path_factory.mktemp("cnn_home"), str(storage_root), storage_root,
-                           base_config=REPO_ROOT / "examples" / "digits_cnn.yaml")
-    airflow(env, "dags", "test", "ml_pipeline", "-c", json.dumps({"num_trials": 6, "num_sweep_workers": 2}))
+def _report_of(tmp_path_factory, example: str, *args: str) -> dict:
+    """One `airflow dags test ml_pipeline` of examples/<example>.yaml on scratch storage; its report.json."""
+    storage_root = tmp_path_factory.mktemp(f"{example}_storage")
+    env = make_airflow_env(tmp_path_factory.mktemp(f"{example}_home"), str(storage_root), storage_root,
+                           base_config=REPO_ROOT / "examples" / f"{example}.yaml")
+    airflow(env, "dags", "test", "ml_pipeline", *args)
     found = sorted(Path(storage_root).glob("runs/ml_pipeline/*/report.json"))
     assert len(found) == 1, found
     return json.loads(found[0].read_text())
+
+
+@pytest.fixture(scope="module")
+def cnn_report(tmp_path_factory) -> dict:
+    """examples/digits_cnn.yaml (its spec, image column, search space and objective), with a 6-trial sweep."""
+    return _report_of(tmp_path_factory, "digits_cnn", "-c", json.dumps({"num_trials": 6, "num_sweep_workers": 2}))
 
 
 def test_cnn_example_reaches_095_test_accuracy(cnn_report):
@@ -43,14 +48,8 @@ def test_cnn_example_runs_every_stage_with_its_own_model(cnn_report):
 
 @pytest.fixture(scope="module")
 def tutorial_report(tmp_path_factory) -> dict:
-    """One ml_pipeline run of examples/ddp_tutorial.yaml: the tutorial script as every trial and both stages."""
-    storage_root = tmp_path_factory.mktemp("tutorial_storage")
-    env = make_airflow_env(tmp_path_factory.mktemp("tutorial_home"), str(storage_root), storage_root,
-                           base_config=REPO_ROOT / "examples" / "ddp_tutorial.yaml")
-    airflow(env, "dags", "test", "ml_pipeline")
-    found = sorted(Path(storage_root).glob("runs/ml_pipeline/*/report.json"))
-    assert len(found) == 1, found
-    return json.loads(found[0].read_text())
+    """The tutorial-style script (examples/ddp_tutorial.py) as every trial and both stages."""
+    return _report_of(tmp_path_factory, "ddp_tutorial")
 
 
 def test_ddp_tutorial_script_runs_as_pruned_trials_and_growing_batch_stages(tutorial_report):
@@ -64,3 +63,35 @@ def test_ddp_tutorial_script_runs_as_pruned_trials_and_growing_batch_stages(tuto
     assert tutorial_report["registry"]["model_name"] == "digits_ddp_tutorial"
     assert tutorial_report["test_accuracy"] >= 0.9
     assert tutorial_report["predictions"]["rows"] == 1797
+
+
+@pytest.fixture(scope="module")
+def diabetes_report(tmp_path_factory) -> dict:
+    """examples/diabetes.yaml: a float target, a Regressor, rmse minimised."""
+    return _report_of(tmp_path_factory, "diabetes")
+
+
+def test_diabetes_example_beats_the_mean_baseline(diabetes_report):
+    """The regressor's test RMSE (the minimised objective, in the target's units) clearly beats predicting the mean."""
+    objective, baseline = diabetes_report["objective"], diabetes_report["baseline"]["test_rmse"]
+    assert objective["metric"] == "rmse" and "test_accuracy" not in diabetes_report
+    assert objective["test"] == diabetes_report["test_metrics"]["test_rmse"]
+    assert objective["test"] < 0.9 * baseline, (objective["test"], baseline)
+
+
+def test_diabetes_example_runs_every_stage_with_a_float_target(diabetes_report):
+    """Its sweep prunes, two stages grow the global batch, the registry keeps its own name, predictions are floats for every row."""
+    import pyarrow.parquet as pq
+
+    sweep, (s1, s2) = diabetes_report["sweep"], diabetes_report["training"]
+    assert sweep["n_pruned"] >= 1 and sweep["n_complete"] >= 1
+    assert s2["global_batch"] > s1["global_batch"] and s2["world_size"] == 2
+    assert diabetes_report["registry"]["model_name"] == "diabetes_mlp" and diabetes_report["registry"]["promoted"]
+    assert (Path(diabetes_report["run_prefix"]).parents[2] / "models" / "diabetes_mlp").is_dir()
+    bundle = torch.load(diabetes_report["model_uri"], weights_only=True)
+    assert bundle["spec"]["path"] == "examples.diabetes:DiabetesMLP" and bundle["data"]["num_classes"] is None
+    predictions = json.loads(Path(diabetes_report["predictions"]["uri"]).read_text())
+    table = pq.read_table(predictions["files"][0]["uri"])
+    assert diabetes_report["predictions"]["rows"] == 442
+    assert str(table.schema.field("prediction").type) == "float"
+    assert 25 <= table.column("prediction").to_numpy().mean() <= 346, "predictions are in the target's units"

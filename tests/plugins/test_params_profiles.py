@@ -31,6 +31,14 @@ def test_params_override_budget_workers_and_stage_epochs():
     assert changed.stage("s2").epochs == 4 and changed.stage("s1").epochs == config.stage("s1").epochs
 
 
+def test_objective_limit_reaches_evaluate():
+    """The form's objective_limit becomes evaluate.objective_limit; left empty it sets no limit."""
+    config = load_config()
+    assert load_config(overrides=overrides_from_params(config, {**_defaults(config), "objective_limit": 0.9})
+                       ).evaluate.objective_limit == 0.9
+    assert load_config(overrides=overrides_from_params(config, _defaults(config))).evaluate.objective_limit is None
+
+
 @pytest.mark.parametrize("name,value", [("num_trials", 0), ("num_sweep_workers", 100), ("sweep_epochs", -1),
                                         ("min_test_accuracy", 1.5), ("stage_epochs", {"s9": 3})])
 def test_out_of_bounds_params_are_refused(name, value):

@@ -330,3 +330,63 @@ def test_override_creating_an_unknown_key_is_traced_to_the_override(write_config
     with pytest.raises(ConfigError) as caught:
         load_config(write_config(), overrides={"sweep.nonexistent.x": 1})
     assert "sweep.nonexistent: unknown key (typo?) (from override sweep.nonexistent.x)" in str(caught.value)
+
+
+# --- dataset: float targets, tensor columns, demo data; evaluate.objective_limit ----------------------------------
+
+
+def test_num_classes_may_be_left_out_for_a_float_target(write_config, storage_root):
+    """No dataset.num_classes (or null) loads: the label is then a float target."""
+    raw = base_config(storage_root)
+    del raw["dataset"]["num_classes"]
+    assert load_config(write_config(raw)).dataset.num_classes is None
+    raw["dataset"]["num_classes"] = None
+    assert load_config(write_config(raw)).dataset.num_classes is None
+
+
+def test_one_class_is_refused(write_config, storage_root):
+    """num_classes, when given, is at least 2."""
+    raw = base_config(storage_root)
+    raw["dataset"]["num_classes"] = 1
+    assert "dataset.num_classes" in _load_error(write_config, raw)
+
+
+def test_tensor_columns_mix_with_plain_names(write_config, storage_root):
+    """features may mix plain names and {column, shape, normalize} entries; shapes lists the declared ones."""
+    raw = base_config(storage_root)
+    raw["dataset"]["features"] = ["age", {"column": "image", "shape": [1, 8, 8]}, {"column": "v", "shape": [3], "normalize": False}]
+    dataset = load_config(write_config(raw)).dataset
+    assert dataset.shapes == {"image": [1, 8, 8], "v": [3]}
+    assert [getattr(item, "normalize", None) for item in dataset.features] == [None, True, False]
+
+
+@pytest.mark.parametrize("shape", [[], [0], [1, -2]])
+def test_a_tensor_column_shape_must_be_positive_and_non_empty(write_config, storage_root, shape):
+    """A declared shape has at least one dimension and every dimension is at least 1."""
+    raw = base_config(storage_root)
+    raw["dataset"]["features"] = ["age", {"column": "image", "shape": shape}]
+    message = _load_error(write_config, raw)
+    assert "dataset.features: item 1" in message and "shape" in message
+
+
+def test_a_column_declared_twice_is_refused(write_config, storage_root):
+    """The same column as a plain name and as a tensor column repeats."""
+    raw = base_config(storage_root)
+    raw["dataset"]["features"] = ["image", {"column": "image", "shape": [4]}]
+    assert "feature columns repeat" in _load_error(write_config, raw)
+
+
+def test_demo_data_is_one_of_the_writers(write_config, storage_root):
+    """dataset.demo_data names a data set tasks.data can write; digits by default."""
+    raw = base_config(storage_root)
+    assert load_config(write_config(raw)).dataset.demo_data == "digits"
+    raw["dataset"]["demo_data"] = "mnist"
+    assert "dataset.demo_data" in _load_error(write_config, raw)
+
+
+@pytest.mark.parametrize("name", ["diabetes", "digits_cnn"])
+def test_example_configs_load(name):
+    """The shipped examples are valid configs (diabetes: a float target; digits_cnn: a declared image column)."""
+    config = load_config(REPO_ROOT / "examples" / f"{name}.yaml")
+    assert (config.dataset.num_classes is None) == (name == "diabetes")
+    assert config.dataset.shapes == ({"image": [1, 8, 8]} if name == "digits_cnn" else {})

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.data import synthetic_table, write_digits, write_synthetic
+from tasks.data import synthetic_table, write_demo, write_diabetes, write_digits, write_digits_images, write_synthetic
 
 
 def _read_all(uris: list[str]) -> pa.Table:
@@ -25,6 +25,41 @@ def test_digits_rows_keys_labels_and_columns(tmp_path):
     assert set(table.column("label").to_numpy().tolist()) == set(range(10))
     assert len([name for name in table.column_names if name.startswith("px_")]) == 64
     assert pa.types.is_integer(table.schema.field("label").type)
+
+
+def test_digits_images_hold_the_same_pixels_in_one_list_column(tmp_path):
+    """digits-images: the same rows, with each image's 64 pixels (row-major, as px_00..px_63) in one
+    fixed_size_list<double>[64] column ``image`` instead of 64 columns."""
+    images = _read_all(write_digits_images(str(tmp_path / "images"), num_shards=2))
+    pixels = _read_all(write_digits(str(tmp_path / "digits"), num_shards=2))
+    assert images.column_names == ["row_id", "image", "label"]
+    assert images.schema.field("image").type == pa.list_(pa.float64(), 64)
+    expected = np.column_stack([pixels.column(f"px_{i:02d}").to_numpy() for i in range(64)])
+    np.testing.assert_array_equal(np.stack(images.column("image").to_pylist()), expected)
+    assert images.column("label").equals(pixels.column("label"))
+
+
+def test_diabetes_has_442_rows_10_float_features_and_the_raw_float_target(tmp_path):
+    """diabetes: 442 rows, 10 float features, and the target at its own scale (about 25..346), not standardised."""
+    table = _read_all(write_diabetes(str(tmp_path / "diabetes")))
+    assert table.num_rows == 442 and len(np.unique(table.column("row_id").to_numpy())) == 442
+    features = [name for name in table.column_names if name not in ("row_id", "target")]
+    assert len(features) == 10 and all(pa.types.is_floating(table.schema.field(n).type) for n in features)
+    target = table.column("target").to_numpy()
+    assert pa.types.is_floating(table.schema.field("target").type) and target.min() == 25 and target.max() == 346
+
+
+@pytest.mark.parametrize("kind,column", [("digits", "px_00"), ("digits-images", "image"), ("diabetes", "bmi")])
+def test_demo_writes_the_data_set_the_config_asks_for(write_config, storage_root, monkeypatch, kind, column):
+    """`python -m tasks.data demo` writes dataset.demo_data into dataset.uri (never guessed from names)."""
+    from tests.conftest import base_config
+
+    raw = base_config(storage_root)
+    raw["dataset"].update({"uri": "raw/anything", "demo_data": kind})
+    monkeypatch.setenv("STAGEWISE_CONFIG", str(write_config(raw)))
+    target = write_demo()
+    assert column in pq.read_schema(sorted((storage_root / "raw" / "anything").glob("*.parquet"))[0]).names
+    assert target.endswith("raw/anything")
 
 
 def test_synthetic_rows_shards_and_unique_keys(tmp_path):

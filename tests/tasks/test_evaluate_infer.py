@@ -350,3 +350,86 @@ def test_crash_between_shard_writes_leaves_nothing_half_visible(trained, tmp_pat
     assert on_disk == {entry["uri"] for entry in manifest["files"]}, "leftovers of the crash are gone"
     keys = _read(manifest).column("row_id").to_pylist()
     assert len(keys) == len(set(keys)) == sum(shard["rows"] for shard in shards)
+
+
+# --- a float target ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def diabetes(tmp_path_factory):
+    """The diabetes data preprocessed under a Regressor config (rmse, minimised); returns (config path, run prefix)."""
+    root = tmp_path_factory.mktemp("diabetes")
+    raw = base_config(root)
+    raw["dataset"] = {"uri": "raw/diabetes", "demo_data": "diabetes", "key": "row_id", "label": "target",
+                      "features": ["age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s6"]}
+    raw["model"] = {"spec": "examples.diabetes:DiabetesMLP", "args": {}}
+    raw["objective"] = {"metric": "rmse", "direction": "minimize"}
+    raw["registry"] = {"model_name": "diabetes_mlp"}
+    config_path = root / "pipeline.yaml"
+    config_path.write_text(yaml.safe_dump(raw))
+    out = str(root / "runs" / "test" / "diabetes")
+    preprocess_digits(config_path, out)  # writes the config's demo_data: here the diabetes
+    return config_path, out
+
+
+def _mean_regressor(config_path: Path, out: str, path: Path) -> str:
+    """A DiabetesMLP bundle whose output is always 0: it predicts the data set's mean target for every row."""
+    from examples.diabetes import DiabetesMLP
+
+    manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
+    params = {"hidden": 4, "dropout": 0.0}
+    model = build(DiabetesMLP(), data_info(manifest), params)
+    with torch.no_grad():
+        model[-1].weight.zero_()
+        model[-1].bias.zero_()
+    uri = str(path / "mean.pt")
+    save_bundle(uri, model, SpecRef("examples.diabetes:DiabetesMLP"), data_info(manifest), params, preprocessing_of(manifest), {})
+    return uri
+
+
+def test_evaluate_a_regressor_reports_rmse_mae_and_the_mean_baseline(diabetes, tmp_path):
+    """For a float target: test_rmse/test_mae in the target's units, no per-class accuracy, and test_baseline_rmse,
+    the RMSE of predicting the manifest's mean target, which a model predicting that mean matches exactly."""
+    config_path, out = diabetes
+    metrics = evaluate(load_config(config_path), _mean_regressor(config_path, out, tmp_path), out)
+    manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
+    _, labels = load_split(manifest, "test")
+    expected = float(np.sqrt(np.mean((labels.astype(np.float64) - manifest["target"]["mean"]) ** 2)))
+    assert metrics["test_baseline_rmse"] == pytest.approx(expected, rel=1e-9)
+    assert metrics["test_rmse"] == pytest.approx(expected, rel=1e-5) == metrics["test_objective"]
+    assert 20 < metrics["test_mae"] < metrics["test_rmse"]
+    written = storage.read_json(metrics["metrics_uri"])
+    assert "per_class_accuracy" not in written and "test_accuracy" not in written
+
+
+@pytest.mark.parametrize("limit,fails", [(10.0, True), (500.0, False)])
+def test_objective_limit_fails_a_minimised_objective_above_it(diabetes, tmp_path, limit, fails):
+    """evaluate.objective_limit is read in objective.direction: with rmse minimised, a test RMSE above it fails."""
+    config_path, out = diabetes
+    config = load_config(config_path, {"evaluate.objective_limit": limit})
+    model_uri = _mean_regressor(config_path, out, tmp_path)
+    if fails:
+        with pytest.raises(UserError, match=r"test_rmse .* is worse than evaluate.objective_limit=10.0 .*minimize"):
+            evaluate(config, model_uri, out)
+    else:
+        assert evaluate(config, model_uri, out)["test_rmse"] < limit
+
+
+def test_objective_limit_of_a_maximised_accuracy(trained, tmp_path):
+    """With accuracy maximised, a test accuracy below objective_limit fails; min_test_accuracy keeps working too."""
+    config_path, out, model_uri = trained
+    with pytest.raises(UserError, match=r"test_accuracy .* is worse than evaluate.objective_limit=1.01"):
+        evaluate(load_config(config_path, {"evaluate.objective_limit": 1.01}), model_uri, out)
+    assert evaluate(load_config(config_path, {"evaluate.objective_limit": 0.1}), model_uri, out)["test_accuracy"] > 0.1
+
+
+def test_inference_of_a_regressor_writes_float_predictions(diabetes, tmp_path):
+    """Scoring raw diabetes rows with a Regressor bundle writes one float32 prediction per row, in the target's units."""
+    config_path, out = diabetes
+    config = load_config(config_path)
+    model_uri = _mean_regressor(config_path, out, tmp_path)
+    shard = infer.plan(storage.resolve(config.storage_root, config.dataset.uri), 10_000)[0]
+    table = pq.read_table(infer.score_shard(config, model_uri, shard, str(tmp_path / "scored"))["uri"])
+    manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
+    assert table.schema.field("prediction").type == pa.float32() and table.num_rows == shard["rows"]
+    np.testing.assert_allclose(table.column("prediction").to_numpy(), manifest["target"]["mean"], rtol=1e-6)

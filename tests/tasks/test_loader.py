@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from tasks import loader, preprocess
 from tasks.loader import ParquetBatches
@@ -175,3 +176,22 @@ def test_remote_files_give_the_same_batches(split):
         assert _ids(_make(remote, shuffle=False).epoch(0)) == _ids(_make(uris, shuffle=False).epoch(0))
     finally:
         fs.rm(root, recursive=True)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_float_targets_arrive_as_float32_with_their_rows(tmp_path, shuffle):
+    """A float-target split (label float32) yields float32 label tensors, each still with its own row, also in the
+    batches stitched across windows and the last partial batch of evaluation."""
+    columns = Columns(key="row_id", label="label", features=FEATURES, num_classes=None)
+    uris = []
+    for number, first in enumerate((0, 23)):
+        ids = np.arange(first, first + 23)
+        table = pa.Table.from_arrays([pa.array(ids), pa.array(ids * 0.5 + 0.25, pa.float32()),
+                                      preprocess.feature_vectors(np.stack([ids, 2 * ids, -ids], axis=1))],
+                                     schema=preprocess.processed_schema(columns, pa.int64()))
+        uris.append(str(tmp_path / f"part-{number}.parquet"))
+        pq.write_table(table, uris[-1], row_group_size=5)
+    batches = list(_make(uris, shuffle=shuffle, label_dtype=np.float32).epoch(0))
+    assert batches and all(labels.dtype == torch.float32 for _, labels in batches)
+    for inputs, labels in batches:
+        np.testing.assert_array_equal(labels.numpy(), inputs[:, 0].numpy() * 0.5 + 0.25)

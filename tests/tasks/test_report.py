@@ -84,3 +84,18 @@ def test_every_sub_job_prints_help(module, subprocess_env):
                                capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert "usage:" in completed.stdout
+
+
+def test_a_regression_report_is_driven_by_its_objective_and_shows_the_baseline(tmp_path):
+    """With rmse minimised there is no test_accuracy key; the objective, the test metrics and the mean baseline are
+    reported and the summary prints the baseline beside the model's test RMSE."""
+    inputs = {**_inputs(str(tmp_path)),
+              "evaluation": {"test_rmse": 55.5, "test_mae": 44.0, "test_baseline_rmse": 77.25, "test_loss": 0.5,
+                             "test_objective": 55.5, "objective": "rmse"}}
+    result = build_report(**inputs)
+    report = storage.read_json(result["report_uri"])
+    assert "test_accuracy" not in report and result["test_accuracy"] is None
+    assert report["objective"] == {"metric": "rmse", "test": 55.5}
+    assert report["baseline"]["test_rmse"] == 77.25 and report["test_metrics"]["test_baseline_rmse"] == 77.25
+    text = "\n".join(summary_lines(report))
+    assert "test rmse: 55.5000" in text and "test rmse 77.2500 vs the model's 55.5000" in text

@@ -15,8 +15,8 @@ from tasks import storage, train
 from tasks.config import BUILTIN_SPEC_PARAMS, load_config
 from tasks.errors import UserError
 from tasks.evaluate import evaluate
-from tasks.model import MLPClassifier, load_bundle
-from tasks.spec import SpecRef
+from tasks.model import MLPClassifier, build, load_bundle
+from tasks.spec import DataInfo, Regressor, SpecRef
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PARAMS = {"lr": 0.05, "hidden": 32}
@@ -91,27 +91,28 @@ def test_an_objective_the_spec_does_not_report_is_named(digits_run, single_proce
         train.run_stage(config, "s1", out, PARAMS, None)
 
 
-def test_unknown_hyperparameter_of_a_user_spec_is_checked_against_its_own(digits_run, single_process):
+def test_unknown_hyperparameter_of_a_user_spec_is_checked_against_its_own(digits_images_run, single_process):
     """A user spec declares its hyperparameters: one it does not know fails naming it and the known ones."""
-    config_path, out = digits_run
+    config_path, out = digits_images_run
     config = _config(config_path, "examples.digits_cnn:DigitsCNN")
     with pytest.raises(UserError, match=r"unknown hyperparameter 'hidden'.*'dropout'"):
         train.run_stage(config, "s1", out, PARAMS, None)
 
 
-def test_a_user_spec_trains_evaluates_and_scores(digits_run, single_process, tmp_path):
-    """The CNN example through a stage, evaluation and one inference shard: its bundle names the spec and args."""
+def test_a_user_spec_trains_evaluates_and_scores(digits_images_run, single_process, tmp_path):
+    """The CNN example (on the declared 1x8x8 image column) through a stage, evaluation and one inference shard
+    of raw image rows: its bundle names the spec and args."""
     import pyarrow.parquet as pq
 
     from tasks import infer
 
-    config_path, out = digits_run
+    config_path, out = digits_images_run
     config = _config(config_path, "examples.digits_cnn:DigitsCNN", {"channels": 4})
     result = train.run_stage(config, "s1", out, {"lr": 0.05, "dropout": 0.1}, None)
     assert result["objective"] == "accuracy" and result["val_metric"] > 0.5
     bundle = load_bundle(result["model_uri"])
     assert bundle.ref == SpecRef("examples.digits_cnn:DigitsCNN", {"channels": 4})
-    assert isinstance(bundle.module[0], torch.nn.Conv2d)
+    assert isinstance(bundle.module[1], torch.nn.Conv2d) and bundle.data.shapes == {"image": [1, 8, 8]}
     evaluation = evaluate(config, result["model_uri"], out)
     assert evaluation["test_objective"] == evaluation["test_accuracy"] > 0.5
     raw = storage.resolve(config.storage_root, config.dataset.uri)
@@ -179,9 +180,9 @@ def test_a_minimised_objective_drives_the_sweep_and_the_gate(digits_run, single_
 
 
 @pytest.mark.slow
-def test_two_process_ddp_stage_with_the_cnn_spec(digits_run, subprocess_env):
+def test_two_process_ddp_stage_with_the_cnn_spec(digits_images_run, subprocess_env):
     """A real 2-rank torchrun stage trains the CNN example; rank 0 alone writes its bundle, which names the spec."""
-    config, out = digits_run
+    config, out = digits_images_run
     result_file = Path(out) / "cnn.json"
     command = [sys.executable, "-m", "tasks.local_torchrun", "--nproc-per-node=2", "-m", "tasks.train", "--config",
                str(config), "--stage", "s2", "--out", out, "--params", json.dumps({"lr": 0.02}),
@@ -192,3 +193,53 @@ def test_two_process_ddp_stage_with_the_cnn_spec(digits_run, subprocess_env):
     result = json.loads(result_file.read_text())
     assert result["world_size"] == 2 and result["val_metric"] > 0.5
     assert load_bundle(result["model_uri"]).ref.path == "examples.digits_cnn:DigitsCNN"
+
+
+# --- Regressor ---------------------------------------------------------------------------------------------------
+
+
+def _regressor(mean: float = 150.0, std: float = 40.0) -> Regressor:
+    spec = Regressor()
+    spec.prepare(DataInfo(features=["x"], target_mean=mean, target_std=std))
+    return spec
+
+
+def test_regressor_rmse_reduces_over_batches_to_the_rmse_of_the_whole():
+    """rmse is reported as summed squared errors and a count: two halves reduce to exactly the whole's RMSE
+    (a mean of the halves' RMSEs would not), in the target's own units."""
+    from tasks.training import accumulate_metrics
+
+    torch.manual_seed(0)
+    spec, module = _regressor(), torch.nn.Identity()
+    outputs = torch.randn(10, 1)  # standardised predictions; the halves have very different errors
+    targets = torch.cat([torch.full((3,), 150.0), torch.full((7,), 400.0)])
+    whole = accumulate_metrics(spec, module, [(outputs, targets)], "cpu")
+    halves = accumulate_metrics(spec, module, [(outputs[:3], targets[:3]), (outputs[3:], targets[3:])], "cpu")
+    predictions = outputs.reshape(-1) * 40.0 + 150.0
+    expected = torch.sqrt(((predictions - targets) ** 2).mean()).item()
+    for sums in (whole, halves):
+        total, count, root = sums["rmse"]
+        assert root and (total / count) ** 0.5 == pytest.approx(expected, rel=1e-6)
+    assert halves["mae"][0] / halves["mae"][1] == pytest.approx((predictions - targets).abs().mean().item(), rel=1e-6)
+
+
+def test_regressor_trains_on_standardised_targets_and_predicts_in_the_targets_units():
+    """The module's output is the standardised target: the loss is MSE against (target - mean) / std, and the
+    prediction column de-standardises it (output 0 predicts the mean, output 1 the mean plus one std)."""
+    spec = _regressor()
+    outputs = torch.tensor([[0.0], [1.0], [-0.5]])
+    targets = torch.tensor([150.0, 190.0, 130.0])
+    assert spec.loss(outputs, targets).item() == pytest.approx(0.0, abs=1e-7)
+    assert spec.loss(outputs, targets + 40.0).item() == pytest.approx(1.0)
+    assert spec.predict(outputs)["prediction"].tolist() == pytest.approx([150.0, 190.0, 130.0])
+    assert spec.predict(outputs)["prediction"].shape == (3,)
+
+
+def test_a_regressor_on_class_labels_is_a_user_error_naming_it():
+    """A Regressor needs a float target: data with num_classes (no target mean/std) fails naming the spec."""
+    class Tiny(Regressor):
+        def build(self, data, params):
+            return torch.nn.Linear(data.num_features, 1)
+
+    with pytest.raises(UserError, match=r"Tiny is a Regressor: it needs a float target"):
+        build(Tiny(), DataInfo(features=["x"], num_classes=3), {})

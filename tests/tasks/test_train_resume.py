@@ -41,11 +41,12 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("spec", ["tasks.model:MLPClassifier", "examples.digits_cnn:DigitsCNN"])
-def test_killed_rank_fails_the_stage_and_the_retry_resumes_exactly(digits_run, subprocess_env, tmp_path, spec):
+@pytest.mark.parametrize("spec, data", [("tasks.model:MLPClassifier", "digits_run"),
+                                        ("examples.digits_cnn:DigitsCNN", "digits_images_run")])
+def test_killed_rank_fails_the_stage_and_the_retry_resumes_exactly(request, subprocess_env, tmp_path, spec, data):
     """SIGKILL of rank 1 at step 25 ends every process; the retry redoes at most K steps and ends where a clean run
     does, for the built-in MLP and for a user's spec (the example CNN) alike."""
-    config, out = digits_run
+    config, out = request.getfixturevalue(data)
     reference_out = str(tmp_path / "reference")
     os.makedirs(f"{reference_out}/preprocess")
     shutil.copy(f"{out}/preprocess/manifest.json", f"{reference_out}/preprocess/manifest.json")
