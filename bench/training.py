@@ -6,6 +6,8 @@ Each function returns ``{"ours", "baseline", "unit", "details"}``; the harness t
 from __future__ import annotations
 
 import json
+import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -72,9 +74,9 @@ def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict
     """Samples/s of our stage (tasks.train.run_stage, Parquet per-rank loader, the spec's batch/loss) and of a
     plain PyTorch loop over in-memory tensors with the same module, optimizer, batch and threads.
 
-    Each side's rate is its best epoch after the first (warm-up), and the plain loop runs both before and
-    after our stage, so a burst of load from elsewhere on the machine cannot decide the ratio; validation and
-    process start are excluded.
+    Each side runs twice, alternating with the other, and its rate is the median of its epochs after the first
+    (warm-up) of each run, so a burst of load from elsewhere on the machine cannot decide the ratio; validation
+    and process start are excluded.
     """
     import torch
 
@@ -113,12 +115,14 @@ def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict
                 rates.append(steps * batch / (time.perf_counter() - started))
             return rates[1:]
 
-        baseline_rates = plain_loop()
-        result = run_stage(config, "s1", out, params, None)
-        history = json.loads(Path(out, "train", "s1", "metrics.json").read_text())["history"]
-        ours = max(h["samples_per_s"] for h in history[1:])
-        baseline_rates += plain_loop()
-        baseline = max(baseline_rates)
+        our_rates, baseline_rates = [], []
+        for _ in range(2):  # alternated, so both sides meet the same machine
+            baseline_rates += plain_loop()
+            shutil.rmtree(Path(out, "train"), ignore_errors=True)  # a fresh stage each time, never a resume
+            result = run_stage(config, "s1", out, params, None)
+            history = json.loads(Path(out, "train", "s1", "metrics.json").read_text())["history"]
+            our_rates += [h["samples_per_s"] for h in history[1:]]
+        ours, baseline = statistics.median(our_rates), statistics.median(baseline_rates)
     return {"ours": ours, "baseline": baseline, "unit": "samples/s",
             "details": {"rows": rows, "train_rows": int(len(y)), "spec": spec, "spec_args": spec_args,
                         "params": params, "batch": batch, "threads": threads,
