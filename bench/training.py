@@ -83,7 +83,7 @@ def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict
     from tasks.model import build, data_info, load_spec
     from tasks.preprocess import load_split, read_manifest
     from tasks.train import resolve_params, run_stage
-    from tasks.training import make_optimizer
+    from tasks.training.loop import make_optimizer
 
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         config, out = _prepare(Path(tmp), rows, features=features, image_shape=image_shape, **{
@@ -152,12 +152,12 @@ def growing_batch_steps(rows: int = 60_000) -> dict[str, Any]:
     from the previous one's checkpoint. ratio = growing steps to reach (fixed final accuracy - 0.5
     points) / fixed steps.
     """
-    from tasks.distributed import DistEnv
     from tasks.loader import split_batches
     from tasks.model import MLPClassifier, build, data_info
     from tasks.preprocess import read_manifest
     from tasks.train import resolve_params, run_stage
-    from tasks.training import Loop, make_optimizer
+    from tasks.training.distributed import DistEnv
+    from tasks.training.loop import Loop, make_optimizer
 
     base_lr, factor, epochs_per_phase = 0.05, 5, 4
     params = {"lr": base_lr, "hidden": 128, "dropout": 0.0, "momentum": 0.9, "weight_decay": 0.0}

@@ -26,7 +26,7 @@ def evaluate(config: PipelineConfig, model_uri: str, out: str) -> dict[str, Any]
 
     from tasks.model import load_bundle
     from tasks.preprocess import load_split, read_manifest
-    from tasks.training import accumulate_metrics
+    from tasks.training.loop import accumulate_metrics
 
     torch.set_num_threads(config.profile(config.evaluate.profile).threads_per_process)
     manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))

@@ -82,7 +82,7 @@ _built: dict[str, Any] = {}
 @functools.cache
 def context() -> Context:
     """This run's stage values (epochs, batch sizes, rescaled lr, seed, objective) and rank, read once."""
-    from tasks.distributed import read_env
+    from tasks.training.distributed import read_env
 
     env = read_env("cpu")
     trial = os.environ.get(contract.TRIAL_NUMBER)

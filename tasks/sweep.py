@@ -235,11 +235,11 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
     import optuna
     import torch
 
-    from tasks.distributed import distributed_job
     from tasks.loader import split_batches
     from tasks.model import model_for_run
     from tasks.preprocess import read_manifest
-    from tasks.training import Loop, make_optimizer
+    from tasks.training.distributed import distributed_job
+    from tasks.training.loop import Loop, make_optimizer
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sweep = config.sweep
@@ -346,9 +346,9 @@ def script_trial(config: PipelineConfig, config_file: str, name: str, trial: Any
     import subprocess
     import tempfile
 
-    from tasks.local_torchrun import command
     from tasks.runtime import read_last_report
     from tasks.train import entrypoint_args, resolve_params
+    from tasks.training.local_torchrun import command
 
     sweep = config.sweep
     entry = sweep.entrypoint

@@ -201,7 +201,7 @@ def card_params(trained: dict[str, Any], swept_params: dict[str, Any] | None) ->
 
 
 def scaled_lr_for(config: PipelineConfig, base_lr: float, global_batch: int) -> float:
-    from tasks.training import scaled_lr
+    from tasks.training.loop import scaled_lr
 
     return scaled_lr(base_lr, global_batch, config.train.base_batch, config.train.lr_rule)
 
@@ -217,12 +217,12 @@ def _fault_step(rank: int) -> int | None:
 def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str, Any], init_from: str | None) -> dict[str, Any]:
     import torch
 
-    from tasks.checkpoint import CheckpointStore
-    from tasks.distributed import distributed_job
     from tasks.loader import split_batches
     from tasks.model import load_torch, model_for_run, preprocessing_of, restore_training_state, save_bundle, save_torch
     from tasks.preprocess import read_manifest
-    from tasks.training import Diverged, Loop, Position, eta_s, make_optimizer, scaled_lr, warmup_factor
+    from tasks.training.checkpoint import CheckpointStore
+    from tasks.training.distributed import distributed_job
+    from tasks.training.loop import Diverged, Loop, Position, eta_s, make_optimizer, scaled_lr, warmup_factor
 
     stage = config.stage(stage_name)
     profile = config.profile(stage.profile)

@@ -3,7 +3,7 @@
 One process (``python -m tasks.X``) or a torchrun job, per the stage's profile. The child gets its
 own session, and its group plus every descendant (torchrun's ranks have sessions of their own) is
 ended together: on task timeout, on SIGTERM from Airflow (mark failed, kill). If the task process
-itself dies, the child is SIGKILLed (PDEATHSIG) and torchrun's ranks die with it (tasks.rank_guard).
+itself dies, the child is SIGKILLed (PDEATHSIG) and torchrun's ranks die with it (tasks.training.rank_guard).
 A sub-job that reports a user error (bad config or data) fails the task without retry.
 """
 
@@ -47,11 +47,11 @@ def _die_with_parent() -> None:
 def command(module: str, args: list[str], profile: Profile, distributed: bool, script: str | None = None) -> list[str]:
     """The argv: torchrun for a distributed sub-job, else python; ``script`` (a file) replaces ``-m module``.
 
-    torchrun runs through tasks.local_torchrun, which keeps its rendezvous store on 127.0.0.1.
+    torchrun runs through tasks.training.local_torchrun, which keeps its rendezvous store on 127.0.0.1.
     """
     entry = [script] if script else ["-m", module]
     if distributed:
-        from tasks import local_torchrun  # imports torch: not at DAG parse time
+        from tasks.training import local_torchrun  # imports torch: not at DAG parse time
 
         return local_torchrun.command(entry, args, profile.processes_per_node, profile.max_restarts)
     return [sys.executable, *entry, *args]

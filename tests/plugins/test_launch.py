@@ -43,7 +43,7 @@ def test_crash_is_retryable():
 def test_torchrun_command_follows_the_profile():
     """A distributed sub-job runs under the loopback torchrun with the profile's process count and restarts."""
     argv = launch.command("tasks.train", ["--stage", "s2"], Profile(processes_per_node=2, max_restarts=1), distributed=True)
-    assert argv[1:3] == ["-m", "tasks.local_torchrun"]
+    assert argv[1:3] == ["-m", "tasks.training.local_torchrun"]
     assert "--nproc-per-node=2" in argv and "--max-restarts=1" in argv
     assert argv[-3:] == ["tasks.train", "--stage", "s2"]
 
@@ -157,7 +157,7 @@ def test_torchrun_job_listens_on_loopback_only(tmp_path):
     assert all(is_loopback(address) for address in seen), f"listening beyond loopback: {sorted(seen)}"
 
 
-# Lines as a sub-job under torchrun really prints them (captured from tasks.local_torchrun, one rank raising).
+# Lines as a sub-job under torchrun really prints them (captured from tasks.training.local_torchrun, one rank raising).
 _TORCHRUN_CRASH = [
     "2026-11-23 11:15:01,838 INFO stagewise.train: epoch 1/3 step 10 lr 0.05 loss 1.2 ETA 0:01:00",
     "2026-11-23 11:15:01,838 WARNING stagewise.train: loss is rising",

@@ -144,7 +144,7 @@ def test_every_rank_of_a_torchrun_trial_gets_rank_0s_prune_decision(write_config
     script.write_text(TWO_RANKS)
     answers = tmp_path / "answers"
     answers.mkdir()
-    done = subprocess.run([sys.executable, "-m", "tasks.local_torchrun", "--nproc-per-node=2", str(script), str(answers)],
+    done = subprocess.run([sys.executable, "-m", "tasks.training.local_torchrun", "--nproc-per-node=2", str(script), str(answers)],
                           env={**subprocess_env, **env}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert {p.name: json.loads(p.read_text()) for p in answers.iterdir()} == {"rank0.json": True, "rank1.json": True}

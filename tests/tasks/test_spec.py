@@ -184,7 +184,7 @@ def test_two_process_ddp_stage_with_the_cnn_spec(digits_images_run, subprocess_e
     """A real 2-rank torchrun stage trains the CNN example; rank 0 alone writes its bundle, which names the spec."""
     config, out = digits_images_run
     result_file = Path(out) / "cnn.json"
-    command = [sys.executable, "-m", "tasks.local_torchrun", "--nproc-per-node=2", "-m", "tasks.train", "--config",
+    command = [sys.executable, "-m", "tasks.training.local_torchrun", "--nproc-per-node=2", "-m", "tasks.train", "--config",
                str(config), "--stage", "s2", "--out", out, "--params", json.dumps({"lr": 0.02}),
                "--override=model.spec=examples.digits_cnn:DigitsCNN", '--override=model.args={"channels": 4}',
                "--result-file", str(result_file)]
@@ -207,7 +207,7 @@ def _regressor(mean: float = 150.0, std: float = 40.0) -> Regressor:
 def test_regressor_rmse_reduces_over_batches_to_the_rmse_of_the_whole():
     """rmse is reported as summed squared errors and a count: two halves reduce to exactly the whole's RMSE
     (a mean of the halves' RMSEs would not), in the target's own units."""
-    from tasks.training import accumulate_metrics
+    from tasks.training.loop import accumulate_metrics
 
     torch.manual_seed(0)
     spec, module = _regressor(), torch.nn.Identity()

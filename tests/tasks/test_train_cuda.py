@@ -1,7 +1,7 @@
 """Stages on a GPU: the growing-batch hand-off and kill-and-resume both load optimizer state onto CUDA.
 
 These run only where CUDA is present (skipped with the reason elsewhere, CI included: its machine has
-no GPU). The CPU tests in test_training.py pin the order that makes them pass: the model is on its
+no GPU). The CPU tests in training/test_loop.py pin the order that makes them pass: the model is on its
 device before the optimizer loads a checkpoint's state.
 """
 
@@ -50,7 +50,7 @@ def test_second_stage_starts_from_the_first_on_the_gpu(digits_run, single_proces
 
 def _torchrun(config: Path, out: str, env: dict, result_name: str) -> subprocess.CompletedProcess:
     overrides = [f"--override={key}={json.dumps(value)}" for key, value in ONE_GPU.items()]
-    command = [sys.executable, "-m", "tasks.local_torchrun", "--nproc-per-node=1", "-m", "tasks.train",  # as the launcher runs it
+    command = [sys.executable, "-m", "tasks.training.local_torchrun", "--nproc-per-node=1", "-m", "tasks.train",  # as the launcher runs it
                "--config", str(config), "--stage", "s1", "--out", out, "--params", json.dumps(PARAMS),
                "--override=train.checkpoint_every_steps=10", "--override=train.stages.0.epochs=3", *overrides,
                "--result-file", str(Path(out) / result_name)]

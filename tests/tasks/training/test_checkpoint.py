@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tasks.checkpoint import CheckpointStore
+from tasks.training.checkpoint import CheckpointStore
 
 
 def _state(step: int) -> dict:

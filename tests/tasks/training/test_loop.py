@@ -13,13 +13,13 @@ import torch
 
 from tasks import preprocess, storage, train
 from tasks.config import load_config
-from tasks.distributed import DistEnv
 from tasks.errors import UserError
 from tasks.loader import ParquetBatches
 from tasks.model import MLPClassifier, build, load_bundle
 from tasks.preprocess import Columns
 from tasks.spec import DataInfo
-from tasks.training import Loop, scaled_lr, warmup_factor
+from tasks.training.distributed import DistEnv
+from tasks.training.loop import Loop, scaled_lr, warmup_factor
 
 CPU = DistEnv(rank=0, local_rank=0, world_size=1, device="cpu")
 

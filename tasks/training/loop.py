@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tasks.distributed import DistEnv
 from tasks.errors import UserError
 from tasks.spec import Average, ModelSpec
+from tasks.training.distributed import DistEnv
 
 if TYPE_CHECKING:
     from tasks.loader import ParquetBatches

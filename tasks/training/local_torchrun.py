@@ -1,6 +1,6 @@
 """torchrun for one machine whose rendezvous store listens on 127.0.0.1 only.
 
-Run: ``python -m tasks.local_torchrun --nproc-per-node=2 [--max-restarts=1] -m tasks.train --stage s1 ...``
+Run: ``python -m tasks.training.local_torchrun --nproc-per-node=2 [--max-restarts=1] -m tasks.train --stage s1 ...``
 (any torchrun option but the rendezvous ones; ``--help`` shows them all).
 
 ``torchrun --standalone`` hosts two TCPStores on every interface (``*:port``): a TCPStore server binds
@@ -8,7 +8,7 @@ the wildcard address whatever host it is given. Here the agent hosts one store i
 bound to 127.0.0.1 before the store takes it over (``master_listen_fd``); the ranks join it as
 clients (``use_agent_store``), and gloo/NCCL pick the loopback interface for their own sockets.
 
-Each rank starts through ``tasks.rank_guard``, which gives it a parent-death SIGKILL before it becomes the rank's
+Each rank starts through ``tasks.training.rank_guard``, which gives it a parent-death SIGKILL before it becomes the rank's
 own command: torch starts ranks in sessions of their own, so without it a rank whose agent is killed runs on.
 """
 
@@ -89,7 +89,7 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 def torchrun_argv(argv: list[str]) -> list[str]:
-    """torchrun's arguments with the loopback rendezvous and every rank started through tasks.rank_guard.
+    """torchrun's arguments with the loopback rendezvous and every rank started through tasks.training.rank_guard.
 
     Refuses rendezvous options, which would undo the loopback store, and ``--run-path``, which would run the
     ranks as this agent's multiprocessing children instead of commands the guard can start.
@@ -100,19 +100,19 @@ def torchrun_argv(argv: list[str]) -> list[str]:
     options = argv[:len(argv) - len(parsed.training_script_args) - 1]  # the script and its arguments end argv
     for arg in options:
         if arg.split("=", 1)[0] in _RENDEZVOUS_OPTIONS:
-            raise SystemExit(f"tasks.local_torchrun: {arg.split('=', 1)[0]} is not accepted: this launcher runs one "
+            raise SystemExit(f"tasks.training.local_torchrun: {arg.split('=', 1)[0]} is not accepted: this launcher runs one "
                              f"node with its rendezvous on {LOOPBACK}")
     if parsed.run_path:
-        raise SystemExit("tasks.local_torchrun: --run-path is not accepted: each rank runs as a process of its own "
+        raise SystemExit("tasks.training.local_torchrun: --run-path is not accepted: each rank runs as a process of its own "
                          "that dies with this agent")
     if parsed.no_python and parsed.module:
-        raise SystemExit("tasks.local_torchrun: --no-python and --module exclude each other")
+        raise SystemExit("tasks.training.local_torchrun: --no-python and --module exclude each other")
     if parsed.no_python:
         rank = [parsed.training_script]
     else:  # the command torchrun itself would give each rank
         rank = [os.getenv("PYTHON_EXEC", sys.executable), "-u", *(["-m"] if parsed.module else []), parsed.training_script]
     # This process becomes the agent, the ranks' parent: the guard checks it is still there once the signal is armed.
-    guard = [sys.executable, "-m", "tasks.rank_guard", str(os.getpid()), *rank, *parsed.training_script_args]
+    guard = [sys.executable, "-m", "tasks.training.rank_guard", str(os.getpid()), *rank, *parsed.training_script_args]
     options = [arg for arg in options if arg not in _ENTRYPOINT_OPTIONS]
     return ["--nnodes=1", f"--rdzv-backend={RENDEZVOUS_BACKEND}", f"--rdzv-endpoint={LOOPBACK}:0", *options,
             "--no-python", *guard]
@@ -121,7 +121,7 @@ def torchrun_argv(argv: list[str]) -> list[str]:
 def command(entry: list[str], args: list[str], nproc_per_node: int, max_restarts: int = 0) -> list[str]:
     """The argv running ``entry`` (``[script]`` or ``["-m", module]``) with ``args`` under this launcher: the one torchrun
     command of the Airflow launcher's DDP sub-jobs and of tasks.sweep's bring-your-own trials."""
-    return [sys.executable, "-m", "tasks.local_torchrun", f"--nproc-per-node={nproc_per_node}",
+    return [sys.executable, "-m", "tasks.training.local_torchrun", f"--nproc-per-node={nproc_per_node}",
             f"--max-restarts={max_restarts}", *entry, *args]
 
 

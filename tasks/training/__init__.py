@@ -1,0 +1,9 @@
+"""The training library under the sub-jobs (tasks.train runs a stage, tasks.sweep its trials).
+
+- :mod:`tasks.training.loop`: the one training loop of sweep trials and DDP stages (batch arithmetic,
+  LR rules, warmup, divergence checks, validation metrics reduced across ranks);
+- :mod:`tasks.training.checkpoint`: checkpoints written by rank 0 and exact resume;
+- :mod:`tasks.training.distributed`: the torchrun environment, read once;
+- :mod:`tasks.training.local_torchrun` and :mod:`tasks.training.rank_guard`: torchrun on one machine with the
+  rendezvous on loopback and no rank outliving its agent.
+"""
