@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tasks.contract import STAGE_VALUES
 from tasks.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -372,9 +373,9 @@ class Sweep(_Strict):
         return {name: list(space.grid or getattr(space, "choices", [])) for name, space in self.search_space.items()}
 
 
-# The stage values a user's entrypoint gets: each as $STAGEWISE_<NAME> and as {name} in its args (tasks.train fills them).
-STAGE_CONTRACT = ("config", "stage", "run_prefix", "output_dir", "checkpoint_dir", "data_manifest", "init_from",
-                  "params", "per_process_batch", "grad_accum_steps", "global_batch", "lr", "epochs", "seed")
+# The stage values a user's entrypoint gets: each as $STAGEWISE_<NAME> and as {name} in its args (tasks.train fills
+# them); named once, in tasks.contract.
+STAGE_CONTRACT = STAGE_VALUES
 # params is a JSON object (braces and all): a script reads it from $STAGEWISE_PARAMS, not from an argument.
 ARG_PLACEHOLDERS = tuple(name for name in STAGE_CONTRACT if name != "params")
 

@@ -25,6 +25,9 @@ def _declare(group: dict[str, str], name: str, doc: str) -> str:
     return name
 
 
+CONFIG = _declare(STAGE_ENV, "STAGEWISE_CONFIG", "Path of the pipeline YAML the run uses.")
+STAGE = _declare(STAGE_ENV, "STAGEWISE_STAGE", "The stage's name.")
+RUN_PREFIX = _declare(STAGE_ENV, "STAGEWISE_RUN_PREFIX", "The run's storage prefix (`runs/<dag_id>/<run_id>`).")
 DATA_MANIFEST = _declare(STAGE_ENV, "STAGEWISE_DATA_MANIFEST",
                          "URI of the committed preprocess manifest: the train/validation/test files, features, "
                          "label and normalisation stats.")
@@ -44,9 +47,9 @@ GLOBAL_BATCH = _declare(STAGE_ENV, "STAGEWISE_GLOBAL_BATCH",
 LR = _declare(STAGE_ENV, "STAGEWISE_LR", "The learning rate, already rescaled for the global batch (`train.lr_rule`); a trial's is the suggested one.")
 EPOCHS = _declare(STAGE_ENV, "STAGEWISE_EPOCHS", "Epochs this stage trains (a trial: `sweep.epochs`).")
 SEED = _declare(STAGE_ENV, "STAGEWISE_SEED", "The run's seed (`train.seed`; a trial: `sweep.seed` plus its number).")
-STAGE = _declare(STAGE_ENV, "STAGEWISE_STAGE", "The stage's name.")
-RUN_PREFIX = _declare(STAGE_ENV, "STAGEWISE_RUN_PREFIX", "The run's storage prefix (`runs/<dag_id>/<run_id>`).")
-CONFIG = _declare(STAGE_ENV, "STAGEWISE_CONFIG", "Path of the pipeline YAML the run uses.")
+STAGE_VALUES: tuple[str, ...] = tuple(name.removeprefix("STAGEWISE_").lower() for name in STAGE_ENV)
+"""The stage's own values (config through seed, above), by the name an entrypoint's ``{name}`` arg uses (tasks.config)."""
+
 OVERRIDES = _declare(STAGE_ENV, "STAGEWISE_OVERRIDES",
                      "The run's config overrides (e.g. from the trigger form) as a JSON object of dotted key -> "
                      "value; `tasks.config.load_config(path, overrides)` applies them.")
