@@ -43,9 +43,10 @@ def evaluate(config: PipelineConfig, model_uri: str, out: str) -> dict[str, Any]
         raise UserError(f"{model_uri}: model features differ from the run's preprocess manifest")
     batches = [(torch.from_numpy(features[i : i + 8192]), torch.from_numpy(labels[i : i + 8192]))
                for i in range(0, len(labels), 8192)]
+    predicted: list[Any] = []
     with torch.no_grad():
-        sums = accumulate_metrics(bundle.spec, model, batches, "cpu")
-        predicted = [bundle.spec.predict(model(bundle.spec.batch(x, y)[0])).get("prediction") for x, y in batches]
+        sums = accumulate_metrics(bundle.spec, model, batches, "cpu",
+                                  on_outputs=lambda outputs, _: predicted.append(bundle.spec.predict(outputs).get("prediction")))
     values = {name: (total / max(count, 1e-12)) ** (0.5 if root else 1) for name, (total, count, root) in sums.items()}
     metrics: dict[str, Any] = {f"test_{name}": float(value) for name, value in values.items()}
     metrics.update({"test_rows": int(len(labels)), "model_uri": model_uri, "spec": bundle.ref.path,

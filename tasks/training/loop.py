@@ -288,12 +288,16 @@ def check_spec(spec: ModelSpec, module: nn.Module, features: torch.Tensor, label
 
 
 def accumulate_metrics(spec: ModelSpec, module: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                       device: str) -> dict[str, tuple[float, float, bool]]:
-    """Sum a spec's metrics (and its loss) over batches: name -> (total, count, root). Shared by validation and test."""
+                       device: str, on_outputs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                       ) -> dict[str, tuple[float, float, bool]]:
+    """Sum a spec's metrics (and its loss) over batches: name -> (total, count, root). Shared by validation and test;
+    ``on_outputs(outputs, targets)`` sees each batch's outputs too, so a caller needs no second forward pass."""
     totals: dict[str, list[Any]] = {}
     for features, labels in batches:
         inputs, targets = spec.batch(features.to(device), labels.to(device))
         outputs = module(inputs)
+        if on_outputs is not None:
+            on_outputs(outputs, targets)
         reported = spec.metrics(outputs, targets)
         if not isinstance(reported, dict):
             raise UserError(f"{type(spec).__name__}.metrics must return a dict of name -> Average, got {type(reported).__name__}")
