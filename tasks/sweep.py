@@ -235,26 +235,20 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
     import optuna
     import torch
 
-    from tasks.loader import split_batches
-    from tasks.model import model_for_run
     from tasks.preprocess import read_manifest
     from tasks.training.distributed import distributed_job
-    from tasks.training.loop import Loop, make_optimizer
+    from tasks.training.loop import rank_batches, start_loop
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sweep = config.sweep
     profile = config.profile(sweep.profile)
     with distributed_job(profile.device, profile.threads_per_process) as env:
         manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
-        train = split_batches(manifest, "train", rank=env.rank, world_size=env.world_size, batch_size=sweep.batch_size,
-                              seed=sweep.seed)
-        validation = split_batches(manifest, "validation", rank=env.rank, world_size=env.world_size, batch_size=4096,
-                                   seed=0, shuffle=False)
-        # Every rank computes the same step count from Parquet metadata, so all refuse together (no DDP hang).
-        if train.steps_per_epoch(0) == 0:
-            raise UserError(f"sweep.batch_size {sweep.batch_size} exceeds the ~{train.num_rows // env.world_size} train rows "
-                            f"each of {env.world_size} process(es) gets (sweep.profile '{sweep.profile}'): a trial would "
-                            f"take no optimizer step; lower sweep.batch_size or the process count")
+        train, validation = rank_batches(
+            manifest, env, batch_size=sweep.batch_size, seed=sweep.seed,
+            too_few_rows=lambda rows: (f"sweep.batch_size {sweep.batch_size} exceeds the ~{rows} train rows each of "
+                                       f"{env.world_size} process(es) gets (sweep.profile '{sweep.profile}'): a trial would "
+                                       f"take no optimizer step; lower sweep.batch_size or the process count"))
         study, remaining = _worker_study(sweep, name, worker) if env.master else (None, 0)
         remaining = _broadcast(env, remaining)
         fault_trial = int(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
@@ -273,10 +267,8 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
             if not error:
                 try:
                     torch.manual_seed(sweep.seed + (trial.number if trial else 0))
-                    built = model_for_run(config, manifest, suggested)
-                    params, model = built.params, built.module.to(env.device)
-                    loop = Loop(model=model, optimizer=make_optimizer(model, params), env=env, train=train,
-                                validation=validation, spec=built.spec, objective=config.objective.metric, seed=sweep.seed)
+                    built, loop = start_loop(config, manifest, env, suggested, train, validation, seed=sweep.seed)
+                    params = built.params
                     for epoch in range(sweep.epochs):
                         value = loop.train_epoch(lambda _step: params["lr"]).val_metric  # identical on every rank
                         steps = loop.position.step

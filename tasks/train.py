@@ -217,12 +217,11 @@ def _fault_step(rank: int) -> int | None:
 def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str, Any], init_from: str | None) -> dict[str, Any]:
     import torch
 
-    from tasks.loader import split_batches
-    from tasks.model import load_torch, model_for_run, preprocessing_of, restore_training_state, save_bundle, save_torch
+    from tasks.model import load_torch, preprocessing_of, restore_training_state, save_bundle, save_torch
     from tasks.preprocess import read_manifest
     from tasks.training.checkpoint import CheckpointStore
     from tasks.training.distributed import distributed_job
-    from tasks.training.loop import Diverged, Loop, Position, eta_s, make_optimizer, scaled_lr, warmup_factor
+    from tasks.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, start_loop, warmup_factor
 
     stage = config.stage(stage_name)
     profile = config.profile(stage.profile)
@@ -231,17 +230,15 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         micro_batch = stage.micro_batch(env.world_size)
         global_batch = micro_batch * env.world_size * stage.grad_accum_steps
         data_seed = config.train.seed + 7919 * (config.train.stages.index(stage) + 1)
-        train = split_batches(manifest, "train", rank=env.rank, world_size=env.world_size, batch_size=micro_batch, seed=data_seed)
-        validation = split_batches(manifest, "validation", rank=env.rank, world_size=env.world_size, batch_size=4096,
-                                   seed=0, shuffle=False)
-        if train.steps_per_epoch(0) == 0:
-            raise UserError(f"stage {stage.name}: per-process batch {micro_batch} exceeds the ~{train.num_rows // env.world_size} "
-                            f"train rows each of {env.world_size} rank(s) gets; lower the batch or the process count")
+        train, validation = rank_batches(
+            manifest, env, batch_size=micro_batch, seed=data_seed,
+            too_few_rows=lambda rows: (f"stage {stage.name}: per-process batch {micro_batch} exceeds the ~{rows} train rows "
+                                       f"each of {env.world_size} rank(s) gets; lower the batch or the process count"))
         torch.manual_seed(config.train.seed)
-        built = model_for_run(config, manifest, swept)
-        params = built.params
-        model = built.module.to(env.device)  # before the optimizer exists or loads state: its buffers follow the params
-        optimizer = make_optimizer(model, params)
+        # Checked at each checkpoint step too, so no checkpoint is ever written from NaN weights.
+        built, loop = start_loop(config, manifest, env, swept, train, validation, seed=data_seed,
+                                 grad_accum_steps=stage.grad_accum_steps, check_every_steps=config.train.checkpoint_every_steps)
+        params, model, optimizer = built.params, loop.module, loop.optimizer
         digest = config_hash(stage.model_dump(), params, env.world_size, config.train.seed)
         prefix = stage_prefix(out, stage.name)
         checkpoints = CheckpointStore(prefix, keep_last=config.train.keep_checkpoints)
@@ -269,10 +266,6 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
 
         lr = scaled_lr(params["lr"], global_batch, config.train.base_batch, config.train.lr_rule)
         warmup = stage.warmup_steps if (previous_batch is None or global_batch > previous_batch) else 0
-        # Checked at each checkpoint step too, so no checkpoint is ever written from NaN weights.
-        loop = Loop(model=model, optimizer=optimizer, env=env, train=train, validation=validation, spec=built.spec,
-                    objective=config.objective.metric, grad_accum_steps=stage.grad_accum_steps, seed=data_seed,
-                    check_every_steps=config.train.checkpoint_every_steps)
         loop.position = position
         fault_step = _fault_step(env.rank) if resumed_from is None else None
 

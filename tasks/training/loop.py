@@ -25,6 +25,7 @@ from tasks.training.distributed import DistEnv
 
 if TYPE_CHECKING:
     from tasks.loader import ParquetBatches
+    from tasks.model import BuiltModel
 
 log = logging.getLogger("stagewise.train")
 
@@ -310,6 +311,36 @@ def accumulate_metrics(spec: ModelSpec, module: nn.Module, batches: Iterable[tup
             entry[0] = entry[0] + value.total  # stays on the device until the end: no sync per batch
             entry[1] = entry[1] + value.count
     return {name: (float(total), float(count), root) for name, (total, count, root) in totals.items()}
+
+
+def rank_batches(manifest: dict[str, Any], env: DistEnv, *, batch_size: int, seed: int,
+                 too_few_rows: Callable[[int], str]) -> tuple[ParquetBatches, ParquetBatches]:
+    """This rank's shuffled train batches and its validation batches. A batch that leaves no optimizer step is a user
+    error (``too_few_rows(rows per rank)`` says which setting); every rank reads the same Parquet metadata, so all refuse
+    together and none hangs in DDP."""
+    from tasks.loader import split_batches
+
+    train = split_batches(manifest, "train", rank=env.rank, world_size=env.world_size, batch_size=batch_size, seed=seed)
+    validation = split_batches(manifest, "validation", rank=env.rank, world_size=env.world_size, batch_size=4096,
+                               seed=0, shuffle=False)
+    if train.steps_per_epoch(0) == 0:
+        raise UserError(too_few_rows(train.num_rows // env.world_size))
+    return train, validation
+
+
+def start_loop(config: Any, manifest: dict[str, Any], env: DistEnv, swept: dict[str, Any], train: ParquetBatches,
+               validation: ParquetBatches, *, seed: int, grad_accum_steps: int = 1,
+               check_every_steps: int | None = None) -> tuple[BuiltModel, Loop]:
+    """The one setup of a sweep trial and a training stage: the config's model built with these hyperparameters, on the
+    rank's device, its optimizer, and the loop over the rank's batches (seed the RNG first for a reproducible init)."""
+    from tasks.model import model_for_run
+
+    built = model_for_run(config, manifest, swept)
+    model = built.module.to(env.device)  # before the optimizer exists or loads state: its buffers follow the params
+    loop = Loop(model=model, optimizer=make_optimizer(model, built.params), env=env, train=train, validation=validation,
+                spec=built.spec, objective=config.objective.metric, grad_accum_steps=grad_accum_steps, seed=seed,
+                check_every_steps=check_every_steps)
+    return built, loop
 
 
 def make_optimizer(model: nn.Module, params: dict) -> torch.optim.Optimizer:
