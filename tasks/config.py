@@ -35,10 +35,52 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class SageMakerSettings(_Strict):
+    """One SageMaker training job per stage try, all its nodes gang-scheduled by SageMaker (backend 'sagemaker')."""
+
+    instance_type: str = Field(description="Instance type of every node, e.g. ml.g5.12xlarge.")
+    image_uri: str = Field(description="The runtime image (docker/runtime.Dockerfile) pushed to ECR.")
+    role_arn: str = Field(pattern=r"^arn:aws[\w-]*:iam::\d{12}:role/.+$",
+                          description="IAM role the job runs as: reads the run's data, writes checkpoints and models.")
+    volume_size_gb: int = Field(100, ge=1, le=16384, description="EBS volume of each node, in GB.")
+    max_run_s: int = Field(86400, ge=60, description="The job's MaxRuntimeInSeconds.")
+    use_spot: bool = Field(False, description="Managed spot training; an interrupted job resumes from its S3 checkpoints.")
+    max_wait_s: int | None = Field(None, ge=60, description="MaxWaitTimeInSeconds with spot, above max_run_s; empty: 2 x max_run_s.")
+    spot_fallback_on_last_retry: bool = Field(True, description="The stage's last Airflow try runs on demand instead of spot.")
+    region: str = Field("", description="AWS region of the job; empty: the connection's or the environment's.")
+    aws_conn_id: str = Field("aws_default", description="Airflow connection for the SageMaker API.")
+
+    @model_validator(mode="after")
+    def _wait_above_run(self) -> SageMakerSettings:
+        if self.max_wait_s is not None and not self.use_spot:
+            raise ValueError("max_wait_s applies to spot training only (use_spot: true)")
+        if self.max_wait_s is not None and self.max_wait_s <= self.max_run_s:
+            raise ValueError(f"max_wait_s {self.max_wait_s} must exceed max_run_s {self.max_run_s}: it includes the spot wait")
+        return self
+
+
+class KubernetesSettings(_Strict):
+    """One Indexed Job (a pod per node) and a headless Service per stage try (backend 'kubernetes')."""
+
+    image: str = Field(description="The runtime image (docker/runtime.Dockerfile) the pods run.")
+    namespace: str = Field("default", description="Namespace of the Job and its Service.")
+    gpus_per_pod: int = Field(0, ge=0, le=16, description="nvidia.com/gpu limit of each pod (usually processes_per_node).")
+    cpu: str = Field("", description="CPU request and limit of each pod, e.g. '8'; empty: none.")
+    memory: str = Field("", description="Memory request and limit of each pod, e.g. '32Gi'; empty: none.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods must match.")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations, as in a pod spec.")
+    service_account: str = Field("", description="Service account of the pods (e.g. with IRSA for S3); empty: the namespace's default.")
+    kubernetes_conn_id: str = Field("kubernetes_default", description="Airflow connection for the cluster's API.")
+    rendezvous_port: int = Field(29400, ge=1024, le=65535, description="torchrun's c10d rendezvous port on pod 0.")
+    join_timeout_s: int = Field(900, ge=60, description="How long torchrun waits for every pod to join (above scheduling time).")
+
+
 class Profile(_Strict):
     """Where and how a sub-job runs: the launcher plus Airflow's own knobs."""
 
-    backend: Literal["local"] = Field("local", description="Launcher: 'local' runs processes on the worker.")
+    backend: Literal["local", "sagemaker", "kubernetes"] = Field(
+        "local", description="Launcher: 'local' runs processes on the worker; 'sagemaker'/'kubernetes' submit a train stage's whole gang as one job.")
+    nodes: int = Field(1, ge=1, le=512, description="Nodes (instances or pods) of a train stage; fixed, so the global batch is too.")
     processes_per_node: int = Field(1, ge=1, le=64, description="Processes per node (torchrun --nproc-per-node).")
     threads_per_process: int = Field(1, ge=1, le=256, description="Intra-op threads per process (OMP/torch).")
     device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="Device: cpu, cuda, or auto (cuda if present).")
@@ -51,6 +93,26 @@ class Profile(_Strict):
     max_retry_delay_s: float = Field(300.0, ge=0, description="Cap on the retry delay.")
     execution_timeout_s: float = Field(3600.0, gt=0, description="Seconds after which the task and its processes are killed.")
     max_restarts: int = Field(0, ge=0, le=10, description="torchrun --max-restarts inside one Airflow try.")
+    sagemaker: SageMakerSettings | None = Field(None, description="The SageMaker job settings (backend 'sagemaker').")
+    kubernetes: KubernetesSettings | None = Field(None, description="The Kubernetes Job settings (backend 'kubernetes').")
+
+    @property
+    def world_size(self) -> int:
+        """Processes of one job over all its nodes: what batch arithmetic and the LR rules count."""
+        return self.nodes * self.processes_per_node
+
+    @model_validator(mode="after")
+    def _backend_settings(self) -> Profile:
+        for backend in ("sagemaker", "kubernetes"):
+            settings = getattr(self, backend)
+            if self.backend == backend and settings is None:
+                raise ValueError(f"backend '{backend}' needs a '{backend}:' block (see the README's section on it)")
+            if self.backend != backend and settings is not None:
+                raise ValueError(f"a '{backend}:' block belongs to backend '{backend}', not '{self.backend}'")
+        if self.backend == "local" and self.nodes != 1:
+            raise ValueError(f"backend 'local' runs on one worker: nodes must be 1, not {self.nodes} "
+                             f"(use backend sagemaker or kubernetes for several nodes)")
+        return self
 
 
 def filesystem_problem(uri: str) -> str | None:
@@ -611,8 +673,12 @@ class PipelineConfig(_Strict):
             if profile.pool in self.pools and profile.pool_slots > self.pools[profile.pool].slots:
                 raise ValueError(f"profiles.{name}.pool_slots: {profile.pool_slots} exceeds the {self.pools[profile.pool].slots} "
                                  f"slot(s) of pool '{profile.pool}'; the task could never start")
+        for name, profile in self.profiles.items():
+            if profile.backend == "sagemaker" and not self.storage_root.startswith("s3://"):
+                raise ValueError(f"profiles.{name}: backend 'sagemaker' reads and writes the run through S3, but storage_root "
+                                 f"is '{self.storage_root}'; give an s3:// storage_root")
         for index, stage in enumerate(self.train.stages):
-            world = self.profiles[stage.profile].processes_per_node
+            world = self.profiles[stage.profile].world_size
             if stage.global_batch is not None and stage.global_batch % (world * stage.grad_accum_steps):
                 raise ValueError(
                     f"train.stages[{index}] ({stage.name}): global_batch {stage.global_batch} does not divide into "
@@ -624,6 +690,10 @@ class PipelineConfig(_Strict):
                 continue
             if self.profiles[name].processes_per_node != 1:
                 raise ValueError(f"{where}: profile '{name}' has processes_per_node > 1; only train stages and sweep trials run DDP")
+        for where, name in used.items():
+            if not where.startswith("train.") and self.profiles[name].backend != "local":
+                raise ValueError(f"{where}: profile '{name}' has backend '{self.profiles[name].backend}'; only train stages "
+                                 f"run as SageMaker or Kubernetes jobs (give this step a local profile)")
         return self
 
     def arg_placeholders(self) -> list[str]:
@@ -773,7 +843,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.reference:
         print("| key | meaning | default |\n|---|---|---|")
         print("\n".join(reference()))
-        for model in (Profile, TrainStage, EntryPoint, Sampler, Pruner, FloatParam, IntParam, CategoricalParam):
+        for model in (Profile, SageMakerSettings, KubernetesSettings, TrainStage, EntryPoint, Sampler, Pruner, FloatParam,
+                      IntParam, CategoricalParam):
             print(f"\n`{model.__name__}` ({model.__doc__.splitlines()[0]})\n\n| key | meaning | default |\n|---|---|---|")
             print("\n".join(reference(model)))
         return

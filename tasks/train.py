@@ -77,7 +77,7 @@ def byo_contract(config: PipelineConfig, config_file: str, stage_name: str, out:
                  init_from: str | None) -> dict[str, Any]:
     """The stage's values a user's own script gets, by name (tasks.config.STAGE_CONTRACT), typed."""
     stage = config.stage(stage_name)
-    world = config.profile(stage.profile).processes_per_node
+    world = config.profile(stage.profile).world_size
     micro = stage.micro_batch(world)
     global_batch = micro * world * stage.grad_accum_steps
     params = resolve_params(config, swept)
@@ -185,7 +185,7 @@ def byo_result(config: PipelineConfig, stage_name: str, out: str, contract: dict
     if params is not None and not isinstance(params, dict):
         raise UserError(f"stage {stage.name}: 'params' in the script's result JSON ($STAGEWISE_RESULT_FILE) must be an "
                         f"object of the hyperparameters it trained with, got {type(params).__name__} {params!r}")
-    result = {"stage": stage.name, "world_size": config.profile(stage.profile).processes_per_node,
+    result = {"stage": stage.name, "world_size": config.profile(stage.profile).world_size,
               "global_batch": contract["global_batch"], "lr": contract["lr"], "epochs": stage.epochs,
               "val_metric": last.get("metrics", {}).get(config.objective.metric),
               "checkpoint_uri": outputs["final.pt"], "model_uri": outputs["model.pt"], **reported}

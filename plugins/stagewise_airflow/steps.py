@@ -184,6 +184,12 @@ def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous
     config = run_config(run)
     spec = config.stage(stage)
     init_from = previous["checkpoint_uri"] if previous else None
+    backend = config.profile(spec.profile).backend
+    if backend != "local":  # the job submitters are not in this build yet: refuse plainly, never run it locally instead
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException(f"stage {stage}: profile '{spec.profile}' has backend '{backend}', whose job launcher "
+                                   f"is not available yet; use backend local")
     if spec.entrypoint is None:
         args = ["--stage", stage, "--out", run["out"], "--params", json.dumps(swept["best_params"])]
         return _launch(run, "tasks.train", args + (["--init-from", init_from] if init_from else []), spec.profile, distributed=True)

@@ -390,3 +390,56 @@ def test_example_configs_load(name):
     config = load_config(REPO_ROOT / "examples" / f"{name}.yaml")
     assert (config.dataset.num_classes is None) == (name == "diabetes")
     assert config.dataset.shapes == ({"image": [1, 8, 8]} if name == "digits_cnn" else {})
+
+
+SAGEMAKER = {"instance_type": "ml.g5.12xlarge", "image_uri": "123456789012.dkr.ecr.eu-west-1.amazonaws.com/stagewise:1",
+             "role_arn": "arn:aws:iam::123456789012:role/stagewise-training"}
+KUBERNETES = {"image": "registry.example/stagewise:1", "gpus_per_pod": 8}
+
+
+def _multinode(storage_root, backend: str, **profile) -> dict:
+    raw = base_config(storage_root)
+    raw["storage_root"] = "s3://bucket/stagewise"
+    raw["profiles"]["ddp2"].update({"backend": backend, "nodes": 2, backend: SAGEMAKER if backend == "sagemaker" else KUBERNETES,
+                                    **profile})
+    return raw
+
+
+@pytest.mark.parametrize("backend", ["sagemaker", "kubernetes"])
+def test_a_multinode_stage_counts_every_process_on_every_node(write_config, storage_root, backend):
+    """nodes x processes_per_node is the world size the batch arithmetic uses: a global batch must divide by it."""
+    raw = _multinode(storage_root, backend, processes_per_node=2)
+    config = load_config(write_config(raw))
+    assert config.profile("ddp2").world_size == 4
+    raw["train"]["stages"][1].update({"global_batch": 6, "per_process_batch": None})
+    with pytest.raises(ConfigError, match=r"global_batch 6 does not divide into 4 process\(es\)"):
+        load_config(write_config(raw))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"backend": "local", "nodes": 2, "sagemaker": None}, "backend 'local' runs on one worker: nodes must be 1"),
+    ({"sagemaker": None}, "backend 'sagemaker' needs a 'sagemaker:' block"),
+    ({"kubernetes": KUBERNETES}, "a 'kubernetes:' block belongs to backend 'kubernetes', not 'sagemaker'"),
+    ({"sagemaker": {**SAGEMAKER, "use_spot": True, "max_run_s": 3600, "max_wait_s": 3600}}, "max_wait_s 3600 must exceed max_run_s 3600"),
+    ({"sagemaker": {**SAGEMAKER, "max_wait_s": 7200}}, "max_wait_s applies to spot training only"),
+    ({"sagemaker": {**SAGEMAKER, "role_arn": "stagewise-training"}}, "role_arn"),
+])
+def test_a_profile_that_cannot_run_is_refused_when_the_config_loads(write_config, storage_root, change, message):
+    """Backends and their settings are checked at load time, naming the setting, not when a job is submitted."""
+    raw = _multinode(storage_root, "sagemaker")
+    raw["profiles"]["ddp2"].update(change)
+    with pytest.raises(ConfigError, match=message):
+        load_config(write_config(raw))
+
+
+def test_sagemaker_needs_an_s3_storage_root_and_only_train_stages_leave_the_worker(write_config, storage_root):
+    """A SageMaker job reads and writes the run through S3; preprocessing, sweep, evaluation and inference stay local."""
+    raw = _multinode(storage_root, "sagemaker")
+    raw["storage_root"] = str(storage_root)
+    with pytest.raises(ConfigError, match="backend 'sagemaker' reads and writes the run through S3"):
+        load_config(write_config(raw))
+    raw = _multinode(storage_root, "kubernetes")
+    raw["evaluate"]["profile"] = "ddp2"
+    raw["profiles"]["ddp2"]["processes_per_node"] = 1
+    with pytest.raises(ConfigError, match="evaluate.profile: profile 'ddp2' has backend 'kubernetes'; only train stages"):
+        load_config(write_config(raw))
