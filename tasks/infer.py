@@ -167,12 +167,12 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
                     inputs = bundle.spec.batch(scaled, torch.zeros(len(scaled), dtype=torch.int64))[0]
                     predicted = bundle.spec.predict(model(inputs))
                 keys = batch.column(key).filter(pa.array(valid))
-                columns = {key: keys}
+                scored = {key: keys}
                 for field in output_schema:
                     if field.name in predicted:
-                        columns[field.name] = _to_arrow(predicted[field.name], field.type)
-                columns["model_version"] = pa.repeat(pa.scalar(version, pa.string()), len(keys))
-                writer.write_table(pa.table(columns, schema=output_schema))
+                        scored[field.name] = _to_arrow(predicted[field.name], field.type)
+                scored["model_version"] = pa.repeat(pa.scalar(version, pa.string()), len(keys))
+                writer.write_table(pa.table(scored, schema=output_schema))
                 rows += len(keys)
                 offset += batch.num_rows
                 elapsed = time.monotonic() - started

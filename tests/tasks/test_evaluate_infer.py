@@ -157,10 +157,12 @@ def _read(manifest: dict) -> pa.Table:
     return pa.concat_tables([pq.read_table(entry["uri"]) for entry in manifest["files"]])
 
 
-def test_score_and_commit(trained):
-    """Scored rows carry key, prediction = argmax of probabilities summing to 1, and the model version; the manifest counts them."""
+@pytest.mark.parametrize("batch_size", [1024, 128])
+def test_score_and_commit(trained, batch_size):
+    """Scored rows carry key, prediction = argmax of probabilities summing to 1, and the model version; the manifest
+    counts them; the same whether a shard is one batch or several (batch_size 128 < rows_per_shard)."""
     config_path, out, model_uri = trained
-    config = load_config(config_path)
+    config = load_config(config_path, {"inference.batch_size": batch_size})
     raw = storage.resolve(config.storage_root, config.dataset.uri)
     shards = infer.plan(raw, rows_per_shard=config.inference.rows_per_shard)
     committed = infer.commit(out, model_uri, _score_all(config, model_uri, shards, out))
