@@ -166,7 +166,7 @@ def moto_aws(s3_endpoint, monkeypatch):
     return s3_endpoint
 
 
-def test_a_stage_runs_as_a_training_job_on_motos_sagemaker_and_returns_the_stages_result(tmp_path, moto_aws, caplog):
+def test_a_stage_runs_as_a_training_job_on_motos_sagemaker_and_returns_the_stages_result(tmp_path, moto_aws, caplog, capsys):
     """Submitted through SageMakerHook; moto holds the request as sent; the result is the metrics.json the job wrote."""
     import boto3
     import s3fs
@@ -201,14 +201,14 @@ def test_a_stage_runs_as_a_training_job_on_motos_sagemaker_and_returns_the_stage
     assert received["EnableManagedSpotTraining"] is True
     sent = {k: v for k, v in received["AlgorithmSpecification"].items() if k != "MetricDefinitions"}  # moto adds one
     assert sent == request["AlgorithmSpecification"]
-    logged = caplog.text
+    logged = caplog.text + capsys.readouterr().out  # once Airflow's logging is configured, structlog prints it
     assert f"submitting SageMaker job {request['TrainingJobName']}: 2 x ml.g5.12xlarge" in logged
     assert "Starting: Preparing the instances for training" in logged and "Completed / Completed" in logged
 
     # The same try again (a worker restart mid-wait): attaches to the job moto holds, submits nothing new.
     caplog.clear()
     assert sagemaker.run_stage(config, request=request, out=out, stage="s2", poll_s=0) == result
-    assert "exists (this try submitted it before): attaching" in caplog.text
+    assert "exists (this try submitted it before): attaching" in caplog.text + capsys.readouterr().out
 
 
 def test_a_job_that_succeeded_without_committing_its_metrics_is_retried(tmp_path, moto_aws):
@@ -224,3 +224,55 @@ def test_a_job_that_succeeded_without_committing_its_metrics_is_retried(tmp_path
     with pytest.raises(RuntimeError, match="wrote no .*metrics.json; retrying"):
         sagemaker.run_stage(config, request=request, out=args["out"], stage="s2", poll_s=0)
     assert RUN["dag_id"] in args["out"]
+
+
+def test_train_stage_submits_a_sagemaker_profiles_stage_as_a_job_and_refuses_an_entrypoint_there(tmp_path, moto_aws,
+                                                                                                monkeypatch):
+    """steps.train_stage dispatches on the profile's backend: the stage's result comes back from the job, never a local run."""
+    import types
+
+    import s3fs
+    from airflow.sdk.exceptions import AirflowFailException
+
+    import stagewise_airflow
+    from stagewise_airflow import launch, steps
+
+    path, config = backend_config(tmp_path, "sagemaker", storage_root="s3://stagewise-test/dispatch")
+    args = job_args(path, config, attempt=3)
+    fs = s3fs.S3FileSystem()
+    if not fs.exists("stagewise-test"):
+        fs.mkdir("stagewise-test")
+    fs.pipe(f"{args['out']}/preprocess/manifest.json".removeprefix("s3://"), b"{}")
+    fs.pipe(f"{args['out']}/train/s2/metrics.json".removeprefix("s3://"),
+            json.dumps({"stage": "s2", "world_size": 4, "complete": True}).encode())
+    monkeypatch.setattr(stagewise_airflow, "REPO_ROOT", str(tmp_path))
+    monkeypatch.setattr(steps, "_context", lambda: {"ti": types.SimpleNamespace(try_number=3)})
+    monkeypatch.setattr(launch, "run", lambda *a, **k: pytest.fail("a sagemaker stage must not run on the worker"))
+    run = {**RUN, "config": str(path), "overrides": {}, "out": args["out"]}
+    result = steps.train_stage(run, "s2", {"best_params": {"lr": 0.05}}, {"checkpoint_uri": f"{args['out']}/train/s1/final.pt"})
+    assert result["world_size"] == 4 and result["attempt"] == 3 and "duration_s" in result
+    import boto3
+
+    name = sagemaker.job_name(RUN["dag_id"], RUN["run_id"], "s2", 3)
+    received = boto3.client("sagemaker", region_name="us-east-1").describe_training_job(TrainingJobName=name)
+    arguments = received["AlgorithmSpecification"]["ContainerArguments"]
+    assert arguments[arguments.index("--init-from") + 1] == f"{args['out']}/train/s1/final.pt"
+    assert received["EnableManagedSpotTraining"] is False  # try 3 of retries 2: the last one runs on demand
+
+    with_entrypoint = yaml_with(path, {"train.stages.1.entrypoint": {"module": "my_train"}})
+    run = {**run, "config": str(with_entrypoint)}
+    with pytest.raises(AirflowFailException, match="an entrypoint .* runs on backend local only"):
+        steps.train_stage(run, "s2", {"best_params": {}}, None)
+
+
+def yaml_with(path, changes: dict):
+    """A copy of the config at ``path`` with dotted keys set (written next to it)."""
+    import yaml
+
+    from tasks.config import _apply_overrides
+
+    raw = yaml.safe_load(path.read_text())
+    _apply_overrides(raw, changes)
+    copy = path.with_name("changed.yaml")
+    copy.write_text(yaml.safe_dump(raw))
+    return copy
