@@ -5,15 +5,21 @@ which always ends with both objects deleted."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+
+# Imported here, not in a test: Airflow configures its logging on first import, onto whatever stdout is then;
+# inside a test that is pytest's per-test capture, closed when the test ends.
+from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+from airflow.sdk.exceptions import AirflowFailException
 
 from stagewise_airflow.backends import kubernetes, node_command
 from tasks.errors import USER_ERROR_EXIT
 from tests.plugins.backend_configs import backend_config, job_args
 from tests.plugins.fake_kube_api import FakeKubeAPI
 
-DNS_1123_LABEL = kubernetes.DNS_LABEL
+DNS_1123_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # a Service name must start with a letter too
 
 
 def _serialized(obj):
@@ -138,8 +144,6 @@ def test_a_completed_job_returns_the_stages_result_and_leaves_nothing_behind(sta
 
 
 def test_a_pod_that_exited_with_the_user_error_code_fails_without_retry(stage_on):
-    from airflow.sdk.exceptions import AirflowFailException
-
     pods = [_pod("j-0", USER_ERROR_EXIT, "stage s2: per-process batch 64 exceeds the ~40 train rows"), _pod("j-1", 143, "")]
     with FakeKubeAPI([_running(), _ended("Failed", "PodFailurePolicy")], pods=pods) as api:
         name, _, run = stage_on(api)
@@ -151,8 +155,6 @@ def test_a_pod_that_exited_with_the_user_error_code_fails_without_retry(stage_on
 
 
 def test_a_job_failed_by_infrastructure_is_retried(stage_on):
-    from airflow.sdk.exceptions import AirflowFailException
-
     pods = [_pod("j-0", 137, "OOMKilled"), _pod("j-1", 1, "torch.distributed: connection to rendezvous lost")]
     with FakeKubeAPI([_ended("Failed", "BackoffLimitExceeded")], pods=pods) as api:
         _, _, run = stage_on(api)
@@ -163,8 +165,6 @@ def test_a_job_failed_by_infrastructure_is_retried(stage_on):
 
 
 def test_a_refused_job_fails_without_retry_and_its_service_is_deleted(stage_on):
-    from airflow.sdk.exceptions import AirflowFailException
-
     with FakeKubeAPI([_running()], refuse_job=(422, "spec.template.spec.containers[0].image: Required value")) as api:
         name, _, run = stage_on(api)
         with pytest.raises(AirflowFailException, match="Kubernetes refused ml/.*422"):
@@ -175,8 +175,6 @@ def test_a_refused_job_fails_without_retry_and_its_service_is_deleted(stage_on):
 
 def test_a_task_killed_while_the_job_runs_deletes_the_job_and_service(stage_on, monkeypatch):
     """SIGTERM (kill, timeout) reaches the waiting task as an exception: the finally block still cleans up."""
-    from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
-
     polls = []
     real = KubernetesHook.get_job_status
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config import PipelineConfig
-from tasks.errors import UserError
+from tasks.errors import USER_ERROR_EXIT, UserError
 
 NODE_LAUNCH_MODULE = "tasks.training.node_launch"
 # Where the project lives in the runtime image (docker/runtime.Dockerfile's WORKDIR).
@@ -80,8 +80,6 @@ def public_storage_env(storage_env: dict[str, str]) -> dict[str, str]:
 
 def is_user_error(message: str | None, exit_code: int | None = None) -> bool:
     """Whether a node's failure is the user's to fix (bad config or data): no Airflow retry."""
-    from tasks.errors import USER_ERROR_EXIT
-
     return exit_code == USER_ERROR_EXIT or USER_ERROR_MARKER in (message or "").lower()
 
 

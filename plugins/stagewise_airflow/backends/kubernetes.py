@@ -11,12 +11,18 @@ Retries are Airflow's (backoffLimit 0): each try is a new Job with its own rende
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import Any
 
-from stagewise_airflow.backends import image_config_path, is_user_error, job_name, node_command, public_storage_env
+from stagewise_airflow.backends import (
+    IMAGE_WORKDIR,
+    image_config_path,
+    is_user_error,
+    job_name,
+    node_command,
+    public_storage_env,
+)
 from tasks.config import PipelineConfig
 from tasks.errors import USER_ERROR_EXIT, UserError
 
@@ -29,7 +35,6 @@ RDZV_PORT_ENV = "STAGEWISE_RDZV_PORT"
 # Room for "-<index>" after the Job name: a pod's hostname <job>-<index> must stay a 63-char label.
 NAME_LIMIT = 63 - len("-511")
 FINISHED_TTL_S = 3600
-DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 # Toleration keys as written in a pod spec -> the client model's attribute names.
 _TOLERATION_FIELDS = {"key": "key", "operator": "operator", "value": "value", "effect": "effect",
                       "tolerationSeconds": "toleration_seconds", "toleration_seconds": "toleration_seconds"}
@@ -83,7 +88,7 @@ def job_objects(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str,
         resources["memory"] = settings.memory
     limits = {**resources, **({"nvidia.com/gpu": str(settings.gpus_per_pod)} if settings.gpus_per_pod else {})}
     container = k8s.V1Container(
-        name=CONTAINER, image=settings.image, command=command, working_dir="/opt/stagewise",
+        name=CONTAINER, image=settings.image, command=command, working_dir=IMAGE_WORKDIR,
         env=[k8s.V1EnvVar(name=key, value=value) for key, value in env.items()],
         ports=[k8s.V1ContainerPort(name="rendezvous", container_port=port)],
         resources=k8s.V1ResourceRequirements(requests=resources or None, limits=limits or None),

@@ -74,6 +74,9 @@ def training_job_request(config: PipelineConfig, *, dag_id: str, run_id: str, st
     if spot:
         stopping["MaxWaitTimeInSeconds"] = settings.max_wait_s or 2 * settings.max_run_s
     environment = {CONFIG_ENV_VAR: image_config, **public_storage_env(storage_env or {})}
+    if too_long := [key for key, value in environment.items() if len(value) > MAX_ENV_VALUE_CHARS]:
+        raise UserError(f"stage {stage}: SageMaker takes environment values of at most {MAX_ENV_VALUE_CHARS} "
+                        f"characters; too long: {too_long}")
     name = job_name(dag_id, run_id, stage, attempt)
     return {
         "TrainingJobName": name,
@@ -101,7 +104,7 @@ def training_job_request(config: PipelineConfig, *, dag_id: str, run_id: str, st
         # tasks.train checkpoints straight to S3 under this prefix; SageMaker syncs it into the local path on a
         # spot restart, and a resumed stage finds its latest checkpoint there either way.
         "CheckpointConfig": {"S3Uri": storage.join(prefix, "checkpoints") + "/", "LocalPath": CHECKPOINT_LOCAL_PATH},
-        "Environment": {key: value[:MAX_ENV_VALUE_CHARS] for key, value in environment.items()},
+        "Environment": environment,
         "Tags": [{"Key": f"stagewise:{key}", "Value": _tag_value(value)} for key, value in
                  (("dag_id", dag_id), ("run_id", run_id), ("stage", stage), ("try", str(attempt)))],
     }
