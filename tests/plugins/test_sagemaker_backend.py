@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -145,6 +146,32 @@ class _RunningJobHook:
         self.stopped.append(TrainingJobName)
 
 
+def test_node_log_lines_are_logged_once_each_and_a_logs_outage_never_fails_the_job():
+    class Logs:
+        def __init__(self):
+            self.events = {"job/algo-1-1": ["a", "b"]}
+            self.down = False
+
+        def describe_log_streams(self, logGroupName, logStreamNamePrefix):  # noqa: N803 - boto3's names
+            if self.down:
+                raise ConnectionError("logs endpoint unreachable")
+            return {"logStreams": [{"logStreamName": name} for name in self.events if name.startswith(logStreamNamePrefix)]}
+
+        def get_log_events(self, logGroupName, logStreamName, startFromHead, nextToken="0"):  # noqa: N803
+            start = int(nextToken)
+            events = self.events[logStreamName][start:]
+            return {"events": [{"message": m + "\n"} for m in events], "nextForwardToken": str(start + len(events))}
+
+    logs = Logs()
+    tail = sagemaker.CloudWatchTail(lambda: logs, "job")
+    assert tail() == ["[algo-1-1] a", "[algo-1-1] b"]
+    logs.events["job/algo-1-1"].append("c")
+    logs.events["job/algo-2-1"] = ["other node"]
+    assert tail() == ["[algo-1-1] c", "[algo-2-1] other node"]
+    logs.down = True
+    assert tail() == [] and tail() == []  # the job's status polling goes on
+
+
 def test_a_task_killed_while_waiting_stops_its_job(tmp_path, monkeypatch):
     path, config = backend_config(tmp_path, "sagemaker")
     request = sagemaker.training_job_request(config, **job_args(path, config))
@@ -191,6 +218,14 @@ def test_a_stage_runs_as_a_training_job_on_motos_sagemaker_and_returns_the_stage
     fs.pipe(f"{out}/train/s2/metrics.json".removeprefix("s3://"), json.dumps(metrics).encode())
 
     request = sagemaker.training_job_request(config, **args)
+    # What SageMaker's nodes write to CloudWatch (emulated: moto runs no container), one stream per node.
+    logs = boto3.client("logs", region_name="us-east-1")
+    logs.create_log_group(logGroupName=sagemaker.LOG_GROUP)
+    for node, message in (("algo-1-1700000000", "stage s2 epoch 1/8: loss 0.4120"), ("algo-2-1700000000", "rank 4 joined")):
+        stream = f"{request['TrainingJobName']}/{node}"
+        logs.create_log_stream(logGroupName=sagemaker.LOG_GROUP, logStreamName=stream)
+        logs.put_log_events(logGroupName=sagemaker.LOG_GROUP, logStreamName=stream,
+                            logEvents=[{"timestamp": int(time.time() * 1000), "message": message}])
     caplog.set_level("INFO", logger=sagemaker.__name__)
     result = sagemaker.run_stage(config, request=request, out=out, stage="s2", poll_s=0)
     assert result == {**{k: v for k, v in metrics.items() if k not in ("history", "complete")},
@@ -209,6 +244,7 @@ def test_a_stage_runs_as_a_training_job_on_motos_sagemaker_and_returns_the_stage
     logged = caplog.text + capsys.readouterr().out  # once Airflow's logging is configured, structlog prints it
     assert f"submitting SageMaker job {request['TrainingJobName']}: 2 x ml.g5.12xlarge" in logged
     assert "Starting: Preparing the instances for training" in logged and "Completed / Completed" in logged
+    assert "[algo-1-1700000000] stage s2 epoch 1/8: loss 0.4120" in logged and "[algo-2-1700000000] rank 4 joined" in logged
 
     # The same try again (a worker restart mid-wait): attaches to the job moto holds, submits nothing new.
     caplog.clear()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from stagewise_airflow.backends import image_config_path, is_user_error, job_name, node_command, public_storage_env
@@ -123,12 +123,51 @@ def failure(description: dict[str, Any]) -> Exception:
     return RuntimeError(message + "; retrying if retries are left")
 
 
+LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+
+
+class CloudWatchTail:
+    """The new lines of a job's CloudWatch log streams (``<job>/algo-<n>-<id>``, one per node) since the last call.
+
+    The task log is for watching, not for the job's fate: a failed read is logged once and the job goes on.
+    """
+
+    def __init__(self, connect: Callable[[], Any], name: str) -> None:
+        self.connect, self.client, self.name, self.tokens, self.failed = connect, None, name, {}, False
+
+    def __call__(self) -> list[str]:
+        try:
+            return self._read()
+        except Exception as exc:  # noqa: BLE001 - see the class docstring
+            if not self.failed:
+                log.warning("cannot read the CloudWatch logs of SageMaker job %s (%s); status only", self.name, exc)
+            self.failed = True
+            return []
+
+    def _read(self) -> list[str]:
+        self.client = self.client or self.connect()
+        streams = self.client.describe_log_streams(logGroupName=LOG_GROUP, logStreamNamePrefix=f"{self.name}/")
+        lines = []
+        for stream in sorted(item["logStreamName"] for item in streams.get("logStreams", [])):
+            request = {"logGroupName": LOG_GROUP, "logStreamName": stream, "startFromHead": True}
+            if stream in self.tokens:
+                request["nextToken"] = self.tokens[stream]
+            response = self.client.get_log_events(**request)
+            self.tokens[stream] = response["nextForwardToken"]
+            node = stream.removeprefix(f"{self.name}/")
+            lines.extend(f"[{node}] {event['message'].rstrip()}" for event in response.get("events", []))
+        return lines
+
+
 def wait(describe: Callable[[str], dict[str, Any]], name: str, *, poll_s: float, log_line: Callable[[str], None],
-         sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
-    """Poll until the job ends; log every status change and SageMaker's status messages once each."""
+         sleep: Callable[[float], None] = time.sleep, node_lines: Callable[[], Iterable[str]] = list) -> dict[str, Any]:
+    """Poll until the job ends; log every status change and SageMaker's status messages once each, and the nodes'
+    new log lines (``node_lines``) as they come."""
     seen_status, seen_transitions = None, 0
     while True:
         description = describe(name)
+        for line in node_lines():
+            log_line(line)
         status = (description["TrainingJobStatus"], description.get("SecondaryStatus"))
         if status != seen_status:
             log_line(f"SageMaker job {name}: {status[0]} / {status[1]}")
@@ -174,7 +213,8 @@ def run_stage(config: PipelineConfig, *, request: dict[str, Any], out: str, stag
             raise
     ended = False
     try:
-        description = wait(hook.describe_training_job, name, poll_s=poll_s, log_line=log.info)
+        description = wait(hook.describe_training_job, name, poll_s=poll_s, log_line=log.info,
+                           node_lines=CloudWatchTail(lambda: hook.logs_hook.get_conn(), name))
         ended = True
     finally:
         if not ended:  # killed, timed out or lost the API: never leave a job billing with no task watching it
