@@ -95,7 +95,9 @@ def test_a_config_outside_the_project_or_oversized_params_are_refused_naming_the
 @pytest.mark.parametrize(("description", "retried"), [
     ({"FailureReason": "ClientError: Please ensure the IAM role has access to the image"}, False),
     ({"FailureReason": f"AlgorithmError: {USER_ERROR_MARKER}: stage s2: unknown column 'px_99', exit code: 3"}, False),
+    ({"FailureReason": "AlgorithmError: stage s2: global_batch 100 does not divide, exit code: 3"}, False),
     ({"FailureReason": "AlgorithmError: ExecuteUserScriptError: NCCL timeout, exit code: 1"}, True),
+    ({"FailureReason": "AlgorithmError: killed, exit code: 137"}, True),
     ({"FailureReason": "CapacityError: Unable to provision requested ML compute capacity"}, True),
     ({"FailureReason": "InternalServerError: We encountered an internal error"}, True),
     ({"TrainingJobStatus": "Stopped", "SecondaryStatus": "MaxWaitTimeExceeded"}, True),  # spot never came back

@@ -13,6 +13,7 @@ entry script must parse, whereas arguments give every backend the same command l
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -117,7 +118,9 @@ def failure(description: dict[str, Any]) -> Exception:
     name, status = description["TrainingJobName"], description["TrainingJobStatus"]
     reason = description.get("FailureReason") or description.get("SecondaryStatus") or "no reason given"
     message = f"SageMaker training job {name} {status.lower()}: {reason}"
-    if status == "Failed" and (reason.startswith(_USER_FAILURES) or is_user_error(reason)):
+    exit_code = re.search(r"exit code:? (\d+)", reason, re.IGNORECASE)  # an AlgorithmError ends with the node's code
+    if status == "Failed" and (reason.startswith(_USER_FAILURES)
+                               or is_user_error(reason, int(exit_code.group(1)) if exit_code else None)):
         return AirflowFailException(message + " (not retried: fix the config, image or role)")
     # Capacity errors, spot interruptions past MaxWaitTime, internal errors and stops by hand: another try may pass.
     return RuntimeError(message + "; retrying if retries are left")
