@@ -5,13 +5,15 @@ which always ends with both objects deleted."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import threading
 
 import pytest
 
 # Imported here, not in a test: Airflow configures its logging on first import, onto whatever stdout is then;
 # inside a test that is pytest's per-test capture, closed when the test ends.
-from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 from airflow.sdk.exceptions import AirflowFailException
 
 from stagewise_airflow.backends import kubernetes, node_command
@@ -122,7 +124,7 @@ def stage_on(tmp_path, monkeypatch):
                                 "checkpoint_uri": storage.join(args["out"], "train", "s2", "final.pt"), "history": []})
         service, job = kubernetes.job_objects(config, **args)
         return job.metadata.name, args["out"], lambda: kubernetes.run_stage(
-            config, service=service, job=job, out=args["out"], stage="s2", poll_s=0)
+            config, service=service, job=job, out=args["out"], stage="s2", poll_s=0.05)
 
     return run
 
@@ -173,20 +175,29 @@ def test_a_refused_job_fails_without_retry_and_its_service_is_deleted(stage_on):
     assert api.objects == {}
 
 
-def test_a_task_killed_while_the_job_runs_deletes_the_job_and_service(stage_on, monkeypatch):
-    """SIGTERM (kill, timeout) reaches the waiting task as an exception: the finally block still cleans up."""
-    polls = []
-    real = KubernetesHook.get_job_status
+@pytest.fixture
+def airflow_on_term():
+    """Airflow's own SIGTERM handler stand-in (it calls the operator's on_kill and returns): the calls it got."""
+    calls = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    try:
+        yield calls
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
-    def killed_on_third_poll(self, *args, **kwargs):
-        polls.append(1)
-        if len(polls) == 3:
-            raise SystemExit("SIGTERM")
-        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(KubernetesHook, "get_job_status", killed_on_third_poll)
+@pytest.mark.timeout(60)
+def test_a_task_killed_while_the_job_runs_deletes_the_job_and_service(stage_on, airflow_on_term):
+    """SIGTERM (Airflow's kill or mark-failed) while the Job runs: the task stops waiting, and deletes both objects."""
+    from stagewise_airflow.backends import Stopped
+
+    before = signal.getsignal(signal.SIGTERM)
     with FakeKubeAPI([_running()]) as api:
         _, _, run = stage_on(api)
-        with pytest.raises(SystemExit):
+        threading.Timer(1.0, os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+        with pytest.raises(Stopped, match="was stopped: the task got SIGTERM"):
             run()
-    assert len(polls) == 3 and api.objects == {} and len(api.calls("DELETE")) == 2
+    assert api.objects == {} and len(api.calls("DELETE")) == 2
+    assert len([path for path in api.calls("GET") if path.endswith("/status")]) > 1  # it was waiting
+    assert signal.getsignal(signal.SIGTERM) == before  # the task's own handler is back
+    assert airflow_on_term == [signal.SIGTERM]  # and it still ran (Airflow calls on_kill there)

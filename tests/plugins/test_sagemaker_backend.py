@@ -4,7 +4,10 @@ submitted, watched and read back through the Amazon provider's hook against moto
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import threading
 import time
 
 import pytest
@@ -174,18 +177,31 @@ def test_node_log_lines_are_logged_once_each_and_a_logs_outage_never_fails_the_j
     assert tail() == [] and tail() == []  # the job's status polling goes on
 
 
-def test_a_task_killed_while_waiting_stops_its_job(tmp_path, monkeypatch):
+@pytest.fixture
+def airflow_on_term():
+    """Airflow's own SIGTERM handler stand-in (it calls the operator's on_kill and returns): the calls it got."""
+    calls = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    try:
+        yield calls
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.timeout(60)
+def test_a_task_killed_while_waiting_stops_its_job(tmp_path, airflow_on_term):
+    """SIGTERM (Airflow's kill or mark-failed) mid-wait: the task stops its job rather than leave it billing."""
+    from stagewise_airflow.backends import Stopped
+
     path, config = backend_config(tmp_path, "sagemaker")
     request = sagemaker.training_job_request(config, **job_args(path, config))
-    hook = _RunningJobHook()
-
-    def killed(*args, **kwargs):
-        raise KeyboardInterrupt  # what the task sees when SIGTERM (kill, timeout) arrives mid-wait
-
-    monkeypatch.setattr(sagemaker, "wait", killed)
-    with pytest.raises(KeyboardInterrupt):
-        sagemaker.run_stage(config, request=request, out=job_args(path, config)["out"], stage="s2", hook=hook)
+    hook, before = _RunningJobHook(), signal.getsignal(signal.SIGTERM)
+    threading.Timer(1.0, os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(Stopped, match="SageMaker job .* was stopped: the task got SIGTERM"):
+        sagemaker.run_stage(config, request=request, out=job_args(path, config)["out"], stage="s2", hook=hook, poll_s=0.05)
     assert hook.stopped == [request["TrainingJobName"]]
+    assert signal.getsignal(signal.SIGTERM) == before  # the task's own handler is back
+    assert airflow_on_term == [signal.SIGTERM]  # and it still ran (Airflow calls on_kill there)
 
 
 @pytest.fixture

@@ -13,9 +13,12 @@ JOB_COMPLETION_INDEX) and starts torchrun with that node's processes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +84,36 @@ def public_storage_env(storage_env: dict[str, str]) -> dict[str, str]:
 def is_user_error(message: str | None, exit_code: int | None = None) -> bool:
     """Whether a node's failure is the user's to fix (bad config or data): no Airflow retry."""
     return exit_code == USER_ERROR_EXIT or USER_ERROR_MARKER in (message or "").lower()
+
+
+class Stopped(RuntimeError):
+    """The task got SIGTERM (killed, marked failed) while its job ran; Airflow retries it if retries are left."""
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(what: str) -> Iterator[None]:
+    """Turn SIGTERM into :class:`Stopped` in the waiting task, so its ``finally`` stops or deletes the job.
+
+    Airflow's own handler only calls the operator's on_kill (a Python task has none) and the process is
+    SIGKILLed after a grace period; raising here unwinds the wait first. Outside the main thread nothing
+    is installed (signals reach only the main thread).
+    """
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum: int, frame: Any) -> None:
+        if callable(previous):
+            previous(signum, frame)
+        raise Stopped(f"{what} was stopped: the task got SIGTERM (killed or marked failed)")
+
+    try:
+        signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def stage_result(config: PipelineConfig, out: str, stage: str) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from stagewise_airflow.backends import (
     job_name,
     node_command,
     public_storage_env,
+    stop_on_sigterm,
 )
 from tasks.config import PipelineConfig
 from tasks.errors import USER_ERROR_EXIT, UserError
@@ -166,9 +167,6 @@ def delete(hook: Any, namespace: str, name: str) -> None:
 def run_stage(config: PipelineConfig, *, service: Any, job: Any, out: str, stage: str, poll_s: float = 10.0,
               hook: Any = None) -> dict[str, Any]:
     """Create the Service and the Job, wait for the Job, delete both whatever happens, return the stage's result."""
-    from airflow.sdk.exceptions import AirflowFailException
-    from kubernetes.client.exceptions import ApiException
-
     from stagewise_airflow.backends import stage_result
 
     settings = config.profile(config.stage(stage).profile).kubernetes
@@ -180,22 +178,32 @@ def run_stage(config: PipelineConfig, *, service: Any, job: Any, out: str, stage
     log.info("creating Service and Indexed Job %s/%s: %d pod(s) of %s", namespace, name, job.spec.completions,
              job.spec.template.spec.containers[0].image)
     try:
-        try:
-            hook.core_v1_client.create_namespaced_service(namespace=namespace, body=service)
-            hook.create_job(job)
-        except ApiException as exc:
-            if exc.status in (400, 403, 422):  # the cluster refuses the objects or our rights: retrying changes nothing
-                raise AirflowFailException(f"Kubernetes refused {namespace}/{name}: {exc.status} {exc.reason}: "
-                                           f"{(exc.body or '')[:500]}") from None
-            raise
-        succeeded, reason = wait(lambda: hook.get_job_status(job_name=name, namespace=namespace), name,
-                                 poll_s=poll_s, log_line=log.info)
-        if not succeeded:
-            user, said = pod_failure(hook.core_v1_client, namespace, name)
-            message = f"Kubernetes job {namespace}/{name} failed ({reason}): {said}"
-            if user:
-                raise AirflowFailException(message + " (not retried: fix the config or data)")
-            raise RuntimeError(message + "; retrying if retries are left")
+        with stop_on_sigterm(f"Kubernetes job {namespace}/{name}"):
+            _create_and_wait(hook, service, job, poll_s)
     finally:  # success, failure, kill (SIGTERM) or timeout: nothing of this try stays in the cluster
         delete(hook, namespace, name)
     return stage_result(config, out, stage)
+
+
+def _create_and_wait(hook: Any, service: Any, job: Any, poll_s: float) -> None:
+    """Create both objects, wait for the Job; a failure raises (AirflowFailException: the user's; else retryable)."""
+    from airflow.sdk.exceptions import AirflowFailException
+    from kubernetes.client.exceptions import ApiException
+
+    namespace, name = job.metadata.namespace, job.metadata.name
+    try:
+        hook.core_v1_client.create_namespaced_service(namespace=namespace, body=service)
+        hook.create_job(job)
+    except ApiException as exc:
+        if exc.status in (400, 403, 422):  # the cluster refuses the objects or our rights: retrying changes nothing
+            raise AirflowFailException(f"Kubernetes refused {namespace}/{name}: {exc.status} {exc.reason}: "
+                                       f"{(exc.body or '')[:500]}") from None
+        raise
+    succeeded, reason = wait(lambda: hook.get_job_status(job_name=name, namespace=namespace), name,
+                             poll_s=poll_s, log_line=log.info)
+    if not succeeded:
+        user, said = pod_failure(hook.core_v1_client, namespace, name)
+        message = f"Kubernetes job {namespace}/{name} failed ({reason}): {said}"
+        if user:
+            raise AirflowFailException(message + " (not retried: fix the config or data)")
+        raise RuntimeError(message + "; retrying if retries are left")

@@ -18,7 +18,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from stagewise_airflow.backends import image_config_path, is_user_error, job_name, node_command, public_storage_env
+from stagewise_airflow.backends import (
+    image_config_path,
+    is_user_error,
+    job_name,
+    node_command,
+    public_storage_env,
+    stop_on_sigterm,
+)
 from tasks.config import PipelineConfig
 from tasks.errors import UserError
 
@@ -216,8 +223,9 @@ def run_stage(config: PipelineConfig, *, request: dict[str, Any], out: str, stag
             raise
     ended = False
     try:
-        description = wait(hook.describe_training_job, name, poll_s=poll_s, log_line=log.info,
-                           node_lines=CloudWatchTail(lambda: hook.logs_hook.get_conn(), name))
+        with stop_on_sigterm(f"SageMaker job {name}"):
+            description = wait(hook.describe_training_job, name, poll_s=poll_s, log_line=log.info,
+                               node_lines=CloudWatchTail(lambda: hook.logs_hook.get_conn(), name))
         ended = True
     finally:
         if not ended:  # killed, timed out or lost the API: never leave a job billing with no task watching it
