@@ -180,16 +180,14 @@ def sweep_summary(run: dict[str, Any], workers: Sequence[dict[str, Any]]) -> dic
 
 
 def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
-    """Launch one stage under torchrun: tasks.train, or the user's own entrypoint with the same profile."""
+    """Launch one stage under torchrun (tasks.train, or the user's own entrypoint), or submit it as its backend's job."""
     config = run_config(run)
     spec = config.stage(stage)
     init_from = previous["checkpoint_uri"] if previous else None
-    backend = config.profile(spec.profile).backend
-    if backend != "local":  # the job submitters are not in this build yet: refuse plainly, never run it locally instead
-        from airflow.sdk.exceptions import AirflowFailException
+    if config.profile(spec.profile).backend != "local":  # the whole gang as one SageMaker or Kubernetes job
+        from stagewise_airflow.backends import submit_stage
 
-        raise AirflowFailException(f"stage {stage}: profile '{spec.profile}' has backend '{backend}', whose job launcher "
-                                   f"is not available yet; use backend local")
+        return submit_stage(config, run, stage, swept["best_params"], init_from, attempt=_context()["ti"].try_number)
     if spec.entrypoint is None:
         args = ["--stage", stage, "--out", run["out"], "--params", json.dumps(swept["best_params"])]
         return _launch(run, "tasks.train", args + (["--init-from", init_from] if init_from else []), spec.profile, distributed=True)

@@ -1,0 +1,209 @@
+"""Backend 'kubernetes': one Indexed Job (a pod per node) and a headless Service per stage try.
+
+:func:`job_objects` builds both with the kubernetes client's models (pure; tests serialize them). Pod ``i``
+is ``<job>-i`` (an Indexed Job's pod hostname) in the Service's subdomain, so every pod reaches pod 0, the
+c10d rendezvous host, as ``<job>-0.<service>``. :func:`run_stage` creates both through the cncf.kubernetes
+provider's KubernetesHook, polls the Job, maps a failure onto Airflow's retry rules (a pod that exited with
+the user-error code or said so in its termination message: no retry) and always deletes both objects.
+Retries are Airflow's (backoffLimit 0): each try is a new Job with its own rendezvous id.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from stagewise_airflow.backends import (
+    IMAGE_WORKDIR,
+    image_config_path,
+    is_user_error,
+    job_name,
+    node_command,
+    public_storage_env,
+    stop_on_sigterm,
+)
+from tasks.config import PipelineConfig
+from tasks.errors import USER_ERROR_EXIT, UserError
+
+log = logging.getLogger(__name__)
+
+JOB_LABEL = "stagewise.dev/job"
+CONTAINER = "node"
+RDZV_HOST_ENV = "STAGEWISE_RDZV_HOST"
+RDZV_PORT_ENV = "STAGEWISE_RDZV_PORT"
+# Room for "-<index>" after the Job name: a pod's hostname <job>-<index> must stay a 63-char label.
+NAME_LIMIT = 63 - len("-511")
+FINISHED_TTL_S = 3600
+# Toleration keys as written in a pod spec -> the client model's attribute names.
+_TOLERATION_FIELDS = {"key": "key", "operator": "operator", "value": "value", "effect": "effect",
+                      "tolerationSeconds": "toleration_seconds", "toleration_seconds": "toleration_seconds"}
+
+
+def _tolerations(items: list[dict[str, Any]]) -> list[Any]:
+    from kubernetes.client import V1Toleration
+
+    result = []
+    for index, item in enumerate(items):
+        unknown = set(item) - set(_TOLERATION_FIELDS)
+        if unknown:
+            raise UserError(f"kubernetes.tolerations[{index}]: unknown key(s) {sorted(unknown)}; "
+                            f"a toleration has {sorted(set(_TOLERATION_FIELDS) - {'toleration_seconds'})}")
+        result.append(V1Toleration(**{_TOLERATION_FIELDS[key]: value for key, value in item.items()}))
+    return result
+
+
+def job_objects(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str, out: str, attempt: int,
+                params: dict[str, Any], init_from: str | None, config_file: str, overrides: dict[str, Any],
+                repo_root: str, storage_env: dict[str, str] | None = None) -> tuple[Any, Any]:
+    """The headless Service and the Indexed Job of one try of ``stage``: (V1Service, V1Job)."""
+    from kubernetes import client as k8s
+
+    from tasks.config import CONFIG_ENV_VAR
+
+    spec = config.stage(stage)
+    profile = config.profile(spec.profile)
+    settings = profile.kubernetes
+    if settings is None:
+        raise UserError(f"stage {stage}: profile '{spec.profile}' has backend '{profile.backend}', not kubernetes")
+    name = job_name(dag_id, run_id, stage, attempt, limit=NAME_LIMIT)
+    labels = {JOB_LABEL: name, "app.kubernetes.io/part-of": "stagewise"}
+    port = settings.rendezvous_port
+    service = k8s.V1Service(
+        api_version="v1", kind="Service",
+        metadata=k8s.V1ObjectMeta(name=name, namespace=settings.namespace, labels=labels),
+        spec=k8s.V1ServiceSpec(cluster_ip="None", selector={JOB_LABEL: name}, publish_not_ready_addresses=True,
+                               ports=[k8s.V1ServicePort(name="rendezvous", port=port, target_port=port)]))
+    image_config = image_config_path(config_file, repo_root)
+    command = node_command("kubernetes", processes_per_node=profile.processes_per_node, stage=stage, out=out,
+                           params=params, init_from=init_from, config_file=image_config, overrides=overrides)
+    env = {CONFIG_ENV_VAR: image_config, **public_storage_env(storage_env or {}),
+           RDZV_HOST_ENV: f"{name}-0.{name}", RDZV_PORT_ENV: str(port),
+           "PET_NNODES": str(profile.nodes), "PET_RDZV_ID": name,  # the name is unique per try, so is the rendezvous
+           "PET_RDZV_CONF": f"join_timeout={settings.join_timeout_s}"}
+    resources: dict[str, str] = {}
+    if settings.cpu:
+        resources["cpu"] = settings.cpu
+    if settings.memory:
+        resources["memory"] = settings.memory
+    limits = {**resources, **({"nvidia.com/gpu": str(settings.gpus_per_pod)} if settings.gpus_per_pod else {})}
+    container = k8s.V1Container(
+        name=CONTAINER, image=settings.image, command=command, working_dir=IMAGE_WORKDIR,
+        env=[k8s.V1EnvVar(name=key, value=value) for key, value in env.items()],
+        ports=[k8s.V1ContainerPort(name="rendezvous", container_port=port)],
+        resources=k8s.V1ResourceRequirements(requests=resources or None, limits=limits or None),
+        # The end of the log becomes the termination message when the node wrote none: failures explain themselves.
+        termination_message_policy="FallbackToLogsOnError")
+    pod = k8s.V1PodTemplateSpec(
+        metadata=k8s.V1ObjectMeta(labels=labels),
+        spec=k8s.V1PodSpec(containers=[container], restart_policy="Never", subdomain=name,
+                           service_account_name=settings.service_account or None,
+                           node_selector=dict(settings.node_selector) or None,
+                           tolerations=_tolerations(settings.tolerations) or None))
+    job = k8s.V1Job(
+        api_version="batch/v1", kind="Job",
+        metadata=k8s.V1ObjectMeta(name=name, namespace=settings.namespace, labels=labels),
+        spec=k8s.V1JobSpec(
+            completion_mode="Indexed", completions=profile.nodes, parallelism=profile.nodes,
+            backoff_limit=0,  # Airflow retries the stage as a new Job; Kubernetes never restarts one pod of a gang
+            active_deadline_seconds=int(profile.execution_timeout_s),  # the backstop if the task dies unseen
+            ttl_seconds_after_finished=FINISHED_TTL_S,
+            pod_failure_policy=k8s.V1PodFailurePolicy(rules=[
+                k8s.V1PodFailurePolicyRule(action="FailJob", on_exit_codes=k8s.V1PodFailurePolicyOnExitCodesRequirement(
+                    container_name=CONTAINER, operator="In", values=[USER_ERROR_EXIT]))]),
+            template=pod))
+    return service, job
+
+
+def pod_failure(core_v1: Any, namespace: str, name: str) -> tuple[bool, str]:
+    """(user error?, what the failed pods said): exit codes and termination messages of the Job's pods."""
+    pods = core_v1.list_namespaced_pod(namespace=namespace, label_selector=f"{JOB_LABEL}={name}").items
+    said, user = [], False
+    for pod in pods:
+        for status in (pod.status.container_statuses or []) if pod.status else []:
+            terminated = status.state.terminated if status.state else None
+            if terminated is None or terminated.exit_code == 0:
+                continue
+            message = (terminated.message or terminated.reason or "").strip()
+            user = user or is_user_error(message, terminated.exit_code)
+            said.append(f"{pod.metadata.name} exited {terminated.exit_code}: {message[-500:]}")
+    return user, "; ".join(said) or "no pod reported an exit"
+
+
+def wait(read_job: Callable[[], Any], name: str, *, poll_s: float, log_line: Callable[[str], None],
+         sleep: Callable[[float], None] = time.sleep) -> tuple[bool, str]:
+    """Poll the Job until it completes or fails; log each change of its pod counts. Returns (succeeded, reason)."""
+    seen = None
+    while True:
+        job = read_job()
+        status = job.status
+        counts = (status.active or 0, status.succeeded or 0, status.failed or 0) if status else (0, 0, 0)
+        if counts != seen:
+            log_line(f"Kubernetes job {name}: {counts[0]} active, {counts[1]} succeeded, {counts[2]} failed")
+            seen = counts
+        for condition in (status.conditions or []) if status else []:
+            if condition.type in ("Complete", "Failed") and str(condition.status) == "True":
+                return condition.type == "Complete", f"{condition.reason or ''} {condition.message or ''}".strip()
+        sleep(poll_s)
+
+
+def delete(hook: Any, namespace: str, name: str) -> None:
+    """Delete the Job (its pods with it) and the Service; a missing one is fine, other errors are logged."""
+    from kubernetes.client import V1DeleteOptions
+    from kubernetes.client.exceptions import ApiException
+
+    for kind, call in (("job", lambda: hook.batch_v1_client.delete_namespaced_job(
+                            name=name, namespace=namespace, body=V1DeleteOptions(propagation_policy="Background"))),
+                       ("service", lambda: hook.core_v1_client.delete_namespaced_service(name=name, namespace=namespace))):
+        try:
+            call()
+            log.info("deleted %s %s/%s", kind, namespace, name)
+        except ApiException as exc:
+            if exc.status != 404:
+                log.error("could not delete %s %s/%s: %s %s", kind, namespace, name, exc.status, exc.reason)
+
+
+def run_stage(config: PipelineConfig, *, service: Any, job: Any, out: str, stage: str, poll_s: float = 10.0,
+              hook: Any = None) -> dict[str, Any]:
+    """Create the Service and the Job, wait for the Job, delete both whatever happens, return the stage's result."""
+    from stagewise_airflow.backends import stage_result
+
+    settings = config.profile(config.stage(stage).profile).kubernetes
+    if hook is None:
+        from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+        hook = KubernetesHook(conn_id=settings.kubernetes_conn_id)
+    namespace, name = job.metadata.namespace, job.metadata.name
+    log.info("creating Service and Indexed Job %s/%s: %d pod(s) of %s", namespace, name, job.spec.completions,
+             job.spec.template.spec.containers[0].image)
+    try:
+        with stop_on_sigterm(f"Kubernetes job {namespace}/{name}"):
+            _create_and_wait(hook, service, job, poll_s)
+    finally:  # success, failure, kill (SIGTERM) or timeout: nothing of this try stays in the cluster
+        delete(hook, namespace, name)
+    return stage_result(config, out, stage)
+
+
+def _create_and_wait(hook: Any, service: Any, job: Any, poll_s: float) -> None:
+    """Create both objects, wait for the Job; a failure raises (AirflowFailException: the user's; else retryable)."""
+    from airflow.sdk.exceptions import AirflowFailException
+    from kubernetes.client.exceptions import ApiException
+
+    namespace, name = job.metadata.namespace, job.metadata.name
+    try:
+        hook.core_v1_client.create_namespaced_service(namespace=namespace, body=service)
+        hook.create_job(job)
+    except ApiException as exc:
+        if exc.status in (400, 403, 422):  # the cluster refuses the objects or our rights: retrying changes nothing
+            raise AirflowFailException(f"Kubernetes refused {namespace}/{name}: {exc.status} {exc.reason}: "
+                                       f"{(exc.body or '')[:500]}") from None
+        raise
+    succeeded, reason = wait(lambda: hook.get_job_status(job_name=name, namespace=namespace), name,
+                             poll_s=poll_s, log_line=log.info)
+    if not succeeded:
+        user, said = pod_failure(hook.core_v1_client, namespace, name)
+        message = f"Kubernetes job {namespace}/{name} failed ({reason}): {said}"
+        if user:
+            raise AirflowFailException(message + " (not retried: fix the config or data)")
+        raise RuntimeError(message + "; retrying if retries are left")
