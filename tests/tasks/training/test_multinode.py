@@ -8,20 +8,18 @@ across the veth pair, not loopback. Needs root and ``ip netns``.
 
 from __future__ import annotations
 
-import itertools
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import netns
 from tests.conftest import service_unavailable
+from tests.netns import Host, namespace_pids
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CHECKPOINT_EVERY = 10
@@ -31,78 +29,23 @@ STAGE_ARGS = ["--stage", "s2", "--params", json.dumps({"lr": 0.02, "dropout": 0.
               f"--override=train.checkpoint_every_steps={CHECKPOINT_EVERY}", "--override=train.stages.1.epochs=4"]
 
 pytestmark = pytest.mark.slow
-_pair_numbers = itertools.count()
-
-
-@dataclass(frozen=True)
-class Host:
-    namespace: str
-    interface: str
-    address: str
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
-
-
-def _kill_namespace_processes(namespace: str) -> None:
-    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=30)
-    for pid in listed.stdout.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def namespace_pids(namespace: str) -> list[int]:
-    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=30)
-    return [int(pid) for pid in listed.stdout.split()]
 
 
 @pytest.fixture
 def two_hosts():
-    """Two network namespaces (sw-<pid>-<n>a/b) with 10.x addresses on a veth pair; removed, and any process left in
-    them killed, even when the test fails."""
-    if os.geteuid() != 0:
-        service_unavailable("the multi-node tests create network namespaces: run them as root")
-    if shutil.which("ip") is None or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
-        service_unavailable("the multi-node tests need `ip netns` (iproute2)")
-    number = next(_pair_numbers)
-    tag = f"{os.getpid()}{number}"
-    octet = (os.getpid() * 7 + number) % 250 + 1  # a /24 per test run, unlikely to clash with another's
-    hosts = [Host(f"sw-{tag}-{side}", f"sw{tag}{side}"[-15:], f"10.213.{octet}.{index + 1}")
-             for index, side in enumerate("ab")]
-    created: list[str] = []
+    """Two emulated hosts (tests/netns.py), torn down with any process left in them even when the test fails."""
     try:
-        for host in hosts:
-            _ip("netns", "add", host.namespace)
-            created.append(host.namespace)
-            _ip("-n", host.namespace, "link", "set", "lo", "up")
-        a, b = hosts
-        _ip("link", "add", a.interface, "netns", a.namespace, "type", "veth", "peer", "name", b.interface, "netns", b.namespace)
-        for host in hosts:
-            _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.interface)
-            _ip("-n", host.namespace, "link", "set", host.interface, "up")
+        netns.check_available()
+    except netns.NetnsUnavailable as exc:
+        service_unavailable(str(exc))
+    with netns.two_hosts() as hosts:
         yield hosts
-    finally:
-        for namespace in created:
-            _kill_namespace_processes(namespace)
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
 
 
 def start_node(host: Host, backend: str, config: Path, out: str, env: dict, result_file: Path) -> subprocess.Popen:
-    command = ["ip", "netns", "exec", host.namespace, "env", f"PYTHONPATH={env['PYTHONPATH']}",
-               sys.executable, "-m", "tasks.training.node_launch", backend, "--nproc-per-node=1", "-m", "tasks.train",
+    command = [sys.executable, "-m", "tasks.training.node_launch", backend, "--nproc-per-node=1", "-m", "tasks.train",
                "--config", str(config), "--out", out, *STAGE_ARGS, "--result-file", str(result_file)]
-    return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def sagemaker_env(host: Host, hosts: list[Host], tmp_path: Path, env: dict) -> dict:
-    """What a SageMaker node sees: its resourceconfig.json (here at $STAGEWISE_SM_RESOURCE_CONFIG)."""
-    path = tmp_path / f"resourceconfig-{host.namespace}.json"
-    path.write_text(json.dumps({"current_host": host.address, "hosts": [h.address for h in hosts],
-                                "network_interface_name": host.interface}))
-    return {**env, "STAGEWISE_SM_RESOURCE_CONFIG": str(path), "STAGEWISE_JOIN_TIMEOUT_S": "120"}
+    return netns.popen(host, command, env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def kubernetes_env(host: Host, hosts: list[Host], run_id: str, env: dict) -> dict:
@@ -165,7 +108,7 @@ def test_two_nodes_train_what_one_node_with_two_processes_does(two_hosts, digits
     config, out = digits_run
     reference_out = copy_of_run(out, tmp_path, "reference")
     if backend == "sagemaker":
-        envs = [sagemaker_env(host, two_hosts, tmp_path, subprocess_env) for host in two_hosts]
+        envs = [netns.sagemaker_environment(host, two_hosts, tmp_path, subprocess_env) for host in two_hosts]
     else:
         envs = [kubernetes_env(host, two_hosts, f"try-{tmp_path.name}", subprocess_env) for host in two_hosts]
     finished = run_nodes(two_hosts, envs, config, out, backend, "multi")
@@ -183,7 +126,7 @@ def test_a_killed_node_fails_both_launchers_and_the_retry_resumes(two_hosts, dig
     config, out = digits_run
     reference_out = copy_of_run(out, tmp_path, "reference")
     a, b = two_hosts
-    envs = [sagemaker_env(host, two_hosts, tmp_path, subprocess_env) for host in two_hosts]
+    envs = [netns.sagemaker_environment(host, two_hosts, tmp_path, subprocess_env) for host in two_hosts]
     faulty = [envs[0], {**envs[1], "STAGEWISE_FAULT_KILL_AT": f"1:{KILL_AT_STEP}"}]  # global rank 1 is node b's rank
     crashed = run_nodes(two_hosts, faulty, config, out, "sagemaker", "crashed")
     for (code, output), host in zip(crashed, two_hosts, strict=True):
