@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bench import dag_parse, inference, preprocess, s3, sweep, training
+from bench import dag_parse, inference, multinode, preprocess, s3, sweep, training
 
 Benchmark = Callable[..., dict[str, Any]]
 
@@ -29,4 +29,5 @@ BENCHMARKS: dict[str, tuple[Benchmark, str]] = {
     "inference_parallel_speedup": (inference.inference_parallel_speedup, ">= 1.6"),
     "inference_memory_growth": (inference.inference_memory_growth, "<= 1.5"),
     "s3_pipeline_overhead": (s3.s3_pipeline_overhead, "<= 1.5"),
+    "multinode_overhead": (multinode.multinode_overhead, "<= 1.3"),
 }

@@ -5,5 +5,7 @@
 - :mod:`tasks.training.checkpoint`: checkpoints written by rank 0 and exact resume;
 - :mod:`tasks.training.distributed`: the torchrun environment, read once;
 - :mod:`tasks.training.local_torchrun` and :mod:`tasks.training.rank_guard`: torchrun on one machine with the
-  rendezvous on loopback and no rank outliving its agent.
+  rendezvous on loopback and no rank outliving its agent;
+- :mod:`tasks.training.node_launch`: the same on each node of a SageMaker or Kubernetes job, the node's rank
+  from its backend (the container entrypoint).
 """

@@ -88,25 +88,25 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
     return LoopbackRendezvous(params.run_id, timeout)
 
 
-def torchrun_argv(argv: list[str]) -> list[str]:
-    """torchrun's arguments with the loopback rendezvous and every rank started through tasks.training.rank_guard.
+def guarded_argv(argv: list[str], launcher: str, refused: tuple[str, ...], why: str) -> list[str]:
+    """torchrun's options from ``argv`` then ``--no-python`` and every rank's command through tasks.training.rank_guard.
 
-    Refuses rendezvous options, which would undo the loopback store, and ``--run-path``, which would run the
-    ranks as this agent's multiprocessing children instead of commands the guard can start.
+    Refuses the ``refused`` options (``why`` says what the launcher sets instead) and ``--run-path``, which would run
+    the ranks as this agent's multiprocessing children instead of commands the guard can start. The one rank-command
+    builder of this launcher and of tasks.training.node_launch.
     """
     from torch.distributed.run import get_args_parser
 
     parsed = get_args_parser().parse_args(argv)
     options = argv[:len(argv) - len(parsed.training_script_args) - 1]  # the script and its arguments end argv
     for arg in options:
-        if arg.split("=", 1)[0] in _RENDEZVOUS_OPTIONS:
-            raise SystemExit(f"tasks.training.local_torchrun: {arg.split('=', 1)[0]} is not accepted: this launcher runs one "
-                             f"node with its rendezvous on {LOOPBACK}")
+        if arg.split("=", 1)[0] in refused:
+            raise SystemExit(f"{launcher}: {arg.split('=', 1)[0]} is not accepted: {why}")
     if parsed.run_path:
-        raise SystemExit("tasks.training.local_torchrun: --run-path is not accepted: each rank runs as a process of its own "
+        raise SystemExit(f"{launcher}: --run-path is not accepted: each rank runs as a process of its own "
                          "that dies with this agent")
     if parsed.no_python and parsed.module:
-        raise SystemExit("tasks.training.local_torchrun: --no-python and --module exclude each other")
+        raise SystemExit(f"{launcher}: --no-python and --module exclude each other")
     if parsed.no_python:
         rank = [parsed.training_script]
     else:  # the command torchrun itself would give each rank
@@ -114,15 +114,27 @@ def torchrun_argv(argv: list[str]) -> list[str]:
     # This process becomes the agent, the ranks' parent: the guard checks it is still there once the signal is armed.
     guard = [sys.executable, "-m", "tasks.training.rank_guard", str(os.getpid()), *rank, *parsed.training_script_args]
     options = [arg for arg in options if arg not in _ENTRYPOINT_OPTIONS]
-    return ["--nnodes=1", f"--rdzv-backend={RENDEZVOUS_BACKEND}", f"--rdzv-endpoint={LOOPBACK}:0", *options,
-            "--no-python", *guard]
+    return [*options, "--no-python", *guard]
 
 
-def command(entry: list[str], args: list[str], nproc_per_node: int, max_restarts: int = 0) -> list[str]:
-    """The argv running ``entry`` (``[script]`` or ``["-m", module]``) with ``args`` under this launcher: the one torchrun
-    command of the Airflow launcher's DDP sub-jobs and of tasks.sweep's bring-your-own trials."""
-    return [sys.executable, "-m", "tasks.training.local_torchrun", f"--nproc-per-node={nproc_per_node}",
-            f"--max-restarts={max_restarts}", *entry, *args]
+def torchrun_argv(argv: list[str]) -> list[str]:
+    """torchrun's arguments with the loopback rendezvous and every rank started through tasks.training.rank_guard.
+
+    Refuses rendezvous options, which would undo the loopback store.
+    """
+    own = guarded_argv(argv, "tasks.training.local_torchrun", _RENDEZVOUS_OPTIONS,
+                       f"this launcher runs one node with its rendezvous on {LOOPBACK}")
+    return ["--nnodes=1", f"--rdzv-backend={RENDEZVOUS_BACKEND}", f"--rdzv-endpoint={LOOPBACK}:0", *own]
+
+
+def command(entry: list[str], args: list[str], nproc_per_node: int, max_restarts: int = 0, backend: str = "local",
+            python: str = sys.executable) -> list[str]:
+    """The argv running ``entry`` (``[script]`` or ``["-m", module]``) with ``args`` under torchrun: the one torchrun
+    command of the Airflow launcher's DDP sub-jobs, of tasks.sweep's bring-your-own trials (backend local: this
+    launcher) and of every node of a SageMaker or Kubernetes job (tasks.training.node_launch; ``python`` is the
+    image's interpreter there)."""
+    launcher = ["tasks.training.local_torchrun"] if backend == "local" else ["tasks.training.node_launch", backend]
+    return [python, "-m", *launcher, f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", *entry, *args]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,110 @@
+"""Each node reads its place in the job from what its backend gives it, and a missing or inconsistent input is
+refused naming the file or variable (the launch itself is tested in test_multinode.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tasks.training import local_torchrun
+from tasks.training.node_launch import NodeConfigError, kubernetes_node, sagemaker_node, torchrun_argv
+
+ENTRY = ["--nproc-per-node=2", "-m", "tasks.train", "--stage", "s2"]
+
+
+def resource_config(tmp_path, current: str, hosts: list[str], interface: str = "eth0") -> dict:
+    path = tmp_path / "resourceconfig.json"
+    path.write_text(json.dumps({"current_host": current, "hosts": hosts, "network_interface_name": interface}))
+    return {"STAGEWISE_SM_RESOURCE_CONFIG": str(path)}
+
+
+def pod(index: int, nnodes: int = 2, **extra: str) -> dict:
+    return {"JOB_COMPLETION_INDEX": str(index), "STAGEWISE_NNODES": str(nnodes),
+            "STAGEWISE_RDZV_ENDPOINT": "stage-s2-0.stage-s2:29400", "STAGEWISE_RDZV_ID": "run1-s2-try2", **extra}
+
+
+def test_sagemaker_node_rank_is_the_place_in_sorted_hosts_and_node_0_hosts_the_store(tmp_path):
+    """SageMaker lists hosts in any order: every node sorts them, so all agree on who is node 0."""
+    node = sagemaker_node(resource_config(tmp_path, "algo-1", ["algo-3", "algo-1", "algo-2"]))
+    assert (node.node_rank, node.num_nodes, node.master_addr, node.master_port) == (0, 3, "algo-1", 29500)
+    node = sagemaker_node({**resource_config(tmp_path, "algo-3", ["algo-3", "algo-1", "algo-2"]), "STAGEWISE_MASTER_PORT": "7000"})
+    assert (node.node_rank, node.master_addr, node.master_port, node.interface) == (2, "algo-1", 7000, "eth0")
+
+
+def test_sagemaker_variables_stand_in_for_a_missing_resource_config(tmp_path):
+    environ = {"STAGEWISE_SM_RESOURCE_CONFIG": str(tmp_path / "absent.json"), "SM_HOSTS": '["algo-2", "algo-1"]',
+               "SM_CURRENT_HOST": "algo-2", "SM_NETWORK_INTERFACE_NAME": "eth1"}
+    node = sagemaker_node(environ)
+    assert (node.node_rank, node.num_nodes, node.interface) == (1, 2, "eth1")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp: resource_config(tmp, "algo-9", ["algo-1", "algo-2"]), "current host 'algo-9' is not among the hosts"),
+    (lambda tmp: resource_config(tmp, "algo-1", ["algo-1", "algo-1"]), "lists a host twice"),
+    (lambda tmp: resource_config(tmp, "algo-1", []), "hosts must be a non-empty list"),
+    (lambda tmp: {"STAGEWISE_SM_RESOURCE_CONFIG": str(tmp / "absent.json")}, "no SageMaker resource config at"),
+    (lambda tmp: {"STAGEWISE_SM_RESOURCE_CONFIG": str(tmp / "absent.json"), "SM_HOSTS": "algo-1", "SM_CURRENT_HOST": "algo-1"},
+     "$SM_HOSTS must be a JSON list"),
+])
+def test_sagemaker_inputs_that_place_no_node_are_refused_by_name(tmp_path, make, message):
+    environ = make(tmp_path)
+    with pytest.raises(NodeConfigError, match="tasks.training.node_launch: ") as raised:
+        sagemaker_node(environ)
+    assert message in str(raised.value)
+    if "STAGEWISE_SM_RESOURCE_CONFIG" in environ and "absent" not in environ["STAGEWISE_SM_RESOURCE_CONFIG"]:
+        assert environ["STAGEWISE_SM_RESOURCE_CONFIG"] in str(raised.value), "the message names the file"
+
+
+def test_kubernetes_node_rank_is_the_job_completion_index():
+    node = kubernetes_node(pod(1, 4, STAGEWISE_JOIN_TIMEOUT_S="60"))
+    assert (node.node_rank, node.num_nodes, node.master_addr, node.master_port) == (1, 4, "stage-s2-0.stage-s2", 29400)
+    assert (node.run_id, node.join_timeout_s, node.interface) == ("run1-s2-try2", 60, None)
+
+
+@pytest.mark.parametrize("environ, message", [
+    (pod(2, 2), "$JOB_COMPLETION_INDEX 2 is outside 0..1"),
+    ({k: v for k, v in pod(0).items() if k != "JOB_COMPLETION_INDEX"}, "$JOB_COMPLETION_INDEX is not set"),
+    (pod(0, STAGEWISE_NNODES="two"), "$STAGEWISE_NNODES must be an integer"),
+    (pod(0, STAGEWISE_RDZV_ENDPOINT="stage-s2-0"), "$STAGEWISE_RDZV_ENDPOINT must be host:port"),
+    (pod(0, STAGEWISE_RDZV_ID=""), "$STAGEWISE_RDZV_ID is not set"),
+])
+def test_kubernetes_inputs_that_place_no_node_are_refused_by_name(environ, message):
+    with pytest.raises(NodeConfigError) as raised:
+        kubernetes_node(environ)
+    assert message in str(raised.value)
+
+
+def test_torchrun_gets_the_static_rendezvous_of_this_node_and_guarded_ranks():
+    _, argv = torchrun_argv("kubernetes", ENTRY, pod(1))
+    assert argv[:6] == ["--nnodes=2", "--node-rank=1", "--rdzv-backend=static", "--rdzv-endpoint=stage-s2-0.stage-s2:29400",
+                        "--rdzv-id=run1-s2-try2", "--rdzv-conf=timeout=900"]
+    guard = argv.index("--no-python") + 1
+    assert argv[6:guard] == ["--nproc-per-node=2", "--no-python"]
+    assert argv[guard:guard + 3] == [sys.executable, "-m", "tasks.training.rank_guard"]
+    assert argv[guard + 4:] == [sys.executable, "-u", "-m", "tasks.train", "--stage", "s2"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes=3", *ENTRY], "--nnodes is not accepted"),
+    (["--node-rank", "0", *ENTRY], "--node-rank is not accepted"),
+    (["--rdzv-endpoint=x:1", *ENTRY], "--rdzv-endpoint is not accepted"),
+    (ENTRY[1:], "give --nproc-per-node"),
+])
+def test_options_that_contradict_the_nodes_place_are_refused(argv, message):
+    with pytest.raises(SystemExit) as raised:
+        torchrun_argv("kubernetes", argv, pod(0))
+    assert message in str(raised.value)
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(NodeConfigError, match="one of sagemaker, kubernetes, got 'slurm'"):
+        torchrun_argv("slurm", ENTRY, {})
+
+
+def test_one_command_builder_serves_the_local_launcher_and_every_node():
+    assert local_torchrun.command(["-m", "tasks.train"], ["--stage", "s2"], 2)[1:3] == ["-m", "tasks.training.local_torchrun"]
+    remote = local_torchrun.command(["-m", "tasks.train"], ["--stage", "s2"], 4, 1, backend="sagemaker", python="python")
+    assert remote == ["python", "-m", "tasks.training.node_launch", "sagemaker", "--nproc-per-node=4", "--max-restarts=1",
+                      "-m", "tasks.train", "--stage", "s2"]
