@@ -56,9 +56,14 @@ def test_the_job_and_service_wire_every_pod_to_pod_0_as_the_rendezvous_host(tmp_
         "kubernetes", processes_per_node=2, stage="s2", out=args["out"], params=args["params"], init_from="s3://b/final.pt",
         config_file="/opt/stagewise/pipeline.yaml", overrides=args["overrides"])
     env = {item["name"]: item["value"] for item in container["env"]}
-    assert env["STAGEWISE_RDZV_HOST"] == f"{name}-0.{name}" and env["STAGEWISE_RDZV_PORT"] == "29400"
-    assert env["PET_NNODES"] == "2" and env["PET_RDZV_ID"] == name and env["AWS_DEFAULT_REGION"] == "eu-west-1"
+    assert env["AWS_DEFAULT_REGION"] == "eu-west-1"
     assert "JOB_COMPLETION_INDEX" not in env  # Kubernetes sets it per pod
+    # What the pod's entrypoint makes of it, with the index Kubernetes adds: pod 1 of 2, rendezvous on pod 0.
+    from tasks.training.node_launch import kubernetes_node
+
+    node = kubernetes_node({**env, "JOB_COMPLETION_INDEX": "1"})
+    assert (node.node_rank, node.num_nodes, node.master_addr, node.master_port) == (1, 2, f"{name}-0.{name}", 29400)
+    assert node.run_id == name and node.join_timeout_s == 900
     assert "secret!" not in json.dumps([service, job])
 
 

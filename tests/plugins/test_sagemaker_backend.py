@@ -54,6 +54,13 @@ def test_the_request_is_valid_for_sagemakers_api_and_runs_node_launch_on_every_n
         "sagemaker", processes_per_node=2, stage="s2", out=out, params={"lr": 0.05, "hidden": 64},
         init_from="s3://b/final.pt", config_file="/opt/stagewise/pipeline.yaml", overrides={"sweep.num_trials": 4})
     assert spec["ContainerArguments"][:4] == ["-m", "tasks.training.node_launch", "sagemaker", "--nproc-per-node"]
+    # What the container's entrypoint makes of them on the second of two hosts: torchrun joins host 1's store.
+    from tasks.training.node_launch import sagemaker_node, torchrun_argv
+
+    hosts = {"SM_HOSTS": '["algo-1", "algo-2"]', "SM_CURRENT_HOST": "algo-2", "STAGEWISE_SM_RESOURCE_CONFIG": "/nonexistent"}
+    node, torchrun = torchrun_argv("sagemaker", spec["ContainerArguments"][3:], hosts)
+    assert node == sagemaker_node(hosts) and (node.node_rank, node.num_nodes, node.master_addr) == (1, 2, "algo-1")
+    assert torchrun[torchrun.index("--nproc-per-node") + 1] == "2" and "tasks.train" in torchrun
     assert request["ResourceConfig"] == {"InstanceType": "ml.g5.12xlarge", "InstanceCount": 2, "VolumeSizeInGB": 100}
     assert request["RoleArn"] == "arn:aws:iam::123456789012:role/stagewise-training"
     assert request["CheckpointConfig"]["S3Uri"] == f"{out}/train/s2/checkpoints/"

@@ -31,8 +31,6 @@ log = logging.getLogger(__name__)
 
 JOB_LABEL = "stagewise.dev/job"
 CONTAINER = "node"
-RDZV_HOST_ENV = "STAGEWISE_RDZV_HOST"
-RDZV_PORT_ENV = "STAGEWISE_RDZV_PORT"
 # Room for "-<index>" after the Job name: a pod's hostname <job>-<index> must stay a 63-char label.
 NAME_LIMIT = 63 - len("-511")
 FINISHED_TTL_S = 3600
@@ -78,10 +76,13 @@ def job_objects(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str,
     image_config = image_config_path(config_file, repo_root)
     command = node_command("kubernetes", processes_per_node=profile.processes_per_node, stage=stage, out=out,
                            params=params, init_from=init_from, config_file=image_config, overrides=overrides)
+    from tasks.training import node_launch  # the names the node side reads, declared there once
+
     env = {CONFIG_ENV_VAR: image_config, **public_storage_env(storage_env or {}),
-           RDZV_HOST_ENV: f"{name}-0.{name}", RDZV_PORT_ENV: str(port),
-           "PET_NNODES": str(profile.nodes), "PET_RDZV_ID": name,  # the name is unique per try, so is the rendezvous
-           "PET_RDZV_CONF": f"join_timeout={settings.join_timeout_s}"}
+           node_launch.K8S_ENDPOINT_ENV: f"{name}-0.{name}:{port}",  # pod 0 under the headless Service
+           node_launch.K8S_NNODES_ENV: str(profile.nodes),
+           node_launch.K8S_RDZV_ID_ENV: name,  # the name is unique per try, so is the rendezvous
+           node_launch.JOIN_TIMEOUT_ENV: str(settings.join_timeout_s)}
     resources: dict[str, str] = {}
     if settings.cpu:
         resources["cpu"] = settings.cpu
