@@ -71,7 +71,7 @@ class KubernetesSettings(_Strict):
     tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations, as in a pod spec.")
     service_account: str = Field("", description="Service account of the pods (e.g. with IRSA for S3); empty: the namespace's default.")
     kubernetes_conn_id: str = Field("kubernetes_default", description="Airflow connection for the cluster's API.")
-    rendezvous_port: int = Field(29400, ge=1024, le=65535, description="torchrun's c10d rendezvous port on pod 0.")
+    rendezvous_port: int = Field(29400, ge=1024, le=65535, description="Port of the rendezvous store on pod 0 (torchrun's static rendezvous).")
     join_timeout_s: int = Field(900, ge=60, description="How long torchrun waits for every pod to join (above scheduling time).")
 
 
