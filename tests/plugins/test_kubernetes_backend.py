@@ -180,17 +180,6 @@ def test_a_refused_job_fails_without_retry_and_its_service_is_deleted(stage_on):
     assert api.objects == {}
 
 
-@pytest.fixture
-def airflow_on_term():
-    """Airflow's own SIGTERM handler stand-in (it calls the operator's on_kill and returns): the calls it got."""
-    calls = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
-    try:
-        yield calls
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 @pytest.mark.timeout(60)
 def test_a_task_killed_while_the_job_runs_deletes_the_job_and_service(stage_on, airflow_on_term):
     """SIGTERM (Airflow's kill or mark-failed) while the Job runs: the task stops waiting, and deletes both objects."""

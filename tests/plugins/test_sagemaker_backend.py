@@ -184,17 +184,6 @@ def test_node_log_lines_are_logged_once_each_and_a_logs_outage_never_fails_the_j
     assert tail() == [] and tail() == []  # the job's status polling goes on
 
 
-@pytest.fixture
-def airflow_on_term():
-    """Airflow's own SIGTERM handler stand-in (it calls the operator's on_kill and returns): the calls it got."""
-    calls = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
-    try:
-        yield calls
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 @pytest.mark.timeout(60)
 def test_a_task_killed_while_waiting_stops_its_job(tmp_path, airflow_on_term):
     """SIGTERM (Airflow's kill or mark-failed) mid-wait: the task stops its job rather than leave it billing."""

@@ -19,10 +19,11 @@ import json
 import re
 import signal
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.config import PipelineConfig
+from tasks.config import PipelineConfig, Profile
 from tasks.errors import USER_ERROR_EXIT, UserError
 
 NODE_LAUNCH_MODULE = "tasks.training.node_launch"
@@ -48,6 +49,32 @@ def node_command(mode: str, *, processes_per_node: int, stage: str, out: str, pa
     command += ["--config", config_file]
     command += [f"--override={key}={json.dumps(value)}" for key, value in sorted(overrides.items())]
     return command
+
+
+@dataclass(frozen=True)
+class StageJob:
+    """What both builders start from: the stage's profile and backend settings, and the command every node runs."""
+
+    profile: Profile
+    settings: Any
+    """The profile's ``sagemaker`` or ``kubernetes`` block."""
+    image_config: str
+    """The run's config file as the runtime image sees it."""
+    command: list[str]
+
+
+def stage_job(config: PipelineConfig, backend: str, *, stage: str, out: str, params: dict[str, Any], init_from: str | None,
+              config_file: str, overrides: dict[str, Any], repo_root: str) -> StageJob:
+    """The stage's ``backend`` settings (a user error if its profile has another backend) and its node command."""
+    name = config.stage(stage).profile
+    profile = config.profile(name)
+    settings = getattr(profile, backend)
+    if settings is None:
+        raise UserError(f"stage {stage}: profile '{name}' has backend '{profile.backend}', not {backend}")
+    image_config = image_config_path(config_file, repo_root)
+    command = node_command(backend, processes_per_node=profile.processes_per_node, stage=stage, out=out, params=params,
+                           init_from=init_from, config_file=image_config, overrides=overrides)
+    return StageJob(profile=profile, settings=settings, image_config=image_config, command=command)
 
 
 def image_config_path(config_file: str, repo_root: str) -> str:

@@ -17,11 +17,10 @@ from typing import Any
 
 from stagewise_airflow.backends import (
     IMAGE_WORKDIR,
-    image_config_path,
     is_user_error,
     job_name,
-    node_command,
     public_storage_env,
+    stage_job,
     stop_on_sigterm,
 )
 from tasks.config import PipelineConfig
@@ -60,11 +59,9 @@ def job_objects(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str,
 
     from tasks.config import CONFIG_ENV_VAR
 
-    spec = config.stage(stage)
-    profile = config.profile(spec.profile)
-    settings = profile.kubernetes
-    if settings is None:
-        raise UserError(f"stage {stage}: profile '{spec.profile}' has backend '{profile.backend}', not kubernetes")
+    job = stage_job(config, "kubernetes", stage=stage, out=out, params=params, init_from=init_from,
+                    config_file=config_file, overrides=overrides, repo_root=repo_root)
+    profile, settings, image_config, command = job.profile, job.settings, job.image_config, job.command
     name = job_name(dag_id, run_id, stage, attempt, limit=NAME_LIMIT)
     labels = {JOB_LABEL: name, "app.kubernetes.io/part-of": "stagewise"}
     port = settings.rendezvous_port
@@ -73,9 +70,6 @@ def job_objects(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str,
         metadata=k8s.V1ObjectMeta(name=name, namespace=settings.namespace, labels=labels),
         spec=k8s.V1ServiceSpec(cluster_ip="None", selector={JOB_LABEL: name}, publish_not_ready_addresses=True,
                                ports=[k8s.V1ServicePort(name="rendezvous", port=port, target_port=port)]))
-    image_config = image_config_path(config_file, repo_root)
-    command = node_command("kubernetes", processes_per_node=profile.processes_per_node, stage=stage, out=out,
-                           params=params, init_from=init_from, config_file=image_config, overrides=overrides)
     from tasks.training import node_launch  # the names the node side reads, declared there once
 
     env = {CONFIG_ENV_VAR: image_config, **public_storage_env(storage_env or {}),

@@ -19,11 +19,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from stagewise_airflow.backends import (
-    image_config_path,
     is_user_error,
     job_name,
-    node_command,
     public_storage_env,
+    stage_job,
     stop_on_sigterm,
 )
 from tasks.config import PipelineConfig
@@ -61,23 +60,19 @@ def training_job_request(config: PipelineConfig, *, dag_id: str, run_id: str, st
     from tasks.config import CONFIG_ENV_VAR
     from tasks.train import stage_prefix
 
-    spec = config.stage(stage)
-    profile = config.profile(spec.profile)
-    settings = profile.sagemaker
-    if settings is None:
-        raise UserError(f"stage {stage}: profile '{spec.profile}' has backend '{profile.backend}', not sagemaker")
     if not out.startswith("s3://"):
         raise UserError(f"stage {stage}: a SageMaker job reads and writes the run through S3, but the run prefix is {out}")
-    image_config = image_config_path(config_file, repo_root)
-    command = node_command("sagemaker", processes_per_node=profile.processes_per_node, stage=stage, out=out,
-                           params=params, init_from=init_from, config_file=image_config, overrides=overrides)
+    job = stage_job(config, "sagemaker", stage=stage, out=out, params=params, init_from=init_from,
+                    config_file=config_file, overrides=overrides, repo_root=repo_root)
+    profile, settings, image_config, command = job.profile, job.settings, job.image_config, job.command
+    profile_name = config.stage(stage).profile
     arguments = command[1:]
     too_long = [arg for arg in arguments if len(arg) > MAX_ARGUMENT_CHARS]
     if too_long or len(arguments) > MAX_ARGUMENTS:
         raise UserError(f"stage {stage}: SageMaker takes at most {MAX_ARGUMENTS} container arguments of "
                         f"{MAX_ARGUMENT_CHARS} characters; too long: {[arg[:60] + '...' for arg in too_long]}")
     prefix = stage_prefix(out, stage)
-    spot = spot_for(config, spec.profile, attempt)
+    spot = spot_for(config, profile_name, attempt)
     stopping: dict[str, int] = {"MaxRuntimeInSeconds": settings.max_run_s}
     if spot:
         stopping["MaxWaitTimeInSeconds"] = settings.max_wait_s or 2 * settings.max_run_s
