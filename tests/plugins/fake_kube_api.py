@@ -1,7 +1,7 @@
 """A fake Kubernetes API server on 127.0.0.1: the few endpoints the kubernetes backend calls, recorded.
 
 It answers creating and deleting a Service and a Job, reading the Job's status (a scripted sequence of
-status objects, the last repeated) and listing pods by label. Enough to drive the real KubernetesHook and
+status objects, the last repeated), listing pods by label and reading a pod's log (scripted the same way). Enough to drive the real KubernetesHook and
 kubernetes client end to end; it schedules nothing.
 """
 
@@ -16,8 +16,10 @@ from urllib.parse import parse_qs, urlsplit
 
 class FakeKubeAPI:
     def __init__(self, statuses: list[dict[str, Any]], pods: list[dict[str, Any]] | None = None,
-                 refuse_job: tuple[int, str] | None = None) -> None:
+                 refuse_job: tuple[int, str] | None = None, logs: dict[str, list[list[str]]] | None = None) -> None:
         self.statuses, self.pods, self.refuse_job = list(statuses), pods or [], refuse_job
+        # pod name -> what each successive log read returns (timestamped lines; the last answer repeats)
+        self.logs = {name: list(answers) for name, answers in (logs or {}).items()}
         self.requests: list[tuple[str, str, Any]] = []  # (method, path, JSON body or query)
         self.objects: dict[str, dict[str, Any]] = {}
         fake = self
@@ -63,6 +65,15 @@ class FakeKubeAPI:
                         return self._reply(404, {"kind": "Status", "code": 404})
                     status = fake.statuses.pop(0) if len(fake.statuses) > 1 else fake.statuses[0]
                     return self._reply(200, {**job, "status": status})
+                if parts.path.endswith("/log"):
+                    answers = fake.logs.get(parts.path.split("/")[-2], [[]])
+                    text = "\n".join(answers.pop(0) if len(answers) > 1 else answers[0])
+                    data = text.encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    return self.wfile.write(data)
                 if parts.path.endswith("/pods"):
                     return self._reply(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": fake.pods})
                 self._reply(404, {"kind": "Status", "code": 404})

@@ -195,3 +195,37 @@ def test_a_task_killed_while_the_job_runs_deletes_the_job_and_service(stage_on, 
     assert len([path for path in api.calls("GET") if path.endswith("/status")]) > 1  # it was waiting
     assert signal.getsignal(signal.SIGTERM) == before  # the task's own handler is back
     assert airflow_on_term == [signal.SIGTERM]  # and it still ran (Airflow calls on_kill there)
+
+
+def _live_pod(name, phase="Running"):
+    return {"metadata": {"name": name}, "status": {"phase": phase}}
+
+
+def test_the_pods_log_lines_reach_the_task_log_once_each(stage_on, caplog, capsys):
+    """Each pod's new lines, prefixed with the pod, appear in the task log as the Job runs, none twice although
+    successive reads overlap (since_seconds from the last line seen)."""
+    caplog.set_level("INFO", logger=kubernetes.__name__)
+    first = ["2026-11-23T10:00:00.100000000Z train: stage s2 epoch 1/2: loss 0.5"]
+    second = [*first, "2026-11-23T10:00:05.2Z train: stage s2 epoch 2/2: loss 0.3"]
+    with FakeKubeAPI([_running(), _running(), _running(), _ended("Complete")],
+                     pods=[_live_pod("job-0"), _live_pod("job-1", "Pending")], logs={"job-0": [first, second]}) as api:
+        name, out, run = stage_on(api)
+        run()
+    logged = caplog.text + capsys.readouterr().out
+    assert logged.count("[job-0] train: stage s2 epoch 1/2: loss 0.5") == 1
+    assert logged.count("[job-0] train: stage s2 epoch 2/2: loss 0.3") == 1
+    reads = [query for verb, path, query in api.requests if verb == "GET" and path.endswith("/job-0/log")]
+    assert reads and "sinceSeconds" not in reads[0] and all("sinceSeconds" in query for query in reads[1:])
+    assert not [path for verb, path, _ in api.requests if path.endswith("/job-1/log")], "a pending pod has no log yet"
+
+
+def test_a_pod_log_that_cannot_be_read_is_one_warning_and_the_job_goes_on(caplog):
+    """Logs are for watching: a failing read warns once and yields nothing, it never fails the stage."""
+
+    class Broken:
+        def list_namespaced_pod(self, **_):
+            raise OSError("connection reset")
+
+    tail = kubernetes.PodLogTail(Broken(), "ml", "job")
+    assert tail() == [] and tail() == []
+    assert caplog.text.count("cannot read the pod logs") == 1

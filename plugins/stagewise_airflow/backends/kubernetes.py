@@ -3,7 +3,7 @@
 :func:`job_objects` builds both with the kubernetes client's models (pure; tests serialize them). Pod ``i``
 is ``<job>-i`` (an Indexed Job's pod hostname) in the Service's subdomain, so every pod reaches pod 0, the
 c10d rendezvous host, as ``<job>-0.<service>``. :func:`run_stage` creates both through the cncf.kubernetes
-provider's KubernetesHook, polls the Job, maps a failure onto Airflow's retry rules (a pod that exited with
+provider's KubernetesHook, polls the Job (streaming the pods' log lines into the task log), maps a failure onto Airflow's retry rules (a pod that exited with
 the user-error code or said so in its termination message: no retry) and always deletes both objects.
 Retries are Airflow's (backoffLimit 0): each try is a new Job with its own rendezvous id.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from stagewise_airflow.backends import (
@@ -126,12 +127,73 @@ def pod_failure(core_v1: Any, namespace: str, name: str) -> tuple[bool, str]:
     return user, "; ".join(said) or "no pod reported an exit"
 
 
+def _log_time(stamp: str) -> datetime:
+    """A pod log line's RFC 3339 timestamp (nanoseconds cut to microseconds)."""
+    head, _, fraction = stamp.rstrip("Z").partition(".")
+    return datetime.fromisoformat(f"{head}.{(fraction or '0')[:6]:0<6}+00:00")
+
+
+class PodLogTail:
+    """The new lines of every pod of a Job since the last call, each prefixed with its pod.
+
+    Reads with timestamps and ``since_seconds`` from the last line seen, so a long job is not re-read on every
+    poll. The task log is for watching, not for the job's fate: a failed read is logged once, then skipped.
+    """
+
+    def __init__(self, core_v1: Any, namespace: str, name: str, now: Callable[[], datetime] | None = None) -> None:
+        self.core_v1, self.namespace, self.name, self.failed = core_v1, namespace, name, False
+        self.now = now or (lambda: datetime.now(UTC))
+        self.last: dict[str, tuple[datetime, set[str]]] = {}  # pod -> (last timestamp, lines seen at it)
+
+    def __call__(self) -> list[str]:
+        try:
+            return self._read()
+        except Exception as exc:  # noqa: BLE001 - see the class docstring
+            if not self.failed:
+                log.warning("cannot read the pod logs of Kubernetes job %s/%s (%s); status only", self.namespace,
+                            self.name, exc)
+            self.failed = True
+            return []
+
+    def _read(self) -> list[str]:
+        pods = self.core_v1.list_namespaced_pod(namespace=self.namespace, label_selector=f"{JOB_LABEL}={self.name}").items
+        lines = []
+        for pod in sorted(pods, key=lambda item: item.metadata.name):
+            if not pod.status or pod.status.phase not in ("Running", "Succeeded", "Failed"):
+                continue  # no container log yet
+            pod_name = pod.metadata.name
+            request: dict[str, Any] = {"name": pod_name, "namespace": self.namespace, "container": CONTAINER, "timestamps": True}
+            last, seen = self.last.get(pod_name, (None, set()))
+            if last is not None:
+                request["since_seconds"] = max(1, int((self.now() - last).total_seconds()) + 1)
+            # The raw response, decoded here: the client's own str() of a text body varies between versions.
+            response = self.core_v1.read_namespaced_pod_log(**request, _preload_content=False)
+            for raw in response.data.decode("utf-8", errors="replace").splitlines():
+                stamp, _, message = raw.partition(" ")
+                try:
+                    when = _log_time(stamp)
+                except ValueError:
+                    continue
+                if last is not None and (when < last or (when == last and raw in seen)):
+                    continue  # read again because since_seconds overlaps the previous read
+                if last is None or when > last:
+                    last, seen = when, set()
+                seen.add(raw)
+                lines.append(f"[{pod_name}] {message}")
+            if last is not None:
+                self.last[pod_name] = (last, seen)
+        return lines
+
+
 def wait(read_job: Callable[[], Any], name: str, *, poll_s: float, log_line: Callable[[str], None],
-         sleep: Callable[[float], None] = time.sleep) -> tuple[bool, str]:
-    """Poll the Job until it completes or fails; log each change of its pod counts. Returns (succeeded, reason)."""
+         sleep: Callable[[float], None] = time.sleep, node_lines: Callable[[], list[str]] = list) -> tuple[bool, str]:
+    """Poll the Job until it completes or fails; log each change of its pod counts and the pods' new log lines
+    (``node_lines``). Returns (succeeded, reason)."""
     seen = None
     while True:
         job = read_job()
+        for line in node_lines():
+            log_line(line)
         status = job.status
         counts = (status.active or 0, status.succeeded or 0, status.failed or 0) if status else (0, 0, 0)
         if counts != seen:
@@ -195,7 +257,7 @@ def _create_and_wait(hook: Any, service: Any, job: Any, poll_s: float) -> None:
                                        f"{(exc.body or '')[:500]}") from None
         raise
     succeeded, reason = wait(lambda: hook.get_job_status(job_name=name, namespace=namespace), name,
-                             poll_s=poll_s, log_line=log.info)
+                             poll_s=poll_s, log_line=log.info, node_lines=PodLogTail(hook.core_v1_client, namespace, name))
     if not succeeded:
         user, said = pod_failure(hook.core_v1_client, namespace, name)
         message = f"Kubernetes job {namespace}/{name} failed ({reason}): {said}"
