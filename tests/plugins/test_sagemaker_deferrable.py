@@ -176,3 +176,62 @@ def test_a_deferrable_sagemaker_stage_is_wired_as_the_operator_with_its_profiles
     monkeypatch.setenv("STAGEWISE_CONFIG", str(path))
     bag = DagBag(dag_folder=str(REPO_ROOT / "dags" / "ml_pipeline.py"))
     assert type(bag.dags["ml_pipeline"].get_task("train_s2")).__name__ != SageMakerStageOperator.__name__
+
+
+
+DAG_RUN_FILE = """
+import json, os, pathlib
+import pendulum
+from airflow.sdk import DAG, task
+from stagewise_airflow.operators import SageMakerStageOperator
+
+inputs = json.loads(pathlib.Path(os.environ["STAGEWISE_TEST_INPUTS"]).read_text())
+
+
+@task
+def evaluate(result):
+    pathlib.Path(os.environ["STAGEWISE_TEST_INPUTS"]).with_name("result.json").write_text(json.dumps(result))
+
+
+with DAG("sagemaker_deferrable_dagrun", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC")) as dag:
+    run = task(lambda: inputs["run"], task_id="start_run")()
+    swept = task(lambda: inputs["swept"], task_id="sweep_summary")()
+    previous = task(lambda: inputs["previous"], task_id="train_s1")()
+    evaluate(SageMakerStageOperator(task_id="train_s2", run=run, stage="s2", swept=swept, previous=previous,
+                                    poll_s=1).output)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_dag_run_resolves_the_xcom_inputs_defers_and_pushes_the_stages_result(tmp_path, moto_aws, monkeypatch):  # noqa: F811
+    """dag.test(): the inputs arrive by XCom through template_fields, the real trigger runs (inline, against moto),
+    execute_complete resumes the task and its result is the next task's input."""
+    import runpy
+
+    import s3fs
+
+    _, args, operator, _ = _stage(tmp_path, monkeypatch, "s3://stagewise-test/dagrun")
+    out = args["out"]
+    s3fs.S3FileSystem().pipe(f"{out}/train/s2/metrics.json".removeprefix("s3://"),
+                             json.dumps({"stage": "s2", "world_size": 4, "complete": True}).encode())
+    dags = tmp_path / "dags"
+    dags.mkdir()
+    (dags / "sagemaker_deferrable_dagrun.py").write_text(DAG_RUN_FILE)
+    inputs = tmp_path / "inputs" / "inputs.json"
+    inputs.parent.mkdir()
+    inputs.write_text(json.dumps({"run": operator.run, "swept": operator.swept, "previous": operator.previous}))
+    monkeypatch.setenv("STAGEWISE_TEST_INPUTS", str(inputs))
+    monkeypatch.setenv("AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST", json.dumps([{
+        "name": "sagemaker-deferrable-test", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
+        "kwargs": {"path": str(dags)}}]))
+    dag = runpy.run_path(str(dags / "sagemaker_deferrable_dagrun.py"))["dag"]
+    try:
+        dag_run = dag.test()  # in the Airflow home's DB (make test migrates it), removed again below
+        states = {ti.task_id: ti.state for ti in dag_run.get_task_instances()}
+    finally:
+        from airflow.api.common.delete_dag import delete_dag
+
+        delete_dag(dag.dag_id, keep_records_in_log=False)
+    assert dag_run.state == "success", states
+    result = json.loads(inputs.with_name("result.json").read_text())
+    assert result["world_size"] == 4 and result["model_uri"] == f"{out}/train/s2/model.pt" and result["attempt"] == 1
