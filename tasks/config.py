@@ -49,6 +49,10 @@ class SageMakerSettings(_Strict):
     spot_fallback_on_last_retry: bool = Field(True, description="The stage's last Airflow try runs on demand instead of spot.")
     region: str = Field("", description="AWS region of the job; empty: the connection's or the environment's.")
     aws_conn_id: str = Field("aws_default", description="Airflow connection for the SageMaker API.")
+    deferrable: bool = Field(False, description=(
+        "Wait in Airflow's triggerer, freeing the worker slot while the job runs; but a task killed or marked failed "
+        "while deferred cannot stop its job (it runs until it ends or hits max_run_s), and no node log lines stream "
+        "while deferred (status only on resume)."))
 
     @model_validator(mode="after")
     def _wait_above_run(self) -> SageMakerSettings:

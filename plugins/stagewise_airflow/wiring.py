@@ -76,11 +76,22 @@ def sweep(config: PipelineConfig, run: Any, data: dict[str, Any]) -> dict[str, A
 
 
 def train_stages(config: PipelineConfig, run: Any, swept: dict[str, Any]) -> dict[str, Any]:
-    """train_<stage> for each configured stage in order, each starting from the previous one's checkpoint."""
+    """train_<stage> for each configured stage in order, each starting from the previous one's checkpoint.
+
+    A stage whose profile has ``sagemaker.deferrable`` is a SageMakerStageOperator (waits in the triggerer).
+    """
     trained, previous = [], None
     for stage in config.train.stages:
-        previous = task(steps.train_stage, task_id=f"train_{stage.name}", **knobs(config, stage.profile))(
-            run, stage.name, swept["swept"], previous)
+        settings = config.profile(stage.profile).sagemaker
+        if config.profile(stage.profile).backend == "sagemaker" and settings is not None and settings.deferrable:
+            from stagewise_airflow.operators import SageMakerStageOperator
+
+            previous = SageMakerStageOperator(task_id=f"train_{stage.name}", run=run, stage=stage.name,
+                                              swept=swept["swept"], previous=previous,
+                                              **knobs(config, stage.profile)).output
+        else:
+            previous = task(steps.train_stage, task_id=f"train_{stage.name}", **knobs(config, stage.profile))(
+                run, stage.name, swept["swept"], previous)
         trained.append(previous)
     return {"trained": trained}
 

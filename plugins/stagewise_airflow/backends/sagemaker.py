@@ -35,6 +35,7 @@ DATA_CHANNEL = "preprocess"
 # CreateTrainingJob limits the service model states and botocore's validator does not check (it checks types/min).
 MAX_ARGUMENTS, MAX_ARGUMENT_CHARS, MAX_ENV_VALUE_CHARS = 100, 256, 512
 TERMINAL = ("Completed", "Failed", "Stopped")
+POLL_S = 30  # seconds between DescribeTrainingJob calls while a job runs (the task's or the triggerer's)
 # FailureReason prefixes of a job that failed on its request or the user's code/config: retrying changes nothing.
 _USER_FAILURES = ("ClientError",)
 
@@ -187,35 +188,49 @@ def wait(describe: Callable[[str], dict[str, Any]], name: str, *, poll_s: float,
         sleep(poll_s)
 
 
-def run_stage(config: PipelineConfig, *, request: dict[str, Any], out: str, stage: str, poll_s: float = 30.0,
-              hook: Any = None) -> dict[str, Any]:
-    """Submit ``request`` (or attach to the job this try already submitted), wait, and return the stage's result."""
+def hook_for(settings: Any) -> Any:
+    """The Amazon provider's SageMakerHook for a profile's ``sagemaker`` settings (connection and region)."""
+    from airflow.providers.amazon.aws.hooks.sagemaker import SageMakerHook
+
+    return SageMakerHook(aws_conn_id=settings.aws_conn_id or None, region_name=settings.region or None)
+
+
+def submit(hook: Any, request: dict[str, Any]) -> str:
+    """Create the job of ``request``, or attach to it if this try submitted it before; its name.
+
+    A request SageMaker refuses as invalid fails the task without retry (AirflowFailException).
+    """
     from botocore.exceptions import ClientError
 
-    from stagewise_airflow.backends import stage_result
-
-    settings = config.profile(config.stage(stage).profile).sagemaker
-    if hook is None:
-        from airflow.providers.amazon.aws.hooks.sagemaker import SageMakerHook
-
-        hook = SageMakerHook(aws_conn_id=settings.aws_conn_id or None, region_name=settings.region or None)
     name = request["TrainingJobName"]
     try:
         hook.describe_training_job(name)
         log.info("SageMaker job %s exists (this try submitted it before): attaching to it", name)
+        return name
     except ClientError as exc:
         if exc.response.get("Error", {}).get("Code") not in ("ValidationException", "ResourceNotFound"):
             raise
-        log.info("submitting SageMaker job %s: %d x %s, image %s", name, request["ResourceConfig"]["InstanceCount"],
-                 request["ResourceConfig"]["InstanceType"], request["AlgorithmSpecification"]["TrainingImage"])
-        try:
-            hook.create_training_job(request, wait_for_completion=False, print_log=False)
-        except ClientError as create_error:
-            from airflow.sdk.exceptions import AirflowFailException
+    log.info("submitting SageMaker job %s: %d x %s, image %s", name, request["ResourceConfig"]["InstanceCount"],
+             request["ResourceConfig"]["InstanceType"], request["AlgorithmSpecification"]["TrainingImage"])
+    try:
+        hook.create_training_job(request, wait_for_completion=False, print_log=False)
+    except ClientError as create_error:
+        from airflow.sdk.exceptions import AirflowFailException
 
-            if create_error.response.get("Error", {}).get("Code") == "ValidationException":
-                raise AirflowFailException(f"SageMaker refused job {name}: {create_error}") from None
-            raise
+        if create_error.response.get("Error", {}).get("Code") == "ValidationException":
+            raise AirflowFailException(f"SageMaker refused job {name}: {create_error}") from None
+        raise
+    return name
+
+
+def run_stage(config: PipelineConfig, *, request: dict[str, Any], out: str, stage: str, poll_s: float = POLL_S,
+              hook: Any = None) -> dict[str, Any]:
+    """Submit ``request`` (or attach to the job this try already submitted), wait, and return the stage's result."""
+    from stagewise_airflow.backends import stage_result
+
+    settings = config.profile(config.stage(stage).profile).sagemaker
+    hook = hook if hook is not None else hook_for(settings)
+    name = submit(hook, request)
     ended = False
     try:
         with stop_on_sigterm(f"SageMaker job {name}"):
