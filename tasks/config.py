@@ -682,6 +682,10 @@ class PipelineConfig(_Strict):
                 raise ValueError(f"profiles.{name}: backend 'sagemaker' reads and writes the run through S3, but storage_root "
                                  f"is '{self.storage_root}'; give an s3:// storage_root")
         for index, stage in enumerate(self.train.stages):
+            if stage.entrypoint is not None and self.profiles[stage.profile].backend != "local":
+                raise ValueError(f"train.stages[{index}] ({stage.name}): an entrypoint (your own script) runs on backend "
+                                 f"local only for now; profile '{stage.profile}' has backend "
+                                 f"'{self.profiles[stage.profile].backend}'")
             world = self.profiles[stage.profile].world_size
             if stage.global_batch is not None and stage.global_batch % (world * stage.grad_accum_steps):
                 raise ValueError(

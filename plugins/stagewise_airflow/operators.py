@@ -49,9 +49,6 @@ class SageMakerStageOperator(BaseOperator):
 
         config, run, stage = self._config(), self.run, self.stage
         spec = config.stage(stage)
-        if spec.entrypoint is not None:
-            raise AirflowFailException(f"stage {stage}: an entrypoint (your own script) runs on backend local only for "
-                                       f"now; profile '{spec.profile}' has backend 'sagemaker'")
         settings = config.profile(spec.profile).sagemaker
         started = time.time()
         try:

@@ -280,7 +280,7 @@ def test_a_job_that_succeeded_without_committing_its_metrics_is_retried(tmp_path
         sagemaker.run_stage(config, request=request, out=args["out"], stage="s2", poll_s=0)
 
 
-def test_train_stage_submits_a_sagemaker_profiles_stage_as_a_job_and_refuses_an_entrypoint_there(tmp_path, moto_aws,
+def test_train_stage_submits_a_sagemaker_profiles_stage_as_a_job_and_the_config_refuses_an_entrypoint_there(tmp_path, moto_aws,
                                                                                                 monkeypatch):
     """steps.train_stage dispatches on the profile's backend: the stage's result comes back from the job, never a local run."""
     import types
@@ -312,10 +312,11 @@ def test_train_stage_submits_a_sagemaker_profiles_stage_as_a_job_and_refuses_an_
     assert arguments[arguments.index("--init-from") + 1] == f"{args['out']}/train/s1/final.pt"
     assert received["EnableManagedSpotTraining"] is False  # try 3 of retries 2: the last one runs on demand
 
+    from tasks.config import ConfigError, load_config
+
     with_entrypoint = yaml_with(path, {"train.stages.1.entrypoint": {"module": "my_train"}})
-    run = {**run, "config": str(with_entrypoint)}
-    with pytest.raises(AirflowFailException, match="an entrypoint .* runs on backend local only"):
-        steps.train_stage(run, "s2", {"best_params": {}}, None)
+    with pytest.raises(ConfigError, match=r"train.stages\[1\] \(s2\): an entrypoint .* runs on backend local only"):
+        load_config(with_entrypoint)  # refused where the run starts (start_run), before any job exists
 
 
 def yaml_with(path, changes: dict):

@@ -172,9 +172,6 @@ def submit_stage(config: PipelineConfig, run: dict[str, Any], stage: str, params
 
     spec = config.stage(stage)
     backend = config.profile(spec.profile).backend
-    if spec.entrypoint is not None:
-        raise AirflowFailException(f"stage {stage}: an entrypoint (your own script) runs on backend local only for now; "
-                                   f"profile '{spec.profile}' has backend '{backend}'")
     storage_env = credentials.aws_environment(config.storage_conn_id)
     started = time.monotonic()
     common = dict(dag_id=run["dag_id"], run_id=run["run_id"], stage=stage, out=run["out"], attempt=attempt, params=params,
