@@ -16,10 +16,13 @@ LAUNCH_ENV: dict[str, str] = {}
 """Set by the launcher for every sub-job, ours and a user's (name -> meaning)."""
 TRIAL_ENV: dict[str, str] = {}
 """Set, besides STAGE_ENV and LAUNCH_ENV, for a bring-your-own sweep trial by tasks.sweep (name -> meaning)."""
+NODE_ENV: dict[str, str] = {}
+"""Set by a SageMaker or Kubernetes job for tasks.training.node_launch: the node's place in the gang. Not part of a
+script's contract (a script sees torchrun's RANK, WORLD_SIZE, ... as on one machine)."""
 
 
 def _declare(group: dict[str, str], name: str, doc: str) -> str:
-    if name in STAGE_ENV or name in LAUNCH_ENV or name in TRIAL_ENV:
+    if name in STAGE_ENV or name in LAUNCH_ENV or name in TRIAL_ENV or name in NODE_ENV:
         raise ValueError(f"{name} is declared twice")
     group[name] = doc
     return name
@@ -67,6 +70,17 @@ STUDY_STORAGE = _declare(TRIAL_ENV, "STAGEWISE_STUDY_STORAGE", "The Optuna stora
 STUDY_NAME = _declare(TRIAL_ENV, "STAGEWISE_STUDY_NAME", "The shared study's name.")
 TRIAL_ID = _declare(TRIAL_ENV, "STAGEWISE_TRIAL_ID", "The Optuna trial id `tasks.spec.report` reports to.")
 TRIAL_NUMBER = _declare(TRIAL_ENV, "STAGEWISE_TRIAL_NUMBER", "The trial's number in the study (for logs).")
+
+SM_RESOURCE_CONFIG = _declare(NODE_ENV, "STAGEWISE_SM_RESOURCE_CONFIG",
+                              "SageMaker's resourceconfig.json to read instead of /opt/ml/input/config/resourceconfig.json.")
+MASTER_PORT = _declare(NODE_ENV, "STAGEWISE_MASTER_PORT", "Port of node 0's rendezvous store on SageMaker (default 29500).")
+RDZV_ENDPOINT = _declare(NODE_ENV, "STAGEWISE_RDZV_ENDPOINT",
+                         "host:port of pod 0's rendezvous store under the Job's headless Service (Kubernetes).")
+NNODES = _declare(NODE_ENV, "STAGEWISE_NNODES", "Pods of the Kubernetes Job, one node each.")
+RDZV_ID = _declare(NODE_ENV, "STAGEWISE_RDZV_ID", "The rendezvous id, new for each Airflow try (Kubernetes).")
+SOCKET_IFNAME = _declare(NODE_ENV, "STAGEWISE_SOCKET_IFNAME",
+                         "Network interface gloo/NCCL use between pods; empty: their own choice (Kubernetes).")
+JOIN_TIMEOUT_S = _declare(NODE_ENV, "STAGEWISE_JOIN_TIMEOUT_S", "Seconds node 0's store waits for every node to join.")
 
 ENVIRONMENT: dict[str, str] = {**STAGE_ENV, **LAUNCH_ENV, **TRIAL_ENV}
 """Everything a bring-your-own script gets besides torchrun's own variables (name -> meaning)."""

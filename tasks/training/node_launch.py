@@ -34,22 +34,23 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks import contract
 from tasks.training.local_torchrun import _RENDEZVOUS_OPTIONS, guarded_argv
 
 LAUNCHER = "tasks.training.node_launch"
 BACKENDS = ("sagemaker", "kubernetes")
 SM_RESOURCE_CONFIG = "/opt/ml/input/config/resourceconfig.json"
-SM_RESOURCE_CONFIG_ENV = "STAGEWISE_SM_RESOURCE_CONFIG"
-MASTER_PORT_ENV = "STAGEWISE_MASTER_PORT"
+SM_RESOURCE_CONFIG_ENV = contract.SM_RESOURCE_CONFIG
+MASTER_PORT_ENV = contract.MASTER_PORT
 DEFAULT_MASTER_PORT = 29500
-JOIN_TIMEOUT_ENV = "STAGEWISE_JOIN_TIMEOUT_S"
+JOIN_TIMEOUT_ENV = contract.JOIN_TIMEOUT_S
 DEFAULT_JOIN_TIMEOUT_S = 900
 # What the Kubernetes launcher puts in each pod's environment (JOB_COMPLETION_INDEX comes from the Indexed Job).
 K8S_INDEX_ENV = "JOB_COMPLETION_INDEX"
-K8S_ENDPOINT_ENV = "STAGEWISE_RDZV_ENDPOINT"
-K8S_NNODES_ENV = "STAGEWISE_NNODES"
-K8S_RDZV_ID_ENV = "STAGEWISE_RDZV_ID"
-K8S_IFNAME_ENV = "STAGEWISE_SOCKET_IFNAME"
+K8S_ENDPOINT_ENV = contract.RDZV_ENDPOINT
+K8S_NNODES_ENV = contract.NNODES
+K8S_RDZV_ID_ENV = contract.RDZV_ID
+K8S_IFNAME_ENV = contract.SOCKET_IFNAME
 # This launcher sets the rendezvous; any of these in the command would contradict it.
 _REFUSED = (*_RENDEZVOUS_OPTIONS, "--node-rank", "--node_rank", "--rdzv-id", "--rdzv_id", "--rdzv-conf", "--rdzv_conf",
             "--local-addr", "--local_addr")

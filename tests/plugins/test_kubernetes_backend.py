@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import threading
+import time
 
 import pytest
 
@@ -188,7 +189,13 @@ def test_a_task_killed_while_the_job_runs_deletes_the_job_and_service(stage_on, 
     before = signal.getsignal(signal.SIGTERM)
     with FakeKubeAPI([_running()]) as api:
         _, _, run = stage_on(api)
-        threading.Timer(1.0, os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+
+        def kill_once_waiting() -> None:  # SIGTERM after the task has polled the Job's status twice: mid-wait
+            while len([path for path in api.calls("GET") if path.endswith("/status")]) < 2:
+                time.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=kill_once_waiting, daemon=True).start()
         with pytest.raises(Stopped, match="was stopped: the task got SIGTERM"):
             run()
     assert api.objects == {} and len(api.calls("DELETE")) == 2

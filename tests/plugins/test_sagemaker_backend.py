@@ -143,9 +143,10 @@ class _RunningJobHook:
     """A SageMakerHook stand-in holding this try's job, still running."""
 
     def __init__(self):
-        self.stopped = []
+        self.stopped, self.described = [], 0
 
     def describe_training_job(self, name):
+        self.described += 1
         return {"TrainingJobName": name, "TrainingJobStatus": "InProgress"}
 
     def create_training_job(self, *args, **kwargs):
@@ -192,7 +193,13 @@ def test_a_task_killed_while_waiting_stops_its_job(tmp_path, airflow_on_term):
     path, config = backend_config(tmp_path, "sagemaker")
     request = sagemaker.training_job_request(config, **job_args(path, config))
     hook, before = _RunningJobHook(), signal.getsignal(signal.SIGTERM)
-    threading.Timer(1.0, os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+
+    def kill_once_waiting() -> None:  # SIGTERM after the attach and two status polls: mid-wait
+        while hook.described < 3:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=kill_once_waiting, daemon=True).start()
     with pytest.raises(Stopped, match="SageMaker job .* was stopped: the task got SIGTERM"):
         sagemaker.run_stage(config, request=request, out=job_args(path, config)["out"], stage="s2", hook=hook, poll_s=0.05)
     assert hook.stopped == [request["TrainingJobName"]]
