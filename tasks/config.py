@@ -439,11 +439,9 @@ class Sweep(_Strict):
         return {name: list(space.grid or getattr(space, "choices", [])) for name, space in self.search_space.items()}
 
 
-# The stage values a user's entrypoint gets: each as $STAGEWISE_<NAME> and as {name} in its args (tasks.train fills
-# them); named once, in tasks.contract.
-STAGE_CONTRACT = STAGE_VALUES
-# params is a JSON object (braces and all): a script reads it from $STAGEWISE_PARAMS, not from an argument.
-ARG_PLACEHOLDERS = tuple(name for name in STAGE_CONTRACT if name != "params")
+# The stage values (tasks.contract.STAGE_VALUES) an entrypoint's args may name as {name}; params is a JSON object
+# (braces and all): a script reads it from $STAGEWISE_PARAMS, not from an argument.
+ARG_PLACEHOLDERS = tuple(name for name in STAGE_VALUES if name != "params")
 
 
 def placeholders(arg: str) -> list[str]:

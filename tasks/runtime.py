@@ -152,9 +152,8 @@ def read_split(name: str) -> Any:
     manifest = _manifest()
     if name not in manifest["splits"]:
         raise _fail(f"read_split({name!r}): the preprocess manifest has splits {sorted(manifest['splits'])}")
-    features, labels = load_split(manifest, name)
-    label_type = torch.int64 if manifest.get("num_classes") is not None else torch.float32
-    return TensorDataset(torch.from_numpy(features), torch.from_numpy(labels).to(label_type))
+    features, labels = load_split(manifest, name)  # labels already typed: int64 classes, float32 targets
+    return TensorDataset(torch.from_numpy(features), torch.from_numpy(labels))
 
 
 def build_model(**overrides: Any) -> Any:

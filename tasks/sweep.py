@@ -303,7 +303,7 @@ def absolute_storage(uri: str) -> str:
 
 def trial_contract(config: PipelineConfig, config_file: str, trial: Any, params: dict[str, Any], out: str,
                    workdir: str) -> dict[str, Any]:
-    """A bring-your-own trial's stage values (tasks.config.STAGE_CONTRACT) filled from ``sweep``: its batch, its
+    """A bring-your-own trial's stage values (tasks.contract.STAGE_VALUES) filled from ``sweep``: its batch, its
     epochs, the suggested lr as it is, the sweep's seed plus the trial number, outputs in the scratch ``workdir``."""
     sweep = config.sweep
     world = config.profile(sweep.profile).processes_per_node

@@ -27,7 +27,6 @@ from tasks import storage
 from tasks.cli import common_parser, json_arg, parse_overrides, run_subjob
 from tasks.config import (
     ARG_PLACEHOLDERS,
-    STAGE_CONTRACT,
     EntryPoint,
     PipelineConfig,
     hyperparameter_problem,
@@ -75,7 +74,7 @@ def config_hash(stage: dict[str, Any], params: dict[str, Any], world_size: int, 
 
 def byo_contract(config: PipelineConfig, config_file: str, stage_name: str, out: str, swept: dict[str, Any],
                  init_from: str | None) -> dict[str, Any]:
-    """The stage's values a user's own script gets, by name (tasks.config.STAGE_CONTRACT), typed."""
+    """The stage's values a user's own script gets, by name (tasks.contract.STAGE_VALUES), typed."""
     stage = config.stage(stage_name)
     world = config.profile(stage.profile).world_size
     micro = stage.micro_batch(world)
@@ -90,7 +89,7 @@ def byo_contract(config: PipelineConfig, config_file: str, stage_name: str, out:
         "global_batch": global_batch, "lr": scaled_lr_for(config, params["lr"], global_batch), "epochs": stage.epochs,
         "seed": config.train.seed,
     }
-    assert set(values) == set(STAGE_CONTRACT), "tasks.contract declares the stage values; fill each of them here"
+    assert set(values) == set(env_contract.STAGE_VALUES), "tasks.contract declares the stage values; fill each of them here"
     return values
 
 

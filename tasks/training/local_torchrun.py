@@ -30,8 +30,8 @@ from torch.distributed.elastic.rendezvous import (
 
 LOOPBACK = "127.0.0.1"
 RENDEZVOUS_BACKEND = "stagewise-loopback"
-_RENDEZVOUS_OPTIONS = ("--standalone", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint",
-                       "--master-addr", "--master_addr", "--master-port", "--master_port", "--nnodes")
+RENDEZVOUS_OPTIONS = ("--standalone", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint",
+                      "--master-addr", "--master_addr", "--master-port", "--master_port", "--nnodes")
 # How the user named the entrypoint; the guard's command replaces it ("--" only ends the options).
 _ENTRYPOINT_OPTIONS = ("-m", "--module", "--no-python", "--no_python", "--")
 # Collective libraries listen and connect on the interface named here; one machine needs only loopback.
@@ -122,7 +122,7 @@ def torchrun_argv(argv: list[str]) -> list[str]:
 
     Refuses rendezvous options, which would undo the loopback store.
     """
-    own = guarded_argv(argv, "tasks.training.local_torchrun", _RENDEZVOUS_OPTIONS,
+    own = guarded_argv(argv, "tasks.training.local_torchrun", RENDEZVOUS_OPTIONS,
                        f"this launcher runs one node with its rendezvous on {LOOPBACK}")
     return ["--nnodes=1", f"--rdzv-backend={RENDEZVOUS_BACKEND}", f"--rdzv-endpoint={LOOPBACK}:0", *own]
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks import contract
-from tasks.training.local_torchrun import _RENDEZVOUS_OPTIONS, guarded_argv
+from tasks.training.local_torchrun import RENDEZVOUS_OPTIONS, guarded_argv
 
 LAUNCHER = "tasks.training.node_launch"
 BACKENDS = ("sagemaker", "kubernetes")
@@ -52,7 +52,7 @@ K8S_NNODES_ENV = contract.NNODES
 K8S_RDZV_ID_ENV = contract.RDZV_ID
 K8S_IFNAME_ENV = contract.SOCKET_IFNAME
 # This launcher sets the rendezvous; any of these in the command would contradict it.
-_REFUSED = (*_RENDEZVOUS_OPTIONS, "--node-rank", "--node_rank", "--rdzv-id", "--rdzv_id", "--rdzv-conf", "--rdzv_conf",
+_REFUSED = (*RENDEZVOUS_OPTIONS, "--node-rank", "--node_rank", "--rdzv-id", "--rdzv_id", "--rdzv-conf", "--rdzv_conf",
             "--local-addr", "--local_addr")
 
 
