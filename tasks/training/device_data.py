@@ -31,6 +31,7 @@ streamed are interchangeable, even across ranks of one job.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -251,8 +252,10 @@ class _Prefetcher:
         from tasks.loader import read_row_groups
 
         rows = chunk.end - chunk.start
-        x = torch.empty((rows, len(self.source.features)), dtype=torch.float32, pin_memory=self.cuda)
-        y = torch.empty(rows, dtype=_torch_dtype(self.source.label_dtype), pin_memory=self.cuda)
+        # A new thread's current device is 0: pin under this rank's device, so no context is made on another GPU.
+        with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
+            x = torch.empty((rows, len(self.source.features)), dtype=torch.float32, pin_memory=self.cuda)
+            y = torch.empty(rows, dtype=_torch_dtype(self.source.label_dtype), pin_memory=self.cuda)
         read_row_groups(chunk.groups, self.source.label, x.numpy(), y.numpy())
         return x, y
 

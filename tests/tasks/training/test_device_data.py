@@ -277,3 +277,24 @@ def test_chunks_hold_whole_row_groups_of_at_least_the_chunk_rows(split):
     assert [g for c in chunks for g in c.groups] == batches.assignment(0)
     assert all(c.end - c.start >= batches.chunk_rows for c in chunks[:-1])
     assert batches.chunk_rows == CHUNK_BYTES // ROW_BYTES < device_data.CHUNK_BYTES // ROW_BYTES
+
+
+@pytest.mark.slow
+def test_ddp_stage_gives_the_same_model_resident_or_streamed(digits_run, subprocess_env, tmp_path):
+    """A 2-process torchrun stage (gloo) trains on device batches; resident and streamed runs end with the same
+    weights, since both placements feed every rank the same batches in the same order."""
+    import shutil
+
+    from tests.tasks.test_train_ddp import torchrun
+
+    config, out = digits_run
+    weights = {}
+    for placement in ("resident", "streamed"):
+        run_out = str(tmp_path / placement)
+        shutil.copytree(Path(out) / "preprocess", Path(run_out) / "preprocess")
+        result = torchrun(2, config, "s2", run_out, subprocess_env,
+                          f"--override=train.stages.1.data_placement={placement}").result
+        assert result["world_size"] == 2 and result["val_metric"] > 0.8
+        weights[placement] = torch.load(result["checkpoint_uri"], weights_only=True)["model"]
+    for name, tensor in weights["resident"].items():
+        torch.testing.assert_close(weights["streamed"][name], tensor, rtol=1e-6, atol=1e-7)
