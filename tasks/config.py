@@ -471,6 +471,14 @@ class TrainStage(_Strict):
     epochs: int = Field(ge=1, le=10000, description="Epochs of this stage.")
     warmup_steps: int = Field(0, ge=0, description="Linear LR warmup steps when the global batch grew.")
     entrypoint: EntryPoint | None = Field(None, description="Run this user script/module instead of tasks.train.")
+    data_placement: Literal["auto", "host", "resident", "streamed"] = Field("auto", description=(
+        "Where batches are shuffled and sliced: auto (CUDA: resident if it fits, else streamed; CPU: host), host "
+        "(tasks.loader, copied per batch), resident (read and moved once) or streamed (chunks copied ahead) on the device."))
+    resident_memory_fraction: float = Field(0.5, gt=0, le=1, description=(
+        "auto: data is resident when the whole train split (per rank) fits in this fraction of the device's memory."))
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: forward and loss under bf16 autocast (weights stay fp32).")
+    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = Field("off", description=(
+        "torch.compile the model with this mode (reduce-overhead: CUDA graphs); checkpoints stay the plain model's."))
 
     @model_validator(mode="after")
     def _one_batch_size(self) -> TrainStage:

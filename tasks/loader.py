@@ -287,3 +287,22 @@ def split_batches(manifest: dict, split: str, *, rank: int, world_size: int, bat
 
     return ParquetBatches(uris, manifest["features"], manifest["label"], rank=rank, world_size=world_size,
                           batch_size=batch_size, seed=seed, shuffle=shuffle, label_dtype=label_dtype(manifest))
+
+
+def read_row_groups(groups: list[RowGroup], label: str, x: np.ndarray, y: np.ndarray) -> None:
+    """Read ``groups`` in order, unshuffled, into caller-owned ``x`` (rows x features, float32) and ``y`` (labels):
+    row i of their concatenation lands at index i (tasks.training.device_data reads into pinned host memory so)."""
+    total = sum(g.num_rows for g in groups)
+    if len(x) != total or len(y) != total:
+        raise ValueError(f"read_row_groups: {total} rows need buffers of that length, got {len(x)} and {len(y)}")
+    done: Future = Future()
+    done.set_result(_Window(x, y, None))
+    files = _OpenFiles()
+    with contextlib.closing(files), ThreadPoolExecutor(max_workers=PREFETCH_THREADS,
+                                                       thread_name_prefix="parquet-read") as pool:
+        reads, offset = [], 0
+        for run in _by_file(groups):
+            reads.append(pool.submit(_read_into, files, run, label, done, offset))
+            offset += sum(g.num_rows for g in run)
+        for read in reads:
+            read.result()

@@ -232,11 +232,13 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         train, validation = rank_batches(
             manifest, env, batch_size=micro_batch, seed=data_seed,
             too_few_rows=lambda rows: (f"stage {stage.name}: per-process batch {micro_batch} exceeds the ~{rows} train rows "
-                                       f"each of {env.world_size} rank(s) gets; lower the batch or the process count"))
+                                       f"each of {env.world_size} rank(s) gets; lower the batch or the process count"),
+            placement=stage.data_placement, memory_fraction=stage.resident_memory_fraction)
         torch.manual_seed(config.train.seed)
         # Checked at each checkpoint step too, so no checkpoint is ever written from NaN weights.
         built, loop = start_loop(config, manifest, env, swept, train, validation, seed=data_seed,
-                                 grad_accum_steps=stage.grad_accum_steps, check_every_steps=config.train.checkpoint_every_steps)
+                                 grad_accum_steps=stage.grad_accum_steps, check_every_steps=config.train.checkpoint_every_steps,
+                                 precision=stage.precision, compile_mode=stage.compile)
         params, model, optimizer = built.params, loop.module, loop.optimizer
         digest = config_hash(stage.model_dump(), params, env.world_size, config.train.seed)
         prefix = stage_prefix(out, stage.name)

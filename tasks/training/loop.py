@@ -2,7 +2,8 @@
 
 Batch arithmetic: global batch = per-process batch x world size x accumulation steps. The learning
 rate is swept at ``base_batch`` and rescaled by a rule (Goyal et al. 2017: linear).
-Data comes per rank from :mod:`tasks.loader`; the loop's :class:`Position` (epoch, micro-step,
+Data comes per rank from :mod:`tasks.loader` (host batches, copied per step) or
+:mod:`tasks.training.device_data` (batches already on the device); the loop's :class:`Position` (epoch, micro-step,
 optimizer step) is what a checkpoint stores to resume at exactly the same batch.
 """
 
@@ -26,6 +27,9 @@ from tasks.training.distributed import DistEnv
 if TYPE_CHECKING:
     from tasks.loader import ParquetBatches
     from tasks.model import BuiltModel
+    from tasks.training.device_data import DeviceBatches
+
+    Batches = ParquetBatches | DeviceBatches
 
 log = logging.getLogger("stagewise.train")
 
@@ -56,6 +60,9 @@ class Diverged(UserError):
         super().__init__(message)
         self.epoch, self.step, self.lr = epoch, step, lr
 
+
+# torch.compile modes a stage can ask for ("off": eager).
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 
 # Stands for "no non-finite loss seen yet" in the device-side first-bad-step tracker.
 _NO_STEP = 2**62
@@ -101,17 +108,33 @@ class Loop:
     """Runs epochs of one model over per-rank Parquet batches; DDP-wrapped when the job has several ranks."""
 
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv,
-                 train: ParquetBatches, validation: ParquetBatches, spec: ModelSpec, objective: str = "accuracy",
-                 grad_accum_steps: int = 1, seed: int = 0, check_every_steps: int | None = None) -> None:
+                 train: Batches, validation: Batches, spec: ModelSpec, objective: str = "accuracy",
+                 grad_accum_steps: int = 1, seed: int = 0, check_every_steps: int | None = None,
+                 precision: str = "fp32", compile_mode: str = "off") -> None:
         """``check_every_steps``: also check for divergence after every this many optimizer steps (besides each
-        epoch's end); give the checkpoint interval so no checkpoint is ever written from NaN weights."""
+        epoch's end); give the checkpoint interval so no checkpoint is ever written from NaN weights.
+        ``precision`` fp32 or bf16 (autocast around forward and loss); ``compile_mode`` off or a torch.compile mode:
+        only the training forward runs compiled, ``module`` stays the plain model (checkpoints, validation)."""
         self.env = env
         self.module = model.to(env.device)
         self.model: nn.Module = self.module
+        self.ddp: nn.Module | None = None
         if env.distributed:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.model = DistributedDataParallel(self.module, device_ids=[env.local_rank] if env.device != "cpu" else None)
+            self.ddp = DistributedDataParallel(self.module, device_ids=[env.local_rank] if env.device != "cpu" else None)
+            self.model = self.ddp
+        self.device_type = torch.device(env.device).type
+        if precision not in ("fp32", "bf16"):
+            raise UserError(f"precision '{precision}' is not one of fp32, bf16")
+        if precision == "bf16" and self.device_type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise UserError(f"precision 'bf16': the GPU {torch.cuda.get_device_name(env.device)} does not support bfloat16")
+        self.precision = precision
+        if compile_mode not in COMPILE_MODES:
+            raise UserError(f"compile '{compile_mode}' is not one of {', '.join(COMPILE_MODES)}")
+        if compile_mode != "off":
+            # The DDP wrapper is compiled (not the module inside) so DDP's graph breaks at its buckets apply.
+            self.model = torch.compile(self.model, mode=None if compile_mode == "default" else compile_mode)
         self.optimizer = optimizer
         self.train_data, self.validation_data = train, validation
         self.grad_accum_steps = grad_accum_steps
@@ -128,6 +151,11 @@ class Loop:
     @property
     def global_batch(self) -> int:
         return self.train_data.batch_size * self.env.world_size * self.grad_accum_steps
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == "bf16":
+            return torch.autocast(self.device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def steps_per_epoch(self, epoch: int) -> int:
         """Optimizer steps in ``epoch``."""
@@ -149,7 +177,8 @@ class Loop:
         micro_total = self.train_data.steps_per_epoch(position.epoch)
         started = time.perf_counter()
         samples_before, lr = position.seen, lr_at(position.step)
-        to_device = self.env.device != "cpu"
+        # Batches of tasks.training.device_data are on the device already: no second copy.
+        to_device = self.env.device != "cpu" and not getattr(self.train_data, "on_device", False)
         for inputs, targets in self.train_data.epoch(position.epoch, skip_steps=position.micro_step):
             if to_device:
                 inputs, targets = inputs.to(self.env.device, non_blocking=True), targets.to(self.env.device, non_blocking=True)
@@ -160,10 +189,11 @@ class Loop:
             boundary = (index + 1) % self.grad_accum_steps == 0 or index + 1 == micro_total
             # Dropout masks depend only on (seed, epoch, micro-step, rank): a resumed run draws the same ones.
             torch.manual_seed(hash((self.seed, position.epoch, index, self.env.rank)) & 0x7FFFFFFF)
-            sync = self.model.no_sync() if (self.env.distributed and not boundary) else contextlib.nullcontext()
+            sync = self.ddp.no_sync() if (self.ddp is not None and not boundary) else contextlib.nullcontext()
             with sync:
                 inputs, targets = self.spec.batch(inputs, targets)
-                loss = self.spec.loss(self.model(inputs), targets)
+                with self._autocast():
+                    loss = self.spec.loss(self.model(inputs), targets)
                 (loss / self.grad_accum_steps).backward()
             detached = loss.detach()
             self._pending_loss += detached.double() * len(targets)
@@ -314,23 +344,32 @@ def accumulate_metrics(spec: ModelSpec, module: nn.Module, batches: Iterable[tup
 
 
 def rank_batches(manifest: dict[str, Any], env: DistEnv, *, batch_size: int, seed: int,
-                 too_few_rows: Callable[[int], str]) -> tuple[ParquetBatches, ParquetBatches]:
+                 too_few_rows: Callable[[int], str], placement: str = "auto",
+                 memory_fraction: float = 0.5) -> tuple[Batches, Batches]:
     """This rank's shuffled train batches and its validation batches. A batch that leaves no optimizer step is a user
     error (``too_few_rows(rows per rank)`` says which setting); every rank reads the same Parquet metadata, so all refuse
-    together and none hangs in DDP."""
+    together and none hangs in DDP. ``placement`` (auto, host, resident, streamed) and ``memory_fraction`` pick where
+    batches are made (tasks.training.device_data.choose_placement); rank 0 logs the choice."""
     from tasks.loader import split_batches
+    from tasks.training.device_data import DeviceBatches, choose_placement, resident_bytes
 
     train = split_batches(manifest, "train", rank=env.rank, world_size=env.world_size, batch_size=batch_size, seed=seed)
     validation = split_batches(manifest, "validation", rank=env.rank, world_size=env.world_size, batch_size=4096,
                                seed=0, shuffle=False)
     if train.steps_per_epoch(0) == 0:
         raise UserError(too_few_rows(train.num_rows // env.world_size))
-    return train, validation
+    chosen, why = choose_placement(placement, memory_fraction, env.device, resident_bytes(train) + resident_bytes(validation))
+    if env.master:
+        log.info("data placement: %s", why)
+    if chosen == "host":
+        return train, validation
+    resident = chosen == "resident"
+    return DeviceBatches(train, env.device, resident=resident), DeviceBatches(validation, env.device, resident=resident)
 
 
-def start_loop(config: Any, manifest: dict[str, Any], env: DistEnv, swept: dict[str, Any], train: ParquetBatches,
-               validation: ParquetBatches, *, seed: int, grad_accum_steps: int = 1,
-               check_every_steps: int | None = None) -> tuple[BuiltModel, Loop]:
+def start_loop(config: Any, manifest: dict[str, Any], env: DistEnv, swept: dict[str, Any], train: Batches,
+               validation: Batches, *, seed: int, grad_accum_steps: int = 1, check_every_steps: int | None = None,
+               precision: str = "fp32", compile_mode: str = "off") -> tuple[BuiltModel, Loop]:
     """The one setup of a sweep trial and a training stage: the config's model built with these hyperparameters, on the
     rank's device, its optimizer, and the loop over the rank's batches (seed the RNG first for a reproducible init)."""
     from tasks.model import model_for_run
@@ -339,7 +378,7 @@ def start_loop(config: Any, manifest: dict[str, Any], env: DistEnv, swept: dict[
     model = built.module.to(env.device)  # before the optimizer exists or loads state: its buffers follow the params
     loop = Loop(model=model, optimizer=make_optimizer(model, built.params), env=env, train=train, validation=validation,
                 spec=built.spec, objective=config.objective.metric, grad_accum_steps=grad_accum_steps, seed=seed,
-                check_every_steps=check_every_steps)
+                check_every_steps=check_every_steps, precision=precision, compile_mode=compile_mode)
     return built, loop
 
 

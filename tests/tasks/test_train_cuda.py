@@ -94,3 +94,67 @@ def test_sweep_trials_train_on_the_gpu(digits_run, single_process):
     summary = summarize(config, "gpu", out)
     assert result["trials_run"] == 2 and result["epochs_run"] > 0
     assert summary["n_complete"] >= 1 and summary["best_value"] > 0.5
+
+
+# --- batches made on the device (tasks.training.device_data) ----------------------------------------------------
+
+
+def test_resident_and_streamed_batches_match_on_the_gpu(tmp_path):
+    """On cuda both placements yield the same device batches (CUDA randperm, side-stream copies from pinned memory),
+    each of the rank's rows once per epoch, and a mid-epoch resume gives the remaining batches."""
+    from tasks.loader import ParquetBatches
+    from tasks.training.device_data import DeviceBatches
+    from tests.tasks.test_loader import FEATURES, _write
+
+    uris, rows = _write(lambda name: (str(tmp_path / name), open(tmp_path / name, "wb")), [(240, 8), (160, 8)])
+    source = ParquetBatches(uris, FEATURES, "label", rank=0, world_size=1, batch_size=16, seed=4)
+    chunk_bytes = 50 * (4 * len(FEATURES) + 8)  # several chunks, batches spanning them
+    resident = DeviceBatches(source, "cuda", resident=True, chunk_bytes=chunk_bytes)
+    streamed = DeviceBatches(source, "cuda", resident=False, chunk_bytes=chunk_bytes)
+    for epoch in range(2):
+        ours = [(x.cpu(), y.cpu()) for x, y in resident.epoch(epoch)]
+        theirs = list(streamed.epoch(epoch))
+        assert all(x.is_cuda and y.is_cuda for x, y in theirs)
+        assert len(ours) == len(theirs) == source.steps_per_epoch(epoch) == rows // 16
+        for (x, y), (sx, sy) in zip(ours, theirs):
+            assert torch.equal(x, sx.cpu()) and torch.equal(y, sy.cpu())
+        ids = torch.cat([x[:, 0] for x, _ in ours]).long().tolist()
+        assert sorted(ids) == list(range(rows))
+        tail = [(x.cpu(), y.cpu()) for x, y in streamed.epoch(epoch, skip_steps=7)]
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(tail, ours[7:]))
+        assert len(tail) == len(ours) - 7
+
+
+def test_auto_placement_on_the_gpu_keeps_a_small_split_resident(digits_run):
+    """auto on cuda: the digits fit easily, so train and validation batches are resident device batches."""
+    from tasks import storage
+    from tasks.preprocess import read_manifest
+    from tasks.training.device_data import DeviceBatches
+    from tasks.training.distributed import DistEnv
+    from tasks.training.loop import rank_batches
+
+    manifest = read_manifest(storage.join(digits_run[1], "preprocess", "manifest.json"))
+    env = DistEnv(rank=0, local_rank=0, world_size=1, device="cuda:0")
+    found = rank_batches(manifest, env, batch_size=32, seed=0, too_few_rows=str)
+    assert all(isinstance(b, DeviceBatches) and b.resident for b in found)
+    inputs, labels = next(iter(found[0].epoch(0)))
+    assert inputs.device.type == labels.device.type == "cuda"
+
+
+@pytest.mark.parametrize("overrides", [{"train.stages.0.data_placement": "resident"},
+                                       {"train.stages.0.data_placement": "streamed"},
+                                       {"train.stages.0.precision": "bf16"},
+                                       {"train.stages.0.compile": "reduce-overhead"}])
+def test_gpu_stage_knobs_train_and_checkpoints_load_into_a_plain_model(digits_run, single_process, overrides):
+    """Each placement and overhead knob trains a stage on cuda, and final.pt loads into an uncompiled fp32 model."""
+    from tasks.model import MLPClassifier, build
+    from tasks.spec import DataInfo
+
+    config_path, out = digits_run
+    config = load_config(config_path, {**ONE_GPU, **overrides})
+    result = train.run_stage(config, "s1", out, PARAMS, None)
+    assert result["val_metric"] > 0.9
+    state = torch.load(result["checkpoint_uri"], weights_only=True)["model"]
+    model = build(MLPClassifier(), DataInfo(features=[f"f{i}" for i in range(64)], num_classes=10),
+                  {"hidden": PARAMS["hidden"], "dropout": 0.0})
+    model.load_state_dict(state, strict=True)
