@@ -354,6 +354,90 @@ def test_crash_between_shard_writes_leaves_nothing_half_visible(trained, tmp_pat
     assert len(keys) == len(set(keys)) == sum(shard["rows"] for shard in shards)
 
 
+# --- the device path on the CPU ---------------------------------------------------------------------------------
+
+
+def todays_scores(config, model_uri: str, shard: dict) -> tuple[list, dict[str, np.ndarray]]:
+    """The scoring of score_shard before the device path, verbatim: batch by batch, no_grad, float64 normalisation
+    rounded to float32; returns (keys, prediction columns) of the scorable rows."""
+    from tasks.infer import _row_problems
+    from tasks.preprocess import flatten_features
+
+    bundle = load_bundle(model_uri)
+    prep = bundle.preprocessing
+    columns, shapes = prep.get("columns") or prep["features"], prep.get("feature_shapes") or {}
+    mean, std = np.asarray(prep["mean"]), np.asarray(prep["std"])
+    keys, outputs = [], {}
+    with storage.open_parquet(shard["uri"]) as parquet:
+        for batch in storage.iter_batches(parquet, [prep["key"], *columns], config.inference.batch_size,
+                                          shard["row_groups"], uri=shard["uri"]):
+            matrix = flatten_features(batch, columns, shapes, shard["uri"])
+            valid = _row_problems(batch, prep["key"], prep["features"], matrix) == ""
+            with torch.no_grad():
+                scaled = torch.from_numpy(((matrix[valid] - mean) / std).astype(np.float32))
+                inputs = bundle.spec.batch(scaled, torch.zeros(len(scaled), dtype=torch.int64))[0]
+                predicted = bundle.spec.predict(bundle.module(inputs))
+            keys += batch.column(prep["key"]).filter(pa.array(valid)).to_pylist()
+            for name, tensor in predicted.items():
+                outputs.setdefault(name, []).append(tensor.numpy())
+    return keys, {name: np.concatenate(parts) for name, parts in outputs.items()}
+
+
+def test_device_path_on_the_cpu_gives_todays_predictions_exactly(trained, tmp_path):
+    """Chunked prefetch with device cpu (several chunks, some rows quarantined) writes bit for bit the keys,
+    classes and probabilities that scoring wrote before the device path existed."""
+    config_path, _, model_uri = trained
+    config = load_config(config_path, {"inference.batch_size": 128})
+    path, _ = _dirty_input(config, tmp_path)
+    shard = infer.plan(str(path), rows_per_shard=10_000)[0]
+    result = infer.score_shard(config, model_uri, shard, str(tmp_path / "device_cpu"))
+    assert result["rows_quarantined"] == 5 and result["rows"] > 2 * 128, "several chunks, some rows left out"
+    scored = pq.read_table(result["uri"])
+    keys, expected = todays_scores(config, model_uri, shard)
+    assert scored.column("row_id").to_pylist() == keys
+    assert np.array_equal(scored.column("prediction").to_numpy(), expected["prediction"])
+    probabilities = np.stack(scored.column("probabilities").to_numpy(zero_copy_only=False))
+    assert probabilities.dtype == expected["probabilities"].dtype and np.array_equal(probabilities, expected["probabilities"])
+
+
+def test_prefetch_on_the_cpu_hands_over_every_chunk_in_order_and_reads_ahead_by_at_most_one():
+    """prefetch keeps order and content (tensors and tuples of them) and pulls a chunk only when it is asked for."""
+    pulled = []
+
+    def chunks():
+        for index in range(4):
+            pulled.append(index)
+            yield index, (torch.full((3, 2), float(index)), torch.arange(3) + index)
+
+    seen = []
+    for meta, (features, labels) in infer.prefetch(chunks(), torch.device("cpu")):
+        assert pulled[-1] == meta, "no chunk is read before the previous one was handed over"
+        seen.append(meta)
+        assert torch.equal(features, torch.full((3, 2), float(meta))) and torch.equal(labels, torch.arange(3) + meta)
+    assert seen == [0, 1, 2, 3]
+
+
+def test_scoring_device_follows_the_profile(monkeypatch):
+    """cpu stays cpu, auto is cuda only where CUDA is present, and cuda without a GPU is a user error saying so."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert infer.scoring_device("cpu").type == "cpu" and infer.scoring_device("auto").type == "cpu"
+    with pytest.raises(UserError, match="device 'cuda' but no CUDA device is visible"):
+        infer.scoring_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert infer.scoring_device("auto").type == "cuda" and infer.scoring_device("cpu").type == "cpu"
+
+
+def test_a_cuda_inference_profile_without_a_gpu_fails_naming_the_device(trained, tmp_path, monkeypatch):
+    """A shard on a cuda profile where no GPU is visible fails as a user error, and writes nothing."""
+    config_path, _, model_uri = trained
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = load_config(config_path, {"profiles.small.device": "cuda"})
+    shard = infer.plan(storage.resolve(config.storage_root, config.dataset.uri), rows_per_shard=500)[0]
+    with pytest.raises(UserError, match="no CUDA device"):
+        infer.score_shard(config, model_uri, shard, str(tmp_path / "no_gpu"))
+    assert not (tmp_path / "no_gpu").exists()
+
+
 # --- a float target ---------------------------------------------------------------------------------------------
 
 
