@@ -131,12 +131,24 @@ def exact_float32(device: Any) -> Iterator[None]:
     if device.type != "cuda":
         yield
         return
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    # torch >= 2.9 refuses a mix of its legacy (allow_tf32) and new (fp32_precision) switches: use the new ones there.
+    backends = [torch.backends.cuda.matmul, getattr(torch.backends.cudnn, "conv", None), getattr(torch.backends.cudnn, "rnn", None)]
+    backends = [b for b in backends if b is not None and hasattr(b, "fp32_precision")]
+    if backends:
+        saved = [b.fp32_precision for b in backends]
+        for backend in backends:
+            backend.fp32_precision = "ieee"
+    else:
+        saved = [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32]
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        if backends:
+            for backend, value in zip(backends, saved):
+                backend.fp32_precision = value
+        else:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def prefetch(chunks: Iterable[tuple[Any, Any]], device: Any) -> Iterator[tuple[Any, Any]]:

@@ -427,6 +427,20 @@ def test_scoring_device_follows_the_profile(monkeypatch):
     assert infer.scoring_device("auto").type == "cuda" and infer.scoring_device("cpu").type == "cpu"
 
 
+def test_scoring_on_cuda_turns_tf32_off_and_restores_the_switches_after():
+    """Inside exact_float32 on a cuda device, matmul/conv use full float32 (the stated CPU/GPU tolerance depends on it);
+    the previous settings come back afterwards, even after an error; on the CPU nothing changes."""
+    switches = [torch.backends.cuda.matmul, torch.backends.cudnn.conv]
+    before = [s.fp32_precision for s in switches]
+    with pytest.raises(RuntimeError, match="inside"):
+        with infer.exact_float32(torch.device("cuda")):
+            assert [s.fp32_precision for s in switches] == ["ieee", "ieee"]
+            raise RuntimeError("inside")
+    assert [s.fp32_precision for s in switches] == before
+    with infer.exact_float32(torch.device("cpu")):
+        assert [s.fp32_precision for s in switches] == before
+
+
 def test_a_cuda_inference_profile_without_a_gpu_fails_naming_the_device(trained, tmp_path, monkeypatch):
     """A shard on a cuda profile where no GPU is visible fails as a user error, and writes nothing."""
     config_path, _, model_uri = trained
