@@ -417,6 +417,61 @@ def test_prefetch_on_the_cpu_hands_over_every_chunk_in_order_and_reads_ahead_by_
     assert seen == [0, 1, 2, 3]
 
 
+def test_prefetch_on_cuda_pins_copies_on_a_side_stream_and_hands_over_safely(monkeypatch):
+    """The CUDA branch with CPU tensors standing in (fake streams record what happens): each chunk is pinned and copied
+    non_blocking inside the side stream; the consumer's stream waits for that stream and record_stream()s each tensor
+    before the chunk is handed over; a chunk is read and copied only after the previous one was handed over (so its
+    copy overlaps the consumer's work on it); order and content are kept."""
+    events = []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(("wait", self.name, other.name))
+
+    side, current, active = FakeStream("side"), FakeStream("current"), []
+
+    class Entered:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            active.append(self.stream.name)
+
+        def __exit__(self, *exc):
+            active.pop()
+
+    real_to = torch.Tensor.to
+
+    def fake_to(self, *args, **kwargs):
+        if args and isinstance(args[0], torch.device) and args[0].type == "cuda":
+            events.append(("copy", active[-1] if active else None, kwargs.get("non_blocking", False)))
+            return self.clone()
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: side)
+    monkeypatch.setattr(torch.cuda, "stream", Entered)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: events.append(("pin",)) or self.clone())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: events.append(("record", stream.name)))
+    monkeypatch.setattr(torch.Tensor, "to", fake_to)
+
+    def chunks():
+        for index in range(3):
+            events.append(("read", index))
+            yield index, (torch.full((2, 2), float(index)), torch.arange(2) + index)
+
+    for meta, (features, labels) in infer.prefetch(chunks(), torch.device("cuda")):
+        events.append(("got", meta))
+        assert torch.equal(features, torch.full((2, 2), float(meta))) and torch.equal(labels, torch.arange(2) + meta)
+    one_chunk = [("pin",), ("copy", "side", True), ("pin",), ("copy", "side", True), ("wait", "current", "side"),
+                 ("record", "current"), ("record", "current")]
+    assert events == [e for i in range(3) for e in [("read", i), *one_chunk, ("got", i)]]
+
+
 def test_scoring_device_follows_the_profile(monkeypatch):
     """cpu stays cpu, auto is cuda only where CUDA is present, and cuda without a GPU is a user error saying so."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
