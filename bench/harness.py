@@ -2,7 +2,9 @@
 
 Run: ``python -m bench [--only a,b] [--rows N]`` (``make bench ONLY=a,b``). A result entry is
 ``{"name", "ours", "baseline", "ratio", "unit", "goal", "met", "details", "seconds", "measured_at"}``;
-a benchmark that raised is recorded as ``{"name", "goal", "met": false, "error", "trace"}``.
+a benchmark that raised is recorded as ``{"name", "goal", "met": false, "error", "trace"}``; one that cannot run
+here (:class:`BenchmarkSkipped`, e.g. a GPU benchmark without CUDA) as ``{"name", "goal", "skipped", "measured_at"}``,
+counted neither met nor missed, never with a number.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.registry import BENCHMARKS
+from bench.registry import BENCHMARKS, load
 
 RESULTS = Path(__file__).resolve().parent / "results" / "latest.json"
 _COMPARE = {">=": operator.ge, "<=": operator.le}
+
+
+class BenchmarkSkipped(Exception):
+    """This machine cannot run the benchmark (the message says why, e.g. 'no CUDA'): recorded as skipped."""
 
 
 def goal_met(ratio: float, goal: str) -> bool:
@@ -47,12 +53,16 @@ def machine() -> dict[str, Any]:
 
 def run_one(name: str, rows: int | None = None) -> dict[str, Any]:
     """Run one benchmark; ``rows`` overrides its data size where it takes one (its default otherwise)."""
-    function, goal = BENCHMARKS[name]
-    kwargs = {"rows": rows} if rows and "rows" in inspect.signature(function).parameters else {}
+    goal = BENCHMARKS[name][1]
     started = time.perf_counter()
     try:
+        function = load(name)
+        kwargs = {"rows": rows} if rows and "rows" in inspect.signature(function).parameters else {}
         measured = function(**kwargs)
         ratio = measured["ours"] / measured["baseline"]
+    except BenchmarkSkipped as skipped:
+        return {"name": name, "goal": goal, "skipped": str(skipped),
+                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     except Exception as exc:  # a broken benchmark is reported, not fatal: the others still run
         return {"name": name, "goal": goal, "met": False, "error": f"{type(exc).__name__}: {exc}",
                 "trace": traceback.format_exc()[-2000:]}
@@ -106,6 +116,9 @@ def table(results: list[dict[str, Any]]) -> str:
     for entry in results:
         if "error" in entry:
             lines.append(f"{entry['name']:26} ERROR {entry['error'][:80]}")
+            continue
+        if "skipped" in entry:
+            lines.append(f"{entry['name']:26} {'skipped: ' + entry['skipped']:>40}  {entry['goal']:8} -")
             continue
         lines.append(f"{entry['name']:26} {_number(entry['ours']):>12} {_number(entry['baseline']):>12} "
                      f"{entry['ratio']:>7.3f}  {entry['goal']:8} {'yes' if entry['met'] else 'NO':4} {entry['unit']}")

@@ -1,6 +1,8 @@
 """Evaluate a trained model on the committed test split.
 
 Run: ``python -m tasks.evaluate --model storage/runs/x/y/train/s2/model.pt --out storage/runs/x/y``
+
+The evaluate profile's ``device`` picks where the model runs, with inference's chunk prefetch onto a GPU.
 """
 
 from __future__ import annotations
@@ -24,35 +26,38 @@ def evaluate(config: PipelineConfig, model_uri: str, out: str) -> dict[str, Any]
     import numpy as np
     import torch
 
+    from tasks.infer import exact_float32, prefetch, scoring_device
     from tasks.model import load_bundle
     from tasks.preprocess import load_split, read_manifest
     from tasks.training.loop import accumulate_metrics
 
-    torch.set_num_threads(config.profile(config.evaluate.profile).threads_per_process)
+    profile = config.profile(config.evaluate.profile)
+    torch.set_num_threads(profile.threads_per_process)
+    device = scoring_device(profile.device)
     manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
     features, labels = load_split(manifest, "test")
     if len(labels) == 0:
         raise UserError(f"{out}: the committed test split is empty; raise preprocess.split.test")
     bundle = load_bundle(model_uri)
-    model = bundle.module
+    model = bundle.module.to(device)
     nonfinite = [name for name, tensor in model.state_dict().items() if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
     if nonfinite:
         raise UserError(f"{model_uri}: the model's weights are NaN/inf ({', '.join(nonfinite)}): its training diverged, "
                         f"so it is neither evaluated nor registered")
     if bundle.preprocessing["features"] != manifest["features"]:
         raise UserError(f"{model_uri}: model features differ from the run's preprocess manifest")
-    batches = [(torch.from_numpy(features[i : i + 8192]), torch.from_numpy(labels[i : i + 8192]))
-               for i in range(0, len(labels), 8192)]
+    chunks = ((i, (torch.from_numpy(features[i : i + 8192]), torch.from_numpy(labels[i : i + 8192])))
+              for i in range(0, len(labels), 8192))
     predicted: list[Any] = []
-    with torch.no_grad():
-        sums = accumulate_metrics(bundle.spec, model, batches, "cpu",
+    with exact_float32(device), torch.inference_mode():
+        sums = accumulate_metrics(bundle.spec, model, (pair for _, pair in prefetch(chunks, device)), str(device),
                                   on_outputs=lambda outputs, _: predicted.append(bundle.spec.predict(outputs).get("prediction")))
     values = {name: (total / max(count, 1e-12)) ** (0.5 if root else 1) for name, (total, count, root) in sums.items()}
     metrics: dict[str, Any] = {f"test_{name}": float(value) for name, value in values.items()}
     metrics.update({"test_rows": int(len(labels)), "model_uri": model_uri, "spec": bundle.ref.path,
                     "objective": config.objective.metric})
     if all(p is not None for p in predicted) and bundle.data.num_classes:
-        correct = torch.cat(predicted).numpy() == labels
+        correct = torch.cat(predicted).cpu().numpy() == labels
         metrics["per_class_accuracy"] = {str(c): float(correct[labels == c].mean()) for c in np.unique(labels)}
     target = manifest.get("target")
     if target is not None:  # what predicting the data set's mean target scores: the bar a regressor must clear

@@ -9,19 +9,26 @@ the model's inputs as in preprocessing (tensor columns flattened by the same fun
 normalisation). Output rows carry the key, the spec's prediction columns (e.g. the class and its
 probabilities, or a regressor's float value) and the model version. Shard files
 are attempt-unique; only ``predictions/manifest.json``, written last, makes them visible.
+
+The inference profile's ``device`` picks where the model runs (cpu; cuda; auto = cuda when present).
+On CUDA each chunk of rows is normalised straight into pinned host memory and copied on a side stream
+while the previous chunk scores (:func:`prefetch`); outputs come back once per chunk. TF32 is off while
+scoring, so a shard's probabilities on a GPU agree with the CPU's to within 1e-5 (tests/tasks/test_infer_cuda.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from tasks import storage
 from tasks.cli import common_parser, json_arg, parse_overrides, run_subjob
 from tasks.config import PipelineConfig, load_config
-from tasks.errors import DataError
+from tasks.errors import DataError, UserError
 
 log = logging.getLogger("stagewise.infer")
 
@@ -107,19 +114,131 @@ def _to_arrow(tensor: Any, kind: Any) -> Any:
     return pa.array(values, kind)
 
 
+def scoring_device(requested: str) -> Any:
+    """The torch device a scoring sub-job uses for a profile's ``device``: cpu, cuda, or auto (cuda when present)."""
+    import torch
+
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("profile asks for device 'cuda' but no CUDA device is visible")
+    return torch.device("cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+@contextlib.contextmanager
+def exact_float32(device: Any) -> Iterator[None]:
+    """TF32 off on ``device`` for the block: GPU scores then agree with the CPU's to float32 rounding, not TF32's 1e-3."""
+    import torch
+
+    if device.type != "cuda":
+        yield
+        return
+    # torch >= 2.9 refuses a mix of its legacy (allow_tf32) and new (fp32_precision) switches: use the new ones there.
+    backends = [torch.backends.cuda.matmul, getattr(torch.backends.cudnn, "conv", None), getattr(torch.backends.cudnn, "rnn", None)]
+    backends = [b for b in backends if b is not None and hasattr(b, "fp32_precision")]
+    if backends:
+        saved = [b.fp32_precision for b in backends]
+        for backend in backends:
+            backend.fp32_precision = "ieee"
+    else:
+        saved = [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32]
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        if backends:
+            for backend, value in zip(backends, saved):
+                backend.fp32_precision = value
+        else:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def prefetch(chunks: Iterable[tuple[Any, Any]], device: Any) -> Iterator[tuple[Any, Any]]:
+    """Each ``(meta, tensors)`` of ``chunks`` (a tensor or a tuple of them) as ``(meta, the same on device)``, in order.
+
+    On CUDA the next chunk is read (pulling ``chunks``), pinned unless it already is, and copied on a side
+    stream when the caller asks for it, i.e. after it queued the current chunk's work: the copy overlaps that
+    work, and the consumer's stream waits for the copy before it reads the tensors (no host sync). Elsewhere
+    the tensors pass through ``.to(device)``, so the CPU path runs the same caller code.
+    """
+    import torch
+
+    def each(tensors: Any, move: Any) -> Any:
+        return tuple(move(t) for t in tensors) if isinstance(tensors, tuple) else move(tensors)
+
+    if device.type != "cuda":
+        for meta, tensors in chunks:
+            yield meta, each(tensors, lambda t: t.to(device))
+        return
+    side = torch.cuda.Stream(device=device)
+
+    def copy(tensor: Any) -> Any:
+        pinned = tensor if tensor.is_pinned() else tensor.pin_memory()
+        with torch.cuda.stream(side):
+            return pinned.to(device, non_blocking=True)
+
+    def hand_over(moved: Any) -> Any:
+        moved.record_stream(current)  # allocated on the side stream: not reused before the consumer's work is done
+        return moved
+
+    for meta, tensors in chunks:
+        moved = each(tensors, copy)
+        current = torch.cuda.current_stream(device)
+        current.wait_stream(side)  # the model reads the chunk only once its copy has landed
+        yield meta, each(moved, hand_over)
+
+
+def _host_chunks(batches: Iterable[Any], key: str, columns: list[str], features: list[str], shapes: dict[str, Any],
+                 mean: Any, std: Any, pin: bool, source: str, bad_rows: str,
+                 quarantine: Any) -> Iterator[tuple[tuple[Any, int], Any]]:
+    """Per Parquet batch: ((keys of the scorable rows, rows read), their normalised float32 features).
+
+    Unscorable rows fail the shard (``bad_rows == 'fail'``) or go to ``quarantine(table)`` with a reason.
+    Features are normalised in float64 and rounded to float32 as before, written straight into pinned memory
+    when ``pin``, so a CUDA copy needs no staging copy of its own.
+    """
+    import numpy as np
+    import pyarrow as pa
+    import torch
+
+    from tasks.preprocess import flatten_features
+
+    offset = 0
+    for batch in batches:
+        matrix = flatten_features(batch, columns, shapes, source)
+        reasons = _row_problems(batch, key, features, matrix)
+        valid = reasons == ""
+        if not valid.all():
+            first = int(np.flatnonzero(~valid)[0])
+            if bad_rows == "fail":
+                raise DataError(f"{source}: {int((~valid).sum())} row(s) cannot be scored, first at row "
+                                f"{offset + first} (key {batch.column(key)[first].as_py()!r}): {reasons[first]} "
+                                f"(inference.bad_rows=fail)")
+            quarantine(pa.table({key: batch.column(key).filter(pa.array(~valid)),
+                                 "reason": pa.array(list(reasons[~valid]), pa.string()),
+                                 "source_uri": pa.array([source] * int((~valid).sum()), pa.string()),
+                                 "source_row": pa.array(offset + np.flatnonzero(~valid), pa.int64())}))
+        good = matrix[valid]
+        scaled = torch.empty(good.shape, dtype=torch.float32, pin_memory=pin)
+        scaled.numpy()[...] = (good - mean) / std  # the same float64 -> float32 rounding as astype
+        offset += batch.num_rows
+        yield (batch.column(key).filter(pa.array(valid)), batch.num_rows), scaled
+
+
 def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], out: str) -> dict[str, Any]:
-    """Score one shard into an attempt-unique Parquet file; bad rows fail or go to quarantine with a reason."""
+    """Score one shard into an attempt-unique Parquet file on the inference profile's device; bad rows fail or
+    go to quarantine with a reason."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
 
     from tasks.model import load_bundle
-    from tasks.preprocess import check_feature_types, flatten_features
+    from tasks.preprocess import check_feature_types
 
-    torch.set_num_threads(config.profile(config.inference.profile).threads_per_process)
+    profile = config.profile(config.inference.profile)
+    torch.set_num_threads(profile.threads_per_process)
+    device = scoring_device(profile.device)
     bundle = load_bundle(model_uri)
-    model, prep = bundle.module, bundle.preprocessing
+    prep = bundle.preprocessing
     features, key = prep["features"], prep["key"]
     # Bundles from before tensor columns list only plain feature columns.
     columns, shapes = prep.get("columns") or features, prep.get("feature_shapes") or {}
@@ -128,64 +247,75 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
     token = storage.unique_token()
     uri = storage.join(out, "predictions", f"part-{shard['index']:05d}-{token}.parquet")
     quarantine_uri = storage.join(out, "predictions", "quarantine", f"part-{shard['index']:05d}-{token}.parquet")
-    rows, quarantined, offset, started = 0, 0, 0, time.monotonic()
+    counts = {"rows": 0, "quarantined": 0}
+    started = time.monotonic()
     fs_out, path_out = storage.filesystem(uri)
     fs_out.makedirs(path_out.rsplit("/", 1)[0], exist_ok=True)
-    writer = quarantine = quarantine_handle = None
+    writer = None
+    quarantined: dict[str, Any] = {}
+
+    def quarantine(bad: Any) -> None:
+        if "writer" not in quarantined:
+            fs_q, path_q = storage.filesystem(quarantine_uri)
+            fs_q.makedirs(path_q.rsplit("/", 1)[0], exist_ok=True)
+            quarantined["handle"] = fs_q.open(path_q, "wb")
+            quarantined["writer"] = pq.ParquetWriter(quarantined["handle"], bad.schema)
+        quarantined["writer"].write_table(bad)
+        counts["quarantined"] += len(bad)
+
+    def write(meta: tuple[Any, int], predicted: dict[str, Any], ready: Any) -> None:
+        if ready is not None:
+            ready.synchronize()  # this chunk's outputs have reached host memory
+        keys = meta[0]
+        scored = {key: keys}
+        for field in output_schema:
+            if field.name in predicted:
+                scored[field.name] = _to_arrow(predicted[field.name], field.type)
+        scored["model_version"] = pa.repeat(pa.scalar(version, pa.string()), len(keys))
+        writer.write_table(pa.table(scored, schema=output_schema))
+        counts["rows"] += len(keys)
+        log.info("shard %d: %d rows scored, %d quarantined, %.0f rows/s", shard["index"], counts["rows"],
+                 counts["quarantined"], counts["rows"] / max(time.monotonic() - started, 1e-9))
+
     with storage.open_parquet(shard["uri"]) as parquet, fs_out.open(path_out, "wb") as sink:
         names = parquet.schema_arrow.names
         missing = [c for c in [key, *columns] if c not in names]
         if missing:
             raise DataError(f"{shard['uri']}: column(s) {missing} the model needs are missing")
         check_feature_types(parquet.schema_arrow, columns, shapes, shard["uri"])
-        output_schema = prediction_columns(bundle, parquet.schema_arrow.field(key))
+        output_schema = prediction_columns(bundle, parquet.schema_arrow.field(key))  # probed on the CPU, before the move
+        model = bundle.module.to(device).eval()
         writer = pq.ParquetWriter(sink, output_schema)
         try:
-            for batch in storage.iter_batches(parquet, [key, *columns], config.inference.batch_size, shard["row_groups"],
-                                              uri=shard["uri"]):
-                matrix = flatten_features(batch, columns, shapes, shard["uri"])
-                reasons = _row_problems(batch, key, features, matrix)
-                valid = reasons == ""
-                if not valid.all():
-                    first = int(np.flatnonzero(~valid)[0])
-                    if config.inference.bad_rows == "fail":
-                        raise DataError(f"{shard['uri']}: {int((~valid).sum())} row(s) cannot be scored, first at row "
-                                        f"{offset + first} (key {batch.column(key)[first].as_py()!r}): {reasons[first]} "
-                                        f"(inference.bad_rows=fail)")
-                    bad = pa.table({key: batch.column(key).filter(pa.array(~valid)), "reason": pa.array(list(reasons[~valid]), pa.string()),
-                                    "source_uri": pa.array([shard["uri"]] * int((~valid).sum()), pa.string()),
-                                    "source_row": pa.array(offset + np.flatnonzero(~valid), pa.int64())})
-                    if quarantine is None:
-                        fs_q, path_q = storage.filesystem(quarantine_uri)
-                        fs_q.makedirs(path_q.rsplit("/", 1)[0], exist_ok=True)
-                        quarantine_handle = fs_q.open(path_q, "wb")
-                        quarantine = pq.ParquetWriter(quarantine_handle, bad.schema)
-                    quarantine.write_table(bad)
-                    quarantined += len(bad)
-                with torch.no_grad():
-                    scaled = torch.from_numpy(((matrix[valid] - mean) / std).astype(np.float32))
-                    inputs = bundle.spec.batch(scaled, torch.zeros(len(scaled), dtype=torch.int64))[0]
-                    predicted = bundle.spec.predict(model(inputs))
-                keys = batch.column(key).filter(pa.array(valid))
-                scored = {key: keys}
-                for field in output_schema:
-                    if field.name in predicted:
-                        scored[field.name] = _to_arrow(predicted[field.name], field.type)
-                scored["model_version"] = pa.repeat(pa.scalar(version, pa.string()), len(keys))
-                writer.write_table(pa.table(scored, schema=output_schema))
-                rows += len(keys)
-                offset += batch.num_rows
-                elapsed = time.monotonic() - started
-                log.info("shard %d: %d rows scored, %d quarantined, %.0f rows/s", shard["index"], rows, quarantined,
-                         rows / max(elapsed, 1e-9))
+            batches = storage.iter_batches(parquet, [key, *columns], config.inference.batch_size, shard["row_groups"],
+                                           uri=shard["uri"])
+            chunks = _host_chunks(batches, key, columns, features, shapes, mean, std, device.type == "cuda",
+                                  shard["uri"], config.inference.bad_rows, quarantine)
+            pending = None
+            with exact_float32(device), torch.inference_mode():
+                for meta, inputs in prefetch(chunks, device):
+                    labels = torch.zeros(len(inputs), dtype=torch.int64, device=device)
+                    predicted = bundle.spec.predict(model(bundle.spec.batch(inputs, labels)[0]))
+                    # One copy back per column and chunk; on CUDA it is queued, and the previous chunk is written meanwhile.
+                    host = {name: tensor.to("cpu", non_blocking=True) for name, tensor in predicted.items()}
+                    ready = None
+                    if device.type == "cuda":
+                        ready = torch.cuda.Event()
+                        ready.record()
+                    if pending is not None:
+                        write(*pending)
+                    pending = (meta, host, ready)
+                if pending is not None:
+                    write(*pending)
         finally:
             writer.close()
-            if quarantine is not None:
-                quarantine.close()
-                quarantine_handle.close()
-    result = {"index": shard["index"], "uri": uri, "rows": rows, "rows_quarantined": quarantined}
-    if quarantined:
-        log.warning("shard %d: %d row(s) quarantined with reasons in %s", shard["index"], quarantined, quarantine_uri)
+            if "writer" in quarantined:
+                quarantined["writer"].close()
+                quarantined["handle"].close()
+    rows, bad = counts["rows"], counts["quarantined"]
+    result = {"index": shard["index"], "uri": uri, "rows": rows, "rows_quarantined": bad}
+    if bad:
+        log.warning("shard %d: %d row(s) quarantined with reasons in %s", shard["index"], bad, quarantine_uri)
         result["quarantine_uri"] = quarantine_uri
     return result
 

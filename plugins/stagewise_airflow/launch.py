@@ -190,17 +190,22 @@ def visible_gpus() -> int:
     return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
 
 
-def check_devices(profile: Profile) -> None:
-    """Refuse, before anything launches, a cuda profile with more processes than visible GPUs."""
+def check_devices(profile: Profile, distributed: bool = True) -> None:
+    """Refuse, before anything launches, a cuda profile asking for more GPUs than this worker sees: one per process
+    of a torchrun job, one for a single-process sub-job (an inference shard, evaluate)."""
     from airflow.sdk.exceptions import AirflowFailException
 
     if profile.device != "cuda":
         return
     gpus = visible_gpus()
-    if profile.processes_per_node > gpus:
+    if distributed and profile.processes_per_node > gpus:
         raise AirflowFailException(f"profile asks for {profile.processes_per_node} process(es) on device cuda, one GPU "
                                    f"each, but this worker sees {gpus} GPU(s); lower processes_per_node or route the "
                                    f"task to a bigger worker (queue)")
+    if not distributed and gpus < 1:
+        raise AirflowFailException("profile asks for device cuda for a single-process sub-job (inference shard, "
+                                   "evaluate), which needs 1 GPU, but this worker sees 0 GPU(s); use device cpu or "
+                                   "auto, or route the task to a GPU worker (queue)")
 
 
 def run(module: str, args: list[str], profile: Profile, *, distributed: bool = False, attempt: int = 1,
@@ -221,7 +226,7 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
     from tasks.runtime import read_last_report
     from tasks.train import LAST_REPORT
 
-    check_devices(profile)
+    check_devices(profile, distributed)
     workdir = tempfile.mkdtemp(prefix="stagewise-")
     result_file = os.path.join(workdir, "result.json")
     error_file = os.path.join(workdir, "user_error.txt")

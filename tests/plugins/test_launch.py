@@ -98,6 +98,30 @@ def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, tmp_path
     assert not marker.exists(), "nothing may launch"
 
 
+@pytest.mark.parametrize("mask", ["", "-1"])
+def test_an_inference_shard_on_cuda_without_a_gpu_is_refused_before_launch(monkeypatch, tmp_path, mask):
+    """A single-process sub-job (an inference shard) on a cuda profile, on a worker that sees no GPU, fails at once
+    without retry, saying it needs 1 GPU and this worker has 0; nothing launches."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mask)
+    marker = tmp_path / "launched"
+    with pytest.raises(AirflowFailException, match=r"device cuda for a single-process sub-job.*needs 1 GPU.*sees 0 GPU"):
+        launch.run("tests.plugins.fake_subjob", ["hang", "--pid-file", str(marker)], Profile(device="cuda"))
+    assert not marker.exists(), "nothing may launch"
+
+
+def test_gpu_check_counts_one_gpu_for_a_single_process_subjob(monkeypatch):
+    """A single-process sub-job needs one GPU whatever processes_per_node says (it runs one process); a torchrun job on
+    the same profile needs one per process; cpu and auto profiles are never refused."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    two = Profile(device="cuda", processes_per_node=2)
+    launch.check_devices(two, distributed=False)
+    with pytest.raises(AirflowFailException, match=r"2 process\(es\)"):
+        launch.check_devices(two, distributed=True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    for device in ("cpu", "auto"):
+        launch.check_devices(Profile(device=device), distributed=False)
+
+
 def test_task_timeout_ends_the_whole_process_group(tmp_path):
     """Airflow's execution_timeout raises inside the task (SIGALRM); the sub-job's whole group must die with it."""
 

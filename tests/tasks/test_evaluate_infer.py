@@ -354,6 +354,159 @@ def test_crash_between_shard_writes_leaves_nothing_half_visible(trained, tmp_pat
     assert len(keys) == len(set(keys)) == sum(shard["rows"] for shard in shards)
 
 
+# --- the device path on the CPU ---------------------------------------------------------------------------------
+
+
+def todays_scores(config, model_uri: str, shard: dict) -> tuple[list, dict[str, np.ndarray]]:
+    """The scoring of score_shard before the device path, verbatim: batch by batch, no_grad, float64 normalisation
+    rounded to float32; returns (keys, prediction columns) of the scorable rows."""
+    from tasks.infer import _row_problems
+    from tasks.preprocess import flatten_features
+
+    bundle = load_bundle(model_uri)
+    prep = bundle.preprocessing
+    columns, shapes = prep.get("columns") or prep["features"], prep.get("feature_shapes") or {}
+    mean, std = np.asarray(prep["mean"]), np.asarray(prep["std"])
+    keys, outputs = [], {}
+    with storage.open_parquet(shard["uri"]) as parquet:
+        for batch in storage.iter_batches(parquet, [prep["key"], *columns], config.inference.batch_size,
+                                          shard["row_groups"], uri=shard["uri"]):
+            matrix = flatten_features(batch, columns, shapes, shard["uri"])
+            valid = _row_problems(batch, prep["key"], prep["features"], matrix) == ""
+            with torch.no_grad():
+                scaled = torch.from_numpy(((matrix[valid] - mean) / std).astype(np.float32))
+                inputs = bundle.spec.batch(scaled, torch.zeros(len(scaled), dtype=torch.int64))[0]
+                predicted = bundle.spec.predict(bundle.module(inputs))
+            keys += batch.column(prep["key"]).filter(pa.array(valid)).to_pylist()
+            for name, tensor in predicted.items():
+                outputs.setdefault(name, []).append(tensor.numpy())
+    return keys, {name: np.concatenate(parts) for name, parts in outputs.items()}
+
+
+def test_device_path_on_the_cpu_gives_todays_predictions_exactly(trained, tmp_path):
+    """Chunked prefetch with device cpu (several chunks, some rows quarantined) writes bit for bit the keys,
+    classes and probabilities that scoring wrote before the device path existed."""
+    config_path, _, model_uri = trained
+    config = load_config(config_path, {"inference.batch_size": 128})
+    path, _ = _dirty_input(config, tmp_path)
+    shard = infer.plan(str(path), rows_per_shard=10_000)[0]
+    result = infer.score_shard(config, model_uri, shard, str(tmp_path / "device_cpu"))
+    assert result["rows_quarantined"] == 5 and result["rows"] > 2 * 128, "several chunks, some rows left out"
+    scored = pq.read_table(result["uri"])
+    keys, expected = todays_scores(config, model_uri, shard)
+    assert scored.column("row_id").to_pylist() == keys
+    assert np.array_equal(scored.column("prediction").to_numpy(), expected["prediction"])
+    probabilities = np.stack(scored.column("probabilities").to_numpy(zero_copy_only=False))
+    assert probabilities.dtype == expected["probabilities"].dtype and np.array_equal(probabilities, expected["probabilities"])
+
+
+def test_prefetch_on_the_cpu_hands_over_every_chunk_in_order_and_reads_ahead_by_at_most_one():
+    """prefetch keeps order and content (tensors and tuples of them) and pulls a chunk only when it is asked for."""
+    pulled = []
+
+    def chunks():
+        for index in range(4):
+            pulled.append(index)
+            yield index, (torch.full((3, 2), float(index)), torch.arange(3) + index)
+
+    seen = []
+    for meta, (features, labels) in infer.prefetch(chunks(), torch.device("cpu")):
+        assert pulled[-1] == meta, "no chunk is read before the previous one was handed over"
+        seen.append(meta)
+        assert torch.equal(features, torch.full((3, 2), float(meta))) and torch.equal(labels, torch.arange(3) + meta)
+    assert seen == [0, 1, 2, 3]
+
+
+def test_prefetch_on_cuda_pins_copies_on_a_side_stream_and_hands_over_safely(monkeypatch):
+    """The CUDA branch with CPU tensors standing in (fake streams record what happens): each chunk is pinned and copied
+    non_blocking inside the side stream; the consumer's stream waits for that stream and record_stream()s each tensor
+    before the chunk is handed over; a chunk is read and copied only after the previous one was handed over (so its
+    copy overlaps the consumer's work on it); order and content are kept."""
+    events = []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(("wait", self.name, other.name))
+
+    side, current, active = FakeStream("side"), FakeStream("current"), []
+
+    class Entered:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            active.append(self.stream.name)
+
+        def __exit__(self, *exc):
+            active.pop()
+
+    real_to = torch.Tensor.to
+
+    def fake_to(self, *args, **kwargs):
+        if args and isinstance(args[0], torch.device) and args[0].type == "cuda":
+            events.append(("copy", active[-1] if active else None, kwargs.get("non_blocking", False)))
+            return self.clone()
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: side)
+    monkeypatch.setattr(torch.cuda, "stream", Entered)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: events.append(("pin",)) or self.clone())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: events.append(("record", stream.name)))
+    monkeypatch.setattr(torch.Tensor, "to", fake_to)
+
+    def chunks():
+        for index in range(3):
+            events.append(("read", index))
+            yield index, (torch.full((2, 2), float(index)), torch.arange(2) + index)
+
+    for meta, (features, labels) in infer.prefetch(chunks(), torch.device("cuda")):
+        events.append(("got", meta))
+        assert torch.equal(features, torch.full((2, 2), float(meta))) and torch.equal(labels, torch.arange(2) + meta)
+    one_chunk = [("pin",), ("copy", "side", True), ("pin",), ("copy", "side", True), ("wait", "current", "side"),
+                 ("record", "current"), ("record", "current")]
+    assert events == [e for i in range(3) for e in [("read", i), *one_chunk, ("got", i)]]
+
+
+def test_scoring_device_follows_the_profile(monkeypatch):
+    """cpu stays cpu, auto is cuda only where CUDA is present, and cuda without a GPU is a user error saying so."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert infer.scoring_device("cpu").type == "cpu" and infer.scoring_device("auto").type == "cpu"
+    with pytest.raises(UserError, match="device 'cuda' but no CUDA device is visible"):
+        infer.scoring_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert infer.scoring_device("auto").type == "cuda" and infer.scoring_device("cpu").type == "cpu"
+
+
+def test_scoring_on_cuda_turns_tf32_off_and_restores_the_switches_after():
+    """Inside exact_float32 on a cuda device, matmul/conv use full float32 (the stated CPU/GPU tolerance depends on it);
+    the previous settings come back afterwards, even after an error; on the CPU nothing changes."""
+    switches = [torch.backends.cuda.matmul, torch.backends.cudnn.conv]
+    before = [s.fp32_precision for s in switches]
+    with pytest.raises(RuntimeError, match="inside"):
+        with infer.exact_float32(torch.device("cuda")):
+            assert [s.fp32_precision for s in switches] == ["ieee", "ieee"]
+            raise RuntimeError("inside")
+    assert [s.fp32_precision for s in switches] == before
+    with infer.exact_float32(torch.device("cpu")):
+        assert [s.fp32_precision for s in switches] == before
+
+
+def test_a_cuda_inference_profile_without_a_gpu_fails_naming_the_device(trained, tmp_path, monkeypatch):
+    """A shard on a cuda profile where no GPU is visible fails as a user error, and writes nothing."""
+    config_path, _, model_uri = trained
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = load_config(config_path, {"profiles.small.device": "cuda"})
+    shard = infer.plan(storage.resolve(config.storage_root, config.dataset.uri), rows_per_shard=500)[0]
+    with pytest.raises(UserError, match="no CUDA device"):
+        infer.score_shard(config, model_uri, shard, str(tmp_path / "no_gpu"))
+    assert not (tmp_path / "no_gpu").exists()
+
+
 # --- a float target ---------------------------------------------------------------------------------------------
 
 

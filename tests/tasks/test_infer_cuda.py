@@ -1,0 +1,82 @@
+"""Scoring on a GPU agrees with scoring on the CPU: inference shards and evaluate.
+
+Tolerance (stated in tasks/infer.py too): TF32 is off while scoring, so only float32 summation order differs
+between cuBLAS and the CPU. Probabilities agree to atol 1e-5; the predicted class is the same for every row
+except where the CPU's top two probabilities are within 2e-5 of each other (a near-tie may flip); keys, row
+order, model version and the output schema are identical.
+
+These run only where CUDA is present (skipped with the reason elsewhere, CI included: its machine has no GPU);
+tests/tasks/test_evaluate_infer.py runs the same device path on the CPU against today's exact predictions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+
+from tasks import infer, storage, train
+from tasks.config import load_config
+from tasks.evaluate import evaluate
+from tests.conftest import base_config, preprocess_digits
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU scoring tests need one")
+
+PROBABILITY_ATOL = 1e-5
+NEAR_TIE = 2 * PROBABILITY_ATOL
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Digits preprocessed and s1 trained on the CPU (hidden 64); returns (config path, run prefix, model URI)."""
+    root = tmp_path_factory.mktemp("storage")
+    config_path = root / "pipeline.yaml"
+    config_path.write_text(yaml.safe_dump(base_config(root)))
+    out = str(root / "runs" / "test" / "cuda")
+    preprocess_digits(config_path, out)
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            patch.delenv(name, raising=False)
+        result = train.run_stage(load_config(config_path), "s1", out, {"lr": 0.05, "hidden": 64}, None)
+    return config_path, out, result["model_uri"]
+
+
+def _score(config_path, model_uri: str, device: str, out: str, batch_size: int) -> list:
+    config = load_config(config_path, {"profiles.small.device": device, "inference.batch_size": batch_size})
+    source = storage.resolve(config.storage_root, config.dataset.uri)
+    shards = infer.plan(source, rows_per_shard=700)
+    return [pq.read_table(infer.score_shard(config, model_uri, shard, out)["uri"]) for shard in shards]
+
+
+@pytest.mark.parametrize("batch_size", [1024, 96])
+def test_a_shard_scores_the_same_on_the_gpu_as_on_the_cpu(trained, tmp_path, batch_size):
+    """Per shard: same keys in the same order, same schema and version; probabilities within 1e-5, classes equal
+    but for near-ties; with one chunk per shard and with many (prefetch on the side stream in play)."""
+    config_path, _, model_uri = trained
+    on_cpu = _score(config_path, model_uri, "cpu", str(tmp_path / "cpu"), batch_size)
+    on_gpu = _score(config_path, model_uri, "cuda", str(tmp_path / "gpu"), batch_size)
+    assert len(on_cpu) == len(on_gpu) > 1
+    for cpu, gpu in zip(on_cpu, on_gpu):
+        assert cpu.schema == gpu.schema
+        assert cpu.column("row_id").to_pylist() == gpu.column("row_id").to_pylist()
+        assert cpu.column("model_version").to_pylist() == gpu.column("model_version").to_pylist()
+        p_cpu = np.stack(cpu.column("probabilities").to_numpy(zero_copy_only=False))
+        p_gpu = np.stack(gpu.column("probabilities").to_numpy(zero_copy_only=False))
+        np.testing.assert_allclose(p_gpu, p_cpu, rtol=0, atol=PROBABILITY_ATOL)
+        top2 = np.sort(p_cpu, axis=1)[:, -2:]
+        decided = (top2[:, 1] - top2[:, 0]) > NEAR_TIE
+        assert decided.mean() > 0.9, "the model must decide most rows, or the class check says nothing"
+        classes_cpu, classes_gpu = cpu.column("prediction").to_numpy(), gpu.column("prediction").to_numpy()
+        assert np.array_equal(classes_cpu[decided], classes_gpu[decided])
+
+
+def test_evaluate_on_the_gpu_reports_the_cpus_metrics(trained, tmp_path):
+    """evaluate on a cuda profile: the same test rows and accuracy (but for near-ties), loss within float32 error."""
+    config_path, out, model_uri = trained
+    on_cpu = evaluate(load_config(config_path), model_uri, out)
+    on_gpu = evaluate(load_config(config_path, {"profiles.small.device": "cuda"}), model_uri, out)
+    assert on_gpu["test_rows"] == on_cpu["test_rows"]
+    assert on_gpu["test_accuracy"] == pytest.approx(on_cpu["test_accuracy"], abs=2 / on_cpu["test_rows"])
+    assert on_gpu["test_loss"] == pytest.approx(on_cpu["test_loss"], rel=1e-4)
