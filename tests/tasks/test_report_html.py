@@ -333,3 +333,12 @@ def test_report_under_an_s3_root(s3_endpoint, monkeypatch, tmp_path):
     again = fs.cat_file(path).decode()
     assert figures(again)["fig-training"] == figures(first)["fig-training"]
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_latest_prints_where_the_page_is_before_the_report(write_config, storage_root, capsys):
+    """`python -m tasks.report latest` (make demo's last step) names report.html, then report.json on the last line."""
+    out = str(storage_root / "runs" / "ml_pipeline" / "r2")
+    written = report.build_report(**{**_regression_run(out), "dag_id": "ml_pipeline"})
+    report.main(["latest", "--config", str(write_config())])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2:] == [f"HTML {written['html_uri']}", f"REPORT {written['report_uri']}"]
