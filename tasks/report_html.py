@@ -193,7 +193,7 @@ def sweep_figure(report: dict[str, Any], trials: dict[str, Any] | None) -> dict[
         ys = [_trial_y(t) for t in picked]
         no_value = state in ("FAIL", "ABANDONED")
         fig.add_trace(go.Scatter(
-            x=[t.get("complete") or t.get("start") for t in picked], y=[floor if no_value and y is None else y for y in ys],
+            x=[t.get("complete") or t.get("start") for t in picked], y=[floor if no_value else y for y in ys],
             name=f"{label}: {len(picked)}", mode="markers", meta={"state": state},
             marker={"color": STATE_COLOURS[state], "size": 10, "symbol": "x" if no_value else "circle",
                     "line": {"width": 1, "color": "#fff"}},
