@@ -84,12 +84,15 @@ def write_html(report: dict[str, Any], out: str) -> str | None:
 
 
 def build_inference_report(*, dag_id: str, run_id: str, out: str, model: dict[str, Any],
-                           stage_results: dict[str, list[dict[str, Any]]], predictions: dict[str, Any]) -> dict[str, Any]:
-    """report.json of a batch_inference run: which model scored what, and how much was quarantined."""
+                           stage_results: dict[str, list[dict[str, Any]]], predictions: dict[str, Any],
+                           tasks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """report.json (and report.html before it) of a batch_inference run: which model scored what, and how much was
+    quarantined; ``tasks``: the run's task attempts (tasks.timeline)."""
     report = {"dag_id": dag_id, "run_id": run_id, "run_prefix": out, "stages": stage_timing(stage_results),
               "model_version": model["current"], "model_uri": model["model_uri"],
               "predictions": {"uri": predictions.get("uri"), "rows": predictions.get("rows"),
-                              "rows_quarantined": predictions.get("rows_quarantined", 0)}}
+                              "rows_quarantined": predictions.get("rows_quarantined", 0)}, "tasks": tasks or []}
+    report["html_uri"] = write_html(report, out)
     uri = storage.join(out, "report.json")
     storage.write_json(uri, report)
     log.info("report written to %s", uri)

@@ -321,18 +321,23 @@ def outcome_line(report: dict[str, Any], metric: str) -> str:
                      f"{html.escape(str(registry.get('version')))} {verdict}</span> ({html.escape(str(registry.get('reason')))})")
     if test is not None:
         parts.append(f"test {html.escape(metric)} {_number(test)}")
+    if "training" not in report and report.get("model_version"):  # a batch_inference run
+        predictions = report.get("predictions") or {}
+        parts.append(f"scored {predictions.get('rows')} rows with model {html.escape(str(report['model_version']))}, "
+                     f"{predictions.get('rows_quarantined') or 0} quarantined")
     return " · ".join(parts) or "no model was registered"
 
 
 def render(report: dict[str, Any], sources: dict[str, Any], generated_at: str | None = None) -> str:
-    """The whole page as one string: header, four sections, plotly.js once, each figure's JSON and one draw script."""
+    """The whole page as one string: header, the sections (four for a pipeline run; scoring and the timeline for a
+    batch_inference run), plotly.js once, each figure's JSON and one draw script."""
     from plotly.offline import get_plotlyjs
 
     generated_at = generated_at or dt.datetime.now(dt.UTC).isoformat()
     trials = sources.get("trials")
     metric, direction = objective_of(report, trials)
     sweep = report.get("sweep") or {}
-    blocks, figures = {}, []
+    blocks, scripts = {}, {}
     for figure_id, figure, missing in (
             ("fig-training", training_figure(report, sources), "No training stage recorded a history."),
             ("fig-sweep", sweep_figure(report, trials), "No per-trial record (sweep/trials.json) was found."),
@@ -341,8 +346,7 @@ def render(report: dict[str, Any], sources: dict[str, Any], generated_at: str | 
             ("fig-timeline", timeline_figure(report.get("tasks") or [], generated_at),
              "No task attempt was recorded for this run (timeline/)."),
             ("fig-data", data_figure(report), "No data counts were recorded.")):
-        blocks[figure_id], script = _figure_block(figure_id, figure, missing)
-        figures.append(script)
+        blocks[figure_id], scripts[figure_id] = _figure_block(figure_id, figure, missing)
 
     best = _table("Best trial", [("trial", sweep.get("best_trial")), (f"validation {metric}", sweep.get("best_value")),
                                  *sorted((sweep.get("best_params") or {}).items())])
@@ -377,6 +381,30 @@ def render(report: dict[str, Any], sources: dict[str, Any], generated_at: str | 
                             ("why", registry.get("reason")), ("current model now", registry.get("current"))]) \
         if registry else "<p class=missing>No gate decision was recorded.</p>"
     title = f"{report.get('dag_id')} / {report.get('run_id')}"
+    objective = f" · objective <b>{html.escape(metric)}</b> ({html.escape(direction)})"
+    timeline_section = f"""<section id="timeline"><h2>Task timeline</h2>
+<p class="note">Every attempt of every task, from its start to its end; a retried task shows one bar per try.</p>
+{blocks['fig-timeline']}</section>"""
+    if "training" in report:
+        sections = f"""<section id="training"><h2>Training across stages</h2>
+<p class="note">Each point is one epoch, placed at the optimizer step it ended on, counted across all stages. A dashed line
+marks where a stage began (its global batch, learning rate and world size beside it); a red cross and dotted line mark
+where a retry resumed from a checkpoint.</p>
+{blocks['fig-training']}<div class="tables">{stages_table}</div></section>
+<section id="sweep"><h2>Sweep</h2>
+<p class="note">Every trial of the study, by outcome; pruned trials at the value of their last reported epoch, failed ones
+on the axis' worst edge.</p>
+{blocks['fig-sweep']}<div class="tables">{best}{counts}</div>{blocks['fig-importance']}</section>
+{timeline_section}
+<section id="outcome"><h2>Data, test metrics and the gate</h2>
+{blocks['fig-data']}<div class="tables">{data_table}{test_table}{gate_table}</div></section>"""
+    else:  # a batch_inference run: no training, sweep or gate, only what it scored and how its tasks ran
+        objective, scripts = "", {"fig-timeline": scripts["fig-timeline"]}
+        scoring = _table("Scoring", [("model version", report.get("model_version")), ("rows scored", predictions.get("rows")),
+                                     ("rows quarantined", predictions.get("rows_quarantined")),
+                                     ("predictions manifest", predictions.get("uri"))])
+        sections = f"""<section id="outcome"><h2>Scoring</h2><div class="tables">{scoring}</div></section>
+{timeline_section}"""
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>Stagewise run {html.escape(title)}</title>
@@ -385,25 +413,12 @@ def render(report: dict[str, Any], sources: dict[str, Any], generated_at: str | 
 </head><body>
 <header><h1>Stagewise run {html.escape(title)}</h1>
 <div class="meta">dag_id <b>{html.escape(str(report.get('dag_id')))}</b> · run_id <b>{html.escape(str(report.get('run_id')))}</b>
- · objective <b>{html.escape(metric)}</b> ({html.escape(direction)}) · report generated {html.escape(generated_at[:19])} UTC</div>
+{objective} · report generated {html.escape(generated_at[:19])} UTC</div>
 <div class="outcome">{outcome_line(report, metric)}</div></header>
 <main>
-<section id="training"><h2>1. Training across stages</h2>
-<p class="note">Each point is one epoch, placed at the optimizer step it ended on, counted across all stages. A dashed line
-marks where a stage began (its global batch, learning rate and world size beside it); a red cross and dotted line mark
-where a retry resumed from a checkpoint.</p>
-{blocks['fig-training']}<div class="tables">{stages_table}</div></section>
-<section id="sweep"><h2>2. Sweep</h2>
-<p class="note">Every trial of the study, by outcome; pruned trials at the value of their last reported epoch, failed ones
-on the axis' worst edge.</p>
-{blocks['fig-sweep']}<div class="tables">{best}{counts}</div>{blocks['fig-importance']}</section>
-<section id="timeline"><h2>3. Task timeline</h2>
-<p class="note">Every attempt of every task, from its start to its end; a retried task shows one bar per try.</p>
-{blocks['fig-timeline']}</section>
-<section id="outcome"><h2>4. Data, test metrics and the gate</h2>
-{blocks['fig-data']}<div class="tables">{data_table}{test_table}{gate_table}</div></section>
+{sections}
 </main>
-{''.join(figures)}
+{''.join(scripts.values())}
 <script type="text/javascript">{DRAW}</script>
 </body></html>
 """

@@ -320,8 +320,9 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
 
 
 def write_inference_report(run: dict[str, Any], model: dict[str, Any], scored: Sequence[dict], predictions: dict) -> dict[str, Any]:
-    from tasks import report
+    from tasks import report, timeline
 
     return _inline(run_config(run), lambda: report.build_inference_report(
         dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], model=model,
-        stage_results={"inference": [*_all(scored), predictions]}, predictions=predictions))
+        stage_results={"inference": [*_all(scored), predictions]}, predictions=predictions,
+        tasks=timeline.records(run["out"])))

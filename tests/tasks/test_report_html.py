@@ -342,3 +342,25 @@ def test_latest_prints_where_the_page_is_before_the_report(write_config, storage
     report.main(["latest", "--config", str(write_config())])
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-2:] == [f"HTML {written['html_uri']}", f"REPORT {written['report_uri']}"]
+
+
+def test_a_batch_inference_run_gets_a_page_of_its_scoring_and_timeline(tmp_path):
+    """build_inference_report writes report.html too: the model and rows it scored and its task timeline, with no
+    training, sweep or gate section (that run has none)."""
+    out = str(tmp_path / "runs" / "batch_inference" / "r3")
+    timeline.record(out, task_id="infer_shard", map_index=0, try_number=1, state="success",
+                    start="2026-01-01T10:00:00+00:00", end="2026-01-01T10:00:04+00:00")
+    timeline.record(out, task_id="infer_shard", map_index=1, try_number=1, state="success",
+                    start="2026-01-01T10:00:01+00:00", end="2026-01-01T10:00:05+00:00")
+    result = report.build_inference_report(
+        dag_id="batch_inference", run_id="r3", out=out, model={"current": "m-123", "model_uri": "models/x/model.pt"},
+        stage_results={}, predictions={"uri": f"{out}/predictions/manifest.json", "rows": 900, "rows_quarantined": 7},
+        tasks=timeline.records(out))
+    written = storage.read_json(result["report_uri"])
+    page = Path(written["html_uri"]).read_text()
+    found = figures(page)
+    assert set(found) == {"fig-timeline"}
+    assert found["fig-timeline"]["layout"]["yaxis"]["categoryarray"] == ["infer_shard[0]", "infer_shard[1]"]
+    assert "scored 900 rows with model m-123, 7 quarantined" in page
+    assert 'id="training"' not in page and 'id="sweep"' not in page and "Gate on" not in page
+    assert outside_references(page) == []
