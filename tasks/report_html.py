@@ -295,6 +295,7 @@ def data_figure(report: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _table(caption: str, rows: list[tuple[str, Any]], highlight: str | None = None) -> str:
+    rows = [(key, value) for key, value in rows if value is not None]  # what the run did not record is left out
     if not rows:
         return ""
     body = "".join(f"<tr{' class=highlight' if key == highlight else ''}><th>{html.escape(str(key))}</th>"
