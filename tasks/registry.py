@@ -154,11 +154,12 @@ def gate(storage_root: str, name: str, version: str, metric: str, margin: float,
         relation = ("<" if better else ">=") if minimize else (">" if better else "<=")
         decision = {"promoted": better, "reason": f"{metric} {candidate[metric]:.4f} {relation} current "
                                                   f"{incumbent[metric]:.4f} {'-' if minimize else '+'} margin {margin}"}
-        decision["previous"] = incumbent["version"]
+        decision.update({"previous": incumbent["version"], "incumbent_value": incumbent[metric]})
     if decision["promoted"]:
         promote(storage_root, name, version, reason=f"gate: {decision['reason']}")
     log.info("gate for %s/%s: %s (%s)", name, version, "promoted" if decision["promoted"] else "refused", decision["reason"])
-    return {"model_name": name, "version": version, "current": pointer(storage_root, name)["version"], **decision}
+    return {"model_name": name, "version": version, "current": pointer(storage_root, name)["version"], "metric": metric,
+            "direction": direction, "margin": margin, "candidate_value": candidate[metric], **decision}
 
 
 def model_card(config: PipelineConfig, *, trained: dict[str, Any], evaluation: dict[str, Any],

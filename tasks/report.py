@@ -1,7 +1,8 @@
-"""The run report: ``runs/<dag_id>/<run_id>/report.json`` (schema in the design notes).
+"""The run report: ``runs/<dag_id>/<run_id>/report.json`` (schema in the design notes) and ``report.html`` beside it.
 
 Run: ``python -m tasks.report latest`` prints a short summary of the newest report under the storage
-root and, as its last line, ``REPORT <uri>``.
+root, where its report.html is (``HTML <uri>``) and, as its last line, ``REPORT <uri>``.
+``python -m tasks.report html <run prefix or report.json URI>`` renders report.html again from the run's files.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from tasks import storage
 from tasks.cli import common_parser, parse_overrides, setup_logging
 from tasks.config import load_config
+from tasks.errors import UserError
 
 log = logging.getLogger("stagewise.report")
 
@@ -31,8 +33,12 @@ def stage_timing(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str
 
 def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str, list[dict[str, Any]]],
                  preprocess: dict[str, Any], sweep: dict[str, Any], training: list[dict[str, Any]],
-                 evaluation: dict[str, Any], predictions: dict[str, Any], registry: dict[str, Any]) -> dict[str, Any]:
-    """Assemble and write report.json; returns its URI and headline numbers."""
+                 evaluation: dict[str, Any], predictions: dict[str, Any], registry: dict[str, Any],
+                 direction: str | None = None, tasks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Assemble report.json, write report.html and then report.json (the commit); returns their URIs and headline numbers.
+
+    ``direction``: the objective's (minimize or maximize); ``tasks``: the run's task attempts (tasks.timeline).
+    """
     report = {
         "dag_id": dag_id,
         "run_id": run_id,
@@ -41,34 +47,52 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
         "data": {"rows": preprocess.get("rows"), "rows_dropped": preprocess.get("rows_dropped"),
                  "manifest_uri": preprocess.get("manifest_uri")},
         "sweep": {key: sweep.get(key) for key in ("study_name", "n_trials", "n_complete", "n_pruned", "n_failed",
-                                                  "best_value", "best_params", "epochs_consumed")},
+                                                  "best_value", "best_params", "best_trial", "epochs_consumed",
+                                                  "importances", "trials_uri")},
         "training": [{key: stage.get(key) for key in ("stage", "world_size", "global_batch", "lr", "epochs", "steps",
                                                       "val_metric", "checkpoint_uri")} for stage in training],
-        "objective": {"metric": evaluation.get("objective"), "test": evaluation.get("test_objective")},
+        "objective": {"metric": evaluation.get("objective"), "direction": direction, "test": evaluation.get("test_objective")},
         "test_metrics": {k: v for k, v in evaluation.items() if k.startswith("test_") and k != "test_objective"},
         "model_uri": training[-1].get("model_uri") if training else None,
         "registry": registry,
         "predictions": {"uri": predictions.get("uri"), "rows": predictions.get("rows"),
                         "rows_quarantined": predictions.get("rows_quarantined", 0),
                         "model_version": predictions.get("model_version")},
+        "tasks": tasks or [],
     }
     if "test_accuracy" in evaluation:  # the design notes' headline for classifiers; a regressor has none
         report["test_accuracy"] = evaluation["test_accuracy"]
     if "test_baseline_rmse" in evaluation:
         report["baseline"] = {"what": "predicting the data set's mean target", "test_rmse": evaluation["test_baseline_rmse"]}
+    report["html_uri"] = write_html(report, out)
     uri = storage.join(out, "report.json")
-    storage.write_json(uri, report)
+    storage.write_json(uri, report)  # last: report.json commits the report, report.html is already whole beside it
     log.info("report written to %s", uri)
-    return {"report_uri": uri, "test_accuracy": report.get("test_accuracy"), "test_objective": report["objective"]["test"]}
+    return {"report_uri": uri, "html_uri": report["html_uri"], "test_accuracy": report.get("test_accuracy"),
+            "test_objective": report["objective"]["test"]}
+
+
+def write_html(report: dict[str, Any], out: str) -> str | None:
+    """report.html beside report.json, in one put; a rendering bug is logged and leaves report.json to stand alone."""
+    from tasks import report_html
+
+    try:
+        return report_html.write(report, out)
+    except Exception:  # the page is a view of the run: the record (report.json) must not be lost to it
+        log.exception("report.html could not be rendered for %s", out)
+        return None
 
 
 def build_inference_report(*, dag_id: str, run_id: str, out: str, model: dict[str, Any],
-                           stage_results: dict[str, list[dict[str, Any]]], predictions: dict[str, Any]) -> dict[str, Any]:
-    """report.json of a batch_inference run: which model scored what, and how much was quarantined."""
+                           stage_results: dict[str, list[dict[str, Any]]], predictions: dict[str, Any],
+                           tasks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """report.json (and report.html before it) of a batch_inference run: which model scored what, and how much was
+    quarantined; ``tasks``: the run's task attempts (tasks.timeline)."""
     report = {"dag_id": dag_id, "run_id": run_id, "run_prefix": out, "stages": stage_timing(stage_results),
               "model_version": model["current"], "model_uri": model["model_uri"],
               "predictions": {"uri": predictions.get("uri"), "rows": predictions.get("rows"),
-                              "rows_quarantined": predictions.get("rows_quarantined", 0)}}
+                              "rows_quarantined": predictions.get("rows_quarantined", 0)}, "tasks": tasks or []}
+    report["html_uri"] = write_html(report, out)
     uri = storage.join(out, "report.json")
     storage.write_json(uri, report)
     log.info("report written to %s", uri)
@@ -111,17 +135,43 @@ def latest_report(storage_root: str, dag_id: str) -> str:
     return fs.unstrip_protocol(newest) if "://" in storage_root else newest
 
 
+def report_json_uri(target: str) -> str:
+    """report.json's URI from a run prefix or from the report's own URI."""
+    return target if target.rstrip("/").endswith(".json") else storage.join(target.rstrip("/"), "report.json")
+
+
+def render_html(target: str) -> str:
+    """Render report.html again from a finished run's files (its report.json and what the stages wrote)."""
+    from tasks import report_html
+
+    uri = report_json_uri(target)
+    if not storage.exists(uri):
+        raise UserError(f"{uri} does not exist: give a run prefix (runs/<dag_id>/<run_id>) or its report.json")
+    return report_html.write(storage.read_json(uri), uri.rsplit("/", 1)[0])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Show a run report.")
     sub = parser.add_subparsers(dest="step", required=True)
     p_latest = sub.add_parser("latest", parents=[common_parser()], help="summarise the newest report")
     p_latest.add_argument("--dag-id", default="ml_pipeline")
+    p_html = sub.add_parser("html", help="render report.html again from a finished run's files")
+    p_html.add_argument("run", help="the run prefix (runs/<dag_id>/<run_id> under the storage root) or its report.json")
     args = parser.parse_args(argv)
     setup_logging(quiet=True)
+    if args.step == "html":
+        try:
+            print(f"HTML {render_html(args.run)}")
+        except UserError as exc:
+            raise SystemExit(str(exc)) from None
+        return
     config = load_config(args.config, parse_overrides(args.override))
     uri = latest_report(config.storage_root, args.dag_id)
     for line in summary_lines(storage.read_json(uri)):
         print(line)
+    html = uri.rsplit("/", 1)[0] + "/report.html"
+    if storage.exists(html):
+        print(f"HTML {html}")
     print(f"REPORT {uri}")
 
 

@@ -423,8 +423,32 @@ def write_plots(study: Any, prefix: str) -> list[str]:
     return written
 
 
+def trial_records(study: Any) -> list[dict[str, Any]]:
+    """Every trial as the report draws it: number, outcome, value, per-epoch values, params, worker and times."""
+
+    def when(moment: Any) -> str | None:
+        return moment.isoformat() if moment is not None else None
+
+    return [{"number": t.number, "state": outcome(t), "value": t.value, "intermediate": {str(k): v for k, v in
+             sorted(t.intermediate_values.items())}, "params": t.params, "worker": t.user_attrs.get("worker"),
+             "counted": _counted(t), "error": t.user_attrs.get("error"), "start": when(t.datetime_start),
+             "complete": when(t.datetime_complete)} for t in study.get_trials(deepcopy=False)]
+
+
+def param_importances(study: Any) -> dict[str, float]:
+    """Optuna's fANOVA importances of the params over the completed trials; empty when they cannot be computed."""
+    import optuna
+
+    try:
+        return {k: float(v) for k, v in optuna.importance.get_param_importances(study).items()}
+    except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. fewer than 2 completed trials
+        log.info("param importances skipped: %s", exc)
+        return {}
+
+
 def summarize(config: PipelineConfig, name: str, out: str) -> dict[str, Any]:
-    """Counts by state and the best trial into ``sweep/summary.json``, plots beside it. Fails when nothing completed."""
+    """Counts by state and the best trial into ``sweep/summary.json``, every trial into ``sweep/trials.json`` and plots
+    beside it. Fails when nothing completed."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -450,6 +474,11 @@ def summarize(config: PipelineConfig, name: str, out: str) -> dict[str, Any]:
     best = best_trial(study)
     summary.update({"best_value": best.value, "best_params": best.params, "best_trial": best.number})
     summary["plots"] = write_plots(study, storage.join(out, "sweep", "plots"))
+    summary["importances"] = param_importances(study)
+    trials_uri = storage.join(out, "sweep", "trials.json")  # before summary.json, which commits the sweep's files
+    storage.write_json(trials_uri, {"study_name": name, "metric": config.objective.metric,
+                                    "direction": config.objective.direction, "trials": trial_records(study)})
+    summary["trials_uri"] = trials_uri
     storage.write_json(storage.join(out, "sweep", "summary.json"), summary)
     log.info("sweep %s: %d trials (%d complete, %d pruned, %d failed); best %.4f with %s", name, len(counted),
              counts["COMPLETE"], counts["PRUNED"], counts["FAIL"], best.value, best.params)

@@ -245,6 +245,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         checkpoints = CheckpointStore(prefix, keep_last=config.train.keep_checkpoints)
 
         position, history, previous_batch, resumed_from = Position(), [], None, None
+        resumes: list[dict[str, Any]] = []  # every resume of this stage, for the report's curve (rank 0 writes it)
         found = checkpoints.latest()
         if found and found[1]["config_hash"] == digest:
             uri, state = found
@@ -252,6 +253,8 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             position = Position(**json.loads(state["position"]))
             history, previous_batch = json.loads(state["history"]), state["previous_global_batch"]
             resumed_from = position.step
+            resumes = [*json.loads(state.get("resumes", "[]")),
+                       {"step": position.step, "epoch": position.epoch, "at": time.time()}]
             log.info("stage %s resumes from %s: epoch %d, batch %d, step %d", stage.name, uri, position.epoch + 1,
                      position.micro_step, position.step)
         elif found:
@@ -274,7 +277,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             return {"model": loop.module.state_dict(), "optimizer": optimizer.state_dict(),
                     "position": json.dumps(asdict(loop.position)), "history": json.dumps(history),
                     "global_batch": global_batch, "previous_global_batch": previous_batch, "config_hash": digest,
-                    "params": json.dumps(params), "rng_cpu": torch.get_rng_state()}
+                    "params": json.dumps(params), "rng_cpu": torch.get_rng_state(), "resumes": json.dumps(resumes)}
 
         def on_step(current: Loop) -> None:
             if fault_step is not None and current.position.step == fault_step:
@@ -299,7 +302,8 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                          stage.name, done, stage.epochs, result.train_loss, config.objective.metric, result.val_metric,
                          result.samples_per_s,
                          result.lr, result.steps, eta_s(done - first_epoch, stage.epochs - first_epoch, time.monotonic() - started))
-                storage.write_json(storage.join(prefix, "metrics.json"), {"stage": stage.name, "history": history, "complete": False})
+                storage.write_json(storage.join(prefix, "metrics.json"), {"stage": stage.name, "history": history, "resumes": resumes,
+                                                                          "complete": False})
         final = history[-1] if history else {"val_metric": float("nan"), "val_metrics": {}}
         final_uri = storage.join(prefix, "final.pt")
         result_info = {"stage": stage.name, "world_size": env.world_size, "global_batch": global_batch,
@@ -316,7 +320,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                         {"stage": stage.name, "objective": config.objective.metric, "val_metric": final["val_metric"],
                          "val_metrics": final["val_metrics"]})
             storage.write_json(storage.join(prefix, "metrics.json"),
-                               {**result_info, "params": params, "history": history, "complete": True})
+                               {**result_info, "params": params, "history": history, "resumes": resumes, "complete": True})
             result_info["model_uri"] = model_uri
         return result_info
 

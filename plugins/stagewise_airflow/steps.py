@@ -69,6 +69,33 @@ def _inline(config: PipelineConfig | None, work: Callable[[], Any]) -> Any:
     return result
 
 
+def _record_attempt(context: Any, state: str, ended: bool) -> None:
+    """This attempt's start or end into the run's timeline (tasks.timeline); a storage hiccup never fails the task."""
+    import logging
+
+    from tasks import storage, timeline
+
+    ti = context["ti"]
+    try:
+        config = _cached_config(str(config_path()), "{}")  # the trigger form never changes storage_root
+        out = storage.run_prefix(config.storage_root, context["dag"].dag_id, context["run_id"])
+        start = timeline.iso(ti.start_date) if getattr(ti, "start_date", None) else None
+        with credentials.exported(credentials.aws_environment(config.storage_conn_id)):
+            timeline.record(out, task_id=ti.task_id, map_index=ti.map_index, try_number=ti.try_number, state=state,
+                            start=start, end=timeline.iso() if ended else None)
+    except Exception as exc:  # the timeline is a view of the run, never a reason to fail it
+        logging.getLogger("stagewise.timeline").warning("could not record %s of %s: %s", state, ti.task_id, exc)
+
+
+def timeline_hooks() -> dict[str, Any]:
+    """Operator arguments that record every attempt. Success is recorded in post_execute, before Airflow reports it,
+    so a downstream report never sees an upstream attempt still "running"."""
+    return {"pre_execute": lambda context: _record_attempt(context, "running", ended=False),
+            "post_execute": lambda context, result=None: _record_attempt(context, "success", ended=True),
+            "on_retry_callback": lambda context: _record_attempt(context, "up_for_retry", ended=True),
+            "on_failure_callback": lambda context: _record_attempt(context, "failed", ended=True)}
+
+
 def start_run(mode: str = "pipeline") -> dict[str, Any]:
     """Validate the config with the trigger form's values once, and fix the run's storage prefix.
 
@@ -277,22 +304,25 @@ def commit_predictions(run: dict[str, Any], model: dict[str, Any], scored: Seque
 def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, transformed: Sequence[dict], prepared: dict,
                  workers: Sequence[dict], swept: dict, trained: list[dict], evaluation: dict, registered: dict,
                  gated: dict, scored: Sequence[dict], predictions: dict) -> dict[str, Any]:
-    from tasks import report
+    from tasks import report, timeline
 
+    config = run_config(run)
     stage_results = {"preprocess": [*_all(stats), reduced, *_all(transformed), prepared], "sweep": [*_all(workers), swept]}
     stage_results.update({f"train_{result['stage']}": [result] for result in trained})
     stage_results.update({"evaluate": [evaluation], "registry": [registered, gated], "inference": [*_all(scored), predictions]})
-    return _inline(run_config(run), lambda: report.build_report(
+    gate_keys = ("model_name", "promoted", "reason", "current", "previous", "metric", "direction", "margin",
+                 "candidate_value", "incumbent_value")
+    return _inline(config, lambda: report.build_report(
         dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], stage_results=stage_results, preprocess=prepared,
         sweep=swept, training=list(trained), evaluation=evaluation, predictions=predictions,
-        registry={"model_name": gated.get("model_name"), "version": registered["version"], "promoted": gated["promoted"],
-                  "reason": gated["reason"],
-                  "current": gated["current"]}))
+        registry={**{key: gated.get(key) for key in gate_keys}, "version": registered["version"]},
+        direction=config.objective.direction, tasks=timeline.records(run["out"])))
 
 
 def write_inference_report(run: dict[str, Any], model: dict[str, Any], scored: Sequence[dict], predictions: dict) -> dict[str, Any]:
-    from tasks import report
+    from tasks import report, timeline
 
     return _inline(run_config(run), lambda: report.build_inference_report(
         dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], model=model,
-        stage_results={"inference": [*_all(scored), predictions]}, predictions=predictions))
+        stage_results={"inference": [*_all(scored), predictions]}, predictions=predictions,
+        tasks=timeline.records(run["out"])))

@@ -23,7 +23,8 @@ INFERENCE_SHARD_NAME = ("{% set shard = task.op_kwargs['shard'] %}{% set groups 
 
 
 def knobs(config: PipelineConfig, profile: str) -> dict[str, Any]:
-    return task_kwargs(config.profile(profile))
+    """The profile's Airflow knobs, plus the hooks that record each attempt for the run's task timeline."""
+    return {**task_kwargs(config.profile(profile)), **steps.timeline_hooks()}
 
 
 RAW_DATA_ASSET_PREFIX = "stagewise_raw_data"

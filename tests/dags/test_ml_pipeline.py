@@ -116,3 +116,23 @@ def test_out_of_bounds_conf_is_refused_naming_the_param(airflow_env):
     result = airflow(airflow_env, "dags", "test", "ml_pipeline", "-c", json.dumps({"num_trials": 0}), check=False)
     assert result.returncode != 0
     assert "num_trials" in result.stdout + result.stderr
+
+
+def test_report_lists_every_task_attempt_and_writes_its_page(report):
+    """report.json's tasks hold every task of the run (mapped ones per map index) with a start and, but for the report
+    task itself, an end and a success; report.html sits beside report.json and draws them."""
+    tasks = report["tasks"]
+    ids = {t["task_id"] for t in tasks}
+    assert ids >= {"start_run", "plan_shards", "preprocess_stats", "reduce_stats", "preprocess_transform", "create_study",
+                   "sweep_worker", "sweep_summary", "train_s1", "train_s2", "evaluate", "register_model", "gate_model",
+                   "plan_inference", "infer_shard", "commit_predictions", "report"}
+    assert sorted(t["map_index"] for t in tasks if t["task_id"] == "sweep_worker") == [0, 1]
+    for entry in tasks:
+        assert entry["start"] and entry["try_number"] >= 1
+        if entry["task_id"] != "report":
+            assert entry["state"] == "success" and entry["end"] >= entry["start"], entry
+    page = Path(report["html_uri"])
+    assert page.parent == Path(report["run_prefix"]) and page.name == "report.html"
+    text = page.read_text()
+    for figure in ("fig-training", "fig-sweep", "fig-timeline", "fig-data"):
+        assert f'data-figure="{figure}"' in text

@@ -31,3 +31,8 @@ def test_ml_pipeline_runs_on_s3_without_leaking_credentials(s3_endpoint, tmp_pat
     secret = s3_endpoint["AWS_SECRET_ACCESS_KEY"]
     assert secret not in result.stdout + result.stderr, "the secret key reached the logs"
     assert secret not in json.dumps(report)
+    # report.html is beside report.json on S3, with every task attempt the timeline hooks recorded through s3fs.
+    assert report["html_uri"] == "s3://" + reports[0].rsplit("/", 1)[0] + "/report.html"
+    page = fs.cat(report["html_uri"]).decode()
+    assert 'data-figure="fig-timeline"' in page and secret not in page
+    assert {t["task_id"] for t in report["tasks"]} >= {"start_run", "sweep_worker", "train_s1", "train_s2", "report"}

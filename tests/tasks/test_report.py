@@ -91,11 +91,11 @@ def test_a_regression_report_is_driven_by_its_objective_and_shows_the_baseline(t
     reported and the summary prints the baseline beside the model's test RMSE."""
     inputs = {**_inputs(str(tmp_path)),
               "evaluation": {"test_rmse": 55.5, "test_mae": 44.0, "test_baseline_rmse": 77.25, "test_loss": 0.5,
-                             "test_objective": 55.5, "objective": "rmse"}}
+                             "test_objective": 55.5, "objective": "rmse"}, "direction": "minimize"}
     result = build_report(**inputs)
     report = storage.read_json(result["report_uri"])
     assert "test_accuracy" not in report and result["test_accuracy"] is None
-    assert report["objective"] == {"metric": "rmse", "test": 55.5}
+    assert report["objective"] == {"metric": "rmse", "direction": "minimize", "test": 55.5}
     assert report["baseline"]["test_rmse"] == 77.25 and report["test_metrics"]["test_baseline_rmse"] == 77.25
     text = "\n".join(summary_lines(report))
     assert "test rmse: 55.5000" in text and "test rmse 77.2500 vs the model's 55.5000" in text

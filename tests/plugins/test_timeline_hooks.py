@@ -1,0 +1,50 @@
+"""The operator hooks that record each task attempt for the run's timeline (stagewise_airflow.steps.timeline_hooks)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from types import SimpleNamespace
+
+import pytest
+
+from stagewise_airflow import steps
+from tasks import storage, timeline
+
+
+def _context(task_id: str, map_index: int, try_number: int) -> dict:
+    start = dt.datetime(2026, 1, 1, 10, 0, tzinfo=dt.UTC)
+    ti = SimpleNamespace(task_id=task_id, map_index=map_index, try_number=try_number, start_date=start)
+    return {"ti": ti, "dag": SimpleNamespace(dag_id="ml_pipeline"), "run_id": "manual__2026-01-01T10:00:00+00:00"}
+
+
+@pytest.fixture
+def configured(write_config, storage_root, monkeypatch):
+    monkeypatch.setenv("STAGEWISE_CONFIG", str(write_config()))
+    steps._cached_config.cache_clear()
+    yield storage.run_prefix(str(storage_root), "ml_pipeline", "manual__2026-01-01T10:00:00+00:00")
+    steps._cached_config.cache_clear()
+
+
+def test_hooks_record_the_start_then_the_outcome_under_the_run_prefix(configured):
+    """pre_execute writes a running record with the TI's start; post_execute / on_retry_callback close it with an end."""
+    hooks = steps.timeline_hooks()
+    hooks["pre_execute"](_context("preprocess_stats", 2, 1))
+    assert [(r["task_id"], r["map_index"], r["state"], r["end"]) for r in timeline.records(configured)] == [
+        ("preprocess_stats", 2, "running", None)]
+    hooks["on_retry_callback"](_context("preprocess_stats", 2, 1))
+    hooks["pre_execute"](_context("preprocess_stats", 2, 2))
+    hooks["post_execute"](_context("preprocess_stats", 2, 2), {"rows": 1})
+    found = timeline.records(configured)
+    assert [(r["try_number"], r["state"]) for r in found] == [(1, "up_for_retry"), (2, "success")]
+    assert all(r["start"] == "2026-01-01T10:00:00+00:00" and r["end"] > r["start"] for r in found)
+    assert set(steps.timeline_hooks()) == {"pre_execute", "post_execute", "on_retry_callback", "on_failure_callback"}
+
+
+def test_a_failing_record_never_fails_the_task(configured, monkeypatch, caplog):
+    """Storage trouble while recording is a warning in the task log, not an exception out of the hook."""
+    def broken(*args, **kwargs):
+        raise OSError("bucket unreachable")
+
+    monkeypatch.setattr(timeline, "record", broken)
+    steps.timeline_hooks()["on_failure_callback"](_context("train_s1", -1, 1))
+    assert "could not record failed of train_s1: bucket unreachable" in caplog.text

@@ -1,0 +1,366 @@
+"""report.html rendered from a finished run's files alone (no Airflow): every section's figure carries the run's own
+numbers, the objective follows the config, nothing is fetched from outside, and an s3:// root works."""
+
+from __future__ import annotations
+
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tasks import report, storage, timeline
+from tests.conftest import base_config, preprocess_digits
+
+CHECKPOINT_EVERY = 10
+FIGURE = re.compile(r'<script type="application/json" data-figure="([^"]+)">(.*?)</script>', re.S)
+
+
+def figures(page: str) -> dict[str, dict]:
+    """The page's figures by div id, parsed back from the JSON blocks the page draws."""
+    found = {name: json.loads(text) for name, text in FIGURE.findall(page)}
+    for name in found:
+        assert f'<div id="{name}" class="plot"></div>' in page, f"{name} has no div to draw in"
+    return found
+
+
+def traces_by_state(figure: dict) -> dict[str, dict]:
+    return {trace["meta"]["state"]: trace for trace in figure["data"] if isinstance(trace.get("meta"), dict)}
+
+
+class _Refs(HTMLParser):
+    """Every URL a browser would fetch on its own: src/href attributes and CSS url(...) in style."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urls: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.urls += [value for name, value in attrs if name in ("src", "href", "data", "srcset") and value]
+        self.urls += [f"{tag}:{name}" for name, value in attrs if tag == "link" and name == "rel"]
+
+
+def outside_references(page: str) -> list[str]:
+    # The figure JSON and plotly.js sit in script bodies, which the parser leaves alone: what remains is markup.
+    parser = _Refs()
+    parser.feed(page)
+    refs = [url for url in parser.urls if re.match(r"(https?:)?//", url) or url.startswith("link:")]
+    return refs + re.findall(r"url\(\s*['\"]?(?:https?:)?//[^)]*\)", page) + re.findall(r"@import", page)
+
+
+def _crash_second_epoch_once(monkeypatch):
+    """Loop.train_epoch raises at the start of the stage's second epoch, once: the first attempt dies mid-stage."""
+    from tasks.training import loop as loop_module
+
+    original, calls = loop_module.Loop.train_epoch, {"n": 0}
+
+    def flaky(self, lr_at, on_step=None):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("worker lost")
+        return original(self, lr_at, on_step)
+
+    monkeypatch.setattr(loop_module.Loop, "train_epoch", flaky)
+    return lambda: monkeypatch.setattr(loop_module.Loop, "train_epoch", original)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A run built by the real sub-job functions in this process: preprocess, a sweep (study + summary), two training
+    stages whose first dies once and resumes, evaluation, the registry gate against an earlier current model, the
+    task timeline, then the report step. Returns (report dict, run prefix, sweep summary, metrics by stage)."""
+    import optuna
+
+    from tasks import evaluate, registry, sweep
+    from tasks.config import load_config
+    from tasks.train import run_stage
+
+    monkeypatch = pytest.MonkeyPatch()
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    root = tmp_path_factory.mktemp("html") / "storage"
+    root.mkdir()
+    raw = base_config(root)
+    raw["train"]["checkpoint_every_steps"] = CHECKPOINT_EVERY
+    config_path = root.parent / "pipeline.yaml"
+    config_path.write_text(yaml.safe_dump(raw))
+    config = load_config(config_path)
+    out = str(root / "runs" / "ml_pipeline" / "r1")
+    prepared = preprocess_digits(config_path, out)
+
+    name = "ml_pipeline__r1"
+    sweep.create(config, name)
+    study = optuna.load_study(study_name=name, storage=sweep.open_storage(config.sweep.storage))
+    for number, (state, values) in enumerate([("COMPLETE", [0.8, 0.9, 0.93]), ("PRUNED", [0.3]), ("COMPLETE", [0.7, 0.85, 0.9]),
+                                              ("PRUNED", [0.2, 0.4]), ("FAIL", []), ("COMPLETE", [0.5, 0.6, 0.7])]):
+        trial = study.ask()
+        trial.set_user_attr("worker", number % 2)
+        sweep.suggest(trial, config.sweep)
+        for epoch, value in enumerate(values, start=1):
+            trial.report(value, epoch)
+        trial.set_user_attr("steps", 0 if state == "FAIL" else 30)
+        study.tell(trial, values[-1] if state == "COMPLETE" else None, state=optuna.trial.TrialState[state])
+    swept = sweep.summarize(config, name, out)
+
+    restore = _crash_second_epoch_once(monkeypatch)
+    with pytest.raises(RuntimeError, match="worker lost"):
+        run_stage(config, "s1", out, swept["best_params"], None)
+    restore()
+    first = run_stage(config, "s1", out, swept["best_params"], None)  # the retry resumes from its checkpoint
+    second = run_stage(config, "s2", out, swept["best_params"], first["checkpoint_uri"])
+    trained = [first, second]
+
+    def registered(stage: dict) -> dict:
+        evaluation = evaluate.evaluate(config, stage["model_uri"], out)
+        card = registry.model_card(config, trained=stage, evaluation=evaluation, best_params=swept["best_params"],
+                                   study=name, source_run="ml_pipeline/r1",
+                                   manifest_uri=storage.join(out, "preprocess", "manifest.json"))
+        return evaluation, registry.register(config.storage_root, config.registry.model_name, stage["model_uri"], card)
+
+    _, incumbent = registered(first)
+    registry.gate_new_version(config, incumbent["version"])  # an earlier run's model is current
+    evaluation, candidate = registered(second)
+    gated = registry.gate_new_version(config, candidate["version"])
+
+    attempts = [("start_run", -1, 1, "success", "2026-01-01T10:00:00+00:00", "2026-01-01T10:00:01+00:00"),
+                ("preprocess_stats", 0, 1, "success", "2026-01-01T10:00:02+00:00", "2026-01-01T10:00:05+00:00"),
+                ("preprocess_stats", 1, 1, "up_for_retry", "2026-01-01T10:00:02+00:00", "2026-01-01T10:00:04+00:00"),
+                ("preprocess_stats", 1, 2, "success", "2026-01-01T10:00:08+00:00", "2026-01-01T10:00:11+00:00"),
+                ("train_s1", -1, 1, "up_for_retry", "2026-01-01T10:01:00+00:00", "2026-01-01T10:01:30+00:00"),
+                ("train_s1", -1, 2, "success", "2026-01-01T10:01:35+00:00", "2026-01-01T10:02:00+00:00"),
+                ("report", -1, 1, "running", "2026-01-01T10:03:00+00:00", None)]
+    for task_id, map_index, try_number, state, start, end in attempts:
+        timeline.record(out, task_id=task_id, map_index=map_index, try_number=try_number, state=state, start=start, end=end)
+
+    result = report.build_report(
+        dag_id="ml_pipeline", run_id="manual__2026-01-01T10:00:00+00:00", out=out,
+        stage_results={"train_s1": [{**first, "attempt": 2}], "train_s2": [second]}, preprocess=prepared, sweep=swept,
+        training=trained, evaluation=evaluation, predictions={"uri": f"{out}/predictions/manifest.json", "rows": 1797,
+                                                              "rows_quarantined": 3, "model_version": gated["current"]},
+        registry={**gated, "version": candidate["version"]}, direction=config.objective.direction,
+        tasks=timeline.records(out))
+    metrics = {s["stage"]: storage.read_json(storage.join(out, "train", s["stage"], "metrics.json")) for s in trained}
+    yield storage.read_json(result["report_uri"]), out, swept, metrics
+    monkeypatch.undo()
+
+
+def test_report_step_writes_the_page_beside_report_json(finished_run):
+    """report.html sits at runs/<dag_id>/<run_id>/report.html and report.json points at it."""
+    written, out, _, _ = finished_run
+    assert written["html_uri"] == storage.join(out, "report.html")
+    assert Path(written["html_uri"]).stat().st_size > 1_000_000, "plotly.js must be embedded, not linked"
+
+
+def test_training_curve_spans_every_stage_with_marked_boundaries_and_the_resume(finished_run):
+    """One annotation and line per stage at its first global step (global batch, lr, world size in the label), an
+    epoch point per recorded history entry, and a resume marker where the retried stage picked up its checkpoint."""
+    written, out, _, metrics = finished_run
+    figure = figures(Path(out, "report.html").read_text())["fig-training"]
+    stages = written["training"]
+    labels = [a for a in figure["layout"]["annotations"] if a.get("name", "").startswith("stage:")]
+    assert [a["name"] for a in labels] == [f"stage:{s['stage']}" for s in stages]
+    offsets = [0, metrics["s1"]["history"][-1]["steps"]]
+    assert [a["x"] for a in labels] == offsets
+    for label, stage in zip(labels, stages):
+        assert f"global batch {stage['global_batch']}" in label["text"] and f"world size {stage['world_size']}" in label["text"]
+        assert f"lr {stage['lr']:.4g}" in label["text"]
+    assert "attempt 2" in labels[0]["text"] and "attempt" not in labels[1]["text"]
+    loss, objective, resumed = figure["data"][:3]
+    epochs = sum(len(m["history"]) for m in metrics.values())
+    assert len(loss["x"]) == len(objective["x"]) == epochs
+    assert loss["x"] == sorted(loss["x"]) and loss["x"][-1] == offsets[1] + metrics["s2"]["history"][-1]["steps"]
+    assert objective["y"][-1] == pytest.approx(metrics["s2"]["history"][-1]["val_metric"])
+    assert "accuracy" in objective["name"] and "higher is better" in figure["layout"]["yaxis2"]["title"]["text"]
+    resumes = metrics["s1"]["resumes"]
+    assert len(resumes) == 1 and 0 < resumes[0]["step"] <= metrics["s1"]["history"][0]["steps"]
+    assert resumed["x"] == [resumes[0]["step"]] and "resumed" in resumed["name"]
+    assert not metrics["s2"]["resumes"]
+
+
+def test_sweep_figure_counts_each_outcome_as_the_summary_does(finished_run):
+    """Complete, pruned and failed trials are separate traces whose point counts match sweep/summary.json; the best
+    params and the importances are on the page."""
+    written, out, swept, _ = finished_run
+    page = Path(out, "report.html").read_text()
+    found = figures(page)
+    by_state = traces_by_state(found["fig-sweep"])
+    counts = {state: len(by_state[state]["x"]) for state in ("COMPLETE", "PRUNED", "FAIL")}
+    assert counts == {"COMPLETE": swept["n_complete"], "PRUNED": swept["n_pruned"], "FAIL": swept["n_failed"]}
+    assert counts == {"COMPLETE": 3, "PRUNED": 2, "FAIL": 1}
+    colours = {by_state[state]["marker"]["color"] for state in counts}
+    assert len(colours) == 3, "each outcome has its own colour"
+    assert max(by_state["COMPLETE"]["y"]) == pytest.approx(swept["best_value"])
+    for param, value in swept["best_params"].items():
+        assert f"<th>{param}</th><td class=num>{value if not isinstance(value, float) else f'{value:.4g}'}</td>" in page
+    importance = found["fig-importance"]["data"][0]
+    assert set(importance["y"]) == set(swept["importances"]) and swept["importances"]
+
+
+def test_timeline_has_a_lane_per_mapped_task_and_a_bar_per_attempt(finished_run):
+    """Mapped tasks get one lane per map index; a retried task shows both tries, each coloured by its outcome."""
+    written, out, _, _ = finished_run
+    figure = figures(Path(out, "report.html").read_text())["fig-timeline"]
+    lanes = figure["layout"]["yaxis"]["categoryarray"]
+    assert lanes == ["start_run", "preprocess_stats[0]", "preprocess_stats[1]", "train_s1", "report"]
+    by_state = traces_by_state(figure)
+    bars = [(lane, text, state) for state, trace in by_state.items() for lane, text in zip(trace["y"], trace["text"])]
+    assert len(bars) == len(written["tasks"]) == 7
+    assert ("preprocess_stats[1]", "try 1", "up_for_retry") in bars and ("preprocess_stats[1]", "try 2", "success") in bars
+    assert ("train_s1", "try 1", "up_for_retry") in bars and ("report", "try 1", "running") in bars
+    assert {t["task_id"] for t in written["tasks"]} >= {"start_run", "preprocess_stats", "train_s1", "report"}
+
+
+def test_data_counts_test_metrics_and_the_gate_against_the_current_model(finished_run):
+    """Rows by split and set aside come from the manifest and the predictions; the gate shows both models' metric."""
+    written, out, _, _ = finished_run
+    page = Path(out, "report.html").read_text()
+    kept, aside = figures(page)["fig-data"]["data"]
+    rows = storage.read_json(storage.join(out, "preprocess", "manifest.json"))["rows"]
+    assert dict(zip(kept["x"], kept["y"])) == rows
+    assert aside["y"] == [written["data"]["rows_dropped"], 3]
+    gate = written["registry"]
+    assert gate["previous"] and gate["incumbent_value"] is not None and gate["candidate_value"] is not None
+    assert f"<td class=num>{gate['previous']}</td>" in page and f"{gate['incumbent_value']:.4g}" in page
+    assert "Gate on test_accuracy (maximize" in page
+    assert f"<tr class=highlight><th>test_accuracy</th><td class=num>{written['test_metrics']['test_accuracy']:.4g}" in page
+    assert f"dag_id <b>ml_pipeline</b> · run_id <b>{written['run_id']}</b>" in page
+
+
+def test_page_fetches_nothing_from_outside(finished_run):
+    """No src/href/url() to another host and no <link>: plotly.js is inline, once, and so are the figures."""
+    _, out, _, _ = finished_run
+    page = Path(out, "report.html").read_text()
+    assert outside_references(page) == []
+    assert page.count("<script") == page.count("</script>")
+    assert len(re.findall(r"Plotly\.newPlot", page)) >= 1
+    assert sum(1 for _ in re.finditer(r"<script type=\"text/javascript\">", page)) == 2, "plotly.js once, the drawer once"
+    assert outside_references('<link rel="stylesheet" href="https://cdn.example.org/x.css">'), "the check must bite"
+    assert outside_references('<script src="//cdn.example.org/plotly.js"></script>')
+
+
+def test_html_command_renders_the_page_again_from_the_files(finished_run, capsys):
+    """`python -m tasks.report html <run prefix>` rewrites report.html from report.json and the stages' files."""
+    _, out, _, _ = finished_run
+    page = Path(out, "report.html")
+    before = figures(page.read_text())
+    page.unlink()
+    report.main(["html", out])
+    assert capsys.readouterr().out.strip() == f"HTML {page}"
+    again = figures(page.read_text())
+    assert again.keys() == before.keys()
+    assert again["fig-training"]["data"] == before["fig-training"]["data"]
+    with pytest.raises(SystemExit, match="does not exist"):
+        report.main(["html", str(Path(out).parent / "no-such-run")])
+
+
+def _regression_run(out: str) -> dict:
+    """A minimised-rmse run's files as the stages write them: each stage's metrics.json and the sweep's trials.json
+    (tasks.sweep.trial_records over a real study); returns build_report's inputs."""
+    import optuna
+
+    from tasks.sweep import trial_records
+
+    study = optuna.create_study(direction="minimize")
+    for values, state in (([80.0, 70.0], "COMPLETE"), ([90.0], "PRUNED"), ([75.0, 60.0], "COMPLETE"), ([65.0, 62.0], "COMPLETE")):
+        trial = study.ask()
+        trial.suggest_float("lr", 0.001, 0.1, log=True)
+        for epoch, value in enumerate(values, start=1):
+            trial.report(value, epoch)
+        study.tell(trial, values[-1] if state == "COMPLETE" else None, state=optuna.trial.TrialState[state])
+    storage.write_json(storage.join(out, "sweep", "trials.json"),
+                       {"metric": "rmse", "direction": "minimize", "trials": trial_records(study)})
+    training = []
+    for stage, batch, steps in (("s1", 32, 10), ("s2", 128, 3)):
+        history = [{"epoch": e, "train_loss": 1.0 / (e + 1), "val_metric": 70.0 - e, "val_metrics": {"rmse": 70.0 - e},
+                    "samples_per_s": 100.0, "lr": 0.01, "steps": steps * (e + 1)} for e in range(2)]
+        storage.write_json(storage.join(out, "train", stage, "metrics.json"),
+                           {"stage": stage, "history": history, "resumes": [], "complete": True})
+        training.append({"stage": stage, "world_size": 1, "global_batch": batch, "lr": 0.01, "epochs": 2,
+                         "steps": 2 * steps, "val_metric": 69.0})
+    timeline.record(out, task_id="train_s1", map_index=-1, try_number=1, state="success",
+                    start="2026-01-01T10:00:00+00:00", end="2026-01-01T10:00:09+00:00")
+    return dict(dag_id="regression", run_id="r2", out=out, stage_results={}, direction="minimize",
+                preprocess={"rows": {"train": 300, "validation": 60, "test": 82}, "rows_dropped": 0},
+                sweep={"n_trials": 4, "n_complete": 3, "n_pruned": 1, "n_failed": 0, "best_value": 60.0,
+                       "best_params": {"lr": 0.01}}, training=training,
+                evaluation={"test_rmse": 55.5, "test_mae": 44.0, "test_objective": 55.5, "objective": "rmse"},
+                predictions={"uri": None, "rows": 0}, registry={}, tasks=timeline.records(out))
+
+
+def test_a_regressor_page_shows_rmse_minimised_not_accuracy(tmp_path):
+    """With objective rmse / minimize the curves, the sweep and the tables name rmse and 'lower is better', the best-so-far
+    line only goes down, and accuracy appears nowhere on the page."""
+    out = str(tmp_path / "runs" / "regression" / "r2")
+    written = storage.read_json(report.build_report(**_regression_run(out))["report_uri"])
+    page = Path(written["html_uri"]).read_text()
+    found = figures(page)
+    training, sweep_figure = found["fig-training"], found["fig-sweep"]
+    assert "rmse" in training["data"][1]["name"] and "lower is better" in training["layout"]["yaxis2"]["title"]["text"]
+    assert "rmse" in sweep_figure["layout"]["yaxis"]["title"]["text"] and "minimize" in sweep_figure["layout"]["title"]["text"]
+    best = next(t for t in sweep_figure["data"] if t["name"] == "best so far")["y"]
+    assert best == sorted(best, reverse=True) and best[-1] == 60.0
+    assert {s: len(t["x"]) for s, t in traces_by_state(sweep_figure).items()} == {"COMPLETE": 3, "PRUNED": 1, "FAIL": 0}
+    assert "<tr class=highlight><th>test_rmse</th>" in page
+    body = page.split("</head>", 1)[1]
+    assert "accuracy" not in body.replace(json.dumps(written["run_id"]), "")
+    assert [a["x"] for a in training["layout"]["annotations"]] == [0, 20]
+
+
+def test_report_under_an_s3_root(s3_endpoint, monkeypatch, tmp_path):
+    """On s3:// (moto) the report step puts report.html beside report.json, the timeline is listed from the bucket,
+    and the html command renders the page again from the bucket alone."""
+    import uuid
+
+    import s3fs
+
+    for key, value in s3_endpoint.items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    bucket = f"report-{uuid.uuid4().hex[:10]}"
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint["AWS_ENDPOINT_URL"]}, skip_instance_cache=True).mkdir(bucket)
+    out = f"s3://{bucket}/runs/regression/r2"
+    inputs = _regression_run(out)
+    assert [t["task_id"] for t in inputs["tasks"]] == ["train_s1"], "timeline records are listed from the bucket"
+    result = report.build_report(**inputs)
+    assert result["html_uri"] == f"{out}/report.html"
+    fs, path = storage.filesystem(result["html_uri"])
+    first = fs.cat_file(path).decode()
+    assert set(figures(first)) >= {"fig-training", "fig-sweep", "fig-timeline", "fig-data"}
+    fs.rm_file(path)
+    assert report.render_html(out) == result["html_uri"]
+    again = fs.cat_file(path).decode()
+    assert figures(again)["fig-training"] == figures(first)["fig-training"]
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_latest_prints_where_the_page_is_before_the_report(write_config, storage_root, capsys):
+    """`python -m tasks.report latest` (make demo's last step) names report.html, then report.json on the last line."""
+    out = str(storage_root / "runs" / "ml_pipeline" / "r2")
+    written = report.build_report(**{**_regression_run(out), "dag_id": "ml_pipeline"})
+    report.main(["latest", "--config", str(write_config())])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2:] == [f"HTML {written['html_uri']}", f"REPORT {written['report_uri']}"]
+
+
+def test_a_batch_inference_run_gets_a_page_of_its_scoring_and_timeline(tmp_path):
+    """build_inference_report writes report.html too: the model and rows it scored and its task timeline, with no
+    training, sweep or gate section (that run has none)."""
+    out = str(tmp_path / "runs" / "batch_inference" / "r3")
+    timeline.record(out, task_id="infer_shard", map_index=0, try_number=1, state="success",
+                    start="2026-01-01T10:00:00+00:00", end="2026-01-01T10:00:04+00:00")
+    timeline.record(out, task_id="infer_shard", map_index=1, try_number=1, state="success",
+                    start="2026-01-01T10:00:01+00:00", end="2026-01-01T10:00:05+00:00")
+    result = report.build_inference_report(
+        dag_id="batch_inference", run_id="r3", out=out, model={"current": "m-123", "model_uri": "models/x/model.pt"},
+        stage_results={}, predictions={"uri": f"{out}/predictions/manifest.json", "rows": 900, "rows_quarantined": 7},
+        tasks=timeline.records(out))
+    written = storage.read_json(result["report_uri"])
+    page = Path(written["html_uri"]).read_text()
+    found = figures(page)
+    assert set(found) == {"fig-timeline"}
+    assert found["fig-timeline"]["layout"]["yaxis"]["categoryarray"] == ["infer_shard[0]", "infer_shard[1]"]
+    assert "scored 900 rows with model m-123, 7 quarantined" in page
+    assert 'id="training"' not in page and 'id="sweep"' not in page and "Gate on" not in page
+    assert outside_references(page) == []
