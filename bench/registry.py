@@ -10,13 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bench import dag_parse, inference, multinode, preprocess, s3, sweep, training
+from bench import dag_parse, engines, inference, multinode, preprocess, s3, sweep, training
 
 Benchmark = Callable[..., dict[str, Any]]
 
 BENCHMARKS: dict[str, tuple[Benchmark, str]] = {
     "preprocess_vs_pandas": (preprocess.preprocess_vs_pandas, ">= 1.5"),
     "preprocess_vs_pyarrow": (preprocess.preprocess_vs_pyarrow, ">= 0.75"),
+    "preprocess_vs_polars": (engines.preprocess_vs_polars, ">= 1.0"),
+    "preprocess_vs_duckdb": (engines.preprocess_vs_duckdb, ">= 1.0"),
     "dag_parse": (dag_parse.dag_parse, "<= 1.5"),
     "train_throughput": (training.train_throughput, ">= 0.95"),
     "custom_model_throughput": (training.custom_model_throughput, ">= 0.95"),
