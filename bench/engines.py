@@ -2,7 +2,7 @@
 
 Run: ``python -m bench --only preprocess_vs_polars,preprocess_vs_duckdb [--rows N]`` (needs
 bench/requirements.txt, which ``make bench`` installs). One engine run alone, e.g. to profile it:
-``python -m bench.engines polars --raw DIR --out DIR --threads 2``.
+``python -m bench.engines polars --raw DIR --out DIR --threads 2 --salt N --validation F --test F``.
 
 The work is the one of bench/preprocess.py, written as an expert in each engine would: read the
 raw files, validate the schema (key and label present, numeric features, integer label), drop rows
@@ -10,7 +10,8 @@ with a null/non-finite feature or a null label/key, statistics over the clean ro
 sample std, min, max per feature; label range; key uniqueness, which our stage also checks),
 normalise to float32 with the data set's mean/std, split by our rule (splitmix64 of the key xor the
 salted hash, same fractions, so every split holds the same rows as ours), and write each split as
-Parquet. Each engine run is a fresh process with its thread count fixed before import (Polars reads
+Parquet (uncompressed, as our stage writes its float bytes: random floats barely compress). Each
+engine run is a fresh process with its thread count fixed before import (Polars reads
 POLARS_MAX_THREADS once); its time runs from its first read to its last write, imports excluded.
 """
 
@@ -20,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -56,16 +58,16 @@ def _check_stats(stats: dict[str, Any], rows_in: int) -> None:
         raise ValueError("more than half the rows are dirty")
 
 
-def run_polars(raw_dir: str, out: str, rule: tuple[int, float, float]) -> tuple[dict[str, float], dict[str, int]]:
+def run_polars(raw_dir: str, out: str, rule: tuple[int, float, float]) -> tuple[dict[str, float], dict[str, int], float]:
     """The work in Polars' lazy API: one streaming aggregate for the statistics, one streaming sink per split.
 
-    Returns (seconds per phase, rows per split).
+    Returns (seconds per phase, rows per split, CPU seconds of all its threads).
     """
     import polars as pl
 
     salt, validation, test = rule
     seconds: dict[str, float] = {}
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     raw = pl.scan_parquet(f"{raw_dir}/*.parquet")
     schema = raw.collect_schema()
     features = [name for name in schema.names() if name.startswith(PREFIX)]
@@ -108,19 +110,20 @@ def run_polars(raw_dir: str, out: str, rule: tuple[int, float, float]) -> tuple[
              for code, name in enumerate(("train", "validation", "test"))]
     pl.collect_all(sinks, engine="streaming")
     seconds["write"] = time.perf_counter() - started - seconds["validate"] - seconds["stats"]
+    cpu = time.process_time() - cpu_started
     rows = {name: pl.scan_parquet(f"{out}/{name}.parquet").select(pl.len()).collect().item()
             for name in ("train", "validation", "test")}  # after the clock: the sanity check, not the work
-    return seconds, rows
+    return seconds, rows, cpu
 
 
-def run_duckdb(raw_dir: str, out: str, rule: tuple[int, float, float], threads: int) -> tuple[dict[str, float], dict[str, int]]:
-    """The work in DuckDB SQL: a view over the files, one aggregate query for the statistics, one COPY ... TO parquet
-    per split. Returns (seconds per phase, rows per split)."""
+def run_duckdb(raw_dir: str, out: str, rule: tuple[int, float, float], threads: int) -> tuple[dict[str, float], dict[str, int], float]:
+    """The work in DuckDB SQL: a view over the files, one aggregate query for the statistics, one partitioned
+    COPY ... TO parquet for the three splits. Returns (seconds per phase, rows per split, CPU seconds of all its threads)."""
     import duckdb
 
     salt, validation, test = rule
     seconds: dict[str, float] = {}
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     con = duckdb.connect()
     con.execute(f"SET threads = {threads}")
     con.execute("SET preserve_insertion_order = false")  # lets COPY write from every thread without reordering
@@ -158,16 +161,18 @@ def run_duckdb(raw_dir: str, out: str, rule: tuple[int, float, float], threads: 
              h2 AS (SELECT * REPLACE (mul64(xor(z, z >> 27), {_MIX2}) AS z) FROM h1),
              h3 AS (SELECT *, (xor(z, z >> 31) >> 11)::DOUBLE * {1.0 / (1 << 53)!r} AS unit FROM h2)
         SELECT {KEY}, {LABEL}, {", ".join(columns)},
-               CASE WHEN unit < {test!r} THEN 2 WHEN unit < {test + validation!r} THEN 1 ELSE 0 END::TINYINT AS split
+               CASE WHEN unit < {test!r} THEN 'test' WHEN unit < {test + validation!r} THEN 'validation'
+                    ELSE 'train' END AS split
         FROM h3""")
-    os.makedirs(out, exist_ok=True)
-    rows = {}
-    for code, name in enumerate(("train", "validation", "test")):
-        rows[name] = con.execute(f"COPY (SELECT * EXCLUDE (split) FROM normalised WHERE split = {code}) "
-                                 f"TO '{out}/{name}.parquet' (FORMAT parquet, COMPRESSION uncompressed)").fetchone()[0]
+    # One pass: PARTITION_BY streams each split's rows into its own folder (split=train/...), the column left out.
+    con.execute(f"COPY normalised TO '{out}' (FORMAT parquet, PARTITION_BY (split), COMPRESSION uncompressed)")
     seconds["write"] = time.perf_counter() - started - seconds["validate"] - seconds["stats"]
+    cpu = time.process_time() - cpu_started
+    counted = con.execute(f"SELECT split, count(*) FROM read_parquet('{out}/*/*.parquet', hive_partitioning = true) "
+                          "GROUP BY split").fetchall()  # after the clock: the sanity check, not the work
+    rows = dict(counted)
     con.close()
-    return seconds, rows
+    return seconds, rows, cpu
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -182,14 +187,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rule = (args.salt, args.validation, args.test)
     if args.engine == "polars":
-        seconds, rows = run_polars(args.raw, args.out, rule)
+        seconds, rows, cpu = run_polars(args.raw, args.out, rule)
     else:
-        seconds, rows = run_duckdb(args.raw, args.out, rule, args.threads)
-    print(json.dumps({"seconds": seconds, "rows": rows}))
+        seconds, rows, cpu = run_duckdb(args.raw, args.out, rule, args.threads)
+    print(json.dumps({"seconds": seconds, "rows": rows, "cpu_s": cpu}))
 
 
 def run_engine(engine: str, raw_dir: str, out: Path, rule: tuple[int, float, float], threads: int) -> dict[str, Any]:
-    """One engine run in a fresh process with ``threads`` threads: {"seconds": per phase, "rows": per split}."""
+    """One engine run in a fresh process with ``threads`` threads: {"seconds": per phase, "rows": per split, "cpu_s"}."""
     env = {**os.environ, "POLARS_MAX_THREADS": str(threads)}
     salt, validation, test = rule
     done = subprocess.run([sys.executable, "-m", "bench.engines", engine, "--raw", raw_dir, "--out", str(out),
@@ -202,6 +207,12 @@ def run_engine(engine: str, raw_dir: str, out: Path, rule: tuple[int, float, flo
 
 _MEASURED: dict[int, dict[str, Any]] = {}  # both engine benchmarks share one measurement per row count
 ENGINES = ("polars", "duckdb")
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process (all threads) and of its reaped children."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _measure(rows: int) -> dict[str, Any]:
@@ -220,9 +231,11 @@ def _measure(rows: int) -> dict[str, Any]:
                                 dirty_fraction=DIRTY_FRACTION)
 
         def ours(out: Path, processes: int) -> dict[str, Any]:
+            cpu_started = _cpu_seconds()
             took, _ = run_ours(config, files, str(out), processes=processes)
+            cpu = _cpu_seconds() - cpu_started  # the pool's workers are reaped by now, so their CPU is counted
             manifest = json.loads((out / "preprocess" / "manifest.json").read_text())
-            return {"seconds": {"all": took}, "rows": manifest["rows"]}
+            return {"seconds": {"all": took}, "rows": manifest["rows"], "cpu_s": cpu}
 
         sides = {"ours": lambda out: ours(out, THREADS), "ours_1_process": lambda out: ours(out, 1)}
         for engine in ENGINES:
@@ -242,6 +255,7 @@ def _measure(rows: int) -> dict[str, Any]:
         "rows_per_s": {name: rows / seconds for name, seconds in total.items()},
         "best_s": {name: round(seconds, 3) for name, seconds in total.items()},
         "all_s": {name: [round(sum(run["seconds"].values()), 3) for run in values] for name, values in runs.items()},
+        "cpu_s": {name: round(min(run["cpu_s"] for run in values[1:]), 3) for name, values in runs.items()},
         "phases_s": {name: {phase: round(s, 3) for phase, s in run["seconds"].items()}
                      for name, run in best.items() if name not in ("ours", "ours_1_process")},
         "rows_per_split": splits["ours"]}
@@ -257,13 +271,15 @@ def _result(rows: int, engine: str) -> dict[str, Any]:
         "threads": THREADS, "rows_per_split": measured["rows_per_split"],
         "best_s": {name: measured["best_s"][name] for name in ("ours", engine, "ours_1_process", single)},
         "all_s": {name: measured["all_s"][name] for name in ("ours", engine, "ours_1_process", single)},
+        "cpu_s": {name: measured["cpu_s"][name] for name in ("ours", engine, "ours_1_process", single)},
         f"{engine}_phases_s": measured["phases_s"][engine],
         "ratio_1_process_vs_1_thread": round(speed["ours_1_process"] / speed[single], 4),
         "note": f"headline = ours with each mapped step's shards in {THREADS} processes ÷ {engine} with {THREADS} "
                 f"threads (all cores, each the way it spreads work); ratio_1_process_vs_1_thread = ours in one process "
                 f"÷ {engine} with 1 thread. Every side's rows per split equal ours (same hash of the key)",
         "method": "best of 3 after a warm-up round, sides interleaved; wall time from first read to last write "
-                  f"({engine} in a fresh process per run, import excluded)"}}
+                  f"({engine} in a fresh process per run, import excluded); cpu_s = the least CPU seconds (all threads "
+                  "and processes) over the 3 rounds, steadier than wall time on a shared machine"}}
 
 
 def preprocess_vs_polars(rows: int = 1_000_000) -> dict[str, Any]:
