@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import resource
@@ -222,6 +223,10 @@ def _measure(rows: int) -> dict[str, Any]:
     from tasks.config import load_config
     from tasks.data import write_synthetic
 
+    missing = [engine for engine in ENGINES if importlib.util.find_spec(engine) is None]
+    if missing:
+        raise RuntimeError(f"{', '.join(missing)} not installed: `make bench` installs bench/requirements.txt "
+                           f"(or: .venv/bin/python -m pip install --no-deps -r bench/requirements.txt)")
     with tempfile.TemporaryDirectory(prefix="bench-engines-") as tmp:
         workdir = Path(tmp)
         config = load_config(REPO_ROOT / "pipeline.yaml", overrides=_overrides(workdir))
