@@ -46,7 +46,13 @@ test: airflow-init
 test-ui: airflow-init
 	@$(AIRFLOW_ENV) && python -m pytest tests/ui tests/dags/test_airflow_client.py $(PYTEST_ARGS)
 
-bench: airflow-init
+# The engines some benchmarks compare against, pinned in bench/requirements.txt: installed for bench, never for test.
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): bench/requirements.txt $(STAMP)
+	$(VENV)/bin/python -m pip install --quiet --no-deps -r bench/requirements.txt
+	@touch $(BENCH_STAMP)
+
+bench: airflow-init $(BENCH_STAMP)
 	@$(AIRFLOW_ENV) && python -m bench $(if $(ONLY),--only $(ONLY))
 
 up: airflow-init demo-data

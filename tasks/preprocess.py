@@ -298,7 +298,9 @@ def _core(values: np.ndarray) -> dict[str, Any]:
         return {"count": 0, "mean": [0.0] * width, "m2": [0.0] * width, "min": [float("inf")] * width,
                 "max": [float("-inf")] * width}
     mean = values.mean(axis=0)
-    return {"count": len(values), "mean": mean.tolist(), "m2": ((values - mean) ** 2).sum(axis=0).tolist(),
+    centred = values - mean
+    np.square(centred, out=centred)  # in place: one temporary, not two (the same values as (values - mean) ** 2)
+    return {"count": len(values), "mean": mean.tolist(), "m2": centred.sum(axis=0).tolist(),
             "min": values.min(axis=0).tolist(), "max": values.max(axis=0).tolist()}
 
 
@@ -590,7 +592,9 @@ def feature_matrix(table: pa.Table | pa.RecordBatch) -> np.ndarray:
 
 def normalise(features: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
     """Standardise with the data set's statistics, as float32 (what training consumes)."""
-    return ((features - mean) / std).astype(np.float32)
+    centred = features - mean
+    np.divide(centred, std, out=centred)  # in place: one float64 temporary, not two (the same values)
+    return centred.astype(np.float32)
 
 
 def transform_shard(config: PipelineConfig, shard: str, index: int, out: str, stats_uri: str) -> dict[str, Any]:
