@@ -140,7 +140,8 @@ header .brand { font-weight: 700; font-size: 16px; color: var(--ink); text-decor
 header nav a { margin-right: 14px; color: var(--muted); text-decoration: none; font-weight: 500; }
 header nav a.on { color: var(--blue); border-bottom: 2px solid var(--blue); padding-bottom: 2px; }
 main { padding: 16px 24px 32px; max-width: 1400px; }
-h1 { font-size: 20px; margin: 4px 0 4px; } h2 { font-size: 16px; margin: 22px 0 8px; }
+h1 { font-size: 20px; margin: 4px 0 4px; }
+h1.run-id { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 17px; } h2 { font-size: 16px; margin: 22px 0 8px; }
 .sub { color: var(--muted); margin: 0 0 14px; } .crumbs { color: var(--muted); margin-bottom: 6px; }
 a { color: var(--blue); } code, .mono { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12.5px; }
 table { border-collapse: collapse; width: 100%; margin: 6px 0 10px; }
@@ -155,7 +156,10 @@ tbody tr:hover { background: #f1f7fe; }
 .card { border: 1px solid var(--line); border-radius: 8px; padding: 10px 14px; min-width: 170px; }
 .card .label { color: var(--muted); font-size: 12px; } .card .value { font-size: 20px; font-weight: 600; }
 .card .note { color: var(--muted); font-size: 12px; max-width: 320px; }
-details summary { cursor: pointer; color: var(--blue); } .empty { color: var(--muted); padding: 20px 0; }
+details summary { cursor: pointer; color: var(--blue); }
+details.card-of { margin: 6px 0; }
+details.card-of table { max-width: 900px; } details.card-of td:first-child { width: 200px; color: var(--muted); }
+.empty { color: var(--muted); padding: 20px 0; }
 iframe.report { width: 100%; border: 0; min-height: 600px; display: block; }
 """
 
@@ -187,6 +191,13 @@ def fmt(value: Any) -> str:
     if isinstance(value, dict | list):
         return f'<span class="mono">{esc(json.dumps(value, sort_keys=True, default=str))}</span>'
     return esc(value)
+
+
+def params_text(params: Any) -> str:
+    """Hyperparameters as ``name value`` pairs, numbers shortened (the sweep's floats carry 17 digits)."""
+    if not isinstance(params, dict) or not params:
+        return fmt(params)
+    return " · ".join(f"{esc(k)} <b>{fmt(v)}</b>" for k, v in sorted(params.items()))
 
 
 def _link(href: str, text: Any) -> str:
@@ -264,7 +275,7 @@ def summary_html(report: dict[str, Any]) -> str:
         parts.append("<h2>Sweep</h2>" + table(
             ["study", "trials", "complete", "pruned", "failed", "best value", "best params"],
             [[fmt(sweep.get(k)) for k in ("study_name", "n_trials", "n_complete", "n_pruned", "n_failed", "best_value")]
-             + [fmt(sweep.get("best_params"))]], numeric=range(1, 6)))
+             + [params_text(sweep.get("best_params"))]], numeric=range(1, 6)))
     data = report.get("data") if isinstance(report.get("data"), dict) else {}
     if data:
         rows = data.get("rows") if isinstance(data.get("rows"), dict) else {"rows": data.get("rows")}
@@ -351,7 +362,7 @@ def create_app() -> FastAPI:
         shown_dag, shown_run = report.get("dag_id") or dag_id, report.get("run_id") or run_id
         has_html = storage.exists(storage.join(prefix, "report.html"))
         head = (f"<div class='crumbs'>{_link(root + '/', 'Runs')} › {esc(shown_dag)}</div>"
-                f"<h1 class='mono' data-stagewise-run-id='{esc(shown_run)}'>{esc(shown_run)}</h1>"
+                f"<h1 class='run-id' data-stagewise-run-id='{esc(shown_run)}'>{esc(shown_run)}</h1>"
                 f"<p class='sub'>DAG <b>{esc(shown_dag)}</b> · files under <code>{esc(prefix)}</code> · "
                 f"{_link(here + '/report.json', 'report.json')}"
                 + (f" · {_link(here + '/report.html', 'open the report on its own')}" if has_html else "") + "</p>")
@@ -413,15 +424,20 @@ def create_app() -> FastAPI:
                 source_dag, _, source_run = source.partition("/")
                 source_cell = _link(run_href(root, path_segment(source_dag, "DAG id"), path_segment(source_run, "run id")),
                                     source) if source_dag and source_run and "/" not in source_run else esc(source)
-                details = table(["field", "value"], ([esc(k), fmt(v)] for k, v in sorted(card.items())))
                 version = card.get("version")
                 rows.append([f"<span class='mono'>{esc(version)}</span>"
                              + (" <span class='badge cur'>current</span>" if version == current else ""),
                              esc(card.get("registered_at")), esc(objective), fmt(card.get(f"test_{objective}")),
                              fmt(card.get(f"val_{objective}")), source_cell,
-                             f"<details><summary>card</summary>{details}</details>"])
+                             f"<a href='#card-{esc(name)}-{esc(version)}'>card</a>"])
             body += table(["version", "registered", "objective", "test", "validation", "source run", "card"], rows,
                           numeric=(3, 4)) if rows else "<p class='sub'>No version cards.</p>"
+            for card in cards:  # each version's card in full; the current one open
+                version = card.get("version")
+                details = table(["field", "value"], ([esc(k), fmt(v)] for k, v in sorted(card.items())))
+                body += (f"<details class='card-of' id='card-{esc(name)}-{esc(version)}'{' open' if version == current else ''}>"
+                         f"<summary>Card of <span class='mono'>{esc(version)}</span>"
+                         f"{' (current)' if version == current else ''}</summary>{details}</details>")
             body += "</section>"
         return page(request, "Model registry", body, "registry", "registry")
 

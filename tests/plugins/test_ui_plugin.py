@@ -190,7 +190,7 @@ def test_registry_page_shows_versions_current_history_and_cards(airflow_api, sto
     assert first in text and second in text
     assert f"<span class='badge cur mono'>{second}</span>" in text
     assert f"<span class='mono'>{first}</span> → <span class='mono'>{second}</span>" in text  # history, oldest first
-    assert text.count("<summary>card</summary>") == 2 and "weights" not in text
+    assert text.count("<summary>Card of") == 2 and "weights" not in text
     assert f'href="/stagewise/runs/ml_pipeline/{storage.safe_name(RUN_ID)}"' in text
 
 
