@@ -144,7 +144,7 @@ h1 { font-size: 20px; margin: 4px 0 4px; }
 h1.run-id { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 17px; } h2 { font-size: 16px; margin: 22px 0 8px; }
 .sub { color: var(--muted); margin: 0 0 14px; } .crumbs { color: var(--muted); margin-bottom: 6px; }
 a { color: var(--blue); } code, .mono { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12.5px; }
-table { border-collapse: collapse; width: 100%; margin: 6px 0 10px; }
+table { border-collapse: collapse; min-width: 420px; margin: 6px 0 10px; } table.wide { width: 100%; }
 th, td { text-align: left; padding: 7px 10px; border-bottom: 1px solid var(--line); vertical-align: top; }
 th { background: var(--head); font-weight: 600; color: #334155; white-space: nowrap; }
 td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
@@ -159,22 +159,11 @@ tbody tr:hover { background: #f1f7fe; }
 details summary { cursor: pointer; color: var(--blue); }
 details.card-of { margin: 6px 0; }
 details.card-of table { max-width: 900px; } details.card-of td:first-child { width: 200px; color: var(--muted); }
+.blocks { display: flex; flex-wrap: wrap; gap: 0 36px; align-items: flex-start; }
 .empty { color: var(--muted); padding: 20px 0; }
-iframe.report { width: 100%; border: 0; min-height: 600px; display: block; }
+/* a fixed height, the report scrolling inside: sizing the frame to its content would grow charts sized to it */
+iframe.report { width: 100%; height: calc(100vh - 150px); min-height: 480px; border: 1px solid var(--line); display: block; }
 """
-
-_RESIZE = """
-<script>
-(function () {
-  var frame = document.getElementById("stagewise-report");
-  function fit() {
-    try { frame.style.height = frame.contentWindow.document.documentElement.scrollHeight + "px"; } catch (e) {}
-  }
-  frame.addEventListener("load", function () { fit(); setTimeout(fit, 300); setTimeout(fit, 1500); });
-})();
-</script>
-"""
-
 
 def esc(value: Any) -> str:
     return html.escape("" if value is None else str(value), quote=True)
@@ -215,13 +204,13 @@ def page(request: Request, title: str, body: str, section: str, active: str) -> 
     return HTMLResponse(document)
 
 
-def table(headers: Iterable[str], rows: Iterable[Iterable[str]], numeric: Iterable[int] = ()) -> str:
+def table(headers: Iterable[str], rows: Iterable[Iterable[str]], numeric: Iterable[int] = (), wide: bool = False) -> str:
     """An HTML table; cells are already-escaped HTML."""
     numeric = set(numeric)
     head = "".join(f'<th class="{"num" if i in numeric else ""}">{esc(h)}</th>' for i, h in enumerate(headers))
     body = "".join("<tr>" + "".join(f'<td class="{"num" if i in numeric else ""}">{cell}</td>'
                                     for i, cell in enumerate(row)) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f"<table{' class=wide' if wide else ''}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def gate_badge(registry: dict[str, Any] | None) -> str:
@@ -268,7 +257,7 @@ def summary_html(report: dict[str, Any]) -> str:
     training = [stage for stage in report.get("training") or [] if isinstance(stage, dict)]
     if training:
         parts.append("<h2>Training stages</h2>" + table(
-            ["stage", "world size", "global batch", "lr", "epochs", "steps", f"val {metric or 'metric'}"],
+            ["stage", "world size", "global batch", "lr", "epochs", "steps", f"validation {metric or 'metric'}"],
             ([fmt(s.get(k)) for k in ("stage", "world_size", "global_batch", "lr", "epochs", "steps", "val_metric")]
              for s in training), numeric=range(1, 7)))
     if sweep:
@@ -301,7 +290,8 @@ def summary_html(report: dict[str, Any]) -> str:
     rest = {k: v for k, v in report.items() if k not in shown}
     if rest:
         parts.append("<h2>More</h2>" + table(["key", "value"], ([esc(k), fmt(v)] for k, v in rest.items())))
-    return "".join(parts)
+    # side by side where the page is wide enough, like a dashboard's panels
+    return parts[0] + "<div class='blocks'>" + "".join(f"<div class='block'>{part}</div>" for part in parts[1:]) + "</div>"
 
 
 # -- routes -------------------------------------------------------------------------------------------
@@ -339,7 +329,8 @@ def create_app() -> FastAPI:
                          gate_badge(report.get("registry"))])
         body = (f"<h1>Stagewise runs</h1><p class='sub'>Every run with a report under <code>{esc(config.storage_root)}"
                 f"/runs/</code>, newest first. Open a run for its report.</p>")
-        body += table(["DAG", "run", "reported", "objective", "test value", "sweep best", "gate"], rows, numeric=(4, 5)) \
+        body += table(["DAG", "run", "reported", "objective", "test value", "sweep best", "gate"], rows, numeric=(4, 5),
+                      wide=True) \
             if rows else "<p class='empty'>No run has written a report yet: trigger <code>ml_pipeline</code>.</p>"
         return page(request, "Runs", body, "runs", "runs")
 
@@ -370,7 +361,7 @@ def create_app() -> FastAPI:
             content = f"<p><span class='badge err'>unreadable</span> {esc(report['_error'])}</p>"
         elif has_html:
             content = (f'<iframe id="stagewise-report" class="report" title="report of {esc(shown_run)}" '
-                       f'src="{esc(here + "/report.html")}"></iframe>{_RESIZE}')
+                       f'src="{esc(here + "/report.html")}"></iframe>')
         else:
             content = summary_html(report)
         body = head + (f"<section data-stagewise-section='report' data-stagewise-report='{'html' if has_html else 'summary'}'>"
@@ -431,7 +422,7 @@ def create_app() -> FastAPI:
                              fmt(card.get(f"val_{objective}")), source_cell,
                              f"<a href='#card-{esc(name)}-{esc(version)}'>card</a>"])
             body += table(["version", "registered", "objective", "test", "validation", "source run", "card"], rows,
-                          numeric=(3, 4)) if rows else "<p class='sub'>No version cards.</p>"
+                          numeric=(3, 4), wide=True) if rows else "<p class='sub'>No version cards.</p>"
             for card in cards:  # each version's card in full; the current one open
                 version = card.get("version")
                 details = table(["field", "value"], ([esc(k), fmt(v)] for k, v in sorted(card.items())))
