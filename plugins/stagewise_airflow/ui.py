@@ -83,13 +83,27 @@ def list_reports(storage_root: str) -> list[dict[str, Any]]:
     return entries[:MAX_RUNS]
 
 
-def read_report(uri: str) -> dict[str, Any]:
-    """report.json as a dict, or ``{"_error": ...}`` when it cannot be read (one bad file must not hide the list)."""
+_report_cache: dict[tuple[str, Any], dict[str, Any]] = {}
+
+
+def read_report(uri: str, modified: dt.datetime | None = None) -> dict[str, Any]:
+    """report.json as a dict, or ``{"_error": ...}`` when it cannot be read (one bad file must not hide the list).
+
+    With ``modified`` (from the listing) a report is read once per version: on S3 the list would be a GET per run.
+    """
+    if modified is not None and (uri, modified) in _report_cache:
+        return _report_cache[(uri, modified)]
     try:
         report = storage.read_json(uri)
     except (OSError, ValueError) as exc:
         return {"_error": f"cannot read {uri}: {exc}"}
-    return report if isinstance(report, dict) else {"_error": f"{uri} holds {type(report).__name__}, not an object"}
+    if not isinstance(report, dict):
+        return {"_error": f"{uri} holds {type(report).__name__}, not an object"}
+    if modified is not None:
+        if len(_report_cache) >= 4 * MAX_RUNS:
+            _report_cache.clear()
+        _report_cache[(uri, modified)] = report
+    return report
 
 
 def model_names(storage_root: str) -> list[str]:
@@ -310,7 +324,7 @@ def create_app() -> FastAPI:
         allowed: dict[str, bool] = {}
         rows = []
         for entry in list_reports(config.storage_root):
-            report = read_report(entry["uri"])
+            report = read_report(entry["uri"], entry["modified"])
             dag_id = str(report.get("dag_id") or entry["dag_folder"])
             if dag_id not in allowed:
                 allowed[dag_id] = can_read_runs(user, dag_id)

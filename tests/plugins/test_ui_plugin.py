@@ -242,3 +242,21 @@ def test_reports_under_an_s3_root(airflow_api, s3_endpoint, monkeypatch, tmp_pat
         assert first in registry_page and f"<span class='badge cur mono'>{second}</span>" in registry_page
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_the_list_rereads_a_report_only_when_it_changed(airflow_api, storage_root):
+    """Reports are cached by their modification time: a rewritten report.json shows its new values at once."""
+    import os
+
+    out = write_run(str(storage_root), RUN_ID, test_accuracy=0.5111)
+    client, token = airflow_api(str(storage_root))
+    bearer = {"Authorization": f"Bearer {token}"}
+    assert "0.5111" in client.get("/stagewise/", headers=bearer).text
+    report_file = Path(out) / "report.json"
+    rewritten = json.loads(report_file.read_text())
+    rewritten["objective"]["test"] = 0.6222
+    report_file.write_text(json.dumps(rewritten))
+    later = report_file.stat().st_mtime + 5
+    os.utime(report_file, (later, later))
+    listing = client.get("/stagewise/", headers=bearer).text
+    assert "0.6222" in listing and "0.5111" not in listing
