@@ -4,8 +4,8 @@ Run: loaded by ``plugins/stagewise_ui_plugin.py`` and mounted at ``/stagewise`` 
 *Stagewise* entry and each DAG run's *Stagewise report* tab open it); ``create_app()`` builds it for tests.
 
 Every page needs the caller's Airflow login: Airflow mounts a plugin's app as is, so each route depends on
-Airflow's own ``requires_access_view`` (the UI's ``_token`` cookie or an ``Authorization: Bearer`` JWT; none:
-401) and a run additionally on the auth manager's read access to its DAG's runs (403). Reads go through
+Airflow's own ``get_user`` (the UI's ``_token`` cookie or an ``Authorization: Bearer`` JWT; none: 401, a bad
+one: 403) and the auth manager's UI access; a run also needs read access to its DAG's runs (403). Reads go through
 ``tasks.storage`` under the pipeline config's ``storage_root`` (``$STAGEWISE_CONFIG``), so an ``s3://`` root
 works with the api-server's AWS environment. Everything taken from storage is HTML-escaped, and a DAG or run
 id becomes a path only through ``tasks.storage.safe_name`` after '/', '\\' and '.'/'..' are refused.
@@ -350,14 +350,13 @@ def create_app() -> FastAPI:
 
     def _run_folder(user: Any, dag_id: str, run_id: str) -> tuple[str, dict[str, Any]]:
         dag_folder, run_folder = path_segment(dag_id, "DAG id"), path_segment(run_id, "run id")
+        if not can_read_runs(user, dag_id):  # before looking: no answer tells an outsider which runs exist
+            raise HTTPException(403, "Forbidden")
         prefix = storage.join(pipeline_config().storage_root, "runs", dag_folder, run_folder)
         report_uri = storage.join(prefix, "report.json")
         if not storage.exists(report_uri):
             raise HTTPException(404, f"no report for run {run_id!r} of DAG {dag_id!r} (looked for {report_uri})")
-        report = read_report(report_uri)
-        if not can_read_runs(user, str(report.get("dag_id") or dag_id)):
-            raise HTTPException(403, "Forbidden")
-        return prefix, report
+        return prefix, read_report(report_uri)
 
     @router.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse)
     def run_page(request: Request, dag_id: str, run_id: str, user: User) -> HTMLResponse:
@@ -425,10 +424,13 @@ def create_app() -> FastAPI:
             rows = []
             for card in cards:
                 objective = card.get("objective") or "accuracy"
-                source = str(card.get("source_run") or "")
+                source = str(card.get("source_run") or "")  # "<dag_id>/<run_id>"
                 source_dag, _, source_run = source.partition("/")
-                source_cell = _link(run_href(root, path_segment(source_dag, "DAG id"), path_segment(source_run, "run id")),
-                                    source) if source_dag and source_run and "/" not in source_run else esc(source)
+                try:
+                    source_cell = _link(run_href(root, path_segment(source_dag, "DAG id"),
+                                                 path_segment(source_run, "run id")), source)
+                except HTTPException:  # not a run of this storage root's layout: shown, not linked
+                    source_cell = esc(source)
                 version = card.get("version")
                 rows.append([f"<span class='mono'>{esc(version)}</span>"
                              + (" <span class='badge cur'>current</span>" if version == current else ""),

@@ -260,3 +260,18 @@ def test_the_list_rereads_a_report_only_when_it_changed(airflow_api, storage_roo
     os.utime(report_file, (later, later))
     listing = client.get("/stagewise/", headers=bearer).text
     assert "0.6222" in listing and "0.5111" not in listing
+
+
+def test_a_user_without_read_access_to_a_dag_sees_none_of_its_runs(airflow_api, storage_root, monkeypatch):
+    """The auth manager decides per DAG: its runs leave the list and their pages answer 403, existing or not."""
+    from airflow.api_fastapi.app import get_auth_manager
+
+    write_run(str(storage_root), RUN_ID)
+    client, token = airflow_api(str(storage_root))
+    manager = get_auth_manager()
+    monkeypatch.setattr(manager, "is_authorized_dag", lambda *, method, access_entity=None, details=None, user:
+                        details is None or details.id != "ml_pipeline")
+    bearer = {"Authorization": f"Bearer {token}"}
+    assert RUN_ID not in client.get("/stagewise/", headers=bearer).text
+    for path in (RUN_ID, f"{RUN_ID}/report.json", "no_such_run"):
+        assert client.get(f"/stagewise/runs/ml_pipeline/{path}", headers=bearer).status_code == 403
