@@ -441,7 +441,8 @@ def create_app() -> FastAPI:
                           numeric=(3, 4), wide=True) if rows else "<p class='sub'>No version cards.</p>"
             for card in cards:  # each version's card in full; the current one open
                 version = card.get("version")
-                details = table(["field", "value"], ([esc(k), fmt(v)] for k, v in sorted(card.items())))
+                details = table(["field", "value"], ([esc(k), params_text(v) if isinstance(v, dict) else fmt(v)]
+                                                     for k, v in sorted(card.items())))
                 body += (f"<details class='card-of' id='card-{esc(name)}-{esc(version)}'{' open' if version == current else ''}>"
                          f"<summary>Card of <span class='mono'>{esc(version)}</span>"
                          f"{' (current)' if version == current else ''}</summary>{details}</details>")
