@@ -93,3 +93,77 @@ def test_a_run_triggered_from_the_form_succeeds_in_the_grid_with_epoch_progress_
 
     report_uri = live.xcom("ml_pipeline", run_id, "report")["report_uri"]
     assert json.loads(Path(report_uri).read_text())["sweep"]["n_trials"] == 3, "the form's value reached the sweep"
+
+
+@pytest.fixture(scope="module")
+def finished_run(ui_airflow) -> str:
+    """A successful ml_pipeline run of this module's Airflow: the one the form test made, else one triggered over REST."""
+    live, _ = ui_airflow
+    done = live.api("GET", "/api/v2/dags/ml_pipeline/dagRuns", params={"state": "success"}).json()["dag_runs"]
+    if done:
+        return done[-1]["dag_run_id"]
+    run_id = live.trigger("ml_pipeline", {"num_trials": 3})
+    assert live.wait_for_run("ml_pipeline", run_id, timeout=RUN_TIMEOUT_S) == "success", live.logs_tail()
+    return run_id
+
+
+def _watch(page):
+    """Every request URL and every console error or uncaught exception of the page and its frames, from now on."""
+    requests, errors = [], []
+    page.on("request", lambda request: requests.append(request.url))
+    page.on("console", lambda message: errors.append(f"{message.text} at {message.location}") if message.type == "error" else None)
+    page.on("pageerror", lambda exc: errors.append(f"uncaught: {exc}"))
+    return requests, errors
+
+
+def test_the_stagewise_view_shows_the_finished_runs_report_and_the_registry(logged_in, ui_airflow, finished_run):
+    """From the Airflow UI: the Stagewise nav entry lists the run, the run's own tab opens its report (charts when the
+    report step wrote report.html), the registry shows the version this run registered; nothing leaves 127.0.0.1 and
+    the console stays clean."""
+    from urllib.parse import urlsplit
+
+    from playwright.sync_api import expect
+
+    from tasks import storage
+
+    page, live, screens = logged_in
+    _, storage_root = ui_airflow
+    requests, errors = _watch(page)
+    run_folder = Path(storage.run_prefix(str(storage_root), "ml_pipeline", finished_run))
+    report = json.loads((run_folder / "report.json").read_text())
+
+    page.get_by_role("link", name="Stagewise", exact=True).click()
+    view = page.frame_locator('iframe[title="Stagewise"]')
+    expect(view.get_by_role("heading", name="Stagewise runs")).to_be_visible()
+    run_link = view.get_by_role("link", name=finished_run, exact=True)
+    expect(run_link).to_be_visible()
+    screens.shot("stagewise-runs")
+
+    page.goto(f"{live.base_url}/dags/ml_pipeline/runs/{finished_run}")
+    page.get_by_role("link", name="Stagewise report", exact=True).click()  # the run's tab from the plugin's dag_run view
+    run_view = page.frame_locator('iframe[title="Stagewise report"]')
+    expect(run_view.locator(f"[data-stagewise-run-id='{finished_run}']")).to_be_visible()
+    section = run_view.locator("[data-stagewise-section='report']")
+    expect(section).to_be_visible()
+    if (run_folder / "report.html").exists():  # the report step's charts, framed in the run page
+        expect(section).to_have_attribute("data-stagewise-report", "html")
+        charts = run_view.frame_locator("#stagewise-report")
+        expect(charts.locator(".js-plotly-plot").first).to_be_visible()
+        expect(charts.locator("svg.main-svg").first).to_be_attached()
+        expect(charts.get_by_text(finished_run).first).to_be_attached()
+    else:  # report.json alone: the summary tables
+        expect(section).to_have_attribute("data-stagewise-report", "summary")
+        expect(section.get_by_role("heading", name="Training stages")).to_be_visible()
+    page.wait_for_load_state("networkidle")
+    screens.shot("dag-run-stagewise-report")
+
+    run_view.get_by_role("link", name="Model registry").click()
+    version = report["registry"]["current"]
+    expect(run_view.get_by_role("heading", name="Model registry")).to_be_visible()
+    expect(run_view.locator(".badge.cur", has_text=version).first).to_be_visible()
+    screens.shot("stagewise-registry")
+
+    outside = sorted({url for url in requests if urlsplit(url).scheme in ("http", "https", "ws", "wss")
+                      and urlsplit(url).hostname != "127.0.0.1"})
+    assert outside == [], f"requests left 127.0.0.1: {outside}"
+    assert errors == [], "console errors:\n" + "\n".join(errors)

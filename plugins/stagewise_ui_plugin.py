@@ -1,0 +1,40 @@
+"""The Airflow plugin that puts Stagewise in the UI: a *Stagewise* nav entry and a *Stagewise report* tab on each DAG run.
+
+Airflow imports this file in every process that loads plugins (the dag-processor too), so it imports nothing heavy:
+the pages (stagewise_airflow.ui, FastAPI) are built on the api-server's first request to /stagewise.
+It is a top-level file because plugins/.airflowignore keeps Airflow's loader out of stagewise_airflow/.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.plugins_manager import AirflowPlugin
+
+URL_PREFIX = "/stagewise"  # stagewise_airflow.ui.URL_PREFIX; repeated so this file imports nothing else
+
+
+class LazyStagewiseApp:
+    """An ASGI app that builds stagewise_airflow.ui's FastAPI app on its first request and hands every request to it."""
+
+    def __init__(self) -> None:
+        self._app: Any = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self._app is None:
+            from stagewise_airflow.ui import create_app
+
+            self._app = create_app()
+        await self._app(scope, receive, send)
+
+
+class StagewiseUIPlugin(AirflowPlugin):
+    name = "stagewise_ui"
+    fastapi_apps = [{"app": LazyStagewiseApp(), "url_prefix": URL_PREFIX, "name": "Stagewise"}]
+    # hrefs without a leading slash resolve against the UI's <base href>, so a base_url with a path works too.
+    external_views = [
+        {"name": "Stagewise", "href": "stagewise/", "destination": "nav", "url_route": "stagewise",
+         "nav_top_level": True},
+        {"name": "Stagewise report", "href": "stagewise/runs/{DAG_ID}/{RUN_ID}", "destination": "dag_run",
+         "url_route": "stagewise-report"},
+    ]

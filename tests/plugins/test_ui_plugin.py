@@ -1,0 +1,277 @@
+"""The Stagewise pages in the api-server: mounted by Airflow's own plugin code, behind Airflow's auth, reading storage.
+
+The app under test is Airflow's: the plugin file loaded as Airflow's loader does, mounted by
+``airflow.api_fastapi.app.init_plugins``, with the simple auth manager (its /auth/token route) and Airflow's
+middlewares (the UI's ``_token`` cookie) in front, so a request is authenticated exactly as on the api-server.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tasks import registry, report, storage
+from tests.conftest import REPO_ROOT, base_config
+
+PASSWORD = "stagewise-test-password"
+JWT_SECRET = "stagewise-ui-plugin-tests-" + "0" * 48  # one per process: Airflow caches its JWT validator
+RUN_ID = "manual__2026-11-22T15:28:40.036542+00:00"
+ODD_RUN_ID = "manual__<img src=x onerror=alert(1)>"
+
+
+def load_plugin():
+    """plugins/stagewise_ui_plugin.py imported the way Airflow's plugin loader imports a plugins-folder file."""
+    path = REPO_ROOT / "plugins" / "stagewise_ui_plugin.py"
+    spec = importlib.util.spec_from_file_location("stagewise_ui_plugin", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.StagewiseUIPlugin
+
+
+def write_run(storage_root: str, run_id: str, *, test_accuracy: float = 0.91, html: str | None = None) -> str:
+    """A finished ml_pipeline run's report.json (written by tasks.report itself), optionally with a report.html."""
+    out = storage.run_prefix(storage_root, "ml_pipeline", run_id)
+    report.build_report(
+        dag_id="ml_pipeline", run_id=run_id, out=out,
+        stage_results={"preprocess": [{"duration_s": 1.5, "attempt": 1}], "train_s1": [{"duration_s": 4.0, "attempt": 2}]},
+        preprocess={"rows": {"train": 1200, "validation": 300, "test": 297}, "rows_dropped": 3},
+        sweep={"study_name": "ml_pipeline-x", "n_trials": 6, "n_complete": 4, "n_pruned": 2, "n_failed": 0,
+               "best_value": 0.93, "best_params": {"lr": 0.01}},
+        training=[{"stage": "s1", "world_size": 1, "global_batch": 64, "lr": 0.05, "epochs": 2, "val_metric": 0.9},
+                  {"stage": "s2", "world_size": 2, "global_batch": 128, "lr": 0.1, "epochs": 2, "val_metric": 0.92}],
+        evaluation={"objective": "accuracy", "test_objective": test_accuracy, "test_accuracy": test_accuracy,
+                    "test_loss": 0.3},
+        predictions={"uri": storage.join(out, "predictions"), "rows": 297, "rows_quarantined": 1},
+        registry={"model_name": "digits", "version": "m-abc", "promoted": True, "reason": "no current model",
+                  "current": "m-abc"})
+    if html is not None:
+        storage.write_bytes(storage.join(out, "report.html"), html.encode())
+    return out
+
+
+def register_two_versions(storage_root: str, tmp_path: Path) -> tuple[str, str]:
+    """Two registered digits models, the second promoted over the first by the gate."""
+    found = []
+    for i, accuracy in enumerate((0.90, 0.95)):
+        model = tmp_path / f"model{i}.pt"
+        model.write_bytes(f"weights {i}".encode())
+        card = registry.register(storage_root, "digits", str(model), {
+            "test_accuracy": accuracy, "objective": "accuracy", "direction": "maximize", "val_accuracy": accuracy - 0.01,
+            "source_run": f"ml_pipeline/{RUN_ID}", "lr": 0.01})
+        registry.gate(storage_root, "digits", card["version"], "test_accuracy", 0.0)
+        found.append(card["version"])
+    return found[0], found[1]
+
+
+@pytest.fixture
+def airflow_api(monkeypatch, tmp_path):
+    """A factory: ``airflow_api(storage_root)`` -> (TestClient of an Airflow api-server app with our plugin, admin JWT)."""
+    from airflow import plugins_manager
+    from airflow.api_fastapi import app as api_app
+    from airflow.api_fastapi.core_api.app import init_middlewares
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    passwords = tmp_path / "passwords.json"
+    passwords.write_text(json.dumps({"admin": PASSWORD}))
+    monkeypatch.setenv("AIRFLOW__CORE__AUTH_MANAGER",
+                       "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager")
+    monkeypatch.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS", "admin:admin")
+    monkeypatch.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS", "False")
+    monkeypatch.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE", str(passwords))
+    monkeypatch.setenv("AIRFLOW__API_AUTH__JWT_SECRET", JWT_SECRET)
+    plugin = load_plugin()
+    monkeypatch.setattr(plugins_manager, "get_fastapi_plugins", lambda: (plugin.fastapi_apps, []))
+    clients = []
+
+    def start(storage_root: str):
+        raw = base_config(Path("/unused"))
+        raw["storage_root"] = storage_root
+        config = tmp_path / f"pipeline-{len(clients)}.yaml"
+        config.write_text(yaml.safe_dump(raw))
+        monkeypatch.setenv("STAGEWISE_CONFIG", str(config))
+        api_app.purge_cached_app()
+        app = FastAPI()
+        api_app.init_plugins(app)  # what the api-server does with every plugin's fastapi_apps
+        api_app.init_auth_manager(app)
+        init_middlewares(app)
+        client = TestClient(app, base_url="http://127.0.0.1")
+        clients.append(client)
+        answer = client.post("/auth/token", json={"username": "admin", "password": PASSWORD})
+        assert answer.status_code in (200, 201), answer.text
+        return client, answer.json()["access_token"]
+
+    yield start
+    for client in clients:
+        client.close()
+    api_app.purge_cached_app()
+
+
+def test_the_plugin_mounts_the_app_and_links_each_dag_run_to_its_report():
+    """The nav entry opens the runs list, the dag_run view fills the run's ids into the run page's URL."""
+    plugin = load_plugin()
+    assert [app["url_prefix"] for app in plugin.fastapi_apps] == ["/stagewise"]
+    views = {view["destination"]: view for view in plugin.external_views}
+    assert views["nav"]["href"] == "stagewise/"
+    assert views["dag_run"]["href"] == "stagewise/runs/{DAG_ID}/{RUN_ID}"
+
+
+@pytest.mark.parametrize("path", ["/stagewise/", f"/stagewise/runs/ml_pipeline/{RUN_ID}", "/stagewise/registry",
+                                  f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.json"])
+def test_every_page_refuses_a_caller_without_an_airflow_login(airflow_api, storage_root, path):
+    """Airflow mounts a plugin's app without auth: ours must refuse no token (401) and a forged one (403)."""
+    write_run(str(storage_root), RUN_ID)
+    client, _ = airflow_api(str(storage_root))
+    assert client.get(path).status_code == 401
+    forged = client.get(path, headers={"Authorization": "Bearer not.a.jwt"})
+    assert forged.status_code == 403, forged.text  # Airflow: "Invalid JWT token"
+    assert RUN_ID not in forged.text
+
+
+def test_runs_list_and_run_page_for_a_logged_in_user(airflow_api, storage_root):
+    """The list shows each run with its objective, test value and gate; the run page summarises report.json."""
+    write_run(str(storage_root), RUN_ID, test_accuracy=0.9123)
+    write_run(str(storage_root), "manual__2026-11-23T10:00:00+00:00", test_accuracy=0.8765)
+    client, token = airflow_api(str(storage_root))
+    bearer = {"Authorization": f"Bearer {token}"}
+
+    listing = client.get("/stagewise/", headers=bearer)
+    assert listing.status_code == 200, listing.text
+    assert RUN_ID in listing.text and "manual__2026-11-23T10:00:00+00:00" in listing.text
+    assert "0.9123" in listing.text and "0.8765" in listing.text and "promoted" in listing.text
+    folder = storage.safe_name(RUN_ID)
+    assert f'href="/stagewise/runs/ml_pipeline/{folder}"' in listing.text  # links use the storage folder
+
+    for run in (RUN_ID, folder):  # the Airflow run id (the dag_run tab's link) and the folder name both open it
+        page = client.get(f"/stagewise/runs/ml_pipeline/{run}", headers=bearer)
+        assert page.status_code == 200, page.text
+        assert f"data-stagewise-run-id='{RUN_ID}'" in page.text
+        assert "data-stagewise-section='report' data-stagewise-report='summary'" in page.text
+        assert "Training stages" in page.text and "0.9123" in page.text
+    assert client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.json", headers=bearer).json()["run_id"] == RUN_ID
+    assert client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.html", headers=bearer).status_code == 404
+    assert client.get("/stagewise/runs/ml_pipeline/no_such_run", headers=bearer).status_code == 404
+
+
+def test_the_ui_cookie_is_a_login_too(airflow_api, storage_root):
+    """The UI's iframe sends no Authorization header, only Airflow's _token cookie: that must be enough."""
+    write_run(str(storage_root), RUN_ID)
+    client, token = airflow_api(str(storage_root))
+    client.cookies.set("_token", token)
+    assert client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}").status_code == 200
+
+
+def test_a_run_with_report_html_serves_it_inside_the_run_page(airflow_api, storage_root):
+    """When the report step wrote report.html, the run page frames it and /report.html serves its bytes unchanged."""
+    html = "<!doctype html><html><body><div id='charts' data-stagewise-section='charts'>plots</div></body></html>"
+    write_run(str(storage_root), RUN_ID, html=html)
+    client, token = airflow_api(str(storage_root))
+    bearer = {"Authorization": f"Bearer {token}"}
+    page = client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}", headers=bearer)
+    assert "data-stagewise-report='html'" in page.text
+    assert f'src="/stagewise/runs/ml_pipeline/{storage.safe_name(RUN_ID)}/report.html"' in page.text
+    served = client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.html", headers=bearer)
+    assert served.status_code == 200 and served.text == html
+    assert served.headers["content-type"].startswith("text/html")
+
+
+def test_registry_page_shows_versions_current_history_and_cards(airflow_api, storage_root, tmp_path):
+    """Both versions with their cards, the promoted one marked current, the history in order, the source run linked."""
+    first, second = register_two_versions(str(storage_root), tmp_path)
+    client, token = airflow_api(str(storage_root))
+    page = client.get("/stagewise/registry", headers={"Authorization": f"Bearer {token}"})
+    assert page.status_code == 200, page.text
+    text = page.text
+    assert first in text and second in text
+    assert f"<span class='badge cur mono'>{second}</span>" in text
+    assert f"<span class='mono'>{first}</span> → <span class='mono'>{second}</span>" in text  # history, oldest first
+    assert text.count("<summary>Card of") == 2 and "weights" not in text
+    assert f'href="/stagewise/runs/ml_pipeline/{storage.safe_name(RUN_ID)}"' in text
+
+
+def test_values_from_storage_are_escaped(airflow_api, storage_root):
+    """A run id carrying markup shows as text in the list and on its page; it never becomes an element."""
+    write_run(str(storage_root), ODD_RUN_ID)
+    client, token = airflow_api(str(storage_root))
+    bearer = {"Authorization": f"Bearer {token}"}
+    listing = client.get("/stagewise/", headers=bearer).text
+    assert "<img src=x" not in listing and "&lt;img src=x onerror=alert(1)&gt;" in listing
+    page = client.get(f"/stagewise/runs/ml_pipeline/{storage.safe_name(ODD_RUN_ID)}", headers=bearer)
+    assert page.status_code == 200 and "<img src=x" not in page.text and "&lt;img" in page.text
+
+
+@pytest.mark.parametrize("path", ["/stagewise/runs/%2E%2E/secret", "/stagewise/runs/ml_pipeline/%2E%2E",
+                                  "/stagewise/runs/..%5C..%5Csecret/x", "/stagewise/runs/%2E%2E/secret/report.json",
+                                  "/stagewise/runs/ml_pipeline/..%2F..%2Fsecret"])
+def test_ids_cannot_walk_out_of_the_runs_folder(airflow_api, storage_root, path):
+    """'..', '/' and '\\' in a DAG or run id are refused (400) or match no page (404); the file outside never shows."""
+    write_run(str(storage_root), RUN_ID)
+    storage.write_json(str(storage_root / "secret" / "report.json"), {"dag_id": "ml_pipeline", "run_id": "SECRET-RUN"})
+    client, token = airflow_api(str(storage_root))
+    answer = client.get(path, headers={"Authorization": f"Bearer {token}"})
+    assert answer.status_code in (400, 404), answer.text
+    assert "SECRET-RUN" not in answer.text
+
+
+def test_reports_under_an_s3_root(airflow_api, s3_endpoint, monkeypatch, tmp_path):
+    """The same pages read through tasks.storage from an s3:// storage root (moto), registry included."""
+    import s3fs
+
+    for key, value in s3_endpoint.items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    bucket = f"ui-{uuid.uuid4().hex[:10]}"
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint["AWS_ENDPOINT_URL"]}, skip_instance_cache=True).mkdir(bucket)
+    root = f"s3://{bucket}/stagewise"
+    try:
+        write_run(root, RUN_ID, test_accuracy=0.8642, html="<html><body>from s3</body></html>")
+        first, second = register_two_versions(root, tmp_path)
+        client, token = airflow_api(root)
+        bearer = {"Authorization": f"Bearer {token}"}
+        listing = client.get("/stagewise/", headers=bearer)
+        assert listing.status_code == 200 and RUN_ID in listing.text and "0.8642" in listing.text
+        assert "data-stagewise-report='html'" in client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}", headers=bearer).text
+        assert client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.html", headers=bearer).text == \
+            "<html><body>from s3</body></html>"
+        registry_page = client.get("/stagewise/registry", headers=bearer).text
+        assert first in registry_page and f"<span class='badge cur mono'>{second}</span>" in registry_page
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_the_list_rereads_a_report_only_when_it_changed(airflow_api, storage_root):
+    """Reports are cached by their modification time: a rewritten report.json shows its new values at once."""
+    import os
+
+    out = write_run(str(storage_root), RUN_ID, test_accuracy=0.5111)
+    client, token = airflow_api(str(storage_root))
+    bearer = {"Authorization": f"Bearer {token}"}
+    assert "0.5111" in client.get("/stagewise/", headers=bearer).text
+    report_file = Path(out) / "report.json"
+    rewritten = json.loads(report_file.read_text())
+    rewritten["objective"]["test"] = 0.6222
+    report_file.write_text(json.dumps(rewritten))
+    later = report_file.stat().st_mtime + 5
+    os.utime(report_file, (later, later))
+    listing = client.get("/stagewise/", headers=bearer).text
+    assert "0.6222" in listing and "0.5111" not in listing
+
+
+def test_a_user_without_read_access_to_a_dag_sees_none_of_its_runs(airflow_api, storage_root, monkeypatch):
+    """The auth manager decides per DAG: its runs leave the list and their pages answer 403, existing or not."""
+    from airflow.api_fastapi.app import get_auth_manager
+
+    write_run(str(storage_root), RUN_ID)
+    client, token = airflow_api(str(storage_root))
+    manager = get_auth_manager()
+    monkeypatch.setattr(manager, "is_authorized_dag", lambda *, method, access_entity=None, details=None, user:
+                        details is None or details.id != "ml_pipeline")
+    bearer = {"Authorization": f"Bearer {token}"}
+    assert RUN_ID not in client.get("/stagewise/", headers=bearer).text
+    for path in (RUN_ID, f"{RUN_ID}/report.json", "no_such_run"):
+        assert client.get(f"/stagewise/runs/ml_pipeline/{path}", headers=bearer).status_code == 403
