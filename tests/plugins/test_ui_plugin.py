@@ -34,7 +34,8 @@ def load_plugin():
 
 
 def write_run(storage_root: str, run_id: str, *, test_accuracy: float = 0.91, html: str | None = None) -> str:
-    """A finished ml_pipeline run's report.json (written by tasks.report itself), optionally with a report.html."""
+    """A finished ml_pipeline run's report.json (written by tasks.report itself); its report.html replaced by ``html``,
+    or removed (a run reported before report.html existed) when ``html`` is None."""
     out = storage.run_prefix(storage_root, "ml_pipeline", run_id)
     report.build_report(
         dag_id="ml_pipeline", run_id=run_id, out=out,
@@ -49,8 +50,12 @@ def write_run(storage_root: str, run_id: str, *, test_accuracy: float = 0.91, ht
         predictions={"uri": storage.join(out, "predictions"), "rows": 297, "rows_quarantined": 1},
         registry={"model_name": "digits", "version": "m-abc", "promoted": True, "reason": "no current model",
                   "current": "m-abc"})
+    page = storage.join(out, "report.html")
     if html is not None:
-        storage.write_bytes(storage.join(out, "report.html"), html.encode())
+        storage.write_bytes(page, html.encode())
+    else:
+        fs, path = storage.filesystem(page)
+        fs.rm(path)
     return out
 
 
