@@ -117,8 +117,8 @@ def _watch(page):
 
 
 def test_the_stagewise_view_shows_the_finished_runs_report_and_the_registry(logged_in, ui_airflow, finished_run):
-    """From the Airflow UI: the Stagewise nav entry lists the run, the run's own tab opens its report (charts when the
-    report step wrote report.html), the registry shows the version this run registered; nothing leaves 127.0.0.1 and
+    """From the Airflow UI: the Stagewise nav entry lists the run, the run's own tab opens its report.html with its
+    four charts drawn, the registry shows the version this run registered; nothing leaves 127.0.0.1 and
     the console stays clean."""
     from urllib.parse import urlsplit
 
@@ -145,15 +145,13 @@ def test_the_stagewise_view_shows_the_finished_runs_report_and_the_registry(logg
     expect(run_view.locator(f"[data-stagewise-run-id='{finished_run}']")).to_be_visible()
     section = run_view.locator("[data-stagewise-section='report']")
     expect(section).to_be_visible()
-    if (run_folder / "report.html").exists():  # the report step's charts, framed in the run page
-        expect(section).to_have_attribute("data-stagewise-report", "html")
-        charts = run_view.frame_locator("#stagewise-report")
-        expect(charts.locator(".js-plotly-plot").first).to_be_visible()
-        expect(charts.locator("svg.main-svg").first).to_be_attached()
-        expect(charts.get_by_text(finished_run).first).to_be_attached()
-    else:  # report.json alone: the summary tables
-        expect(section).to_have_attribute("data-stagewise-report", "summary")
-        expect(section.get_by_role("heading", name="Training stages")).to_be_visible()
+    assert (run_folder / "report.html").exists(), "the report step writes report.html beside report.json"
+    expect(section).to_have_attribute("data-stagewise-report", "html")
+    charts = run_view.frame_locator("#stagewise-report")
+    expect(charts.get_by_text(finished_run).first).to_be_attached()
+    for title in ("Training across", "Sweep:", "Task timeline", "Data: rows by split"):  # the four sections' charts drew
+        expect(charts.locator(".js-plotly-plot", has_text=title).first).to_be_attached()
+    expect(charts.locator("svg.main-svg").first).to_be_attached()
     page.wait_for_load_state("networkidle")
     screens.shot("dag-run-stagewise-report")
 
