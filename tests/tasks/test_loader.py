@@ -195,3 +195,14 @@ def test_float_targets_arrive_as_float32_with_their_rows(tmp_path, shuffle):
     assert batches and all(labels.dtype == torch.float32 for _, labels in batches)
     for inputs, labels in batches:
         np.testing.assert_array_equal(labels.numpy(), inputs[:, 0].numpy() * 0.5 + 0.25)
+
+
+def test_windows_come_from_arrows_pool_and_go_back_when_no_batch_holds_them(split):
+    """Window memory is Arrow's pool (freed memory reused, no fresh pages for the kernel to zero), held while any batch
+    of the window lives and returned, all of it, once none does."""
+    uris, _ = split
+    before = pa.total_allocated_bytes()
+    kept = list(_make(uris).epoch(0))
+    assert pa.total_allocated_bytes() > before
+    del kept
+    assert pa.total_allocated_bytes() == before
