@@ -61,6 +61,18 @@ class Diverged(UserError):
         self.epoch, self.step, self.lr = epoch, step, lr
 
 
+def seed_step(seed: int, device: str) -> None:
+    """Seed the generators a step on ``device`` draws from: the CPU's and, on a GPU, that device's.
+
+    Not torch.manual_seed: it also queues a seed for every other backend with a formatted stack trace
+    (~0.4 ms a call, 3% of a 12 ms CPU step); the masks drawn are the same.
+    """
+    torch.default_generator.manual_seed(seed)
+    if device != "cpu":
+        with torch.cuda.device(torch.device(device)):
+            torch.cuda.manual_seed(seed)
+
+
 # torch.compile modes a stage can ask for ("off": eager).
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 
@@ -188,7 +200,7 @@ class Loop:
             index = position.micro_step
             boundary = (index + 1) % self.grad_accum_steps == 0 or index + 1 == micro_total
             # Dropout masks depend only on (seed, epoch, micro-step, rank): a resumed run draws the same ones.
-            torch.manual_seed(hash((self.seed, position.epoch, index, self.env.rank)) & 0x7FFFFFFF)
+            seed_step(hash((self.seed, position.epoch, index, self.env.rank)) & 0x7FFFFFFF, self.env.device)
             sync = self.ddp.no_sync() if (self.ddp is not None and not boundary) else contextlib.nullcontext()
             with sync:
                 inputs, targets = self.spec.batch(inputs, targets)

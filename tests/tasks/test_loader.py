@@ -195,3 +195,60 @@ def test_float_targets_arrive_as_float32_with_their_rows(tmp_path, shuffle):
     assert batches and all(labels.dtype == torch.float32 for _, labels in batches)
     for inputs, labels in batches:
         np.testing.assert_array_equal(labels.numpy(), inputs[:, 0].numpy() * 0.5 + 0.25)
+
+
+def test_windows_come_from_arrows_pool_and_go_back_when_no_batch_holds_them(split):
+    """Window memory is Arrow's pool (freed memory reused, no fresh pages for the kernel to zero), held while any batch
+    of the window lives and returned, all of it, once none does."""
+    uris, _ = split
+    before = pa.total_allocated_bytes()
+    kept = list(_make(uris).epoch(0))
+    assert pa.total_allocated_bytes() > before
+    del kept
+    assert pa.total_allocated_bytes() == before
+
+
+@pytest.mark.parametrize("block_rows", [2, 4, 100])
+def test_block_shuffle_moves_runs_of_stored_rows_and_covers_every_row_once(split, block_rows):
+    """The opt-in coarse shuffle: each window is cut, in reading order, into runs of ``block_rows`` rows that land whole
+    and in order in a permuted sequence; every row arrives once per epoch, features with their label; the same seed and
+    epoch repeat the order and a resume at any step yields the rest of it."""
+    uris, total = split
+    batches = _make(uris, shuffle_block_rows=block_rows, batch_size=1, window_row_groups=3)
+    for epoch in range(2):
+        got = [(inputs[0].tolist(), int(labels[0])) for inputs, labels in batches.epoch(epoch)]
+        ids = [int(features[0]) for features, _ in got]
+        assert sorted(ids) == list(range(total))
+        assert all(features == [i, 2 * i, -i] and label == i % 5 for (features, label), i in zip(got, ids, strict=True))
+        groups = batches.assignment(epoch)
+        offset = 0
+        for start in range(0, len(groups), 3):
+            read = np.concatenate([pq.ParquetFile(g.uri).read_row_group(g.index).column("row_id").to_numpy()
+                                   for g in groups[start : start + 3]])
+            window, offset = ids[offset : offset + len(read)], offset + len(read)
+            runs = [read[i : i + block_rows].tolist() for i in range(0, len(read), block_rows)]
+            position = {run[0]: k for k, run in enumerate(runs)}
+            landed, cursor = [], 0
+            while cursor < len(window):
+                run = runs[position[window[cursor]]]
+                assert window[cursor : cursor + len(run)] == run
+                landed.append(position[window[cursor]])
+                cursor += len(run)
+            assert sorted(landed) == list(range(len(runs)))
+        assert _ids(batches.epoch(epoch)) == _ids(batches.epoch(epoch))
+    full = _ids(batches.epoch(1))
+    for skip in (0, 1, len(full) // 2, len(full)):
+        assert _ids(batches.epoch(1, skip_steps=skip)) == full[skip:]
+
+
+def test_block_shuffle_of_one_row_is_the_default_order(split):
+    """shuffle_block_rows=1 is the row shuffle, batch for batch."""
+    uris, _ = split
+    assert _ids(_make(uris, shuffle_block_rows=1).epoch(1)) == _ids(_make(uris).epoch(1))
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, True])
+def test_a_bad_block_size_names_the_parameter(split, value):
+    """Anything but an integer >= 1 is refused up front, naming shuffle_block_rows."""
+    with pytest.raises(loader.UserError, match="shuffle_block_rows"):
+        _make(split[0], shuffle_block_rows=value)

@@ -19,7 +19,7 @@ from tasks.model import MLPClassifier, build, load_bundle
 from tasks.preprocess import Columns
 from tasks.spec import DataInfo
 from tasks.training.distributed import DistEnv
-from tasks.training.loop import Loop, scaled_lr, warmup_factor
+from tasks.training.loop import Loop, scaled_lr, seed_step, warmup_factor
 
 CPU = DistEnv(rank=0, local_rank=0, world_size=1, device="cpu")
 
@@ -188,6 +188,21 @@ def test_gradient_accumulation_takes_one_step_per_k_micro_batches(tmp_path):
     assert result.steps == math.ceil(micro / 3) == loop.steps_per_epoch(0)
     assert set(range(result.steps)) <= set(asked)
     assert loop.global_batch == 16 * 3
+
+
+def test_a_step_draws_the_masks_of_its_seed_without_torch_manual_seed(tmp_path, monkeypatch):
+    """seed_step leaves the CPU generator where torch.manual_seed would (same dropout masks, so resume holds), and the
+    loop never calls torch.manual_seed per step (it formats a stack trace per call: ~3% of a CPU step)."""
+    torch.manual_seed(12345)
+    expected = torch.rand(8)
+    torch.manual_seed(0)
+    seed_step(12345, "cpu")
+    assert torch.equal(torch.rand(8), expected)
+    loop = _loop(tmp_path)
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "manual_seed", lambda seed: calls.append(seed))
+    loop.train_epoch(lambda _step: 0.05)
+    assert calls == []
 
 
 # --- hyperparameters --------------------------------------------------------------------------------------------
