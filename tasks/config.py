@@ -476,6 +476,9 @@ class TrainStage(_Strict):
         "(tasks.loader, copied per batch), resident (read and moved once) or streamed (chunks copied ahead) on the device."))
     resident_memory_fraction: float = Field(0.5, gt=0, le=1, description=(
         "auto: data is resident when the whole train split (per rank) fits in this fraction of the device's memory."))
+    shuffle_block_rows: int = Field(1, ge=1, description=(
+        "Host loader: rows move within a shuffle window in runs of this many stored rows (1: single rows; more is "
+        "coarser and faster, see bench parquet_loading's details); device placements always shuffle single rows."))
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: forward and loss under bf16 autocast (weights stay fp32).")
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = Field("off", description=(
         "torch.compile the model with this mode (reduce-overhead: CUDA graphs); checkpoints stay the plain model's."))

@@ -233,7 +233,8 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             manifest, env, batch_size=micro_batch, seed=data_seed,
             too_few_rows=lambda rows: (f"stage {stage.name}: per-process batch {micro_batch} exceeds the ~{rows} train rows "
                                        f"each of {env.world_size} rank(s) gets; lower the batch or the process count"),
-            placement=stage.data_placement, memory_fraction=stage.resident_memory_fraction)
+            placement=stage.data_placement, memory_fraction=stage.resident_memory_fraction,
+            shuffle_block_rows=stage.shuffle_block_rows)
         torch.manual_seed(config.train.seed)
         # Checked at each checkpoint step too, so no checkpoint is ever written from NaN weights.
         built, loop = start_loop(config, manifest, env, swept, train, validation, seed=data_seed,

@@ -357,15 +357,17 @@ def accumulate_metrics(spec: ModelSpec, module: nn.Module, batches: Iterable[tup
 
 def rank_batches(manifest: dict[str, Any], env: DistEnv, *, batch_size: int, seed: int,
                  too_few_rows: Callable[[int], str], placement: str = "auto",
-                 memory_fraction: float = 0.5) -> tuple[Batches, Batches]:
+                 memory_fraction: float = 0.5, shuffle_block_rows: int = 1) -> tuple[Batches, Batches]:
     """This rank's shuffled train batches and its validation batches. A batch that leaves no optimizer step is a user
     error (``too_few_rows(rows per rank)`` says which setting); every rank reads the same Parquet metadata, so all refuse
     together and none hangs in DDP. ``placement`` (auto, host, resident, streamed) and ``memory_fraction`` pick where
-    batches are made (tasks.training.device_data.choose_placement); rank 0 logs the choice."""
+    batches are made (tasks.training.device_data.choose_placement); rank 0 logs the choice. ``shuffle_block_rows``
+    coarsens the host loader's shuffle (tasks.loader.ParquetBatches)."""
     from tasks.loader import split_batches
     from tasks.training.device_data import DeviceBatches, choose_placement, resident_bytes
 
-    train = split_batches(manifest, "train", rank=env.rank, world_size=env.world_size, batch_size=batch_size, seed=seed)
+    train = split_batches(manifest, "train", rank=env.rank, world_size=env.world_size, batch_size=batch_size, seed=seed,
+                          shuffle_block_rows=shuffle_block_rows)
     validation = split_batches(manifest, "validation", rank=env.rank, world_size=env.world_size, batch_size=4096,
                                seed=0, shuffle=False)
     if train.steps_per_epoch(0) == 0:
@@ -375,6 +377,9 @@ def rank_batches(manifest: dict[str, Any], env: DistEnv, *, batch_size: int, see
         log.info("data placement: %s", why)
     if chosen == "host":
         return train, validation
+    if shuffle_block_rows > 1 and env.master:
+        log.warning("shuffle_block_rows %d applies to the host loader only: %s batches shuffle single rows",
+                    shuffle_block_rows, chosen)
     resident = chosen == "resident"
     return DeviceBatches(train, env.device, resident=resident), DeviceBatches(validation, env.device, resident=resident)
 

@@ -200,6 +200,26 @@ def test_rank_batches_follow_the_placement(digits_run, placement, kind, caplog):
     assert len(lines) == 1 and lines[0].startswith(f"data placement: {expected} "), lines
 
 
+def test_a_stages_shuffle_block_rows_reaches_the_host_loader_and_is_validated(digits_run, caplog):
+    """train.stages[].shuffle_block_rows is the host loader's coarse shuffle (train split only); a device placement says
+    it does not apply; a value below 1 is refused at load, naming the key."""
+    import logging
+
+    from tasks import storage
+    from tasks.config import TrainStage
+    from tasks.preprocess import read_manifest
+    from tasks.training.loop import rank_batches
+
+    manifest = read_manifest(storage.join(digits_run[1], "preprocess", "manifest.json"))
+    train_batches, validation = rank_batches(manifest, CPU, batch_size=32, seed=0, too_few_rows=str, shuffle_block_rows=16)
+    assert (train_batches.shuffle_block_rows, validation.shuffle_block_rows) == (16, 1)
+    with caplog.at_level(logging.WARNING, logger="stagewise.train"):
+        rank_batches(manifest, CPU, batch_size=32, seed=0, too_few_rows=str, placement="resident", shuffle_block_rows=16)
+    assert any("applies to the host loader only" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="shuffle_block_rows"):
+        TrainStage(name="s1", profile="cpu", per_process_batch=8, epochs=1, shuffle_block_rows=0)
+
+
 PARAMS = {"lr": 0.05, "hidden": 32}
 
 
