@@ -72,6 +72,25 @@ def preprocess_digits(config_path: Path, out: str) -> dict:
     return preprocess.commit(config, out, reduced["stats_uri"], results)
 
 
+def train_digits_s1(root: Path, run: str, hidden: int) -> tuple[Path, str, str]:
+    """The digits preprocessed under ``root`` and stage s1 trained in-process (one rank, CPU) with ``hidden`` units;
+    returns (config path, run prefix, model URI)."""
+    import yaml
+
+    from tasks import train
+    from tasks.config import load_config
+
+    config_path = root / "pipeline.yaml"
+    config_path.write_text(yaml.safe_dump(base_config(root)))
+    out = str(root / "runs" / "test" / run)
+    preprocess_digits(config_path, out)
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            patch.delenv(name, raising=False)
+        result = train.run_stage(load_config(config_path), "s1", out, {"lr": 0.05, "hidden": hidden}, None)
+    return config_path, out, result["model_uri"]
+
+
 @pytest.fixture
 def digits_run(write_config, storage_root) -> tuple[Path, str]:
     """A config file and a run prefix holding a committed preprocess manifest of the digits."""

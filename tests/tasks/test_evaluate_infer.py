@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from tasks import infer, storage, train
+from tasks import infer, storage
 from tasks.config import load_config
 from tasks.errors import UserError
 from tasks.evaluate import evaluate
@@ -20,22 +20,13 @@ from tasks.model import BUILTIN_SPEC, MLPClassifier, build, data_info, load_bund
 from tasks.preprocess import load_split, read_manifest
 from tasks.spec import DataInfo, SpecRef
 from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
-from tests.conftest import base_config, preprocess_digits
+from tests.conftest import base_config, preprocess_digits, train_digits_s1
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Once per module: digits preprocessed and stage s1 trained in-process; returns (config path, run prefix, model URI)."""
-    root = tmp_path_factory.mktemp("storage")
-    config_path = root / "pipeline.yaml"
-    config_path.write_text(yaml.safe_dump(base_config(root)))
-    out = str(root / "runs" / "test" / "infer")
-    preprocess_digits(config_path, out)
-    with pytest.MonkeyPatch.context() as patch:
-        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-            patch.delenv(name, raising=False)
-        result = train.run_stage(load_config(config_path), "s1", out, {"lr": 0.05, "hidden": 32}, None)
-    return config_path, out, result["model_uri"]
+    return train_digits_s1(tmp_path_factory.mktemp("storage"), "infer", hidden=32)
 
 
 def _constant_model(out: str, path: Path, label: int) -> str:

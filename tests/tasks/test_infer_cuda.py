@@ -15,12 +15,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-import yaml
 
-from tasks import infer, storage, train
+from tasks import infer, storage
 from tasks.config import load_config
 from tasks.evaluate import evaluate
-from tests.conftest import base_config, preprocess_digits
+from tests.conftest import train_digits_s1
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU scoring tests need one")
 
@@ -31,16 +30,7 @@ NEAR_TIE = 2 * PROBABILITY_ATOL
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Digits preprocessed and s1 trained on the CPU (hidden 64); returns (config path, run prefix, model URI)."""
-    root = tmp_path_factory.mktemp("storage")
-    config_path = root / "pipeline.yaml"
-    config_path.write_text(yaml.safe_dump(base_config(root)))
-    out = str(root / "runs" / "test" / "cuda")
-    preprocess_digits(config_path, out)
-    with pytest.MonkeyPatch.context() as patch:
-        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-            patch.delenv(name, raising=False)
-        result = train.run_stage(load_config(config_path), "s1", out, {"lr": 0.05, "hidden": 64}, None)
-    return config_path, out, result["model_uri"]
+    return train_digits_s1(tmp_path_factory.mktemp("storage"), "cuda", hidden=64)
 
 
 def _score(config_path, model_uri: str, device: str, out: str, batch_size: int) -> list:
