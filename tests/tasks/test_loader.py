@@ -241,6 +241,35 @@ def test_block_shuffle_moves_runs_of_stored_rows_and_covers_every_row_once(split
         assert _ids(batches.epoch(1, skip_steps=skip)) == full[skip:]
 
 
+@pytest.mark.parametrize("block_rows", [1, 3, 4])
+def test_batches_are_pinned_to_each_windows_seeded_permutation(split, block_rows):
+    """Exact batches, features and labels, for (seed, epoch, rank, window): window n's k-th run of ``block_rows`` rows
+    out is run default_rng([seed, epoch, rank, n]).permutation(runs)[k] of its reading order (for one row, the i-th
+    row read lands at .permutation(rows)[i]), and batches cut the windows' concatenation, spanning windows. Any faster
+    way to move rows must keep this, or resumed checkpoints change their data."""
+    uris, _ = split
+    batches = _make(uris, rank=1, world_size=2, batch_size=5, shuffle_block_rows=block_rows)
+    for epoch in range(2):
+        windows, groups = [], batches.assignment(epoch)
+        for number, start in enumerate(range(0, len(groups), 3)):
+            ids = np.concatenate([pq.ParquetFile(g.uri).read_row_group(g.index).column("row_id").to_numpy()
+                                  for g in groups[start : start + 3]])
+            rng = np.random.default_rng([3, epoch, 1, number])
+            if block_rows == 1:
+                window = np.empty_like(ids)
+                window[rng.permutation(len(ids))] = ids
+            else:
+                runs = [ids[i : i + block_rows] for i in range(0, len(ids), block_rows)]
+                window = np.concatenate([runs[k] for k in rng.permutation(len(runs))])
+            windows.append(window)
+        expected = np.concatenate(windows)[: batches.steps_per_epoch(epoch) * 5].reshape(-1, 5)
+        got = list(batches.epoch(epoch))
+        assert len(got) == len(expected)
+        for (inputs, labels), ids in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(inputs.numpy(), np.stack([ids, 2 * ids, -ids], axis=1).astype(np.float32))
+            np.testing.assert_array_equal(labels.numpy(), ids % 5)
+
+
 def test_block_shuffle_of_one_row_is_the_default_order(split):
     """shuffle_block_rows=1 is the row shuffle, batch for batch."""
     uris, _ = split
