@@ -16,6 +16,7 @@ in the same split. Readers trust only ``preprocess/manifest.json``, written last
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import logging
 import math
@@ -179,8 +180,9 @@ def _key_bits(keys: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 
 def key_hashes(keys: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """A 64-bit hash per key for the duplicate check: one-to-one for integer keys, may collide for strings."""
-    return _mix64(_key_bits(keys))
+    """A 64-bit hash per key for the duplicate check: an integer key's own bits (never collide, and ids that
+    arrive in order sort in linear time), a string key's SipHash (may collide)."""
+    return _key_bits(keys)
 
 
 def split_of(keys: pa.Array | pa.ChunkedArray, split: Split) -> np.ndarray:
@@ -233,73 +235,91 @@ def flatten_features(batch: pa.RecordBatch, columns: list[str], shapes: dict[str
 
 
 class _Scratch(threading.local):
-    """Arrays reused from batch to batch and shard to shard in one thread: a fresh 30 MB array page-faults
-    in anew each time (about 40 % of our CPU time was kernel time, mostly such faults)."""
+    """Arrays reused from batch to batch and shard to shard in one thread: a fresh large array page-faults
+    in anew each time (in a fresh task process about 40 % of our CPU time was the kernel zeroing such pages)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, np.ndarray] = {}
 
-    def array(self, name: str, shape: tuple[int, int], dtype: type = np.float64, order: str = "C") -> np.ndarray:
-        """An uninitialised contiguous array of ``shape``, on the memory of the last one named ``name`` when it fits."""
-        size = shape[0] * shape[1]
+    def array(self, name: str, shape: tuple[int, ...], dtype: type = np.float64) -> np.ndarray:
+        """An uninitialised C-contiguous array of ``shape``, on the memory of the last one named ``name`` when it fits."""
+        size = math.prod(shape)
         buffer = self._buffers.get(name)
         if buffer is None or buffer.dtype != dtype or buffer.size < size:
             buffer = self._buffers[name] = np.empty(size, dtype)
-        return buffer[:size].reshape(shape, order=order)
+        return buffer[:size].reshape(shape)
 
 
 _SCRATCH = _Scratch()
+# Rows normalised per block: a block's float32 rows and float64 column stay in a core's L2 cache.
+NORMALISE_BLOCK_ROWS = 4_096
 
 
-def _layout(array: np.ndarray) -> str:
-    """The order numpy's default (order K) gives a result computed from a contiguous ``array``."""
-    return "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+def _float64_values(column: pa.Array) -> np.ndarray:
+    """A plain numeric column as float64: a float64 column's own buffer (no copy), other types converted.
+
+    The value under a null is arbitrary: callers use only rows the validity bitmap marks valid.
+    """
+    if pa.types.is_float64(column.type):
+        return np.frombuffer(column.buffers()[1], np.float64, count=len(column), offset=column.offset * 8)
+    return np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.float64)
 
 
-@dataclass
-class CleanBatch:
-    """One cleaned record batch: kept keys, labels (int64 classes or float64 targets) and the float64 feature matrix."""
+def feature_vectors_of(batch: pa.RecordBatch, columns: list[str], shapes: dict[str, list[int]],
+                       uri: str) -> tuple[list[np.ndarray], np.ndarray]:
+    """Each feature element of ``batch`` as a float64 vector, and the rows whose every feature is present and finite.
 
-    keys: pa.Array
-    labels: np.ndarray
-    features: np.ndarray
-    rows_in: int
+    Column at a time, so each step works on one cache-sized vector, and a float64 column is read in place.
+    A vector's value in a row not kept is arbitrary. Tensor columns give one (strided) vector per element.
+    """
+    keep = np.ones(batch.num_rows, bool)
+    finite = np.empty(batch.num_rows, bool)
+    vectors: list[np.ndarray] = []
+    for name in columns:
+        column = batch.column(name)
+        if name in shapes:
+            block = _tensor_block(column, name, shapes[name], uri)  # NaN where a list or element is null
+            vectors.extend(block[:, i] for i in range(block.shape[1]))
+            continue
+        if column.null_count:
+            keep &= np.asarray(column.is_valid().to_numpy(zero_copy_only=False))
+        vectors.append(_float64_values(column))
+    with np.errstate(invalid="ignore"):
+        for vector in vectors:
+            keep &= np.isfinite(vector, out=finite)
+    return vectors, keep
 
 
 @dataclass
 class _CheckedBatch:
-    """One record batch before the row filter: every row's key, label and features, and which rows are clean."""
+    """One record batch before the row filter: every row's key and label, the feature vectors, and which rows are clean."""
 
     keys: pa.Array
     labels: np.ndarray
-    features: np.ndarray
+    vectors: list[np.ndarray]
     keep: np.ndarray
 
+    @functools.cached_property
+    def kept(self) -> np.ndarray | None:
+        """Indices of the clean rows; None when every row is clean."""
+        return None if self.keep.all() else np.flatnonzero(self.keep)
 
-def _finite_rows(matrix: np.ndarray) -> np.ndarray:
-    """Rows whose every value is finite, a (contiguous) column at a time: no matrix-sized boolean temporary."""
-    keep = np.ones(len(matrix), bool)
-    finite = np.empty(len(matrix), bool)
-    for index in range(matrix.shape[1]):
-        keep &= np.isfinite(matrix[:, index], out=finite)
-    return keep
+    def kept_keys(self, kept: np.ndarray | None) -> pa.Array:
+        return self.keys if kept is None else self.keys.take(pa.array(kept))
 
 
 def _iter_checked(uri: str, dataset: Dataset) -> Iterator[tuple[Columns, _CheckedBatch]]:
     """Stream ``uri`` in batches, marking rows with a null key/label, a null/non-finite feature or float target.
 
     A class label outside [0, num_classes) is not dirt but a wrong schema: it fails naming file and value.
-    A batch's feature matrix is scratch memory, overwritten by the next batch.
     """
     with storage.open_parquet(uri) as parquet:
         columns = resolve_columns(dataset, parquet.schema_arrow, uri)
         wanted = [columns.key, columns.label, *columns.raw]
         for batch in storage.iter_batches(parquet, wanted, BATCH_ROWS, uri=uri):
-            scratch = _SCRATCH.array("features", (batch.num_rows, len(columns.features)), order="F")
-            features = flatten_features(batch, columns.raw, columns.shapes, uri, out=scratch)
+            vectors, keep = feature_vectors_of(batch, columns.raw, columns.shapes, uri)
             label_column = batch.column(columns.label)
             key_column = batch.column(columns.key)
-            keep = _finite_rows(features)
             keep &= ~np.asarray(label_column.is_null().to_numpy(zero_copy_only=False))
             keep &= ~np.asarray(key_column.is_null().to_numpy(zero_copy_only=False))
             if columns.num_classes is None:
@@ -311,22 +331,7 @@ def _iter_checked(uri: str, dataset: Dataset) -> Iterator[tuple[Columns, _Checke
                 if bad.any():
                     raise DataError(f"{uri}: label column '{columns.label}' has value {labels[bad][0]} outside "
                                     f"[0, {columns.num_classes}) (dataset.num_classes) in {int(bad.sum())} row(s)")
-            yield columns, _CheckedBatch(key_column, labels, features, keep)
-
-
-def iter_clean(uri: str, dataset: Dataset) -> Iterator[tuple[Columns, CleanBatch]]:
-    """Stream ``uri`` in batches; drop rows with a null key/label, a null/non-finite feature or float target.
-
-    A class label outside [0, num_classes) is not dirt but a wrong schema: it fails naming file and value.
-    A batch's arrays may be scratch memory, overwritten by the next batch.
-    """
-    for columns, checked in _iter_checked(uri, dataset):
-        keep = checked.keep
-        if keep.all():
-            yield columns, CleanBatch(checked.keys, checked.labels, checked.features, len(keep))
-        else:
-            yield columns, CleanBatch(checked.keys.filter(pa.array(keep)), checked.labels[keep], checked.features[keep],
-                                      len(keep))
+            yield columns, _CheckedBatch(key_column, labels, vectors, keep)
 
 
 def _merge_core(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -354,30 +359,44 @@ def _merge_moments(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _core(values: np.ndarray) -> dict[str, Any]:
-    """count, mean, m2, min, max per column of a (rows, columns) matrix."""
-    if not len(values):
-        width = values.shape[1]
+def _core(vectors: list[np.ndarray], kept: np.ndarray | None) -> dict[str, Any]:
+    """count, mean, m2, min, max of each vector over the rows ``kept`` (None: all), a vector at a time."""
+    count = (len(vectors[0]) if kept is None else len(kept)) if vectors else 0
+    if count == 0:
+        width = len(vectors)
         return {"count": 0, "mean": [0.0] * width, "m2": [0.0] * width, "min": [float("inf")] * width,
                 "max": [float("-inf")] * width}
-    mean = values.mean(axis=0)
-    # the layout of values - mean, so that the sums below add in the same order (bit-identical moments)
-    centred = np.subtract(values, mean, out=_SCRATCH.array("work", values.shape, order=_layout(values)))
-    np.square(centred, out=centred)  # in place: one temporary, not two (the same values as (values - mean) ** 2)
-    return {"count": len(values), "mean": mean.tolist(), "m2": centred.sum(axis=0).tolist(),
-            "min": values.min(axis=0).tolist(), "max": values.max(axis=0).tolist()}
+    core: dict[str, Any] = {"count": count, "mean": [], "m2": [], "min": [], "max": []}
+    for vector in vectors:
+        values = vector if kept is None else np.take(vector, kept, out=_SCRATCH.array("kept", (count,)), mode="clip")
+        mean = values.mean()
+        centred = np.subtract(values, mean, out=_SCRATCH.array("centred", (count,)))
+        np.square(centred, out=centred)
+        core["mean"].append(float(mean))
+        core["m2"].append(float(centred.sum()))
+        core["min"].append(float(values.min()))
+        core["max"].append(float(values.max()))
+    return core
 
 
 def _empty_moments(num_features: int, num_classes: int | None) -> dict[str, Any]:
-    return _batch_moments(CleanBatch(pa.array([], pa.int64()), np.zeros(0), np.zeros((0, num_features)), 0), num_classes)
-
-
-def _batch_moments(batch: CleanBatch, num_classes: int | None) -> dict[str, Any]:
-    moments = {**_core(batch.features), "rows_in": batch.rows_in}
+    moments = {**_core([np.zeros(0)] * num_features, None), "rows_in": 0}
     if num_classes is None:
-        moments["target"] = _core(batch.labels.astype(np.float64).reshape(-1, 1))
+        moments["target"] = _core([np.zeros(0)], None)
     else:
-        moments["label_counts"] = np.bincount(batch.labels.astype(np.int64), minlength=num_classes).tolist()
+        moments["label_counts"] = [0] * num_classes
+    return moments
+
+
+def _batch_moments(batch: _CheckedBatch, num_classes: int | None) -> dict[str, Any]:
+    """The moments of one batch's clean rows, and the rows it read."""
+    kept = batch.kept
+    moments = {**_core(batch.vectors, kept), "rows_in": len(batch.keep)}
+    labels = batch.labels if kept is None else batch.labels[kept]
+    if num_classes is None:
+        moments["target"] = _core([labels.astype(np.float64)], None)
+    else:
+        moments["label_counts"] = np.bincount(labels.astype(np.int64), minlength=num_classes).tolist()
     return moments
 
 
@@ -404,10 +423,10 @@ def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dic
     moments: dict[str, Any] | None = None
     columns: Columns | None = None
     hashes: list[np.ndarray] = []
-    for columns, batch in iter_clean(shard, config.dataset):
+    for columns, batch in _iter_checked(shard, config.dataset):
         part = _batch_moments(batch, columns.num_classes)
         moments = _merge_moments(moments or _empty_moments(len(columns.features), columns.num_classes), part)
-        hashes.append(key_hashes(batch.keys))
+        hashes.append(key_hashes(batch.kept_keys(batch.kept)))
     if columns is None:
         # An empty file still has a schema; validate it so a wrong file fails here, not later.
         columns = resolve_columns(config.dataset, storage.read_schema(shard), shard)
@@ -425,7 +444,8 @@ def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dic
 
 
 # --- duplicate keys ---------------------------------------------------------------------------------------------
-# Each shard's stats step writes the sorted 64-bit hashes of its kept keys (8 bytes a row); reduce merges
+# Each shard's stats step writes the sorted 64-bit hashes of its kept keys (8 bytes a row: an integer key's own
+# bits, a string key's SipHash); reduce merges
 # them k-way in bounded memory, and every hash seen twice is confirmed by reading the real key values
 # from the files involved, so a hash collision is never reported and a duplicate never missed.
 
@@ -436,7 +456,8 @@ MAX_CANDIDATES = 1 << 20  # hash matches gathered before they are confirmed agai
 
 def _write_key_hashes(out: str, index: int, hashes: list[np.ndarray]) -> str:
     """Write one shard's sorted key hashes, attempt-unique (the stats JSON written after it names the file)."""
-    merged = np.sort(np.concatenate(hashes)) if hashes else np.zeros(0, np.uint64)
+    # stable: timsort finds the runs of keys that arrive in order (5 ms -> 0.1 ms for 125k sorted ids)
+    merged = np.sort(np.concatenate(hashes), kind="stable") if hashes else np.zeros(0, np.uint64)
     uri = storage.join(_stats_prefix(out), f"keys-{index:05d}-{storage.unique_token()}{KEY_HASHES_SUFFIX}")
     storage.write_bytes(uri, merged.astype("<u8", copy=False).tobytes())
     return uri
@@ -512,11 +533,12 @@ def _confirm_duplicates(config: PipelineConfig, shards: list[str], hashes: np.nd
     for position in np.unique(owners).tolist():
         uri = shards[position]
         in_this_file: set[Any] = set()
-        for _, batch in iter_clean(uri, config.dataset):
-            matches = np.isin(key_hashes(batch.keys), wanted)
+        for _, batch in _iter_checked(uri, config.dataset):
+            keys = batch.kept_keys(batch.kept)
+            matches = np.isin(key_hashes(keys), wanted)
             if not matches.any():
                 continue
-            for value in batch.keys.filter(pa.array(matches)).to_pylist():
+            for value in keys.filter(pa.array(matches)).to_pylist():
                 if value in in_this_file:
                     raise DataError(f"{uri}: dataset.key '{key}' value {value!r} occurs more than once in this file; "
                                     f"the key must be unique (every such row would be trained on and predicted twice)")
@@ -654,15 +676,24 @@ def feature_matrix(table: pa.Table | pa.RecordBatch) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros((0, width), np.float32)
 
 
-def normalise(features: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
-    """Standardise with the data set's statistics, as float32 (what training consumes), in ``features``' layout.
+def normalised_rows(vectors: list[np.ndarray], rows: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """The C-ordered float32 (len(rows), features) matrix of ``(vector[rows] - mean) / std``, one column per vector.
 
-    The result and its float64 temporary are scratch memory, overwritten by the next call; the values
-    are those of ``((features - mean) / std).astype(np.float32)``.
+    Every row is normalised in float64 and rounded to float32 (what training consumes) in row blocks that stay
+    in cache, reading each vector in order; then ``rows`` are gathered whole. The result is scratch memory,
+    overwritten by the next call.
     """
-    order = _layout(features)
-    centred = np.subtract(features, mean, out=_SCRATCH.array("work", features.shape, order=order))
-    return np.divide(centred, std, out=_SCRATCH.array("normalised", features.shape, np.float32, order=order))
+    num_rows = len(vectors[0]) if vectors else 0
+    every_row = _SCRATCH.array("every_row", (num_rows, len(vectors)), np.float32)
+    for start in range(0, num_rows, NORMALISE_BLOCK_ROWS):
+        stop = min(start + NORMALISE_BLOCK_ROWS, num_rows)
+        work = _SCRATCH.array("work", (stop - start,))
+        target = every_row[start:stop]
+        for column, vector in enumerate(vectors):
+            np.subtract(vector[start:stop], mean[column], out=work)
+            np.divide(work, std[column], out=target[:, column])
+    result = _SCRATCH.array("normalised", (len(rows), len(vectors)), np.float32)
+    return np.take(every_row, rows, axis=0, out=result, mode="clip")  # the rows are in range; clip skips a buffered check
 
 
 def transform_shard(config: PipelineConfig, shard: str, index: int, out: str, stats_uri: str) -> dict[str, Any]:
@@ -682,22 +713,23 @@ def transform_shard(config: PipelineConfig, shard: str, index: int, out: str, st
             if difference:
                 raise DataError(difference)
             rows_in += len(batch.keep)
-            clean = batch.keep.all()
-            keys = batch.keys if clean else batch.keys.filter(pa.array(batch.keep))
-            labels = batch.labels if clean else batch.labels[batch.keep]
+            kept = batch.kept
+            keys = batch.kept_keys(kept)
+            labels = batch.labels if kept is None else batch.labels[kept]
             schema = processed_schema(columns, keys.type)
             assignment = split_of(keys, config.preprocess.split)
-            kept = None if clean else np.flatnonzero(batch.keep)  # kept row i is matrix row kept[i]
-            # every row, dirty ones too: cheaper than a filtered copy of the matrix, and each split picks its rows
-            normalised = normalise(batch.features, mean, std)
+            # each split's rows together, in their order in the file: one contiguous block of the matrix per split
+            order = np.argsort(assignment, kind="stable")
+            bounds = np.concatenate([[0], np.cumsum(np.bincount(assignment, minlength=len(SPLITS)))])
+            normalised = normalised_rows(batch.vectors, order if kept is None else kept[order], mean, std)
             for code, name in enumerate(SPLITS):
-                chosen = assignment == code
-                count = int(chosen.sum())
+                start, stop = int(bounds[code]), int(bounds[code + 1])
+                count = stop - start
                 if not count:
                     continue
-                picked = chosen if kept is None else kept[chosen]
-                arrays = [keys.filter(pa.array(chosen)), pa.array(labels[chosen], schema.field(columns.label).type),
-                          feature_vectors(normalised[picked])]
+                chosen = order[start:stop]
+                arrays = [keys.take(pa.array(chosen)), pa.array(labels[chosen], schema.field(columns.label).type),
+                          feature_vectors(normalised[start:stop])]
                 if name not in writers:
                     fs, path = storage.filesystem(uris[name])
                     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
@@ -705,7 +737,9 @@ def transform_shard(config: PipelineConfig, shard: str, index: int, out: str, st
                     handles.append(handle)
                     # Float bytes neither dictionary-encode nor compress well; skipping both reads faster.
                     dictionary = [columns.label] if columns.num_classes is not None else False
+                    # min/max of the feature bytes would tell a reader nothing: no statistics for that column
                     writers[name] = pq.ParquetWriter(handle, schema, use_dictionary=dictionary,
+                                                     write_statistics=[columns.key, columns.label],
                                                      compression={columns.key: "snappy", columns.label: "snappy",
                                                                   FEATURES_COLUMN: "none"})
                 writers[name].write_batch(pa.record_batch(arrays, schema=schema), row_group_size=PROCESSED_ROW_GROUP_ROWS)

@@ -521,18 +521,40 @@ def test_read_manifest_refuses_other_kinds(tmp_path):
         preprocess.read_manifest(uri)
 
 
-@pytest.mark.parametrize("order", ["C", "F"])
-def test_moments_and_normalise_on_scratch_memory_equal_plain_numpy_bit_for_bit(order):
-    """The moments and the normalised floats computed into reused scratch arrays equal plain numpy's exactly, in
-    either layout (the statistics pass sees Fortran-ordered all-clean batches and C-ordered filtered ones)."""
+@pytest.mark.parametrize("kept_every_row", [True, False])
+def test_moments_and_normalise_on_scratch_memory_equal_plain_numpy_bit_for_bit(kept_every_row):
+    """The column-at-a-time moments and the block-wise normalised rows, computed into reused scratch arrays, equal
+    plain numpy on the kept rows exactly, for contiguous vectors and strided ones (a tensor column's elements)."""
     rng = np.random.default_rng(3)
-    values = np.asarray(rng.normal(5.0, 3.0, (4_001, 7)), order=order)
-    mean, std = values.mean(axis=0), values.std(axis=0)
-    for _ in range(2):  # the second call reuses the first one's memory
-        core = preprocess._core(values)
-        assert core["m2"] == ((values - mean) ** 2).sum(axis=0).tolist()
-        assert core["mean"] == mean.tolist()
-        assert np.array_equal(preprocess.normalise(values, mean, std), ((values - mean) / std).astype(np.float32))
+    matrix = rng.normal(5.0, 3.0, (9_001, 7))
+    vectors = [matrix[:, 0].copy(), *(matrix[:, i] for i in range(1, 7))]  # one contiguous, six strided
+    kept = None if kept_every_row else np.flatnonzero(rng.random(len(matrix)) > 0.1)
+    clean = matrix if kept is None else matrix[kept]
+    mean, std = clean.mean(axis=0), clean.std(axis=0)
+    for size in (9_001, 5_000):  # the second call is smaller and reuses the first one's memory
+        rows = rng.permutation(len(matrix))[:size]
+        core = preprocess._core(vectors, kept)
+        assert core["count"] == len(clean)
+        assert core["mean"] == [clean[:, i].mean() for i in range(7)]
+        assert core["m2"] == [((clean[:, i] - clean[:, i].mean()) ** 2).sum() for i in range(7)]
+        assert core["min"] == clean.min(axis=0).tolist() and core["max"] == clean.max(axis=0).tolist()
+        normalised = preprocess.normalised_rows(vectors, rows, mean, std)
+        assert normalised.flags.c_contiguous and normalised.dtype == np.float32
+        assert np.array_equal(normalised, ((matrix[rows] - mean) / std).astype(np.float32))
+
+
+def test_feature_vectors_keep_only_rows_present_and_finite_in_every_column():
+    """A null or non-finite value in any feature column marks its row dirty; a float64 column is read in place, an
+    integer one converted, and a tensor column gives one vector per element."""
+    batch = pa.record_batch({
+        "a": pa.array([1.0, None, 3.0, 4.0, 5.0]),
+        "b": pa.array([1, 2, 3, None, 5], pa.int32()),
+        "t": pa.array([[1.0, 2.0], [3.0, 4.0], [5.0, float("inf")], [7.0, 8.0], [9.0, 10.0]]),
+    })
+    vectors, keep = preprocess.feature_vectors_of(batch, ["a", "b", "t"], {"t": [2]}, "mem.parquet")
+    assert keep.tolist() == [True, False, False, False, True]
+    assert np.shares_memory(vectors[0], np.frombuffer(batch.column("a").buffers()[1], np.float64))
+    assert [v[[0, 4]].tolist() for v in vectors] == [[1.0, 5.0], [1.0, 5.0], [1.0, 9.0], [2.0, 10.0]]
 
 
 def test_processed_rows_do_not_depend_on_the_batch_size(synthetic, storage_root, monkeypatch):
