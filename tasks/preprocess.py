@@ -445,9 +445,9 @@ def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dic
 
 # --- duplicate keys ---------------------------------------------------------------------------------------------
 # Each shard's stats step writes the sorted 64-bit hashes of its kept keys (8 bytes a row: an integer key's own
-# bits, a string key's SipHash); reduce merges
-# them k-way in bounded memory, and every hash seen twice is confirmed by reading the real key values
-# from the files involved, so a hash collision is never reported and a duplicate never missed.
+# bits, a string key's SipHash); reduce merges them k-way in bounded memory, and every hash seen twice is
+# confirmed by reading the real key values from the files involved, so a hash collision is never reported
+# and a duplicate never missed.
 
 KEY_HASHES_SUFFIX = ".u64"
 MERGE_BUDGET_HASHES = 8 << 20  # hashes buffered across all shards while merging: 64 MiB
