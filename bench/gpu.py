@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import BenchmarkSkipped
+from bench.training import resident_loop, sync
 
 # The rows of issue 13's table: (MLP hidden width, batch).
 TRAIN_ROWS = ((1024, 1024), (4096, 1024), (1024, 256))
@@ -35,42 +36,6 @@ def cuda_device() -> Any:
     if not torch.cuda.is_available():
         raise BenchmarkSkipped("no CUDA")
     return torch.device("cuda")
-
-
-def _sync(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # queued kernels belong to the epoch that queued them
-
-
-def _resident_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any, batch: int, epochs: int,
-                   device: Any) -> list[float]:
-    """A plain loop with the whole split moved to the device once: randperm and slicing on the device."""
-    import torch
-
-    from tasks.model import build, data_info
-    from tasks.training.loop import make_optimizer
-
-    torch.manual_seed(0)
-    model = build(model_spec, data_info(manifest), full).to(device)
-    optimizer = make_optimizer(model, full)
-    x, y = x.to(device), y.to(device)
-    steps, rates = len(y) // batch, []
-    for epoch in range(epochs):
-        order = torch.randperm(len(y), device=device, generator=torch.Generator(device).manual_seed(epoch))
-        _sync(device)
-        started = time.perf_counter()
-        for step in range(steps):
-            index = order[step * batch : (step + 1) * batch]
-            inputs, targets = model_spec.batch(x[index], y[index])
-            loss = model_spec.loss(model(inputs), targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-        _sync(device)
-        rates.append(steps * batch / (time.perf_counter() - started))
-    return rates[1:]
 
 
 def _dataloader_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any, batch: int, epochs: int,
@@ -89,7 +54,7 @@ def _dataloader_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any
                         pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(0))
     rates = []
     for _ in range(epochs):
-        _sync(device)
+        sync(device)
         started, seen = time.perf_counter(), 0
         for features, labels in loader:
             inputs, targets = model_spec.batch(features.to(device, non_blocking=True), labels.to(device, non_blocking=True))
@@ -98,7 +63,7 @@ def _dataloader_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any
             loss.backward()
             optimizer.step()
             seen += len(labels)
-        _sync(device)
+        sync(device)
         rates.append(seen / (time.perf_counter() - started))
     return rates[1:]
 
@@ -132,7 +97,7 @@ def measure_training(rows: int, device: Any, epochs: int = 3, table: tuple = TRA
             torch.set_num_threads(threads)  # the stage set its own; the loops get the same
             history = json.loads(Path(out, "train", stage["name"], "metrics.json").read_text())["history"]
             ours = statistics.median(h["samples_per_s"] for h in history[1:])
-            resident = statistics.median(_resident_loop(model_spec, manifest, full, x, y, batch, epochs, device))
+            resident = statistics.median(resident_loop(model_spec, manifest, full, x, y, batch, epochs, device))
             loader = statistics.median(_dataloader_loop(model_spec, manifest, full, x, y, batch, epochs, device))
             measured.append({"hidden": hidden, "batch": batch, "ours": round(ours), "resident": round(resident),
                              "dataloader": round(loader), "ours_vs_resident": round(ours / resident, 4),
@@ -214,7 +179,7 @@ def measure_inference(rows: int, device: Any, hidden: int = 1024, batch: int = 6
         model = bundle.module.to(device).eval()
 
         def plain_once() -> float:
-            _sync(device)
+            sync(device)
             started = time.perf_counter()
             with torch.inference_mode():
                 for start in range(0, len(resident), batch):

@@ -80,10 +80,9 @@ def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict
     """
     import torch
 
-    from tasks.model import build, data_info, load_spec
+    from tasks.model import load_spec
     from tasks.preprocess import load_split, read_manifest
     from tasks.train import resolve_params, run_stage
-    from tasks.training.loop import make_optimizer
 
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         config, out = _prepare(Path(tmp), rows, features=features, image_shape=image_shape, **{
@@ -97,23 +96,7 @@ def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict
 
         def plain_loop() -> list[float]:
             torch.set_num_threads(threads)
-            torch.manual_seed(0)
-            model = build(model_spec, data_info(manifest), full)
-            optimizer = make_optimizer(model, full)
-            rates = []
-            for epoch in range(epochs):
-                order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
-                started = time.perf_counter()
-                steps = len(y) // batch
-                for step in range(steps):
-                    index = order[step * batch : (step + 1) * batch]
-                    inputs, targets = model_spec.batch(x[index], y[index])
-                    loss = model_spec.loss(model(inputs), targets)
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    optimizer.step()
-                rates.append(steps * batch / (time.perf_counter() - started))
-            return rates[1:]
+            return resident_loop(model_spec, manifest, full, x, y, batch, epochs, torch.device("cpu"))
 
         our_rates, baseline_rates = [], []
         for _ in range(2):  # alternated, so both sides meet the same machine
@@ -128,6 +111,44 @@ def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict
                         "params": params, "batch": batch, "threads": threads,
                         "baseline_step_ms": round(1000 * batch / baseline, 2), "epochs_measured": epochs - 1,
                         f"ours_val_{config.objective.metric}": result["val_metric"]}}
+
+
+def sync(device: Any) -> None:
+    """Wait for a CUDA device's queued kernels (they belong to the epoch that queued them); nothing on CPU."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def resident_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any, batch: int, epochs: int,
+                  device: Any) -> list[float]:
+    """The plain loop baseline: the whole split on ``device`` once, a seeded ``randperm`` per epoch and slicing
+    there; samples/s of each epoch after the first."""
+    import torch
+
+    from tasks.model import build, data_info
+    from tasks.training.loop import make_optimizer
+
+    torch.manual_seed(0)
+    model = build(model_spec, data_info(manifest), full).to(device)
+    optimizer = make_optimizer(model, full)
+    x, y = x.to(device), y.to(device)
+    steps, rates = len(y) // batch, []
+    for epoch in range(epochs):
+        order = torch.randperm(len(y), device=device, generator=torch.Generator(device).manual_seed(epoch))
+        sync(device)
+        started = time.perf_counter()
+        for step in range(steps):
+            index = order[step * batch : (step + 1) * batch]
+            inputs, targets = model_spec.batch(x[index], y[index])
+            loss = model_spec.loss(model(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        sync(device)
+        rates.append(steps * batch / (time.perf_counter() - started))
+    return rates[1:]
 
 
 def train_throughput(rows: int = 120_000) -> dict[str, Any]:
