@@ -183,6 +183,34 @@ def s3_endpoint():
 
 
 @pytest.fixture
+def s3_env(s3_endpoint, monkeypatch):
+    """The AWS environment of the plain (fault-free) S3 endpoint, with a fresh s3fs client and bucket check."""
+    import s3fs
+
+    from tasks import storage
+
+    for key, value in s3_endpoint.items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    storage._check_bucket.cache_clear()
+    yield s3_endpoint
+    s3fs.S3FileSystem.clear_instance_cache()
+    storage._check_bucket.cache_clear()
+
+
+@pytest.fixture
+def s3_bucket(s3_env) -> str:
+    """A fresh, empty bucket on the S3 endpoint, as ``s3://<bucket>``, with the environment that reaches it."""
+    import uuid
+
+    import s3fs
+
+    bucket = f"test-{uuid.uuid4().hex[:10]}"
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_env["AWS_ENDPOINT_URL"]}, skip_instance_cache=True).mkdir(bucket)
+    return f"s3://{bucket}"
+
+
+@pytest.fixture
 def redis_url() -> str:
     """The Redis broker on 127.0.0.1:6379 ($STAGEWISE_TEST_REDIS to change), on a database of its own."""
     import socket

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import uuid
 from pathlib import Path
 
 import pytest
@@ -223,30 +222,20 @@ def test_ids_cannot_walk_out_of_the_runs_folder(airflow_api, storage_root, path)
     assert "SECRET-RUN" not in answer.text
 
 
-def test_reports_under_an_s3_root(airflow_api, s3_endpoint, monkeypatch, tmp_path):
+def test_reports_under_an_s3_root(airflow_api, s3_bucket, tmp_path):
     """The same pages read through tasks.storage from an s3:// storage root (moto), registry included."""
-    import s3fs
-
-    for key, value in s3_endpoint.items():
-        monkeypatch.setenv(key, value)
-    s3fs.S3FileSystem.clear_instance_cache()
-    bucket = f"ui-{uuid.uuid4().hex[:10]}"
-    s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint["AWS_ENDPOINT_URL"]}, skip_instance_cache=True).mkdir(bucket)
-    root = f"s3://{bucket}/stagewise"
-    try:
-        write_run(root, RUN_ID, test_accuracy=0.8642, html="<html><body>from s3</body></html>")
-        first, second = register_two_versions(root, tmp_path)
-        client, token = airflow_api(root)
-        bearer = {"Authorization": f"Bearer {token}"}
-        listing = client.get("/stagewise/", headers=bearer)
-        assert listing.status_code == 200 and RUN_ID in listing.text and "0.8642" in listing.text
-        assert "data-stagewise-report='html'" in client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}", headers=bearer).text
-        assert client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.html", headers=bearer).text == \
-            "<html><body>from s3</body></html>"
-        registry_page = client.get("/stagewise/registry", headers=bearer).text
-        assert first in registry_page and f"<span class='badge cur mono'>{second}</span>" in registry_page
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
+    root = f"{s3_bucket}/stagewise"
+    write_run(root, RUN_ID, test_accuracy=0.8642, html="<html><body>from s3</body></html>")
+    first, second = register_two_versions(root, tmp_path)
+    client, token = airflow_api(root)
+    bearer = {"Authorization": f"Bearer {token}"}
+    listing = client.get("/stagewise/", headers=bearer)
+    assert listing.status_code == 200 and RUN_ID in listing.text and "0.8642" in listing.text
+    assert "data-stagewise-report='html'" in client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}", headers=bearer).text
+    assert client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.html", headers=bearer).text == \
+        "<html><body>from s3</body></html>"
+    registry_page = client.get("/stagewise/registry", headers=bearer).text
+    assert first in registry_page and f"<span class='badge cur mono'>{second}</span>" in registry_page
 
 
 def test_the_list_rereads_a_report_only_when_it_changed(airflow_api, storage_root):

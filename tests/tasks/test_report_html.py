@@ -308,19 +308,10 @@ def test_a_regressor_page_shows_rmse_minimised_not_accuracy(tmp_path):
     assert [a["x"] for a in training["layout"]["annotations"]] == [0, 20]
 
 
-def test_report_under_an_s3_root(s3_endpoint, monkeypatch, tmp_path):
+def test_report_under_an_s3_root(s3_bucket):
     """On s3:// (moto) the report step puts report.html beside report.json, the timeline is listed from the bucket,
     and the html command renders the page again from the bucket alone."""
-    import uuid
-
-    import s3fs
-
-    for key, value in s3_endpoint.items():
-        monkeypatch.setenv(key, value)
-    s3fs.S3FileSystem.clear_instance_cache()
-    bucket = f"report-{uuid.uuid4().hex[:10]}"
-    s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint["AWS_ENDPOINT_URL"]}, skip_instance_cache=True).mkdir(bucket)
-    out = f"s3://{bucket}/runs/regression/r2"
+    out = f"{s3_bucket}/runs/regression/r2"
     inputs = _regression_run(out)
     assert [t["task_id"] for t in inputs["tasks"]] == ["train_s1"], "timeline records are listed from the bucket"
     result = report.build_report(**inputs)
@@ -332,7 +323,6 @@ def test_report_under_an_s3_root(s3_endpoint, monkeypatch, tmp_path):
     assert report.render_html(out) == result["html_uri"]
     again = fs.cat_file(path).decode()
     assert figures(again)["fig-training"] == figures(first)["fig-training"]
-    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def test_latest_prints_where_the_page_is_before_the_report(write_config, storage_root, capsys):

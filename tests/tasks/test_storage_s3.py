@@ -129,20 +129,6 @@ def test_an_outage_beyond_the_retries_fails_as_retryable_and_the_retry_commits(f
     assert storage.read_json(fs.unstrip_protocol(written[1]))["key_hashes_uri"] == fs.unstrip_protocol(written[0])
 
 
-@pytest.fixture
-def s3_env(s3_endpoint, monkeypatch):
-    """The AWS environment of the plain (fault-free) S3 endpoint, with a fresh s3fs client and bucket check."""
-    import s3fs
-
-    for key, value in s3_endpoint.items():
-        monkeypatch.setenv(key, value)
-    s3fs.S3FileSystem.clear_instance_cache()
-    storage._check_bucket.cache_clear()
-    yield s3_endpoint
-    s3fs.S3FileSystem.clear_instance_cache()
-    storage._check_bucket.cache_clear()
-
-
 def test_a_missing_bucket_is_a_user_error_naming_the_setting_and_the_bucket(s3_env):
     """A storage_root whose bucket does not exist fails with a UserError naming storage_root, the URI and the bucket;
     listing input in a missing bucket says the bucket is missing; an existing bucket passes."""
