@@ -218,6 +218,17 @@ def versions(storage_root: str, name: str) -> list[dict[str, Any]]:
     return sorted(cards, key=lambda c: c["registered_at"], reverse=True)
 
 
+def model_names(storage_root: str) -> list[str]:
+    """The registry's model names: folders under models/ holding a current.json or a version's card."""
+    fs, models = storage.filesystem(storage.join(storage_root, "models"))
+    if not fs.isdir(models):
+        return []
+    base = models.rstrip("/")
+    names = {p[len(base) + 1:].split("/", 1)[0] for pattern in ("/*/current.json", "/*/*/card.json")
+             for p in fs.glob(base + pattern)}
+    return sorted(names)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="The model registry.")
     common = common_parser()

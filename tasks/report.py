@@ -8,6 +8,7 @@ root, where its report.html is (``HTML <uri>``) and, as its last line, ``REPORT 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import logging
 from typing import Any
 
@@ -126,13 +127,64 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+MAX_RUNS = 500  # listed newest first; older reports stay in storage and are reachable by URL
+
+
+def _modified(info: dict[str, Any]) -> dt.datetime | None:
+    """When a storage object last changed (local: mtime, S3: LastModified), in UTC."""
+    stamp = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
+    if isinstance(stamp, dt.datetime):
+        return stamp if stamp.tzinfo else stamp.replace(tzinfo=dt.UTC)
+    if isinstance(stamp, int | float):
+        return dt.datetime.fromtimestamp(stamp, dt.UTC)
+    return None
+
+
+def list_reports(storage_root: str, dag_folder: str = "*") -> list[dict[str, Any]]:
+    """Every ``runs/<dag>/<run>/report.json`` under the root (of one DAG folder, or all), newest first, at most
+    MAX_RUNS, each with its folder names, URI and time."""
+    fs, runs = storage.filesystem(storage.join(storage_root, "runs"))
+    if not fs.isdir(runs):
+        return []
+    found = fs.glob(f"{runs.rstrip('/')}/{dag_folder}/*/report.json", detail=True)
+    entries = []
+    for path, info in found.items():
+        dag, run = path.rsplit("/", 3)[-3:-1]
+        entries.append({"dag_folder": dag, "run_folder": run, "modified": _modified(info),
+                        "uri": storage.join(storage_root, "runs", dag, run, "report.json")})
+    entries.sort(key=lambda e: e["modified"] or dt.datetime.min.replace(tzinfo=dt.UTC), reverse=True)
+    return entries[:MAX_RUNS]
+
+
+_report_cache: dict[tuple[str, Any], dict[str, Any]] = {}
+
+
+def read_report(uri: str, modified: dt.datetime | None = None) -> dict[str, Any]:
+    """report.json as a dict, or ``{"_error": ...}`` when it cannot be read (one bad file must not hide a list).
+
+    With ``modified`` (from the listing) a report is read once per version: on S3 a list would be a GET per run.
+    """
+    if modified is not None and (uri, modified) in _report_cache:
+        return _report_cache[(uri, modified)]
+    try:
+        report = storage.read_json(uri)
+    except (OSError, ValueError) as exc:
+        return {"_error": f"cannot read {uri}: {exc}"}
+    if not isinstance(report, dict):
+        return {"_error": f"{uri} holds {type(report).__name__}, not an object"}
+    if modified is not None:
+        if len(_report_cache) >= 4 * MAX_RUNS:
+            _report_cache.clear()
+        _report_cache[(uri, modified)] = report
+    return report
+
+
 def latest_report(storage_root: str, dag_id: str) -> str:
-    fs, path = storage.filesystem(storage.join(storage_root, "runs", dag_id))
-    found = fs.glob(path + "/*/report.json")
-    if not found:
+    """The URI of the newest report.json of ``dag_id``'s runs."""
+    reports = list_reports(storage_root, storage.safe_name(dag_id))
+    if not reports:
         raise SystemExit(f"no report.json under {storage.join(storage_root, 'runs', dag_id)}")
-    newest = max(found, key=lambda p: fs.modified(p))
-    return fs.unstrip_protocol(newest) if "://" in storage_root else newest
+    return reports[0]["uri"]
 
 
 def report_json_uri(target: str) -> str:

@@ -11,7 +11,6 @@ works with the api-server's AWS environment. Everything taken from storage is HT
 id becomes a path only through ``tasks.storage.safe_name`` after '/', '\\' and '.'/'..' are refused.
 """
 
-import datetime as dt
 import html
 import json
 import math
@@ -25,9 +24,10 @@ from fastapi.responses import HTMLResponse, Response
 from tasks import storage
 from tasks.config import PipelineConfig, config_path, load_config
 from tasks.errors import UserError
+from tasks.registry import model_names
+from tasks.report import list_reports, read_report
 
 URL_PREFIX = "/stagewise"
-MAX_RUNS = 500  # newest first; older reports stay in storage and are reachable by URL
 
 
 # -- config and storage -----------------------------------------------------------------------------
@@ -56,65 +56,6 @@ def path_segment(value: str, what: str) -> str:
     if not value or value in (".", "..") or any(char in value for char in "/\\\0"):
         raise HTTPException(400, f"{what} {value!r} is not a valid id (no '/', '\\', or '.'/'..')")
     return storage.safe_name(value)  # a folder name maps to itself, an Airflow run id to its folder
-
-
-def _modified(info: dict[str, Any]) -> dt.datetime | None:
-    """When a storage object last changed (local: mtime, S3: LastModified), in UTC."""
-    stamp = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
-    if isinstance(stamp, dt.datetime):
-        return stamp if stamp.tzinfo else stamp.replace(tzinfo=dt.UTC)
-    if isinstance(stamp, int | float):
-        return dt.datetime.fromtimestamp(stamp, dt.UTC)
-    return None
-
-
-def list_reports(storage_root: str) -> list[dict[str, Any]]:
-    """Every ``runs/<dag>/<run>/report.json`` under the root, newest first, each with its folder names and time."""
-    fs, runs = storage.filesystem(storage.join(storage_root, "runs"))
-    if not fs.isdir(runs):
-        return []
-    found = fs.glob(runs.rstrip("/") + "/*/*/report.json", detail=True)
-    entries = []
-    for path, info in found.items():
-        dag_folder, run_folder = path.rsplit("/", 3)[-3:-1]
-        entries.append({"dag_folder": dag_folder, "run_folder": run_folder, "modified": _modified(info),
-                        "uri": storage.join(storage_root, "runs", dag_folder, run_folder, "report.json")})
-    entries.sort(key=lambda e: e["modified"] or dt.datetime.min.replace(tzinfo=dt.UTC), reverse=True)
-    return entries[:MAX_RUNS]
-
-
-_report_cache: dict[tuple[str, Any], dict[str, Any]] = {}
-
-
-def read_report(uri: str, modified: dt.datetime | None = None) -> dict[str, Any]:
-    """report.json as a dict, or ``{"_error": ...}`` when it cannot be read (one bad file must not hide the list).
-
-    With ``modified`` (from the listing) a report is read once per version: on S3 the list would be a GET per run.
-    """
-    if modified is not None and (uri, modified) in _report_cache:
-        return _report_cache[(uri, modified)]
-    try:
-        report = storage.read_json(uri)
-    except (OSError, ValueError) as exc:
-        return {"_error": f"cannot read {uri}: {exc}"}
-    if not isinstance(report, dict):
-        return {"_error": f"{uri} holds {type(report).__name__}, not an object"}
-    if modified is not None:
-        if len(_report_cache) >= 4 * MAX_RUNS:
-            _report_cache.clear()
-        _report_cache[(uri, modified)] = report
-    return report
-
-
-def model_names(storage_root: str) -> list[str]:
-    """The registry's model names: folders under models/ holding a current.json or a version's card."""
-    fs, models = storage.filesystem(storage.join(storage_root, "models"))
-    if not fs.isdir(models):
-        return []
-    base = models.rstrip("/")
-    names = {p[len(base) + 1:].split("/", 1)[0] for pattern in ("/*/current.json", "/*/*/card.json")
-             for p in fs.glob(base + pattern)}
-    return sorted(names)
 
 
 # -- auth ---------------------------------------------------------------------------------------------

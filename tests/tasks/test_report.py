@@ -99,3 +99,26 @@ def test_a_regression_report_is_driven_by_its_objective_and_shows_the_baseline(t
     assert report["baseline"]["test_rmse"] == 77.25 and report["test_metrics"]["test_baseline_rmse"] == 77.25
     text = "\n".join(summary_lines(report))
     assert "test rmse: 55.5000" in text and "test rmse 77.2500 vs the model's 55.5000" in text
+
+
+def test_reports_are_listed_newest_first_per_dag_and_a_bad_one_reads_as_an_error(tmp_path):
+    """list_reports finds every runs/<dag>/<run>/report.json newest first (one DAG's, or all), latest_report names the
+    newest of a DAG, and read_report turns an unreadable or non-object report into an error entry, not an exception."""
+    import os
+
+    from tasks.report import latest_report, list_reports, read_report
+
+    root = str(tmp_path)
+    for age, (dag, run) in enumerate([("ml_pipeline", "new"), ("retrain", "middle"), ("ml_pipeline", "old")]):
+        uri = storage.join(root, "runs", dag, run, "report.json")
+        storage.write_json(uri, {"run_id": run})
+        os.utime(uri, (1_700_000_000 - age * 60, 1_700_000_000 - age * 60))
+    assert [e["run_folder"] for e in list_reports(root)] == ["new", "middle", "old"]
+    assert [e["run_folder"] for e in list_reports(root, "ml_pipeline")] == ["new", "old"]
+    assert latest_report(root, "ml_pipeline") == storage.join(root, "runs", "ml_pipeline", "new", "report.json")
+    assert list_reports(str(tmp_path / "empty")) == []
+    broken = storage.join(root, "runs", "ml_pipeline", "old", "report.json")
+    storage.write_bytes(broken, b"[1, 2]")
+    assert read_report(broken)["_error"].endswith("holds list, not an object")
+    storage.write_bytes(broken, b"{not json")
+    assert read_report(broken)["_error"].startswith(f"cannot read {broken}")
