@@ -70,13 +70,15 @@ def _prepare(workdir: Path, rows: int, features: int = 32, noise_seed: int = 0, 
 
 
 def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict[str, Any], params: dict[str, Any],
-                         batch: int, image_shape: list[int] | None = None, threads: int = 2, epochs: int = 4) -> dict[str, Any]:
+                         batch: int, image_shape: list[int] | None = None, threads: int = 2, epochs: int = 2,
+                         rounds: int = 6) -> dict[str, Any]:
     """Samples/s of our stage (tasks.train.run_stage, Parquet per-rank loader, the spec's batch/loss) and of a
     plain PyTorch loop over in-memory tensors with the same module, optimizer, batch and threads.
 
-    Each side runs twice, alternating with the other, and its rate is the median of its epochs after the first
-    (warm-up) of each run, so a burst of load from elsewhere on the machine cannot decide the ratio; validation
-    and process start are excluded.
+    The sides alternate in ``rounds`` short runs (which goes first alternates too), and each side's rate is the median of its epochs after the
+    first (warm-up) of every run: on a shared machine load comes in bursts of seconds, and short alternating
+    runs spread each burst over both sides instead of letting one side's whole block meet it. Validation and
+    process start are excluded; details keep each round's pair.
     """
     import torch
 
@@ -98,18 +100,29 @@ def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict
             torch.set_num_threads(threads)
             return resident_loop(model_spec, manifest, full, x, y, batch, epochs, torch.device("cpu"))
 
-        our_rates, baseline_rates = [], []
-        for _ in range(2):  # alternated, so both sides meet the same machine
-            baseline_rates += plain_loop()
+        def our_stage() -> tuple[list[float], dict[str, Any]]:
             shutil.rmtree(Path(out, "train"), ignore_errors=True)  # a fresh stage each time, never a resume
             result = run_stage(config, "s1", out, params, None)
             history = json.loads(Path(out, "train", "s1", "metrics.json").read_text())["history"]
-            our_rates += [h["samples_per_s"] for h in history[1:]]
+            return [h["samples_per_s"] for h in history[1:]], result
+
+        our_rates, baseline_rates, pairs = [], [], []
+        for number in range(rounds):
+            if number % 2:  # every other round ours goes first: drift and order effects fall on both sides alike
+                rates, result = our_stage()
+                baseline_rates += plain_loop()
+            else:
+                baseline_rates += plain_loop()
+                rates, result = our_stage()
+            our_rates += rates
+            pairs.append(round(statistics.median(our_rates[-(epochs - 1):]) /
+                               statistics.median(baseline_rates[-(epochs - 1):]), 4))
         ours, baseline = statistics.median(our_rates), statistics.median(baseline_rates)
     return {"ours": ours, "baseline": baseline, "unit": "samples/s",
             "details": {"rows": rows, "train_rows": int(len(y)), "spec": spec, "spec_args": spec_args,
                         "params": params, "batch": batch, "threads": threads,
-                        "baseline_step_ms": round(1000 * batch / baseline, 2), "epochs_measured": epochs - 1,
+                        "baseline_step_ms": round(1000 * batch / baseline, 2), "rounds": rounds,
+                        "epochs_measured_per_round": epochs - 1, "ratio_per_round": pairs,
                         f"ours_val_{config.objective.metric}": result["val_metric"]}}
 
 
