@@ -125,9 +125,7 @@ class _OpenFiles:
             found = [i for i, (idle_uri, _) in enumerate(self._idle) if idle_uri == uri]
             parquet = self._idle.pop(found[-1])[1] if found else None
         if parquet is None:
-            # Arrow's native reader, not memory-mapped, as storage.open_parquet opens it, but without pre-buffering:
-            # reads of one row group leave it nothing to coalesce, and its hand-off to Arrow's IO threads cost ~7%.
-            parquet = pq.ParquetFile(path, pre_buffer=False)
+            parquet = storage.local_parquet(path)  # as storage.open_parquet opens it; pre-buffering cost the loader ~7%
         try:
             yield parquet
         except BaseException:
