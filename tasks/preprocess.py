@@ -209,16 +209,13 @@ def _tensor_block(column: pa.Array, name: str, shape: list[int], uri: str) -> np
     return block
 
 
-def flatten_features(batch: pa.RecordBatch, columns: list[str], shapes: dict[str, list[int]], uri: str,
-                     out: np.ndarray | None = None) -> np.ndarray:
-    """The (rows, features) float64 matrix of raw rows: plain columns as they are, tensor columns flattened in
-    row-major order; a null or non-finite value stays NaN/inf (the row is dirty). Shared by preprocess and inference.
-
-    ``out``: a Fortran-ordered (rows, features) float64 array to fill instead of a fresh one.
+def flatten_features(batch: pa.RecordBatch, columns: list[str], shapes: dict[str, list[int]], uri: str) -> np.ndarray:
+    """The (rows, features) float64 matrix of raw rows, as inference scores them: plain columns as they are, tensor
+    columns flattened in row-major order; a null or non-finite value stays NaN/inf (the row is unscorable).
     """
     width = sum(math.prod(shapes[name]) if name in shapes else 1 for name in columns)
     # Fortran order: column copies stay contiguous
-    matrix = np.empty((batch.num_rows, width), dtype=np.float64, order="F") if out is None else out
+    matrix = np.empty((batch.num_rows, width), dtype=np.float64, order="F")
     index = 0
     for name in columns:
         column = batch.column(name)
