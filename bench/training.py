@@ -69,22 +69,32 @@ def _prepare(workdir: Path, rows: int, features: int = 32, noise_seed: int = 0, 
     return config, out
 
 
+def _stage_rates(config: Any, out: str, params: dict[str, Any]) -> tuple[list[float], dict[str, Any]]:
+    """Run stage s1 afresh (never a resume); samples/s of its epochs after the first, and the stage's result."""
+    from tasks.train import run_stage
+
+    shutil.rmtree(Path(out, "train"), ignore_errors=True)
+    result = run_stage(config, "s1", out, params, None)
+    history = json.loads(Path(out, "train", "s1", "metrics.json").read_text())["history"]
+    return [h["samples_per_s"] for h in history[1:]], result
+
+
 def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict[str, Any], params: dict[str, Any],
                          batch: int, image_shape: list[int] | None = None, threads: int = 2, epochs: int = 2,
                          rounds: int = 6) -> dict[str, Any]:
     """Samples/s of our stage (tasks.train.run_stage, Parquet per-rank loader, the spec's batch/loss) and of a
     plain PyTorch loop over in-memory tensors with the same module, optimizer, batch and threads.
 
-    The sides alternate in ``rounds`` short runs (which goes first alternates too), and each side's rate is the median of its epochs after the
-    first (warm-up) of every run: on a shared machine load comes in bursts of seconds, and short alternating
-    runs spread each burst over both sides instead of letting one side's whole block meet it. Validation and
-    process start are excluded; details keep each round's pair.
+    The sides alternate in ``rounds`` short runs (which goes first alternates too), and each side's rate is the
+    median of its epochs after the first (warm-up) of every run: on a shared machine load comes in bursts of
+    seconds, and short alternating runs spread each burst over both sides instead of letting one side's whole
+    block meet it. Validation and process start are excluded; details keep each round's pair.
     """
     import torch
 
     from tasks.model import load_spec
     from tasks.preprocess import load_split, read_manifest
-    from tasks.train import resolve_params, run_stage
+    from tasks.train import resolve_params
 
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         config, out = _prepare(Path(tmp), rows, features=features, image_shape=image_shape, **{
@@ -100,20 +110,14 @@ def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict
             torch.set_num_threads(threads)
             return resident_loop(model_spec, manifest, full, x, y, batch, epochs, torch.device("cpu"))
 
-        def our_stage() -> tuple[list[float], dict[str, Any]]:
-            shutil.rmtree(Path(out, "train"), ignore_errors=True)  # a fresh stage each time, never a resume
-            result = run_stage(config, "s1", out, params, None)
-            history = json.loads(Path(out, "train", "s1", "metrics.json").read_text())["history"]
-            return [h["samples_per_s"] for h in history[1:]], result
-
         our_rates, baseline_rates, pairs = [], [], []
         for number in range(rounds):
             if number % 2:  # every other round ours goes first: drift and order effects fall on both sides alike
-                rates, result = our_stage()
+                rates, result = _stage_rates(config, out, params)
                 baseline_rates += plain_loop()
             else:
                 baseline_rates += plain_loop()
-                rates, result = our_stage()
+                rates, result = _stage_rates(config, out, params)
             our_rates += rates
             pairs.append(round(statistics.median(our_rates[-(epochs - 1):]) /
                                statistics.median(baseline_rates[-(epochs - 1):]), 4))
@@ -185,7 +189,6 @@ def train_bf16(rows: int = 120_000, rounds: int = 2, epochs: int = 3) -> dict[st
     """The stage knobs on CPU: our stage with ``precision: bf16`` / the same stage in fp32 (built-in MLP, hidden 1024,
     batch 256, 2 threads); details give ``compile: default`` and both together, and each one's validation accuracy."""
     from tasks.config import load_config
-    from tasks.train import run_stage
 
     params = {"lr": 0.01, "hidden": 1024, "dropout": 0.0}
     with tempfile.TemporaryDirectory(prefix="bench-knobs-") as tmp:
@@ -203,10 +206,8 @@ def train_bf16(rows: int = 120_000, rounds: int = 2, epochs: int = 3) -> dict[st
         accuracy: dict[str, float] = {}
         for number in range(rounds):  # interleaved, the order reversed every other round
             for name in (list(KNOBS) if number % 2 == 0 else list(reversed(KNOBS))):
-                shutil.rmtree(Path(out, "train"), ignore_errors=True)
-                result = run_stage(configs[name], "s1", out, params, None)
-                history = json.loads(Path(out, "train", "s1", "metrics.json").read_text())["history"]
-                rates[name] += [h["samples_per_s"] for h in history[1:]]
+                measured, result = _stage_rates(configs[name], out, params)
+                rates[name] += measured
                 accuracy[name] = round(result["val_metric"], 4)
     median = {name: statistics.median(values) for name, values in rates.items()}
     return {"ours": median["bf16"], "baseline": median["fp32"], "unit": "samples/s", "details": {

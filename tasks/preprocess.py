@@ -301,8 +301,13 @@ class _CheckedBatch:
         """Indices of the clean rows; None when every row is clean."""
         return None if self.keep.all() else np.flatnonzero(self.keep)
 
-    def kept_keys(self, kept: np.ndarray | None) -> pa.Array:
-        return self.keys if kept is None else self.keys.take(pa.array(kept))
+    @property
+    def kept_keys(self) -> pa.Array:
+        return self.keys if self.kept is None else self.keys.take(pa.array(self.kept))
+
+    @property
+    def kept_labels(self) -> np.ndarray:
+        return self.labels if self.kept is None else self.labels[self.kept]
 
 
 def _iter_checked(uri: str, dataset: Dataset) -> Iterator[tuple[Columns, _CheckedBatch]]:
@@ -387,9 +392,8 @@ def _empty_moments(num_features: int, num_classes: int | None) -> dict[str, Any]
 
 def _batch_moments(batch: _CheckedBatch, num_classes: int | None) -> dict[str, Any]:
     """The moments of one batch's clean rows, and the rows it read."""
-    kept = batch.kept
-    moments = {**_core(batch.vectors, kept), "rows_in": len(batch.keep)}
-    labels = batch.labels if kept is None else batch.labels[kept]
+    moments = {**_core(batch.vectors, batch.kept), "rows_in": len(batch.keep)}
+    labels = batch.kept_labels
     if num_classes is None:
         moments["target"] = _core([labels.astype(np.float64)], None)
     else:
@@ -423,7 +427,7 @@ def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dic
     for columns, batch in _iter_checked(shard, config.dataset):
         part = _batch_moments(batch, columns.num_classes)
         moments = _merge_moments(moments or _empty_moments(len(columns.features), columns.num_classes), part)
-        hashes.append(key_hashes(batch.kept_keys(batch.kept)))
+        hashes.append(key_hashes(batch.kept_keys))
     if columns is None:
         # An empty file still has a schema; validate it so a wrong file fails here, not later.
         columns = resolve_columns(config.dataset, storage.read_schema(shard), shard)
@@ -531,7 +535,7 @@ def _confirm_duplicates(config: PipelineConfig, shards: list[str], hashes: np.nd
         uri = shards[position]
         in_this_file: set[Any] = set()
         for _, batch in _iter_checked(uri, config.dataset):
-            keys = batch.kept_keys(batch.kept)
+            keys = batch.kept_keys
             matches = np.isin(key_hashes(keys), wanted)
             if not matches.any():
                 continue
@@ -710,9 +714,7 @@ def transform_shard(config: PipelineConfig, shard: str, index: int, out: str, st
             if difference:
                 raise DataError(difference)
             rows_in += len(batch.keep)
-            kept = batch.kept
-            keys = batch.kept_keys(kept)
-            labels = batch.labels if kept is None else batch.labels[kept]
+            kept, keys, labels = batch.kept, batch.kept_keys, batch.kept_labels
             schema = processed_schema(columns, keys.type)
             assignment = split_of(keys, config.preprocess.split)
             # each split's rows together, in their order in the file: one contiguous block of the matrix per split
