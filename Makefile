@@ -6,12 +6,21 @@ STAMP := $(VENV)/.installed
 AIRFLOW_ENV := . scripts/airflow_env.sh
 ONLY ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`/`test-fast` (0: one process). The heavy tests spend much of their time waiting
+# (on Airflow's scheduler, S3 retries, a task's sleep), so 4 workers keep 2 cores busy. loadfile: a file's tests run
+# on one worker and share its module fixtures (one pipeline run each); files go out in collection order, which
+# tests/conftest.py sorts longest first (--no-loadscope-reorder keeps it).
+PYTEST_WORKERS ?= 4
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+# What `make test-fast` leaves out: every test that needs more than this Python process (markers in pytest.ini).
+FAST_MARKERS := not (airflow or torchrun or browser or service or gpu)
 
-.PHONY: help venv airflow-init demo-data demo test test-ui bench up down clean
+.PHONY: help venv airflow-init demo-data demo test test-fast test-ui bench up down clean
 
 help:
 	@echo "make demo   - run ml_pipeline end to end on the digits data (SQLite, LocalExecutor, local files)"
 	@echo "make test   - lint (ruff check .), then run the whole test suite"
+	@echo "make test-fast - lint, then every test that needs no Airflow, torchrun, browser, service or GPU (a few minutes)"
 	@echo "make test-ui - the browser suite (Debian chromium) and the official-client test; screenshots in tests/ui/artifacts/"
 	@echo "make bench  - run the benchmarks (ONLY=a,b for a subset) into bench/results/latest.json"
 	@echo "make up     - start a local Airflow (UI on 127.0.0.1:8080, scheduler, dag-processor); make down stops it"
@@ -41,7 +50,11 @@ demo: airflow-init demo-data
 	  && python -m tasks.report latest
 
 test: airflow-init
-	@$(AIRFLOW_ENV) && python -m ruff check . && python -m pytest $(PYTEST_ARGS)
+	@$(AIRFLOW_ENV) && python -m ruff check . && python -m pytest $(XDIST) $(PYTEST_ARGS)
+
+# airflow-init: the in-process UI-plugin and DagBag tests read the repo-local Airflow DB (no server runs).
+test-fast: airflow-init
+	@$(AIRFLOW_ENV) && python -m ruff check . && python -m pytest $(XDIST) -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 test-ui: airflow-init
 	@$(AIRFLOW_ENV) && python -m pytest tests/ui tests/dags/test_airflow_client.py $(PYTEST_ARGS)

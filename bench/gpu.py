@@ -4,7 +4,7 @@ Run: ``python -m bench --only train_throughput_gpu,train_vs_dataloader_gpu,infer
 
 Where CUDA is absent each raises :class:`bench.harness.BenchmarkSkipped` ('no CUDA') before any work, and the
 harness records the skip, never a number. They need what a training sub-job needs and nothing else: torch,
-pyarrow, numpy, fsspec, pydantic and pyyaml (tasks.config parses the pipeline YAML with them); no Airflow,
+pyarrow, numpy, fsspec, pydantic and pyyaml (tasks.definitions.loading parses the pipeline YAML with them); no Airflow,
 optuna, pandas or services. ``make bench`` runs ``airflow-init`` first, so on a box without Airflow call
 ``python -m bench`` as above.
 
@@ -23,6 +23,7 @@ from typing import Any
 
 from bench.harness import BenchmarkSkipped
 from bench.training import resident_loop, sync
+from tasks.models.scoring import exact_float32
 
 # The rows of issue 13's table: (MLP hidden width, batch).
 TRAIN_ROWS = ((1024, 1024), (4096, 1024), (1024, 256))
@@ -44,7 +45,7 @@ def _dataloader_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from tasks.model import build, data_info
+    from tasks.models.building import build, data_info
     from tasks.training.loop import make_optimizer
 
     torch.manual_seed(0)
@@ -75,9 +76,9 @@ def measure_training(rows: int, device: Any, epochs: int = 3, table: tuple = TRA
     import torch
 
     from bench.training import _prepare
-    from tasks.model import load_spec
-    from tasks.preprocess import load_split, read_manifest
-    from tasks.train import resolve_params, run_stage
+    from tasks.datasets.manifest import load_split, read_manifest
+    from tasks.models.building import load_spec, resolve_params
+    from tasks.train import run_stage
 
     stages = [{"name": f"h{hidden}_b{batch}", "profile": "ddp1", "per_process_batch": batch, "epochs": epochs}
               for hidden, batch in table]
@@ -148,8 +149,8 @@ def measure_inference(rows: int, device: Any, hidden: int = 1024, batch: int = 6
     from bench.inference import _raw_file
     from bench.training import _prepare
     from tasks import infer
-    from tasks.config import load_config
-    from tasks.model import load_bundle
+    from tasks.definitions.loading import load_config
+    from tasks.models.bundle import load_bundle
     from tasks.train import run_stage
 
     with tempfile.TemporaryDirectory(prefix="bench-gpu-infer-") as tmp:
@@ -188,7 +189,7 @@ def measure_inference(rows: int, device: Any, hidden: int = 1024, batch: int = 6
             return len(resident) / (time.perf_counter() - started)
 
         torch.set_num_threads(threads)
-        with infer.exact_float32(device):  # the same float32 matmuls as our scoring
+        with exact_float32(device):  # the same float32 matmuls as our scoring
             plain_once()
             baseline = max(plain_once() for _ in range(repeats))
         ours_once(config)  # warm-up: page cache, model load, CUDA context, allocator

@@ -32,7 +32,7 @@ def _trained_model(workdir: Path, rows: int = 20_000) -> tuple[Any, str, str]:
 def _raw_file(workdir: Path, name: str, rows: int, row_group_rows: int = 65_536) -> str:
     import pyarrow.parquet as pq
 
-    from tasks.data import synthetic_table
+    from tasks.datasets.demo import synthetic_table
 
     path = workdir / name
     pq.write_table(synthetic_table(rows, seed=3, dirty_fraction=0.0), path, row_group_size=row_group_rows)
@@ -49,7 +49,7 @@ def inference_throughput(rows: int = 400_000) -> dict[str, Any]:
     import torch
 
     from tasks import infer
-    from tasks.model import load_bundle
+    from tasks.models.bundle import load_bundle
 
     with tempfile.TemporaryDirectory(prefix="bench-infer-") as tmp:
         workdir = Path(tmp)
@@ -104,7 +104,7 @@ _PEAK_PROBE = """
 import json, sys
 sys.path[:0] = [{root!r}]
 from tasks import infer
-from tasks.config import load_config
+from tasks.definitions.loading import load_config
 import pyarrow.parquet as pq
 config = load_config({config!r})
 shard = {{"index": 0, "uri": {source!r}, "row_groups": list(range(pq.ParquetFile({source!r}).num_row_groups))}}

@@ -140,8 +140,8 @@ def _measure(rows: int) -> dict[str, Any]:
     """Best of 3 for each side on the same files, after a warm-up round; rows/s per side."""
     if rows in _MEASURED:
         return _MEASURED[rows]
-    from tasks.config import load_config
-    from tasks.data import write_synthetic
+    from tasks.datasets.demo import write_synthetic
+    from tasks.definitions.loading import load_config
 
     with tempfile.TemporaryDirectory(prefix="bench-preprocess-") as tmp:
         workdir = Path(tmp)

@@ -39,8 +39,8 @@ def _prepare(workdir: Path, rows: int, features: int = 32, noise_seed: int = 0, 
     ``image_shape``: the features as one declared tensor column ``image`` of that shape instead of f_* columns.
     """
     from tasks import preprocess
-    from tasks.config import load_config
-    from tasks.data import write_synthetic
+    from tasks.datasets.demo import write_synthetic
+    from tasks.definitions.loading import load_config
 
     raw = yaml.safe_load((REPO_ROOT / "pipeline.yaml").read_text())
     raw["storage_root"] = str(workdir)
@@ -92,9 +92,8 @@ def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict
     """
     import torch
 
-    from tasks.model import load_spec
-    from tasks.preprocess import load_split, read_manifest
-    from tasks.train import resolve_params
+    from tasks.datasets.manifest import load_split, read_manifest
+    from tasks.models.building import load_spec, resolve_params
 
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         config, out = _prepare(Path(tmp), rows, features=features, image_shape=image_shape, **{
@@ -144,7 +143,7 @@ def resident_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any, b
     there; samples/s of each epoch after the first."""
     import torch
 
-    from tasks.model import build, data_info
+    from tasks.models.building import build, data_info
     from tasks.training.loop import make_optimizer
 
     torch.manual_seed(0)
@@ -188,7 +187,7 @@ KNOBS = {"fp32": {}, "bf16": {"precision": "bf16"}, "compile": {"compile": "defa
 def train_bf16(rows: int = 120_000, rounds: int = 2, epochs: int = 3) -> dict[str, Any]:
     """The stage knobs on CPU: our stage with ``precision: bf16`` / the same stage in fp32 (built-in MLP, hidden 1024,
     batch 256, 2 threads); details give ``compile: default`` and both together, and each one's validation accuracy."""
-    from tasks.config import load_config
+    from tasks.definitions.loading import load_config
 
     params = {"lr": 0.01, "hidden": 1024, "dropout": 0.0}
     with tempfile.TemporaryDirectory(prefix="bench-knobs-") as tmp:
@@ -230,10 +229,11 @@ def growing_batch_steps(rows: int = 60_000) -> dict[str, Any]:
     from the previous one's checkpoint. ratio = growing steps to reach (fixed final accuracy - 0.5
     points) / fixed steps.
     """
-    from tasks.loader import split_batches
-    from tasks.model import MLPClassifier, build, data_info
-    from tasks.preprocess import read_manifest
-    from tasks.train import resolve_params, run_stage
+    from tasks.datasets.loader import split_batches
+    from tasks.datasets.manifest import read_manifest
+    from tasks.models.building import build, data_info, resolve_params
+    from tasks.models.mlp import MLPClassifier
+    from tasks.train import run_stage
     from tasks.training.distributed import DistEnv
     from tasks.training.loop import Loop, make_optimizer
 
@@ -282,8 +282,9 @@ def _accuracy_by_shuffle(manifest: dict[str, Any], block_rows: int, epochs: int 
     """Validation accuracy of one small MLP trained with the row shuffle and with ``block_rows`` runs, same init and lr."""
     import torch
 
-    from tasks.loader import split_batches
-    from tasks.model import MLPClassifier, build, data_info
+    from tasks.datasets.loader import split_batches
+    from tasks.models.building import build, data_info
+    from tasks.models.mlp import MLPClassifier
     from tasks.training.distributed import DistEnv
     from tasks.training.loop import Loop
 
@@ -309,7 +310,7 @@ def parquet_loading(rows: int = 1_000_000, block_rows: int = 64) -> dict[str, An
     """
     import pyarrow.parquet as pq
 
-    from tasks.loader import ParquetBatches
+    from tasks.datasets.loader import ParquetBatches
 
     with tempfile.TemporaryDirectory(prefix="bench-loading-") as tmp:
         _, out = _prepare(Path(tmp), rows)

@@ -11,7 +11,7 @@ from airflow.sdk import dag, task
 
 from stagewise_airflow import steps, wiring
 from stagewise_airflow.params import inference_params
-from tasks.config import load_config
+from tasks.definitions.loading import load_config
 
 CONFIG = load_config()
 

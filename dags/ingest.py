@@ -10,7 +10,7 @@ import pendulum
 from airflow.sdk import Param, dag, task
 
 from stagewise_airflow import steps, wiring
-from tasks.config import load_config
+from tasks.definitions.loading import load_config
 
 CONFIG = load_config()
 

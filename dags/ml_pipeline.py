@@ -11,7 +11,7 @@ from airflow.sdk import dag
 
 from stagewise_airflow import wiring
 from stagewise_airflow.params import pipeline_params
-from tasks.config import load_config
+from tasks.definitions.loading import load_config
 
 CONFIG = load_config()
 

@@ -11,10 +11,15 @@ import argparse
 import logging
 from typing import Any
 
-from tasks import storage
-from tasks.cli import common_parser, parse_overrides, run_subjob
-from tasks.config import PipelineConfig, load_config
-from tasks.errors import UserError
+from tasks.core import storage
+from tasks.core.cli import common_parser, parse_overrides, run_subjob
+from tasks.core.errors import UserError
+from tasks.datasets.manifest import load_split, read_manifest
+from tasks.definitions.config import PipelineConfig
+from tasks.definitions.loading import load_config
+from tasks.models.bundle import load_bundle
+from tasks.models.scoring import exact_float32, prefetch, scoring_device
+from tasks.training.loop import accumulate_metrics
 
 log = logging.getLogger("stagewise.evaluate")
 
@@ -25,11 +30,6 @@ def evaluate(config: PipelineConfig, model_uri: str, out: str) -> dict[str, Any]
     ``evaluate.min_test_accuracy`` or when the objective is worse than ``evaluate.objective_limit``."""
     import numpy as np
     import torch
-
-    from tasks.infer import exact_float32, prefetch, scoring_device
-    from tasks.model import load_bundle
-    from tasks.preprocess import load_split, read_manifest
-    from tasks.training.loop import accumulate_metrics
 
     profile = config.profile(config.evaluate.profile)
     torch.set_num_threads(profile.threads_per_process)

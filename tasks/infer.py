@@ -19,37 +19,22 @@ scoring, so a shard's probabilities on a GPU agree with the CPU's to within 1e-5
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from tasks import storage
-from tasks.cli import common_parser, json_arg, parse_overrides, run_subjob
-from tasks.config import PipelineConfig, load_config
-from tasks.errors import DataError, UserError
+from tasks.core import storage
+from tasks.core.cli import common_parser, json_arg, parse_overrides, run_subjob
+from tasks.core.errors import DataError
+from tasks.datasets import predictions
+from tasks.datasets.columns import check_feature_types, flatten_features
+from tasks.definitions.config import PipelineConfig
+from tasks.definitions.loading import load_config
+from tasks.models.bundle import load_bundle
+from tasks.models.scoring import exact_float32, prefetch, scoring_device
 
 log = logging.getLogger("stagewise.infer")
-
-
-def plan(input_uri: str, rows_per_shard: int) -> list[dict[str, Any]]:
-    """Deterministic shards: consecutive row groups of each file, about ``rows_per_shard`` rows each."""
-    shards: list[dict[str, Any]] = []
-    for uri in storage.list_parquet(input_uri):
-        with storage.open_parquet(uri) as parquet:
-            metadata = parquet.metadata
-        group, rows = [], 0
-        for index in range(metadata.num_row_groups):
-            group.append(index)
-            rows += metadata.row_group(index).num_rows
-            if rows >= rows_per_shard:
-                shards.append({"index": len(shards), "uri": uri, "row_groups": group, "rows": rows})
-                group, rows = [], 0
-        if group:
-            shards.append({"index": len(shards), "uri": uri, "row_groups": group, "rows": rows})
-    log.info("planned %d inference shard(s) over %s", len(shards), input_uri)
-    return shards
 
 
 def model_version(model_uri: str) -> str:
@@ -114,78 +99,6 @@ def _to_arrow(tensor: Any, kind: Any) -> Any:
     return pa.array(values, kind)
 
 
-def scoring_device(requested: str) -> Any:
-    """The torch device a scoring sub-job uses for a profile's ``device``: cpu, cuda, or auto (cuda when present)."""
-    import torch
-
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise UserError("profile asks for device 'cuda' but no CUDA device is visible")
-    return torch.device("cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()) else "cpu")
-
-
-@contextlib.contextmanager
-def exact_float32(device: Any) -> Iterator[None]:
-    """TF32 off on ``device`` for the block: GPU scores then agree with the CPU's to float32 rounding, not TF32's 1e-3."""
-    import torch
-
-    if device.type != "cuda":
-        yield
-        return
-    # torch >= 2.9 refuses a mix of its legacy (allow_tf32) and new (fp32_precision) switches: use the new ones there.
-    backends = [torch.backends.cuda.matmul, getattr(torch.backends.cudnn, "conv", None), getattr(torch.backends.cudnn, "rnn", None)]
-    backends = [b for b in backends if b is not None and hasattr(b, "fp32_precision")]
-    if backends:
-        saved = [b.fp32_precision for b in backends]
-        for backend in backends:
-            backend.fp32_precision = "ieee"
-    else:
-        saved = [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32]
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        if backends:
-            for backend, value in zip(backends, saved):
-                backend.fp32_precision = value
-        else:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
-def prefetch(chunks: Iterable[tuple[Any, Any]], device: Any) -> Iterator[tuple[Any, Any]]:
-    """Each ``(meta, tensors)`` of ``chunks`` (a tensor or a tuple of them) as ``(meta, the same on device)``, in order.
-
-    On CUDA the next chunk is read (pulling ``chunks``), pinned unless it already is, and copied on a side
-    stream when the caller asks for it, i.e. after it queued the current chunk's work: the copy overlaps that
-    work, and the consumer's stream waits for the copy before it reads the tensors (no host sync). Elsewhere
-    the tensors pass through ``.to(device)``, so the CPU path runs the same caller code.
-    """
-    import torch
-
-    def each(tensors: Any, move: Any) -> Any:
-        return tuple(move(t) for t in tensors) if isinstance(tensors, tuple) else move(tensors)
-
-    if device.type != "cuda":
-        for meta, tensors in chunks:
-            yield meta, each(tensors, lambda t: t.to(device))
-        return
-    side = torch.cuda.Stream(device=device)
-
-    def copy(tensor: Any) -> Any:
-        pinned = tensor if tensor.is_pinned() else tensor.pin_memory()
-        with torch.cuda.stream(side):
-            return pinned.to(device, non_blocking=True)
-
-    def hand_over(moved: Any) -> Any:
-        moved.record_stream(current)  # allocated on the side stream: not reused before the consumer's work is done
-        return moved
-
-    for meta, tensors in chunks:
-        moved = each(tensors, copy)
-        current = torch.cuda.current_stream(device)
-        current.wait_stream(side)  # the model reads the chunk only once its copy has landed
-        yield meta, each(moved, hand_over)
-
-
 def _host_chunks(batches: Iterable[Any], key: str, columns: list[str], features: list[str], shapes: dict[str, Any],
                  mean: Any, std: Any, pin: bool, source: str, bad_rows: str,
                  quarantine: Any) -> Iterator[tuple[tuple[Any, int], Any]]:
@@ -198,8 +111,6 @@ def _host_chunks(batches: Iterable[Any], key: str, columns: list[str], features:
     import numpy as np
     import pyarrow as pa
     import torch
-
-    from tasks.preprocess import flatten_features
 
     offset = 0
     for batch in batches:
@@ -230,9 +141,6 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
-
-    from tasks.model import load_bundle
-    from tasks.preprocess import check_feature_types
 
     profile = config.profile(config.inference.profile)
     torch.set_num_threads(profile.threads_per_process)
@@ -320,23 +228,6 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
     return result
 
 
-def commit(out: str, model_uri: str, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Write ``predictions/manifest.json`` listing exactly the shards' files; drop unlisted leftovers."""
-    ordered = sorted(results, key=lambda r: r["index"])
-    manifest = {"kind": "predictions", "model_uri": model_uri,
-                "files": [{"uri": r["uri"], "rows": r["rows"]} for r in ordered],
-                "quarantine": [{"uri": r["quarantine_uri"], "rows": r["rows_quarantined"]} for r in ordered if r.get("quarantine_uri")],
-                "rows": sum(r["rows"] for r in ordered), "rows_quarantined": sum(r.get("rows_quarantined", 0) for r in ordered)}
-    prefix = storage.join(out, "predictions")
-    uri = storage.join(prefix, "manifest.json")
-    storage.write_json(uri, manifest)
-    listed = {r["uri"] for r in ordered} | {q["uri"] for q in manifest["quarantine"]}
-    removed = storage.remove_unlisted(prefix, listed)
-    log.info("committed %s: %d rows in %d file(s), %d quarantined, %d stale file(s) removed", uri, manifest["rows"],
-             len(ordered), manifest["rows_quarantined"], removed)
-    return {"uri": uri, "rows": manifest["rows"], "rows_quarantined": manifest["rows_quarantined"]}
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Sharded batch inference steps.")
     common = common_parser()
@@ -357,11 +248,11 @@ def main(argv: list[str] | None = None) -> None:
         storage.require_bucket(config.storage_root, "storage_root")
         if args.step == "plan":
             source = args.input or config.inference.input_uri or config.dataset.uri
-            return {"shards": plan(storage.resolve(config.storage_root, source), config.inference.rows_per_shard)}
+            return {"shards": predictions.plan_inference(storage.resolve(config.storage_root, source), config.inference.rows_per_shard)}
         out = storage.resolve(config.storage_root, args.out)
         if args.step == "shard":
             return score_shard(config, args.model, args.shard, out)
-        return commit(out, args.model, args.results)
+        return predictions.commit_predictions(out, args.model, args.results)
 
     run_subjob(f"infer {args.step}", work, args.result_file)
 

@@ -24,10 +24,12 @@ import subprocess
 import time
 from typing import Any
 
-from tasks import storage
-from tasks.cli import common_parser, parse_overrides, setup_logging
-from tasks.config import PipelineConfig, load_config
-from tasks.errors import UserError
+from tasks.core import storage
+from tasks.core.cli import common_parser, parse_overrides, setup_logging
+from tasks.core.errors import UserError
+from tasks.definitions.config import PipelineConfig
+from tasks.definitions.loading import REPO_ROOT, load_config
+from tasks.scripting.entrypoint import card_params
 
 log = logging.getLogger("stagewise.registry")
 
@@ -45,8 +47,6 @@ def pointer_uri(storage_root: str, name: str) -> str:
 
 def code_version() -> str:
     """The git commit of the code that trained the model, when it runs from a checkout."""
-    from tasks.config import REPO_ROOT
-
     try:
         return subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
@@ -166,8 +166,6 @@ def model_card(config: PipelineConfig, *, trained: dict[str, Any], evaluation: d
                best_params: dict[str, Any] | None, study: str, source_run: str, manifest_uri: str) -> dict[str, Any]:
     """What a registered version records: its test metrics, the objective and its validation value, the params
     it trained with, the data fingerprint, the code version, the study and the run that made it."""
-    from tasks.train import card_params
-
     metric = config.objective.metric
     return {**{k: v for k, v in evaluation.items() if k.startswith("test_") and k != "test_objective"},
             "objective": metric, "direction": config.objective.direction, f"val_{metric}": trained.get("val_metric"),

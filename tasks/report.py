@@ -12,10 +12,11 @@ import datetime as dt
 import logging
 from typing import Any
 
-from tasks import storage
-from tasks.cli import common_parser, parse_overrides, setup_logging
-from tasks.config import load_config
-from tasks.errors import UserError
+from tasks.core import storage
+from tasks.core.cli import common_parser, parse_overrides, setup_logging
+from tasks.core.errors import UserError
+from tasks.definitions.loading import load_config
+from tasks.reporting import html as report_html
 
 log = logging.getLogger("stagewise.report")
 
@@ -38,7 +39,7 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
                  direction: str | None = None, tasks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Assemble report.json, write report.html and then report.json (the commit); returns their URIs and headline numbers.
 
-    ``direction``: the objective's (minimize or maximize); ``tasks``: the run's task attempts (tasks.timeline).
+    ``direction``: the objective's (minimize or maximize); ``tasks``: the run's task attempts (tasks.reporting.timeline).
     """
     report = {
         "dag_id": dag_id,
@@ -75,8 +76,6 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
 
 def write_html(report: dict[str, Any], out: str) -> str | None:
     """report.html beside report.json, in one put; a rendering bug is logged and leaves report.json to stand alone."""
-    from tasks import report_html
-
     try:
         return report_html.write(report, out)
     except Exception:  # the page is a view of the run: the record (report.json) must not be lost to it
@@ -88,7 +87,7 @@ def build_inference_report(*, dag_id: str, run_id: str, out: str, model: dict[st
                            stage_results: dict[str, list[dict[str, Any]]], predictions: dict[str, Any],
                            tasks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """report.json (and report.html before it) of a batch_inference run: which model scored what, and how much was
-    quarantined; ``tasks``: the run's task attempts (tasks.timeline)."""
+    quarantined; ``tasks``: the run's task attempts (tasks.reporting.timeline)."""
     report = {"dag_id": dag_id, "run_id": run_id, "run_prefix": out, "stages": stage_timing(stage_results),
               "model_version": model["current"], "model_uri": model["model_uri"],
               "predictions": {"uri": predictions.get("uri"), "rows": predictions.get("rows"),
@@ -194,8 +193,6 @@ def report_json_uri(target: str) -> str:
 
 def render_html(target: str) -> str:
     """Render report.html again from a finished run's files (its report.json and what the stages wrote)."""
-    from tasks import report_html
-
     uri = report_json_uri(target)
     if not storage.exists(uri):
         raise UserError(f"{uri} does not exist: give a run prefix (runs/<dag_id>/<run_id>) or its report.json")

@@ -27,36 +27,34 @@ import signal
 import time
 from typing import Any
 
-from tasks import contract as env_contract
-from tasks import storage
-from tasks.cli import common_parser, parse_overrides, run_subjob
-from tasks.config import CategoricalParam, FloatParam, PipelineConfig, Sweep, config_path, load_config
-from tasks.errors import UserError
+from tasks.core import contract as env_contract
+from tasks.core import storage
+from tasks.core.cli import common_parser, parse_overrides, run_subjob
+from tasks.core.errors import UserError
+from tasks.datasets.manifest import read_manifest
+from tasks.definitions.config import PipelineConfig, Sweep
+from tasks.definitions.loading import REPO_ROOT, config_path, load_config
+from tasks.models.building import resolve_params
+from tasks.scripting.entrypoint import contract_environment, entrypoint_args, read_last_report
+from tasks.study.studies import (
+    best_trial,
+    counts_toward_budget,
+    create,
+    make_pruner,
+    make_sampler,
+    open_storage,
+    recover_abandoned,
+    suggest,
+)
+from tasks.study.summary import summarize
+from tasks.training.distributed import distributed_job
+from tasks.training.local_torchrun import command
+from tasks.training.loop import rank_batches, start_loop
 
 log = logging.getLogger("stagewise.sweep")
 
-FINISHED = ("COMPLETE", "PRUNED", "FAIL")
 # Fault injection for tests: the worker SIGKILLs itself after the first epoch of this trial number.
 FAULT_ENV = "STAGEWISE_FAULT_KILL_TRIAL"
-# A relative sweep.entrypoint script names a file under the repo root, which its trials can import.
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def open_storage(uri: str) -> Any:
-    """An Optuna storage from a URI: ``journal://<file>`` or an RDB URL such as ``postgresql://...``."""
-    import optuna
-
-    if uri.startswith("journal://"):
-        from optuna.storages.journal import JournalFileBackend, JournalStorage
-
-        path = uri[len("journal://"):]
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        return JournalStorage(JournalFileBackend(path))
-    return optuna.storages.RDBStorage(uri)
-
-
-def study_name(dag_id: str, run_id: str) -> str:
-    return f"{storage.safe_name(dag_id)}__{storage.safe_name(run_id)}"
 
 
 def worker_quota(num_trials: int, num_workers: int, worker: int) -> int:
@@ -66,96 +64,6 @@ def worker_quota(num_trials: int, num_workers: int, worker: int) -> int:
     return num_trials // num_workers + (1 if worker < num_trials % num_workers else 0)
 
 
-def suggest(trial: Any, sweep: Sweep) -> dict[str, Any]:
-    """Sample the space: unconditional params first, then those whose ``when`` holds."""
-    params: dict[str, Any] = {}
-    ordered = sorted(sweep.search_space.items(), key=lambda item: item[1].when is not None)
-    for name, space in ordered:
-        if space.when and not all(params.get(parent) in values for parent, values in space.when.items()):
-            continue
-        if isinstance(space, FloatParam):
-            params[name] = trial.suggest_float(name, space.low, space.high, log=space.log)
-        elif isinstance(space, CategoricalParam):
-            params[name] = trial.suggest_categorical(name, space.choices)
-        else:
-            params[name] = trial.suggest_int(name, space.low, space.high, log=space.log)
-    return params
-
-
-def make_sampler(sweep: Sweep, seed_offset: int) -> Any:
-    import optuna
-
-    spec, seed = sweep.sampler, sweep.seed + seed_offset
-    if spec.type == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
-    if spec.type == "grid":
-
-        class QuotaGridSampler(optuna.samplers.GridSampler):
-            def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
-                pass  # the worker quota ends the sweep; Study.stop() only works inside optimize()
-
-        return QuotaGridSampler(sweep.grid(), seed=seed)
-    if spec.type == "cmaes":
-        return optuna.samplers.CmaEsSampler(seed=seed, n_startup_trials=spec.n_startup_trials, warn_independent_sampling=False)
-    return optuna.samplers.TPESampler(multivariate=spec.multivariate, constant_liar=spec.constant_liar,
-                                      n_startup_trials=spec.n_startup_trials, seed=seed)
-
-
-def make_pruner(sweep: Sweep) -> Any:
-    import optuna
-
-    spec = sweep.pruner
-    if spec.type == "none":
-        return optuna.pruners.NopPruner()
-    if spec.type == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=spec.n_startup_trials, n_warmup_steps=spec.n_warmup_steps)
-    return optuna.pruners.HyperbandPruner(min_resource=spec.min_resource, max_resource=sweep.epochs,
-                                          reduction_factor=spec.reduction_factor)
-
-
-def create(config: PipelineConfig, name: str) -> dict[str, Any]:
-    """Create the study, or find it again when a cleared run comes back; warm-start a new one if asked."""
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    backend = open_storage(config.sweep.storage)
-    study = optuna.create_study(study_name=name, storage=backend, direction=config.objective.direction,
-                                load_if_exists=True)
-    warm = config.sweep.warm_start_from
-    if warm and not study.trials and not study.user_attrs.get("warm_started_from"):
-        try:
-            best = best_trial(optuna.load_study(study_name=warm, storage=backend))
-        except KeyError as exc:
-            raise UserError(f"sweep.warm_start_from: study '{warm}' has no completed trial to start from ({exc})") from None
-        if best is None:
-            raise UserError(f"sweep.warm_start_from: study '{warm}' has no completed trial to start from")
-        params = {k: v for k, v in best.params.items() if k in config.sweep.search_space}
-        study.enqueue_trial(params, user_attrs={"warm_start_of": f"{warm}#{best.number}"})
-        study.set_user_attr("warm_started_from", warm)
-        log.info("study %s warm-starts from %s: enqueued its best params %s (value %.4f)", name, warm, params, best.value)
-    study.set_user_attr("num_trials", config.sweep.num_trials)
-    log.info("study %s ready (%d trial(s) so far) on %s", name, len(study.trials), config.sweep.storage.split("://")[0])
-    return {"study_name": name, "storage_kind": config.sweep.storage.split("://")[0]}
-
-
-def _counted(trial: Any) -> bool:
-    return trial.state.name in FINISHED and not trial.user_attrs.get("abandoned")
-
-
-def outcome(trial: Any) -> str:
-    """The trial's state as the sweep counts it: a COMPLETE trial that took no optimizer step counts as FAIL."""
-    if trial.state.name == "COMPLETE" and trial.user_attrs.get("steps") == 0:
-        return "FAIL"  # its value is a random init's accuracy, never a result
-    return trial.state.name
-
-
-def best_trial(study: Any) -> Any | None:
-    """The best trial that completed and trained (Optuna's own best_trial would accept a 0-step one)."""
-    complete = [t for t in study.get_trials(deepcopy=False) if _counted(t) and outcome(t) == "COMPLETE"]
-    pick = min if study.direction.name == "MINIMIZE" else max
-    return pick(complete, key=lambda t: t.value, default=None)
-
-
 def _ask(study: Any, sweep: Sweep) -> Any:
     """A new trial; a sampler that cannot propose one (bad settings for this space) is a user error, not a retry."""
     try:
@@ -163,24 +71,6 @@ def _ask(study: Any, sweep: Sweep) -> Any:
     except (ValueError, TypeError, ArithmeticError) as exc:
         raise UserError(f"sweep.sampler ({sweep.sampler.type}) cannot propose a trial for sweep.search_space: "
                         f"{type(exc).__name__}: {exc}") from None
-
-
-def recover_abandoned(study: Any, worker: int | None) -> int:
-    """Fail the RUNNING trials of a dead attempt (of ``worker``, or any when None) and enqueue their params once."""
-    import optuna
-
-    recovered = 0
-    for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        if worker is not None and trial.user_attrs.get("worker") != worker:
-            continue
-        study._storage.set_trial_user_attr(trial._trial_id, "abandoned", "its worker attempt died")
-        study._storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)
-        if "retry_of" not in trial.user_attrs and trial.params:
-            study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
-            log.warning("trial %d was left RUNNING by a dead worker: marked failed, retrying once with %s",
-                        trial.number, trial.params)
-        recovered += 1
-    return recovered
 
 
 def _broadcast(env: Any, value: Any) -> Any:
@@ -200,7 +90,7 @@ def _worker_study(sweep: Sweep, name: str, worker: int) -> tuple[Any, int]:
     study = optuna.load_study(study_name=name, storage=open_storage(sweep.storage),
                               sampler=make_sampler(sweep, worker), pruner=make_pruner(sweep))
     recovered = recover_abandoned(study, worker)
-    done = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("worker") == worker and _counted(t)]
+    done = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("worker") == worker and counts_toward_budget(t)]
     quota = worker_quota(sweep.num_trials, sweep.num_workers, worker)
     remaining = max(quota - len(done), 0)
     log.info("worker %d: %d of its %d trial(s) already finished, %d recovered from a dead attempt; running %d",
@@ -217,7 +107,7 @@ def _finish(study: Any, trial: Any, state: str, value: float | None, error: str 
         trial.set_user_attr("error", error)
         log.warning("trial %d failed: %s", trial.number, error)
     study.tell(trial, value if state == "COMPLETE" else None, state=optuna.trial.TrialState[state])
-    finished = [t for t in study.get_trials(deepcopy=False) if _counted(t)]
+    finished = [t for t in study.get_trials(deepcopy=False) if counts_toward_budget(t)]
     best = best_trial(study)
     log.info("worker %d: trial %d %s (val_%s %.4f, %s); study %d/%d trials done, best so far %s, %.1fs elapsed",
              worker, trial.number, state.lower(), config.objective.metric, float("nan") if value is None else value,
@@ -234,10 +124,6 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
         return run_script_trials(config, name, worker, out, config_file, overrides or {})
     import optuna
     import torch
-
-    from tasks.preprocess import read_manifest
-    from tasks.training.distributed import distributed_job
-    from tasks.training.loop import rank_batches, start_loop
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sweep = config.sweep
@@ -318,8 +204,6 @@ def trial_environment(config: PipelineConfig, name: str, trial: Any, values: dic
                       overrides: dict[str, Any]) -> dict[str, str]:
     """What a bring-your-own trial script gets: the stage variables from :func:`trial_contract`, its own result,
     error and metrics files in ``workdir`` (never the worker's), and the trial's study (tasks.contract.TRIAL_ENV)."""
-    from tasks.train import contract_environment
-
     return {**contract_environment(config, values, overrides),
             env_contract.RESULT_FILE: os.path.join(workdir, "result.json"),
             env_contract.ERROR_FILE: os.path.join(workdir, "user_error.txt"),
@@ -338,10 +222,6 @@ def script_trial(config: PipelineConfig, config_file: str, name: str, trial: Any
     import subprocess
     import tempfile
 
-    from tasks.runtime import read_last_report
-    from tasks.train import entrypoint_args, resolve_params
-    from tasks.training.local_torchrun import command
-
     sweep = config.sweep
     entry = sweep.entrypoint
     assert entry is not None
@@ -350,11 +230,12 @@ def script_trial(config: PipelineConfig, config_file: str, name: str, trial: Any
     with tempfile.TemporaryDirectory(prefix=f"stagewise-trial{trial.number}-") as workdir:
         values = trial_contract(config, config_file, trial, resolve_params(config, suggested), out, workdir)
         env = trial_environment(config, name, trial, values, workdir, overrides)
+        # A relative script is a file under the repo root, which its trials can import from.
         target = [os.path.join(REPO_ROOT, entry.script)] if entry.script else ["-m", entry.module]
         cwd = os.path.join(workdir, "cwd")
         os.mkdir(cwd)
         child = {**os.environ, **env, "OMP_NUM_THREADS": str(profile.threads_per_process),
-                 "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)}
+                 "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
         log.info("trial %d: running %s with %s", trial.number, what, suggested)
         argv = command(target, entrypoint_args(entry, "sweep", values), profile.processes_per_node)
         code = subprocess.run(argv, cwd=cwd, env=child).returncode  # its output goes straight into the task log
@@ -398,91 +279,6 @@ def run_script_trials(config: PipelineConfig, name: str, worker: int, out: str, 
         _finish(study, trial, state, value, error, config, worker, suggested, started)
     return {"worker": worker, "trials_run": remaining, "epochs_run": epochs_run, "world_size":
             config.profile(sweep.profile).processes_per_node}
-
-
-def write_plots(study: Any, prefix: str) -> list[str]:
-    """Optimisation history, intermediate values, importances and parallel coordinates as HTML files."""
-    from optuna import visualization
-    from plotly.offline import get_plotlyjs
-
-    plots = {"optimization_history": visualization.plot_optimization_history,
-             "intermediate_values": visualization.plot_intermediate_values,
-             "param_importances": visualization.plot_param_importances,
-             "parallel_coordinate": visualization.plot_parallel_coordinate}
-    written = []
-    storage.write_bytes(storage.join(prefix, "plotly.min.js"), get_plotlyjs().encode())  # one copy, viewable offline
-    for name, plot in plots.items():
-        try:
-            figure = plot(study)
-        except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. importances need 2+ complete trials
-            log.info("plot %s skipped: %s", name, exc)
-            continue
-        uri = storage.join(prefix, f"{name}.html")
-        storage.write_bytes(uri, figure.to_html(include_plotlyjs="plotly.min.js", full_html=True).encode())
-        written.append(uri)
-    return written
-
-
-def trial_records(study: Any) -> list[dict[str, Any]]:
-    """Every trial as the report draws it: number, outcome, value, per-epoch values, params, worker and times."""
-
-    def when(moment: Any) -> str | None:
-        return moment.isoformat() if moment is not None else None
-
-    return [{"number": t.number, "state": outcome(t), "value": t.value, "intermediate": {str(k): v for k, v in
-             sorted(t.intermediate_values.items())}, "params": t.params, "worker": t.user_attrs.get("worker"),
-             "counted": _counted(t), "error": t.user_attrs.get("error"), "start": when(t.datetime_start),
-             "complete": when(t.datetime_complete)} for t in study.get_trials(deepcopy=False)]
-
-
-def param_importances(study: Any) -> dict[str, float]:
-    """Optuna's fANOVA importances of the params over the completed trials; empty when they cannot be computed."""
-    import optuna
-
-    try:
-        return {k: float(v) for k, v in optuna.importance.get_param_importances(study).items()}
-    except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. fewer than 2 completed trials
-        log.info("param importances skipped: %s", exc)
-        return {}
-
-
-def summarize(config: PipelineConfig, name: str, out: str) -> dict[str, Any]:
-    """Counts by state and the best trial into ``sweep/summary.json``, every trial into ``sweep/trials.json`` and plots
-    beside it. Fails when nothing completed."""
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=name, storage=open_storage(config.sweep.storage))
-    stale = recover_abandoned(study, worker=None)  # every worker is done: nothing may stay RUNNING
-    trials = study.get_trials(deepcopy=False)
-    counted = [t for t in trials if _counted(t)]
-    counts = {state: sum(1 for t in counted if outcome(t) == state) for state in FINISHED}
-    summary: dict[str, Any] = {
-        "study_name": name, "n_trials": len(counted), "n_complete": counts["COMPLETE"], "n_pruned": counts["PRUNED"],
-        "n_failed": counts["FAIL"], "n_abandoned": sum(1 for t in trials if t.user_attrs.get("abandoned")),
-        "n_stale_recovered": stale, "epochs_consumed": sum(int(t.user_attrs.get("epochs", 0)) for t in trials),
-        "storage_kind": config.sweep.storage.split("://")[0],
-    }
-    if counts["COMPLETE"] == 0:
-        reasons: dict[str, int] = {}
-        for t in counted:
-            reason = t.user_attrs.get("error") or ("pruned" if t.state.name == "PRUNED" else
-                                                   "took 0 optimizer steps" if outcome(t) == "FAIL" else "no value")
-            reasons[reason] = reasons.get(reason, 0) + 1
-        listed = "; ".join(f"{count} x {reason}" for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1])[:5])
-        raise UserError(f"sweep {name}: none of {len(counted)} trials completed ({counts}); why: {listed}")
-    best = best_trial(study)
-    summary.update({"best_value": best.value, "best_params": best.params, "best_trial": best.number})
-    summary["plots"] = write_plots(study, storage.join(out, "sweep", "plots"))
-    summary["importances"] = param_importances(study)
-    trials_uri = storage.join(out, "sweep", "trials.json")  # before summary.json, which commits the sweep's files
-    storage.write_json(trials_uri, {"study_name": name, "metric": config.objective.metric,
-                                    "direction": config.objective.direction, "trials": trial_records(study)})
-    summary["trials_uri"] = trials_uri
-    storage.write_json(storage.join(out, "sweep", "summary.json"), summary)
-    log.info("sweep %s: %d trials (%d complete, %d pruned, %d failed); best %.4f with %s", name, len(counted),
-             counts["COMPLETE"], counts["PRUNED"], counts["FAIL"], best.value, best.params)
-    return summary
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,7 @@ Run: ``torchrun --standalone --nproc-per-node 2 -m tasks.train --stage s2 --out 
         --params '{"lr": 0.05}' --init-from storage/runs/x/y/train/s1/final.pt``
 
 The stage reads the committed preprocess manifest under ``--out``; each rank streams its own part
-of the train split (tasks.loader). It starts from the previous stage's final checkpoint (model and
+of the train split (tasks.datasets.loader). It starts from the previous stage's final checkpoint (model and
 optimizer carry over; the LR schedule is re-derived for this stage's global batch, with warmup when
 the batch grew). Rank 0 checkpoints every ``train.checkpoint_every_steps`` optimizer steps; an
 Airflow retry resumes from the newest checkpoint at the same batch, redoing at most that many steps.
@@ -22,48 +22,25 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from tasks import contract as env_contract
-from tasks import storage
-from tasks.cli import common_parser, json_arg, parse_overrides, run_subjob
-from tasks.config import (
-    ARG_PLACEHOLDERS,
-    EntryPoint,
-    PipelineConfig,
-    hyperparameter_problem,
-    load_config,
-    placeholders,
-)
-from tasks.errors import UserError
+from tasks.core import contract as env_contract
+from tasks.core import storage
+from tasks.core.cli import common_parser, json_arg, parse_overrides, run_subjob
+from tasks.core.errors import UserError
+from tasks.datasets.manifest import read_manifest
+from tasks.definitions.config import PipelineConfig
+from tasks.definitions.loading import load_config
+from tasks.models.building import resolve_params
+from tasks.models.bundle import preprocessing_of, save_bundle
+from tasks.models.torch_io import load_torch, save_torch
+from tasks.scripting.entrypoint import LAST_REPORT, contract_environment, entrypoint_args
+from tasks.training.checkpoint import CheckpointStore, restore_training_state
+from tasks.training.distributed import distributed_job
+from tasks.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, start_loop, warmup_factor
 
 log = logging.getLogger("stagewise.train")
 
-# The framework's own hyperparameters; a spec adds its own (ModelSpec.default_params).
-FRAMEWORK_DEFAULTS = {"lr": 0.05, "weight_decay": 0.0, "momentum": 0.9, "optimizer": "sgd"}
 # Fault injection for tests: rank R SIGKILLs itself after optimizer step S of a fresh (not resumed) run.
 FAULT_ENV = "STAGEWISE_FAULT_KILL_AT"
-
-
-def stage_prefix(out: str, stage: str) -> str:
-    return storage.join(out, "train", stage)
-
-
-def resolve_params(config: PipelineConfig, swept: dict[str, Any], spec: Any = None) -> dict[str, Any]:
-    """Hyperparameters: the framework's and the spec's defaults, then train.default_params, then the sweep's best
-    (each checked by name: the framework's and those the spec declares)."""
-    from tasks.model import load_spec
-
-    if not isinstance(swept or {}, dict):
-        raise UserError(f"--params must be a JSON object of hyperparameters, got {type(swept).__name__}")
-    spec = spec or load_spec(config)
-    known = (*FRAMEWORK_DEFAULTS, *spec.default_params)
-    params = {**FRAMEWORK_DEFAULTS, **spec.default_params, **config.train.default_params, **(swept or {})}
-    problems = [problem for name, value in params.items() if (problem := hyperparameter_problem(name, value, known))]
-    if problems:
-        raise UserError(f"bad hyperparameter(s) in --params / sweep result / train.default_params for {config.model.spec}: "
-                        f"{'; '.join(problems)}")
-    if "hidden" in params:
-        params["hidden"] = int(params["hidden"])
-    return params
 
 
 def config_hash(stage: dict[str, Any], params: dict[str, Any], world_size: int, seed: int) -> str:
@@ -80,7 +57,7 @@ def byo_contract(config: PipelineConfig, config_file: str, stage_name: str, out:
     micro = stage.micro_batch(world)
     global_batch = micro * world * stage.grad_accum_steps
     params = resolve_params(config, swept)
-    prefix = stage_prefix(out, stage.name)
+    prefix = storage.stage_prefix(out, stage.name)
     values = {
         "config": config_file, "stage": stage.name, "run_prefix": out, "output_dir": prefix,
         "checkpoint_dir": storage.join(prefix, "checkpoints"),
@@ -101,19 +78,10 @@ def byo_environment(config: PipelineConfig, config_file: str, stage_name: str, o
 
     The script reads data through the manifest, keeps its checkpoints in STAGEWISE_CHECKPOINT_DIR
     (a retry finds them there), and for a later stage or evaluation writes ``final.pt`` (model and
-    optimizer state, global_batch) and ``model.pt`` (tasks.model.save_bundle) in STAGEWISE_OUTPUT_DIR
+    optimizer state, global_batch) and ``model.pt`` (tasks.models.bundle.save_bundle) in STAGEWISE_OUTPUT_DIR
     (tasks.spec.save_model writes both).
     """
     return contract_environment(config, byo_contract(config, config_file, stage_name, out, swept, init_from), overrides)
-
-
-def contract_environment(config: PipelineConfig, values: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, str]:
-    """tasks.contract.STAGE_ENV from a stage's (or a sweep trial's) contract values, all as strings."""
-    text = {"params": json.dumps(values["params"]), "lr": repr(values["lr"])}
-    env = {f"STAGEWISE_{name.upper()}": text.get(name, str(value)) for name, value in values.items()}
-    env[env_contract.OVERRIDES] = json.dumps(overrides or {})
-    env[env_contract.OBJECTIVE] = config.objective.metric
-    return env
 
 
 def byo_args(config: PipelineConfig, stage_name: str, contract: dict[str, Any]) -> list[str]:
@@ -125,31 +93,15 @@ def byo_args(config: PipelineConfig, stage_name: str, contract: dict[str, Any]) 
     return entrypoint_args(stage.entrypoint, f"train.stages ({stage.name})", contract)
 
 
-def entrypoint_args(entry: EntryPoint | None, owner: str, contract: dict[str, Any]) -> list[str]:
-    """An entrypoint's args with each ``{name}`` filled from the contract values, else from the hyperparameters."""
-    values = {**contract["params"], **{name: contract[name] for name in ARG_PLACEHOLDERS}}
-    args = []
-    for position, arg in enumerate(entry.args if entry else []):
-        where = f"{owner}: entrypoint.args[{position}] {arg!r}"
-        try:
-            missing = [name for name in placeholders(arg) if name not in values]
-            if missing:
-                raise ValueError(f"unknown placeholder {{{missing[0]}}}; known: {sorted(values)}")
-            args.append(arg.format_map(values))
-        except ValueError as exc:
-            raise UserError(f"{where}: {exc}") from None
-    return args
-
-
 # What a user's stage must leave in STAGEWISE_OUTPUT_DIR: the next stage starts from final.pt, evaluation loads model.pt.
 BYO_OUTPUTS = {"final.pt": "model and optimizer state plus global_batch, which the next stage starts from",
-               "model.pt": "the model bundle (tasks.model.save_bundle), which evaluation, the registry and inference load"}
+               "model.pt": "the model bundle (tasks.models.bundle.save_bundle), which evaluation, the registry and inference load"}
 
 
 def check_byo_outputs(config: PipelineConfig, stage_name: str, out: str) -> dict[str, str]:
     """The URIs of a finished user stage's outputs; a UserError naming each missing file and where it was expected."""
     stage = config.stage(stage_name)
-    prefix = stage_prefix(out, stage.name)
+    prefix = storage.stage_prefix(out, stage.name)
     uris = {name: storage.join(prefix, name) for name in BYO_OUTPUTS}
     missing = [name for name, uri in uris.items() if not storage.exists(uri)]
     if missing:
@@ -159,13 +111,6 @@ def check_byo_outputs(config: PipelineConfig, stage_name: str, out: str) -> dict
         raise UserError(f"stage {stage.name}: {what} ended without writing {' and '.join(missing)} in "
                         f"STAGEWISE_OUTPUT_DIR ({prefix}); rank 0 must write them there ({needs})")
     return uris
-
-
-# The key under which the launcher hands a user script's last tasks.spec.report ($STAGEWISE_METRICS_FILE) to byo_result.
-LAST_REPORT = "last_report"
-
-# What a model card says in place of params when a user's script did not report the ones it trained with.
-PARAMS_NOT_REPORTED = "not reported by the script"
 
 
 def byo_result(config: PipelineConfig, stage_name: str, out: str, contract: dict[str, Any],
@@ -191,17 +136,7 @@ def byo_result(config: PipelineConfig, stage_name: str, out: str, contract: dict
     return {**result, "params": params, "params_source": "script"}
 
 
-def card_params(trained: dict[str, Any], swept_params: dict[str, Any] | None) -> dict[str, Any]:
-    """The params a model card records: a user script's own report (or that it gave none), never the sweep's in its place."""
-    if trained.get("params_source") != "script":
-        return {"params": swept_params, "params_source": "sweep"}
-    reported = trained.get("params")
-    return {"params": PARAMS_NOT_REPORTED if reported is None else reported, "params_source": "script"}
-
-
 def scaled_lr_for(config: PipelineConfig, base_lr: float, global_batch: int) -> float:
-    from tasks.training.loop import scaled_lr
-
     return scaled_lr(base_lr, global_batch, config.train.base_batch, config.train.lr_rule)
 
 
@@ -215,12 +150,6 @@ def _fault_step(rank: int) -> int | None:
 
 def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str, Any], init_from: str | None) -> dict[str, Any]:
     import torch
-
-    from tasks.model import load_torch, preprocessing_of, restore_training_state, save_bundle, save_torch
-    from tasks.preprocess import read_manifest
-    from tasks.training.checkpoint import CheckpointStore
-    from tasks.training.distributed import distributed_job
-    from tasks.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, start_loop, warmup_factor
 
     stage = config.stage(stage_name)
     profile = config.profile(stage.profile)
@@ -242,7 +171,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                                  precision=stage.precision, compile_mode=stage.compile)
         params, model, optimizer = built.params, loop.module, loop.optimizer
         digest = config_hash(stage.model_dump(), params, env.world_size, config.train.seed)
-        prefix = stage_prefix(out, stage.name)
+        prefix = storage.stage_prefix(out, stage.name)
         checkpoints = CheckpointStore(prefix, keep_last=config.train.keep_checkpoints)
 
         position, history, previous_batch, resumed_from = Position(), [], None, None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,79 @@ import yaml
 pytest_plugins = ["tests.live_airflow"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+_NEEDS = ("airflow", "torchrun", "browser", "service", "gpu")  # the markers of pytest.ini; test-fast runs none
+# Fixtures that bring a need with them: checked at collection, so a test using one cannot run unmarked.
+_FIXTURE_NEEDS = {"live_airflow": "airflow", "airflow_env": "airflow", "chromium": "browser",
+                  "postgres_databases": "service", "redis_url": "service", "s3_endpoint": "service"}
+# A process the test starts, named by its argv (a bash -c script or python -c code included).
+_TORCHRUN = re.compile(r"(?<![\w.])(torchrun|tasks\.training\.local_torchrun|tasks\.training\.node_launch|torch\.distributed\.run)(?![\w.])")
+# The CLI as a command (`airflow dags test`, `python -m airflow scheduler`, `... && exec airflow`), not `import airflow`.
+_AIRFLOW = re.compile(r"(?:^|[;&|]\s*|\bexec\s+|-m\s+|/)airflow(?=\s)")
+
+
+def process_needs(argv) -> set[str]:
+    """The markers a process started with ``argv`` calls for (``torchrun`` or ``airflow``); empty for anything else."""
+    text = argv if isinstance(argv, (str, bytes, os.PathLike)) else " ".join(os.fsdecode(a) for a in argv)
+    text = os.fsdecode(text) + " "
+    return {name for name, pattern in (("torchrun", _TORCHRUN), ("airflow", _AIRFLOW)) if pattern.search(text)}
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that takes a fixture needing Airflow, a browser or a service must say so with the marker."""
+    unmarked = []
+    for item in items:
+        marks = {mark.name for mark in item.iter_markers()}
+        missing = {need for fixture, need in _FIXTURE_NEEDS.items() if fixture in item.fixturenames} - marks
+        if missing:
+            unmarked.append(f"{item.nodeid}: needs @pytest.mark.{', @pytest.mark.'.join(sorted(missing))}")
+    if unmarked:
+        raise pytest.UsageError("tests without the markers of what they need:\n" + "\n".join(unmarked))
+    # Longest first, so pytest-xdist's workers do not end on one long run each: modules running Airflow or a browser
+    # (those needing more besides first), then torchrun or a service, then the rest. A stable sort by module keeps
+    # each module's tests together.
+    weight: dict[str, tuple[int, int]] = {}
+    for item in items:
+        marks = {mark.name for mark in item.iter_markers()}
+        rank = (0 if marks & {"airflow", "browser"} else 1 if marks & {"torchrun", "service"} else 2,
+                -len(marks & set(_NEEDS)))
+        weight[item.module.__name__] = min(rank, weight.get(item.module.__name__, (2, 0)))
+    items.sort(key=lambda item: weight[item.module.__name__])
+
+
+_running: list = [None]  # the test whose setup, call or teardown runs now (module fixtures start in its setup)
+_unmarked_starts: dict[str, list[str]] = {}
+
+
+def pytest_configure(config):
+    """Watch every process this pytest process starts, so a test starting torchrun or Airflow unmarked fails."""
+    execute_child = subprocess.Popen._execute_child
+
+    def checked(self, args, *rest, **kwargs):
+        if (item := _running[0]) is not None:
+            marks = {mark.name for mark in item.iter_markers()}
+            for need in process_needs(args) - marks:
+                _unmarked_starts.setdefault(item.nodeid, []).append(f"{need}: {str(args)[:200]}")
+        return execute_child(self, args, *rest, **kwargs)
+
+    subprocess.Popen._execute_child = checked
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running[0] = item
+    try:
+        return (yield)
+    finally:
+        _running[0] = None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The test errors at teardown if it (or a fixture set up for it) started torchrun or Airflow without the marker."""
+    if started := _unmarked_starts.pop(item.nodeid, None):
+        pytest.fail("started without its marker (add @pytest.mark.<need>):\n" + "\n".join(dict.fromkeys(started)),
+                    pytrace=False)
 
 
 def base_config(storage_root: Path) -> dict:
@@ -57,9 +132,10 @@ def subprocess_env() -> dict:
 
 def preprocess_digits(config_path: Path, out: str) -> dict:
     """Write the config's demo data (the digits) and run the whole preprocess stage into ``out``; returns the commit result."""
-    from tasks import preprocess, storage
-    from tasks.config import load_config
-    from tasks.data import DEMO_WRITERS
+    from tasks import preprocess
+    from tasks.core import storage
+    from tasks.datasets.demo import DEMO_WRITERS
+    from tasks.definitions.loading import load_config
 
     config = load_config(config_path)
     raw = storage.resolve(config.storage_root, config.dataset.uri)
@@ -78,7 +154,7 @@ def train_digits_s1(root: Path, run: str, hidden: int) -> tuple[Path, str, str]:
     import yaml
 
     from tasks import train
-    from tasks.config import load_config
+    from tasks.definitions.loading import load_config
 
     config_path = root / "pipeline.yaml"
     config_path.write_text(yaml.safe_dump(base_config(root)))
@@ -187,7 +263,7 @@ def s3_env(s3_endpoint, monkeypatch):
     """The AWS environment of the plain (fault-free) S3 endpoint, with a fresh s3fs client and bucket check."""
     import s3fs
 
-    from tasks import storage
+    from tasks.core import storage
 
     for key, value in s3_endpoint.items():
         monkeypatch.setenv(key, value)

@@ -187,6 +187,8 @@ class LiveAirflow:
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.base_url}/execution/",
             "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(self.log_server_port),
             "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",  # no extra listening port
+            # The DAG files do not change while a test runs: parse them once, not every 30 s (CPU the tasks need).
+            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",
         })
         if self.plugins_folder:
             env["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(self.plugins_folder)

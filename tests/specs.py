@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tasks.model import MLPClassifier
+from tasks.models.mlp import MLPClassifier
 from tasks.spec import Average, DataInfo
 
 

@@ -27,8 +27,8 @@ from typing import Any
 import psutil
 
 from stagewise_airflow import REPO_ROOT
-from tasks import contract
-from tasks.config import Profile
+from tasks.core import contract
+from tasks.definitions.config import Profile
 
 log = logging.getLogger("stagewise.launch")
 
@@ -112,7 +112,7 @@ RESULT_FILE_ENV = contract.RESULT_FILE
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR,
            "CRITICAL": logging.CRITICAL}
 _GLOG_LEVELS = {"D": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
-# tasks.cli.setup_logging's "%(asctime)s %(levelname)s %(name)s: %(message)s" (timestamp optional).
+# tasks.core.cli.setup_logging's "%(asctime)s %(levelname)s %(name)s: %(message)s" (timestamp optional).
 _RECORD = re.compile(r"^(?:\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[,.]\d+)? )?"
                      r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) (\S+?): ?(.*)$")
 # Python's logging.basicConfig() default, "LEVEL:name:message".
@@ -223,8 +223,7 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
 
     from airflow.sdk.exceptions import AirflowFailException
 
-    from tasks.runtime import read_last_report
-    from tasks.train import LAST_REPORT
+    from tasks.scripting.entrypoint import LAST_REPORT, read_last_report
 
     check_devices(profile, distributed)
     workdir = tempfile.mkdtemp(prefix="stagewise-")

@@ -45,7 +45,7 @@ class SageMakerStageOperator(BaseOperator):
 
         from stagewise_airflow import REPO_ROOT, credentials
         from stagewise_airflow.backends import sagemaker
-        from tasks.errors import UserError
+        from tasks.core.errors import UserError
 
         config, run, stage = self._config(), self.run, self.stage
         spec = config.stage(stage)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.config import PipelineConfig
+from tasks.definitions.config import PipelineConfig
 
 # A string Param that may be left empty: the UI treats a non-null type with an empty value as a missing field.
 OPTIONAL_STRING = ["null", "string"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from tasks.config import load_config
+from tasks.definitions.loading import load_config
 
 
 def ensure_pools(config_file: str | None = None) -> list[str]:

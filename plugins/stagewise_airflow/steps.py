@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from stagewise_airflow import credentials, launch
-from tasks.config import ConfigError, PipelineConfig, config_path, load_config
-from tasks.errors import UserError
+from tasks.core.errors import UserError
+from tasks.definitions.config import ConfigError, PipelineConfig
+from tasks.definitions.loading import config_path, load_config
 
 
 def _all(results: Sequence[Any]) -> list[Any]:
@@ -70,10 +71,11 @@ def _inline(config: PipelineConfig | None, work: Callable[[], Any]) -> Any:
 
 
 def _record_attempt(context: Any, state: str, ended: bool) -> None:
-    """This attempt's start or end into the run's timeline (tasks.timeline); a storage hiccup never fails the task."""
+    """This attempt's start or end into the run's timeline (tasks.reporting.timeline); a storage hiccup never fails the task."""
     import logging
 
-    from tasks import storage, timeline
+    from tasks.core import storage
+    from tasks.reporting import timeline
 
     ti = context["ti"]
     try:
@@ -102,8 +104,8 @@ def start_run(mode: str = "pipeline") -> dict[str, Any]:
     ``mode="retrain"`` warm-starts the sweep from the current model's study with the retrain budget.
     """
     from stagewise_airflow.params import overrides_from_params, unknown_trigger_keys
-    from tasks.storage import run_prefix
-    from tasks.sweep import study_name
+    from tasks.core.storage import run_prefix
+    from tasks.study.studies import study_name
 
     context = _context()
     dag_id, run_id = context["dag"].dag_id, context["run_id"]
@@ -135,7 +137,7 @@ def start_run(mode: str = "pipeline") -> dict[str, Any]:
 
 def ingest() -> dict[str, Any]:
     """Copy the ``source_uri`` Param's Parquet into the data set; the task's outlet Asset announces it."""
-    from tasks import storage
+    from tasks.core import storage
     from tasks.data import ingest as ingest_files
 
     config = load_config()
@@ -145,7 +147,8 @@ def ingest() -> dict[str, Any]:
 
 
 def plan_shards(run: dict[str, Any]) -> list[dict[str, Any]]:
-    from tasks import preprocess, storage
+    from tasks import preprocess
+    from tasks.core import storage
 
     config = run_config(run)
     uris = _inline(config, lambda: preprocess.plan(storage.resolve(config.storage_root, config.dataset.uri)))
@@ -179,10 +182,10 @@ def commit_preprocess(run: dict[str, Any], reduced: dict[str, Any], transformed:
 
 def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[int]:
     """Create (or find again) the run's study; return the worker indices to map over."""
-    from tasks import sweep
+    from tasks.study.studies import create
 
     config = run_config(run)
-    _inline(config, lambda: sweep.create(config, run["study"]))
+    _inline(config, lambda: create(config, run["study"]))
     return list(range(config.sweep.num_workers))
 
 
@@ -200,10 +203,10 @@ def sweep_worker(run: dict[str, Any], worker: int) -> dict[str, Any]:
 
 
 def sweep_summary(run: dict[str, Any], workers: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    from tasks import sweep
+    from tasks.study.summary import summarize
 
     config = run_config(run)
-    return _inline(config, lambda: sweep.summarize(config, run["study"], run["out"]))
+    return _inline(config, lambda: summarize(config, run["study"], run["out"]))
 
 
 def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
@@ -252,7 +255,8 @@ def evaluate(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
 
 def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dict[str, Any], swept: dict[str, Any]) -> dict[str, Any]:
     """Add the trained model to the registry with its card (metrics, params, data, code, source run)."""
-    from tasks import registry, storage
+    from tasks import registry
+    from tasks.core import storage
 
     config = run_config(run)
 
@@ -283,11 +287,12 @@ def resolve_model(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def plan_inference(run: dict[str, Any], model: dict[str, Any]) -> list[dict[str, Any]]:
-    from tasks import infer, storage
+    from tasks.core import storage
+    from tasks.datasets import predictions
 
     config = run_config(run)
     source = storage.resolve(config.storage_root, config.inference.input_uri or config.dataset.uri)
-    return _inline(config, lambda: infer.plan(source, config.inference.rows_per_shard))
+    return _inline(config, lambda: predictions.plan_inference(source, config.inference.rows_per_shard))
 
 
 def infer_shard(run: dict[str, Any], model: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
@@ -296,15 +301,17 @@ def infer_shard(run: dict[str, Any], model: dict[str, Any], shard: dict[str, Any
 
 
 def commit_predictions(run: dict[str, Any], model: dict[str, Any], scored: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    from tasks import infer
+    from tasks.datasets import predictions
 
-    return _inline(run_config(run), lambda: {**infer.commit(run["out"], model["model_uri"], _all(scored)), "model_version": model["current"]})
+    return _inline(run_config(run), lambda: {**predictions.commit_predictions(run["out"], model["model_uri"], _all(scored)),
+                                             "model_version": model["current"]})
 
 
 def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, transformed: Sequence[dict], prepared: dict,
                  workers: Sequence[dict], swept: dict, trained: list[dict], evaluation: dict, registered: dict,
                  gated: dict, scored: Sequence[dict], predictions: dict) -> dict[str, Any]:
-    from tasks import report, timeline
+    from tasks import report
+    from tasks.reporting import timeline
 
     config = run_config(run)
     stage_results = {"preprocess": [*_all(stats), reduced, *_all(transformed), prepared], "sweep": [*_all(workers), swept]}
@@ -320,7 +327,8 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
 
 
 def write_inference_report(run: dict[str, Any], model: dict[str, Any], scored: Sequence[dict], predictions: dict) -> dict[str, Any]:
-    from tasks import report, timeline
+    from tasks import report
+    from tasks.reporting import timeline
 
     return _inline(run_config(run), lambda: report.build_inference_report(
         dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], model=model,

@@ -6,9 +6,9 @@ Run: loaded by ``plugins/stagewise_ui_plugin.py`` and mounted at ``/stagewise`` 
 Every page needs the caller's Airflow login: Airflow mounts a plugin's app as is, so each route depends on
 Airflow's own ``get_user`` (the UI's ``_token`` cookie or an ``Authorization: Bearer`` JWT; none: 401, a bad
 one: 403) and the auth manager's UI access; a run also needs read access to its DAG's runs (403). Reads go through
-``tasks.storage`` under the pipeline config's ``storage_root`` (``$STAGEWISE_CONFIG``), so an ``s3://`` root
+``tasks.core.storage`` under the pipeline config's ``storage_root`` (``$STAGEWISE_CONFIG``), so an ``s3://`` root
 works with the api-server's AWS environment. Everything taken from storage is HTML-escaped, and a DAG or run
-id becomes a path only through ``tasks.storage.safe_name`` after '/', '\\' and '.'/'..' are refused.
+id becomes a path only through ``tasks.core.storage.safe_name`` after '/', '\\' and '.'/'..' are refused.
 """
 
 import html
@@ -21,9 +21,10 @@ from urllib.parse import quote
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
 
-from tasks import storage
-from tasks.config import PipelineConfig, config_path, load_config
-from tasks.errors import UserError
+from tasks.core import storage
+from tasks.core.errors import UserError
+from tasks.definitions.config import PipelineConfig
+from tasks.definitions.loading import config_path, load_config
 from tasks.registry import model_names
 from tasks.report import list_reports, read_report
 

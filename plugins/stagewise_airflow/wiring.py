@@ -12,7 +12,7 @@ from airflow.sdk import Asset, task
 
 from stagewise_airflow import steps
 from stagewise_airflow.profiles import task_kwargs
-from tasks.config import PipelineConfig
+from tasks.definitions.config import PipelineConfig
 
 # Names of mapped task instances in the grid (Jinja over the task's expanded kwargs; rendered before the body runs).
 SHARD_FILE_NAME = "{{ task.op_kwargs['shard']['uri'].rstrip('/').split('/')[-1] }}"
@@ -38,7 +38,7 @@ def raw_data_asset(config: PipelineConfig) -> Asset:
     """
     import hashlib
 
-    from tasks.storage import resolve
+    from tasks.core.storage import resolve
 
     location = resolve(config.storage_root, config.dataset.uri)
     uri = location if "://" in location else f"file://{location}"

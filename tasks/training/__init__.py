@@ -4,7 +4,7 @@
   LR rules, warmup, divergence checks, validation metrics reduced across ranks);
 - :mod:`tasks.training.device_data`: batches shuffled and sliced on the device, the data resident or streamed
   through pinned memory and a side CUDA stream (chosen per stage, automatically on CUDA);
-- :mod:`tasks.training.checkpoint`: checkpoints written by rank 0 and exact resume;
+- :mod:`tasks.training.checkpoint`: checkpoints written by rank 0, exact resume, restoring model and optimizer state;
 - :mod:`tasks.training.distributed`: the torchrun environment, read once;
 - :mod:`tasks.training.local_torchrun` and :mod:`tasks.training.rank_guard`: torchrun on one machine with the
   rendezvous on loopback and no rank outliving its agent;

@@ -11,7 +11,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tasks import storage
+import torch
+from torch import nn
+
+from tasks.core import storage
+from tasks.models.torch_io import load_torch, save_torch
 
 log = logging.getLogger("stagewise.checkpoint")
 
@@ -28,8 +32,6 @@ class CheckpointStore:
         return storage.join(self.prefix, f"step-{step:09d}.pt")
 
     def save(self, step: int, state: dict[str, Any]) -> str:
-        from tasks.model import save_torch
-
         uri = self.path_for(step)
         save_torch(uri, state)
         storage.write_json(self.pointer, {"uri": uri, "step": step})
@@ -50,8 +52,6 @@ class CheckpointStore:
 
     def latest(self) -> tuple[str, dict[str, Any]] | None:
         """The newest checkpoint that loads: the pointer's, else the newest readable file."""
-        from tasks.model import load_torch
-
         candidates = []
         if storage.exists(self.pointer):
             candidates.append(storage.read_json(self.pointer)["uri"])
@@ -62,3 +62,16 @@ class CheckpointStore:
             except Exception as exc:  # a torn or foreign file: fall back to an older one
                 log.warning("skipping unreadable checkpoint %s: %s", uri, exc)
         return None
+
+
+def restore_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                           device: str | torch.device) -> None:
+    """Load a checkpoint's model and optimizer state for training on ``device``.
+
+    The model moves to ``device`` first: ``Optimizer.load_state_dict`` puts each state tensor (e.g.
+    SGD momentum, Adam moments) on its parameter's device, so loading into a model still on the CPU
+    would leave those buffers behind and the first GPU step would fail on mixed devices.
+    """
+    model.to(device)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])

@@ -3,7 +3,7 @@
 Used by :func:`tasks.training.loop.rank_batches` (``train.stages[].data_placement``); try it alone with
 ``python -c "from tasks.training.device_data import choose_placement; help(choose_placement)"``.
 
-Which rows a rank reads is :class:`tasks.loader.ParquetBatches`'s: each epoch the split's row groups are
+Which rows a rank reads is :class:`tasks.datasets.loader.ParquetBatches`'s: each epoch the split's row groups are
 permuted with ``seed + epoch`` and rank r takes every world_size-th one (ranks disjoint per epoch, the
 same number of steps on every rank). The rank's row groups are cut, in that order, into chunks of about
 ``chunk_bytes``; each chunk's rows are permuted by ``torch.randperm`` on the device with a generator
@@ -36,15 +36,12 @@ import logging
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from tasks.errors import UserError
-
-if TYPE_CHECKING:
-    from tasks.loader import ParquetBatches, RowGroup
+from tasks.core.errors import UserError
+from tasks.datasets.loader import ParquetBatches, RowGroup, read_row_groups
 
 log = logging.getLogger("stagewise.train")
 
@@ -249,8 +246,6 @@ class _Prefetcher:
             self._read_next()
 
     def _read(self, chunk: _Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-        from tasks.loader import read_row_groups
-
         rows = chunk.end - chunk.start
         # A new thread's current device is 0: pin under this rank's device, so no context is made on another GPU.
         with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
@@ -305,7 +300,7 @@ def _torch_dtype(numpy_dtype: type) -> torch.dtype:
 
 def choose_placement(setting: str, fraction: float, device: str, need_bytes: int) -> tuple[str, str]:
     """(placement, why): ``auto`` on CUDA is resident when ``need_bytes`` fit in ``fraction`` of the device's memory
-    (and in what is free), else streamed; on CPU it is host (tasks.loader as before). Forced settings are kept."""
+    (and in what is free), else streamed; on CPU it is host (tasks.datasets.loader as before). Forced settings are kept."""
     if setting not in PLACEMENTS:
         raise UserError(f"data_placement '{setting}' is not one of {', '.join(PLACEMENTS)}")
     if not 0 < fraction <= 1:

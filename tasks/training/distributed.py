@@ -11,6 +11,8 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from tasks.core.errors import UserError
+
 
 @dataclass(frozen=True, kw_only=True)
 class DistEnv:
@@ -43,12 +45,8 @@ def read_env(device: str = "cpu") -> DistEnv:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
-        from tasks.errors import UserError
-
         raise UserError("profile asks for device 'cuda' but no CUDA device is visible")
     if use_cuda and local_rank >= torch.cuda.device_count():
-        from tasks.errors import UserError
-
         raise UserError(f"local rank {local_rank} needs a GPU, but only {torch.cuda.device_count()} are visible; "
                         f"lower processes_per_node")
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size,

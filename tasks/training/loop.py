@@ -2,7 +2,7 @@
 
 Batch arithmetic: global batch = per-process batch x world size x accumulation steps. The learning
 rate is swept at ``base_batch`` and rescaled by a rule (Goyal et al. 2017: linear).
-Data comes per rank from :mod:`tasks.loader` (host batches, copied per step) or
+Data comes per rank from :mod:`tasks.datasets.loader` (host batches, copied per step) or
 :mod:`tasks.training.device_data` (batches already on the device); the loop's :class:`Position` (epoch, micro-step,
 optimizer step) is what a checkpoint stores to resume at exactly the same batch.
 """
@@ -15,21 +15,19 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from tasks.errors import UserError
-from tasks.spec import Average, ModelSpec
+from tasks.core.errors import UserError
+from tasks.datasets.loader import ParquetBatches, split_batches
+from tasks.definitions.spec import Average, ModelSpec
+from tasks.models.building import BuiltModel, model_for_run
+from tasks.training.device_data import DeviceBatches, choose_placement, resident_bytes
 from tasks.training.distributed import DistEnv
 
-if TYPE_CHECKING:
-    from tasks.loader import ParquetBatches
-    from tasks.model import BuiltModel
-    from tasks.training.device_data import DeviceBatches
-
-    Batches = ParquetBatches | DeviceBatches
+Batches = ParquetBatches | DeviceBatches
 
 log = logging.getLogger("stagewise.train")
 
@@ -362,10 +360,7 @@ def rank_batches(manifest: dict[str, Any], env: DistEnv, *, batch_size: int, see
     error (``too_few_rows(rows per rank)`` says which setting); every rank reads the same Parquet metadata, so all refuse
     together and none hangs in DDP. ``placement`` (auto, host, resident, streamed) and ``memory_fraction`` pick where
     batches are made (tasks.training.device_data.choose_placement); rank 0 logs the choice. ``shuffle_block_rows``
-    coarsens the host loader's shuffle (tasks.loader.ParquetBatches)."""
-    from tasks.loader import split_batches
-    from tasks.training.device_data import DeviceBatches, choose_placement, resident_bytes
-
+    coarsens the host loader's shuffle (tasks.datasets.loader.ParquetBatches)."""
     train = split_batches(manifest, "train", rank=env.rank, world_size=env.world_size, batch_size=batch_size, seed=seed,
                           shuffle_block_rows=shuffle_block_rows)
     validation = split_batches(manifest, "validation", rank=env.rank, world_size=env.world_size, batch_size=4096,
@@ -389,8 +384,6 @@ def start_loop(config: Any, manifest: dict[str, Any], env: DistEnv, swept: dict[
                precision: str = "fp32", compile_mode: str = "off") -> tuple[BuiltModel, Loop]:
     """The one setup of a sweep trial and a training stage: the config's model built with these hyperparameters, on the
     rank's device, its optimizer, and the loop over the rank's batches (seed the RNG first for a reproducible init)."""
-    from tasks.model import model_for_run
-
     built = model_for_run(config, manifest, swept)
     model = built.module.to(env.device)  # before the optimizer exists or loads state: its buffers follow the params
     loop = Loop(model=model, optimizer=make_optimizer(model, built.params), env=env, train=train, validation=validation,

@@ -34,7 +34,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks import contract
+from tasks.core import contract
 from tasks.training.local_torchrun import RENDEZVOUS_OPTIONS, guarded_argv
 
 LAUNCHER = "tasks.training.node_launch"

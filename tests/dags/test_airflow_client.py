@@ -20,7 +20,7 @@ from tests.live_airflow import FINAL_RUN_STATES, small_pipeline_airflow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.airflow, pytest.mark.torchrun]
 
 
 def _client_api():

@@ -14,6 +14,8 @@ import stat
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PASSWORD_FILE = "simple_auth_manager_passwords.json.generated"
 # What `make up`'s api-server does at start: the simple auth manager writes the admin's password.
@@ -34,6 +36,7 @@ def _mode(path: Path) -> str:
     return oct(stat.S_IMODE(path.stat().st_mode))
 
 
+@pytest.mark.airflow
 def test_migrate_and_first_start_leave_db_and_password_private(tmp_path):
     """`airflow db migrate` (make airflow-init) and the auth manager's first start (make up) write 0600 files."""
     home = tmp_path / "airflow_home"

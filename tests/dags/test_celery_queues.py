@@ -12,7 +12,7 @@ from tests.conftest import base_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.airflow, pytest.mark.torchrun, pytest.mark.service]
 QUEUES = {"small": "cpu_small", "ddp": "cpu_ddp"}  # worker name -> the queue it serves
 
 

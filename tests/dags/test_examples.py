@@ -10,7 +10,7 @@ import torch
 
 from tests.dags.conftest import REPO_ROOT, airflow, make_airflow_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.airflow, pytest.mark.torchrun]
 
 
 def _report_of(tmp_path_factory, example: str, *args: str) -> dict:

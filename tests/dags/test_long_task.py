@@ -1,6 +1,6 @@
 """A task that runs longer than the execution-API token lifetime still finishes and records success.
 
-Run: ``pytest -m slow tests/dags/test_long_task.py`` (a real api-server, scheduler and dag-processor;
+Run: ``pytest -m airflow tests/dags/test_long_task.py`` (a real api-server, scheduler and dag-processor;
 about a minute).
 
 Invariant: the worker's execution-API token (``[execution_api] jwt_expiration_time``) is refreshed
@@ -28,7 +28,7 @@ def _duration_s(ti: dict) -> float:
     return (end - start).total_seconds()
 
 
-@pytest.mark.slow
+@pytest.mark.airflow
 def test_task_longer_than_token_lifetime_succeeds_first_try(live_airflow):  # noqa: F811
     """The sub-job sleeps 3x the token lifetime; the run succeeds, once, and its result reaches XCom."""
     live = live_airflow(TEST_DAGS, env={

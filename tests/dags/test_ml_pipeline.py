@@ -10,7 +10,7 @@ import pytest
 
 from tests.dags.conftest import airflow
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.airflow, pytest.mark.torchrun]
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +104,9 @@ def test_batch_inference_dag_scores_with_the_current_model(report, airflow_env, 
     inference = json.loads(found[0].read_text())
     assert inference["model_version"] == report["registry"]["current"]
     assert inference["predictions"]["rows"] == dirty.num_rows - 3 and inference["predictions"]["rows_quarantined"] == 3
-    from tasks.infer import plan
+    from tasks.datasets.predictions import plan_inference
 
-    shards = plan(str(tmp_path / "to_score.parquet"), rows_per_shard=200)
+    shards = plan_inference(str(tmp_path / "to_score.parquet"), rows_per_shard=200)
     assert len(shards) == 3  # 449 rows in row groups of 100, about 200 rows a shard
     assert inference["stages"]["inference"]["num_tasks"] == len(shards) + 1  # the shards and the commit
 

@@ -14,7 +14,7 @@ from tests.conftest import base_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.airflow, pytest.mark.torchrun, pytest.mark.service]
 
 
 def _overlapping(instances: list[dict]) -> bool:

@@ -42,14 +42,14 @@ def test_a_changed_dataset_uri_yields_a_new_asset_shared_by_ingest_and_retrain(t
     assert _dags_for(tmp_path, monkeypatch, "raw/digits")["ingest"] == first["ingest"], "the same location, the same asset"
 
 
-@pytest.mark.slow
+@pytest.mark.airflow
 def test_ingest_after_a_dataset_uri_change_emits_an_event_on_the_new_asset(tmp_path):
     """`airflow dags test ingest` under one dataset.uri, then under another: the second run's outlet asset is active
     (no 'inactive assets' refusal) and an asset event for the new location is recorded."""
     import json
     import sqlite3
 
-    from tasks.data import write_digits
+    from tasks.datasets.demo import write_digits
     from tests.dags.conftest import airflow, make_airflow_env
 
     storage_root = tmp_path / "storage"

@@ -8,30 +8,39 @@ import pytest
 import yaml
 
 from tests.conftest import base_config
+from tests.live_airflow import LiveAirflow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.airflow]
 
 
-def test_rest_trigger_refuses_out_of_bounds_conf_and_runs_a_valid_one(live_airflow, tmp_path, subprocess_env):
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """One live Airflow over the repo's DAGs with the small config, ml_pipeline and ingest unpaused; each test only
+    triggers its own runs and reads them back. Yields (live, storage root, config path)."""
+    tmp_path = tmp_path_factory.mktemp("rest_trigger")
+    storage_root = tmp_path / "storage"
+    config_path = tmp_path / "pipeline.yaml"
+    config_path.write_text(yaml.safe_dump(base_config(storage_root)))
+    with LiveAirflow(tmp_path / "live_airflow", REPO_ROOT / "dags", {"STAGEWISE_CONFIG": str(config_path)}) as live:
+        live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "cpu_cores", "slots": 2})
+        for dag_id in ("ml_pipeline", "ingest"):
+            live.wait_for_dag(dag_id)
+            live.unpause(dag_id)
+        yield live, storage_root, config_path
+
+
+def test_rest_trigger_refuses_out_of_bounds_conf_and_runs_a_valid_one(stack, tmp_path, subprocess_env):
     """POST dagRuns with num_trials=0 is a 400 naming num_trials; a valid ingest conf runs to success."""
     import subprocess
     import sys
 
-    storage_root = tmp_path / "storage"
-    config_path = tmp_path / "pipeline.yaml"
-    config_path.write_text(yaml.safe_dump(base_config(storage_root)))
+    live, storage_root, config_path = stack
     env = {**subprocess_env, "STAGEWISE_CONFIG": str(config_path)}
     new_data = tmp_path / "incoming"
     subprocess.run([sys.executable, "-m", "tasks.data", "digits", str(new_data), "--num-shards", "1"], cwd=REPO_ROOT,
                    env=env, check=True, capture_output=True)
-
-    live = live_airflow(REPO_ROOT / "dags", {"STAGEWISE_CONFIG": str(config_path)})
-    live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "cpu_cores", "slots": 2})
-    for dag_id in ("ml_pipeline", "ingest"):
-        live.wait_for_dag(dag_id)
-        live.unpause(dag_id)
 
     refused = live.api("POST", "/api/v2/dags/ml_pipeline/dagRuns", expect=(400,),
                        json={"logical_date": None, "conf": {"num_trials": 0}})
@@ -43,16 +52,9 @@ def test_rest_trigger_refuses_out_of_bounds_conf_and_runs_a_valid_one(live_airfl
     assert len(added) == 1 and Path(added[0]).parent == storage_root / "raw" / "digits"
 
 
-def test_unknown_trigger_key_fails_the_run_at_start_run_without_retry(live_airflow, tmp_path):
+def test_unknown_trigger_key_fails_the_run_at_start_run_without_retry(stack):
     """A conf key that is no Param (num_trails) fails start_run once, naming it and the known keys; nothing else runs."""
-    storage_root = tmp_path / "storage"
-    config_path = tmp_path / "pipeline.yaml"
-    config_path.write_text(yaml.safe_dump(base_config(storage_root)))
-    live = live_airflow(REPO_ROOT / "dags", {"STAGEWISE_CONFIG": str(config_path)})
-    live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "cpu_cores", "slots": 2})
-    live.wait_for_dag("ml_pipeline")
-    live.unpause("ml_pipeline")
-
+    live, _, _ = stack
     run_id = live.trigger("ml_pipeline", {"num_trails": 3})  # Airflow accepts extra keys at trigger time
     assert live.wait_for_run("ml_pipeline", run_id, timeout=180) == "failed", live.logs_tail()
     instances = {ti["task_id"]: ti for ti in live.task_instances("ml_pipeline", run_id) if ti["map_index"] == -1}

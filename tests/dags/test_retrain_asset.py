@@ -12,7 +12,7 @@ from tests.conftest import base_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.airflow, pytest.mark.torchrun]
 
 
 def test_asset_event_triggers_retrain_which_registers_and_promotes(live_airflow, tmp_path, subprocess_env):

@@ -11,7 +11,7 @@ import pytest
 from tests.dags.conftest import airflow, make_airflow_env
 from tests.s3_faults import FAULT_KINDS, FaultPlan, FaultyS3
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.airflow, pytest.mark.torchrun, pytest.mark.service]
 
 BUCKET = "stagewise-faults"
 # A fault on every 6th request, cycling through all kinds, plus a 10 s outage once the run is under way

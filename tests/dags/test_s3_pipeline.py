@@ -8,7 +8,7 @@ import pytest
 
 from tests.dags.conftest import airflow, make_airflow_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.airflow, pytest.mark.torchrun, pytest.mark.service]
 
 
 def test_ml_pipeline_runs_on_s3_without_leaking_credentials(s3_endpoint, tmp_path):

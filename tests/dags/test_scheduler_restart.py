@@ -13,7 +13,7 @@ from tests.conftest import base_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.airflow, pytest.mark.torchrun]
 
 
 def test_scheduler_killed_and_restarted_mid_run(live_airflow, tmp_path, subprocess_env):

@@ -1,7 +1,7 @@
 """A running task's log reads through the REST API (as the UI does) without served-log errors, and the
 log server, like every other listener of the stack, is on loopback only.
 
-Run: ``pytest -m slow tests/dags/test_served_logs.py`` (a real api-server, scheduler and dag-processor;
+Run: ``pytest -m airflow tests/dags/test_served_logs.py`` (a real api-server, scheduler and dag-processor;
 about a minute).
 
 Invariant: while a task runs, the api-server fetches its log from the worker's log server at
@@ -22,7 +22,7 @@ TEST_DAGS = Path(__file__).resolve().parent / "test_dags"
 SLEEP_S = 40
 
 
-@pytest.mark.slow
+@pytest.mark.airflow
 def test_running_task_log_reads_from_a_loopback_log_server(live_airflow):  # noqa: F811
     """While the task runs, GET .../logs/1 returns its lines; the api-server logs no served-log error;
     the log server listens, on loopback only, and so does everything else the stack started."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.config import load_config
+from tasks.definitions.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"

@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-from tasks.cli import run_subjob
-from tasks.errors import DataError
+from tasks.core.cli import run_subjob
+from tasks.core.errors import DataError
 
 
 def main() -> None:

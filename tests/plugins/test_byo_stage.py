@@ -10,12 +10,12 @@ import pytest
 import yaml
 
 from stagewise_airflow import launch
-from tasks.config import Profile, load_config
+from tasks.definitions.config import Profile
+from tasks.definitions.loading import load_config
 from tasks.train import byo_args, byo_contract, byo_environment, check_byo_outputs
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.torchrun
 def test_user_script_runs_under_torchrun_with_the_stage_contract(digits_run):
     """The script gets torchrun's variables, its own args (placeholders filled), the data manifest, the output dirs; its result comes back."""
     config_path, out = digits_run
@@ -42,7 +42,7 @@ def test_user_script_runs_under_torchrun_with_the_stage_contract(digits_run):
 
 def test_entrypoint_needs_exactly_one_target(write_config):
     """A stage entrypoint with both or neither of script and module is refused, naming the key."""
-    from tasks.config import ConfigError
+    from tasks.definitions.config import ConfigError
 
     path = write_config()
     raw = yaml.safe_load(path.read_text())
@@ -54,6 +54,7 @@ def test_entrypoint_needs_exactly_one_target(write_config):
 
 @pytest.mark.parametrize("entry", [{"script": "tests/plugins/byo_snapshot_script.py"},
                                    {"module": "tests.plugins.byo_snapshot_script"}])
+@pytest.mark.torchrun  # a one-process torchrun job
 def test_user_script_runs_in_a_scratch_cwd_that_no_later_run_sees(entry):
     """A script writing snapshot.pt relative to its cwd leaves nothing in the repo root, and a second run starts clean.
 
@@ -80,6 +81,7 @@ def _set_entrypoint(config_path: Path, stage: int, entrypoint: dict) -> None:
     config_path.write_text(yaml.safe_dump(raw))
 
 
+@pytest.mark.torchrun  # a one-process torchrun job
 def test_stage_whose_script_wrote_no_model_fails_without_retry_naming_what_is_missing(write_config, storage_root):
     """A user stage that exits 0 without final.pt and model.pt fails at once (no retry), naming both files and the dir.
 
@@ -107,6 +109,7 @@ def test_stage_whose_script_wrote_no_model_fails_without_retry_naming_what_is_mi
     (None, "not reported by the script"),
     ({"hidden": 16, "lr": 0.5}, {"hidden": 16, "lr": 0.5}),
 ])
+@pytest.mark.torchrun  # a one-process torchrun job
 def test_model_card_records_the_params_the_script_reported_not_the_sweeps(write_config, storage_root, reported, card_params):
     """A BYO stage's card holds its result JSON's params, or says they were not reported; never the sweep's best.
 
@@ -132,6 +135,7 @@ def test_model_card_records_the_params_the_script_reported_not_the_sweeps(write_
     assert card["model_uri"].startswith(str(storage_root / "models" / "digits"))
 
 
+@pytest.mark.torchrun  # a one-process torchrun job
 def test_script_reporting_params_that_are_no_object_fails_without_retry(write_config, storage_root):
     """'params' in a script's result JSON must be an object: anything else fails the stage naming the key."""
     from airflow.sdk.exceptions import AirflowFailException

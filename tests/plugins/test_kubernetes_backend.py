@@ -17,8 +17,8 @@ import pytest
 # inside a test that is pytest's per-test capture, closed when the test ends.
 from airflow.sdk.exceptions import AirflowFailException
 
-from stagewise_airflow.backends import kubernetes, node_command
-from tasks.errors import USER_ERROR_EXIT
+from stagewise_airflow.backends import Stopped, kubernetes, node_command, sagemaker
+from tasks.core.errors import USER_ERROR_EXIT
 from tests.plugins.backend_configs import backend_config, job_args
 from tests.plugins.fake_kube_api import FakeKubeAPI
 
@@ -92,7 +92,7 @@ def test_each_try_and_each_run_has_its_own_job_and_rendezvous(tmp_path):
 
 
 def test_a_bad_toleration_is_refused_naming_it(tmp_path):
-    from tasks.errors import UserError
+    from tasks.core.errors import UserError
 
     path, config = backend_config(tmp_path, "kubernetes", tolerations=[{"key": "a", "efect": "NoSchedule"}])
     with pytest.raises(UserError, match=r"tolerations\[0\]: unknown key\(s\) \['efect'\]"):
@@ -117,7 +117,7 @@ def _pod(name, exit_code, message):
 @pytest.fixture
 def stage_on(tmp_path, monkeypatch):
     """Run stage s2 through the real KubernetesHook (its connection points at the fake API) with a local storage root."""
-    from tasks import storage
+    from tasks.core import storage
 
     def run(api: FakeKubeAPI, write_metrics: bool = True):
         connection = {"conn_type": "kubernetes", "extra": {"kube_config": json.dumps(api.kubeconfig())}}
@@ -236,3 +236,22 @@ def test_a_pod_log_that_cannot_be_read_is_one_warning_and_the_job_goes_on(caplog
     tail = kubernetes.PodLogTail(Broken(), "ml", "job")
     assert tail() == [] and tail() == []
     assert caplog.text.count("cannot read the pod logs") == 1
+
+
+@pytest.mark.parametrize("tail_of", [
+    lambda broken: kubernetes.PodLogTail(broken, "ml", "job"),
+    lambda broken: sagemaker.CloudWatchTail(lambda: broken, "job"),
+], ids=["kubernetes", "sagemaker"])
+def test_sigterm_during_a_log_read_stops_the_wait_instead_of_being_swallowed(tail_of):
+    """A stop that lands while the logs are read unwinds the task (which then deletes its job); only read errors
+    are the logs' own to swallow (it once hung the task until its timeout)."""
+
+    class Interrupted:
+        def list_namespaced_pod(self, **_):
+            raise Stopped("job was stopped: the task got SIGTERM")
+
+        def describe_log_streams(self, **_):
+            raise Stopped("job was stopped: the task got SIGTERM")
+
+    with pytest.raises(Stopped):
+        tail_of(Interrupted())()

@@ -15,7 +15,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
 from stagewise_airflow import launch
-from tasks.config import Profile
+from tasks.definitions.config import Profile
 from tests.live_airflow import is_loopback, listening_sockets, process_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def test_sigterm_to_the_task_ends_the_whole_process_group(tmp_path):
     script = (
         "import sys; sys.path[:0] = [{root!r}, {plugins!r}]\n"
         "from stagewise_airflow import launch\n"
-        "from tasks.config import Profile\n"
+        "from tasks.definitions.config import Profile\n"
         "launch.run('tests.plugins.fake_subjob', ['hang', '--pid-file', {pid!r}], Profile())\n"
     ).format(root=str(REPO_ROOT), plugins=str(REPO_ROOT / "plugins"), pid=str(pid_file))
     task = subprocess.Popen([sys.executable, "-c", script])
@@ -147,6 +147,7 @@ def test_task_timeout_ends_the_whole_process_group(tmp_path):
     assert not _alive(grandchild), "the sub-job's child outlived the timed-out task"
 
 
+@pytest.mark.torchrun
 def test_torchrun_job_listens_on_loopback_only(tmp_path):
     """Every socket a 2-rank torchrun job listens on (agent store, ranks, gloo) is on loopback, none on */0.0.0.0/::."""
     ready, release = tmp_path / "ready", tmp_path / "release"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 
 from stagewise_airflow import launch
-from tasks import contract
-from tasks.config import Profile, load_config
+from tasks.core import contract
+from tasks.definitions.config import Profile
+from tasks.definitions.loading import load_config
 from tasks.train import byo_environment
 
 DUMP_ENV = """

@@ -22,14 +22,14 @@ STUBBORN_RANKS = REPO_ROOT / "tests/plugins/stubborn_ranks.py"
 # Far below the ranks' own 120 s and torch's 30 s shutdown wait, well above the launcher's 3 s grace.
 GONE_WITHIN_S = 15.0
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 
 # The task process: launch.run in its main thread; SIGALRM raises in it as Airflow's execution_timeout does.
 _TASK = """
 import signal, sys
 sys.path[:0] = [{root!r}, {plugins!r}]
 from stagewise_airflow import launch
-from tasks.config import Profile
+from tasks.definitions.config import Profile
 
 def timed_out(signum, frame):
     raise TimeoutError("execution_timeout")

@@ -9,7 +9,8 @@ import pytest
 
 from stagewise_airflow.params import overrides_from_params, pipeline_params, unknown_trigger_keys
 from stagewise_airflow.profiles import task_kwargs
-from tasks.config import Profile, load_config
+from tasks.definitions.config import Profile
+from tasks.definitions.loading import load_config
 
 
 def _defaults(config) -> dict:

@@ -18,7 +18,7 @@ from airflow.providers.amazon.aws.hooks.sagemaker import SageMakerHook  # noqa: 
 from airflow.sdk.exceptions import AirflowFailException
 
 from stagewise_airflow.backends import USER_ERROR_MARKER, node_command, sagemaker
-from tasks.errors import UserError
+from tasks.core.errors import UserError
 from tests.plugins.backend_configs import RUN, backend_config, job_args
 
 SECRET = "do-not-put-me-in-a-job"
@@ -219,6 +219,7 @@ def moto_aws(s3_endpoint, monkeypatch):
     return s3_endpoint
 
 
+@pytest.mark.service
 def test_a_stage_runs_as_a_training_job_on_motos_sagemaker_and_returns_the_stages_result(tmp_path, moto_aws, caplog, capsys):
     """Submitted through SageMakerHook; moto holds the request as sent; the result is the metrics.json the job wrote."""
     import boto3
@@ -273,6 +274,7 @@ def test_a_stage_runs_as_a_training_job_on_motos_sagemaker_and_returns_the_stage
     assert "exists (this try submitted it before): attaching" in caplog.text + capsys.readouterr().out
 
 
+@pytest.mark.service
 def test_a_job_that_succeeded_without_committing_its_metrics_is_retried(tmp_path, moto_aws):
     import s3fs
 
@@ -287,6 +289,7 @@ def test_a_job_that_succeeded_without_committing_its_metrics_is_retried(tmp_path
         sagemaker.run_stage(config, request=request, out=args["out"], stage="s2", poll_s=0)
 
 
+@pytest.mark.service
 def test_train_stage_submits_a_sagemaker_profiles_stage_as_a_job_and_the_config_refuses_an_entrypoint_there(tmp_path, moto_aws,
                                                                                                 monkeypatch):
     """steps.train_stage dispatches on the profile's backend: the stage's result comes back from the job, never a local run."""
@@ -319,7 +322,8 @@ def test_train_stage_submits_a_sagemaker_profiles_stage_as_a_job_and_the_config_
     assert arguments[arguments.index("--init-from") + 1] == f"{args['out']}/train/s1/final.pt"
     assert received["EnableManagedSpotTraining"] is False  # try 3 of retries 2: the last one runs on demand
 
-    from tasks.config import ConfigError, load_config
+    from tasks.definitions.config import ConfigError
+    from tasks.definitions.loading import load_config
 
     with_entrypoint = yaml_with(path, {"train.stages.1.entrypoint": {"module": "my_train"}})
     with pytest.raises(ConfigError, match=r"train.stages\[1\] \(s2\): an entrypoint .* runs on backend local only"):
@@ -330,7 +334,7 @@ def yaml_with(path, changes: dict):
     """A copy of the config at ``path`` with dotted keys set (written next to it)."""
     import yaml
 
-    from tasks.config import _apply_overrides
+    from tasks.definitions.loading import _apply_overrides
 
     raw = yaml.safe_load(path.read_text())
     _apply_overrides(raw, changes)

@@ -31,7 +31,7 @@ def _stage(tmp_path, monkeypatch, root: str, attempt: int = 1):
     import s3fs
 
     import stagewise_airflow
-    from tasks.storage import run_prefix
+    from tasks.core.storage import run_prefix
 
     path, config = backend_config(tmp_path, "sagemaker", storage_root=root, deferrable=True)
     # A run of its own: moto's server lives for the session, and a job's name is per (DAG, run, stage, try).
@@ -49,6 +49,7 @@ def _stage(tmp_path, monkeypatch, root: str, attempt: int = 1):
     return config, args, operator, {"ti": types.SimpleNamespace(try_number=attempt)}
 
 
+@pytest.mark.service
 def test_execute_submits_the_tries_job_and_defers_to_the_providers_sagemaker_trigger(tmp_path, moto_aws, monkeypatch):  # noqa: F811
     import boto3
 
@@ -86,6 +87,7 @@ def test_execute_submits_the_tries_job_and_defers_to_the_providers_sagemaker_tri
         operator.execute(context)
 
 
+@pytest.mark.service
 def test_a_success_event_returns_the_stages_result_and_failures_map_as_the_backend_does(tmp_path, moto_aws, monkeypatch):  # noqa: F811
     import s3fs
 
@@ -130,6 +132,7 @@ def test_a_failure_event_fails_without_retry_for_the_users_faults_and_retries_ot
     assert "sw-s2-abc-t1" in str(error.value) and event["message"] in str(error.value)
 
 
+@pytest.mark.service
 def test_the_providers_trigger_yields_success_for_a_completed_job_on_moto(tmp_path, moto_aws, monkeypatch):  # noqa: F811
     """The real trigger, as the triggerer runs it (asyncio, aiobotocore), against moto's SageMaker."""
     _, _, operator, context = _stage(tmp_path, monkeypatch, "s3://stagewise-test/trigger")
@@ -203,6 +206,8 @@ with DAG("sagemaker_deferrable_dagrun", schedule=None, start_date=pendulum.datet
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.service
+@pytest.mark.airflow
 def test_a_dag_run_resolves_the_xcom_inputs_defers_and_pushes_the_stages_result(tmp_path, moto_aws, monkeypatch):  # noqa: F811
     """dag.test(): the inputs arrive by XCom through template_fields, the real trigger runs (inline, against moto),
     execute_complete resumes the task and its result is the next task's input."""

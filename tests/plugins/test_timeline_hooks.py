@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from stagewise_airflow import steps
-from tasks import storage, timeline
+from tasks.core import storage
+from tasks.reporting import timeline
 
 
 def _context(task_id: str, map_index: int, try_number: int) -> dict:

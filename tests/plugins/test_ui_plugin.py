@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks import registry, report, storage
+from tasks import registry, report
+from tasks.core import storage
 from tests.conftest import REPO_ROOT, base_config
 
 PASSWORD = "stagewise-test-password"
@@ -222,8 +223,9 @@ def test_ids_cannot_walk_out_of_the_runs_folder(airflow_api, storage_root, path)
     assert "SECRET-RUN" not in answer.text
 
 
+@pytest.mark.service
 def test_reports_under_an_s3_root(airflow_api, s3_bucket, tmp_path):
-    """The same pages read through tasks.storage from an s3:// storage root (moto), registry included."""
+    """The same pages read through tasks.core.storage from an s3:// storage root (moto), registry included."""
     root = f"{s3_bucket}/stagewise"
     write_run(root, RUN_ID, test_accuracy=0.8642, html="<html><body>from s3</body></html>")
     first, second = register_two_versions(root, tmp_path)

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.config import ConfigError, PipelineConfig, load_config
+from tasks.definitions.config import ConfigError, PipelineConfig
+from tasks.definitions.loading import load_config
 from tests.conftest import REPO_ROOT, base_config
 
 

@@ -7,8 +7,8 @@ import json
 import re
 from pathlib import Path
 
-from tasks import contract
-from tasks.config import load_config
+from tasks.core import contract
+from tasks.definitions.loading import load_config
 from tasks.train import byo_environment
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.data import synthetic_table, write_demo, write_diabetes, write_digits, write_digits_images, write_synthetic
+from tasks.data import write_demo
+from tasks.datasets.demo import synthetic_table, write_diabetes, write_digits, write_digits_images, write_synthetic
 
 
 def _read_all(uris: list[str]) -> pa.Table:
@@ -117,7 +118,7 @@ def test_synthetic_classes_are_learnable():
 @pytest.fixture
 def dataset(write_config, storage_root):
     """A data set of 2 synthetic shards (keys 0..599) and a config over it; returns (config, data set URI)."""
-    from tasks.config import load_config
+    from tasks.definitions.loading import load_config
     from tests.conftest import base_config
 
     target = str(storage_root / "raw" / "synth")
@@ -144,7 +145,7 @@ def _content(uris: list[str]) -> list[bytes]:
 
 def test_ingest_adds_exactly_the_source_files_and_a_rerun_adds_nothing(dataset, tmp_path):
     """Ingest copies each source file once; running it again (a retry or a re-run) adds nothing."""
-    from tasks import storage
+    from tasks.core import storage
     from tasks.data import ingest
 
     config, target = dataset
@@ -163,9 +164,9 @@ def test_ingest_adds_exactly_the_source_files_and_a_rerun_adds_nothing(dataset, 
 def test_ingest_with_a_broken_file_names_it_and_writes_nothing(dataset, tmp_path, kind):
     """A broken file anywhere in the source fails ingest with a DataError naming it, before any file is copied
     (the good files sorted before it are not left in the data set)."""
-    from tasks import storage
+    from tasks.core import storage
+    from tasks.core.errors import DataError
     from tasks.data import ingest
-    from tasks.errors import DataError
     from tests.bad_parquet import EXPECTED_WORDING, write_bad_file
 
     config, target = dataset
@@ -181,9 +182,9 @@ def test_ingest_with_a_broken_file_names_it_and_writes_nothing(dataset, tmp_path
 
 def test_ingest_with_a_wrong_schema_last_writes_nothing(dataset, tmp_path):
     """A file lacking the label column, sorted last, fails naming file and column; nothing was copied before it."""
-    from tasks import storage
+    from tasks.core import storage
+    from tasks.core.errors import DataError
     from tasks.data import ingest
-    from tasks.errors import DataError
 
     config, target = dataset
     before = storage.list_parquet(target)
@@ -197,9 +198,9 @@ def test_ingest_with_a_wrong_schema_last_writes_nothing(dataset, tmp_path):
 
 def test_ingest_with_an_extra_feature_column_names_it_and_both_files(dataset, tmp_path):
     """A new file with one more prefix-matched feature than the data set is refused naming that column and both files."""
-    from tasks import storage
+    from tasks.core import storage
+    from tasks.core.errors import DataError
     from tasks.data import ingest
-    from tasks.errors import DataError
 
     config, target = dataset
     wider = tmp_path / "new" / "part-00000.parquet"
@@ -216,9 +217,9 @@ def test_ingest_of_the_same_bytes_twice_in_one_source_is_refused(dataset, tmp_pa
     """Two source files with identical bytes would duplicate every key: refused naming both, nothing copied."""
     import shutil
 
-    from tasks import storage
+    from tasks.core import storage
+    from tasks.core.errors import DataError
     from tasks.data import ingest
-    from tasks.errors import DataError
 
     config, target = dataset
     before = storage.list_parquet(target)
@@ -235,7 +236,7 @@ def test_ingest_skips_a_file_already_in_the_data_set_under_another_name(dataset,
     """Re-ingesting one of the data set's own files (a copy under a new name) adds nothing: no duplicated rows."""
     import shutil
 
-    from tasks import storage
+    from tasks.core import storage
     from tasks.data import ingest
 
     config, target = dataset
@@ -252,7 +253,7 @@ def test_ingest_crashing_mid_copy_leaves_no_partial_file_and_the_retry_adds_the_
     each once."""
     import os
 
-    from tasks import storage
+    from tasks.core import storage
     from tasks.data import ingest
 
     config, target = dataset

@@ -12,12 +12,18 @@ import pytest
 import torch
 import yaml
 
-from tasks import infer, storage
-from tasks.config import load_config
-from tasks.errors import UserError
+from tasks import infer
+from tasks.core import storage
+from tasks.core.errors import UserError
+from tasks.datasets.manifest import load_split, read_manifest
+from tasks.datasets.predictions import commit_predictions, plan_inference
+from tasks.definitions.hyperparams import BUILTIN_SPEC
+from tasks.definitions.loading import load_config
 from tasks.evaluate import evaluate
-from tasks.model import BUILTIN_SPEC, MLPClassifier, build, data_info, load_bundle, preprocessing_of, save_bundle
-from tasks.preprocess import load_split, read_manifest
+from tasks.models.building import build, data_info
+from tasks.models.bundle import load_bundle, preprocessing_of, save_bundle
+from tasks.models.mlp import MLPClassifier
+from tasks.models.scoring import exact_float32, prefetch, scoring_device
 from tasks.spec import DataInfo, SpecRef
 from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
 from tests.conftest import base_config, preprocess_digits, train_digits_s1
@@ -122,8 +128,8 @@ def _raw_with_row_groups(path: Path, sizes: list[list[int]]) -> str:
 def test_plan_groups_consecutive_row_groups_deterministically(tmp_path):
     """Shards cover every row group once, in file order; each reaches rows_per_shard except a file's last."""
     uri = _raw_with_row_groups(tmp_path / "raw", [[100] * 7, [40, 300, 10], [25]])
-    shards = infer.plan(uri, rows_per_shard=250)
-    assert shards == infer.plan(uri, rows_per_shard=250), "the same input plans the same shards"
+    shards = plan_inference(uri, rows_per_shard=250)
+    assert shards == plan_inference(uri, rows_per_shard=250), "the same input plans the same shards"
     assert [s["index"] for s in shards] == list(range(len(shards)))
     covered = [(s["uri"], g) for s in shards for g in s["row_groups"]]
     expected = [(f, g) for f in storage.list_parquet(uri) for g in range(pq.ParquetFile(f).metadata.num_row_groups)]
@@ -155,8 +161,8 @@ def test_score_and_commit(trained, batch_size):
     config_path, out, model_uri = trained
     config = load_config(config_path, {"inference.batch_size": batch_size})
     raw = storage.resolve(config.storage_root, config.dataset.uri)
-    shards = infer.plan(raw, rows_per_shard=config.inference.rows_per_shard)
-    committed = infer.commit(out, model_uri, _score_all(config, model_uri, shards, out))
+    shards = plan_inference(raw, rows_per_shard=config.inference.rows_per_shard)
+    committed = commit_predictions(out, model_uri, _score_all(config, model_uri, shards, out))
     manifest = storage.read_json(committed["uri"])
     assert manifest["kind"] == "predictions" and manifest["model_uri"] == model_uri
     for entry in manifest["files"]:
@@ -181,8 +187,8 @@ def test_predictions_match_the_model_on_normalised_inputs(trained):
     config_path, out, model_uri = trained
     config = load_config(config_path)
     raw = storage.resolve(config.storage_root, config.dataset.uri)
-    shards = infer.plan(raw, rows_per_shard=config.inference.rows_per_shard)
-    manifest = storage.read_json(infer.commit(out, model_uri, _score_all(config, model_uri, shards, out))["uri"])
+    shards = plan_inference(raw, rows_per_shard=config.inference.rows_per_shard)
+    manifest = storage.read_json(commit_predictions(out, model_uri, _score_all(config, model_uri, shards, out))["uri"])
     scored = _read(manifest).to_pandas().set_index("row_id")["prediction"]
     preprocess_manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
     features, _ = load_split(preprocess_manifest, "test")
@@ -200,12 +206,12 @@ def test_rescoring_a_shard_and_committing_again_is_idempotent(trained):
     config_path, out, model_uri = trained
     config = load_config(config_path)
     raw = storage.resolve(config.storage_root, config.dataset.uri)
-    shards = infer.plan(raw, rows_per_shard=config.inference.rows_per_shard)
-    first = storage.read_json(infer.commit(out, model_uri, _score_all(config, model_uri, shards, out))["uri"])
+    shards = plan_inference(raw, rows_per_shard=config.inference.rows_per_shard)
+    first = storage.read_json(commit_predictions(out, model_uri, _score_all(config, model_uri, shards, out))["uri"])
     before = _read(first).sort_by("row_id")
     results = _score_all(config, model_uri, shards, out)
     results[0] = infer.score_shard(config, model_uri, shards[0], out)  # the retry of shard 0 replaces its first attempt
-    second = storage.read_json(infer.commit(out, model_uri, results)["uri"])
+    second = storage.read_json(commit_predictions(out, model_uri, results)["uri"])
     after = _read(second).sort_by("row_id")
     assert after.column("row_id").equals(before.column("row_id"))
     assert after.column("prediction").equals(before.column("prediction"))
@@ -232,8 +238,8 @@ def test_rows_with_missing_features_are_quarantined_with_a_reason(trained, tmp_p
     config = load_config(config_path)
     path, dirty = _dirty_input(config, tmp_path)
     prefix = str(tmp_path / "dirty_run")
-    shards = infer.plan(str(path), rows_per_shard=10_000)
-    committed = infer.commit(prefix, model_uri, _score_all(config, model_uri, shards, prefix))
+    shards = plan_inference(str(path), rows_per_shard=10_000)
+    committed = commit_predictions(prefix, model_uri, _score_all(config, model_uri, shards, prefix))
     assert committed["rows_quarantined"] == 5 and committed["rows"] == dirty.num_rows - 5
     manifest = json.loads(Path(committed["uri"]).read_text())
     quarantined = pq.read_table(manifest["quarantine"][0]["uri"])
@@ -247,7 +253,7 @@ def test_bad_rows_can_be_fatal_naming_file_row_and_reason(trained, tmp_path):
     config_path, out, model_uri = trained
     config = load_config(config_path, {"inference.bad_rows": "fail"})
     path, _ = _dirty_input(config, tmp_path)
-    shard = infer.plan(str(path), rows_per_shard=10_000)[0]
+    shard = plan_inference(str(path), rows_per_shard=10_000)[0]
     with pytest.raises(UserError, match=r"5 row\(s\) cannot be scored, first at row 0 .*'px_10'.*bad_rows=fail"):
         infer.score_shard(config, model_uri, shard, str(tmp_path / "fatal_run"))
 
@@ -257,7 +263,7 @@ def test_missing_model_column_names_the_file(trained, tmp_path):
     config_path, out, model_uri = trained
     path = tmp_path / "narrow.parquet"
     pq.write_table(pa.table({"row_id": np.arange(3, dtype=np.int64), "px_00": np.zeros(3)}), path)
-    shard = infer.plan(str(path), rows_per_shard=10)[0]
+    shard = plan_inference(str(path), rows_per_shard=10)[0]
     with pytest.raises(UserError) as caught:
         infer.score_shard(load_config(config_path), model_uri, shard, str(tmp_path / "narrow_run"))
     assert str(path) in str(caught.value) and "px_01" in str(caught.value)
@@ -266,7 +272,7 @@ def test_missing_model_column_names_the_file(trained, tmp_path):
 @pytest.mark.parametrize("kind", BAD_KINDS)
 def test_a_broken_input_file_is_a_data_error_naming_it(trained, tmp_path, kind):
     """Planning or scoring an empty, non-Parquet, truncated or corrupt input file raises DataError naming the file."""
-    from tasks.errors import DataError
+    from tasks.core.errors import DataError
 
     config_path, out, model_uri = trained
     config = load_config(config_path)
@@ -274,7 +280,7 @@ def test_a_broken_input_file_is_a_data_error_naming_it(trained, tmp_path, kind):
     path = str(write_bad_file(kind, tmp_path / "input" / "part-00000.parquet", Path(good).read_bytes()))
     with pytest.raises(DataError) as caught:
         # A file whose footer still reads plans fine; then scoring meets the broken pages.
-        for shard in infer.plan(path, rows_per_shard=100):
+        for shard in plan_inference(path, rows_per_shard=100):
             infer.score_shard(config, model_uri, shard, str(tmp_path / "broken_run"))
     assert path in str(caught.value) and EXPECTED_WORDING[kind] in str(caught.value)
 
@@ -288,8 +294,8 @@ def test_an_empty_input_file_commits_a_readable_shard(trained, tmp_path):
     path.parent.mkdir()
     pq.write_table(source.slice(0, 0), path)
     prefix = str(tmp_path / "empty_run")
-    shards = infer.plan(str(path.parent), rows_per_shard=100)
-    manifest = storage.read_json(infer.commit(prefix, model_uri, _score_all(config, model_uri, shards, prefix))["uri"])
+    shards = plan_inference(str(path.parent), rows_per_shard=100)
+    manifest = storage.read_json(commit_predictions(prefix, model_uri, _score_all(config, model_uri, shards, prefix))["uri"])
     assert manifest["rows"] == 0
     for entry in manifest["files"]:
         assert pq.read_table(entry["uri"]).num_rows == 0
@@ -301,10 +307,10 @@ def test_rerun_gives_byte_identical_committed_output(trained, tmp_path):
     config = load_config(config_path)
     source = storage.resolve(config.storage_root, config.dataset.uri)
     prefix = str(tmp_path / "rerun")
-    shards = infer.plan(source, rows_per_shard=200)
-    first = json.loads(Path(infer.commit(prefix, model_uri, _score_all(config, model_uri, shards, prefix))["uri"]).read_text())
+    shards = plan_inference(source, rows_per_shard=200)
+    first = json.loads(Path(commit_predictions(prefix, model_uri, _score_all(config, model_uri, shards, prefix))["uri"]).read_text())
     first_bytes = [Path(entry["uri"]).read_bytes() for entry in first["files"]]
-    second = json.loads(Path(infer.commit(prefix, model_uri, _score_all(config, model_uri, shards, prefix))["uri"]).read_text())
+    second = json.loads(Path(commit_predictions(prefix, model_uri, _score_all(config, model_uri, shards, prefix))["uri"]).read_text())
     assert [Path(entry["uri"]).read_bytes() for entry in second["files"]] == first_bytes
     keys = _read(second).column("row_id").to_pylist()
     assert len(keys) == len(set(keys)) == second["rows"]
@@ -316,7 +322,7 @@ def test_crash_between_shard_writes_leaves_nothing_half_visible(trained, tmp_pat
     config = load_config(config_path)
     source = storage.resolve(config.storage_root, config.dataset.uri)
     prefix = str(tmp_path / "crashed")
-    shards = infer.plan(source, rows_per_shard=200)
+    shards = plan_inference(source, rows_per_shard=200)
     infer.score_shard(config, model_uri, shards[0], prefix)  # one shard done, then the worker dies
 
     import torch
@@ -337,7 +343,7 @@ def test_crash_between_shard_writes_leaves_nothing_half_visible(trained, tmp_pat
     monkeypatch.undo()
     assert not (Path(prefix) / "predictions" / "manifest.json").exists(), "no commit, nothing visible"
 
-    committed = infer.commit(prefix, model_uri, _score_all(config, model_uri, shards, prefix))
+    committed = commit_predictions(prefix, model_uri, _score_all(config, model_uri, shards, prefix))
     manifest = json.loads(Path(committed["uri"]).read_text())
     on_disk = {str(p) for p in (Path(prefix) / "predictions").glob("*.parquet")}
     assert on_disk == {entry["uri"] for entry in manifest["files"]}, "leftovers of the crash are gone"
@@ -351,8 +357,8 @@ def test_crash_between_shard_writes_leaves_nothing_half_visible(trained, tmp_pat
 def todays_scores(config, model_uri: str, shard: dict) -> tuple[list, dict[str, np.ndarray]]:
     """The scoring of score_shard before the device path, verbatim: batch by batch, no_grad, float64 normalisation
     rounded to float32; returns (keys, prediction columns) of the scorable rows."""
+    from tasks.datasets.columns import flatten_features
     from tasks.infer import _row_problems
-    from tasks.preprocess import flatten_features
 
     bundle = load_bundle(model_uri)
     prep = bundle.preprocessing
@@ -380,7 +386,7 @@ def test_device_path_on_the_cpu_gives_todays_predictions_exactly(trained, tmp_pa
     config_path, _, model_uri = trained
     config = load_config(config_path, {"inference.batch_size": 128})
     path, _ = _dirty_input(config, tmp_path)
-    shard = infer.plan(str(path), rows_per_shard=10_000)[0]
+    shard = plan_inference(str(path), rows_per_shard=10_000)[0]
     result = infer.score_shard(config, model_uri, shard, str(tmp_path / "device_cpu"))
     assert result["rows_quarantined"] == 5 and result["rows"] > 2 * 128, "several chunks, some rows left out"
     scored = pq.read_table(result["uri"])
@@ -401,7 +407,7 @@ def test_prefetch_on_the_cpu_hands_over_every_chunk_in_order_and_reads_ahead_by_
             yield index, (torch.full((3, 2), float(index)), torch.arange(3) + index)
 
     seen = []
-    for meta, (features, labels) in infer.prefetch(chunks(), torch.device("cpu")):
+    for meta, (features, labels) in prefetch(chunks(), torch.device("cpu")):
         assert pulled[-1] == meta, "no chunk is read before the previous one was handed over"
         seen.append(meta)
         assert torch.equal(features, torch.full((3, 2), float(meta))) and torch.equal(labels, torch.arange(3) + meta)
@@ -455,7 +461,7 @@ def test_prefetch_on_cuda_pins_copies_on_a_side_stream_and_hands_over_safely(mon
             events.append(("read", index))
             yield index, (torch.full((2, 2), float(index)), torch.arange(2) + index)
 
-    for meta, (features, labels) in infer.prefetch(chunks(), torch.device("cuda")):
+    for meta, (features, labels) in prefetch(chunks(), torch.device("cuda")):
         events.append(("got", meta))
         assert torch.equal(features, torch.full((2, 2), float(meta))) and torch.equal(labels, torch.arange(2) + meta)
     one_chunk = [("pin",), ("copy", "side", True), ("pin",), ("copy", "side", True), ("wait", "current", "side"),
@@ -466,11 +472,11 @@ def test_prefetch_on_cuda_pins_copies_on_a_side_stream_and_hands_over_safely(mon
 def test_scoring_device_follows_the_profile(monkeypatch):
     """cpu stays cpu, auto is cuda only where CUDA is present, and cuda without a GPU is a user error saying so."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert infer.scoring_device("cpu").type == "cpu" and infer.scoring_device("auto").type == "cpu"
+    assert scoring_device("cpu").type == "cpu" and scoring_device("auto").type == "cpu"
     with pytest.raises(UserError, match="device 'cuda' but no CUDA device is visible"):
-        infer.scoring_device("cuda")
+        scoring_device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert infer.scoring_device("auto").type == "cuda" and infer.scoring_device("cpu").type == "cpu"
+    assert scoring_device("auto").type == "cuda" and scoring_device("cpu").type == "cpu"
 
 
 def test_scoring_on_cuda_turns_tf32_off_and_restores_the_switches_after():
@@ -479,11 +485,11 @@ def test_scoring_on_cuda_turns_tf32_off_and_restores_the_switches_after():
     switches = [torch.backends.cuda.matmul, torch.backends.cudnn.conv]
     before = [s.fp32_precision for s in switches]
     with pytest.raises(RuntimeError, match="inside"):
-        with infer.exact_float32(torch.device("cuda")):
+        with exact_float32(torch.device("cuda")):
             assert [s.fp32_precision for s in switches] == ["ieee", "ieee"]
             raise RuntimeError("inside")
     assert [s.fp32_precision for s in switches] == before
-    with infer.exact_float32(torch.device("cpu")):
+    with exact_float32(torch.device("cpu")):
         assert [s.fp32_precision for s in switches] == before
 
 
@@ -492,7 +498,7 @@ def test_a_cuda_inference_profile_without_a_gpu_fails_naming_the_device(trained,
     config_path, _, model_uri = trained
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = load_config(config_path, {"profiles.small.device": "cuda"})
-    shard = infer.plan(storage.resolve(config.storage_root, config.dataset.uri), rows_per_shard=500)[0]
+    shard = plan_inference(storage.resolve(config.storage_root, config.dataset.uri), rows_per_shard=500)[0]
     with pytest.raises(UserError, match="no CUDA device"):
         infer.score_shard(config, model_uri, shard, str(tmp_path / "no_gpu"))
     assert not (tmp_path / "no_gpu").exists()
@@ -574,7 +580,7 @@ def test_inference_of_a_regressor_writes_float_predictions(diabetes, tmp_path):
     config_path, out = diabetes
     config = load_config(config_path)
     model_uri = _mean_regressor(config_path, out, tmp_path)
-    shard = infer.plan(storage.resolve(config.storage_root, config.dataset.uri), 10_000)[0]
+    shard = plan_inference(storage.resolve(config.storage_root, config.dataset.uri), 10_000)[0]
     table = pq.read_table(infer.score_shard(config, model_uri, shard, str(tmp_path / "scored"))["uri"])
     manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
     assert table.schema.field("prediction").type == pa.float32() and table.num_rows == shard["rows"]

@@ -16,12 +16,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tasks import infer, storage
-from tasks.config import load_config
+from tasks import infer
+from tasks.core import storage
+from tasks.datasets.predictions import plan_inference
+from tasks.definitions.loading import load_config
 from tasks.evaluate import evaluate
 from tests.conftest import train_digits_s1
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU scoring tests need one")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU scoring tests need one")]
 
 PROBABILITY_ATOL = 1e-5
 NEAR_TIE = 2 * PROBABILITY_ATOL
@@ -36,7 +39,7 @@ def trained(tmp_path_factory):
 def _score(config_path, model_uri: str, device: str, out: str, batch_size: int) -> list:
     config = load_config(config_path, {"profiles.small.device": device, "inference.batch_size": batch_size})
     source = storage.resolve(config.storage_root, config.dataset.uri)
-    shards = infer.plan(source, rows_per_shard=700)
+    shards = plan_inference(source, rows_per_shard=700)
     return [pq.read_table(infer.score_shard(config, model_uri, shard, out)["uri"]) for shard in shards]
 
 

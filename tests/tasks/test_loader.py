@@ -1,4 +1,4 @@
-"""tasks.loader: rows whole and once per epoch, an order fixed by (seed, epoch, rank, window), exact resume, files closed."""
+"""tasks.datasets.loader: rows whole and once per epoch, an order fixed by (seed, epoch, rank, window), exact resume, files closed."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tasks import loader, preprocess
-from tasks.loader import ParquetBatches
-from tasks.preprocess import Columns
+from tasks.datasets import loader
+from tasks.datasets.columns import Columns, feature_vectors, processed_schema
+from tasks.datasets.loader import ParquetBatches
 
 COLUMNS = Columns(key="row_id", label="label", features=["a", "b", "c"], num_classes=5)
 FEATURES = COLUMNS.features
@@ -25,8 +25,8 @@ def _table(first: int, rows: int) -> pa.Table:
     """Rows whose features are (r, 2r, -r) and label r % 5: a batch shows which rows it holds, and whether they stayed whole."""
     ids = np.arange(first, first + rows)
     matrix = np.stack([ids, 2 * ids, -ids], axis=1).astype(np.float32)
-    schema = preprocess.processed_schema(COLUMNS, pa.int64())
-    return pa.Table.from_arrays([pa.array(ids), pa.array(ids % 5), preprocess.feature_vectors(matrix)], schema=schema)
+    schema = processed_schema(COLUMNS, pa.int64())
+    return pa.Table.from_arrays([pa.array(ids), pa.array(ids % 5), feature_vectors(matrix)], schema=schema)
 
 
 def _write(open_file, layout=LAYOUT) -> tuple[list[str], int]:
@@ -187,8 +187,8 @@ def test_float_targets_arrive_as_float32_with_their_rows(tmp_path, shuffle):
     for number, first in enumerate((0, 23)):
         ids = np.arange(first, first + 23)
         table = pa.Table.from_arrays([pa.array(ids), pa.array(ids * 0.5 + 0.25, pa.float32()),
-                                      preprocess.feature_vectors(np.stack([ids, 2 * ids, -ids], axis=1))],
-                                     schema=preprocess.processed_schema(columns, pa.int64()))
+                                      feature_vectors(np.stack([ids, 2 * ids, -ids], axis=1))],
+                                     schema=processed_schema(columns, pa.int64()))
         uris.append(str(tmp_path / f"part-{number}.parquet"))
         pq.write_table(table, uris[-1], row_group_size=5)
     batches = list(_make(uris, shuffle=shuffle, label_dtype=np.float32).epoch(0))

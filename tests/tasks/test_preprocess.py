@@ -9,10 +9,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks import preprocess, storage
-from tasks.config import Split, load_config
-from tasks.data import write_synthetic
-from tasks.errors import DataError
+from tasks import preprocess
+from tasks.core import storage
+from tasks.core.errors import DataError
+from tasks.datasets import keys as key_module
+from tasks.datasets.columns import SPLITS
+from tasks.datasets.demo import write_synthetic
+from tasks.datasets.keys import key_bits, repeated_hashes, split_of
+from tasks.datasets.manifest import load_split, read_manifest
+from tasks.datasets.statistics import column_moments, feature_vectors_of, normalised_rows
+from tasks.definitions.config import Split
+from tasks.definitions.loading import load_config
 from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
 from tests.conftest import REPO_ROOT, base_config
 
@@ -47,7 +54,7 @@ def _run_all(config, raw_uri: str, out: str) -> tuple[dict, list[str]]:
     reduced = _stats_and_reduce(config, shards, out)
     results = [preprocess.transform_shard(config, uri, i, out, reduced["stats_uri"]) for i, uri in enumerate(shards)]
     committed = preprocess.commit(config, out, reduced["stats_uri"], results)
-    return preprocess.read_manifest(committed["manifest_uri"]), shards
+    return read_manifest(committed["manifest_uri"]), shards
 
 
 def _clean_raw(shards: list[str]) -> pa.Table:
@@ -72,24 +79,24 @@ def _keys_by_split(manifest: dict) -> dict[str, set]:
 def test_split_is_deterministic():
     """The same keys always land in the same splits."""
     keys = pa.array(np.arange(5_000, dtype=np.int64))
-    assert np.array_equal(preprocess.split_of(keys, SPLIT), preprocess.split_of(keys, SPLIT))
+    assert np.array_equal(split_of(keys, SPLIT), split_of(keys, SPLIT))
 
 
 def test_split_depends_only_on_the_key():
     """A key's split is the same whatever batch it arrives in and in whatever order (retries re-batch freely)."""
     keys = np.arange(10_000, dtype=np.int64)
-    whole = preprocess.split_of(pa.array(keys), SPLIT)
+    whole = split_of(pa.array(keys), SPLIT)
     order = np.random.default_rng(1).permutation(len(keys))
-    shuffled = preprocess.split_of(pa.array(keys[order]), SPLIT)
+    shuffled = split_of(pa.array(keys[order]), SPLIT)
     assert np.array_equal(shuffled, whole[order])
-    chunks = np.concatenate([preprocess.split_of(pa.array(chunk), SPLIT) for chunk in np.array_split(keys, 7)])
+    chunks = np.concatenate([split_of(pa.array(chunk), SPLIT) for chunk in np.array_split(keys, 7)])
     assert np.array_equal(chunks, whole)
-    assert preprocess.split_of(pa.array(keys[1234:1235]), SPLIT)[0] == whole[1234]
+    assert split_of(pa.array(keys[1234:1235]), SPLIT)[0] == whole[1234]
 
 
 def test_split_fractions_match_the_config_on_20k_keys():
     """Validation and test fractions are close to the configured ones (binomial sd ~0.003 at 20k)."""
-    codes = preprocess.split_of(pa.array(np.arange(20_000, dtype=np.int64)), SPLIT)
+    codes = split_of(pa.array(np.arange(20_000, dtype=np.int64)), SPLIT)
     assert set(np.unique(codes).tolist()) == {0, 1, 2}
     assert (codes == 1).mean() == pytest.approx(SPLIT.validation, abs=0.015)
     assert (codes == 2).mean() == pytest.approx(SPLIT.test, abs=0.015)
@@ -99,7 +106,7 @@ def test_split_salt_changes_the_draw():
     """Another salt draws another split with the same fractions."""
     keys = pa.array(np.arange(20_000, dtype=np.int64))
     other = Split(validation=0.15, test=0.2, salt="another")
-    first, second = preprocess.split_of(keys, SPLIT), preprocess.split_of(keys, other)
+    first, second = split_of(keys, SPLIT), split_of(keys, other)
     assert not np.array_equal(first, second)
     assert (second == 2).mean() == pytest.approx(0.2, abs=0.015)
 
@@ -107,9 +114,9 @@ def test_split_salt_changes_the_draw():
 def test_string_keys_split_deterministically_with_the_right_fractions():
     """String keys work: per-key determinism and configured fractions, in any batch."""
     keys = [f"user-{i:06d}" for i in range(20_000)]
-    codes = preprocess.split_of(pa.array(keys), SPLIT)
-    assert np.array_equal(preprocess.split_of(pa.array(keys[::-1]), SPLIT), codes[::-1])
-    assert np.array_equal(preprocess.split_of(pa.array(keys, pa.large_string()), SPLIT), codes)
+    codes = split_of(pa.array(keys), SPLIT)
+    assert np.array_equal(split_of(pa.array(keys[::-1]), SPLIT), codes[::-1])
+    assert np.array_equal(split_of(pa.array(keys, pa.large_string()), SPLIT), codes)
     assert (codes == 1).mean() == pytest.approx(0.15, abs=0.015)
     assert (codes == 2).mean() == pytest.approx(0.2, abs=0.015)
 
@@ -218,7 +225,7 @@ def test_a_shard_with_a_missing_or_extra_prefixed_feature_names_the_column_and_b
         synthetic, storage_root, num_features, difference):
     """With dataset.features 'f_*', a shard lacking one column or having one more fails naming only that column and
     the two files (not two full column lists), in reduce and in transform."""
-    from tasks.data import synthetic_table
+    from tasks.datasets.demo import synthetic_table
 
     config, raw_uri = synthetic(num_rows=1_000, num_shards=2, dirty_fraction=0.0)
     out = str(storage_root / "runs" / "t" / "columns")
@@ -247,7 +254,7 @@ def _write_table(folder: Path, name: str, table: pa.Table) -> str:
 
 def test_the_same_keys_in_two_shards_fail_naming_the_key_and_both_files(synthetic, storage_root):
     """Two shards sharing one key fail reduce with a DataError naming the key value and both files."""
-    from tasks.data import synthetic_table
+    from tasks.datasets.demo import synthetic_table
 
     config, raw_uri = synthetic(num_rows=3_000, num_shards=3, dirty_fraction=0.0)
     clash = _write_table(Path(raw_uri), "part-00003.parquet", synthetic_table(500, num_features=NUM_FEATURES, first_key=2_999))
@@ -292,9 +299,9 @@ def test_a_key_repeated_inside_one_file_fails_naming_the_file(synthetic, storage
 def test_hash_collisions_are_confirmed_against_the_keys_not_reported(synthetic, storage_root, monkeypatch):
     """With a deliberately coarse key hash (every key collides with hundreds of others) unique keys still pass and a
     real duplicate among the collisions is the one reported: the check is exact, the hash only narrows it."""
-    from tasks.data import synthetic_table
+    from tasks.datasets.demo import synthetic_table
 
-    monkeypatch.setattr(preprocess, "key_hashes", lambda keys: preprocess._key_bits(keys) % np.uint64(7))
+    monkeypatch.setattr(preprocess, "key_hashes", lambda keys: key_bits(keys) % np.uint64(7))
     config, raw_uri = synthetic(num_rows=3_000, num_shards=3, dirty_fraction=0.0)
     out = str(storage_root / "runs" / "t" / "collide")
     reduced = _stats_and_reduce(config, preprocess.plan(raw_uri), out)
@@ -309,11 +316,11 @@ def test_a_colliding_hash_spread_over_many_merge_rounds_is_confirmed_as_one_grou
                                                                                   clash_key):
     """With a 3-value key hash, tiny merge buffers and tiny candidate batches, each hash's matches span many merge
     rounds; they are still confirmed together, so a duplicate whose two rows fall in different rounds is found."""
-    from tasks.data import synthetic_table
+    from tasks.datasets.demo import synthetic_table
 
-    monkeypatch.setattr(preprocess, "key_hashes", lambda keys: preprocess._key_bits(keys) % np.uint64(3))
-    monkeypatch.setattr(preprocess, "MERGE_BUDGET_HASHES", 1)  # 1024-hash chunks
-    monkeypatch.setattr(preprocess, "MAX_CANDIDATES", 100)
+    monkeypatch.setattr(preprocess, "key_hashes", lambda keys: key_bits(keys) % np.uint64(3))
+    monkeypatch.setattr(key_module, "MERGE_BUDGET_HASHES", 1)  # 1024-hash chunks
+    monkeypatch.setattr(key_module, "MAX_CANDIDATES", 100)
     config, raw_uri = synthetic(num_rows=30_000, num_shards=3, dirty_fraction=0.0)
     clash = _write_table(Path(raw_uri), "part-00003.parquet",
                          synthetic_table(1, num_features=NUM_FEATURES, first_key=clash_key))
@@ -324,8 +331,8 @@ def test_a_colliding_hash_spread_over_many_merge_rounds_is_confirmed_as_one_grou
 def test_the_bounded_merge_finds_exactly_the_repeated_hashes(tmp_path, monkeypatch):
     """The k-way merge over sorted sidecars, in chunks far smaller than the data, reports exactly the hashes that occur
     more than once overall (within one sidecar, across sidecars, across chunk boundaries) and the sidecars holding them."""
-    monkeypatch.setattr(preprocess, "MERGE_BUDGET_HASHES", 1)  # 1024-hash chunks: many rounds
-    monkeypatch.setattr(preprocess, "MAX_CANDIDATES", 500)  # several confirmation batches
+    monkeypatch.setattr(key_module, "MERGE_BUDGET_HASHES", 1)  # 1024-hash chunks: many rounds
+    monkeypatch.setattr(key_module, "MAX_CANDIDATES", 500)  # several confirmation batches
     rng = np.random.default_rng(4)
     arrays = [np.sort(rng.integers(0, 40_000, size=size).astype(np.uint64)) for size in (5_000, 3_100, 0, 7_777)]
     sidecars = []
@@ -333,7 +340,7 @@ def test_the_bounded_merge_finds_exactly_the_repeated_hashes(tmp_path, monkeypat
         uri = str(tmp_path / f"keys-{index}.u64")
         storage.write_bytes(uri, array.astype("<u8").tobytes())
         sidecars.append(uri)
-    found = list(preprocess._repeated_hashes(sidecars))
+    found = list(repeated_hashes(sidecars))
     assert len(found) > 1, "the candidate cap splits the work into batches"
     pairs = {(int(h), int(o)) for hashes, owners in found for h, o in zip(hashes, owners)}
     everything = np.concatenate(arrays)
@@ -377,7 +384,7 @@ def test_standalone_reduce_refuses_when_a_planned_shard_has_no_stats(synthetic, 
     import subprocess
     import sys
 
-    from tasks.errors import USER_ERROR_EXIT
+    from tasks.core.errors import USER_ERROR_EXIT
 
     config, raw_uri = synthetic(num_rows=3_000, num_shards=3, dirty_fraction=0.0)
     out = storage_root / "runs" / "t" / "partial"
@@ -430,7 +437,7 @@ def test_stats_cli_on_a_corrupt_shard_exits_as_user_error_naming_the_file(synthe
     import subprocess
     import sys
 
-    from tasks.errors import USER_ERROR_EXIT
+    from tasks.core.errors import USER_ERROR_EXIT
 
     config, raw_uri = synthetic(num_rows=1_000, num_shards=1, dirty_fraction=0.0)
     shard = preprocess.plan(raw_uri)[0]
@@ -465,9 +472,9 @@ def test_end_to_end_manifest_counts_and_disjoint_splits(synthetic, storage_root)
     assert sum(manifest["rows"].values()) == len(clean_keys)
     assert manifest["rows_dropped"] == 3_000 - len(clean_keys)
     # Each key sits in the split its hash names.
-    for code, name in enumerate(preprocess.SPLITS):
+    for code, name in enumerate(SPLITS):
         chosen = np.fromiter(keys[name], dtype=np.int64)
-        assert (preprocess.split_of(pa.array(chosen), config.preprocess.split) == code).all()
+        assert (split_of(pa.array(chosen), config.preprocess.split) == code).all()
 
 
 def test_retry_yields_the_same_splits_and_removes_stale_attempt_files(synthetic, storage_root):
@@ -480,11 +487,11 @@ def test_retry_yields_the_same_splits_and_removes_stale_attempt_files(synthetic,
     # A crashed attempt of shard 0 leaves its files behind before the retry succeeds.
     preprocess.transform_shard(config, shards[0], 0, out, stats_uri)
     results = [preprocess.transform_shard(config, uri, i, out, stats_uri) for i, uri in enumerate(shards)]
-    second = preprocess.read_manifest(preprocess.commit(config, out, stats_uri, results)["manifest_uri"])
+    second = read_manifest(preprocess.commit(config, out, stats_uri, results)["manifest_uri"])
     assert _keys_by_split(second) == first_keys
     assert second["rows"] == first["rows"]
     listed = {entry["uri"] for files in second["splits"].values() for entry in files}
-    on_disk = {str(p) for name in preprocess.SPLITS for p in (Path(out) / "preprocess" / name).glob("*")}
+    on_disk = {str(p) for name in SPLITS for p in (Path(out) / "preprocess" / name).glob("*")}
     assert on_disk == listed
     assert not listed & {entry["uri"] for files in first["splits"].values() for entry in files}
 
@@ -494,7 +501,7 @@ def test_normalised_features_are_standardised(synthetic, storage_root):
     config, raw_uri = synthetic(num_rows=6_000, num_shards=3, dirty_fraction=0.01)
     out = str(storage_root / "runs" / "t" / "norm")
     manifest, _ = _run_all(config, raw_uri, out)
-    parts = {name: preprocess.load_split(manifest, name)[0] for name in preprocess.SPLITS}
+    parts = {name: load_split(manifest, name)[0] for name in SPLITS}
     everything = np.concatenate(list(parts.values())).astype(np.float64)
     np.testing.assert_allclose(everything.mean(axis=0), 0.0, atol=1e-5)
     np.testing.assert_allclose(everything.std(axis=0, ddof=1), 1.0, atol=1e-5)
@@ -506,8 +513,8 @@ def test_normalised_features_are_standardised(synthetic, storage_root):
 def test_digits_constant_columns_pass_through_centred(digits_run):
     """Blank pixel columns (std 0) are centred, not divided by zero: no NaN or inf reaches training."""
     _, out = digits_run
-    manifest = preprocess.read_manifest(storage.join(out, "preprocess", "manifest.json"))
-    features, labels = preprocess.load_split(manifest, "train")
+    manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
+    features, labels = load_split(manifest, "train")
     assert np.isfinite(features).all()
     assert sum(manifest["rows"].values()) == 1797
     assert set(labels.tolist()) == set(range(10))
@@ -518,7 +525,7 @@ def test_read_manifest_refuses_other_kinds(tmp_path):
     uri = str(tmp_path / "manifest.json")
     storage.write_json(uri, {"kind": "predictions"})
     with pytest.raises(DataError, match="not a preprocess manifest"):
-        preprocess.read_manifest(uri)
+        read_manifest(uri)
 
 
 @pytest.mark.parametrize("kept_every_row", [True, False])
@@ -533,12 +540,12 @@ def test_moments_and_normalise_on_scratch_memory_equal_plain_numpy_bit_for_bit(k
     mean, std = clean.mean(axis=0), clean.std(axis=0)
     for size in (9_001, 5_000):  # the second call is smaller and reuses the first one's memory
         rows = rng.permutation(len(matrix))[:size]
-        core = preprocess._core(vectors, kept)
+        core = column_moments(vectors, kept)
         assert core["count"] == len(clean)
         assert core["mean"] == [clean[:, i].mean() for i in range(7)]
         assert core["m2"] == [((clean[:, i] - clean[:, i].mean()) ** 2).sum() for i in range(7)]
         assert core["min"] == clean.min(axis=0).tolist() and core["max"] == clean.max(axis=0).tolist()
-        normalised = preprocess.normalised_rows(vectors, rows, mean, std)
+        normalised = normalised_rows(vectors, rows, mean, std)
         assert normalised.flags.c_contiguous and normalised.dtype == np.float32
         assert np.array_equal(normalised, ((matrix[rows] - mean) / std).astype(np.float32))
 
@@ -551,7 +558,7 @@ def test_feature_vectors_keep_only_rows_present_and_finite_in_every_column():
         "b": pa.array([1, 2, 3, None, 5], pa.int32()),
         "t": pa.array([[1.0, 2.0], [3.0, 4.0], [5.0, float("inf")], [7.0, 8.0], [9.0, 10.0]]),
     })
-    vectors, keep = preprocess.feature_vectors_of(batch, ["a", "b", "t"], {"t": [2]}, "mem.parquet")
+    vectors, keep = feature_vectors_of(batch, ["a", "b", "t"], {"t": [2]}, "mem.parquet")
     assert keep.tolist() == [True, False, False, False, True]
     assert np.shares_memory(vectors[0], np.frombuffer(batch.column("a").buffers()[1], np.float64))
     assert [v[[0, 4]].tolist() for v in vectors] == [[1.0, 5.0], [1.0, 5.0], [1.0, 9.0], [2.0, 10.0]]
@@ -567,9 +574,9 @@ def test_processed_rows_do_not_depend_on_the_batch_size(synthetic, storage_root,
     shards = preprocess.plan(raw_uri)
     out = str(storage_root / "runs" / "many")
     results = [preprocess.transform_shard(config, uri, i, out, stats_uri) for i, uri in enumerate(shards)]
-    many = preprocess.read_manifest(preprocess.commit(config, out, stats_uri, results)["manifest_uri"])
+    many = read_manifest(preprocess.commit(config, out, stats_uri, results)["manifest_uri"])
     assert many["rows"] == one_batch["rows"]
-    for split in preprocess.SPLITS:
-        expected, got = preprocess.load_split(one_batch, split), preprocess.load_split(many, split)
+    for split in SPLITS:
+        expected, got = load_split(one_batch, split), load_split(many, split)
         assert np.array_equal(expected[0], got[0]) and np.array_equal(expected[1], got[1])
         assert len(got[0]) > 0

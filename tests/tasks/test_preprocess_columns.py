@@ -10,11 +10,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tasks import infer, preprocess, storage
-from tasks.config import load_config
-from tasks.errors import DataError
-from tasks.model import MLPClassifier, build, data_info, preprocessing_of, save_bundle
-from tasks.preprocess import load_split
+from tasks import infer, preprocess
+from tasks.core import storage
+from tasks.core.errors import DataError
+from tasks.datasets.columns import feature_matrix
+from tasks.datasets.manifest import load_split, read_manifest
+from tasks.datasets.predictions import plan_inference
+from tasks.definitions.loading import load_config
+from tasks.models.building import build, data_info
+from tasks.models.bundle import preprocessing_of, save_bundle
+from tasks.models.mlp import MLPClassifier
 from tasks.spec import SpecRef
 from tests.conftest import base_config
 
@@ -26,7 +31,7 @@ def _run_all(config, raw_uri: str, out: str) -> dict:
     stats = [preprocess.shard_stats(config, uri, i, out)["stats_uri"] for i, uri in enumerate(shards)]
     reduced = preprocess.reduce_stats(config, out, stats)
     results = [preprocess.transform_shard(config, uri, i, out, reduced["stats_uri"]) for i, uri in enumerate(shards)]
-    return preprocess.read_manifest(preprocess.commit(config, out, reduced["stats_uri"], results)["manifest_uri"])
+    return read_manifest(preprocess.commit(config, out, reduced["stats_uri"], results)["manifest_uri"])
 
 
 def _write(folder: Path, table: pa.Table, num_shards: int = 2) -> str:
@@ -141,7 +146,7 @@ def test_tensor_columns_flatten_in_order_with_element_names_and_shapes(tensor_ru
     matrix = _raw_matrix(table)
     rows = processed.column("row_id").to_numpy()
     expected = (matrix[rows] - np.asarray(manifest["mean"])) / np.asarray(manifest["std"])
-    np.testing.assert_allclose(preprocess.feature_matrix(processed), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(feature_matrix(processed), expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(manifest["mean"][1:7], matrix[:, 1:7].mean(axis=0), rtol=1e-9)
 
 
@@ -152,7 +157,7 @@ def test_normalize_false_keeps_a_columns_values(tensor_run):
     assert manifest["std"][0] != 1.0, "plain columns are still standardised"
     processed = _processed(manifest)
     raw = np.stack(table.column("vec").to_pylist())[processed.column("row_id").to_numpy()]
-    np.testing.assert_array_equal(preprocess.feature_matrix(processed)[:, -2:], raw)
+    np.testing.assert_array_equal(feature_matrix(processed)[:, -2:], raw)
 
 
 def test_dataset_level_normalize_false_applies_to_plain_columns(write_config, storage_root):
@@ -227,10 +232,10 @@ def test_inference_flattens_raw_tensor_columns_as_preprocessing_did(tensor_run, 
     save_bundle(model_uri, model, SpecRef("tasks.model:MLPClassifier"), data_info(manifest), params,
                 preprocessing_of(manifest), {})
     scored = pa.concat_tables([pq.read_table(infer.score_shard(config, model_uri, shard, out)["uri"])
-                               for shard in infer.plan(raw_uri, 500)])
+                               for shard in plan_inference(raw_uri, 500)])
     processed = _processed(manifest)
     with torch.no_grad():
-        expected = torch.softmax(model(torch.from_numpy(preprocess.feature_matrix(processed).copy())), dim=1).numpy()
+        expected = torch.softmax(model(torch.from_numpy(feature_matrix(processed).copy())), dim=1).numpy()
     by_key = dict(zip(processed.column("row_id").to_pylist(), expected))
     got = np.stack(scored.column("probabilities").to_pylist())
     assert scored.num_rows == NUM_ROWS

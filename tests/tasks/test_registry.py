@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tasks import registry
-from tasks.errors import UserError
+from tasks.core.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NAME = "digits"  # the registry name the test config gets from its dataset.uri (raw/digits)
@@ -105,7 +105,7 @@ def test_model_with_a_non_finite_metric_is_never_registered(storage_root, tmp_pa
 
 def test_model_name_defaults_to_the_data_sets_last_path_component_and_ignores_input_overrides(write_config, storage_root):
     """No registry.model_name: the file's dataset.uri names the registry; a run's input_uri override does not move it."""
-    from tasks.config import load_config
+    from tasks.definitions.loading import load_config
     from tests.conftest import base_config
 
     path = write_config()
@@ -123,7 +123,7 @@ def test_two_model_names_on_one_storage_root_each_have_their_own_current_model(w
 
     Before, one registry spanned the storage root: the weak regressor was compared with the digits classifier.
     """
-    from tasks.config import load_config
+    from tasks.definitions.loading import load_config
     from tests.conftest import base_config
 
     raw = base_config(storage_root)
@@ -170,7 +170,7 @@ def test_an_unscoped_registry_from_before_model_names_is_ignored_with_a_warning(
 def test_the_config_drives_the_gate_serving_and_a_retrains_warm_start(write_config, storage_root, tmp_path):
     """The registry rules a run follows, from its config: a minimize objective's gate, the model inference scores
     with (named version or current), and a retrain warm-started from the current model's study."""
-    from tasks.config import load_config
+    from tasks.definitions.loading import load_config
 
     config = load_config(write_config(), {"objective.metric": "rmse", "objective.direction": "minimize",
                                           "registry.gate_metric": "test_rmse", "retrain.num_trials": 3})
@@ -191,7 +191,7 @@ def test_the_config_drives_the_gate_serving_and_a_retrains_warm_start(write_conf
 def test_a_model_card_records_the_objective_and_the_params_it_trained_with(write_config, storage_root, tmp_path):
     """The card holds the test metrics (not the derived test_objective), the objective's validation value, the
     sweep's params for our own stage, and what makes the version traceable (data, code, study, source run)."""
-    from tasks.config import load_config
+    from tasks.definitions.loading import load_config
 
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"features": ["a"], "splits": {}}))

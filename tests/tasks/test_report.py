@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tasks import storage
+from tasks.core import storage
 from tasks.report import build_report, stage_timing, summary_lines
 from tests.conftest import REPO_ROOT
 

@@ -11,7 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks import report, storage, timeline
+from tasks import report
+from tasks.core import storage
+from tasks.reporting import timeline
+from tasks.study.studies import create, open_storage, suggest
+from tasks.study.summary import summarize
 from tests.conftest import base_config, preprocess_digits
 
 CHECKPOINT_EVERY = 10
@@ -66,6 +70,7 @@ def _crash_second_epoch_once(monkeypatch):
     return lambda: monkeypatch.setattr(loop_module.Loop, "train_epoch", original)
 
 
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     """A run built by the real sub-job functions in this process: preprocess, a sweep (study + summary), two training
@@ -73,8 +78,8 @@ def finished_run(tmp_path_factory):
     task timeline, then the report step. Returns (report dict, run prefix, sweep summary, metrics by stage)."""
     import optuna
 
-    from tasks import evaluate, registry, sweep
-    from tasks.config import load_config
+    from tasks import evaluate, registry
+    from tasks.definitions.loading import load_config
     from tasks.train import run_stage
 
     monkeypatch = pytest.MonkeyPatch()
@@ -91,18 +96,18 @@ def finished_run(tmp_path_factory):
     prepared = preprocess_digits(config_path, out)
 
     name = "ml_pipeline__r1"
-    sweep.create(config, name)
-    study = optuna.load_study(study_name=name, storage=sweep.open_storage(config.sweep.storage))
+    create(config, name)
+    study = optuna.load_study(study_name=name, storage=open_storage(config.sweep.storage))
     for number, (state, values) in enumerate([("COMPLETE", [0.8, 0.9, 0.93]), ("PRUNED", [0.3]), ("COMPLETE", [0.7, 0.85, 0.9]),
                                               ("PRUNED", [0.2, 0.4]), ("FAIL", []), ("COMPLETE", [0.5, 0.6, 0.7])]):
         trial = study.ask()
         trial.set_user_attr("worker", number % 2)
-        sweep.suggest(trial, config.sweep)
+        suggest(trial, config.sweep)
         for epoch, value in enumerate(values, start=1):
             trial.report(value, epoch)
         trial.set_user_attr("steps", 0 if state == "FAIL" else 30)
         study.tell(trial, values[-1] if state == "COMPLETE" else None, state=optuna.trial.TrialState[state])
-    swept = sweep.summarize(config, name, out)
+    swept = summarize(config, name, out)
 
     restore = _crash_second_epoch_once(monkeypatch)
     with pytest.raises(RuntimeError, match="worker lost"):
@@ -260,7 +265,7 @@ def _regression_run(out: str) -> dict:
     (tasks.sweep.trial_records over a real study); returns build_report's inputs."""
     import optuna
 
-    from tasks.sweep import trial_records
+    from tasks.study.summary import trial_records
 
     study = optuna.create_study(direction="minimize")
     for values, state in (([80.0, 70.0], "COMPLETE"), ([90.0], "PRUNED"), ([75.0, 60.0], "COMPLETE"), ([65.0, 62.0], "COMPLETE")):
@@ -308,6 +313,7 @@ def test_a_regressor_page_shows_rmse_minimised_not_accuracy(tmp_path):
     assert [a["x"] for a in training["layout"]["annotations"]] == [0, 20]
 
 
+@pytest.mark.service
 def test_report_under_an_s3_root(s3_bucket):
     """On s3:// (moto) the report step puts report.html beside report.json, the timeline is listed from the bucket,
     and the html command renders the page again from the bucket alone."""

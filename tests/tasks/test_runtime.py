@@ -11,10 +11,14 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tasks import contract, runtime, spec
-from tasks.config import load_config
-from tasks.errors import UserError
-from tasks.sweep import absolute_storage, open_storage, trial_contract, trial_environment
+from tasks import spec
+from tasks.core import contract
+from tasks.core.errors import UserError
+from tasks.definitions.loading import load_config
+from tasks.scripting import runtime
+from tasks.scripting.entrypoint import read_last_report
+from tasks.study.studies import open_storage
+from tasks.sweep import absolute_storage, trial_contract, trial_environment
 from tasks.train import byo_environment
 from tests.conftest import base_config
 
@@ -77,7 +81,7 @@ def test_report_in_a_stage_returns_false_and_records_the_metrics(write_config, s
     env = stage_env(monkeypatch, write_config(), storage_root, tmp_path)
     assert spec.report(0, {"accuracy": 0.5, "loss": 1.5}) is False
     assert spec.report(1, {"accuracy": 0.75, "loss": 0.9}) is False
-    recorded = runtime.read_last_report(env[contract.METRICS_FILE])
+    recorded = read_last_report(env[contract.METRICS_FILE])
     assert recorded == {"epoch": 2, "metrics": {"accuracy": 0.75, "loss": 0.9}, "pruned": False}
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["s2 epoch 1/2: accuracy 0.5000, loss 1.5000", "s2 epoch 2/2: accuracy 0.7500, loss 0.9000"]
@@ -111,7 +115,7 @@ def test_report_in_a_trial_prunes_a_bad_trial_through_the_shared_study(write_con
     assert spec.report(0, {"accuracy": 0.1}) is True
     stored = study._storage.get_trial(trial._trial_id)
     assert stored.intermediate_values == {1: 0.1}
-    assert runtime.read_last_report(env[contract.METRICS_FILE])["pruned"] is True
+    assert read_last_report(env[contract.METRICS_FILE])["pruned"] is True
 
 
 def test_report_in_a_trial_keeps_a_good_trial(write_config, storage_root, tmp_path, monkeypatch):
@@ -134,6 +138,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.torchrun
 def test_every_rank_of_a_torchrun_trial_gets_rank_0s_prune_decision(write_config, storage_root, tmp_path, monkeypatch,
                                                                      subprocess_env):
     """Under a real 2-process gloo torchrun only rank 0 asks the study; both ranks return its decision (prune)."""
@@ -157,8 +162,10 @@ def test_a_stage_scripts_outputs_are_what_the_next_stage_and_evaluation_accept(d
     check_byo_outputs, load_bundle and the next stage take; the last report becomes the stage's val_metric."""
     import torch
 
-    from tasks.model import load_bundle, load_torch
-    from tasks.train import LAST_REPORT, byo_contract, byo_result, check_byo_outputs
+    from tasks.models.bundle import load_bundle
+    from tasks.models.torch_io import load_torch
+    from tasks.scripting.entrypoint import LAST_REPORT
+    from tasks.train import byo_contract, byo_result, check_byo_outputs
 
     config_path, out = digits_run
     config = load_config(config_path)
@@ -180,5 +187,5 @@ def test_a_stage_scripts_outputs_are_what_the_next_stage_and_evaluation_accept(d
     assert bundle.params["hidden"] == 16 and bundle.extra["val_metric"] == 0.5
     assert torch.equal(bundle.module(features[:4]), model.eval()(features[:4]))
     contract_values = byo_contract(config, str(config_path), "s1", out, {"lr": 0.02, "hidden": 16}, None)
-    last = runtime.read_last_report(env[contract.METRICS_FILE])
+    last = read_last_report(env[contract.METRICS_FILE])
     assert byo_result(config, "s1", out, contract_values, {LAST_REPORT: last})["val_metric"] == 0.5

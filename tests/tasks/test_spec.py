@@ -11,11 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks import storage, train
-from tasks.config import BUILTIN_SPEC_PARAMS, load_config
-from tasks.errors import UserError
+from tasks import train
+from tasks.core import storage
+from tasks.core.errors import UserError
+from tasks.datasets.predictions import plan_inference
+from tasks.definitions.hyperparams import BUILTIN_SPEC_PARAMS
+from tasks.definitions.loading import load_config
 from tasks.evaluate import evaluate
-from tasks.model import MLPClassifier, build, load_bundle
+from tasks.models.building import build
+from tasks.models.bundle import load_bundle
+from tasks.models.mlp import MLPClassifier
 from tasks.spec import DataInfo, Regressor, SpecRef
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -33,8 +38,9 @@ def _config(config_path: Path, spec: str, args: dict | None = None, **overrides)
 
 
 def test_builtin_spec_params_match_the_config_check():
-    """The config's static list of the built-in spec's hyperparameters is the spec's own."""
-    assert set(BUILTIN_SPEC_PARAMS) == set(MLPClassifier.default_params)
+    """The built-in spec's hyperparameters and defaults are the declared ones the config checks, names and values."""
+    assert MLPClassifier.default_params == {hyper.name: hyper.default for hyper in BUILTIN_SPEC_PARAMS}
+    assert all(hyper.admits(hyper.default) for hyper in BUILTIN_SPEC_PARAMS)
 
 
 @pytest.mark.parametrize("path,message", [
@@ -116,7 +122,7 @@ def test_a_user_spec_trains_evaluates_and_scores(digits_images_run, single_proce
     evaluation = evaluate(config, result["model_uri"], out)
     assert evaluation["test_objective"] == evaluation["test_accuracy"] > 0.5
     raw = storage.resolve(config.storage_root, config.dataset.uri)
-    shard = infer.plan(raw, 10_000)[0]
+    shard = plan_inference(raw, 10_000)[0]
     scored = infer.score_shard(config, result["model_uri"], shard, str(tmp_path / "scored"))
     table = pq.read_table(scored["uri"])
     assert table.column_names == ["row_id", "prediction", "probabilities", "model_version"]
@@ -151,7 +157,9 @@ def test_a_minimised_objective_drives_the_sweep_and_the_gate(digits_run, single_
     import optuna
 
     from tasks import registry
-    from tasks.sweep import create, open_storage, run_worker, summarize
+    from tasks.study.studies import create, open_storage
+    from tasks.study.summary import summarize
+    from tasks.sweep import run_worker
 
     config_path, out = digits_run
     config = _config(config_path, "tests.specs:LogLoss", **{"objective.metric": "nll", "objective.direction": "minimize",
@@ -179,7 +187,7 @@ def test_a_minimised_objective_drives_the_sweep_and_the_gate(digits_run, single_
     assert registry.pointer(root, "nll")["version"] == uris["b"]
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
 def test_two_process_ddp_stage_with_the_cnn_spec(digits_images_run, subprocess_env):
     """A real 2-rank torchrun stage trains the CNN example; rank 0 alone writes its bundle, which names the spec."""
     config, out = digits_images_run

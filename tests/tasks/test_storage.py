@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks import storage
-from tasks.errors import DataError
+from tasks.core import storage
+from tasks.core.errors import DataError
 from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
 
 

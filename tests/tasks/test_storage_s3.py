@@ -11,8 +11,8 @@ import uuid
 import pyarrow as pa
 import pytest
 
-from tasks import storage
-from tasks.errors import UserError
+from tasks.core import storage
+from tasks.core.errors import UserError
 from tests.conftest import REPO_ROOT, base_config, preprocess_digits
 from tests.s3_faults import FAULT_KINDS, FaultPlan, FaultyS3
 
@@ -57,6 +57,7 @@ def test_retry_settings_come_from_the_aws_environment(monkeypatch):
         storage.s3_options()
 
 
+@pytest.mark.service
 def test_round_trips_are_whole_through_every_fault_kind(faulty_s3, caplog):
     """Every third request fails in one of five ways; each write lands once, each read returns exactly the bytes,
     and the failed attempts show in the log."""
@@ -75,6 +76,7 @@ def test_round_trips_are_whole_through_every_fault_kind(faulty_s3, caplog):
     assert any("(500 InternalError)" in m for m in failed), failed
 
 
+@pytest.mark.service
 def test_preprocess_through_faults_commits_what_a_clean_local_run_commits(faulty_s3, tmp_path):
     """The whole preprocess stage on S3 with faults on every 4th request writes the same tables as on local files."""
     proxy, bucket = faulty_s3(FaultPlan(every=4))
@@ -99,10 +101,11 @@ def test_preprocess_through_faults_commits_what_a_clean_local_run_commits(faulty
     assert sum(proxy.injected.values()) > 10, proxy.injected
 
 
+@pytest.mark.service
 def test_an_outage_beyond_the_retries_fails_as_retryable_and_the_retry_commits(faulty_s3, tmp_path, subprocess_env):
     """With S3 down past its retries the sub-job exits 1 (Airflow retries it), not 3 (user error), and writes
     nothing; once S3 is back, the same command (the retry) writes the shard's statistics and the key hashes they name."""
-    from tasks.data import write_digits
+    from tasks.datasets.demo import write_digits
 
     proxy, bucket = faulty_s3(FaultPlan())
     root = f"s3://{bucket}/root"
@@ -129,6 +132,7 @@ def test_an_outage_beyond_the_retries_fails_as_retryable_and_the_retry_commits(f
     assert storage.read_json(fs.unstrip_protocol(written[1]))["key_hashes_uri"] == fs.unstrip_protocol(written[0])
 
 
+@pytest.mark.service
 def test_a_missing_bucket_is_a_user_error_naming_the_setting_and_the_bucket(s3_env):
     """A storage_root whose bucket does not exist fails with a UserError naming storage_root, the URI and the bucket;
     listing input in a missing bucket says the bucket is missing; an existing bucket passes."""
@@ -143,6 +147,7 @@ def test_a_missing_bucket_is_a_user_error_naming_the_setting_and_the_bucket(s3_e
     storage.require_bucket(f"s3://{existing}/root", "storage_root")
 
 
+@pytest.mark.service
 def test_an_unreachable_endpoint_is_not_a_missing_bucket(s3_env, monkeypatch):
     """With S3 unreachable (connection refused) the bucket check raises a retryable fault, never a UserError."""
     import socket
@@ -160,10 +165,11 @@ def test_an_unreachable_endpoint_is_not_a_missing_bucket(s3_env, monkeypatch):
     assert not isinstance(caught.value, UserError), caught.value
 
 
+@pytest.mark.service
 def test_preprocess_cli_with_a_missing_bucket_exits_as_user_error_naming_storage_root(s3_env, tmp_path, subprocess_env):
     """`python -m tasks.preprocess plan` with storage_root in a bucket that does not exist exits USER_ERROR_EXIT and
     names storage_root and the bucket (not NoCredentialsError or a bare NoSuchBucket)."""
-    from tasks.errors import USER_ERROR_EXIT
+    from tasks.core.errors import USER_ERROR_EXIT
 
     bucket = f"missing-{uuid.uuid4().hex[:10]}"
     config_path = tmp_path / "pipeline.yaml"
@@ -175,11 +181,12 @@ def test_preprocess_cli_with_a_missing_bucket_exits_as_user_error_naming_storage
     assert f"storage_root s3://{bucket}/root: S3 bucket '{bucket}' does not exist" in completed.stdout
 
 
+@pytest.mark.service
 def test_a_broken_raw_shard_on_s3_is_a_data_error_naming_it(s3_env, tmp_path):
     """A truncated Parquet object on S3 fails the stats step with a DataError naming its s3:// URI."""
     from tasks import preprocess
-    from tasks.config import load_config
-    from tasks.errors import DataError
+    from tasks.core.errors import DataError
+    from tasks.definitions.loading import load_config
     from tests.bad_parquet import write_bad_file
 
     bucket = f"broken-{uuid.uuid4().hex[:10]}"
@@ -199,13 +206,15 @@ def test_a_broken_raw_shard_on_s3_is_a_data_error_naming_it(s3_env, tmp_path):
         preprocess.shard_stats(load_config(config_path), shard, 0, f"s3://{bucket}/root/runs/t/r1")
 
 
+@pytest.mark.service
 def test_ingest_onto_s3_adds_each_file_once_and_leaves_no_partial_object(s3_env, tmp_path):
     """Ingest from local files into an s3:// data set: every source file lands whole under its content name, no
     '.partial' object stays behind, and a second run (a retry) adds nothing."""
     import pyarrow.parquet as pq
 
-    from tasks.config import load_config
-    from tasks.data import ingest, synthetic_table, write_synthetic
+    from tasks.data import ingest
+    from tasks.datasets.demo import synthetic_table, write_synthetic
+    from tasks.definitions.loading import load_config
 
     bucket = f"ingest-{uuid.uuid4().hex[:10]}"
     fs, _ = storage.filesystem(f"s3://{bucket}")

@@ -5,10 +5,12 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from tasks import storage
-from tasks.config import load_config
-from tasks.errors import UserError
-from tasks.sweep import create, open_storage, run_worker, study_name, summarize, worker_quota
+from tasks.core import storage
+from tasks.core.errors import UserError
+from tasks.definitions.loading import load_config
+from tasks.study.studies import create, open_storage, study_name
+from tasks.study.summary import summarize
+from tasks.sweep import run_worker, worker_quota
 
 
 @pytest.fixture
@@ -205,7 +207,7 @@ def test_objective_fault_injected_in_the_model_fails_each_trial(digits_run, sing
     def broken(spec, data, params):
         raise RuntimeError("forced fault")
 
-    monkeypatch.setattr("tasks.model.build", broken)
+    monkeypatch.setattr("tasks.models.building.build", broken)
     create(config, "forced")
     assert run_worker(config, "forced", 0, out)["trials_run"] == 2
     with pytest.raises(UserError, match="forced fault"):

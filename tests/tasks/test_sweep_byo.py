@@ -8,7 +8,10 @@ import optuna
 import pytest
 
 from tasks import sweep
-from tasks.config import ConfigError, load_config
+from tasks.definitions.config import ConfigError
+from tasks.definitions.loading import load_config
+from tasks.study.studies import best_trial, create, open_storage
+from tasks.study.summary import summarize
 from tests.conftest import base_config
 
 
@@ -20,6 +23,7 @@ def byo_sweep_config(write_config, storage_root, entrypoint: dict) -> str:
     return str(write_config(raw))
 
 
+@pytest.mark.torchrun
 def test_script_trials_complete_prune_and_fail_and_the_sweep_goes_on(write_config, storage_root, tmp_path, monkeypatch,
                                                                      subprocess_env):
     """Each trial runs the script under torchrun in its own cwd with its params: a reported value COMPLETEs, a pruned
@@ -30,11 +34,11 @@ def test_script_trials_complete_prune_and_fail_and_the_sweep_goes_on(write_confi
     path = byo_sweep_config(write_config, storage_root, {"script": "tests/tasks/byo_trial_script.py",
                                                            "args": ["--hidden", "{hidden}", "--epochs", "{epochs}"]})
     config = load_config(path)
-    sweep.create(config, "byo_study")
+    create(config, "byo_study")
     out = str(storage_root / "runs" / "t" / "r1")
     result = sweep.run_worker(config, "byo_study", 0, out, path, {})
     assert result["trials_run"] == 4
-    study = optuna.load_study(study_name="byo_study", storage=sweep.open_storage(config.sweep.storage))
+    study = optuna.load_study(study_name="byo_study", storage=open_storage(config.sweep.storage))
     trials = sorted(study.get_trials(), key=lambda t: t.number)
     assert [t.state.name for t in trials] == ["COMPLETE", "PRUNED", "FAIL", "FAIL"]
     assert trials[0].value == 0.9 and trials[0].user_attrs["epochs"] == 3 and trials[1].user_attrs["epochs"] == 1
@@ -44,8 +48,8 @@ def test_script_trials_complete_prune_and_fail_and_the_sweep_goes_on(write_confi
     assert len({s["cwd"] for s in seen}) == 4 and all("stagewise-trial" in s["cwd"] for s in seen)
     assert seen[0]["args"] == ["--hidden", str(trials[0].params["hidden"]), "--epochs", "3"]
     assert seen[0]["params"]["lr"] == trials[0].params["lr"] and seen[0]["per_process_batch"] == config.sweep.batch_size
-    assert sweep.best_trial(study).params == trials[0].params
-    summary = sweep.summarize(config, "byo_study", out)
+    assert best_trial(study).params == trials[0].params
+    summary = summarize(config, "byo_study", out)
     assert (summary["n_complete"], summary["n_pruned"], summary["n_failed"]) == (1, 1, 2)
 
 

@@ -6,9 +6,11 @@ import optuna
 import pytest
 import yaml
 
-from tasks.config import load_config
-from tasks.errors import UserError
-from tasks.sweep import create, open_storage, run_worker, summarize
+from tasks.core.errors import UserError
+from tasks.definitions.loading import load_config
+from tasks.study.studies import create, open_storage
+from tasks.study.summary import summarize
+from tasks.sweep import run_worker
 
 
 def _config(config_path, **sweep):
@@ -32,6 +34,7 @@ def test_journal_sweep_summarizes_and_writes_plots(digits_run):
     assert any(uri.endswith("optimization_history.html") for uri in summary["plots"])
 
 
+@pytest.mark.service
 def test_postgresql_storage_runs_the_same_sweep(digits_run, postgres_url):
     """The production storage: the same worker code on PostgreSQL gives the same budget and a best trial."""
     config_path, out = digits_run
@@ -69,7 +72,7 @@ def test_failing_trials_are_recorded_and_an_all_failed_sweep_says_why(digits_run
     def broken_model(spec, data, params):
         raise MemoryError("model too big for this worker")
 
-    monkeypatch.setattr("tasks.model.build", broken_model)
+    monkeypatch.setattr("tasks.models.building.build", broken_model)
     create(config, "doomed")
     run_worker(config, "doomed", 0, out)
     study = optuna.load_study(study_name="doomed", storage=open_storage(config.sweep.storage))

@@ -11,12 +11,13 @@ import optuna
 import pytest
 import yaml
 
-from tasks.config import load_config
-from tasks.sweep import create, open_storage, summarize
+from tasks.definitions.loading import load_config
+from tasks.study.studies import create, open_storage
+from tasks.study.summary import summarize
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 
 
 def _sweep_config(config_path: Path, **sweep) -> Path:

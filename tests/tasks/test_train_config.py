@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.config import ConfigError, load_config
+from tasks.definitions.config import ConfigError
+from tasks.definitions.loading import load_config
 
 
 def _with_stage(write_config, storage_root, **stage) -> object:

@@ -18,14 +18,15 @@ import pytest
 import torch
 
 from tasks import train
-from tasks.config import load_config
+from tasks.definitions.loading import load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CUDA = {f"profiles.{name}.device": "cuda" for name in ("ddp1", "ddp2")}
 ONE_GPU = {**CUDA, "profiles.ddp2.processes_per_node": 1}  # s2 still grows the batch: 64 per process vs s1's 32
 PARAMS = {"lr": 0.05, "hidden": 64, "momentum": 0.9}
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU stage tests need one")
+pytestmark = [pytest.mark.gpu, pytest.mark.torchrun,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU stage tests need one")]
 
 
 @pytest.fixture
@@ -85,7 +86,9 @@ def test_killed_gpu_stage_resumes_from_its_checkpoint(digits_run, subprocess_env
 def test_sweep_trials_train_on_the_gpu(digits_run, single_process):
     """A sweep worker on a cuda profile runs its trials on the device and the study gets real values."""
     pytest.importorskip("optuna")
-    from tasks.sweep import create, run_worker, summarize
+    from tasks.study.studies import create
+    from tasks.study.summary import summarize
+    from tasks.sweep import run_worker
 
     config_path, out = digits_run
     config = load_config(config_path, {"profiles.small.device": "cuda", "sweep.num_trials": 2, "sweep.num_workers": 1})
@@ -102,7 +105,7 @@ def test_sweep_trials_train_on_the_gpu(digits_run, single_process):
 def test_resident_and_streamed_batches_match_on_the_gpu(tmp_path):
     """On cuda both placements yield the same device batches (CUDA randperm, side-stream copies from pinned memory),
     each of the rank's rows once per epoch, and a mid-epoch resume gives the remaining batches."""
-    from tasks.loader import ParquetBatches
+    from tasks.datasets.loader import ParquetBatches
     from tasks.training.device_data import DeviceBatches
     from tests.tasks.test_loader import FEATURES, _write
 
@@ -127,8 +130,8 @@ def test_resident_and_streamed_batches_match_on_the_gpu(tmp_path):
 
 def test_auto_placement_on_the_gpu_keeps_a_small_split_resident(digits_run):
     """auto on cuda: the digits fit easily, so train and validation batches are resident device batches."""
-    from tasks import storage
-    from tasks.preprocess import read_manifest
+    from tasks.core import storage
+    from tasks.datasets.manifest import read_manifest
     from tasks.training.device_data import DeviceBatches
     from tasks.training.distributed import DistEnv
     from tasks.training.loop import rank_batches
@@ -147,7 +150,8 @@ def test_auto_placement_on_the_gpu_keeps_a_small_split_resident(digits_run):
                                        {"train.stages.0.compile": "reduce-overhead"}])
 def test_gpu_stage_knobs_train_and_checkpoints_load_into_a_plain_model(digits_run, single_process, overrides):
     """Each placement and overhead knob trains a stage on cuda, and final.pt loads into an uncompiled fp32 model."""
-    from tasks.model import MLPClassifier, build
+    from tasks.models.building import build
+    from tasks.models.mlp import MLPClassifier
     from tasks.spec import DataInfo
 
     config_path, out = digits_run

@@ -12,7 +12,7 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 
 
 def torchrun(nproc: int, config: Path, stage: str, out: str, env: dict, *extra: str) -> subprocess.CompletedProcess:

@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINT_EVERY = 10
 KILL_AT_STEP = 25
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 
 
 def run_stage(config: Path, out: str, env: dict, result_name: str, spec: str) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.browser, pytest.mark.airflow, pytest.mark.torchrun]
 
 RUN_TIMEOUT_S = 600
 # Fields without a usable default that a person must fill before triggering; everything else has one.
@@ -124,7 +124,7 @@ def test_the_stagewise_view_shows_the_finished_runs_report_and_the_registry(logg
 
     from playwright.sync_api import expect
 
-    from tasks import storage
+    from tasks.core import storage
 
     page, live, screens = logged_in
     _, storage_root = ui_airflow

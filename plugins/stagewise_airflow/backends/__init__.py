@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.config import PipelineConfig, Profile
-from tasks.errors import USER_ERROR_EXIT, UserError
+from tasks.core.errors import USER_ERROR_EXIT, UserError
+from tasks.definitions.config import PipelineConfig, Profile
 
 NODE_LAUNCH_MODULE = "tasks.training.node_launch"
 # Where the project lives in the runtime image (docker/runtime.Dockerfile's WORKDIR).
 IMAGE_WORKDIR = "/opt/stagewise"
-# A node that fails on the user's input (tasks.errors.USER_ERROR_EXIT) reports this prefix in its failure
+# A node that fails on the user's input (tasks.core.errors.USER_ERROR_EXIT) reports this prefix in its failure
 # message (SageMaker's /opt/ml/output/failure, the pod's termination message): no retry.
 USER_ERROR_MARKER = "stagewise user error"
 # Environment variables of the storage connection that are safe in a job description (no keys: the job's
@@ -145,10 +145,9 @@ def stop_on_sigterm(what: str) -> Iterator[None]:
 
 def stage_result(config: PipelineConfig, out: str, stage: str) -> dict[str, Any]:
     """What tasks.train returns, read back from the ``metrics.json`` its rank 0 wrote last (the stage's commit)."""
-    from tasks import storage
-    from tasks.train import stage_prefix
+    from tasks.core import storage
 
-    prefix = stage_prefix(out, stage)
+    prefix = storage.stage_prefix(out, stage)
     uri = storage.join(prefix, "metrics.json")
     if not storage.exists(uri):
         raise RuntimeError(f"stage {stage}: the job succeeded but wrote no {uri}; retrying")

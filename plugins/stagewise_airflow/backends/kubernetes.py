@@ -18,14 +18,15 @@ from typing import Any
 
 from stagewise_airflow.backends import (
     IMAGE_WORKDIR,
+    Stopped,
     is_user_error,
     job_name,
     public_storage_env,
     stage_job,
     stop_on_sigterm,
 )
-from tasks.config import PipelineConfig
-from tasks.errors import USER_ERROR_EXIT, UserError
+from tasks.core.errors import USER_ERROR_EXIT, UserError
+from tasks.definitions.config import PipelineConfig
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def job_objects(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str,
     """The headless Service and the Indexed Job of one try of ``stage``: (V1Service, V1Job)."""
     from kubernetes import client as k8s
 
-    from tasks.config import CONFIG_ENV_VAR
+    from tasks.definitions.loading import CONFIG_ENV_VAR
 
     job = stage_job(config, "kubernetes", stage=stage, out=out, params=params, init_from=init_from,
                     config_file=config_file, overrides=overrides, repo_root=repo_root)
@@ -148,6 +149,8 @@ class PodLogTail:
     def __call__(self) -> list[str]:
         try:
             return self._read()
+        except Stopped:
+            raise  # SIGTERM arrived mid-read: the task must unwind and delete the job, not read on
         except Exception as exc:  # noqa: BLE001 - see the class docstring
             if not self.failed:
                 log.warning("cannot read the pod logs of Kubernetes job %s/%s (%s); status only", self.namespace,

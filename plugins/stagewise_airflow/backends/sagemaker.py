@@ -19,14 +19,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from stagewise_airflow.backends import (
+    Stopped,
     is_user_error,
     job_name,
     public_storage_env,
     stage_job,
     stop_on_sigterm,
 )
-from tasks.config import PipelineConfig
-from tasks.errors import UserError
+from tasks.core.errors import UserError
+from tasks.definitions.config import PipelineConfig
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,8 @@ def training_job_request(config: PipelineConfig, *, dag_id: str, run_id: str, st
                          params: dict[str, Any], init_from: str | None, config_file: str, overrides: dict[str, Any],
                          repo_root: str, storage_env: dict[str, str] | None = None) -> dict[str, Any]:
     """The CreateTrainingJob request of one try of ``stage`` (``out`` = the run prefix, an s3:// URI)."""
-    from tasks import storage
-    from tasks.config import CONFIG_ENV_VAR
-    from tasks.train import stage_prefix
+    from tasks.core import storage
+    from tasks.definitions.loading import CONFIG_ENV_VAR
 
     if not out.startswith("s3://"):
         raise UserError(f"stage {stage}: a SageMaker job reads and writes the run through S3, but the run prefix is {out}")
@@ -72,7 +72,7 @@ def training_job_request(config: PipelineConfig, *, dag_id: str, run_id: str, st
     if too_long or len(arguments) > MAX_ARGUMENTS:
         raise UserError(f"stage {stage}: SageMaker takes at most {MAX_ARGUMENTS} container arguments of "
                         f"{MAX_ARGUMENT_CHARS} characters; too long: {[arg[:60] + '...' for arg in too_long]}")
-    prefix = stage_prefix(out, stage)
+    prefix = storage.stage_prefix(out, stage)
     spot = spot_for(config, profile_name, attempt)
     stopping: dict[str, int] = {"MaxRuntimeInSeconds": settings.max_run_s}
     if spot:
@@ -144,6 +144,8 @@ class CloudWatchTail:
     def __call__(self) -> list[str]:
         try:
             return self._read()
+        except Stopped:
+            raise  # SIGTERM arrived mid-read: the task must unwind and delete the job, not read on
         except Exception as exc:  # noqa: BLE001 - see the class docstring
             if not self.failed:
                 log.warning("cannot read the CloudWatch logs of SageMaker job %s (%s); status only", self.name, exc)

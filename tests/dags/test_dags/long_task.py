@@ -22,7 +22,7 @@ with DAG(
     @task(retries=1, retry_delay=timedelta(seconds=1))
     def sleep_past_token():
         from stagewise_airflow import launch
-        from tasks.config import Profile
+        from tasks.definitions.config import Profile
 
         context = get_current_context()
         params = context["params"]

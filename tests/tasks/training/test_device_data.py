@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from tasks import train
-from tasks.config import ConfigError, load_config
-from tasks.errors import UserError
-from tasks.loader import ParquetBatches
-from tasks.model import MLPClassifier, build
+from tasks.core.errors import UserError
+from tasks.datasets.loader import ParquetBatches
+from tasks.definitions.config import ConfigError
+from tasks.definitions.loading import load_config
+from tasks.models.building import build
+from tasks.models.mlp import MLPClassifier
 from tasks.spec import DataInfo
 from tasks.training import device_data
 from tasks.training.device_data import DeviceBatches, choose_placement
@@ -65,7 +67,7 @@ def test_resident_and_streamed_batches_are_identical_in_content_and_order(split,
 
 
 def test_unshuffled_device_batches_equal_the_host_loaders(split):
-    """Validation (unshuffled) reads every row in file order with the last partial batch, as tasks.loader does."""
+    """Validation (unshuffled) reads every row in file order with the last partial batch, as tasks.datasets.loader does."""
     host = _source(split, batch_size=7, shuffle=False)
     for resident in (True, False):
         device = DeviceBatches(host, "cpu", resident=resident, chunk_bytes=CHUNK_BYTES)
@@ -118,11 +120,9 @@ def test_skip_steps_resumes_mid_epoch_at_the_same_batch(split, resident):
 
 def test_streamed_resume_reads_no_chunk_before_the_resume_point(split, monkeypatch):
     """A streamed resume starts reading at the chunk holding its first batch: the skipped part costs no read."""
-    import tasks.loader
-
     read: list[int] = []
-    original = tasks.loader.read_row_groups
-    monkeypatch.setattr(tasks.loader, "read_row_groups",
+    original = device_data.read_row_groups
+    monkeypatch.setattr(device_data, "read_row_groups",
                         lambda groups, *args: read.append(len(groups)) or original(groups, *args))
     batches = _device(split, False)
     list(batches.epoch(0, skip_steps=10))  # rows 40..: chunks from the fourth on (12 rows each)
@@ -130,7 +130,7 @@ def test_streamed_resume_reads_no_chunk_before_the_resume_point(split, monkeypat
 
 
 def test_placement_choice_on_cpu_is_the_host_loader_unless_forced():
-    """auto on CPU keeps today's tasks.loader path; a forced placement is kept on any device."""
+    """auto on CPU keeps today's tasks.datasets.loader path; a forced placement is kept on any device."""
     assert choose_placement("auto", 0.5, "cpu", 10**12)[0] == "host"
     for forced in ("host", "resident", "streamed"):
         assert choose_placement(forced, 0.5, "cpu", 10**12)[0] == forced
@@ -187,8 +187,8 @@ def test_rank_batches_follow_the_placement(digits_run, placement, kind, caplog):
     """rank_batches (stages and sweep trials) builds the chosen kind for train and validation and logs the choice once."""
     import logging
 
-    from tasks import storage
-    from tasks.preprocess import read_manifest
+    from tasks.core import storage
+    from tasks.datasets.manifest import read_manifest
     from tasks.training.loop import rank_batches
 
     manifest = read_manifest(storage.join(digits_run[1], "preprocess", "manifest.json"))
@@ -205,9 +205,9 @@ def test_a_stages_shuffle_block_rows_reaches_the_host_loader_and_is_validated(di
     it does not apply; a value below 1 is refused at load, naming the key."""
     import logging
 
-    from tasks import storage
-    from tasks.config import TrainStage
-    from tasks.preprocess import read_manifest
+    from tasks.core import storage
+    from tasks.datasets.manifest import read_manifest
+    from tasks.definitions.config import TrainStage
     from tasks.training.loop import rank_batches
 
     manifest = read_manifest(storage.join(digits_run[1], "preprocess", "manifest.json"))
@@ -273,7 +273,7 @@ def test_bf16_changes_the_numerics(digits_run, single_process):
 
 
 # Compiling on CPU runs inductor's C++ codegen (gcc): ~tens of seconds for this tiny MLP on a busy 2-core machine.
-@pytest.mark.slow
+@pytest.mark.torchrun
 def test_compiled_stage_trains_and_its_checkpoint_loads_into_a_plain_model(digits_run, single_process):
     """compile default: the stage trains through torch.compile, and final.pt has no _orig_mod. keys (saved from the
     plain module) so it loads into an uncompiled model; validation runs on the plain module."""
@@ -299,7 +299,7 @@ def test_chunks_hold_whole_row_groups_of_at_least_the_chunk_rows(split):
     assert batches.chunk_rows == CHUNK_BYTES // ROW_BYTES < device_data.CHUNK_BYTES // ROW_BYTES
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
 def test_ddp_stage_gives_the_same_model_resident_or_streamed(digits_run, subprocess_env, tmp_path):
     """A 2-process torchrun stage (gloo) trains on device batches; resident and streamed runs end with the same
     weights, since both placements feed every rank the same batches in the same order."""

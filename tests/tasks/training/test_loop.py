@@ -1,4 +1,4 @@
-"""Training: LR scaling and warmup, per-rank data partition (tasks.loader), the loop, params, and a whole stage in-process."""
+"""Training: LR scaling and warmup, per-rank data partition (tasks.datasets.loader), the loop, params, and a whole stage in-process."""
 
 from __future__ import annotations
 
@@ -11,12 +11,17 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tasks import preprocess, storage, train
-from tasks.config import load_config
-from tasks.errors import UserError
-from tasks.loader import ParquetBatches
-from tasks.model import MLPClassifier, build, load_bundle
-from tasks.preprocess import Columns
+from tasks import train
+from tasks.core import storage
+from tasks.core.errors import UserError
+from tasks.core.storage import stage_prefix
+from tasks.datasets.columns import Columns, feature_vectors, processed_schema
+from tasks.datasets.loader import ParquetBatches
+from tasks.definitions.hyperparams import FRAMEWORK_DEFAULTS
+from tasks.definitions.loading import load_config
+from tasks.models.building import build, resolve_params
+from tasks.models.bundle import load_bundle
+from tasks.models.mlp import MLPClassifier
 from tasks.spec import DataInfo
 from tasks.training.distributed import DistEnv
 from tasks.training.loop import Loop, scaled_lr, seed_step, warmup_factor
@@ -57,14 +62,14 @@ def test_no_warmup_means_full_lr_from_the_first_step():
     assert [warmup_factor(step, 0) for step in range(3)] == [1.0, 1.0, 1.0]
 
 
-# --- per-rank data (tasks.loader): what Loop trains on ----------------------------------------------------------
+# --- per-rank data (tasks.datasets.loader): what Loop trains on ----------------------------------------------------------
 
 
 def _write_processed(path: Path, labels: np.ndarray, matrix: np.ndarray, num_classes: int, rows_per_group: int) -> str:
     """Write a split file in the schema preprocess declares for its outputs (whatever its feature layout)."""
     names = [f"x{j}" for j in range(matrix.shape[1])]
     columns = Columns(key="row_id", label="label", features=names, num_classes=num_classes)
-    schema = preprocess.processed_schema(columns, pa.int64())
+    schema = processed_schema(columns, pa.int64())
     arrays = []
     for field in schema:
         if field.name == "row_id":
@@ -74,7 +79,7 @@ def _write_processed(path: Path, labels: np.ndarray, matrix: np.ndarray, num_cla
         elif field.name in names:  # one column per feature
             arrays.append(pa.array(matrix[:, names.index(field.name)].astype(np.float32)))
         else:  # one packed vector column, encoded by preprocess itself
-            arrays.append(preprocess.feature_vectors(matrix.astype(np.float32)))
+            arrays.append(feature_vectors(matrix.astype(np.float32)))
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_arrays(arrays, schema=schema), path, row_group_size=rows_per_group)
     return str(path)
@@ -211,12 +216,12 @@ def test_a_step_draws_the_masks_of_its_seed_without_torch_manual_seed(tmp_path, 
 def test_resolve_params_precedence(write_config):
     """Built-in defaults < train.default_params < the sweep's values; hidden becomes an int."""
     config = load_config(write_config(), overrides={"train.default_params": {"momentum": 0.5, "weight_decay": 0.01}})
-    params = train.resolve_params(config, {"weight_decay": 0.02, "lr": 0.2, "hidden": 64.0})
+    params = resolve_params(config, {"weight_decay": 0.02, "lr": 0.2, "hidden": 64.0})
     assert params["momentum"] == 0.5, "train.default_params beats the built-in default"
     assert params["weight_decay"] == 0.02 and params["lr"] == 0.2, "the sweep beats train.default_params"
     assert params["dropout"] == MLPClassifier.default_params["dropout"], "untouched keys keep the spec's default"
     assert params["hidden"] == 64 and isinstance(params["hidden"], int)
-    assert train.resolve_params(config, {})["lr"] == train.FRAMEWORK_DEFAULTS["lr"]
+    assert resolve_params(config, {})["lr"] == FRAMEWORK_DEFAULTS["lr"]
 
 
 @pytest.mark.parametrize("where", ["swept", "default_params"])
@@ -225,7 +230,7 @@ def test_unknown_param_is_a_user_error(write_config, where):
     overrides = {"train.default_params": {"gamma": 0.5}} if where == "default_params" else {}
     with pytest.raises(UserError, match="gamma"):
         config = load_config(write_config(), overrides=overrides)
-        train.resolve_params(config, {"gamma": 0.5} if where == "swept" else {})
+        resolve_params(config, {"gamma": 0.5} if where == "swept" else {})
 
 
 @pytest.mark.parametrize("name,value", [("lr", -0.05), ("hidden", 0), ("momentum", 5), ("dropout", 1.0),
@@ -234,7 +239,7 @@ def test_params_outside_their_domain_are_a_user_error(write_config, name, value)
     """--params (or a sweep's best) outside a hyperparameter's obvious domain is refused naming the key and value."""
     config = load_config(write_config())
     with pytest.raises(UserError, match=f"{name}={value!r} is out of range"):
-        train.resolve_params(config, {name: value})
+        resolve_params(config, {name: value})
 
 
 # --- a whole stage, one process, in-process ---------------------------------------------------------------------
@@ -259,7 +264,7 @@ def test_stage_writes_its_outputs_only_under_its_prefix(digits_run, storage_root
     config = load_config(config_path)
     before = _files(str(storage_root))
     result = train.run_stage(config, "s1", out, PARAMS, None)
-    prefix = train.stage_prefix(out, "s1")
+    prefix = stage_prefix(out, "s1")
     added = _files(str(storage_root)) - before
     assert added and all(path.startswith(prefix + "/") for path in added)
     assert {"final.pt", "model.pt", "metrics.json"} <= {Path(p).name for p in added}
@@ -288,11 +293,11 @@ def test_rerun_resumes_from_the_checkpoint_without_retraining(digits_run, single
     config_path, out = digits_run
     config = load_config(config_path, overrides={"train.checkpoint_every_steps": 1})
     first = train.run_stage(config, "s1", out, PARAMS, None)
-    history = storage.read_json(storage.join(train.stage_prefix(out, "s1"), "metrics.json"))["history"]
+    history = storage.read_json(storage.join(stage_prefix(out, "s1"), "metrics.json"))["history"]
     weights = torch.load(first["checkpoint_uri"], weights_only=True)["model"]
     second = train.run_stage(config, "s1", out, PARAMS, None)
     assert second["resumed_from_step"] == first["steps"] == second["steps"]
-    again = storage.read_json(storage.join(train.stage_prefix(out, "s1"), "metrics.json"))["history"]
+    again = storage.read_json(storage.join(stage_prefix(out, "s1"), "metrics.json"))["history"]
     assert len(again) == len(history)
     assert again[:-1] == history[:-1], "finished epochs come from the checkpoint, not from training again"
     assert again[-1]["val_metric"] == history[-1]["val_metric"]
@@ -308,7 +313,7 @@ def test_rerun_with_default_checkpointing_reproduces_the_result(digits_run, sing
     weights = torch.load(first["checkpoint_uri"], weights_only=True)["model"]
     second = train.run_stage(config, "s1", out, PARAMS, None)
     assert second["steps"] == first["steps"] and second["val_metric"] == first["val_metric"]
-    history = storage.read_json(storage.join(train.stage_prefix(out, "s1"), "metrics.json"))["history"]
+    history = storage.read_json(storage.join(stage_prefix(out, "s1"), "metrics.json"))["history"]
     assert len(history) == config.stage("s1").epochs
     for name, tensor in torch.load(second["checkpoint_uri"], weights_only=True)["model"].items():
         torch.testing.assert_close(tensor, weights[name], rtol=1e-6, atol=1e-7)
@@ -402,7 +407,7 @@ def test_diverging_stage_fails_naming_stage_epoch_step_and_lr_and_writes_no_mode
         train.run_stage(config, "s1", out, {"lr": 1e6, "hidden": 32}, None)
     message = str(caught.value)
     assert "stage s1: training diverged" in message and "epoch 1, step " in message and "lr 1e+06" in message
-    prefix = Path(train.stage_prefix(out, "s1"))
+    prefix = Path(stage_prefix(out, "s1"))
     assert not (prefix / "final.pt").exists() and not (prefix / "model.pt").exists()
     assert not (prefix / "metrics.json").exists() or not storage.read_json(str(prefix / "metrics.json")).get("complete")
     for checkpoint in prefix.glob("checkpoints/*.pt"):

@@ -28,7 +28,7 @@ TIMEOUT_S = 300
 STAGE_ARGS = ["--stage", "s2", "--params", json.dumps({"lr": 0.02, "dropout": 0.1}),
               f"--override=train.checkpoint_every_steps={CHECKPOINT_EVERY}", "--override=train.stages.1.epochs=4"]
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 
 
 @pytest.fixture

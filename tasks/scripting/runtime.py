@@ -4,11 +4,10 @@ Import it through the one public module, ``tasks.spec``::
 
     from tasks.spec import build_model, checkpoint_dir, context, read_split, report, save_model
 
-Everything comes from the STAGEWISE_* environment the framework sets (tasks.contract), so the same
+Everything comes from the STAGEWISE_* environment the framework sets (tasks.core.contract), so the same
 script runs as a stage (``train.stages[].entrypoint``) and as each trial of a sweep
 (``sweep.entrypoint``). Only rank 0 logs, talks to the Optuna study and writes; every rank gets the
-same answers. torch.distributed and Optuna are imported when first needed, so ``import tasks.spec``
-stays light.
+same answers. torch.distributed and Optuna are imported when first needed.
 """
 
 from __future__ import annotations
@@ -19,8 +18,16 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from tasks import contract
-from tasks.errors import UserError
+from tasks.core import contract, storage
+from tasks.core.errors import UserError
+from tasks.datasets.manifest import load_split, read_manifest
+from tasks.definitions.loading import load_config
+from tasks.definitions.spec import SpecRef
+from tasks.models.building import data_info, model_for_run
+from tasks.models.bundle import preprocessing_of, save_bundle
+from tasks.models.torch_io import load_torch, save_torch
+from tasks.study.studies import make_pruner, open_storage
+from tasks.training.distributed import read_env
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,8 +89,6 @@ _built: dict[str, Any] = {}
 @functools.cache
 def context() -> Context:
     """This run's stage values (epochs, batch sizes, rescaled lr, seed, objective) and rank, read once."""
-    from tasks.training.distributed import read_env
-
     env = read_env("cpu")
     trial = os.environ.get(contract.TRIAL_NUMBER)
     return Context(stage=_env(contract.STAGE), trial=int(trial) if trial else None, epochs=int(_env(contract.EPOCHS)),
@@ -110,31 +115,22 @@ def init_from() -> str | None:
 
 def load_state(uri: str) -> dict[str, Any] | None:
     """A state dict written by :func:`save_state` or :func:`save_model` (``final.pt``), or None if there is none yet."""
-    from tasks import storage
-    from tasks.model import load_torch
-
     return load_torch(uri) if storage.exists(uri) else None
 
 
 def save_state(uri: str, state: dict[str, Any]) -> None:
     """Rank 0 writes ``state`` (tensors and plain values) atomically to ``uri``; other ranks do nothing."""
-    from tasks.model import save_torch
-
     if context().master:
         save_torch(uri, state)
 
 
 @functools.cache
 def _config() -> Any:
-    from tasks.config import load_config
-
     return load_config(_env(contract.CONFIG), json.loads(os.environ.get(contract.OVERRIDES) or "{}"))
 
 
 @functools.cache
 def _manifest() -> dict[str, Any]:
-    from tasks.preprocess import read_manifest
-
     return read_manifest(_env(contract.DATA_MANIFEST))
 
 
@@ -146,8 +142,6 @@ def read_split(name: str) -> Any:
     """
     import torch
     from torch.utils.data import TensorDataset
-
-    from tasks.preprocess import load_split
 
     manifest = _manifest()
     if name not in manifest["splits"]:
@@ -161,8 +155,6 @@ def build_model(**overrides: Any) -> Any:
     the data's description, seeded with the run's seed; :func:`save_model` records the same hyperparameters."""
     import torch
 
-    from tasks.model import model_for_run
-
     torch.manual_seed(context().seed)
     built = model_for_run(_config(), _manifest(), {**hyperparameters(), **overrides})
     _built["params"] = built.params
@@ -174,10 +166,6 @@ def save_model(module: Any, *, optimizer: Any = None, global_batch: int | None =
     starts from it) in $STAGEWISE_OUTPUT_DIR; pass the optimizer so the next stage continues it. Other ranks do nothing.
     """
     from torch.nn.parallel import DistributedDataParallel
-
-    from tasks import storage
-    from tasks.model import data_info, preprocessing_of, save_bundle, save_torch
-    from tasks.spec import SpecRef
 
     ctx = context()
     if not ctx.master:
@@ -198,8 +186,6 @@ def save_model(module: Any, *, optimizer: Any = None, global_batch: int | None =
 @functools.cache
 def _trial() -> Any:
     import optuna
-
-    from tasks.sweep import make_pruner, open_storage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.load_study(study_name=_env(contract.STUDY_NAME), storage=open_storage(_env(contract.STUDY_STORAGE)),
@@ -247,9 +233,3 @@ def report(epoch: int, metrics: dict[str, float]) -> bool:
     return _same_on_every_rank(pruned)
 
 
-def read_last_report(path: str) -> dict[str, Any] | None:
-    """What the script's last :func:`report` recorded in ``path`` ($STAGEWISE_METRICS_FILE): epoch, metrics, pruned."""
-    if not os.path.exists(path):
-        return None
-    with open(path) as handle:
-        return json.load(handle)

@@ -18,7 +18,7 @@ import json
 import logging
 from typing import Any
 
-from tasks import storage
+from tasks.core import storage
 
 log = logging.getLogger("stagewise.report")
 

@@ -12,7 +12,7 @@ import datetime as dt
 import logging
 from typing import Any
 
-from tasks import storage
+from tasks.core import storage
 
 log = logging.getLogger("stagewise.timeline")
 

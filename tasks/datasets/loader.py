@@ -27,8 +27,10 @@ import pyarrow.parquet as pq
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from tasks import storage
-from tasks.errors import DataError, UserError
+from tasks.core import storage
+from tasks.core.errors import DataError, UserError
+from tasks.datasets.columns import FEATURES_COLUMN, feature_matrix
+from tasks.datasets.manifest import label_dtype
 
 # Windows read ahead of the one being consumed: bounds memory at a few windows.
 PREFETCH_WINDOWS = 2
@@ -149,8 +151,6 @@ def _read_into(files: _OpenFiles, groups: list[RowGroup], label: str, window: Fu
 
     Each task owns a disjoint range of the window's reading order, so tasks write disjoint rows.
     """
-    from tasks.preprocess import FEATURES_COLUMN, feature_matrix
-
     with files.open(groups[0].uri) as parquet:
         for group in groups:
             # One row group per read: ~20% faster than several (no merged chunk to grow), and still in cache for the scatter.
@@ -311,7 +311,6 @@ def split_batches(manifest: dict, split: str, *, rank: int, world_size: int, bat
     uris = [entry["uri"] for entry in manifest["splits"].get(split, [])]
     if not uris:
         raise UserError(f"the committed '{split}' split is empty; check preprocess.split and the input data")
-    from tasks.preprocess import label_dtype
 
     return ParquetBatches(uris, manifest["features"], manifest["label"], rank=rank, world_size=world_size,
                           batch_size=batch_size, seed=seed, shuffle=shuffle, label_dtype=label_dtype(manifest),

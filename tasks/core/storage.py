@@ -27,7 +27,7 @@ import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from tasks.errors import DataError, UserError
+from tasks.core.errors import DataError, UserError
 
 log = logging.getLogger("stagewise.storage")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
@@ -134,6 +134,11 @@ def safe_name(text: str) -> str:
 def run_prefix(storage_root: str, dag_id: str, run_id: str) -> str:
     """``<root>/runs/<dag_id>/<run_id>``: every task of a run writes under it."""
     return join(storage_root, "runs", safe_name(dag_id), safe_name(run_id))
+
+
+def stage_prefix(out: str, stage: str) -> str:
+    """Where a training stage of the run under ``out`` keeps its checkpoints, metrics and models."""
+    return join(out, "train", stage)
 
 
 def resolve(storage_root: str, uri: str) -> str:

@@ -1,0 +1,699 @@
+"""The pipeline config's schema: typed, strict pydantic models with one line of doc per field.
+
+Loading a file (overrides, relative paths) is ``tasks.definitions.loading``; the generated reference
+``tasks.definitions.reference``; ``python -m tasks.config`` validates a file.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tasks.core.contract import STAGE_VALUES
+from tasks.core.errors import UserError
+from tasks.definitions.hyperparams import (
+    BUILTIN_SPEC,
+    KNOWN,
+    TUNABLE,
+    hyperparameter_problem,
+)
+
+
+class ConfigError(UserError):
+    """The pipeline config is invalid; the message names the file, key and reason."""
+
+
+class _Strict(BaseModel):
+    # Unknown keys are refused so a typo never silently falls back to a default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SageMakerSettings(_Strict):
+    """One SageMaker training job per stage try, all its nodes gang-scheduled by SageMaker (backend 'sagemaker')."""
+
+    instance_type: str = Field(description="Instance type of every node, e.g. ml.g5.12xlarge.")
+    image_uri: str = Field(description="The runtime image (docker/runtime.Dockerfile) pushed to ECR.")
+    role_arn: str = Field(pattern=r"^arn:aws[\w-]*:iam::\d{12}:role/.+$",
+                          description="IAM role the job runs as: reads the run's data, writes checkpoints and models.")
+    volume_size_gb: int = Field(100, ge=1, le=16384, description="EBS volume of each node, in GB.")
+    max_run_s: int = Field(86400, ge=60, description="The job's MaxRuntimeInSeconds.")
+    use_spot: bool = Field(False, description="Managed spot training; an interrupted job resumes from its S3 checkpoints.")
+    max_wait_s: int | None = Field(None, ge=60, description="MaxWaitTimeInSeconds with spot, above max_run_s; empty: 2 x max_run_s.")
+    spot_fallback_on_last_retry: bool = Field(True, description="The stage's last Airflow try runs on demand instead of spot.")
+    region: str = Field("", description="AWS region of the job; empty: the connection's or the environment's.")
+    aws_conn_id: str = Field("aws_default", description="Airflow connection for the SageMaker API.")
+    deferrable: bool = Field(False, description=(
+        "Wait in Airflow's triggerer, freeing the worker slot while the job runs; but a task killed or marked failed "
+        "while deferred cannot stop its job (it runs until it ends or hits max_run_s), and no node log lines stream "
+        "while deferred (status only on resume)."))
+
+    @model_validator(mode="after")
+    def _wait_above_run(self) -> SageMakerSettings:
+        if self.max_wait_s is not None and not self.use_spot:
+            raise ValueError("max_wait_s applies to spot training only (use_spot: true)")
+        if self.max_wait_s is not None and self.max_wait_s <= self.max_run_s:
+            raise ValueError(f"max_wait_s {self.max_wait_s} must exceed max_run_s {self.max_run_s}: it includes the spot wait")
+        return self
+
+
+class KubernetesSettings(_Strict):
+    """One Indexed Job (a pod per node) and a headless Service per stage try (backend 'kubernetes')."""
+
+    image: str = Field(description="The runtime image (docker/runtime.Dockerfile) the pods run.")
+    namespace: str = Field("default", description="Namespace of the Job and its Service.")
+    gpus_per_pod: int = Field(0, ge=0, le=16, description="nvidia.com/gpu limit of each pod (usually processes_per_node).")
+    cpu: str = Field("", description="CPU request and limit of each pod, e.g. '8'; empty: none.")
+    memory: str = Field("", description="Memory request and limit of each pod, e.g. '32Gi'; empty: none.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods must match.")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations, as in a pod spec.")
+    service_account: str = Field("", description="Service account of the pods (e.g. with IRSA for S3); empty: the namespace's default.")
+    kubernetes_conn_id: str = Field("kubernetes_default", description="Airflow connection for the cluster's API.")
+    rendezvous_port: int = Field(29400, ge=1024, le=65535, description="Port of the rendezvous store on pod 0 (torchrun's static rendezvous).")
+    join_timeout_s: int = Field(900, ge=60, description="How long torchrun waits for every pod to join (above scheduling time).")
+
+
+class Profile(_Strict):
+    """Where and how a sub-job runs: the launcher plus Airflow's own knobs."""
+
+    backend: Literal["local", "sagemaker", "kubernetes"] = Field(
+        "local", description="Launcher: 'local' runs processes on the worker; 'sagemaker'/'kubernetes' submit a train stage's whole gang as one job.")
+    nodes: int = Field(1, ge=1, le=512, description="Nodes (instances or pods) of a train stage; fixed, so the global batch is too.")
+    processes_per_node: int = Field(1, ge=1, le=64, description="Processes per node (torchrun --nproc-per-node).")
+    threads_per_process: int = Field(1, ge=1, le=256, description="Intra-op threads per process (OMP/torch).")
+    device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="Device: cpu, cuda, or auto (cuda if present).")
+    pool: str = Field("default_pool", description="Airflow pool that bounds concurrent use of this resource.")
+    pool_slots: int = Field(1, ge=1, description="Pool slots one task of this profile takes.")
+    queue: str = Field("default", description="Executor queue (Celery queue / instance type).")
+    retries: int = Field(1, ge=0, le=20, description="Airflow retries after an infrastructure failure.")
+    retry_delay_s: float = Field(5.0, ge=0, description="Seconds before the first retry.")
+    retry_backoff: float = Field(2.0, ge=1.0, description="Multiplier of the retry delay per further retry.")
+    max_retry_delay_s: float = Field(300.0, ge=0, description="Cap on the retry delay.")
+    execution_timeout_s: float = Field(3600.0, gt=0, description="Seconds after which the task and its processes are killed.")
+    max_restarts: int = Field(0, ge=0, le=10, description="torchrun --max-restarts inside one Airflow try.")
+    sagemaker: SageMakerSettings | None = Field(None, description="The SageMaker job settings (backend 'sagemaker').")
+    kubernetes: KubernetesSettings | None = Field(None, description="The Kubernetes Job settings (backend 'kubernetes').")
+
+    @property
+    def world_size(self) -> int:
+        """Processes of one job over all its nodes: what batch arithmetic and the LR rules count."""
+        return self.nodes * self.processes_per_node
+
+    @model_validator(mode="after")
+    def _backend_settings(self) -> Profile:
+        for backend in ("sagemaker", "kubernetes"):
+            settings = getattr(self, backend)
+            if self.backend == backend and settings is None:
+                raise ValueError(f"backend '{backend}' needs a '{backend}:' block (see the README's section on it)")
+            if self.backend != backend and settings is not None:
+                raise ValueError(f"a '{backend}:' block belongs to backend '{backend}', not '{self.backend}'")
+        if self.backend == "local" and self.nodes != 1:
+            raise ValueError(f"backend 'local' runs on one worker: nodes must be 1, not {self.nodes} "
+                             f"(use backend sagemaker or kubernetes for several nodes)")
+        return self
+
+
+def filesystem_problem(uri: str) -> str | None:
+    """Why fsspec cannot open ``uri``'s scheme here (unknown, or its package not installed), or None."""
+    if "://" not in uri:
+        return None
+    import importlib.util
+
+    from fsspec.registry import known_implementations, registry
+
+    scheme = uri.split("://", 1)[0].lower()
+    if scheme in registry:
+        return None
+    known = known_implementations.get(scheme)
+    if known is None:
+        return f"scheme '{scheme}://' has no fsspec filesystem; use a local path, file:// or s3://"
+    package = known["class"].split(".", 1)[0]
+    # find_spec looks the package up without importing it, so loading a config stays fast.
+    if importlib.util.find_spec(package) is None:
+        hint = known.get("err") or f"install {package}"
+        return f"scheme '{scheme}://' needs the {package} package, which is not installed ({hint}: pip install {package})"
+    return None
+
+
+def _check_filesystem(uri: str) -> str:
+    problem = filesystem_problem(uri)
+    if problem:
+        raise ValueError(problem)
+    return uri
+
+
+class TensorColumn(_Strict):
+    """A feature column holding a fixed-shape tensor per row (a list of numbers), flattened into the feature vector."""
+
+    column: str = Field(description="List column with prod(shape) numbers in every row.")
+    shape: list[Annotated[int, Field(ge=1)]] = Field(min_length=1, description="Each row's tensor shape, e.g. [1, 8, 8].")
+    normalize: bool = Field(True, description="Standardise its elements with the data set's mean/std; false keeps them as they are.")
+
+
+class Dataset(_Strict):
+    """The input table: where it is and which columns play which part."""
+
+    uri: str = Field(description="Parquet file or folder of raw shards; relative paths are under storage_root.")
+    key: str = Field(description="Unique row key column (integer or string); drives the split.")
+    label: str = Field(description="Label column: integer classes with num_classes, else a float target (regression).")
+    features: list[str | TensorColumn] | str = Field(
+        description="Feature columns (names or {column, shape} tensor columns), or a prefix ending in '*' (e.g. 'px_*').")
+    num_classes: int | None = Field(None, ge=2, description="Classes of an integer label in [0, num_classes); null: the label is a float target.")
+    normalize: bool = Field(True, description="Standardise the plain (scalar) feature columns; false keeps them as they are.")
+    demo_data: Literal["digits", "digits-images", "diabetes", "synthetic"] = Field(
+        "digits", description="What `python -m tasks.data demo` (make demo) writes into uri when it holds no shards.")
+
+    @field_validator("features", mode="before")
+    @classmethod
+    def _tensor_columns(cls, value: Any) -> Any:
+        # One clear message per bad {column, shape} entry instead of pydantic's error for every member of the union.
+        if not isinstance(value, list):
+            return value
+        items = []
+        for index, item in enumerate(value):
+            if isinstance(item, dict):
+                try:
+                    item = TensorColumn.model_validate(item)
+                except ValidationError as exc:
+                    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+                    raise ValueError(f"item {index} {item}: {problems}") from None
+            items.append(item)
+        return items
+
+    @field_validator("features")
+    @classmethod
+    def _features_not_empty(cls, value: list[str | TensorColumn] | str) -> list[str | TensorColumn] | str:
+        if isinstance(value, str) and not value.endswith("*"):
+            raise ValueError("a string must be a prefix ending in '*', e.g. 'px_*'; otherwise give a list")
+        if isinstance(value, list) and not value:
+            raise ValueError("at least one feature column is needed")
+        if isinstance(value, list):
+            names = [item if isinstance(item, str) else item.column for item in value]
+            if len(set(names)) != len(names):
+                raise ValueError("feature columns repeat")
+        return value
+
+    @property
+    def shapes(self) -> dict[str, list[int]]:
+        """Declared tensor columns -> their shapes."""
+        return {} if isinstance(self.features, str) else {
+            item.column: list(item.shape) for item in self.features if isinstance(item, TensorColumn)}
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_filesystem(cls, value: str) -> str:
+        return _check_filesystem(value)
+
+
+class Split(_Strict):
+    """Fractions of rows, chosen by a hash of the row key, held out from training."""
+
+    validation: float = Field(0.15, gt=0, lt=1, description="Fraction of rows for validation.")
+    test: float = Field(0.15, gt=0, lt=1, description="Fraction of rows for test.")
+    salt: str = Field("stagewise", description="Hash salt; change it to draw a different split.")
+
+    @model_validator(mode="after")
+    def _leaves_training_rows(self) -> Split:
+        if self.validation + self.test >= 0.9:
+            raise ValueError(f"validation + test = {self.validation + self.test:g} leaves too little for training (< 0.1)")
+        return self
+
+
+class Preprocess(_Strict):
+    """Sharded cleaning, statistics, normalisation and split."""
+
+    profile: str = Field(description="Instance profile of each shard task.")
+    split: Split = Field(default_factory=Split, description="Held-out fractions.")
+    max_null_fraction: float = Field(0.5, ge=0, le=1, description="Fail when more rows than this are dropped as dirty.")
+
+
+class _Dimension(_Strict):
+    when: dict[str, list[int | float | str]] | None = Field(
+        None, description="Conditional: searched only when these categorical params take one of these values.")
+    grid: list[int | float | str] | None = Field(None, description="Values the grid sampler tries.")
+
+
+class FloatParam(_Dimension):
+    """A float search dimension."""
+
+    type: Literal["float"] = Field(description="'float': a real number in [low, high].")
+    low: float = Field(description="Lower bound.")
+    high: float = Field(description="Upper bound.")
+    log: bool = Field(False, description="Sample on a log scale.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> FloatParam:
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        if self.log and self.low <= 0:
+            raise ValueError(f"log scale needs low > 0, got {self.low}")
+        return self
+
+
+class IntParam(_Dimension):
+    """An integer search dimension."""
+
+    type: Literal["int"] = Field(description="'int': an integer in [low, high].")
+    low: int = Field(description="Lower bound (inclusive).")
+    high: int = Field(description="Upper bound (inclusive).")
+    log: bool = Field(False, description="Sample on a log scale.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> IntParam:
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        if self.log and self.low < 1:
+            raise ValueError(f"log scale needs low >= 1, got {self.low}")
+        return self
+
+
+class CategoricalParam(_Dimension):
+    """A categorical search dimension."""
+
+    type: Literal["categorical"] = Field(description="'categorical': one of choices.")
+    choices: list[int | float | str] = Field(min_length=1, description="The values to choose from.")
+
+
+SearchParam = FloatParam | IntParam | CategoricalParam
+def _space_problem(name: str, space: SearchParam) -> str | None:
+    """Why a search dimension can sample values outside ``name``'s domain, or None."""
+    hyper = KNOWN.get(name)
+    if hyper is None:
+        return None  # a user spec's own parameter: no domain the framework knows
+    if hyper.choices and not isinstance(space, CategoricalParam):
+        return f"{name}: must be a categorical param (choices among {list(hyper.choices)})"
+    if hyper.integer and isinstance(space, FloatParam):
+        return f"{name}: a float param gives fractional {hyper.fraction_of}; use type int or categorical"
+    points = {"choices": space.choices} if isinstance(space, CategoricalParam) else {"low": [space.low], "high": [space.high]}
+    points["grid"] = space.grid or []
+    for which, values in points.items():
+        for value in values:
+            if not hyper.admits(value):
+                return f"{name}.{which} {value!r} is out of range: {name} must be {hyper.domain}"
+    return None
+
+
+class Sampler(_Strict):
+    """How trials pick hyperparameters."""
+
+    type: Literal["tpe", "random", "cmaes", "grid"] = Field("tpe", description="tpe (Bayesian), random, cmaes or grid.")
+    multivariate: bool = Field(True, description="TPE: model parameters jointly.")
+    constant_liar: bool = Field(True, description="TPE: treat running trials as bad so parallel workers spread out.")
+    n_startup_trials: int = Field(4, ge=0, description="TPE/CMA-ES: random trials before the model takes over.")
+
+
+class Pruner(_Strict):
+    """How weak trials stop early."""
+
+    type: Literal["hyperband", "median", "none"] = Field("hyperband", description="hyperband, median or none.")
+    min_resource: int = Field(1, ge=1, description="Hyperband: epochs before the first decision.")
+    reduction_factor: int = Field(3, ge=2, description="Hyperband: keep 1/reduction_factor at each rung.")
+    n_startup_trials: int = Field(2, ge=0, description="Median: trials before pruning starts.")
+    n_warmup_steps: int = Field(1, ge=0, description="Median: epochs of a trial before it can be pruned.")
+
+
+class EntryPoint(_Strict):
+    """A user's own torchrun script or module for a stage or for each sweep trial (bring your own training code)."""
+
+    script: str | None = Field(None, description="Python file, relative to the repo root or absolute.")
+    module: str | None = Field(None, description="Importable module, run as `-m module`.")
+    args: list[str] = Field(default_factory=list, description=(
+        "Arguments; {epochs}, {lr}, {per_process_batch}, ... and hyperparameter names are filled in ({{ }}: literal braces)."))
+
+    @model_validator(mode="after")
+    def _one_target(self) -> EntryPoint:
+        if (self.script is None) == (self.module is None):
+            raise ValueError("give exactly one of script and module")
+        return self
+
+
+class Sweep(_Strict):
+    """An Optuna study shared by parallel worker tasks."""
+
+    profile: str = Field(description="Instance profile of each worker task (more than one process: DDP trials).")
+    num_trials: int = Field(12, ge=1, le=10000, description="Trial budget of the whole study.")
+    num_workers: int = Field(2, ge=1, le=64, description="Parallel worker tasks sharing the study.")
+    epochs: int = Field(8, ge=1, le=1000, description="Max epochs of one trial (Hyperband's max resource).")
+    batch_size: int = Field(32, ge=1, description="Per-process batch size inside a trial.")
+    storage: str = Field(
+        "journal://.stagewise/optuna.journal",
+        description="Optuna storage: journal://<file> (embedded) or postgresql://... (multi-node).",
+    )
+    seed: int = Field(0, description="Sampler seed.")
+    sampler: Sampler = Field(default_factory=Sampler, description="The sampler.")
+    pruner: Pruner = Field(default_factory=Pruner, description="The pruner.")
+    warm_start_from: str = Field("", description="Study name whose best params are enqueued first (empty: cold start).")
+    entrypoint: EntryPoint | None = Field(None, description=(
+        "Run each trial as this user script/module under torchrun (it reports through tasks.spec.report) "
+        "instead of the built-in loop; {epochs} is sweep.epochs, {per_process_batch} sweep.batch_size."))
+    search_space: dict[str, Annotated[SearchParam, Field(discriminator="type")]] = Field(
+        description="Tunable hyperparameters by name.")
+
+    @field_validator("search_space")
+    @classmethod
+    def _known_params(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if "lr" not in value:
+            raise ValueError("'lr' must be searched: training rescales it by batch size")
+        for name, space in value.items():
+            problem = _space_problem(name, space)
+            if problem:
+                raise ValueError(problem)
+        for name, space in value.items():
+            for parent, values in (space.when or {}).items():
+                parent_space = value.get(parent)
+                if not isinstance(parent_space, CategoricalParam) or parent_space.when:
+                    raise ValueError(f"{name}.when: '{parent}' must be an unconditional categorical param of the space")
+                unknown_values = [v for v in values if v not in parent_space.choices]
+                if unknown_values:
+                    raise ValueError(f"{name}.when: {unknown_values} are not among {parent}'s choices {parent_space.choices}")
+        return value
+
+    @field_validator("storage")
+    @classmethod
+    def _storage_scheme(cls, value: str) -> str:
+        if not re.match(r"^(journal://.+|postgresql(\+\w+)?://.+|sqlite:///.+)$", value):
+            raise ValueError(f"'{value}' is neither journal://<file> nor postgresql://...")
+        return value
+
+    @model_validator(mode="after")
+    def _grid_is_complete(self) -> Sweep:
+        if self.sampler.type != "grid":
+            return self
+        for name, space in self.search_space.items():
+            if space.when:
+                raise ValueError(f"search_space.{name}: the grid sampler cannot search conditional params")
+            if space.grid is None and not isinstance(space, CategoricalParam):
+                raise ValueError(f"search_space.{name}: the grid sampler needs 'grid: [values]' for {space.type} params")
+        points = math.prod(len(values) for values in self.grid().values())
+        if self.num_trials > points:
+            raise ValueError(f"num_trials {self.num_trials} exceeds the grid's {points} points; lower the budget")
+        return self
+
+    def grid(self) -> dict[str, list[Any]]:
+        """The grid sampler's search space."""
+        return {name: list(space.grid or getattr(space, "choices", [])) for name, space in self.search_space.items()}
+
+
+# The stage values (tasks.contract.STAGE_VALUES) an entrypoint's args may name as {name}; params is a JSON object
+# (braces and all): a script reads it from $STAGEWISE_PARAMS, not from an argument.
+ARG_PLACEHOLDERS = tuple(name for name in STAGE_VALUES if name != "params")
+
+
+def placeholders(arg: str) -> list[str]:
+    """The ``{name}`` fields of one entrypoint argument (``{{``/``}}`` are literal braces); ValueError if malformed."""
+    import string
+
+    names = []
+    for _, field, spec, _ in string.Formatter().parse(arg):
+        if field is None:
+            continue
+        if not field.isidentifier():
+            raise ValueError(f"'{{{field}}}' is not a placeholder name")
+        if spec and "{" in spec:
+            raise ValueError(f"'{{{field}:{spec}}}' nests a placeholder in a format spec")
+        names.append(field)
+    return names
+
+
+class TrainStage(_Strict):
+    """One training stage: its own process count, batch and epochs."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_]+$", description="Stage name; used in task ids and paths.")
+    profile: str = Field(description="Instance profile (processes_per_node sets the world size).")
+    per_process_batch: int | None = Field(None, ge=1, description="Micro-batch on each process (or give global_batch).")
+    global_batch: int | None = Field(None, ge=1, description="Samples per optimizer step over all processes (or give per_process_batch).")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    epochs: int = Field(ge=1, le=10000, description="Epochs of this stage.")
+    warmup_steps: int = Field(0, ge=0, description="Linear LR warmup steps when the global batch grew.")
+    entrypoint: EntryPoint | None = Field(None, description="Run this user script/module instead of tasks.train.")
+    data_placement: Literal["auto", "host", "resident", "streamed"] = Field("auto", description=(
+        "Where batches are shuffled and sliced: auto (CUDA: resident if it fits, else streamed; CPU: host), host "
+        "(tasks.datasets.loader, copied per batch), resident (read and moved once) or streamed (chunks copied ahead) on the device."))
+    resident_memory_fraction: float = Field(0.5, gt=0, le=1, description=(
+        "auto: data is resident when the whole train split (per rank) fits in this fraction of the device's memory."))
+    shuffle_block_rows: int = Field(1, ge=1, description=(
+        "Host loader: rows move within a shuffle window in runs of this many stored rows (1: single rows; more is "
+        "coarser and faster, see bench parquet_loading's details); device placements always shuffle single rows."))
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: forward and loss under bf16 autocast (weights stay fp32).")
+    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = Field("off", description=(
+        "torch.compile the model with this mode (reduce-overhead: CUDA graphs); checkpoints stay the plain model's."))
+
+    @model_validator(mode="after")
+    def _one_batch_size(self) -> TrainStage:
+        if (self.per_process_batch is None) == (self.global_batch is None):
+            raise ValueError("give exactly one of per_process_batch and global_batch")
+        return self
+
+    def micro_batch(self, world_size: int) -> int:
+        """Per-process batch: global batch = micro batch x world size x accumulation steps."""
+        if self.per_process_batch is not None:
+            return self.per_process_batch
+        assert self.global_batch is not None
+        return self.global_batch // (world_size * self.grad_accum_steps)
+
+
+class Train(_Strict):
+    """Sequential DDP stages whose global batch grows."""
+
+    base_batch: int = Field(32, ge=1, description="Global batch at which the swept lr holds.")
+    lr_rule: Literal["linear", "sqrt", "none"] = Field("linear", description="How lr scales with global batch.")
+    default_params: dict[str, float | int | str] = Field(
+        default_factory=dict, description="Hyperparameters used where the sweep does not set them."
+    )
+    seed: int = Field(0, description="Seed of init, shuffling and dropout.")
+    checkpoint_every_steps: int = Field(50, ge=1, description="Rank 0 checkpoints every this many optimizer steps (a retry redoes at most these).")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept per stage (older ones are deleted).")
+    stages: list[TrainStage] = Field(min_length=1, description="The stages, run in order.")
+
+    @field_validator("default_params")
+    @classmethod
+    def _params_in_domain(cls, value: dict[str, float | int | str]) -> dict[str, float | int | str]:
+        problems = [problem for name, v in value.items() if (problem := hyperparameter_problem(name, v, known=None))]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+    @field_validator("stages")
+    @classmethod
+    def _unique_names(cls, value: list[TrainStage]) -> list[TrainStage]:
+        names = [stage.name for stage in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names repeat: {names}")
+        return value
+
+
+class Evaluate(_Strict):
+    """Test-split evaluation."""
+
+    profile: str = Field(description="Instance profile of the evaluation task.")
+    min_test_accuracy: float = Field(0.0, ge=0, le=1, description="Fail the run below this test accuracy.")
+    objective_limit: float | None = Field(
+        None, description="Fail the run when test_<objective.metric> is worse than this in objective.direction; null: no limit.")
+
+
+class Inference(_Strict):
+    """Sharded batch inference."""
+
+    profile: str = Field(description="Instance profile of each shard task.")
+    input_uri: str = Field("", description="Raw-schema Parquet to score; empty means the pipeline's dataset.")
+    rows_per_shard: int = Field(500, ge=1, description="Target rows per inference shard.")
+    batch_size: int = Field(1024, ge=1, description="Rows scored per forward pass.")
+    bad_rows: Literal["quarantine", "fail"] = Field(
+        "quarantine", description="Rows that cannot be scored: set aside with a reason, or fail the shard.")
+
+    @field_validator("input_uri")
+    @classmethod
+    def _input_filesystem(cls, value: str) -> str:
+        return _check_filesystem(value)
+
+
+class Pool(_Strict):
+    """An Airflow pool: the slots that profiles' pool_slots draw from."""
+
+    slots: int = Field(ge=1, description="Concurrent slots, e.g. the cores or GPUs of a worker.")
+    description: str = Field("", description="Shown in the Airflow UI.")
+
+
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
+
+
+def default_model_name(dataset_uri: str) -> str:
+    """The registry name a config gets when it names none: the data set's last path component (raw/digits -> digits)."""
+    last = dataset_uri.rstrip("/").rsplit("/", 1)[-1].removesuffix(".parquet")
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", last).lstrip(".-") or "default"
+
+
+class Registry(_Strict):
+    """Versioned models under storage_root/models/<model_name> and the gate that moves `current`."""
+
+    model_name: str = Field("", pattern=r"^$|" + MODEL_NAME_PATTERN,
+                            description=("Registry scope (models/<model_name>/): the gate and inference see only this "
+                                         "name's models; empty: the last path component of dataset.uri as the config "
+                                         "file gives it."))
+    gate_metric: str | None = Field(None, description="Test metric the gate compares; default: test_<objective.metric>, in the objective's direction.")
+    margin: float = Field(0.0, ge=0, description="A new model must beat the current one by more than this, in the objective's direction.")
+
+    @field_validator("gate_metric")
+    @classmethod
+    def _test_metric(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^test_\w+$", value):
+            raise ValueError(f"'{value}' is not a test metric name such as test_accuracy")
+        return value
+class Model(_Strict):
+    """The model: a ModelSpec subclass named by import path, with its arguments (see tasks/spec.py)."""
+
+    spec: str = Field(BUILTIN_SPEC, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+                      description="The ModelSpec as module:Class, importable from the repo root or installed.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the spec class.")
+
+
+class Objective(_Strict):
+    """What 'better' means: drives the sweep, pruning, stage reporting, the gate and the registry."""
+
+    metric: str = Field("accuracy", pattern=r"^\w+$",
+                        description="A validation/test metric the spec reports (its metrics() names, or loss).")
+    direction: Literal["maximize", "minimize"] = Field("maximize", description="maximize or minimize the metric.")
+
+
+class Retrain(_Strict):
+    """The retrain DAG: on a schedule and when new data lands."""
+
+    schedule: str = Field("0 3 * * 0", description="Cron schedule (UTC), besides the data-landed trigger.")
+    num_trials: int = Field(4, ge=1, description="Sweep budget of a retrain (warm-started from the current model).")
+
+    @field_validator("schedule")
+    @classmethod
+    def _cron(cls, value: str) -> str:
+        from croniter import croniter  # a plain package (Airflow's own cron parser), so tasks/ needs no Airflow
+
+        try:
+            croniter(value)
+        except (ValueError, KeyError) as exc:
+            raise ValueError(f"'{value}' is not a cron expression ({exc}): give 5 fields, minute hour day-of-month "
+                             f"month day-of-week (e.g. '0 3 * * 0' is Sundays 03:00), or a preset such as @daily") from None
+        return value
+
+
+class PipelineConfig(_Strict):
+    """The whole pipeline."""
+
+    storage_root: str = Field(description="URI under which raw/, runs/ and models/ live (file path, file:// or s3://).")
+    storage_conn_id: str = Field("", description="Airflow connection (type aws) with S3 keys and extra endpoint_url; empty: the worker's AWS environment.")
+    dataset: Dataset = Field(description="The input table.")
+    model: Model = Field(default_factory=Model, description="The model spec every stage trains, evaluates and serves.")
+    objective: Objective = Field(default_factory=Objective, description="The metric and direction that decide what is better.")
+    profiles: dict[str, Profile] = Field(min_length=1, description="Named instance profiles.")
+    pools: dict[str, Pool] = Field(default_factory=dict, description="Airflow pools to create (`make airflow-init`); default_pool always exists.")
+    preprocess: Preprocess = Field(description="Sharded cleaning, statistics, normalisation and split.")
+    sweep: Sweep = Field(description="The Optuna sweep.")
+    train: Train = Field(description="The training stages.")
+    evaluate: Evaluate = Field(description="Test-split evaluation.")
+    inference: Inference = Field(description="Sharded batch inference.")
+    registry: Registry = Field(default_factory=Registry, description="Model registry and gate.")
+    retrain: Retrain = Field(default_factory=Retrain, description="Scheduled and data-triggered retraining.")
+
+    @field_validator("storage_root")
+    @classmethod
+    def _root_filesystem(cls, value: str) -> str:
+        return _check_filesystem(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_the_model(cls, raw: Any) -> Any:
+        # load_config fills the name from the file before overrides; this covers configs built in code.
+        if not isinstance(raw, dict) or not isinstance(raw.get("dataset"), dict) or not isinstance(raw["dataset"].get("uri"), str):
+            return raw
+        registry = raw.get("registry", {})
+        if isinstance(registry, dict) and not registry.get("model_name"):
+            return {**raw, "registry": {**registry, "model_name": default_model_name(raw["dataset"]["uri"])}}
+        return raw
+
+    @model_validator(mode="after")
+    def _params_known_to_the_builtin_spec(self) -> PipelineConfig:
+        if self.model.spec != BUILTIN_SPEC:
+            return self  # a user spec declares its own hyperparameters; checked when it is loaded
+        known = TUNABLE
+        for where, names in (("sweep.search_space", self.sweep.search_space), ("train.default_params", self.train.default_params)):
+            unknown = sorted(set(names) - set(known))
+            if unknown:
+                raise ValueError(f"{where}: unknown hyperparameter(s) {unknown} for {BUILTIN_SPEC}; tunable: {list(known)}")
+        return self
+
+    def gate_metric(self) -> str:
+        """The test metric the gate compares."""
+        return self.registry.gate_metric or f"test_{self.objective.metric}"
+
+    @model_validator(mode="after")
+    def _profiles_exist(self) -> PipelineConfig:
+        used = {
+            "preprocess.profile": self.preprocess.profile,
+            "sweep.profile": self.sweep.profile,
+            "evaluate.profile": self.evaluate.profile,
+            "inference.profile": self.inference.profile,
+        }
+        used.update({f"train.stages[{i}].profile": s.profile for i, s in enumerate(self.train.stages)})
+        for where, name in used.items():
+            if name not in self.profiles:
+                raise ValueError(f"{where}: profile '{name}' is not defined in profiles ({sorted(self.profiles)})")
+        for name, profile in self.profiles.items():
+            if profile.pool != "default_pool" and profile.pool not in self.pools:
+                raise ValueError(f"profiles.{name}.pool: pool '{profile.pool}' is not defined in pools ({sorted(self.pools)})")
+            if profile.pool in self.pools and profile.pool_slots > self.pools[profile.pool].slots:
+                raise ValueError(f"profiles.{name}.pool_slots: {profile.pool_slots} exceeds the {self.pools[profile.pool].slots} "
+                                 f"slot(s) of pool '{profile.pool}'; the task could never start")
+        for name, profile in self.profiles.items():
+            if profile.backend == "sagemaker" and not self.storage_root.startswith("s3://"):
+                raise ValueError(f"profiles.{name}: backend 'sagemaker' reads and writes the run through S3, but storage_root "
+                                 f"is '{self.storage_root}'; give an s3:// storage_root")
+        for index, stage in enumerate(self.train.stages):
+            if stage.entrypoint is not None and self.profiles[stage.profile].backend != "local":
+                raise ValueError(f"train.stages[{index}] ({stage.name}): an entrypoint (your own script) runs on backend "
+                                 f"local only for now; profile '{stage.profile}' has backend "
+                                 f"'{self.profiles[stage.profile].backend}'")
+            world = self.profiles[stage.profile].world_size
+            if stage.global_batch is not None and stage.global_batch % (world * stage.grad_accum_steps):
+                raise ValueError(
+                    f"train.stages[{index}] ({stage.name}): global_batch {stage.global_batch} does not divide into "
+                    f"{world} process(es) x {stage.grad_accum_steps} accumulation step(s) "
+                    f"({stage.global_batch} / {world * stage.grad_accum_steps} = {stage.global_batch / (world * stage.grad_accum_steps):g})")
+        self._entrypoint_args_known()
+        for where, name in used.items():
+            if where.startswith(("train.", "sweep.")):
+                continue
+            if self.profiles[name].processes_per_node != 1:
+                raise ValueError(f"{where}: profile '{name}' has processes_per_node > 1; only train stages and sweep trials run DDP")
+        for where, name in used.items():
+            if not where.startswith("train.") and self.profiles[name].backend != "local":
+                raise ValueError(f"{where}: profile '{name}' has backend '{self.profiles[name].backend}'; only train stages "
+                                 f"run as SageMaker or Kubernetes jobs (give this step a local profile)")
+        return self
+
+    def arg_placeholders(self) -> list[str]:
+        """Names an entrypoint's args may use: the stage contract, then every hyperparameter a stage can get."""
+        hyper = [name for name in [*TUNABLE, *self.sweep.search_space, *self.train.default_params] if name not in ARG_PLACEHOLDERS]
+        return [*ARG_PLACEHOLDERS, *dict.fromkeys(hyper)]
+
+    def _entrypoint_args_known(self) -> None:
+        known = self.arg_placeholders()
+        entries = [(f"train.stages[{index}] ({stage.name})", stage.entrypoint) for index, stage in enumerate(self.train.stages)]
+        for owner, entry in [*entries, ("sweep", self.sweep.entrypoint)]:
+            for position, arg in enumerate(entry.args if entry else []):
+                where = f"{owner}: entrypoint.args[{position}] {arg!r}"
+                try:
+                    unknown = [name for name in placeholders(arg) if name not in known]
+                except ValueError as exc:
+                    raise ValueError(f"{where}: {exc}; write literal braces as {{{{ and }}}}") from None
+                if unknown:
+                    raise ValueError(f"{where}: unknown placeholder {{{unknown[0]}}}; known: {known} "
+                                     f"(write literal braces as {{{{ and }}}})")
+
+    def profile(self, name: str) -> Profile:
+        return self.profiles[name]
+
+    def stage(self, name: str) -> TrainStage:
+        for stage in self.train.stages:
+            if stage.name == name:
+                return stage
+        raise ConfigError(f"train stage '{name}' is not in train.stages ({[s.name for s in self.train.stages]})")

@@ -1,0 +1,119 @@
+"""Loading a pipeline config file: read the YAML, apply dotted overrides, resolve relative paths, validate once.
+
+Every sub-job and the DAG load the same file through :func:`load_config`; an invalid file raises
+:class:`ConfigError` naming the file, the key path and the reason (and the override that caused it).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from tasks.definitions.config import ConfigError, PipelineConfig, default_model_name
+
+# tasks/definitions/loading.py -> the checkout (or install) root, where the default pipeline.yaml lives.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+DEFAULT_CONFIG_PATH = REPO_ROOT / "pipeline.yaml"
+
+
+CONFIG_ENV_VAR = "STAGEWISE_CONFIG"
+
+
+def _format_validation_error(path: Path, error: ValidationError, overrides: dict[str, Any]) -> str:
+    lines = [f"{path}: invalid pipeline config"]
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown key (typo?)"
+        # Cross-field checks name their own keys in the message.
+        line = f"  {location}: {message}" if location else f"  {message}"
+        culprits = [key for key in overrides if _same_branch(item["loc"], key)]
+        lines.append(line + (f" (from override {', '.join(culprits)})" if culprits else ""))
+    return "\n".join(lines)
+
+
+def _same_branch(location: tuple, dotted: str) -> bool:
+    """Whether an error at ``location`` lies on an override key's path (one is a prefix of the other)."""
+    # A search dimension's location carries its union tag (lr.float.low); override keys do not.
+    parts = [str(part) for part in location if part not in ("float", "int", "categorical")]
+    keys = dotted.split(".")
+    common = min(len(parts), len(keys))
+    return common > 0 and parts[:common] == keys[:common]
+
+
+def config_path(path: str | os.PathLike | None = None) -> Path:
+    """The config file: the argument, else $STAGEWISE_CONFIG, else pipeline.yaml at the repo root."""
+    return Path(path or os.environ.get(CONFIG_ENV_VAR) or DEFAULT_CONFIG_PATH).resolve()
+
+
+def _apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """Set each dotted key (``train.stages.1.epochs``); a path that cannot exist raises naming the key."""
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        if "" in parts:
+            raise ValueError(f"override '{dotted}': a key path needs names between its dots")
+        node: Any = raw
+        for depth, part in enumerate(parts):
+            where, last = ".".join(parts[:depth]) or "the top level", depth == len(parts) - 1
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ValueError(f"override '{dotted}': {where} is a list of {len(node)} item(s), "
+                                     f"so '{part}' is not one of its indexes (0..{len(node) - 1})")
+                if last:
+                    node[int(part)] = value
+                else:
+                    node = node[int(part)]
+            elif isinstance(node, dict):
+                if last:
+                    node[part] = value
+                else:
+                    node = node.setdefault(part, {})
+            else:
+                raise ValueError(f"override '{dotted}': {where} is {node!r}, not a mapping or list")
+
+
+def _fill_model_name(raw: dict[str, Any]) -> None:
+    """Derive the registry name from the file's dataset.uri, so a run scoring another input_uri keeps its model."""
+    dataset, registry = raw.get("dataset"), raw.setdefault("registry", {})
+    if isinstance(dataset, dict) and isinstance(dataset.get("uri"), str) and isinstance(registry, dict) \
+            and not registry.get("model_name"):
+        registry["model_name"] = default_model_name(dataset["uri"])
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """Read, override (dotted keys such as ``sweep.num_trials``) and validate the pipeline config."""
+    resolved = config_path(path)
+    try:
+        text = resolved.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{resolved}: cannot read pipeline config ({exc.strerror})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{resolved}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{resolved}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    _fill_model_name(raw)
+    try:
+        _apply_overrides(raw, overrides or {})
+    except ValueError as exc:
+        raise ConfigError(f"{resolved}: cannot apply {exc}") from None
+    root = raw.get("storage_root")
+    if isinstance(root, str) and "://" not in root and not os.path.isabs(root):
+        # A relative storage root is relative to the config file, not to whatever cwd a worker has.
+        raw["storage_root"] = str((resolved.parent / root).resolve())
+    sweep = raw.get("sweep")
+    journal = sweep.get("storage", "") if isinstance(sweep, dict) else ""
+    if isinstance(journal, str) and journal.startswith("journal://") and journal[10:] and not journal[10:].startswith("/"):
+        raw["sweep"]["storage"] = "journal://" + str((resolved.parent / journal[10:]).resolve())
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(resolved, exc, overrides or {})) from None

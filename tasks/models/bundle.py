@@ -1,0 +1,81 @@
+"""A model's self-contained bundle: spec reference, hyperparameters, data description, weights, preprocessing.
+
+A bundle is one ``torch.save`` file holding tensors and plain values only, so it loads with
+``torch.load(weights_only=True)``: no pickled code runs on load; loading imports the spec and builds the module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch import nn
+
+from tasks.core.errors import UserError
+from tasks.definitions.hyperparams import BUILTIN_SPEC
+from tasks.definitions.spec import DataInfo, ModelSpec, SpecRef
+from tasks.models.building import build
+from tasks.models.torch_io import load_torch, save_torch
+
+BUNDLE_FORMAT = "stagewise-model/2"
+
+
+def preprocessing_of(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What inference needs to turn raw rows into the model's inputs: raw columns, tensor shapes and normalisation."""
+    return {**{name: manifest[name] for name in ("features", "mean", "std", "key", "label")},
+            "columns": manifest.get("columns") or manifest["features"], "feature_shapes": manifest.get("feature_shapes") or {}}
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A loaded model bundle: the module in eval mode, its spec, and the stored metadata."""
+
+    module: nn.Module
+    spec: ModelSpec
+    ref: SpecRef
+    data: DataInfo
+    params: dict[str, Any]
+    preprocessing: dict[str, Any]
+    extra: dict[str, Any]
+
+
+def save_bundle(uri: str, model: nn.Module, ref: SpecRef, data: DataInfo, params: dict[str, Any],
+                preprocessing: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Write the model as its spec reference, hyperparameters, data description, weights and normalisation."""
+    save_torch(uri, {"format": BUNDLE_FORMAT, "spec": {"path": ref.path, "args": ref.args}, "params": params,
+                     "data": asdict(data), "state_dict": model.state_dict(), "preprocessing": preprocessing,
+                     "extra": extra})
+
+
+def _upgrade(payload: dict[str, Any]) -> dict[str, Any]:
+    # Bundles of the first format held the MLP's shape only; they load as the built-in spec.
+    shape = payload["spec"]
+    return {**payload, "spec": {"path": BUILTIN_SPEC, "args": {}},
+            "params": {"hidden": shape["hidden"], "dropout": shape["dropout"]},
+            "data": {"features": payload["preprocessing"]["features"], "num_classes": shape["num_classes"]}}
+
+
+def load_bundle(uri: str) -> Bundle:
+    """Import the bundle's spec, build its module and load the weights; a spec that is gone or no longer fits is named."""
+    payload = load_torch(uri)
+    if payload.get("format") == "stagewise-model/1":
+        payload = _upgrade(payload)
+    elif payload.get("format") != BUNDLE_FORMAT:
+        raise UserError(f"{uri}: not a stagewise model bundle")
+    ref = SpecRef(payload["spec"]["path"], dict(payload["spec"]["args"]))
+    try:
+        spec = ref.load()
+    except UserError as exc:
+        raise UserError(f"{uri}: {exc}") from None
+    data = DataInfo(**payload["data"])
+    module = build(spec, data, payload["params"])
+    try:
+        module.load_state_dict(payload["state_dict"])
+    except RuntimeError as exc:
+        raise UserError(f"{uri}: the weights do not fit what {ref.path} builds now (did the spec change since the model "
+                        f"was trained?): {str(exc).splitlines()[0]}") from None
+    module.eval()
+    return Bundle(module=module, spec=spec, ref=ref, data=data, params=dict(payload["params"]),
+                  preprocessing=payload["preprocessing"], extra=payload["extra"])
+
+

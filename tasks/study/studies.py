@@ -1,0 +1,145 @@
+"""One Optuna study shared by every sweep worker and trial script: opened from a storage URI, searched by the
+configured sampler and pruner, its trials counted the way the sweep counts them.
+
+Optuna is imported inside the functions that need it, so importing this module stays light.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from tasks.core import storage
+from tasks.core.errors import UserError
+from tasks.definitions.config import CategoricalParam, FloatParam, PipelineConfig, Sweep
+
+log = logging.getLogger("stagewise.sweep")
+
+FINISHED = ("COMPLETE", "PRUNED", "FAIL")
+
+
+def open_storage(uri: str) -> Any:
+    """An Optuna storage from a URI: ``journal://<file>`` or an RDB URL such as ``postgresql://...``."""
+    import optuna
+
+    if uri.startswith("journal://"):
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+        path = uri[len("journal://"):]
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        return JournalStorage(JournalFileBackend(path))
+    return optuna.storages.RDBStorage(uri)
+
+
+def study_name(dag_id: str, run_id: str) -> str:
+    return f"{storage.safe_name(dag_id)}__{storage.safe_name(run_id)}"
+
+
+def suggest(trial: Any, sweep: Sweep) -> dict[str, Any]:
+    """Sample the space: unconditional params first, then those whose ``when`` holds."""
+    params: dict[str, Any] = {}
+    ordered = sorted(sweep.search_space.items(), key=lambda item: item[1].when is not None)
+    for name, space in ordered:
+        if space.when and not all(params.get(parent) in values for parent, values in space.when.items()):
+            continue
+        if isinstance(space, FloatParam):
+            params[name] = trial.suggest_float(name, space.low, space.high, log=space.log)
+        elif isinstance(space, CategoricalParam):
+            params[name] = trial.suggest_categorical(name, space.choices)
+        else:
+            params[name] = trial.suggest_int(name, space.low, space.high, log=space.log)
+    return params
+
+
+def make_sampler(sweep: Sweep, seed_offset: int) -> Any:
+    import optuna
+
+    spec, seed = sweep.sampler, sweep.seed + seed_offset
+    if spec.type == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if spec.type == "grid":
+
+        class QuotaGridSampler(optuna.samplers.GridSampler):
+            def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+                pass  # the worker quota ends the sweep; Study.stop() only works inside optimize()
+
+        return QuotaGridSampler(sweep.grid(), seed=seed)
+    if spec.type == "cmaes":
+        return optuna.samplers.CmaEsSampler(seed=seed, n_startup_trials=spec.n_startup_trials, warn_independent_sampling=False)
+    return optuna.samplers.TPESampler(multivariate=spec.multivariate, constant_liar=spec.constant_liar,
+                                      n_startup_trials=spec.n_startup_trials, seed=seed)
+
+
+def make_pruner(sweep: Sweep) -> Any:
+    import optuna
+
+    spec = sweep.pruner
+    if spec.type == "none":
+        return optuna.pruners.NopPruner()
+    if spec.type == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=spec.n_startup_trials, n_warmup_steps=spec.n_warmup_steps)
+    return optuna.pruners.HyperbandPruner(min_resource=spec.min_resource, max_resource=sweep.epochs,
+                                          reduction_factor=spec.reduction_factor)
+
+
+def counts_toward_budget(trial: Any) -> bool:
+    """Whether a trial counts against the budget: finished, and not an abandoned attempt's (that one is retried)."""
+    return trial.state.name in FINISHED and not trial.user_attrs.get("abandoned")
+
+
+def outcome(trial: Any) -> str:
+    """The trial's state as the sweep counts it: a COMPLETE trial that took no optimizer step counts as FAIL."""
+    if trial.state.name == "COMPLETE" and trial.user_attrs.get("steps") == 0:
+        return "FAIL"  # its value is a random init's accuracy, never a result
+    return trial.state.name
+
+
+def best_trial(study: Any) -> Any | None:
+    """The best trial that completed and trained (Optuna's own best_trial would accept a 0-step one)."""
+    complete = [t for t in study.get_trials(deepcopy=False) if counts_toward_budget(t) and outcome(t) == "COMPLETE"]
+    pick = min if study.direction.name == "MINIMIZE" else max
+    return pick(complete, key=lambda t: t.value, default=None)
+
+
+def create(config: PipelineConfig, name: str) -> dict[str, Any]:
+    """Create the study, or find it again when a cleared run comes back; warm-start a new one if asked."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    backend = open_storage(config.sweep.storage)
+    study = optuna.create_study(study_name=name, storage=backend, direction=config.objective.direction,
+                                load_if_exists=True)
+    warm = config.sweep.warm_start_from
+    if warm and not study.trials and not study.user_attrs.get("warm_started_from"):
+        try:
+            best = best_trial(optuna.load_study(study_name=warm, storage=backend))
+        except KeyError as exc:
+            raise UserError(f"sweep.warm_start_from: study '{warm}' has no completed trial to start from ({exc})") from None
+        if best is None:
+            raise UserError(f"sweep.warm_start_from: study '{warm}' has no completed trial to start from")
+        params = {k: v for k, v in best.params.items() if k in config.sweep.search_space}
+        study.enqueue_trial(params, user_attrs={"warm_start_of": f"{warm}#{best.number}"})
+        study.set_user_attr("warm_started_from", warm)
+        log.info("study %s warm-starts from %s: enqueued its best params %s (value %.4f)", name, warm, params, best.value)
+    study.set_user_attr("num_trials", config.sweep.num_trials)
+    log.info("study %s ready (%d trial(s) so far) on %s", name, len(study.trials), config.sweep.storage.split("://")[0])
+    return {"study_name": name, "storage_kind": config.sweep.storage.split("://")[0]}
+
+
+def recover_abandoned(study: Any, worker: int | None) -> int:
+    """Fail the RUNNING trials of a dead attempt (of ``worker``, or any when None) and enqueue their params once."""
+    import optuna
+
+    recovered = 0
+    for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        if worker is not None and trial.user_attrs.get("worker") != worker:
+            continue
+        study._storage.set_trial_user_attr(trial._trial_id, "abandoned", "its worker attempt died")
+        study._storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)
+        if "retry_of" not in trial.user_attrs and trial.params:
+            study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
+            log.warning("trial %d was left RUNNING by a dead worker: marked failed, retrying once with %s",
+                        trial.number, trial.params)
+        recovered += 1
+    return recovered

@@ -1,0 +1,100 @@
+"""A finished sweep in files: counts by outcome and the best trial (``sweep/summary.json``), every trial
+(``sweep/trials.json``), parameter importances and Optuna's plots, viewable offline.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tasks.core import storage
+from tasks.core.errors import UserError
+from tasks.definitions.config import PipelineConfig
+from tasks.study.studies import FINISHED, best_trial, counts_toward_budget, open_storage, outcome, recover_abandoned
+
+log = logging.getLogger("stagewise.sweep")
+
+
+def write_plots(study: Any, prefix: str) -> list[str]:
+    """Optimisation history, intermediate values, importances and parallel coordinates as HTML files."""
+    from optuna import visualization
+    from plotly.offline import get_plotlyjs
+
+    plots = {"optimization_history": visualization.plot_optimization_history,
+             "intermediate_values": visualization.plot_intermediate_values,
+             "param_importances": visualization.plot_param_importances,
+             "parallel_coordinate": visualization.plot_parallel_coordinate}
+    written = []
+    storage.write_bytes(storage.join(prefix, "plotly.min.js"), get_plotlyjs().encode())  # one copy, viewable offline
+    for name, plot in plots.items():
+        try:
+            figure = plot(study)
+        except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. importances need 2+ complete trials
+            log.info("plot %s skipped: %s", name, exc)
+            continue
+        uri = storage.join(prefix, f"{name}.html")
+        storage.write_bytes(uri, figure.to_html(include_plotlyjs="plotly.min.js", full_html=True).encode())
+        written.append(uri)
+    return written
+
+
+def trial_records(study: Any) -> list[dict[str, Any]]:
+    """Every trial as the report draws it: number, outcome, value, per-epoch values, params, worker and times."""
+
+    def when(moment: Any) -> str | None:
+        return moment.isoformat() if moment is not None else None
+
+    return [{"number": t.number, "state": outcome(t), "value": t.value, "intermediate": {str(k): v for k, v in
+             sorted(t.intermediate_values.items())}, "params": t.params, "worker": t.user_attrs.get("worker"),
+             "counted": counts_toward_budget(t), "error": t.user_attrs.get("error"), "start": when(t.datetime_start),
+             "complete": when(t.datetime_complete)} for t in study.get_trials(deepcopy=False)]
+
+
+def param_importances(study: Any) -> dict[str, float]:
+    """Optuna's fANOVA importances of the params over the completed trials; empty when they cannot be computed."""
+    import optuna
+
+    try:
+        return {k: float(v) for k, v in optuna.importance.get_param_importances(study).items()}
+    except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. fewer than 2 completed trials
+        log.info("param importances skipped: %s", exc)
+        return {}
+
+
+def summarize(config: PipelineConfig, name: str, out: str) -> dict[str, Any]:
+    """Counts by state and the best trial into ``sweep/summary.json``, every trial into ``sweep/trials.json`` and plots
+    beside it. Fails when nothing completed."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=name, storage=open_storage(config.sweep.storage))
+    stale = recover_abandoned(study, worker=None)  # every worker is done: nothing may stay RUNNING
+    trials = study.get_trials(deepcopy=False)
+    counted = [t for t in trials if counts_toward_budget(t)]
+    counts = {state: sum(1 for t in counted if outcome(t) == state) for state in FINISHED}
+    summary: dict[str, Any] = {
+        "study_name": name, "n_trials": len(counted), "n_complete": counts["COMPLETE"], "n_pruned": counts["PRUNED"],
+        "n_failed": counts["FAIL"], "n_abandoned": sum(1 for t in trials if t.user_attrs.get("abandoned")),
+        "n_stale_recovered": stale, "epochs_consumed": sum(int(t.user_attrs.get("epochs", 0)) for t in trials),
+        "storage_kind": config.sweep.storage.split("://")[0],
+    }
+    if counts["COMPLETE"] == 0:
+        reasons: dict[str, int] = {}
+        for t in counted:
+            reason = t.user_attrs.get("error") or ("pruned" if t.state.name == "PRUNED" else
+                                                   "took 0 optimizer steps" if outcome(t) == "FAIL" else "no value")
+            reasons[reason] = reasons.get(reason, 0) + 1
+        listed = "; ".join(f"{count} x {reason}" for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1])[:5])
+        raise UserError(f"sweep {name}: none of {len(counted)} trials completed ({counts}); why: {listed}")
+    best = best_trial(study)
+    summary.update({"best_value": best.value, "best_params": best.params, "best_trial": best.number})
+    summary["plots"] = write_plots(study, storage.join(out, "sweep", "plots"))
+    summary["importances"] = param_importances(study)
+    trials_uri = storage.join(out, "sweep", "trials.json")  # before summary.json, which commits the sweep's files
+    storage.write_json(trials_uri, {"study_name": name, "metric": config.objective.metric,
+                                    "direction": config.objective.direction, "trials": trial_records(study)})
+    summary["trials_uri"] = trials_uri
+    storage.write_json(storage.join(out, "sweep", "summary.json"), summary)
+    log.info("sweep %s: %d trials (%d complete, %d pruned, %d failed); best %.4f with %s", name, len(counted),
+             counts["COMPLETE"], counts["PRUNED"], counts["FAIL"], best.value, best.params)
+    return summary
