@@ -20,7 +20,9 @@ ARTIFACTS = Path(os.environ.get("STAGEWISE_UI_ARTIFACTS", Path(__file__).resolve
 UI_TIMEOUT_MS = 60_000  # a 2-core machine running the scheduler and sub-jobs renders slowly
 
 
-@pytest.fixture(scope="session")
+# Module, not session: playwright's sync API keeps an asyncio loop running until it exits, and a later test on the
+# same pytest-xdist worker that calls asyncio.run() (the SageMaker trigger tests) would fail.
+@pytest.fixture(scope="module")
 def chromium():
     """A headless Debian chromium under playwright (playwright's own browser download is not used)."""
     try:
@@ -29,6 +31,10 @@ def chromium():
         service_unavailable("playwright for Python is not installed (pip install -r requirements.txt)")
     if not os.access(CHROMIUM, os.X_OK):
         service_unavailable(f"no chromium at {CHROMIUM} (apt-get install -y chromium, or set STAGEWISE_CHROMIUM)")
+    from playwright.sync_api import expect
+
+    # expect() keeps its own 5 s timeout, apart from the page's: a grid that renders after a slow API call failed CI.
+    expect.set_options(timeout=UI_TIMEOUT_MS)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
         try:
