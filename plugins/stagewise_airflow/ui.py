@@ -9,12 +9,20 @@ one: 403) and the auth manager's UI access; a run also needs read access to its 
 ``tasks.core.storage`` under the pipeline config's ``storage_root`` (``$STAGEWISE_CONFIG``), so an ``s3://`` root
 works with the api-server's AWS environment. Everything taken from storage is HTML-escaped, and a DAG or run
 id becomes a path only through ``tasks.core.storage.safe_name`` after '/', '\\' and '.'/'..' are refused.
+
+Every response, errors included, carries ``X-Content-Type-Options: nosniff``, ``Referrer-Policy: same-origin`` and a
+Content-Security-Policy that lets only Airflow's own pages frame it and fetches nothing. report.html runs its inline
+plotly in a sandbox (an opaque origin: no cookies, no Airflow DOM, no requests), and an error names what is missing,
+never a storage path.
 """
 
+import base64
+import hashlib
 import html
 import json
+import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Annotated, Any
 from urllib.parse import quote
 
@@ -22,13 +30,15 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
 
 from tasks.core import storage
-from tasks.core.errors import UserError
+from tasks.core.errors import DataError, UserError
 from tasks.definitions.config import PipelineConfig
 from tasks.definitions.loading import config_path, load_config
 from tasks.registry import model_names
 from tasks.report import list_reports, read_report
 
 URL_PREFIX = "/stagewise"
+
+log = logging.getLogger("stagewise.ui")
 
 
 # -- config and storage -----------------------------------------------------------------------------
@@ -42,13 +52,15 @@ def pipeline_config() -> PipelineConfig:
     try:
         key = (str(path), path.stat().st_mtime_ns)
     except OSError as exc:
-        raise HTTPException(500, f"pipeline config {path}: {exc.strerror} (set STAGEWISE_CONFIG for the api-server)") from None
+        log.error("pipeline config %s: %s", path, exc.strerror)  # the path goes to the api-server's log, not the page
+        raise HTTPException(500, f"pipeline config: {exc.strerror} (set STAGEWISE_CONFIG for the api-server)") from None
     if key not in _config_cache:
         _config_cache.clear()
         try:
             _config_cache[key] = load_config(path)
         except UserError as exc:
-            raise HTTPException(500, str(exc)) from None
+            log.error("pipeline config %s: %s", path, exc)
+            raise HTTPException(500, "the pipeline config is invalid: the api-server's log says why") from None
     return _config_cache[key]
 
 
@@ -82,6 +94,30 @@ def can_read_runs(user: Any, dag_id: str) -> bool:
 
     return get_auth_manager().is_authorized_dag(method="GET", access_entity=DagAccessEntity.RUN,
                                                 details=DagDetails(id=dag_id), user=user)
+
+
+# -- response headers ---------------------------------------------------------------------------------
+
+def csp(*directives: str) -> str:
+    return "; ".join(directives)
+
+
+# Fetch nothing, be framed only by Airflow's own pages: what a JSON answer or an error needs.
+BASE_CSP = csp("default-src 'none'", "base-uri 'none'", "form-action 'none'", "frame-ancestors 'self'")
+# report.html: inline plotly.js, styles and draw script, in an opaque origin; blob:/data: images and downloads are
+# the modebar's "download plot as png"
+REPORT_SANDBOX = "allow-scripts allow-downloads"
+REPORT_CSP = csp(f"sandbox {REPORT_SANDBOX}", BASE_CSP, "script-src 'unsafe-inline'", "style-src 'unsafe-inline'",
+                 "img-src data: blob:")
+SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin"}
+
+
+async def security_headers(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    """Middleware: the headers of every response, errors too; a response that sets its own CSP (a page's) keeps it."""
+    response = await call_next(request)
+    response.headers.update(SECURITY_HEADERS)
+    response.headers.setdefault("Content-Security-Policy", BASE_CSP)
+    return response
 
 
 # -- HTML ---------------------------------------------------------------------------------------------
@@ -121,6 +157,11 @@ details.card-of table { max-width: 900px; } details.card-of td:first-child { wid
 iframe.report { width: 100%; height: calc(100vh - 150px); min-height: 480px; border: 1px solid var(--line); display: block; }
 """
 
+# A page runs no script: it needs its one inline <style> (allowed by its hash) and the report's frame.
+PAGE_CSP = csp(BASE_CSP, f"style-src 'sha256-{base64.b64encode(hashlib.sha256(STYLE.encode()).digest()).decode()}'",
+               "frame-src 'self'")
+
+
 def esc(value: Any) -> str:
     return html.escape("" if value is None else str(value), quote=True)
 
@@ -157,7 +198,7 @@ def page(request: Request, title: str, body: str, section: str, active: str) -> 
                 f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>'
                 f'<body><header><a class="brand" href="{esc(root + "/")}">Stagewise</a><nav>{nav}</nav></header>'
                 f'<main data-stagewise-section="{esc(section)}">{body}</main></body></html>')
-    return HTMLResponse(document)
+    return HTMLResponse(document, headers={"Content-Security-Policy": PAGE_CSP})
 
 
 def table(headers: Iterable[str], rows: Iterable[Iterable[str]], numeric: Iterable[int] = (), wide: bool = False) -> str:
@@ -255,6 +296,7 @@ def summary_html(report: dict[str, Any]) -> str:
 def create_app() -> FastAPI:
     """The Stagewise pages as a FastAPI app (Airflow mounts it at ``URL_PREFIX``)."""
     app = FastAPI(title="Stagewise", docs_url=None, redoc_url=None, openapi_url=None)
+    app.middleware("http")(security_headers)
     ui_user = _user_dependency()
     router = APIRouter(dependencies=[Depends(ui_user)])  # every page, so none can be added without the login
     User = Annotated[Any, Depends(ui_user)]  # FastAPI resolves it once per request
@@ -297,7 +339,7 @@ def create_app() -> FastAPI:
         prefix = storage.join(pipeline_config().storage_root, "runs", dag_folder, run_folder)
         report_uri = storage.join(prefix, "report.json")
         if not storage.exists(report_uri):
-            raise HTTPException(404, f"no report for run {run_id!r} of DAG {dag_id!r} (looked for {report_uri})")
+            raise HTTPException(404, f"no report for run {run_id!r} of DAG {dag_id!r}")
         return prefix, read_report(report_uri)
 
     @router.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse)
@@ -316,7 +358,7 @@ def create_app() -> FastAPI:
             content = f"<p><span class='badge err'>unreadable</span> {esc(report['_error'])}</p>"
         elif has_html:
             content = (f'<iframe id="stagewise-report" class="report" title="report of {esc(shown_run)}" '
-                       f'src="{esc(here + "/report.html")}"></iframe>')
+                       f'sandbox="{REPORT_SANDBOX}" src="{esc(here + "/report.html")}"></iframe>')
         else:
             content = summary_html(report)
         body = head + (f"<section data-stagewise-section='report' data-stagewise-report='{'html' if has_html else 'summary'}'>"
@@ -331,7 +373,8 @@ def create_app() -> FastAPI:
             raise HTTPException(404, f"run {run_id!r} has no report.html yet (its report.json is on the run page)")
         fs, path = storage.filesystem(uri)
         with fs.open(path, "rb") as handle:
-            return Response(handle.read(), media_type="text/html; charset=utf-8")
+            return Response(handle.read(), media_type="text/html; charset=utf-8",
+                            headers={"Content-Security-Policy": REPORT_CSP})
 
     @router.get("/runs/{dag_id}/{run_id}/report.json")
     def report_json(dag_id: str, run_id: str, user: User) -> Response:
@@ -353,10 +396,13 @@ def create_app() -> FastAPI:
         if not names:
             body += "<p class='empty'>No model registered yet: a finished <code>ml_pipeline</code> run registers one.</p>"
         for name in names:
-            pointer = registry.pointer(config.storage_root, name)
+            try:
+                pointer, pointer_error = registry.pointer(config.storage_root, name), ""
+            except DataError as exc:  # a torn current.json hides this name's current version, not the page
+                pointer, pointer_error = {}, f"<p class='err'>{esc(exc)}</p>"
             cards = registry.versions(config.storage_root, name)
             current = pointer.get("version")
-            body += f"<section data-stagewise-model='{esc(name)}'><h2>{esc(name)}</h2>"
+            body += f"<section data-stagewise-model='{esc(name)}'><h2>{esc(name)}</h2>{pointer_error}"
             body += (f"<p>Current: <span class='badge cur mono'>{esc(current)}</span> since {esc(pointer.get('moved_at'))}"
                      f" · {esc(pointer.get('reason'))}</p>" if current else "<p class='sub'>No current version.</p>")
             chain = [*pointer.get("history", []), *([current] if current else [])]

@@ -19,12 +19,15 @@ import logging
 from typing import Any
 
 from tasks.core import storage
+from tasks.core.errors import DataError
 
 log = logging.getLogger("stagewise.report")
 
 STATE_COLOURS = {"COMPLETE": "#2b8a3e", "PRUNED": "#e8890c", "FAIL": "#c92a2a", "ABANDONED": "#868e96"}
 TASK_COLOURS = {"success": "#2b8a3e", "up_for_retry": "#e8890c", "failed": "#c92a2a", "running": "#868e96"}
 LOSS_COLOUR, OBJECTIVE_COLOUR = "#1c7ed6", "#ae3ec9"
+# what could end or re-open a script block, as JSON's own \u escapes (the same characters once parsed)
+_SCRIPT_JSON_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"})
 
 CSS = """
 body { font: 15px/1.45 -apple-system, "Segoe UI", Roboto, Helvetica, Arial, sans-serif; color: #212529; margin: 0;
@@ -65,7 +68,7 @@ def _number(value: Any) -> str:
 def _read_json(uri: str) -> Any | None:
     try:
         return storage.read_json(uri) if storage.exists(uri) else None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, DataError) as exc:
         log.warning("report.html: cannot read %s: %s", uri, exc)
         return None
 
@@ -303,13 +306,19 @@ def _table(caption: str, rows: list[tuple[str, Any]], highlight: str | None = No
     return f"<table><caption>{html.escape(caption)}</caption>{body}</table>"
 
 
+def _script_json(value: Any) -> str:
+    """``value`` as JSON that is inert inside ``<script type="application/json">``: no string in it can end or confuse
+    the block (``</script>``, ``<!--``, ``<script``), and JSON.parse of the element's text gives ``value`` back."""
+    # ensure_ascii writes every non-ASCII character, U+2028/U+2029 included, as \uXXXX
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True).translate(_SCRIPT_JSON_ESCAPES)
+
+
 def _figure_block(figure_id: str, figure: dict[str, Any] | None, missing: str) -> tuple[str, str]:
     """The figure's div and its JSON block; a note in its place when the run recorded nothing to draw."""
     if figure is None:
         return f"<p class=missing>{html.escape(missing)}</p>", ""
-    text = json.dumps(figure, separators=(",", ":")).replace("</", "<\\/")  # no "</script>" can end the block early
     return (f'<div id="{figure_id}" class="plot"></div>',
-            f'<script type="application/json" data-figure="{figure_id}">{text}</script>')
+            f'<script type="application/json" data-figure="{figure_id}">{_script_json(figure)}</script>')
 
 
 def outcome_line(report: dict[str, Any], metric: str) -> str:

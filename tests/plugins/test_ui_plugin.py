@@ -22,6 +22,7 @@ PASSWORD = "stagewise-test-password"
 JWT_SECRET = "stagewise-ui-plugin-tests-" + "0" * 48  # one per process: Airflow caches its JWT validator
 RUN_ID = "manual__2026-11-22T15:28:40.036542+00:00"
 ODD_RUN_ID = "manual__<img src=x onerror=alert(1)>"
+REPORT_PAGE = "<!doctype html><html><body><div id='charts' data-stagewise-section='charts'>plots</div></body></html>"
 
 
 def load_plugin():
@@ -57,6 +58,12 @@ def write_run(storage_root: str, run_id: str, *, test_accuracy: float = 0.91, ht
         fs, path = storage.filesystem(page)
         fs.rm(path)
     return out
+
+
+def csp_directives(answer) -> dict[str, str]:
+    """The answer's Content-Security-Policy as {directive: its sources}."""
+    policy = answer.headers["content-security-policy"]
+    return {name: rest.strip() for name, _, rest in (part.strip().partition(" ") for part in policy.split(";"))}
 
 
 def register_two_versions(storage_root: str, tmp_path: Path) -> tuple[str, str]:
@@ -199,6 +206,19 @@ def test_registry_page_shows_versions_current_history_and_cards(airflow_api, sto
     assert f'href="/stagewise/runs/ml_pipeline/{storage.safe_name(RUN_ID)}"' in text
 
 
+@pytest.mark.parametrize("torn", ["card.json", "current.json"])
+def test_a_torn_registry_file_is_shown_with_its_error_and_hides_nothing_else(airflow_api, storage_root, tmp_path, torn):
+    """A cut card.json or current.json answers 200, not 500: the error names the file, the other versions still show."""
+    first, second = register_two_versions(str(storage_root), tmp_path)
+    folder = storage_root / "models" / "digits"
+    target = folder / second / "card.json" if torn == "card.json" else folder / "current.json"
+    target.write_bytes(target.read_bytes()[:20])
+    client, token = airflow_api(str(storage_root))
+    page = client.get("/stagewise/registry", headers={"Authorization": f"Bearer {token}"})
+    assert page.status_code == 200, page.text
+    assert f"{target}: is not valid JSON" in page.text and first in page.text and second in page.text
+
+
 def test_values_from_storage_are_escaped(airflow_api, storage_root):
     """A run id carrying markup shows as text in the list and on its page; it never becomes an element."""
     write_run(str(storage_root), ODD_RUN_ID)
@@ -271,3 +291,81 @@ def test_a_user_without_read_access_to_a_dag_sees_none_of_its_runs(airflow_api, 
     assert RUN_ID not in client.get("/stagewise/", headers=bearer).text
     for path in (RUN_ID, f"{RUN_ID}/report.json", "no_such_run"):
         assert client.get(f"/stagewise/runs/ml_pipeline/{path}", headers=bearer).status_code == 403
+
+
+@pytest.mark.parametrize(("path", "login", "status"), [
+    ("/stagewise/", "admin", 200), (f"/stagewise/runs/ml_pipeline/{RUN_ID}", "admin", 200),
+    (f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.html", "admin", 200),
+    (f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.json", "admin", 200), ("/stagewise/registry", "admin", 200),
+    ("/stagewise/runs/ml_pipeline/no_such_run", "admin", 404), ("/stagewise/no_such_page", "admin", 404),
+    ("/stagewise/runs/ml_pipeline/%2E%2E", "admin", 400), (f"/stagewise/runs/ml_pipeline/{RUN_ID}", None, 401),
+    (f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.html", "forged", 403)])
+def test_every_answer_carries_the_security_headers(airflow_api, storage_root, path, login, status):
+    """Pages, report.html, report.json and the 400/401/403/404 errors alike: no MIME sniffing, no referrer outside the
+    origin, and a CSP that fetches nothing by default and lets only Airflow's own pages frame the answer."""
+    write_run(str(storage_root), RUN_ID, html=REPORT_PAGE)
+    client, token = airflow_api(str(storage_root))
+    headers = {"Authorization": f"Bearer {token if login == 'admin' else 'not.a.jwt'}"} if login else {}
+    answer = client.get(path, headers=headers)
+    assert answer.status_code == status, answer.text
+    assert answer.headers["x-content-type-options"] == "nosniff"
+    assert answer.headers["referrer-policy"] == "same-origin"
+    policy = csp_directives(answer)
+    assert policy["default-src"] == "'none'" and policy["frame-ancestors"] == "'self'", policy
+    assert policy["base-uri"] == "'none'" and "unsafe-eval" not in answer.headers["content-security-policy"]
+
+
+def test_pages_allow_no_script_and_only_their_own_style(airflow_api, storage_root, tmp_path):
+    """The runs list, a run page and the registry run no script at all (none is allowed) and allow exactly their one
+    inline <style>, by its hash: markup slipped into a page could neither run nor restyle it; the page's style applies."""
+    import base64
+    import hashlib
+    import re
+
+    write_run(str(storage_root), RUN_ID, html=REPORT_PAGE)
+    register_two_versions(str(storage_root), tmp_path)
+    client, token = airflow_api(str(storage_root))
+    for path in ("/stagewise/", f"/stagewise/runs/ml_pipeline/{RUN_ID}", "/stagewise/registry"):
+        answer = client.get(path, headers={"Authorization": f"Bearer {token}"})
+        assert answer.status_code == 200, answer.text
+        styles = re.findall(r"<style>(.*?)</style>", answer.text, re.S)
+        assert len(styles) == 1 and "<script" not in answer.text and " style=" not in answer.text
+        digest = base64.b64encode(hashlib.sha256(styles[0].encode()).digest()).decode()
+        policy = csp_directives(answer)
+        assert "script-src" not in policy and policy["style-src"] == f"'sha256-{digest}'", policy
+        assert policy["frame-src"] == "'self'"
+
+
+def test_report_html_runs_sandboxed_framed_or_opened_alone(airflow_api, storage_root):
+    """report.html's inline scripts run in an opaque origin, never Airflow's: the run page frames it sandboxed without
+    allow-same-origin, and report.html's own CSP sandboxes it when opened on its own; no request leaves it."""
+    import re
+
+    write_run(str(storage_root), RUN_ID, html=REPORT_PAGE)
+    client, token = airflow_api(str(storage_root))
+    bearer = {"Authorization": f"Bearer {token}"}
+    frame = re.search(r'<iframe id="stagewise-report"[^>]*>', client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}",
+                                                                         headers=bearer).text).group(0)
+    assert 'sandbox="allow-scripts allow-downloads"' in frame, frame  # no allow-same-origin
+    served = client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.html", headers=bearer)
+    assert served.status_code == 200 and served.text == REPORT_PAGE
+    policy = csp_directives(served)
+    assert policy["sandbox"].split() == ["allow-scripts", "allow-downloads"], policy
+    assert policy["script-src"] == "'unsafe-inline'" and policy["default-src"] == "'none'" and "connect-src" not in policy
+
+
+def test_errors_name_what_is_missing_not_where_storage_is(airflow_api, storage_root, tmp_path, monkeypatch):
+    """A 404 names the run and its DAG, or the missing report.html, and a broken config answers 500 naming the config;
+    no error body holds the storage root, a path under it or the config's path (they go to the api-server's log)."""
+    write_run(str(storage_root), RUN_ID)  # report.json only
+    client, token = airflow_api(str(storage_root))
+    bearer = {"Authorization": f"Bearer {token}"}
+    missing = client.get("/stagewise/runs/ml_pipeline/no_such_run/report.json", headers=bearer)
+    assert missing.status_code == 404 and "no_such_run" in missing.text and "ml_pipeline" in missing.text
+    no_page = client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.html", headers=bearer)
+    assert no_page.status_code == 404 and "report.html" in no_page.text
+    monkeypatch.setenv("STAGEWISE_CONFIG", str(tmp_path / "gone" / "pipeline.yaml"))
+    broken = client.get("/stagewise/", headers=bearer)
+    assert broken.status_code == 500 and "pipeline config" in broken.text and "STAGEWISE_CONFIG" in broken.text
+    for answer in (missing, no_page, broken):
+        assert str(tmp_path) not in answer.text and "/runs/" not in answer.text, answer.text

@@ -13,6 +13,7 @@ import yaml
 
 from tasks import report
 from tasks.core import storage
+from tasks.reporting import html as report_html
 from tasks.reporting import timeline
 from tasks.study.studies import create, open_storage, suggest
 from tasks.study.summary import summarize
@@ -20,6 +21,7 @@ from tests.conftest import base_config, preprocess_digits
 
 CHECKPOINT_EVERY = 10
 FIGURE = re.compile(r'<script type="application/json" data-figure="([^"]+)">(.*?)</script>', re.S)
+HOSTILE = "<!--<script>alert(1)</script> & \u2028\u2029 -->"  # ends, or re-opens, a script block if left raw
 
 
 def figures(page: str) -> dict[str, dict]:
@@ -360,3 +362,22 @@ def test_a_batch_inference_run_gets_a_page_of_its_scoring_and_timeline(tmp_path)
     assert "scored 900 rows with model m-123, 7 quarantined" in page
     assert 'id="training"' not in page and 'id="sweep"' not in page and "Gate on" not in page
     assert outside_references(page) == []
+
+
+def test_no_string_in_the_chart_data_can_end_or_reopen_its_script_block():
+    """Chart data is embedded with '<', '>', '&', U+2028 and U+2029 as JSON \\u escapes: a split name or task id holding
+    '<!--<script>' and '</script>' can neither end its block nor swallow the next one (which stopped every chart from
+    drawing), and each block parses back to its figure with the string intact."""
+    hostile = {"dag_id": "ml_pipeline", "run_id": "r-hostile", "training": [],
+               "data": {"rows": {"train": 10, HOSTILE: 3}},
+               "tasks": [{"task_id": HOSTILE, "map_index": -1, "try_number": 1, "state": "success",
+                          "start": "2026-01-01T10:00:00+00:00", "end": "2026-01-01T10:00:03+00:00"}]}
+    page = report_html.render(hostile, {"stages": {}, "trials": None}, generated_at="2026-01-01T10:05:00+00:00")
+    blocks = dict(FIGURE.findall(page))
+    assert set(blocks) == {"fig-timeline", "fig-data"}
+    for name, text in blocks.items():
+        assert not set(text) & set("<>&\u2028\u2029"), f"{name}: {text[:300]}"
+    found = figures(page)
+    assert found["fig-data"] == report_html.data_figure(hostile)
+    assert found["fig-data"]["data"][0]["x"] == ["train", HOSTILE]
+    assert found["fig-timeline"]["data"][0]["y"] == [HOSTILE]

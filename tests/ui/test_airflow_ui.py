@@ -14,6 +14,9 @@ import pytest
 pytestmark = [pytest.mark.browser, pytest.mark.airflow, pytest.mark.torchrun]
 
 RUN_TIMEOUT_S = 600
+# A chart-data string that, left raw in report.html's JSON block, re-opened the block and stopped every chart drawing.
+HOSTILE = "<!--<script>alert(1)</script>"
+CHART_TITLES = ("Training across", "Sweep:", "Task timeline", "Data: rows by split")  # the four sections' charts
 # Fields without a usable default that a person must fill before triggering; everything else has one.
 REQUIRED_INPUT = {"ingest": {"source_uri": "raw/incoming"}}
 
@@ -149,7 +152,7 @@ def test_the_stagewise_view_shows_the_finished_runs_report_and_the_registry(logg
     expect(section).to_have_attribute("data-stagewise-report", "html")
     charts = run_view.frame_locator("#stagewise-report")
     expect(charts.get_by_text(finished_run).first).to_be_attached()
-    for title in ("Training across", "Sweep:", "Task timeline", "Data: rows by split"):  # the four sections' charts drew
+    for title in CHART_TITLES:  # the four sections' charts drew
         expect(charts.locator(".js-plotly-plot", has_text=title).first).to_be_attached()
     expect(charts.locator("svg.main-svg").first).to_be_attached()
     page.wait_for_load_state("networkidle")
@@ -164,4 +167,63 @@ def test_the_stagewise_view_shows_the_finished_runs_report_and_the_registry(logg
     outside = sorted({url for url in requests if urlsplit(url).scheme in ("http", "https", "ws", "wss")
                       and urlsplit(url).hostname != "127.0.0.1"})
     assert outside == [], f"requests left 127.0.0.1: {outside}"
+    assert errors == [], "console errors:\n" + "\n".join(errors)
+
+
+def test_stagewise_answers_are_locked_down_and_hostile_chart_data_still_draws(logged_in, ui_airflow, finished_run):
+    """As the browser gets them, in the Airflow UI and opened alone: every /stagewise answer carries nosniff and a CSP
+    letting only Airflow's pages frame it; report.html runs sandboxed (an opaque origin); and a report whose chart data
+    holds '<!--<script>' and '</script>' draws all four charts, the string shown as text, without a console error."""
+    from urllib.parse import unquote, urlsplit
+
+    from playwright.sync_api import expect
+
+    from tasks.core import storage
+    from tasks.reporting import html as report_html
+
+    page, live, screens = logged_in
+    _, storage_root = ui_airflow
+    _, errors = _watch(page)
+    answers = []
+    page.on("response", lambda answer: answers.append(answer) if "/stagewise/" in answer.url else None)
+
+    page.goto(f"{live.base_url}/dags/ml_pipeline/runs/{finished_run}")
+    page.get_by_role("link", name="Stagewise report", exact=True).click()
+    run_view = page.frame_locator('iframe[title="Stagewise report"]')
+    expect(run_view.locator("#stagewise-report")).to_have_attribute("sandbox", "allow-scripts allow-downloads")
+    expect(run_view.frame_locator("#stagewise-report").locator("svg.main-svg").first).to_be_attached()
+
+    # the finished run's report again, one split name made hostile, in a run folder of its own
+    source = storage.run_prefix(str(storage_root), "ml_pipeline", finished_run)
+    report = {**json.loads(Path(source, "report.json").read_text()), "run_id": "manual__hostile_chart_data"}
+    report["data"]["rows"][HOSTILE] = 7
+    out = storage.run_prefix(str(storage_root), "ml_pipeline", report["run_id"])
+    storage.write_bytes(storage.join(out, "report.html"),
+                        report_html.render(report, report_html.load_sources(report, source)).encode())
+    storage.write_json(storage.join(out, "report.json"), report)
+    run_url = f"{live.base_url}/stagewise/runs/ml_pipeline/{Path(out).name}"
+    page.goto(run_url)
+    charts = page.frame_locator("#stagewise-report")
+    for title in CHART_TITLES:
+        expect(charts.locator(".js-plotly-plot", has_text=title).locator("svg.main-svg").first).to_be_attached()
+    hostile_label = charts.locator("#fig-data text", has_text=HOSTILE).first
+    expect(hostile_label).to_be_visible()
+    hostile_label.scroll_into_view_if_needed()  # the screenshot shows it
+    framed = next(frame for frame in page.frames if frame.url.endswith("/report.html"))
+    assert framed.evaluate("window.origin") == "null", "report.html must not run in Airflow's origin"
+    screens.shot("hostile-chart-data-drawn")
+
+    page.goto(f"{run_url}/report.html")  # opened alone, report.html's own CSP sandboxes it
+    expect(page.locator("#fig-data text", has_text=HOSTILE).first).to_be_visible()
+    assert page.evaluate("window.origin") == "null"
+
+    runs = "/stagewise/runs/ml_pipeline"
+    seen = [(unquote(urlsplit(answer.url).path), answer.all_headers()) for answer in answers]
+    assert {f"{runs}/{finished_run}", f"{runs}/{storage.safe_name(finished_run)}/report.html", f"{runs}/{Path(out).name}",
+            f"{runs}/{Path(out).name}/report.html"} <= {path for path, _ in seen}, seen
+    for path, headers in seen:
+        assert headers.get("x-content-type-options") == "nosniff", path
+        assert "frame-ancestors 'self'" in headers.get("content-security-policy", ""), (path, headers)
+        if path.endswith("/report.html"):
+            assert headers["content-security-policy"].startswith("sandbox allow-scripts allow-downloads;"), path
     assert errors == [], "console errors:\n" + "\n".join(errors)
