@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from tasks.core import storage
-from tasks.core.cli import common_parser, json_arg, parse_overrides, run_subjob
+from tasks.core.cli import common_parser, json_arg, overrides_of, run_subjob
 from tasks.core.errors import DataError
 from tasks.datasets import predictions
 from tasks.datasets.columns import check_feature_types, flatten_features
@@ -33,17 +33,16 @@ from tasks.definitions.config import PipelineConfig
 from tasks.definitions.loading import load_config
 from tasks.models.bundle import load_bundle
 from tasks.models.scoring import exact_float32, prefetch, scoring_device
+from tasks.models.versions import check_registered
 
 log = logging.getLogger("stagewise.infer")
 
 
 def model_version(model_uri: str) -> str:
-    """The model's version: the hash of its bytes, the same id the registry gives it."""
-    import hashlib
-
+    """The model's version: the hash of its bytes, the same id the registry gives it (a registered file is checked)."""
     fs, path = storage.filesystem(model_uri)
     with fs.open(path, "rb") as handle:
-        return "m-" + hashlib.sha256(handle.read()).hexdigest()[:12]
+        return check_registered(model_uri, handle.read())
 
 
 def _row_problems(batch: Any, key: str, features: list[str], matrix: Any) -> Any:
@@ -145,13 +144,13 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
     profile = config.profile(config.inference.profile)
     torch.set_num_threads(profile.threads_per_process)
     device = scoring_device(profile.device)
+    version = model_version(model_uri)  # before loading: a registered file that changed is named as such
     bundle = load_bundle(model_uri)
     prep = bundle.preprocessing
     features, key = prep["features"], prep["key"]
     # Bundles from before tensor columns list only plain feature columns.
     columns, shapes = prep.get("columns") or features, prep.get("feature_shapes") or {}
     mean, std = np.asarray(prep["mean"]), np.asarray(prep["std"])
-    version = model_version(model_uri)
     token = storage.unique_token()
     uri = storage.join(out, "predictions", f"part-{shard['index']:05d}-{token}.parquet")
     quarantine_uri = storage.join(out, "predictions", "quarantine", f"part-{shard['index']:05d}-{token}.parquet")
@@ -244,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     def work() -> dict[str, Any]:
-        config = load_config(args.config, parse_overrides(args.override))
+        config = load_config(args.config, overrides_of(args))
         storage.require_bucket(config.storage_root, "storage_root")
         if args.step == "plan":
             source = args.input or config.inference.input_uri or config.dataset.uri

@@ -10,8 +10,9 @@ Layout, one registry per model name: ``models/<name>/<version>/model.pt`` and ``
 (metrics, params, data fingerprint, code version, source run); ``models/<name>/current.json`` names
 the current version and keeps the history of promotions. Models of different names never meet: the
 gate compares only within a name and inference resolves only within it. A version id is the hash of
-the model's bytes, so registering the same model again is a no-op. The pointer file is replaced in
-one atomic write (rename locally, one PUT on S3).
+the model's bytes, so registering the same model again is a no-op. The pointer file is replaced by
+compare-and-swap (storage.write_if_unchanged: a lock file beside it locally, a conditional PUT on S3):
+a gate, promotion or rollback that loses a race re-reads the pointer and decides again against the winner.
 """
 
 from __future__ import annotations
@@ -22,23 +23,30 @@ import logging
 import math
 import subprocess
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from tasks.core import storage
-from tasks.core.cli import common_parser, parse_overrides, setup_logging
-from tasks.core.errors import UserError
+from tasks.core.cli import common_parser, overrides_of, setup_logging
+from tasks.core.errors import DataError, UserError
 from tasks.definitions.config import PipelineConfig
 from tasks.definitions.loading import REPO_ROOT, load_config
+from tasks.models.versions import version_of
 from tasks.scripting.entrypoint import card_params
 
 log = logging.getLogger("stagewise.registry")
+POINTER_SWAP_ATTEMPTS = 20  # each lost attempt means another writer moved the pointer; 20 in a row is a stampede
+T = TypeVar("T")
 
 
 def models_prefix(storage_root: str, name: str) -> str:
     """The registry of one model name: ``models/<name>``."""
-    if not name or "/" in name or name in (".", ".."):
-        raise UserError(f"'{name}' is no model name (registry.model_name): give letters, digits, '_', '.' or '-'")
-    return storage.join(storage_root, "models", name)
+    return storage.child(storage.join(storage_root, "models"), name, "model name (registry.model_name)")
+
+
+def version_folder(storage_root: str, name: str, version: str) -> str:
+    """``models/<name>/<version>``; a version that is not one path segment (``../other/m-...``) is refused."""
+    return storage.child(models_prefix(storage_root, name), version, "model version")
 
 
 def pointer_uri(storage_root: str, name: str) -> str:
@@ -66,18 +74,19 @@ def register(storage_root: str, name: str, model_uri: str, card: dict[str, Any])
     fs, path = storage.filesystem(model_uri)
     with fs.open(path, "rb") as handle:
         data = handle.read()
-    version = "m-" + hashlib.sha256(data).hexdigest()[:12]  # tasks.infer.model_version gives the same id
+    version = version_of(data)  # tasks.infer.model_version gives the same id and checks it on every load
     nonfinite = {key: value for key, value in card.items() if isinstance(value, float) and not math.isfinite(value)}
     if nonfinite:
         raise UserError(f"refusing to register {model_uri} (version {version}): its metric(s) {nonfinite} are not finite; "
                         f"a model whose training or evaluation diverged is never registered")
-    folder = storage.join(models_prefix(storage_root, name), version)
+    folder = version_folder(storage_root, name, version)
     card_uri = storage.join(folder, "card.json")
     if storage.exists(card_uri):
         log.info("model %s/%s is already registered", name, version)
         return _card_at(folder)
     storage.write_bytes(storage.join(folder, "model.pt"), data)
     full_card = {**card, "model_name": name, "version": version, "model_uri": storage.join(folder, "model.pt"),
+                 "sha256": hashlib.sha256(data).hexdigest(),
                  "registered_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     storage.write_json(card_uri, full_card)  # the card, written last, is what makes a version exist
     log.info("registered model %s/%s (%s)", name, version, {k: v for k, v in card.items() if k.startswith("test_") or k == "source_run"})
@@ -96,16 +105,21 @@ def _warn_if_unscoped(storage_root: str, name: str) -> None:
                     "models/%s/ (see README, 'Models, batch inference and retraining')", legacy, name)
 
 
+def _read_pointer(storage_root: str, name: str) -> tuple[dict[str, Any], str | None]:
+    """Model ``name``'s pointer and the token of this version of it (None before the first promotion)."""
+    state, token = storage.read_versioned(pointer_uri(storage_root, name))
+    if state is None:
+        _warn_if_unscoped(storage_root, name)
+        return {"version": None, "history": []}, None
+    return state, token
+
+
 def pointer(storage_root: str, name: str) -> dict[str, Any]:
-    uri = pointer_uri(storage_root, name)
-    if storage.exists(uri):
-        return storage.read_json(uri)
-    _warn_if_unscoped(storage_root, name)
-    return {"version": None, "history": []}
+    return _read_pointer(storage_root, name)[0]
 
 
 def card(storage_root: str, name: str, version: str) -> dict[str, Any]:
-    folder = storage.join(models_prefix(storage_root, name), version)
+    folder = version_folder(storage_root, name, version)
     if not storage.exists(storage.join(folder, "card.json")):
         raise UserError(f"model version '{version}' is not registered under {models_prefix(storage_root, name)} "
                         f"(model name '{name}', registry.model_name)")
@@ -118,47 +132,83 @@ def current(storage_root: str, name: str) -> dict[str, Any] | None:
     return card(storage_root, name, version) if version else None
 
 
-def _move_pointer(storage_root: str, name: str, version: str | None, history: list[str], reason: str) -> dict[str, Any]:
-    state = {"model_name": name, "version": version, "history": history, "reason": reason,
-             "moved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    storage.write_json(pointer_uri(storage_root, name), state)
-    return state
+def _moved(name: str, version: str | None, history: list[str], reason: str) -> dict[str, Any]:
+    return {"model_name": name, "version": version, "history": history, "reason": reason,
+            "moved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _history_after(state: dict[str, Any]) -> list[str]:
+    """The history once ``state``'s current version is replaced: that version appended."""
+    return [*state["history"], state["version"]] if state["version"] else list(state["history"])
+
+
+def _swap_pointer(storage_root: str, name: str,
+                  decide: Callable[[dict[str, Any]], tuple[dict[str, Any] | None, T]]) -> tuple[dict[str, Any], T]:
+    """Move model ``name``'s pointer by compare-and-swap; returns the pointer as it now stands and ``decide``'s answer.
+
+    ``decide`` gets the pointer as read and gives its next state (None: leave it) and an answer. When another
+    writer moved the pointer in between, the write is refused and ``decide`` runs again on the winner's pointer.
+    """
+    uri = pointer_uri(storage_root, name)
+    for attempt in range(1, POINTER_SWAP_ATTEMPTS + 1):
+        state, token = _read_pointer(storage_root, name)
+        moved, answer = decide(state)
+        if moved is None:
+            return state, answer
+        if storage.write_if_unchanged(uri, moved, token):
+            log.info("current %s model: %s -> %s (%s)", name, state["version"], moved["version"], moved["reason"])
+            return moved, answer
+        log.info("%s moved while deciding (attempt %d of %d); deciding again against the new current model", uri,
+                 attempt, POINTER_SWAP_ATTEMPTS)
+    raise RuntimeError(f"{uri}: other writers moved the pointer {POINTER_SWAP_ATTEMPTS} times in a row; a retry decides again")
 
 
 def promote(storage_root: str, name: str, version: str, reason: str = "manual") -> dict[str, Any]:
     card(storage_root, name, version)  # must exist under this name
-    state = pointer(storage_root, name)
-    if state["version"] == version:
-        return state
-    history = [*state["history"], state["version"]] if state["version"] else list(state["history"])
-    log.info("current %s model: %s -> %s (%s)", name, state["version"], version, reason)
-    return _move_pointer(storage_root, name, version, history, reason)
+
+    def decide(state: dict[str, Any]) -> tuple[dict[str, Any] | None, None]:
+        return (None if state["version"] == version else _moved(name, version, _history_after(state), reason)), None
+
+    return _swap_pointer(storage_root, name, decide)[0]
+
+
+def _judge(storage_root: str, name: str, candidate: dict[str, Any], incumbent_version: str | None, metric: str,
+           margin: float, direction: str) -> dict[str, Any]:
+    """The gate's decision on ``candidate`` against the version current now (None: no current model)."""
+    if incumbent_version is None:
+        return {"promoted": True, "reason": "no current model"}
+    if incumbent_version == candidate["version"]:
+        return {"promoted": False, "reason": "already current"}
+    incumbent = card(storage_root, name, incumbent_version)
+    if metric not in incumbent:
+        raise UserError(f"current model {incumbent_version} has no metric '{metric}' to compare with: it was trained "
+                        f"for another objective; promote explicitly (python -m tasks.registry promote {candidate['version']})")
+    minimize = direction == "minimize"
+    better = candidate[metric] < incumbent[metric] - margin if minimize else candidate[metric] > incumbent[metric] + margin
+    relation = ("<" if better else ">=") if minimize else (">" if better else "<=")
+    return {"promoted": better, "reason": f"{metric} {candidate[metric]:.4f} {relation} current "
+                                          f"{incumbent[metric]:.4f} {'-' if minimize else '+'} margin {margin}",
+            "previous": incumbent_version, "incumbent_value": incumbent[metric]}
 
 
 def gate(storage_root: str, name: str, version: str, metric: str, margin: float, direction: str = "maximize") -> dict[str, Any]:
-    """Promote ``version`` only if it beats model ``name``'s current ``metric`` by ``margin`` in ``direction`` (or none is current)."""
+    """Promote ``version`` only if it beats model ``name``'s current ``metric`` by ``margin`` in ``direction`` (or none is current).
+
+    The comparison and the promotion are one compare-and-swap: a gate that loses a race to another compares again
+    against the model that won.
+    """
     candidate = card(storage_root, name, version)
     if metric not in candidate:
         raise UserError(f"model {name}/{version} has no metric '{metric}' (registry.gate_metric) in its card")
-    incumbent = current(storage_root, name)
-    if incumbent is None:
-        decision = {"promoted": True, "reason": "no current model"}
-    elif incumbent["version"] == version:
-        decision = {"promoted": False, "reason": "already current"}
-    else:
-        if metric not in incumbent:
-            raise UserError(f"current model {incumbent['version']} has no metric '{metric}' to compare with: it was "
-                            f"trained for another objective; promote explicitly (python -m tasks.registry promote {version})")
-        minimize = direction == "minimize"
-        better = candidate[metric] < incumbent[metric] - margin if minimize else candidate[metric] > incumbent[metric] + margin
-        relation = ("<" if better else ">=") if minimize else (">" if better else "<=")
-        decision = {"promoted": better, "reason": f"{metric} {candidate[metric]:.4f} {relation} current "
-                                                  f"{incumbent[metric]:.4f} {'-' if minimize else '+'} margin {margin}"}
-        decision.update({"previous": incumbent["version"], "incumbent_value": incumbent[metric]})
-    if decision["promoted"]:
-        promote(storage_root, name, version, reason=f"gate: {decision['reason']}")
+
+    def decide(state: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        decision = _judge(storage_root, name, candidate, state["version"], metric, margin, direction)
+        moved = _moved(name, version, _history_after(state), f"gate: {decision['reason']}") if decision["promoted"] else None
+        return moved, decision
+
+    state, decision = _swap_pointer(storage_root, name, decide)
     log.info("gate for %s/%s: %s (%s)", name, version, "promoted" if decision["promoted"] else "refused", decision["reason"])
-    return {"model_name": name, "version": version, "current": pointer(storage_root, name)["version"], "metric": metric,
+    return {"model_name": name, "version": version, "current": state["version"], "metric": metric,
             "direction": direction, "margin": margin, "candidate_value": candidate[metric], **decision}
 
 
@@ -198,12 +248,14 @@ def retrain_overrides(config: PipelineConfig) -> dict[str, Any]:
 
 def rollback(storage_root: str, name: str) -> dict[str, Any]:
     """Point model ``name``'s ``current`` back at the version before it."""
-    state = pointer(storage_root, name)
-    if not state["history"]:
-        raise UserError(f"nothing to roll back to: {pointer_uri(storage_root, name)} has no earlier version")
-    *earlier, previous = state["history"]
-    log.info("rollback: current %s model %s -> %s", name, state["version"], previous)
-    return _move_pointer(storage_root, name, previous, earlier, f"rollback from {state['version']}")
+
+    def decide(state: dict[str, Any]) -> tuple[dict[str, Any], None]:
+        if not state["history"]:
+            raise UserError(f"nothing to roll back to: {pointer_uri(storage_root, name)} has no earlier version")
+        *earlier, previous = state["history"]
+        return _moved(name, previous, earlier, f"rollback from {state['version']}"), None
+
+    return _swap_pointer(storage_root, name, decide)[0]
 
 
 def versions(storage_root: str, name: str) -> list[dict[str, Any]]:
@@ -212,8 +264,17 @@ def versions(storage_root: str, name: str) -> list[dict[str, Any]]:
     if not fs.isdir(path):
         return []
     folders = [p.rsplit("/", 1)[0] for p in fs.glob(path + "/*/card.json")]
-    cards = [_card_at(fs.unstrip_protocol(f) if "://" in storage_root else f) for f in folders]
+    cards = [_listed_card(fs.unstrip_protocol(f) if "://" in storage_root else f) for f in folders]
     return sorted(cards, key=lambda c: c["registered_at"], reverse=True)
+
+
+def _listed_card(folder: str) -> dict[str, Any]:
+    """A version's card for a listing; an unreadable card is listed with its error, so one torn file hides no other."""
+    try:
+        return _card_at(folder)
+    except DataError as exc:
+        log.warning("%s", exc)
+        return {"version": folder.rsplit("/", 1)[1], "registered_at": "", "card_error": str(exc)}
 
 
 def model_names(storage_root: str) -> list[str]:
@@ -240,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     promote_cmd.add_argument("version")
     args = parser.parse_args(argv)
     setup_logging(quiet=True)
-    config = load_config(args.config, parse_overrides(args.override))
+    config = load_config(args.config, overrides_of(args))
     root, name = config.storage_root, args.model or config.registry.model_name
     try:
         if args.command == "list":

@@ -13,8 +13,8 @@ import logging
 from typing import Any
 
 from tasks.core import storage
-from tasks.core.cli import common_parser, parse_overrides, setup_logging
-from tasks.core.errors import UserError
+from tasks.core.cli import common_parser, overrides_of, setup_logging
+from tasks.core.errors import DataError, UserError
 from tasks.definitions.loading import load_config
 from tasks.reporting import html as report_html
 
@@ -167,7 +167,7 @@ def read_report(uri: str, modified: dt.datetime | None = None) -> dict[str, Any]
         return _report_cache[(uri, modified)]
     try:
         report = storage.read_json(uri)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, DataError) as exc:
         return {"_error": f"cannot read {uri}: {exc}"}
     if not isinstance(report, dict):
         return {"_error": f"{uri} holds {type(report).__name__}, not an object"}
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         except UserError as exc:
             raise SystemExit(str(exc)) from None
         return
-    config = load_config(args.config, parse_overrides(args.override))
+    config = load_config(args.config, overrides_of(args))
     uri = latest_report(config.storage_root, args.dag_id)
     for line in summary_lines(storage.read_json(uri)):
         print(line)

@@ -29,7 +29,7 @@ from typing import Any
 
 from tasks.core import contract as env_contract
 from tasks.core import storage
-from tasks.core.cli import common_parser, parse_overrides, run_subjob
+from tasks.core.cli import common_parser, overrides_of, run_subjob
 from tasks.core.errors import UserError
 from tasks.datasets.manifest import read_manifest
 from tasks.definitions.config import PipelineConfig, Sweep
@@ -295,13 +295,13 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", "0"))
 
     def work() -> dict[str, Any]:
-        config = load_config(args.config, parse_overrides(args.override))
+        config = load_config(args.config, overrides_of(args))
         if args.step == "create":
             return create(config, args.study)
         out = storage.resolve(config.storage_root, args.out)
         if args.step == "worker":
             return run_worker(config, args.study, args.worker, out, str(config_path(args.config)),
-                              parse_overrides(args.override))
+                              overrides_of(args))
         return summarize(config, args.study, out)
 
     run_subjob(f"sweep {args.step}", work, args.result_file if rank == 0 else None, quiet=rank != 0)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.definitions.config import PipelineConfig
+from tasks.definitions.config import MAX_STUDY_NAME, PipelineConfig
+from tasks.models.versions import VERSION_PATTERN
 
 # A string Param that may be left empty: the UI treats a non-null type with an empty value as a missing field.
 OPTIONAL_STRING = ["null", "string"]
+# Longest URI a form takes: S3's longest key, 1,024 bytes. Every string Param is bounded, so a run's conf stays small.
+MAX_URI = 1024
 
 
 def bounded(default: Any, description: str, *, minimum: float, maximum: float, **schema: Any) -> Any:
@@ -30,7 +33,7 @@ def pipeline_params(config: PipelineConfig) -> dict[str, Any]:
     stage_epochs = {stage.name: stage.epochs for stage in config.train.stages}
     epochs_min, epochs_max = 1, 1000
     return {
-        "input_uri": Param(config.dataset.uri, type="string", minLength=1,
+        "input_uri": Param(config.dataset.uri, type="string", minLength=1, maxLength=MAX_URI,
                            description="Raw Parquet file or folder to train on (relative to the storage root, or a URI)."),
         "num_trials": bounded(config.sweep.num_trials, "Trial budget of the Optuna sweep:", type="integer",
                               minimum=1, maximum=500),
@@ -44,7 +47,7 @@ def pipeline_params(config: PipelineConfig) -> dict[str, Any]:
                               additionalProperties=False,
                               description=f"Epochs of each training stage ({', '.join(stage_epochs)}): each "
                                           f"{epochs_min} to {epochs_max}."),
-        "warm_start_study": Param(config.sweep.warm_start_from or None, type=OPTIONAL_STRING,
+        "warm_start_study": Param(config.sweep.warm_start_from or None, type=OPTIONAL_STRING, maxLength=MAX_STUDY_NAME,
                                   description="Optuna study of an earlier run whose best params are tried first "
                                               "(empty: cold start)."),
         "seed": bounded(config.train.seed, "Seed of the sweep sampler and of training:", type="integer",
@@ -62,9 +65,9 @@ def inference_params(config: PipelineConfig) -> dict[str, Any]:
     from airflow.sdk import Param
 
     return {
-        "input_uri": Param(config.inference.input_uri or config.dataset.uri, type="string", minLength=1,
+        "input_uri": Param(config.inference.input_uri or config.dataset.uri, type="string", minLength=1, maxLength=MAX_URI,
                            description="Parquet file or folder to score (relative to the storage root, or a URI)."),
-        "model_version": Param(None, type=OPTIONAL_STRING,
+        "model_version": Param(None, type=OPTIONAL_STRING, pattern=f"^{VERSION_PATTERN}$",
                                description="Registered model version (python -m tasks.registry list); empty means "
                                            "the current one."),
     }

@@ -41,10 +41,8 @@ def run_config(run: dict[str, Any]) -> PipelineConfig:
 
 
 def _config_args(run: dict[str, Any]) -> list[str]:
-    args = ["--config", run["config"]]
-    for key, value in sorted(run["overrides"].items()):
-        args.append(f"--override={key}={json.dumps(value)}")
-    return args
+    """The config of a sub-job: the file and the run's overrides file (a URI: the command line never grows with them)."""
+    return ["--config", run["config"], *(["--overrides-file", run["overrides_file"]] if run.get("overrides_file") else [])]
 
 
 def _launch(run: dict[str, Any], module: str, args: list[str], profile: str, distributed: bool = False,
@@ -70,17 +68,33 @@ def _inline(config: PipelineConfig | None, work: Callable[[], Any]) -> Any:
     return result
 
 
-def _record_attempt(context: Any, state: str, ended: bool) -> None:
-    """This attempt's start or end into the run's timeline (tasks.reporting.timeline); a storage hiccup never fails the task."""
+def _started_run(context: Any, result: Any = None) -> dict[str, Any] | None:
+    """The run's start_run result (its config, overrides and storage prefix), or None before start_run returned."""
+    ti = context["ti"]
+    run = result if ti.task_id == "start_run" else ti.xcom_pull(task_ids="start_run", map_indexes=-1)
+    return run if isinstance(run, dict) and "out" in run else None
+
+
+def _record_attempt(context: Any, state: str, ended: bool, result: Any = None) -> None:
+    """This attempt's start or end into the run's timeline (tasks.reporting.timeline); a storage hiccup never fails the task.
+
+    The run's own config places it (an s3:// run stays on S3 whatever this process's default config says); only
+    a start_run that fails, before the run exists, falls back to the process's config.
+    """
     import logging
 
     from tasks.core import storage
     from tasks.reporting import timeline
 
     ti = context["ti"]
+    if ti.task_id == "start_run" and state == "running":  # recorded with its start once it returns the run
+        return
     try:
-        config = _cached_config(str(config_path()), "{}")  # the trigger form never changes storage_root
-        out = storage.run_prefix(config.storage_root, context["dag"].dag_id, context["run_id"])
+        if run := _started_run(context, result):
+            config, out = run_config(run), run["out"]
+        else:
+            config = _cached_config(str(config_path()), "{}")
+            out = storage.run_prefix(config.storage_root, context["dag"].dag_id, context["run_id"])
         start = timeline.iso(ti.start_date) if getattr(ti, "start_date", None) else None
         with credentials.exported(credentials.aws_environment(config.storage_conn_id)):
             timeline.record(out, task_id=ti.task_id, map_index=ti.map_index, try_number=ti.try_number, state=state,
@@ -93,7 +107,7 @@ def timeline_hooks() -> dict[str, Any]:
     """Operator arguments that record every attempt. Success is recorded in post_execute, before Airflow reports it,
     so a downstream report never sees an upstream attempt still "running"."""
     return {"pre_execute": lambda context: _record_attempt(context, "running", ended=False),
-            "post_execute": lambda context, result=None: _record_attempt(context, "success", ended=True),
+            "post_execute": lambda context, result=None: _record_attempt(context, "success", ended=True, result=result),
             "on_retry_callback": lambda context: _record_attempt(context, "up_for_retry", ended=True),
             "on_failure_callback": lambda context: _record_attempt(context, "failed", ended=True)}
 
@@ -104,7 +118,7 @@ def start_run(mode: str = "pipeline") -> dict[str, Any]:
     ``mode="retrain"`` warm-starts the sweep from the current model's study with the retrain budget.
     """
     from stagewise_airflow.params import overrides_from_params, unknown_trigger_keys
-    from tasks.core.storage import run_prefix
+    from tasks.core import storage
     from tasks.study.studies import study_name
 
     context = _context()
@@ -129,8 +143,12 @@ def start_run(mode: str = "pipeline") -> dict[str, Any]:
             with credentials.exported(credentials.aws_environment(base.storage_conn_id)):
                 overrides.update(registry.retrain_overrides(base))
         config = load_config(path, overrides)
-        return {"dag_id": dag_id, "run_id": run_id, "config": path, "overrides": overrides,
-                "out": run_prefix(config.storage_root, dag_id, run_id), "study": study_name(dag_id, run_id)}
+        out = storage.run_prefix(config.storage_root, dag_id, run_id)
+        overrides_file = storage.join(out, "overrides.json")
+        with credentials.exported(credentials.aws_environment(config.storage_conn_id)):
+            storage.write_json(overrides_file, overrides)  # the same for every try of start_run: same conf, same file
+        return {"dag_id": dag_id, "run_id": run_id, "config": path, "overrides": overrides, "overrides_file": overrides_file,
+                "out": out, "study": study_name(dag_id, run_id)}
 
     return _inline(None, work)  # the config is read inside: a bad one must fail the task without retry
 

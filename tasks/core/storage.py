@@ -13,6 +13,7 @@ as an infrastructure fault, which Airflow retries with the profile's backoff. ``
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import fsspec
+import fsspec.asyn
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
@@ -118,17 +120,37 @@ def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *(part.strip("/") for part in parts if part)])
 
 
-def safe_name(text: str) -> str:
-    """A run id or study name made safe for paths and S3 keys, still unique per input.
+# Longest folder name safe_name makes: a file system allows 255 bytes a name, and an S3 key 1,024 bytes in all.
+MAX_NAME_CHARS = 120
 
-    Unsafe characters become '_'; when that changed anything, a short hash of the original is
-    appended so that ids differing only there ('exp:1', 'exp+1') never share a prefix.
+
+def safe_name(text: str) -> str:
+    """A run id or study name made safe for paths and S3 keys, still unique per input, at most MAX_NAME_CHARS long.
+
+    Unsafe characters become '_'; when that changed anything, or the name is too long and is cut, a short hash
+    of the original is appended so that ids differing only there ('exp:1', 'exp+1') never share a prefix.
     """
     safe = _UNSAFE.sub("_", text).strip("_.")
-    if safe == text and safe:
+    if safe == text and safe and len(safe) <= MAX_NAME_CHARS:
         return safe
     digest = hashlib.sha256(text.encode()).hexdigest()[:8]
-    return f"{safe or 'run'}-{digest}"
+    return f"{safe[:MAX_NAME_CHARS - len(digest) - 1] or 'run'}-{digest}"
+
+
+def segment(value: str, what: str) -> str:
+    """``value`` when it is one safe path segment, else a UserError naming ``what``: no traversal ('..', '/'), no
+    characters outside letters, digits and '._=-', at most MAX_NAME_CHARS long."""
+    if not value or value in (".", "..") or _UNSAFE.search(value) or len(value) > MAX_NAME_CHARS:
+        shown = value if len(value) <= 80 else f"{value[:80]}... ({len(value)} characters)"
+        raise UserError(f"{what} {shown!r} is not one path segment: use letters, digits, '.', '_', '=' or '-' "
+                        f"(not '.' or '..'), at most {MAX_NAME_CHARS} characters")
+    return value
+
+
+def child(parent: str, name: str, what: str) -> str:
+    """``parent/name`` for a ``name`` that comes from a user (a model version, a model name): refused unless it is
+    one segment, so the result always stays under ``parent``."""
+    return join(parent, segment(name, what))
 
 
 def run_prefix(storage_root: str, dag_id: str, run_id: str) -> str:
@@ -161,35 +183,126 @@ def exists(uri: str) -> bool:
 def write_bytes(uri: str, data: bytes) -> None:
     """Write ``data`` so that readers see either nothing or all of it."""
     fs, path = filesystem(uri)
-    parent = path.rsplit("/", 1)[0]
     if isinstance(fs, LocalFileSystem):
-        os.makedirs(parent, exist_ok=True)
-        tmp = f"{path}.tmp-{unique_token()}"
-        try:
-            with open(tmp, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise
+        _write_local(path, data)
         return
     fs.pipe_file(path, data)
 
 
+def _write_local(path: str, data: bytes) -> None:
+    """Write a local file beside its target and rename it into place."""
+    os.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    tmp = f"{path}.tmp-{unique_token()}"
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, indent=2, sort_keys=True).encode()
+
+
 def write_json(uri: str, obj: Any) -> None:
-    write_bytes(uri, json.dumps(obj, indent=2, sort_keys=True).encode())
+    write_bytes(uri, _json_bytes(obj))
 
 
 def read_json(uri: str) -> Any:
+    """The JSON at ``uri``; a file that exists but does not parse is a DataError naming it (no retry can mend it)."""
     fs, path = filesystem(uri)
     try:
         with fs.open(path, "rb") as handle:
-            return json.load(handle)
+            data = handle.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"{uri} does not exist") from None
+    return _parse_json(uri, data)
+
+
+def _parse_json(uri: str, data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError: the bytes, not the storage, are at fault
+        raise DataError(f"{uri}: is not valid JSON ({exc}; {len(data)} bytes): the file is torn or was edited; "
+                        f"restore or remove it") from None
+
+
+# Compare-and-swap of a small JSON file (the registry's pointer): read it with a token naming that version, then
+# write only if it is still that version. Locally every conditional writer holds a lock file beside the target
+# while it compares and renames (local storage is one machine); on S3 the PUT itself is conditional: If-None-Match: *
+# to create, If-Match: <ETag> to replace (S3 has honoured both since 2024).
+
+# Error codes of a conditional PUT that lost: changed since read (412), another conditional write in flight (409), gone.
+_LOST_RACE_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"})
+
+
+def read_versioned(uri: str) -> tuple[Any, str | None]:
+    """The JSON at ``uri`` and a token naming this version of it for write_if_unchanged; (None, None) when absent."""
+    fs, path = filesystem(uri)
+    data, token = _local_read(path) if isinstance(fs, LocalFileSystem) else _s3_read(fs, path)
+    return (None, None) if data is None else (_parse_json(uri, data), token)
+
+
+def write_if_unchanged(uri: str, obj: Any, token: str | None) -> bool:
+    """Write ``obj`` as JSON at ``uri`` only if it is still the version ``token`` names (None: only if absent); else False."""
+    fs, path = filesystem(uri)
+    if isinstance(fs, LocalFileSystem):
+        return _local_write_if_unchanged(path, _json_bytes(obj), token)
+    return _s3_write_if_unchanged(fs, path, _json_bytes(obj), token)
+
+
+def _local_read(path: str) -> tuple[bytes | None, str | None]:
+    """A local file's bytes and their hash as the version token; (None, None) when absent."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except FileNotFoundError:
+        return None, None
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def _local_write_if_unchanged(path: str, data: bytes, token: str | None) -> bool:
+    os.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with open(f"{path}.lock", "ab") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes; readers need no lock, the rename is atomic
+        if _local_read(path)[1] != token:
+            return False
+        _write_local(path, data)
+    return True
+
+
+def _s3_read(fs: Any, path: str) -> tuple[bytes | None, str | None]:
+    """An S3 object's bytes and ETag from one GET (a HEAD apart could pair the ETag with other bytes); (None, None) when absent."""
+    bucket, key, _ = fs.split_path(path)
+    try:
+        response = fs.call_s3("get_object", Bucket=bucket, Key=key)
+    except FileNotFoundError:
+        return None, None
+    try:
+        return fsspec.asyn.sync(fs.loop, response["Body"].read), response["ETag"]
+    finally:
+        response["Body"].close()
+
+
+def _s3_write_if_unchanged(fs: Any, path: str, data: bytes, token: str | None) -> bool:
+    bucket, key, _ = fs.split_path(path)
+    condition = {"IfMatch": token} if token else {"IfNoneMatch": "*"}
+    try:
+        fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
+    except OSError as exc:
+        response = getattr(exc.__cause__, "response", None) or {}
+        if response.get("Error", {}).get("Code") not in _LOST_RACE_CODES:
+            raise
+        # botocore retries a PUT whose answer was lost; that retry meets its own write, which is no lost race.
+        return _s3_read(fs, path)[0] == data
+    finally:
+        fs.invalidate_cache(path)
+    return True
 
 
 def makedirs(uri: str) -> None:

@@ -21,6 +21,12 @@ from tasks.definitions.hyperparams import (
     hyperparameter_problem,
 )
 
+# Optuna keeps a study's name in at most 512 characters (its RDB schema).
+MAX_STUDY_NAME = 512
+# What well-known metrics can be: a limit outside can never be met nor missed, so it is a typo.
+METRIC_RANGES = {**dict.fromkeys(("accuracy", "precision", "recall", "f1", "auc"), (0.0, 1.0)),
+                 **dict.fromkeys(("rmse", "mae", "mse", "loss"), (0.0, math.inf))}
+
 
 class ConfigError(UserError):
     """The pipeline config is invalid; the message names the file, key and reason."""
@@ -344,7 +350,8 @@ class Sweep(_Strict):
     seed: int = Field(0, description="Sampler seed.")
     sampler: Sampler = Field(default_factory=Sampler, description="The sampler.")
     pruner: Pruner = Field(default_factory=Pruner, description="The pruner.")
-    warm_start_from: str = Field("", description="Study name whose best params are enqueued first (empty: cold start).")
+    warm_start_from: str = Field("", max_length=MAX_STUDY_NAME,
+                                 description="Study name whose best params are enqueued first (empty: cold start).")
     entrypoint: EntryPoint | None = Field(None, description=(
         "Run each trial as this user script/module under torchrun (it reports through tasks.spec.report) "
         "instead of the built-in loop; {epochs} is sweep.epochs, {per_process_batch} sweep.batch_size."))
@@ -490,7 +497,8 @@ class Evaluate(_Strict):
     profile: str = Field(description="Instance profile of the evaluation task.")
     min_test_accuracy: float = Field(0.0, ge=0, le=1, description="Fail the run below this test accuracy.")
     objective_limit: float | None = Field(
-        None, description="Fail the run when test_<objective.metric> is worse than this in objective.direction; null: no limit.")
+        None, allow_inf_nan=False,
+        description="Fail the run when test_<objective.metric> is worse than this in objective.direction; null: no limit.")
 
 
 class Inference(_Strict):
@@ -619,6 +627,15 @@ class PipelineConfig(_Strict):
             unknown = sorted(set(names) - set(known))
             if unknown:
                 raise ValueError(f"{where}: unknown hyperparameter(s) {unknown} for {BUILTIN_SPEC}; tunable: {list(known)}")
+        return self
+
+    @model_validator(mode="after")
+    def _limit_in_metric_range(self) -> PipelineConfig:
+        limit, metric = self.evaluate.objective_limit, self.objective.metric
+        low, high = METRIC_RANGES.get(metric, (-math.inf, math.inf))
+        if limit is not None and not low <= limit <= high:
+            raise ValueError(f"evaluate.objective_limit: {limit} is outside the range of {metric} ({low} to {high}): "
+                             f"no model could ever pass or fail it")
         return self
 
     def gate_metric(self) -> str:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from tasks.core import storage
+from tasks.core.errors import DataError
+from tasks.models.versions import check_registered
 
 
 def save_torch(uri: str, payload: dict[str, Any]) -> None:
@@ -18,10 +20,20 @@ def save_torch(uri: str, payload: dict[str, Any]) -> None:
 
 
 def load_torch(uri: str) -> dict[str, Any]:
-    """Read a file written by :func:`save_torch`; tensors land on the CPU (see :func:`restore_training_state`)."""
+    """Read a file written by :func:`save_torch`; tensors land on the CPU (see :func:`restore_training_state`).
+
+    Bytes that do not load (cut, corrupt, not a torch file, or a registered model that no longer matches its
+    version) are a DataError naming ``uri``: no retry reads them differently. Read faults pass and are retried.
+    """
     fs, path = storage.filesystem(uri)
     with fs.open(path, "rb") as handle:
         data = handle.read()
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-
-
+    check_registered(uri, data)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except MemoryError:
+        raise
+    except Exception as exc:  # the bytes are in memory: whatever fails here is the file's content
+        reason = " ".join(str(exc).split())[:300]
+        raise DataError(f"{uri}: cannot be loaded as a torch file ({type(exc).__name__}: {reason}; {len(data)} bytes): "
+                        f"it is cut or corrupt; restore it or run the stage that writes it again") from None

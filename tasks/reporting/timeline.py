@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from tasks.core import storage
+from tasks.core.errors import DataError
 
 log = logging.getLogger("stagewise.timeline")
 
@@ -53,7 +54,7 @@ def records(out: str) -> list[dict[str, Any]]:
         uri = fs.unstrip_protocol(name) if "://" in out else name
         try:
             entry = storage.read_json(uri)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, DataError) as exc:
             log.warning("skipping timeline record %s: %s", uri, exc)
             continue
         found.append({key: entry.get(key) for key in FIELDS})

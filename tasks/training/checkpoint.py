@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tasks.core import storage
+from tasks.core.errors import DataError
 from tasks.models.torch_io import load_torch, save_torch
 
 log = logging.getLogger("stagewise.checkpoint")
@@ -54,7 +55,10 @@ class CheckpointStore:
         """The newest checkpoint that loads: the pointer's, else the newest readable file."""
         candidates = []
         if storage.exists(self.pointer):
-            candidates.append(storage.read_json(self.pointer)["uri"])
+            try:
+                candidates.append(storage.read_json(self.pointer)["uri"])
+            except (DataError, KeyError, TypeError) as exc:  # a torn or foreign pointer: the step files still say
+                log.warning("ignoring unreadable checkpoint pointer %s: %s", self.pointer, exc)
         candidates += [uri for uri in reversed(self._listed()) if uri not in candidates]
         for uri in candidates:
             try:

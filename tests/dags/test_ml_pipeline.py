@@ -111,6 +111,27 @@ def test_batch_inference_dag_scores_with_the_current_model(report, airflow_env, 
     assert inference["stages"]["inference"]["num_tasks"] == len(shards) + 1  # the shards and the commit
 
 
+def test_a_cut_current_model_fails_batch_inference_once_per_shard_naming_the_file(report, airflow_env, tmp_path):
+    """The current model.pt cut after registration: each infer_shard fails on its first try (no retry), naming the
+    file and its registered version, and no predictions are committed. The file is restored for the tests after."""
+    from tasks.reporting import timeline
+
+    storage_root = Path(airflow_env["STAGEWISE_TEST_STORAGE"])
+    model = storage_root / "models" / "digits" / report["registry"]["current"] / "model.pt"
+    before = {p.parent.name for p in storage_root.glob("runs/batch_inference/*/timeline")}
+    intact = model.read_bytes()
+    try:
+        model.write_bytes(intact[: len(intact) // 2])
+        result = airflow(airflow_env, "dags", "test", "batch_inference", check=False)
+    finally:
+        model.write_bytes(intact)
+    [run] = [p for p in storage_root.glob("runs/batch_inference/*") if p.name not in before]
+    shards = [r for r in timeline.records(str(run)) if r["task_id"] == "infer_shard"]
+    assert shards and {(r["try_number"], r["state"]) for r in shards} == {(1, "failed")}, shards
+    assert f"{model}: its {len(intact) // 2} bytes hash to" in result.stdout + result.stderr
+    assert not (run / "predictions" / "manifest.json").exists()
+
+
 def test_out_of_bounds_conf_is_refused_naming_the_param(airflow_env):
     """A conf outside the Params' bounds never starts a run, and the error names the param."""
     result = airflow(airflow_env, "dags", "test", "ml_pipeline", "-c", json.dumps({"num_trials": 0}), check=False)

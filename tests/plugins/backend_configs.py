@@ -39,5 +39,5 @@ def job_args(path: Path, config: PipelineConfig, attempt: int = 1, **changes) ->
 
     args = dict(dag_id=RUN["dag_id"], run_id=RUN["run_id"], stage="s2", out=run_prefix(config.storage_root, **RUN),
                 attempt=attempt, params={"lr": 0.05, "hidden": 64}, init_from=None, config_file=str(path),
-                overrides={"sweep.num_trials": 4}, repo_root=str(path.parent))
+                overrides_file=f"{run_prefix(config.storage_root, **RUN)}/overrides.json", repo_root=str(path.parent))
     return {**args, **changes}

@@ -53,6 +53,23 @@ def test_out_of_bounds_params_are_refused(name, value):
         params.validate()
 
 
+@pytest.mark.parametrize("form,name,value", [
+    ("pipeline", "warm_start_study", "x" * 1_000_000), ("pipeline", "input_uri", "raw/" + "d" * 2000),
+    ("inference", "input_uri", "s3://b/" + "k" * 1100), ("inference", "model_version", "../other/m-0ther0000001"),
+    ("inference", "model_version", "m-x/../m-y"), ("inference", "model_version", "../../models/digits/m-0123456789ab")])
+def test_oversized_strings_and_traversing_model_versions_are_refused_by_the_form(form, name, value):
+    """Every string Param is bounded and a model version is one id (m-<12 hex>), so neither reaches a sub-job."""
+    from airflow.sdk.definitions.param import ParamsDict
+    from airflow.sdk.exceptions import ParamValidationError
+
+    from stagewise_airflow.params import inference_params
+
+    params = ParamsDict((pipeline_params if form == "pipeline" else inference_params)(load_config()))
+    with pytest.raises(ParamValidationError, match=f"param {name}"):
+        params[name] = value
+        params.validate()
+
+
 def test_profile_maps_to_pool_queue_retries_and_timeout():
     """Pool slots bound concurrency, the queue routes, retries back off exponentially with a cap."""
     kwargs = task_kwargs(Profile(pool="gpus", pool_slots=2, queue="gpu", retries=3, retry_delay_s=10,

@@ -52,7 +52,7 @@ def test_the_request_is_valid_for_sagemakers_api_and_runs_node_launch_on_every_n
     # The same command line the kubernetes backend runs, with the config as the image sees it.
     assert spec["ContainerEntrypoint"] + spec["ContainerArguments"] == node_command(
         "sagemaker", processes_per_node=2, stage="s2", out=out, params={"lr": 0.05, "hidden": 64},
-        init_from="s3://b/final.pt", config_file="/opt/stagewise/pipeline.yaml", overrides={"sweep.num_trials": 4})
+        init_from="s3://b/final.pt", config_file="/opt/stagewise/pipeline.yaml", overrides_file=f"{out}/overrides.json")
     assert spec["ContainerArguments"][:4] == ["-m", "tasks.training.node_launch", "sagemaker", "--nproc-per-node"]
     # What the container's entrypoint makes of them on the second of two hosts: torchrun joins host 1's store.
     from tasks.training.node_launch import sagemaker_node, torchrun_argv

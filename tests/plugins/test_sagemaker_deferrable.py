@@ -43,7 +43,7 @@ def _stage(tmp_path, monkeypatch, root: str, attempt: int = 1):
         fs.mkdir("stagewise-test")
     fs.pipe(f"{args['out']}/preprocess/manifest.json".removeprefix("s3://"), b"{}")
     monkeypatch.setattr(stagewise_airflow, "REPO_ROOT", str(tmp_path))
-    run = {**RUN, "run_id": run_id, "config": str(path), "overrides": args["overrides"], "out": out}
+    run = {**RUN, "run_id": run_id, "config": str(path), "overrides": {}, "overrides_file": args["overrides_file"], "out": out}
     operator = SageMakerStageOperator(task_id="train_s2", run=run, stage="s2", swept={"best_params": PARAMS},
                                       previous={"checkpoint_uri": args["init_from"]})
     return config, args, operator, {"ti": types.SimpleNamespace(try_number=attempt)}

@@ -11,11 +11,15 @@ from stagewise_airflow import steps
 from tasks.core import storage
 from tasks.reporting import timeline
 
+RUN_ID = "manual__2026-01-01T10:00:00+00:00"
 
-def _context(task_id: str, map_index: int, try_number: int) -> dict:
+
+def _context(task_id: str, map_index: int, try_number: int, run: dict | None = None) -> dict:
+    """A task's context; ``run`` is what its xcom_pull of start_run answers (None: start_run has not returned)."""
     start = dt.datetime(2026, 1, 1, 10, 0, tzinfo=dt.UTC)
-    ti = SimpleNamespace(task_id=task_id, map_index=map_index, try_number=try_number, start_date=start)
-    return {"ti": ti, "dag": SimpleNamespace(dag_id="ml_pipeline"), "run_id": "manual__2026-01-01T10:00:00+00:00"}
+    ti = SimpleNamespace(task_id=task_id, map_index=map_index, try_number=try_number, start_date=start,
+                         xcom_pull=lambda task_ids, map_indexes: run if (task_ids, map_indexes) == ("start_run", -1) else None)
+    return {"ti": ti, "dag": SimpleNamespace(dag_id="ml_pipeline"), "run_id": RUN_ID}
 
 
 @pytest.fixture
@@ -49,3 +53,24 @@ def test_a_failing_record_never_fails_the_task(configured, monkeypatch, caplog):
     monkeypatch.setattr(timeline, "record", broken)
     steps.timeline_hooks()["on_failure_callback"](_context("train_s1", -1, 1))
     assert "could not record failed of train_s1: bucket unreachable" in caplog.text
+
+
+@pytest.mark.service
+def test_an_s3_run_records_its_timeline_on_s3_when_this_process_defaults_to_local_files(configured, s3_bucket, storage_root,
+                                                                                         tmp_path):
+    """The hooks place records by the run's own config (start_run's result), not by this process's default config."""
+    import yaml
+
+    from tests.conftest import base_config
+
+    s3_config = tmp_path / "s3.yaml"
+    s3_config.write_text(yaml.safe_dump({**base_config(storage_root), "storage_root": f"{s3_bucket}/root"}))
+    run = {"config": str(s3_config), "overrides": {}, "out": storage.run_prefix(f"{s3_bucket}/root", "ml_pipeline", RUN_ID)}
+    hooks = steps.timeline_hooks()
+    hooks["pre_execute"](_context("start_run", -1, 1))  # no record yet: the run's place is not known before it returns
+    hooks["post_execute"](_context("start_run", -1, 1), run)
+    hooks["pre_execute"](_context("train_s1", -1, 1, run))
+    hooks["on_failure_callback"](_context("train_s1", -1, 1, run))
+    assert [(r["task_id"], r["state"]) for r in timeline.records(run["out"])] == [("start_run", "success"),
+                                                                                  ("train_s1", "failed")]
+    assert timeline.records(configured) == [], "nothing of the s3 run went to the process's local storage root"

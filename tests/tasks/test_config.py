@@ -444,3 +444,26 @@ def test_sagemaker_needs_an_s3_storage_root_and_only_train_stages_leave_the_work
     raw["profiles"]["ddp2"]["processes_per_node"] = 1
     with pytest.raises(ConfigError, match="evaluate.profile: profile 'ddp2' has backend 'kubernetes'; only train stages"):
         load_config(write_config(raw))
+
+
+@pytest.mark.parametrize("metric,limit", [("accuracy", 1e308), ("accuracy", -0.5), ("accuracy", 1.01), ("rmse", -1.0)])
+def test_an_objective_limit_outside_the_metric_range_is_refused(write_config, storage_root, metric, limit):
+    """A limit no model can meet or miss (accuracy 1e308, a negative rmse) fails at load (start_run), not at evaluate."""
+    raw = base_config(storage_root)
+    raw["objective"] = {"metric": metric, "direction": "maximize" if metric == "accuracy" else "minimize"}
+    raw["evaluate"]["objective_limit"] = limit
+    message = _load_error(write_config, raw)
+    assert "evaluate.objective_limit" in message and f"outside the range of {metric}" in message
+
+
+@pytest.mark.parametrize("limit", [float("nan"), float("inf")])
+def test_a_non_finite_objective_limit_is_refused_not_read_as_no_limit(write_config, limit):
+    """A JSON NaN (or Infinity) from the trigger form is an error naming the key; null is the only 'no limit'."""
+    with pytest.raises(ConfigError, match=r"evaluate\.objective_limit"):
+        load_config(write_config(), overrides={"evaluate.objective_limit": limit})
+
+
+def test_a_warm_start_study_longer_than_optuna_keeps_is_refused(write_config):
+    """sweep.warm_start_from is bounded (Optuna's 512 characters): a 1 MB value fails at load, naming the key."""
+    with pytest.raises(ConfigError, match=r"sweep\.warm_start_from"):
+        load_config(write_config(), overrides={"sweep.warm_start_from": "x" * 1_000_000})

@@ -203,3 +203,54 @@ def test_a_model_card_records_the_objective_and_the_params_it_trained_with(write
     assert card["objective"] == "accuracy" and card["direction"] == "maximize" and card["val_accuracy"] == 0.93
     assert card["params"] == {"lr": 0.1} and card["params_source"] == "sweep" and card["stages"] == ["s2"]
     assert card["study"] == "st" and card["source_run"] == "ml_pipeline/r1" and card["data_fingerprint"]
+
+
+@pytest.mark.parametrize("version", ["../other/m-0ther0000001", "../../models/digits/m-0123456789ab", "m-x/../m-y", "..",
+                                     "m-0123456789ab/", "/etc"])
+def test_a_model_version_that_leaves_its_registry_is_refused(write_config, storage_root, tmp_path, version):
+    """A version is one path segment: batch inference never scores (and the CLI never promotes) a model of another
+    registry name or outside models/, even when that file exists."""
+    from tasks.definitions.loading import load_config
+
+    config = load_config(write_config())
+    other = registry.register(str(storage_root), "other", _model(tmp_path, "o", b"o" * 10), {"test_accuracy": 0.5})["version"]
+    assert registry.card(str(storage_root), "other", other)  # the file the traversal would reach is there
+    for call in (lambda: registry.serving_model(config, version), lambda: registry.promote(str(storage_root), NAME, version),
+                 lambda: registry.card(str(storage_root), NAME, version)):
+        with pytest.raises(UserError, match=r"model version .* is not one path segment"):
+            call()
+
+
+@pytest.mark.parametrize("name", ["..", "a/b", "../models"])
+def test_a_model_name_that_leaves_models_is_refused(storage_root, name):
+    """The registry name (registry.model_name, --model) is one path segment too."""
+    with pytest.raises(UserError, match=r"model name \(registry.model_name\) .* is not one path segment"):
+        registry.pointer(str(storage_root), name)
+
+
+def test_a_torn_card_is_a_data_error_naming_it_and_the_listing_shows_the_other_versions(storage_root, tmp_path):
+    """A card that does not parse names its file (no retry); versions() lists it with its error beside the good ones."""
+    from tasks.core.errors import DataError
+
+    good = _register(storage_root, tmp_path, "a", 0.9)
+    torn = _register(storage_root, tmp_path, "b", 0.8)
+    card_file = storage_root / "models" / NAME / torn / "card.json"
+    card_file.write_bytes(card_file.read_bytes()[:25])
+    with pytest.raises(DataError, match=rf"{torn}/card.json: is not valid JSON"):
+        registry.card(str(storage_root), NAME, torn)
+    listed = {entry["version"]: entry for entry in registry.versions(str(storage_root), NAME)}
+    assert listed[good]["test_accuracy"] == 0.9 and "is not valid JSON" in listed[torn]["card_error"]
+
+
+def test_a_registered_model_file_that_changed_since_registration_is_named(storage_root, tmp_path):
+    """The version id is the digest of the registered bytes: a cut model.pt fails its check, naming the file."""
+    from tasks.core.errors import DataError
+    from tasks.models.versions import check_registered
+
+    version = _register(storage_root, tmp_path, "a", 0.9)
+    model_uri = registry.card(str(storage_root), NAME, version)["model_uri"]
+    data = Path(model_uri).read_bytes()
+    assert check_registered(model_uri, data) == version
+    assert registry.card(str(storage_root), NAME, version)["sha256"].startswith(version[2:])
+    with pytest.raises(DataError, match=rf"{version}/model.pt: its 5 bytes hash to m-[0-9a-f]{{12}}, not to its registered"):
+        check_registered(model_uri, data[:5])

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tasks.core import storage
-from tasks.core.errors import DataError
+from tasks.core.errors import DataError, UserError
 from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
 
 
@@ -133,6 +133,30 @@ def test_safe_name_keeps_plain_names_and_never_returns_empty():
 def test_safe_name_never_yields_a_dot_segment(run_id):
     """A run id of dots must not become '.' or '..' in a path (it would write outside its run prefix)."""
     assert storage.safe_name(run_id) not in {".", ".."}
+
+
+@pytest.mark.parametrize("run_id", ["x" * 248 + ":", "y" * 250, "é" * 200])
+def test_a_long_run_id_becomes_a_bounded_folder_name_that_stays_unique(run_id):
+    """Airflow allows 250-character run ids; a folder name is capped (a file system takes 255 bytes) and keeps a hash."""
+    name = storage.safe_name(run_id)
+    assert len(name.encode()) <= storage.MAX_NAME_CHARS and re.fullmatch(r"[A-Za-z0-9._=-]+-[0-9a-f]{8}", name)
+    assert storage.safe_name(run_id[:-1] + "z") != name and storage.safe_name(name) == name
+
+
+@pytest.mark.parametrize("value", ["..", ".", "", "a/b", "../x", "a\\b", "m-x/../m-y", "x" * 121, "a b"])
+def test_segment_refuses_anything_but_one_safe_path_segment(value):
+    """An id that becomes a path (a model version, a model name) is one segment, or a UserError naming what it is."""
+    with pytest.raises(UserError, match=r"model version .* is not one path segment"):
+        storage.segment(value, "model version")
+    assert storage.segment("m-0123456789ab", "model version") == "m-0123456789ab"
+
+
+def test_a_torn_json_file_is_a_data_error_naming_it(tmp_path):
+    """A manifest, card or pointer that exists but does not parse names its file (not a bare JSONDecodeError)."""
+    path = tmp_path / "manifest.json"
+    path.write_bytes(b'{"files": [1, 2')
+    with pytest.raises(DataError, match=rf"{path}: is not valid JSON .*15 bytes.*torn"):
+        storage.read_json(str(path))
 
 
 def test_distinct_run_ids_get_distinct_prefixes():

@@ -38,7 +38,7 @@ _PUBLIC_AWS_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION")
 
 
 def node_command(mode: str, *, processes_per_node: int, stage: str, out: str, params: dict[str, Any],
-                 init_from: str | None, config_file: str, overrides: dict[str, Any]) -> list[str]:
+                 init_from: str | None, config_file: str, overrides_file: str | None) -> list[str]:
     """The command every node of a job runs (container entrypoint + arguments): node_launch, then tasks.train."""
     if mode not in ("sagemaker", "kubernetes"):
         raise ValueError(f"node_launch mode must be sagemaker or kubernetes, not {mode!r}")
@@ -47,7 +47,8 @@ def node_command(mode: str, *, processes_per_node: int, stage: str, out: str, pa
     if init_from:
         command += ["--init-from", init_from]
     command += ["--config", config_file]
-    command += [f"--override={key}={json.dumps(value)}" for key, value in sorted(overrides.items())]
+    if overrides_file:  # on the run's storage, which every node reads: a URI, however long the values in it
+        command += ["--overrides-file", overrides_file]
     return command
 
 
@@ -64,7 +65,7 @@ class StageJob:
 
 
 def stage_job(config: PipelineConfig, backend: str, *, stage: str, out: str, params: dict[str, Any], init_from: str | None,
-              config_file: str, overrides: dict[str, Any], repo_root: str) -> StageJob:
+              config_file: str, overrides_file: str | None, repo_root: str) -> StageJob:
     """The stage's ``backend`` settings (a user error if its profile has another backend) and its node command."""
     name = config.stage(stage).profile
     profile = config.profile(name)
@@ -73,7 +74,7 @@ def stage_job(config: PipelineConfig, backend: str, *, stage: str, out: str, par
         raise UserError(f"stage {stage}: profile '{name}' has backend '{profile.backend}', not {backend}")
     image_config = image_config_path(config_file, repo_root)
     command = node_command(backend, processes_per_node=profile.processes_per_node, stage=stage, out=out, params=params,
-                           init_from=init_from, config_file=image_config, overrides=overrides)
+                           init_from=init_from, config_file=image_config, overrides_file=overrides_file)
     return StageJob(profile=profile, settings=settings, image_config=image_config, command=command)
 
 
@@ -81,7 +82,7 @@ def image_config_path(config_file: str, repo_root: str) -> str:
     """The run's config file as the runtime image sees it: the same path under the image's copy of the project.
 
     The image carries the checkout (docker/runtime.Dockerfile), so a config inside it is there too; the
-    trigger form's overrides travel as --override arguments. A config outside the checkout is not in the image.
+    trigger form's overrides travel in the run's overrides file on storage. A config outside the checkout is not in the image.
     """
     path, root = Path(config_file).resolve(), Path(repo_root).resolve()
     try:
@@ -174,7 +175,7 @@ def submit_stage(config: PipelineConfig, run: dict[str, Any], stage: str, params
     storage_env = credentials.aws_environment(config.storage_conn_id)
     started = time.monotonic()
     common = dict(dag_id=run["dag_id"], run_id=run["run_id"], stage=stage, out=run["out"], attempt=attempt, params=params,
-                  init_from=init_from, config_file=run["config"], overrides=run["overrides"], repo_root=REPO_ROOT,
+                  init_from=init_from, config_file=run["config"], overrides_file=run.get("overrides_file"), repo_root=REPO_ROOT,
                   storage_env=storage_env)
     try:
         with credentials.exported(storage_env):  # the stage's metrics.json is read back from the run's storage

@@ -54,7 +54,7 @@ def _tolerations(items: list[dict[str, Any]]) -> list[Any]:
 
 
 def job_objects(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str, out: str, attempt: int,
-                params: dict[str, Any], init_from: str | None, config_file: str, overrides: dict[str, Any],
+                params: dict[str, Any], init_from: str | None, config_file: str, overrides_file: str | None,
                 repo_root: str, storage_env: dict[str, str] | None = None) -> tuple[Any, Any]:
     """The headless Service and the Indexed Job of one try of ``stage``: (V1Service, V1Job)."""
     from kubernetes import client as k8s
@@ -62,7 +62,7 @@ def job_objects(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str,
     from tasks.definitions.loading import CONFIG_ENV_VAR
 
     job = stage_job(config, "kubernetes", stage=stage, out=out, params=params, init_from=init_from,
-                    config_file=config_file, overrides=overrides, repo_root=repo_root)
+                    config_file=config_file, overrides_file=overrides_file, repo_root=repo_root)
     profile, settings, image_config, command = job.profile, job.settings, job.image_config, job.command
     name = job_name(dag_id, run_id, stage, attempt, limit=NAME_LIMIT)
     labels = {JOB_LABEL: name, "app.kubernetes.io/part-of": "stagewise"}

@@ -55,7 +55,7 @@ def spot_for(config: PipelineConfig, profile_name: str, attempt: int) -> bool:
 
 
 def training_job_request(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str, out: str, attempt: int,
-                         params: dict[str, Any], init_from: str | None, config_file: str, overrides: dict[str, Any],
+                         params: dict[str, Any], init_from: str | None, config_file: str, overrides_file: str | None,
                          repo_root: str, storage_env: dict[str, str] | None = None) -> dict[str, Any]:
     """The CreateTrainingJob request of one try of ``stage`` (``out`` = the run prefix, an s3:// URI)."""
     from tasks.core import storage
@@ -64,7 +64,7 @@ def training_job_request(config: PipelineConfig, *, dag_id: str, run_id: str, st
     if not out.startswith("s3://"):
         raise UserError(f"stage {stage}: a SageMaker job reads and writes the run through S3, but the run prefix is {out}")
     job = stage_job(config, "sagemaker", stage=stage, out=out, params=params, init_from=init_from,
-                    config_file=config_file, overrides=overrides, repo_root=repo_root)
+                    config_file=config_file, overrides_file=overrides_file, repo_root=repo_root)
     profile, settings, image_config, command = job.profile, job.settings, job.image_config, job.command
     profile_name = config.stage(stage).profile
     arguments = command[1:]

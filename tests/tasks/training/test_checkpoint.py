@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +48,29 @@ def test_torn_file_behind_the_pointer_falls_back_to_an_older_readable_one(tmp_pa
     store.save(20, _state(20))
     (tmp_path / "s1" / "checkpoints" / "step-000000020.pt").write_bytes(b"\x80\x02 torn")
     assert store.latest()[1]["step"] == 10
+
+
+@pytest.mark.parametrize("pointer", [b'{"uri": "/x/step-0', b"", b"[1, 2]"], ids=["torn", "empty", "foreign"])
+def test_an_unreadable_pointer_falls_back_to_the_newest_readable_step_file(tmp_path, pointer):
+    """latest.json cut or foreign: the newest step file that loads is resumed, as latest() promises (no JSON error)."""
+    store = CheckpointStore(str(tmp_path / "s1"), keep_last=3)
+    store.save(10, _state(10))
+    store.save(20, _state(20))
+    (tmp_path / "s1" / "checkpoints" / "latest.json").write_bytes(pointer)
+    assert store.latest()[1]["step"] == 20
+
+
+def test_a_cut_torch_file_is_a_data_error_naming_it(tmp_path):
+    """A file that exists but does not load (e.g. a cut s1/final.pt) names itself as a data error: no retry mends it."""
+    from tasks.core.errors import DataError
+    from tasks.models.torch_io import load_torch, save_torch
+
+    uri = str(tmp_path / "s1" / "final.pt")
+    save_torch(uri, _state(3))
+    data = Path(uri).read_bytes()
+    Path(uri).write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=rf"{uri}: cannot be loaded as a torch file .*it is cut or corrupt"):
+        load_torch(uri)
 
 
 def test_checkpoints_load_with_weights_only(tmp_path):
