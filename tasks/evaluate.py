@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from tasks.core import storage
-from tasks.core.cli import common_parser, overrides_of, run_subjob
+from tasks.core.cli import common_parser, parse_overrides, run_subjob
 from tasks.core.errors import UserError
 from tasks.datasets.manifest import load_split, read_manifest
 from tasks.definitions.config import PipelineConfig
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     def work() -> dict[str, Any]:
-        config = load_config(args.config, overrides_of(args))
+        config = load_config(args.config, parse_overrides(args.override))
         return evaluate(config, args.model, storage.resolve(config.storage_root, args.out))
 
     run_subjob("evaluate", work, args.result_file)

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from tasks.core import storage
-from tasks.core.cli import common_parser, json_arg, overrides_of, run_subjob
+from tasks.core.cli import common_parser, json_arg, parse_overrides, run_subjob
 from tasks.core.errors import DataError
 from tasks.datasets import predictions
 from tasks.datasets.columns import check_feature_types, flatten_features
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     def work() -> dict[str, Any]:
-        config = load_config(args.config, overrides_of(args))
+        config = load_config(args.config, parse_overrides(args.override))
         storage.require_bucket(config.storage_root, "storage_root")
         if args.step == "plan":
             source = args.input or config.inference.input_uri or config.dataset.uri

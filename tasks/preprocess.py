@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from tasks.core import storage
-from tasks.core.cli import common_parser, json_arg, overrides_of, run_subjob
+from tasks.core.cli import common_parser, json_arg, parse_overrides, run_subjob
 from tasks.core.errors import DataError
 from tasks.datasets.columns import (
     FEATURES_COLUMN,
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     def work() -> dict[str, Any]:
-        config = load_config(args.config, overrides_of(args))
+        config = load_config(args.config, parse_overrides(args.override))
         storage.require_bucket(config.storage_root, "storage_root")
         if args.step == "plan":
             source = storage.resolve(config.storage_root, args.input or config.dataset.uri)

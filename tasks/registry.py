@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from tasks.core import storage
-from tasks.core.cli import common_parser, overrides_of, setup_logging
+from tasks.core.cli import common_parser, parse_overrides, setup_logging
 from tasks.core.errors import DataError, UserError
 from tasks.definitions.config import PipelineConfig
 from tasks.definitions.loading import REPO_ROOT, load_config
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     promote_cmd.add_argument("version")
     args = parser.parse_args(argv)
     setup_logging(quiet=True)
-    config = load_config(args.config, overrides_of(args))
+    config = load_config(args.config, parse_overrides(args.override))
     root, name = config.storage_root, args.model or config.registry.model_name
     try:
         if args.command == "list":

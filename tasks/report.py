@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from tasks.core import storage
-from tasks.core.cli import common_parser, overrides_of, setup_logging
+from tasks.core.cli import common_parser, parse_overrides, setup_logging
 from tasks.core.errors import DataError, UserError
 from tasks.definitions.loading import load_config
 from tasks.reporting import html as report_html
@@ -36,15 +36,18 @@ def stage_timing(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str
 def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str, list[dict[str, Any]]],
                  preprocess: dict[str, Any], sweep: dict[str, Any], training: list[dict[str, Any]],
                  evaluation: dict[str, Any], predictions: dict[str, Any], registry: dict[str, Any],
-                 direction: str | None = None, tasks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                 direction: str | None = None, tasks: list[dict[str, Any]] | None = None,
+                 config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Assemble report.json, write report.html and then report.json (the commit); returns their URIs and headline numbers.
 
-    ``direction``: the objective's (minimize or maximize); ``tasks``: the run's task attempts (tasks.reporting.timeline).
+    ``direction``: the objective's (minimize or maximize); ``tasks``: the run's task attempts (tasks.reporting.timeline);
+    ``config``: the run's config snapshot (``config_uri``, ``config_hash``, ``config_source``).
     """
     report = {
         "dag_id": dag_id,
         "run_id": run_id,
         "run_prefix": out,
+        "config": config or {},
         "stages": stage_timing(stage_results),
         "data": {"rows": preprocess.get("rows"), "rows_dropped": preprocess.get("rows_dropped"),
                  "manifest_uri": preprocess.get("manifest_uri")},
@@ -85,10 +88,11 @@ def write_html(report: dict[str, Any], out: str) -> str | None:
 
 def build_inference_report(*, dag_id: str, run_id: str, out: str, model: dict[str, Any],
                            stage_results: dict[str, list[dict[str, Any]]], predictions: dict[str, Any],
-                           tasks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                           tasks: list[dict[str, Any]] | None = None, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """report.json (and report.html before it) of a batch_inference run: which model scored what, and how much was
-    quarantined; ``tasks``: the run's task attempts (tasks.reporting.timeline)."""
-    report = {"dag_id": dag_id, "run_id": run_id, "run_prefix": out, "stages": stage_timing(stage_results),
+    quarantined; ``tasks``: the run's task attempts (tasks.reporting.timeline); ``config``: its config snapshot."""
+    report = {"dag_id": dag_id, "run_id": run_id, "run_prefix": out, "config": config or {},
+              "stages": stage_timing(stage_results),
               "model_version": model["current"], "model_uri": model["model_uri"],
               "predictions": {"uri": predictions.get("uri"), "rows": predictions.get("rows"),
                               "rows_quarantined": predictions.get("rows_quarantined", 0)}, "tasks": tasks or []}
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         except UserError as exc:
             raise SystemExit(str(exc)) from None
         return
-    config = load_config(args.config, overrides_of(args))
+    config = load_config(args.config, parse_overrides(args.override))
     uri = latest_report(config.storage_root, args.dag_id)
     for line in summary_lines(storage.read_json(uri)):
         print(line)

@@ -29,7 +29,7 @@ from typing import Any
 
 from tasks.core import contract as env_contract
 from tasks.core import storage
-from tasks.core.cli import common_parser, overrides_of, run_subjob
+from tasks.core.cli import common_parser, parse_overrides, run_subjob
 from tasks.core.errors import UserError
 from tasks.datasets.manifest import read_manifest
 from tasks.definitions.config import PipelineConfig, Sweep
@@ -193,7 +193,7 @@ def trial_contract(config: PipelineConfig, config_file: str, trial: Any, params:
     epochs, the suggested lr as it is, the sweep's seed plus the trial number, outputs in the scratch ``workdir``."""
     sweep = config.sweep
     world = config.profile(sweep.profile).processes_per_node
-    return {"config": os.path.abspath(config_file), "stage": f"trial-{trial.number}", "run_prefix": out,
+    return {"config": str(config_path(config_file)), "stage": f"trial-{trial.number}", "run_prefix": out,
             "output_dir": os.path.join(workdir, "output"), "checkpoint_dir": os.path.join(workdir, "checkpoints"),
             "data_manifest": storage.join(out, "preprocess", "manifest.json"), "init_from": "", "params": params,
             "per_process_batch": sweep.batch_size, "grad_accum_steps": 1, "global_batch": sweep.batch_size * world,
@@ -295,13 +295,13 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", "0"))
 
     def work() -> dict[str, Any]:
-        config = load_config(args.config, overrides_of(args))
+        config = load_config(args.config, parse_overrides(args.override))
         if args.step == "create":
             return create(config, args.study)
         out = storage.resolve(config.storage_root, args.out)
         if args.step == "worker":
             return run_worker(config, args.study, args.worker, out, str(config_path(args.config)),
-                              overrides_of(args))
+                              parse_overrides(args.override))
         return summarize(config, args.study, out)
 
     run_subjob(f"sweep {args.step}", work, args.result_file if rank == 0 else None, quiet=rank != 0)

@@ -24,7 +24,7 @@ from typing import Any
 
 from tasks.core import contract as env_contract
 from tasks.core import storage
-from tasks.core.cli import common_parser, json_arg, overrides_of, run_subjob
+from tasks.core.cli import common_parser, json_arg, parse_overrides, run_subjob
 from tasks.core.errors import UserError
 from tasks.datasets.manifest import read_manifest
 from tasks.definitions.config import PipelineConfig
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", "0"))
 
     def work() -> dict[str, Any]:
-        config = load_config(args.config, overrides_of(args))
+        config = load_config(args.config, parse_overrides(args.override))
         return run_stage(config, args.stage, storage.resolve(config.storage_root, args.out), args.params, args.init_from)
 
     run_subjob(f"train stage {args.stage}", work, args.result_file if rank == 0 else None, quiet=rank != 0)

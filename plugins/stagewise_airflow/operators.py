@@ -43,7 +43,7 @@ class SageMakerStageOperator(BaseOperator):
         from airflow.providers.amazon.aws.triggers.sagemaker import SageMakerTrigger
         from airflow.sdk.exceptions import AirflowFailException
 
-        from stagewise_airflow import REPO_ROOT, credentials
+        from stagewise_airflow import credentials
         from stagewise_airflow.backends import sagemaker
         from tasks.core.errors import UserError
 
@@ -56,7 +56,6 @@ class SageMakerStageOperator(BaseOperator):
                 config, dag_id=run["dag_id"], run_id=run["run_id"], stage=stage, out=run["out"],
                 attempt=context["ti"].try_number, params=self.swept["best_params"],
                 init_from=self.previous["checkpoint_uri"] if self.previous else None, config_file=run["config"],
-                overrides_file=run.get("overrides_file"), repo_root=REPO_ROOT,
                 storage_env=credentials.aws_environment(config.storage_conn_id))
         except UserError as exc:
             raise AirflowFailException(str(exc)) from None

@@ -16,7 +16,7 @@ from typing import Any
 from stagewise_airflow import credentials, launch
 from tasks.core.errors import UserError
 from tasks.definitions.config import ConfigError, PipelineConfig
-from tasks.definitions.loading import config_path, load_config
+from tasks.definitions.loading import config_path, load_config, snapshot
 
 
 def _all(results: Sequence[Any]) -> list[Any]:
@@ -31,18 +31,23 @@ def _context() -> Any:
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_config(path: str, overrides_json: str) -> PipelineConfig:
-    return load_config(path, json.loads(overrides_json))
+def _cached_config(path: str) -> PipelineConfig:
+    return load_config(path)
 
 
 def run_config(run: dict[str, Any]) -> PipelineConfig:
-    """The run's config: the file plus the trigger form's overrides."""
-    return _cached_config(run["config"], json.dumps(run["overrides"], sort_keys=True))
+    """The run's config: the snapshot start_run wrote (the file plus the trigger form's overrides, resolved)."""
+    return _cached_config(run["config"])
+
+
+def run_config_reference(run: dict[str, Any]) -> dict[str, Any]:
+    """Where the run's config snapshot is, its hash and the file it came from: for report.json and the model card."""
+    return {"config_uri": run["config"], "config_hash": run.get("config_hash"), "config_source": run.get("config_source")}
 
 
 def _config_args(run: dict[str, Any]) -> list[str]:
-    """The config of a sub-job: the file and the run's overrides file (a URI: the command line never grows with them)."""
-    return ["--config", run["config"], *(["--overrides-file", run["overrides_file"]] if run.get("overrides_file") else [])]
+    """A sub-job reads the run's snapshot: one URI, however much a user typed into the form."""
+    return ["--config", run["config"]]
 
 
 def _launch(run: dict[str, Any], module: str, args: list[str], profile: str, distributed: bool = False,
@@ -93,7 +98,7 @@ def _record_attempt(context: Any, state: str, ended: bool, result: Any = None) -
         if run := _started_run(context, result):
             config, out = run_config(run), run["out"]
         else:
-            config = _cached_config(str(config_path()), "{}")
+            config = _cached_config(str(config_path()))
             out = storage.run_prefix(config.storage_root, context["dag"].dag_id, context["run_id"])
         start = timeline.iso(ti.start_date) if getattr(ti, "start_date", None) else None
         with credentials.exported(credentials.aws_environment(config.storage_conn_id)):
@@ -113,7 +118,9 @@ def timeline_hooks() -> dict[str, Any]:
 
 
 def start_run(mode: str = "pipeline") -> dict[str, Any]:
-    """Validate the config with the trigger form's values once, and fix the run's storage prefix.
+    """Validate the config with the trigger form's values once, fix the run's storage prefix, and write the run's
+    config snapshot (``<run>/config.yaml``, resolved) that every later task and sub-job of the run reads instead of
+    the file: editing the file mid-run changes the next run, never this one.
 
     ``mode="retrain"`` warm-starts the sweep from the current model's study with the retrain budget.
     """
@@ -144,11 +151,12 @@ def start_run(mode: str = "pipeline") -> dict[str, Any]:
                 overrides.update(registry.retrain_overrides(base))
         config = load_config(path, overrides)
         out = storage.run_prefix(config.storage_root, dag_id, run_id)
-        overrides_file = storage.join(out, "overrides.json")
+        text, config_hash = snapshot(config)
+        snapshot_uri = storage.join(out, "config.yaml")
         with credentials.exported(credentials.aws_environment(config.storage_conn_id)):
-            storage.write_json(overrides_file, overrides)  # the same for every try of start_run: same conf, same file
-        return {"dag_id": dag_id, "run_id": run_id, "config": path, "overrides": overrides, "overrides_file": overrides_file,
-                "out": out, "study": study_name(dag_id, run_id)}
+            storage.write_bytes(snapshot_uri, text.encode())  # written before any task of the run reads it
+        return {"dag_id": dag_id, "run_id": run_id, "config": snapshot_uri, "config_hash": config_hash,
+                "config_source": path, "overrides": overrides, "out": out, "study": study_name(dag_id, run_id)}
 
     return _inline(None, work)  # the config is read inside: a bad one must fail the task without retry
 
@@ -282,6 +290,7 @@ def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dic
         card = registry.model_card(config, trained=trained, evaluation=evaluation, best_params=swept.get("best_params"),
                                    study=run["study"], source_run=f"{run['dag_id']}/{run['run_id']}",
                                    manifest_uri=storage.join(run["out"], "preprocess", "manifest.json"))
+        card.update(run_config_reference(run))  # what the model was trained with, after the file has changed
         return registry.register(config.storage_root, config.registry.model_name, trained["model_uri"], card)
 
     return _inline(config, work)
@@ -341,7 +350,7 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
         dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], stage_results=stage_results, preprocess=prepared,
         sweep=swept, training=list(trained), evaluation=evaluation, predictions=predictions,
         registry={**{key: gated.get(key) for key in gate_keys}, "version": registered["version"]},
-        direction=config.objective.direction, tasks=timeline.records(run["out"])))
+        direction=config.objective.direction, tasks=timeline.records(run["out"]), config=run_config_reference(run)))
 
 
 def write_inference_report(run: dict[str, Any], model: dict[str, Any], scored: Sequence[dict], predictions: dict) -> dict[str, Any]:
@@ -351,4 +360,4 @@ def write_inference_report(run: dict[str, Any], model: dict[str, Any], scored: S
     return _inline(run_config(run), lambda: report.build_inference_report(
         dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], model=model,
         stage_results={"inference": [*_all(scored), predictions]}, predictions=predictions,
-        tasks=timeline.records(run["out"])))
+        tasks=timeline.records(run["out"]), config=run_config_reference(run)))

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tasks.core import contract, storage
+from tasks.core import contract
 from tasks.core.errors import USER_ERROR_EXIT, UserError
 
 log = logging.getLogger("stagewise")
@@ -36,9 +36,6 @@ def common_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=None, help="pipeline YAML (default: $STAGEWISE_CONFIG or pipeline.yaml)")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=JSON",
                         help="override a config key, e.g. sweep.num_trials=4 (repeatable)")
-    parser.add_argument("--overrides-file", default=None, metavar="URI",
-                        help="a JSON object of overrides, on any storage (the launcher passes the run's this way, so "
-                             "the command line never grows with what a user typed); --override wins over it")
     parser.add_argument("--result-file", default=None, help="write the sub-job's JSON result here")
     return parser
 
@@ -62,14 +59,6 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             overrides[key] = value
     return overrides
-
-
-def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
-    """The config overrides a sub-job was given: its ``--overrides-file``, then its ``--override`` pairs."""
-    from_file = storage.read_json(args.overrides_file) if args.overrides_file else {}
-    if not isinstance(from_file, dict):
-        raise UserError(f"--overrides-file {args.overrides_file}: holds {type(from_file).__name__}, not a JSON object")
-    return {**from_file, **parse_overrides(args.override)}
 
 
 def run_subjob(name: str, work: Callable[[], dict[str, Any] | None], result_file: str | None, quiet: bool = False) -> None:

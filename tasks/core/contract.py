@@ -26,7 +26,7 @@ def _declare(group: dict[str, str], name: str, doc: str) -> str:
     return name
 
 
-CONFIG = _declare(STAGE_ENV, "STAGEWISE_CONFIG", "Path of the pipeline YAML the run uses.")
+CONFIG = _declare(STAGE_ENV, "STAGEWISE_CONFIG", "The run's config snapshot (a path or URI): tasks.definitions.loading.load_config reads it.")
 STAGE = _declare(STAGE_ENV, "STAGEWISE_STAGE", "The stage's name.")
 RUN_PREFIX = _declare(STAGE_ENV, "STAGEWISE_RUN_PREFIX", "The run's storage prefix (`runs/<dag_id>/<run_id>`).")
 DATA_MANIFEST = _declare(STAGE_ENV, "STAGEWISE_DATA_MANIFEST",

@@ -314,13 +314,21 @@ def list_parquet(uri: str) -> list[str]:
     """The Parquet files at ``uri`` (one file, or every ``*.parquet`` below a folder), sorted."""
     fs, path = filesystem(uri)
     if fs.isfile(path):
+        if not path.endswith(".parquet"):  # a .csv or .json given as the data set: refused here, not at every shard
+            with fs.open(path, "rb") as handle:
+                head = handle.read(len(PARQUET_MAGIC))
+            if head != PARQUET_MAGIC:
+                raise DataError(f"{uri}: is not a Parquet file (it starts with {head!r}); Stagewise reads Parquet only: "
+                                f"convert it first (pyarrow.csv.read_csv, then pyarrow.parquet.write_table)")
         return [uri]
     if not fs.isdir(path):
         require_bucket(uri, "input URI")
         raise DataError(f"{uri}: no such file or folder")
     found = sorted(fs.glob(path.rstrip("/") + "/**/*.parquet"))
     if not found:
-        raise DataError(f"{uri}: folder holds no *.parquet files")
+        others = sorted(p.rsplit("/", 1)[-1] for p in fs.find(path))
+        shown = f" (it holds {len(others)} other file(s), e.g. {others[0]}: Stagewise reads Parquet only)" if others else ""
+        raise DataError(f"{uri}: folder holds no *.parquet files{shown}")
     return [fs.unstrip_protocol(p) if "://" in uri else p for p in found]
 
 

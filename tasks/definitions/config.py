@@ -593,7 +593,7 @@ class PipelineConfig(_Strict):
     model: Model = Field(default_factory=Model, description="The model spec every stage trains, evaluates and serves.")
     objective: Objective = Field(default_factory=Objective, description="The metric and direction that decide what is better.")
     profiles: dict[str, Profile] = Field(min_length=1, description="Named instance profiles.")
-    pools: dict[str, Pool] = Field(default_factory=dict, description="Airflow pools to create (`make airflow-init`); default_pool always exists.")
+    pools: dict[str, Pool] = Field(default_factory=dict, description="Pools to create if missing (`make airflow-init`); existing pools keep their slots.")
     preprocess: Preprocess = Field(description="Sharded cleaning, statistics, normalisation and split.")
     sweep: Sweep = Field(description="The Optuna sweep.")
     train: Train = Field(description="The training stages.")

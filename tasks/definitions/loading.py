@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from tasks.core import storage
 from tasks.definitions.config import ConfigError, PipelineConfig, default_model_name
 
 # tasks/definitions/loading.py -> the checkout (or install) root, where the default pipeline.yaml lives.
@@ -48,9 +49,21 @@ def _same_branch(location: tuple, dotted: str) -> bool:
     return common > 0 and parts[:common] == keys[:common]
 
 
-def config_path(path: str | os.PathLike | None = None) -> Path:
-    """The config file: the argument, else $STAGEWISE_CONFIG, else pipeline.yaml at the repo root."""
-    return Path(path or os.environ.get(CONFIG_ENV_VAR) or DEFAULT_CONFIG_PATH).resolve()
+def config_path(path: str | os.PathLike | None = None) -> Path | str:
+    """The config file: the argument, else $STAGEWISE_CONFIG, else pipeline.yaml at the repo root.
+
+    A URI (``s3://``, ``file://``: a run's config snapshot) stays as it is; a local path is made absolute.
+    """
+    chosen = path or os.environ.get(CONFIG_ENV_VAR) or DEFAULT_CONFIG_PATH
+    return str(chosen) if "://" in str(chosen) else Path(chosen).resolve()
+
+
+def _read_text(resolved: Path | str) -> str:
+    if isinstance(resolved, Path):
+        return resolved.read_text()
+    fs, path = storage.filesystem(resolved)
+    with fs.open(path, "rb") as handle:
+        return handle.read().decode()
 
 
 def _apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> None:
@@ -87,13 +100,26 @@ def _fill_model_name(raw: dict[str, Any]) -> None:
         registry["model_name"] = default_model_name(dataset["uri"])
 
 
+def _resolve_relative_paths(raw: dict[str, Any], folder: Path) -> None:
+    """A relative storage root or journal file is relative to the config file, not to whatever cwd a worker has."""
+    root = raw.get("storage_root")
+    if isinstance(root, str) and "://" not in root and not os.path.isabs(root):
+        raw["storage_root"] = str((folder / root).resolve())
+    sweep = raw.get("sweep")
+    journal = sweep.get("storage", "") if isinstance(sweep, dict) else ""
+    if isinstance(journal, str) and journal.startswith("journal://") and journal[10:] and not journal[10:].startswith("/"):
+        raw["sweep"]["storage"] = "journal://" + str((folder / journal[10:]).resolve())
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
     """Read, override (dotted keys such as ``sweep.num_trials``) and validate the pipeline config."""
     resolved = config_path(path)
     try:
-        text = resolved.read_text()
+        text = _read_text(resolved)
     except OSError as exc:
-        raise ConfigError(f"{resolved}: cannot read pipeline config ({exc.strerror})") from None
+        if isinstance(resolved, str) and not isinstance(exc, FileNotFoundError):
+            raise  # a storage fault while reading a run's snapshot: retried, not the user's to fix
+        raise ConfigError(f"{resolved}: cannot read pipeline config ({exc.strerror or exc})") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -105,15 +131,23 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         _apply_overrides(raw, overrides or {})
     except ValueError as exc:
         raise ConfigError(f"{resolved}: cannot apply {exc}") from None
-    root = raw.get("storage_root")
-    if isinstance(root, str) and "://" not in root and not os.path.isabs(root):
-        # A relative storage root is relative to the config file, not to whatever cwd a worker has.
-        raw["storage_root"] = str((resolved.parent / root).resolve())
-    sweep = raw.get("sweep")
-    journal = sweep.get("storage", "") if isinstance(sweep, dict) else ""
-    if isinstance(journal, str) and journal.startswith("journal://") and journal[10:] and not journal[10:].startswith("/"):
-        raw["sweep"]["storage"] = "journal://" + str((resolved.parent / journal[10:]).resolve())
+    if isinstance(resolved, Path):  # a snapshot (a URI) holds absolute paths only
+        _resolve_relative_paths(raw, resolved.parent)
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(resolved, exc, overrides or {})) from None
+
+
+def snapshot(config: PipelineConfig) -> tuple[str, str]:
+    """The resolved config as YAML (every default and override written out, paths absolute) and its hash.
+
+    A run writes this once, at its start, and every later task and sub-job reads only it: editing the file
+    mid-run changes later runs, never a running one. The hash names the config in reports and model cards.
+    """
+    import hashlib
+    import json
+
+    values = config.model_dump(mode="json")
+    digest = hashlib.sha256(json.dumps(values, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    return yaml.safe_dump(values, sort_keys=False), digest

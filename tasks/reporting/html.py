@@ -321,6 +321,14 @@ def _figure_block(figure_id: str, figure: dict[str, Any] | None, missing: str) -
             f'<script type="application/json" data-figure="{figure_id}">{_script_json(figure)}</script>')
 
 
+def config_line(config: dict[str, Any]) -> str:
+    """The run's config snapshot: its hash, linked to nothing (the snapshot sits beside report.json as config.yaml)."""
+    if not config.get("config_hash"):
+        return "config not recorded"
+    return (f'config <b title="{html.escape(str(config.get("config_uri")))}">'
+            f'{html.escape(str(config["config_hash"]))}</b> (config.yaml, from {html.escape(str(config.get("config_source")))})')
+
+
 def outcome_line(report: dict[str, Any], metric: str) -> str:
     registry = report.get("registry") or {}
     test = (report.get("objective") or {}).get("test")
@@ -423,7 +431,7 @@ on the axis' worst edge.</p>
 </head><body>
 <header><h1>Stagewise run {html.escape(title)}</h1>
 <div class="meta">dag_id <b>{html.escape(str(report.get('dag_id')))}</b> · run_id <b>{html.escape(str(report.get('run_id')))}</b>
-{objective} · report generated {html.escape(generated_at[:19])} UTC</div>
+{objective} · {config_line(report.get('config') or {})} · report generated {html.escape(generated_at[:19])} UTC</div>
 <div class="outcome">{outcome_line(report, metric)}</div></header>
 <main>
 {sections}

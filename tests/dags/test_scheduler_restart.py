@@ -16,8 +16,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.airflow, pytest.mark.torchrun]
 
 
-def test_scheduler_killed_and_restarted_mid_run(live_airflow, tmp_path, subprocess_env):
-    """SIGKILL the scheduler while sweep workers run, start a new one: success, each row predicted once."""
+def test_scheduler_killed_and_config_edited_mid_run(live_airflow, tmp_path, subprocess_env):
+    """SIGKILL the scheduler while sweep workers run and edit pipeline.yaml's s2 (batch, warmup) meanwhile, start a new
+    scheduler: success, each row predicted once, and s2 trained with the values the run started with (its snapshot)."""
     import subprocess
     import sys
 
@@ -42,12 +43,22 @@ def test_scheduler_killed_and_restarted_mid_run(live_airflow, tmp_path, subproce
                    for ti in live.task_instances("ml_pipeline", run_id))
 
     live.wait_until(sweep_running, 300, "no sweep_worker started", interval=0.5)
+    edited = yaml.safe_load(config_path.read_text())
+    edited["train"]["stages"][1].update({"per_process_batch": 16, "warmup_steps": 0})  # no Param: only the file says
+    config_path.write_text(yaml.safe_dump(edited))
     live.kill("scheduler")
     live.restart_scheduler()
     assert live.wait_for_run("ml_pipeline", run_id, timeout=600) == "success", live.logs_tail()
 
     report = json.loads(next(storage_root.glob("runs/ml_pipeline/*/report.json")).read_text())
     assert report["sweep"]["n_trials"] == 6, "the budget holds across the crash"
+    s2 = report["training"][1]
+    assert s2["global_batch"] == 2 * raw["train"]["stages"][1]["per_process_batch"], "the edit never reached this run"
+    snapshot = yaml.safe_load(Path(report["config"]["config_uri"]).read_text())
+    assert snapshot["train"]["stages"][1]["warmup_steps"] == raw["train"]["stages"][1]["warmup_steps"]
+    assert snapshot["sweep"]["num_trials"] == 6 and report["config"]["config_source"] == str(config_path)
+    card = json.loads(next(storage_root.glob(f"models/digits/{report['registry']['version']}/card.json")).read_text())
+    assert card["config_hash"] == report["config"]["config_hash"], "the model card names the config it trained with"
     manifest = json.loads(Path(report["predictions"]["uri"]).read_text())
     keys = [k for entry in manifest["files"] for k in pq.read_table(entry["uri"]).column("row_id").to_pylist()]
     assert len(keys) == len(set(keys)) == 1797

@@ -37,7 +37,7 @@ def job_args(path: Path, config: PipelineConfig, attempt: int = 1, **changes) ->
     """The builders' keyword arguments for stage s2 of RUN."""
     from tasks.core.storage import run_prefix
 
-    args = dict(dag_id=RUN["dag_id"], run_id=RUN["run_id"], stage="s2", out=run_prefix(config.storage_root, **RUN),
-                attempt=attempt, params={"lr": 0.05, "hidden": 64}, init_from=None, config_file=str(path),
-                overrides_file=f"{run_prefix(config.storage_root, **RUN)}/overrides.json", repo_root=str(path.parent))
+    out = run_prefix(config.storage_root, **RUN)
+    args = dict(dag_id=RUN["dag_id"], run_id=RUN["run_id"], stage="s2", out=out, attempt=attempt,
+                params={"lr": 0.05, "hidden": 64}, init_from=None, config_file=f"{out}/config.yaml")
     return {**args, **changes}

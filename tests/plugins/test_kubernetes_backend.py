@@ -55,7 +55,7 @@ def test_the_job_and_service_wire_every_pod_to_pod_0_as_the_rendezvous_host(tmp_
                                       "limits": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "8"}}
     assert container["command"] == node_command(
         "kubernetes", processes_per_node=2, stage="s2", out=args["out"], params=args["params"], init_from="s3://b/final.pt",
-        config_file="/opt/stagewise/pipeline.yaml", overrides_file=args["overrides_file"])
+        config_file=args["config_file"])
     env = {item["name"]: item["value"] for item in container["env"]}
     assert env["AWS_DEFAULT_REGION"] == "eu-west-1"
     assert "JOB_COMPLETION_INDEX" not in env  # Kubernetes sets it per pod

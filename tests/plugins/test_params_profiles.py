@@ -134,3 +134,29 @@ def test_unknown_trigger_keys_are_named_and_known_ones_pass():
     assert unknown_trigger_keys({"num_trails": 3, "seed": 1}, known) == ["num_trails"]
     assert unknown_trigger_keys({"num_trials": 3}, known) == []
     assert unknown_trigger_keys(None, known) == []
+
+
+def test_a_pool_the_deployment_already_has_keeps_its_slots(write_config):
+    """ensure_pools creates a missing pool with the config's slots and leaves an existing one (the team's) as it is."""
+    import uuid
+
+    import yaml
+    from airflow.models.pool import Pool
+
+    from stagewise_airflow.pools import ensure_pools
+
+    owned, missing = f"team_gpus_{uuid.uuid4().hex[:6]}", f"new_pool_{uuid.uuid4().hex[:6]}"
+    Pool.create_or_update_pool(name=owned, slots=8, description="the team's", include_deferred=False)
+    path = write_config()
+    raw = yaml.safe_load(path.read_text())
+    raw["pools"].update({owned: {"slots": 2}, missing: {"slots": 3}})
+    path.write_text(yaml.safe_dump(raw))
+    try:
+        outcome = ensure_pools(str(path))
+        assert (outcome[owned], outcome[missing]) == ("kept (8 slots)", "created")
+        assert (Pool.get_pool(owned).slots, Pool.get_pool(owned).description) == (8, "the team's")
+        assert Pool.get_pool(missing).slots == 3
+    finally:
+        for name in (owned, missing):
+            if Pool.get_pool(name) is not None:
+                Pool.delete_pool(name)

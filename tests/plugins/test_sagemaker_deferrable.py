@@ -30,7 +30,6 @@ def _stage(tmp_path, monkeypatch, root: str, attempt: int = 1):
     """A deferrable s2 config under ``root`` in moto's S3 with its preprocess output; the operator and its context."""
     import s3fs
 
-    import stagewise_airflow
     from tasks.core.storage import run_prefix
 
     path, config = backend_config(tmp_path, "sagemaker", storage_root=root, deferrable=True)
@@ -42,8 +41,8 @@ def _stage(tmp_path, monkeypatch, root: str, attempt: int = 1):
     if not fs.exists("stagewise-test"):
         fs.mkdir("stagewise-test")
     fs.pipe(f"{args['out']}/preprocess/manifest.json".removeprefix("s3://"), b"{}")
-    monkeypatch.setattr(stagewise_airflow, "REPO_ROOT", str(tmp_path))
-    run = {**RUN, "run_id": run_id, "config": str(path), "overrides": {}, "overrides_file": args["overrides_file"], "out": out}
+    fs.pipe(args["config_file"].removeprefix("s3://"), path.read_bytes())  # the run's snapshot, as start_run writes it
+    run = {**RUN, "run_id": run_id, "config": args["config_file"], "overrides": {}, "out": out}
     operator = SageMakerStageOperator(task_id="train_s2", run=run, stage="s2", swept={"best_params": PARAMS},
                                       previous={"checkpoint_uri": args["init_from"]})
     return config, args, operator, {"ti": types.SimpleNamespace(try_number=attempt)}

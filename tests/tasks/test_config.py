@@ -467,3 +467,24 @@ def test_a_warm_start_study_longer_than_optuna_keeps_is_refused(write_config):
     """sweep.warm_start_from is bounded (Optuna's 512 characters): a 1 MB value fails at load, naming the key."""
     with pytest.raises(ConfigError, match=r"sweep\.warm_start_from"):
         load_config(write_config(), overrides={"sweep.warm_start_from": "x" * 1_000_000})
+
+
+@pytest.mark.parametrize("name", ["pipeline.yaml", *sorted(p.name for p in (REPO_ROOT / "examples").glob("*.yaml"))])
+def test_a_config_snapshot_loads_back_to_the_same_config_with_the_same_hash(name, tmp_path):
+    """A run's config.yaml (every default and override written out) validates back to an equal config, from a path or
+    a file:// URI, so the run reads exactly what start_run resolved; the hash is stable across the round trip."""
+    from tasks.definitions.loading import snapshot
+
+    source = REPO_ROOT / name if name == "pipeline.yaml" else REPO_ROOT / "examples" / name
+    config = load_config(source, {"sweep.num_trials": 3})
+    text, digest = snapshot(config)
+    (tmp_path / "config.yaml").write_text(text)
+    for where in (tmp_path / "config.yaml", f"file://{tmp_path / 'config.yaml'}"):
+        again = load_config(where)
+        assert again == config and snapshot(again)[1] == digest
+
+
+def test_a_missing_snapshot_uri_is_a_config_error_naming_it(tmp_path):
+    """A run's config.yaml that is not there names the URI (a read fault would be retried instead)."""
+    with pytest.raises(ConfigError, match=rf"file://{tmp_path}/gone.yaml: cannot read pipeline config"):
+        load_config(f"file://{tmp_path}/gone.yaml")

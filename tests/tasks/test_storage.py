@@ -76,6 +76,19 @@ def test_list_parquet_of_a_single_file(tmp_path):
     assert storage.list_parquet(str(path)) == [str(path)]
 
 
+def test_a_csv_given_as_the_data_set_is_refused_at_planning_naming_it(tmp_path):
+    """A single .csv file, or a folder of CSVs, fails listing (plan_shards) naming the file, not later at the stats."""
+    csv = tmp_path / "train.csv"
+    csv.write_text("row_id,label\n1,2\n")
+    with pytest.raises(DataError, match=rf"{csv}: is not a Parquet file \(it starts with b'row_'\)"):
+        storage.list_parquet(str(csv))
+    with pytest.raises(DataError, match=r"folder holds no \*.parquet files \(it holds 1 other file\(s\), e.g. train.csv"):
+        storage.list_parquet(str(tmp_path))
+    renamed = tmp_path / "data"  # Parquet without the suffix still lists itself
+    _parquet(renamed)
+    assert storage.list_parquet(str(renamed)) == [str(renamed)]
+
+
 def test_list_parquet_of_a_folder_is_sorted_recursive_and_parquet_only(tmp_path):
     """A folder lists every *.parquet below it, nested ones too, sorted; other files are ignored."""
     for name in ("b.parquet", "a.parquet", "sub/c.parquet"):

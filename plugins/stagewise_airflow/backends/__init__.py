@@ -20,7 +20,6 @@ import re
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tasks.core.errors import USER_ERROR_EXIT, UserError
@@ -38,7 +37,7 @@ _PUBLIC_AWS_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION")
 
 
 def node_command(mode: str, *, processes_per_node: int, stage: str, out: str, params: dict[str, Any],
-                 init_from: str | None, config_file: str, overrides_file: str | None) -> list[str]:
+                 init_from: str | None, config_file: str) -> list[str]:
     """The command every node of a job runs (container entrypoint + arguments): node_launch, then tasks.train."""
     if mode not in ("sagemaker", "kubernetes"):
         raise ValueError(f"node_launch mode must be sagemaker or kubernetes, not {mode!r}")
@@ -46,10 +45,7 @@ def node_command(mode: str, *, processes_per_node: int, stage: str, out: str, pa
                "-m", "tasks.train", "--stage", stage, "--out", out, "--params", json.dumps(params, sort_keys=True)]
     if init_from:
         command += ["--init-from", init_from]
-    command += ["--config", config_file]
-    if overrides_file:  # on the run's storage, which every node reads: a URI, however long the values in it
-        command += ["--overrides-file", overrides_file]
-    return command
+    return [*command, "--config", config_file]
 
 
 @dataclass(frozen=True)
@@ -59,38 +55,22 @@ class StageJob:
     profile: Profile
     settings: Any
     """The profile's ``sagemaker`` or ``kubernetes`` block."""
-    image_config: str
-    """The run's config file as the runtime image sees it."""
+    config_file: str
+    """The run's config snapshot on its storage, which every node reads (not a file of the image)."""
     command: list[str]
 
 
 def stage_job(config: PipelineConfig, backend: str, *, stage: str, out: str, params: dict[str, Any], init_from: str | None,
-              config_file: str, overrides_file: str | None, repo_root: str) -> StageJob:
+              config_file: str) -> StageJob:
     """The stage's ``backend`` settings (a user error if its profile has another backend) and its node command."""
     name = config.stage(stage).profile
     profile = config.profile(name)
     settings = getattr(profile, backend)
     if settings is None:
         raise UserError(f"stage {stage}: profile '{name}' has backend '{profile.backend}', not {backend}")
-    image_config = image_config_path(config_file, repo_root)
     command = node_command(backend, processes_per_node=profile.processes_per_node, stage=stage, out=out, params=params,
-                           init_from=init_from, config_file=image_config, overrides_file=overrides_file)
-    return StageJob(profile=profile, settings=settings, image_config=image_config, command=command)
-
-
-def image_config_path(config_file: str, repo_root: str) -> str:
-    """The run's config file as the runtime image sees it: the same path under the image's copy of the project.
-
-    The image carries the checkout (docker/runtime.Dockerfile), so a config inside it is there too; the
-    trigger form's overrides travel in the run's overrides file on storage. A config outside the checkout is not in the image.
-    """
-    path, root = Path(config_file).resolve(), Path(repo_root).resolve()
-    try:
-        relative = path.relative_to(root)
-    except ValueError:
-        raise UserError(f"pipeline config {path} lies outside the project ({root}); a job's nodes run the runtime image, "
-                        f"which holds only the project's files: put the config in the project and rebuild the image") from None
-    return f"{IMAGE_WORKDIR}/{relative.as_posix()}"
+                           init_from=init_from, config_file=config_file)
+    return StageJob(profile=profile, settings=settings, config_file=config_file, command=command)
 
 
 def job_name(dag_id: str, run_id: str, stage: str, attempt: int, limit: int = 63) -> str:
@@ -168,15 +148,14 @@ def submit_stage(config: PipelineConfig, run: dict[str, Any], stage: str, params
 
     from airflow.sdk.exceptions import AirflowFailException
 
-    from stagewise_airflow import REPO_ROOT, credentials
+    from stagewise_airflow import credentials
 
     spec = config.stage(stage)
     backend = config.profile(spec.profile).backend
     storage_env = credentials.aws_environment(config.storage_conn_id)
     started = time.monotonic()
     common = dict(dag_id=run["dag_id"], run_id=run["run_id"], stage=stage, out=run["out"], attempt=attempt, params=params,
-                  init_from=init_from, config_file=run["config"], overrides_file=run.get("overrides_file"), repo_root=REPO_ROOT,
-                  storage_env=storage_env)
+                  init_from=init_from, config_file=run["config"], storage_env=storage_env)
     try:
         with credentials.exported(storage_env):  # the stage's metrics.json is read back from the run's storage
             if backend == "sagemaker":

@@ -54,16 +54,16 @@ def _tolerations(items: list[dict[str, Any]]) -> list[Any]:
 
 
 def job_objects(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str, out: str, attempt: int,
-                params: dict[str, Any], init_from: str | None, config_file: str, overrides_file: str | None,
-                repo_root: str, storage_env: dict[str, str] | None = None) -> tuple[Any, Any]:
+                params: dict[str, Any], init_from: str | None, config_file: str,
+                storage_env: dict[str, str] | None = None) -> tuple[Any, Any]:
     """The headless Service and the Indexed Job of one try of ``stage``: (V1Service, V1Job)."""
     from kubernetes import client as k8s
 
     from tasks.definitions.loading import CONFIG_ENV_VAR
 
     job = stage_job(config, "kubernetes", stage=stage, out=out, params=params, init_from=init_from,
-                    config_file=config_file, overrides_file=overrides_file, repo_root=repo_root)
-    profile, settings, image_config, command = job.profile, job.settings, job.image_config, job.command
+                    config_file=config_file)
+    profile, settings, command = job.profile, job.settings, job.command
     name = job_name(dag_id, run_id, stage, attempt, limit=NAME_LIMIT)
     labels = {JOB_LABEL: name, "app.kubernetes.io/part-of": "stagewise"}
     port = settings.rendezvous_port
@@ -74,7 +74,7 @@ def job_objects(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str,
                                ports=[k8s.V1ServicePort(name="rendezvous", port=port, target_port=port)]))
     from tasks.training import node_launch  # the names the node side reads, declared there once
 
-    env = {CONFIG_ENV_VAR: image_config, **public_storage_env(storage_env or {}),
+    env = {CONFIG_ENV_VAR: config_file, **public_storage_env(storage_env or {}),
            node_launch.K8S_ENDPOINT_ENV: f"{name}-0.{name}:{port}",  # pod 0 under the headless Service
            node_launch.K8S_NNODES_ENV: str(profile.nodes),
            node_launch.K8S_RDZV_ID_ENV: name,  # the name is unique per try, so is the rendezvous

@@ -55,8 +55,8 @@ def spot_for(config: PipelineConfig, profile_name: str, attempt: int) -> bool:
 
 
 def training_job_request(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str, out: str, attempt: int,
-                         params: dict[str, Any], init_from: str | None, config_file: str, overrides_file: str | None,
-                         repo_root: str, storage_env: dict[str, str] | None = None) -> dict[str, Any]:
+                         params: dict[str, Any], init_from: str | None, config_file: str,
+                         storage_env: dict[str, str] | None = None) -> dict[str, Any]:
     """The CreateTrainingJob request of one try of ``stage`` (``out`` = the run prefix, an s3:// URI)."""
     from tasks.core import storage
     from tasks.definitions.loading import CONFIG_ENV_VAR
@@ -64,8 +64,8 @@ def training_job_request(config: PipelineConfig, *, dag_id: str, run_id: str, st
     if not out.startswith("s3://"):
         raise UserError(f"stage {stage}: a SageMaker job reads and writes the run through S3, but the run prefix is {out}")
     job = stage_job(config, "sagemaker", stage=stage, out=out, params=params, init_from=init_from,
-                    config_file=config_file, overrides_file=overrides_file, repo_root=repo_root)
-    profile, settings, image_config, command = job.profile, job.settings, job.image_config, job.command
+                    config_file=config_file)
+    profile, settings, command = job.profile, job.settings, job.command
     profile_name = config.stage(stage).profile
     arguments = command[1:]
     too_long = [arg for arg in arguments if len(arg) > MAX_ARGUMENT_CHARS]
@@ -77,7 +77,7 @@ def training_job_request(config: PipelineConfig, *, dag_id: str, run_id: str, st
     stopping: dict[str, int] = {"MaxRuntimeInSeconds": settings.max_run_s}
     if spot:
         stopping["MaxWaitTimeInSeconds"] = settings.max_wait_s or 2 * settings.max_run_s
-    environment = {CONFIG_ENV_VAR: image_config, **public_storage_env(storage_env or {})}
+    environment = {CONFIG_ENV_VAR: config_file, **public_storage_env(storage_env or {})}
     if too_long := [key for key, value in environment.items() if len(value) > MAX_ENV_VALUE_CHARS]:
         raise UserError(f"stage {stage}: SageMaker takes environment values of at most {MAX_ENV_VALUE_CHARS} "
                         f"characters; too long: {too_long}")

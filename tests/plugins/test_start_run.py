@@ -1,0 +1,48 @@
+"""start_run fixes a run's config: the snapshot it writes is what every later step and sub-job of the run reads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import yaml
+from airflow.sdk.execution_time.context import set_current_context
+
+from stagewise_airflow import steps
+from stagewise_airflow.params import pipeline_params
+from tasks.core import storage
+from tasks.definitions.loading import load_config, snapshot
+from tests.conftest import REPO_ROOT
+
+
+def _start(config_path, conf: dict) -> dict:
+    config = load_config(config_path)
+    params = {name: param.resolve() for name, param in pipeline_params(config).items()} | conf
+    context = {"ti": SimpleNamespace(try_number=1), "run_id": "manual__1", "params": params,
+               "dag": SimpleNamespace(dag_id="ml_pipeline", params=params), "dag_run": SimpleNamespace(conf=conf)}
+    with set_current_context(context):
+        return steps.start_run()
+
+
+def test_a_run_reads_its_snapshot_not_the_file_edited_after_it_started(write_config, storage_root, monkeypatch,
+                                                                       subprocess_env):
+    """The file edited after start_run (s2's batch and warmup, no Param) changes nothing for the run: in-process steps
+    and a sub-job process both read <run>/config.yaml, with the form's values in it and the hash start_run gave."""
+    path = write_config()
+    monkeypatch.setenv("STAGEWISE_CONFIG", str(path))
+    run = _start(path, {"num_trials": 3})
+    assert run["config"] == storage.join(run["out"], "config.yaml") and run["config_source"] == str(path)
+    edited = yaml.safe_load(path.read_text())
+    edited["train"]["stages"][1].update({"per_process_batch": 16, "warmup_steps": 0})
+    path.write_text(yaml.safe_dump(edited))
+    steps._cached_config.cache_clear()
+
+    seen = steps.run_config(run)
+    assert (seen.stage("s2").per_process_batch, seen.stage("s2").warmup_steps, seen.sweep.num_trials) == (64, 20, 3)
+    assert snapshot(seen)[1] == run["config_hash"] and steps._config_args(run) == ["--config", run["config"]]
+    probe = ("import sys; from tasks.definitions.loading import load_config; s2 = load_config(sys.argv[1]).stage('s2'); "
+             "print(s2.per_process_batch, s2.warmup_steps)")
+    printed = subprocess.run([sys.executable, "-c", probe, run["config"]], cwd=REPO_ROOT, env=subprocess_env,
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert printed == ["64", "20"]
