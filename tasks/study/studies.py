@@ -102,6 +102,24 @@ def best_trial(study: Any) -> Any | None:
     return pick(complete, key=lambda t: t.value, default=None)
 
 
+def _owner(config: PipelineConfig) -> dict[str, str]:
+    """What a study belongs to: the pipeline's model name and its objective."""
+    return {"model_name": config.registry.model_name, "metric": config.objective.metric,
+            "direction": config.objective.direction}
+
+
+def _claim(study: Any, config: PipelineConfig) -> None:
+    """Mark a new study as this pipeline's; refuse one that another pipeline or objective made (never join it)."""
+    mine, theirs = _owner(config), study.user_attrs.get("stagewise_owner")
+    made_for = theirs or {"direction": study.direction.name.lower()}
+    if any(made_for.get(key) != value for key, value in mine.items() if key in made_for):
+        raise UserError(f"study '{study.study_name}' on {config.sweep.storage.split('://')[0]} storage belongs to another "
+                        f"pipeline or objective ({made_for}); this run's is {mine}: it is not joined. Two pipelines "
+                        f"sharing sweep.storage need distinct DAG ids (the study name is <dag_id>__<run_id>)")
+    if theirs is None:
+        study.set_user_attr("stagewise_owner", mine)
+
+
 def create(config: PipelineConfig, name: str) -> dict[str, Any]:
     """Create the study, or find it again when a cleared run comes back; warm-start a new one if asked."""
     import optuna
@@ -110,6 +128,7 @@ def create(config: PipelineConfig, name: str) -> dict[str, Any]:
     backend = open_storage(config.sweep.storage)
     study = optuna.create_study(study_name=name, storage=backend, direction=config.objective.direction,
                                 load_if_exists=True)
+    _claim(study, config)
     warm = config.sweep.warm_start_from
     if warm and not study.trials and not study.user_attrs.get("warm_started_from"):
         try:

@@ -87,6 +87,17 @@ def test_create_is_idempotent(digits_run, single_process):
     assert len(_load(config, "again").trials) == 1
 
 
+@pytest.mark.parametrize("other", [{"registry.model_name": "diabetes"},
+                                   {"objective.metric": "rmse", "objective.direction": "minimize"}])
+def test_a_study_of_another_pipeline_or_objective_is_refused_not_joined(write_config, other):
+    """Two pipelines sharing sweep.storage and a study name never mix trials: the second create names the owner."""
+    path = write_config()
+    create(load_config(path), "shared")
+    with pytest.raises(UserError, match=r"study 'shared' .* belongs to another pipeline or objective .*not joined"):
+        create(load_config(path, other), "shared")
+    create(load_config(path), "shared")  # its own pipeline finds it again
+
+
 def test_retry_after_a_dead_attempt_keeps_the_budget(digits_run, single_process):
     """A trial left RUNNING by a dead attempt is failed as abandoned and does not count against the worker's quota."""
     config, out = _fast_config(digits_run, num_trials=2, num_workers=1)
