@@ -6,7 +6,6 @@ model). Output: ``runs/batch_inference/<run_id>/predictions/`` with a manifest, 
 
 from __future__ import annotations
 
-import pendulum
 from airflow.sdk import dag, task
 
 from stagewise_airflow import steps, wiring
@@ -19,11 +18,9 @@ CONFIG = load_config()
 @dag(
     dag_id="batch_inference",
     schedule=None,
-    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-    catchup=False,
     params=inference_params(CONFIG),
-    tags=["stagewise", "ml", "inference"],
     doc_md=__doc__,
+    **wiring.dag_settings(CONFIG, "ml", "inference"),
 )
 def batch_inference() -> None:
     run = wiring.start(CONFIG, mode="inference")

@@ -6,7 +6,6 @@ Param ``source_uri``: a Parquet file or folder with the data set's schema.
 
 from __future__ import annotations
 
-import pendulum
 from airflow.sdk import Param, dag, task
 
 from stagewise_airflow import steps, wiring
@@ -18,11 +17,9 @@ CONFIG = load_config()
 @dag(
     dag_id="ingest",
     schedule=None,
-    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-    catchup=False,
     params={"source_uri": Param("", type="string", minLength=1, description="New raw Parquet file or folder to add.")},
-    tags=["stagewise", "data"],
     doc_md=__doc__,
+    **wiring.dag_settings(CONFIG, "data"),
 )
 def ingest() -> None:
     task(steps.ingest, task_id="ingest", outlets=[wiring.raw_data_asset(CONFIG)],

@@ -6,7 +6,6 @@ instance profile; the work runs in ``tasks/`` sub-jobs. Run: ``airflow dags test
 
 from __future__ import annotations
 
-import pendulum
 from airflow.sdk import dag
 
 from stagewise_airflow import wiring
@@ -19,12 +18,9 @@ CONFIG = load_config()
 @dag(
     dag_id="ml_pipeline",
     schedule=None,
-    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-    catchup=False,
-    max_active_runs=4,
     params=pipeline_params(CONFIG),
-    tags=["stagewise", "ml"],
     doc_md=__doc__,
+    **wiring.dag_settings(CONFIG, "ml"),
 )
 def ml_pipeline() -> None:
     run = wiring.start(CONFIG)

@@ -8,7 +8,6 @@ New data: an ``ingest`` run, or ``POST /api/v2/assets/events`` for the raw-data 
 
 from __future__ import annotations
 
-import pendulum
 from airflow.sdk import AssetOrTimeSchedule, CronTriggerTimetable, dag
 
 from stagewise_airflow import wiring
@@ -22,12 +21,9 @@ CONFIG = load_config()
     dag_id="retrain",
     schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable(CONFIG.retrain.schedule, timezone="UTC"),
                                  assets=[wiring.raw_data_asset(CONFIG)]),
-    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-    catchup=False,
-    max_active_runs=1,
     params=pipeline_params(CONFIG),
-    tags=["stagewise", "ml", "retrain"],
     doc_md=__doc__,
+    **wiring.dag_settings(CONFIG, "ml", "retrain", max_active_runs=1),
 )
 def retrain() -> None:
     # ml_pipeline's shape; start_run in retrain mode gives the sweep the retrain budget and the warm start.

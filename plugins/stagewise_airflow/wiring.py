@@ -23,8 +23,37 @@ INFERENCE_SHARD_NAME = ("{% set shard = task.op_kwargs['shard'] %}{% set groups 
 
 
 def knobs(config: PipelineConfig, profile: str) -> dict[str, Any]:
-    """The profile's Airflow knobs, plus the hooks that record each attempt for the run's task timeline."""
-    return {**task_kwargs(config.profile(profile)), **steps.timeline_hooks()}
+    """The profile's Airflow knobs, plus the hooks that record each attempt for the run's task timeline; the team's
+    callbacks (config ``airflow.on_*_callback``) run after Stagewise's own (Airflow calls a list in order)."""
+    hooks = steps.timeline_hooks()
+    for event in ("on_failure_callback", "on_retry_callback", "on_success_callback"):
+        if theirs := [_callable(path, f"airflow.{event}") for path in getattr(config.airflow, event)]:
+            hooks[event] = [hooks[event], *theirs] if event in hooks else theirs
+    return {**task_kwargs(config.profile(profile)), **hooks}
+
+
+def _callable(path: str, key: str) -> Any:
+    """``module:function`` imported (at parse time: a typo is this DAG's import error, naming the key)."""
+    import importlib
+
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ImportError(f"{key}: cannot import {path} ({exc})") from None
+
+
+def dag_settings(config: PipelineConfig, *kinds: str, max_active_runs: int = 4) -> dict[str, Any]:
+    """The DAG arguments the pipeline's ``airflow`` section sets: start date, catchup, tags (after stagewise and the
+    DAG's ``kinds``), owner, default_args and the run limit (``max_active_runs`` is this DAG's own default)."""
+    import pendulum
+
+    settings = config.airflow
+    start = settings.start_date
+    return {"start_date": pendulum.datetime(start.year, start.month, start.day, tz="UTC"), "catchup": settings.catchup,
+            "tags": list(dict.fromkeys(["stagewise", *kinds, *settings.tags])),
+            "max_active_runs": settings.max_active_runs or max_active_runs,
+            "default_args": {**settings.default_args, "owner": settings.owner}}
 
 
 RAW_DATA_ASSET_PREFIX = "stagewise_raw_data"

@@ -6,6 +6,7 @@ Loading a file (overrides, relative paths) is ``tasks.definitions.loading``; the
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 import re
 from typing import Annotated, Any, Literal
@@ -584,6 +585,35 @@ class Retrain(_Strict):
         return value
 
 
+CALLBACK_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+
+
+class AirflowSettings(_Strict):
+    """How the pipeline's DAGs fit the team's Airflow: owner, tags, run limits, start date, default_args, callbacks."""
+
+    owner: str = Field("stagewise", min_length=1, description="Owner of every task (default_args.owner).")
+    tags: list[str] = Field(default_factory=list, description="Tags added to each DAG's own (stagewise and its kind).")
+    max_active_runs: int | None = Field(None, ge=1, description="Concurrent runs of each DAG; null: 4, and 1 for retrain.")
+    start_date: dt.date = Field(dt.date(2026, 1, 1), description="The DAGs' start_date (UTC midnight).")
+    catchup: bool = Field(False, description="Whether the scheduled retrain runs the intervals it missed.")
+    default_args: dict[str, Any] = Field(
+        default_factory=dict, description="More default_args of every task (email, email_on_failure, ...); the profile's own knobs win.")
+    on_failure_callback: list[Annotated[str, Field(pattern=CALLBACK_PATH)]] = Field(
+        default_factory=list, description="Your callbacks (module:function) called when a task fails, beside Stagewise's own.")
+    on_retry_callback: list[Annotated[str, Field(pattern=CALLBACK_PATH)]] = Field(
+        default_factory=list, description="Your callbacks (module:function) called when a task goes up for retry.")
+    on_success_callback: list[Annotated[str, Field(pattern=CALLBACK_PATH)]] = Field(
+        default_factory=list, description="Your callbacks (module:function) called when a task succeeds.")
+
+    @field_validator("default_args")
+    @classmethod
+    def _no_callbacks_in_default_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if callbacks := sorted(key for key in value if key.endswith("_callback")):
+            raise ValueError(f"{callbacks}: name callbacks in airflow.on_failure_callback (and the like) as "
+                             f"module:function, so they run beside Stagewise's own")
+        return value
+
+
 class PipelineConfig(_Strict):
     """The whole pipeline."""
 
@@ -601,6 +631,7 @@ class PipelineConfig(_Strict):
     inference: Inference = Field(description="Sharded batch inference.")
     registry: Registry = Field(default_factory=Registry, description="Model registry and gate.")
     retrain: Retrain = Field(default_factory=Retrain, description="Scheduled and data-triggered retraining.")
+    airflow: AirflowSettings = Field(default_factory=AirflowSettings, description="How the DAGs fit the team's Airflow.")
 
     @field_validator("storage_root")
     @classmethod

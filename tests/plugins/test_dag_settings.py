@@ -1,0 +1,57 @@
+"""The pipeline's ``airflow`` section reaches its DAGs: owner, tags, run limit, start date, default_args, callbacks."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import REPO_ROOT, base_config
+
+
+def _bag(tmp_path: Path, storage_root: Path, monkeypatch, airflow: dict):
+    from airflow.dag_processing.dagbag import DagBag
+
+    raw = {**base_config(storage_root), "airflow": airflow}
+    path = tmp_path / "team.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("STAGEWISE_CONFIG", str(path))
+    return DagBag(dag_folder=str(REPO_ROOT / "dags"))
+
+
+def test_the_teams_dag_settings_and_callbacks_reach_every_dag_beside_stagewises_own(tmp_path, storage_root, monkeypatch):
+    """Owner, extra tags, max_active_runs, start_date/catchup and default_args are the config's; a task's
+    on_failure_callback is Stagewise's bookkeeping first, then the team's callback (both fire)."""
+    from tests.plugins import team_callbacks
+
+    bag = _bag(tmp_path, storage_root, monkeypatch, {
+        "owner": "ml-platform", "tags": ["team-x"], "max_active_runs": 2, "start_date": "2025-06-01", "catchup": True,
+        "default_args": {"email": ["oncall@example.com"]},
+        "on_failure_callback": ["tests.plugins.team_callbacks:page"]})
+    assert bag.import_errors == {}
+    for dag_id in ("ml_pipeline", "retrain", "batch_inference", "ingest"):
+        dag = bag.get_dag(dag_id)
+        assert "team-x" in dag.tags and "stagewise" in dag.tags and dag.max_active_runs == 2 and dag.catchup
+        assert dag.start_date.date() == dt.date(2025, 6, 1)
+        for task in dag.tasks:
+            assert task.owner == "ml-platform" and task.email == ["oncall@example.com"]
+            ours, theirs = task.on_failure_callback
+            assert theirs is team_callbacks.page and ours.__module__ == "stagewise_airflow.steps"
+            retry = task.on_retry_callback  # Airflow keeps a single callback as it is or as a list of one
+            assert [hook.__module__ for hook in (retry if isinstance(retry, list) else [retry])] == ["stagewise_airflow.steps"]
+
+
+def test_a_callback_that_does_not_import_is_an_import_error_naming_the_key(tmp_path, storage_root, monkeypatch):
+    """A typo in a callback path fails the DAG file's parse with the config key, not the first failing task."""
+    bag = _bag(tmp_path, storage_root, monkeypatch, {"on_failure_callback": ["tests.plugins.team_callbacks:pgae"]})
+    assert bag.import_errors and all("airflow.on_failure_callback: cannot import tests.plugins.team_callbacks:pgae" in error
+                                     for error in bag.import_errors.values())
+
+
+def test_without_an_airflow_section_the_dags_keep_their_defaults(tmp_path, storage_root, monkeypatch):
+    """No section: owner stagewise, 4 concurrent runs (retrain 1), no catchup, the DAGs' own tags."""
+    bag = _bag(tmp_path, storage_root, monkeypatch, {})
+    assert (bag.get_dag("ml_pipeline").max_active_runs, bag.get_dag("retrain").max_active_runs) == (4, 1)
+    assert set(bag.get_dag("retrain").tags) == {"stagewise", "ml", "retrain"} and not bag.get_dag("retrain").catchup
+    assert {task.owner for task in bag.get_dag("ingest").tasks} == {"stagewise"}
