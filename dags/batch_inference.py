@@ -10,9 +10,10 @@ from airflow.sdk import dag, task
 
 from stagewise_airflow import steps, wiring
 from stagewise_airflow.params import inference_params
-from tasks.definitions.loading import load_config
+from tasks.definitions.loading import config_path, load_config
 
-CONFIG = load_config()
+CONFIG_FILE = str(config_path())  # this DAG's config: every run of it starts from this file
+CONFIG = load_config(CONFIG_FILE)
 
 
 @dag(
@@ -23,7 +24,7 @@ CONFIG = load_config()
     **wiring.dag_settings(CONFIG, "ml", "inference"),
 )
 def batch_inference() -> None:
-    run = wiring.start(CONFIG, mode="inference")
+    run = wiring.start(CONFIG, CONFIG_FILE, mode="inference")
     model = task(steps.resolve_model, task_id="resolve_model",
                  **{**wiring.knobs(CONFIG, CONFIG.preprocess.profile), "retries": 0})(run)
     inferred = wiring.inference_chain(CONFIG, run, model)

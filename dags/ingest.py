@@ -9,9 +9,10 @@ from __future__ import annotations
 from airflow.sdk import Param, dag, task
 
 from stagewise_airflow import steps, wiring
-from tasks.definitions.loading import load_config
+from tasks.definitions.loading import config_path, load_config
 
-CONFIG = load_config()
+CONFIG_FILE = str(config_path())  # this DAG's config: every run of it starts from this file
+CONFIG = load_config(CONFIG_FILE)
 
 
 @dag(
@@ -23,7 +24,7 @@ CONFIG = load_config()
 )
 def ingest() -> None:
     task(steps.ingest, task_id="ingest", outlets=[wiring.raw_data_asset(CONFIG)],
-         **wiring.knobs(CONFIG, CONFIG.preprocess.profile))()
+         **wiring.knobs(CONFIG, CONFIG.preprocess.profile))(CONFIG_FILE)
 
 
 ingest()

@@ -10,9 +10,10 @@ from airflow.sdk import dag
 
 from stagewise_airflow import wiring
 from stagewise_airflow.params import pipeline_params
-from tasks.definitions.loading import load_config
+from tasks.definitions.loading import config_path, load_config
 
-CONFIG = load_config()
+CONFIG_FILE = str(config_path())  # this DAG's config: every run of it starts from this file
+CONFIG = load_config(CONFIG_FILE)
 
 
 @dag(
@@ -23,7 +24,7 @@ CONFIG = load_config()
     **wiring.dag_settings(CONFIG, "ml"),
 )
 def ml_pipeline() -> None:
-    run = wiring.start(CONFIG)
+    run = wiring.start(CONFIG, CONFIG_FILE)
     data = wiring.preprocess(CONFIG, run)
     swept = wiring.sweep(CONFIG, run, data)
     trained = wiring.train_stages(CONFIG, run, swept)

@@ -12,9 +12,10 @@ from airflow.sdk import AssetOrTimeSchedule, CronTriggerTimetable, dag
 
 from stagewise_airflow import wiring
 from stagewise_airflow.params import pipeline_params
-from tasks.definitions.loading import load_config
+from tasks.definitions.loading import config_path, load_config
 
-CONFIG = load_config()
+CONFIG_FILE = str(config_path())  # this DAG's config: every run of it starts from this file
+CONFIG = load_config(CONFIG_FILE)
 
 
 @dag(
@@ -27,7 +28,7 @@ CONFIG = load_config()
 )
 def retrain() -> None:
     # ml_pipeline's shape; start_run in retrain mode gives the sweep the retrain budget and the warm start.
-    run = wiring.start(CONFIG, mode="retrain")
+    run = wiring.start(CONFIG, CONFIG_FILE, mode="retrain")
     data = wiring.preprocess(CONFIG, run)
     swept = wiring.sweep(CONFIG, run, data)
     trained = wiring.train_stages(CONFIG, run, swept)

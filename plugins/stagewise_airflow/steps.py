@@ -117,12 +117,13 @@ def timeline_hooks() -> dict[str, Any]:
             "on_failure_callback": lambda context: _record_attempt(context, "failed", ended=True)}
 
 
-def start_run(mode: str = "pipeline") -> dict[str, Any]:
+def start_run(mode: str = "pipeline", config_file: str | None = None) -> dict[str, Any]:
     """Validate the config with the trigger form's values once, fix the run's storage prefix, and write the run's
     config snapshot (``<run>/config.yaml``, resolved) that every later task and sub-job of the run reads instead of
     the file: editing the file mid-run changes the next run, never this one.
 
-    ``mode="retrain"`` warm-starts the sweep from the current model's study with the retrain budget.
+    ``mode="retrain"`` warm-starts the sweep from the current model's study with the retrain budget. ``config_file``
+    is the DAG's own config (the file its DAG was built from), never this process's default.
     """
     from stagewise_airflow.params import overrides_from_params, unknown_trigger_keys
     from tasks.core import storage
@@ -130,7 +131,7 @@ def start_run(mode: str = "pipeline") -> dict[str, Any]:
 
     context = _context()
     dag_id, run_id = context["dag"].dag_id, context["run_id"]
-    path = str(config_path())
+    path = str(config_path(config_file))
 
     def work() -> dict[str, Any]:
         base = load_config(path)
@@ -161,12 +162,12 @@ def start_run(mode: str = "pipeline") -> dict[str, Any]:
     return _inline(None, work)  # the config is read inside: a bad one must fail the task without retry
 
 
-def ingest() -> dict[str, Any]:
-    """Copy the ``source_uri`` Param's Parquet into the data set; the task's outlet Asset announces it."""
+def ingest(config_file: str | None = None) -> dict[str, Any]:
+    """Copy the ``source_uri`` Param's Parquet into the data set of the DAG's config; the task's outlet Asset announces it."""
     from tasks.core import storage
     from tasks.data import ingest as ingest_files
 
-    config = load_config()
+    config = load_config(config_file)
     source = _context()["params"]["source_uri"]
     target = storage.resolve(config.storage_root, config.dataset.uri)
     return _inline(config, lambda: ingest_files(config, source, target))

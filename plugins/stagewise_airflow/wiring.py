@@ -74,9 +74,11 @@ def raw_data_asset(config: PipelineConfig) -> Asset:
     return Asset(uri=uri, name=f"{RAW_DATA_ASSET_PREFIX}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}")
 
 
-def start(config: PipelineConfig, mode: str = "pipeline") -> Any:
-    """Validates the conf: a bad one is the user's to fix, so no retry; it runs where bookkeeping runs."""
-    return task(steps.start_run, task_id="start_run", **{**knobs(config, config.preprocess.profile), "retries": 0})(mode)
+def start(config: PipelineConfig, config_file: str, mode: str = "pipeline") -> Any:
+    """Validates the conf against the DAG's own ``config_file``: a bad one is the user's to fix, so no retry; it runs
+    where bookkeeping runs."""
+    return task(steps.start_run, task_id="start_run",
+                **{**knobs(config, config.preprocess.profile), "retries": 0})(mode, config_file)
 
 
 def preprocess(config: PipelineConfig, run: Any) -> dict[str, Any]:

@@ -16,13 +16,13 @@ from tasks.definitions.loading import load_config, snapshot
 from tests.conftest import REPO_ROOT
 
 
-def _start(config_path, conf: dict) -> dict:
-    config = load_config(config_path)
+def _start(config_path, conf: dict, config_file: str | None = None) -> dict:
+    config = load_config(config_file or config_path)
     params = {name: param.resolve() for name, param in pipeline_params(config).items()} | conf
     context = {"ti": SimpleNamespace(try_number=1), "run_id": "manual__1", "params": params,
                "dag": SimpleNamespace(dag_id="ml_pipeline", params=params), "dag_run": SimpleNamespace(conf=conf)}
     with set_current_context(context):
-        return steps.start_run()
+        return steps.start_run(config_file=config_file)
 
 
 def test_a_run_reads_its_snapshot_not_the_file_edited_after_it_started(write_config, storage_root, monkeypatch,
@@ -46,3 +46,17 @@ def test_a_run_reads_its_snapshot_not_the_file_edited_after_it_started(write_con
     printed = subprocess.run([sys.executable, "-c", probe, run["config"]], cwd=REPO_ROOT, env=subprocess_env,
                              capture_output=True, text=True, check=True).stdout.split()
     assert printed == ["64", "20"]
+
+
+def test_a_run_starts_from_its_dags_config_not_the_processs_default(write_config, storage_root, monkeypatch):
+    """A DAG built from another file (a copy of ml_pipeline.py pointed at a diabetes config) runs that file, whatever
+    $STAGEWISE_CONFIG says in the worker: its label, not the default config's with its Params laid on top."""
+    from tests.conftest import base_config
+
+    monkeypatch.setenv("STAGEWISE_CONFIG", str(write_config()))
+    raw = base_config(storage_root)
+    raw["dataset"].update({"label": "target", "uri": "raw/other"})
+    own = write_config(raw, "other.yaml")
+    run = _start(own, {}, config_file=str(own))
+    assert run["config_source"] == str(own)
+    assert (steps.run_config(run).dataset.label, steps.run_config(run).registry.model_name) == ("target", "other")
