@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import psutil
@@ -57,12 +57,13 @@ def command(module: str, args: list[str], profile: Profile, distributed: bool, s
     return [sys.executable, *entry, *args]
 
 
-def child_env(profile: Profile, error_file: str) -> dict[str, str]:
+def child_env(profile: Profile, error_file: str, import_paths: Sequence[str] = ()) -> dict[str, str]:
+    """The sub-job's environment: threads pinned, the repo and the config's model.import_paths importable."""
     env = dict(os.environ)
     threads = str(profile.threads_per_process)
     env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1",
                 contract.ERROR_FILE: error_file,
-                "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)})
+                "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, *import_paths, env.get("PYTHONPATH", "")) if p)})
     if profile.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
@@ -209,7 +210,8 @@ def check_devices(profile: Profile, distributed: bool = True) -> None:
 
 
 def run(module: str, args: list[str], profile: Profile, *, distributed: bool = False, attempt: int = 1,
-        script: str | None = None, extra_env: dict[str, str] | None = None, result_arg: bool = True) -> dict[str, Any]:
+        script: str | None = None, extra_env: dict[str, str] | None = None, result_arg: bool = True,
+        import_paths: Sequence[str] = ()) -> dict[str, Any]:
     """Run the sub-job to completion; return its JSON result plus ``attempt``.
 
     Our sub-jobs take ``--result-file``; a user's own script or module (``script``, or
@@ -238,7 +240,7 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
         if script:
             script = os.path.join(REPO_ROOT, script)  # an absolute script stays as it is
     argv = command(module, [*args, "--result-file", result_file] if ours else args, profile, distributed, script)
-    env = {**child_env(profile, error_file), RESULT_FILE_ENV: result_file, contract.METRICS_FILE: metrics_file,
+    env = {**child_env(profile, error_file, import_paths), RESULT_FILE_ENV: result_file, contract.METRICS_FILE: metrics_file,
            **(extra_env or {})}
     log.info("launching: %s", " ".join(argv))
     process = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,

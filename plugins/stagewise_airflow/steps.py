@@ -55,7 +55,8 @@ def _launch(run: dict[str, Any], module: str, args: list[str], profile: str, dis
     attempt = _context()["ti"].try_number
     config = run_config(run)
     return launch.run(module, [*args, *_config_args(run)], config.profile(profile), distributed=distributed,
-                      attempt=attempt, extra_env=credentials.aws_environment(config.storage_conn_id), **kwargs)
+                      attempt=attempt, extra_env=credentials.aws_environment(config.storage_conn_id),
+                      import_paths=config.model.import_paths or (), **kwargs)
 
 
 def _inline(config: PipelineConfig | None, work: Callable[[], Any]) -> Any:
@@ -269,7 +270,7 @@ def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], i
     reported = launch.run(entry.module or "", args, config.profile(spec.profile), distributed=True,
                           attempt=_context()["ti"].try_number, script=entry.script,
                           extra_env={**credentials.aws_environment(config.storage_conn_id), **env},
-                          result_arg=False)
+                          result_arg=False, import_paths=config.model.import_paths or ())
     # Missing outputs fail here, without retry, rather than in evaluate three times.
     result = _inline(config, lambda: byo_result(config, stage, run["out"], values, reported))
     return {**result, "duration_s": round(time.monotonic() - started, 3)}

@@ -556,6 +556,8 @@ class Model(_Strict):
     spec: str = Field(BUILTIN_SPEC, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
                       description="The ModelSpec as module:Class, importable from the repo root or installed.")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the spec class.")
+    import_paths: list[str] | None = Field(
+        None, description="Folders the spec imports from, relative to the config file; null: the config's own folder.")
 
 
 class Objective(_Strict):

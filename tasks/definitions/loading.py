@@ -101,7 +101,10 @@ def _fill_model_name(raw: dict[str, Any]) -> None:
 
 
 def _resolve_relative_paths(raw: dict[str, Any], folder: Path) -> None:
-    """A relative storage root or journal file is relative to the config file, not to whatever cwd a worker has."""
+    """A relative storage root, journal file or spec folder is relative to the config file, not to a worker's cwd."""
+    model = raw.get("model")
+    if isinstance(model, dict) and isinstance(model.get("import_paths", []), list | None):
+        model["import_paths"] = [str((folder / path).resolve()) for path in model.get("import_paths") or ["."]]
     root = raw.get("storage_root")
     if isinstance(root, str) and "://" not in root and not os.path.isabs(root):
         raw["storage_root"] = str((folder / root).resolve())
@@ -134,9 +137,29 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
     if isinstance(resolved, Path):  # a snapshot (a URI) holds absolute paths only
         _resolve_relative_paths(raw, resolved.parent)
     try:
-        return PipelineConfig.model_validate(raw)
+        config = PipelineConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(resolved, exc, overrides or {})) from None
+    _make_spec_importable(resolved, config)
+    return config
+
+
+def _make_spec_importable(resolved: Path | str, config: PipelineConfig) -> None:
+    """Put model.import_paths on this process's path (every process that loads the config can import the spec: the
+    Airflow task, each sub-job, a user's script) and refuse a spec module found neither there nor installed."""
+    import importlib.util
+    import sys
+
+    paths = [path for path in config.model.import_paths or [] if path not in sys.path]
+    sys.path.extend(paths)
+    module = config.model.spec.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(f"{resolved}: model.spec '{config.model.spec}': no module '{module}' in model.import_paths "
+                          f"{config.model.import_paths} nor installed; put it beside the config or name its folder there")
 
 
 def snapshot(config: PipelineConfig) -> tuple[str, str]:
