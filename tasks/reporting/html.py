@@ -322,7 +322,7 @@ def _figure_block(figure_id: str, figure: dict[str, Any] | None, missing: str) -
 
 
 def config_line(config: dict[str, Any]) -> str:
-    """The run's config snapshot: its hash, linked to nothing (the snapshot sits beside report.json as config.yaml)."""
+    """The header's word on the run's config: the snapshot's hash (its URI on hover; it sits beside report.json)."""
     if not config.get("config_hash"):
         return "config not recorded"
     return (f'config <b title="{html.escape(str(config.get("config_uri")))}">'
