@@ -31,13 +31,15 @@ def _context() -> Any:
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_config(path: str) -> PipelineConfig:
-    return load_config(path)
+def _cached_config(path: str, storage_conn_id: str = "") -> PipelineConfig:
+    with credentials.exported(credentials.aws_environment(storage_conn_id)):  # an s3:// snapshot needs the run's keys
+        return load_config(path)
 
 
 def run_config(run: dict[str, Any]) -> PipelineConfig:
-    """The run's config: the snapshot start_run wrote (the file plus the trigger form's overrides, resolved)."""
-    return _cached_config(run["config"])
+    """The run's config: the snapshot start_run wrote (the file plus the trigger form's overrides, resolved), read
+    with the run's storage connection (its keys may live in Airflow only, not in the worker's environment)."""
+    return _cached_config(run["config"], run.get("storage_conn_id", ""))
 
 
 def run_config_reference(run: dict[str, Any]) -> dict[str, Any]:
@@ -158,7 +160,8 @@ def start_run(mode: str = "pipeline", config_file: str | None = None) -> dict[st
         with credentials.exported(credentials.aws_environment(config.storage_conn_id)):
             storage.write_bytes(snapshot_uri, text.encode())  # written before any task of the run reads it
         return {"dag_id": dag_id, "run_id": run_id, "config": snapshot_uri, "config_hash": config_hash,
-                "config_source": path, "overrides": overrides, "out": out, "study": study_name(dag_id, run_id)}
+                "config_source": path, "storage_conn_id": config.storage_conn_id, "overrides": overrides, "out": out,
+                "study": study_name(dag_id, run_id)}
 
     return _inline(None, work)  # the config is read inside: a bad one must fail the task without retry
 

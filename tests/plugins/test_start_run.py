@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
 import yaml
 from airflow.sdk.execution_time.context import set_current_context
 
@@ -60,3 +62,30 @@ def test_a_run_starts_from_its_dags_config_not_the_processs_default(write_config
     run = _start(own, {}, config_file=str(own))
     assert run["config_source"] == str(own)
     assert (steps.run_config(run).dataset.label, steps.run_config(run).registry.model_name) == ("target", "other")
+
+
+@pytest.mark.service
+def test_an_s3_snapshot_is_read_with_the_runs_connection_when_the_worker_has_no_keys(write_config, storage_root, s3_bucket,
+                                                                                    monkeypatch):
+    """A later task (a fresh process: no cached config, no s3fs client) reads the run's s3:// snapshot with the keys of
+    storage_conn_id, as it writes and reads the run's data; the worker's environment has none."""
+    import json
+
+    import s3fs
+
+    from tests.conftest import base_config
+
+    endpoint = {key: os.environ[key] for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    monkeypatch.setenv("AIRFLOW_CONN_STAGEWISE_RUN_S3", json.dumps({
+        "conn_type": "aws", "login": endpoint["AWS_ACCESS_KEY_ID"], "password": endpoint["AWS_SECRET_ACCESS_KEY"],
+        "extra": {"endpoint_url": endpoint["AWS_ENDPOINT_URL"], "region_name": "us-east-1"}}))
+    for key in endpoint:
+        monkeypatch.delenv(key)
+    raw = {**base_config(storage_root), "storage_root": f"{s3_bucket}/root", "storage_conn_id": "stagewise_run_s3"}
+    path = write_config(raw)
+    monkeypatch.setenv("STAGEWISE_CONFIG", str(path))
+    run = _start(path, {})
+    assert run["config"].startswith(f"{s3_bucket}/root/runs/")
+    steps._cached_config.cache_clear()
+    s3fs.S3FileSystem.clear_instance_cache()
+    assert steps.run_config(run).storage_conn_id == "stagewise_run_s3"
