@@ -33,16 +33,8 @@ from tasks.definitions.config import PipelineConfig
 from tasks.definitions.loading import load_config
 from tasks.models.bundle import load_bundle
 from tasks.models.scoring import exact_float32, prefetch, scoring_device
-from tasks.models.versions import check_registered
 
 log = logging.getLogger("stagewise.infer")
-
-
-def model_version(model_uri: str) -> str:
-    """The model's version: the hash of its bytes, the same id the registry gives it (a registered file is checked)."""
-    fs, path = storage.filesystem(model_uri)
-    with fs.open(path, "rb") as handle:
-        return check_registered(model_uri, handle.read())
 
 
 def _row_problems(batch: Any, key: str, features: list[str], matrix: Any) -> Any:
@@ -144,8 +136,8 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
     profile = config.profile(config.inference.profile)
     torch.set_num_threads(profile.threads_per_process)
     device = scoring_device(profile.device)
-    version = model_version(model_uri)  # before loading: a registered file that changed is named as such
-    bundle = load_bundle(model_uri)
+    bundle = load_bundle(model_uri)  # one read: its version, checked against a registered one, then the weights
+    version = bundle.version
     prep = bundle.preprocessing
     features, key = prep["features"], prep["key"]
     # Bundles from before tensor columns list only plain feature columns.

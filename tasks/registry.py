@@ -74,7 +74,7 @@ def register(storage_root: str, name: str, model_uri: str, card: dict[str, Any])
     fs, path = storage.filesystem(model_uri)
     with fs.open(path, "rb") as handle:
         data = handle.read()
-    version = version_of(data)  # tasks.infer.model_version gives the same id and checks it on every load
+    version = version_of(data)  # every load of the registered file checks its bytes against this id (read_checked)
     nonfinite = {key: value for key, value in card.items() if isinstance(value, float) and not math.isfinite(value)}
     if nonfinite:
         raise UserError(f"refusing to register {model_uri} (version {version}): its metric(s) {nonfinite} are not finite; "

@@ -315,9 +315,7 @@ def list_parquet(uri: str) -> list[str]:
     fs, path = filesystem(uri)
     if fs.isfile(path):
         if not path.endswith(".parquet"):  # a .csv or .json given as the data set: refused here, not at every shard
-            with fs.open(path, "rb") as handle:
-                head = handle.read(len(PARQUET_MAGIC))
-            if head != PARQUET_MAGIC:
+            if (head := _head(uri)) != PARQUET_MAGIC:
                 raise DataError(f"{uri}: is not a Parquet file (it starts with {head!r}); Stagewise reads Parquet only: "
                                 f"convert it first (pyarrow.csv.read_csv, then pyarrow.parquet.write_table)")
         return [uri]
@@ -359,12 +357,17 @@ def parquet_problem(exc: BaseException) -> str | None:
     return None
 
 
+def _head(uri: str) -> bytes:
+    """The file's first bytes, as many as Parquet's magic: what a Parquet file starts (and ends) with."""
+    fs, path = filesystem(uri)
+    with fs.open(path, "rb") as handle:
+        return handle.read(len(PARQUET_MAGIC))
+
+
 def _describe_headless(uri: str) -> str:
     """For a file without a footer: truncated (starts like Parquet) or not Parquet at all (shows its first bytes)."""
     try:
-        fs, path = filesystem(uri)
-        with fs.open(path, "rb") as handle:
-            head = handle.read(len(PARQUET_MAGIC))
+        head = _head(uri)
     except Exception:  # the error being reported matters more than this detail
         return ""
     if head == PARQUET_MAGIC:

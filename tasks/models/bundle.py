@@ -15,7 +15,7 @@ from tasks.core.errors import UserError
 from tasks.definitions.hyperparams import BUILTIN_SPEC
 from tasks.definitions.spec import DataInfo, ModelSpec, SpecRef
 from tasks.models.building import build
-from tasks.models.torch_io import load_torch, save_torch
+from tasks.models.torch_io import parse_torch, read_checked, save_torch
 
 BUNDLE_FORMAT = "stagewise-model/2"
 
@@ -37,6 +37,8 @@ class Bundle:
     params: dict[str, Any]
     preprocessing: dict[str, Any]
     extra: dict[str, Any]
+    version: str
+    """The version id of the bytes it was loaded from (a registered model's is checked against its folder's)."""
 
 
 def save_bundle(uri: str, model: nn.Module, ref: SpecRef, data: DataInfo, params: dict[str, Any],
@@ -57,7 +59,8 @@ def _upgrade(payload: dict[str, Any]) -> dict[str, Any]:
 
 def load_bundle(uri: str) -> Bundle:
     """Import the bundle's spec, build its module and load the weights; a spec that is gone or no longer fits is named."""
-    payload = load_torch(uri)
+    data, version = read_checked(uri)
+    payload = parse_torch(uri, data)
     if payload.get("format") == "stagewise-model/1":
         payload = _upgrade(payload)
     elif payload.get("format") != BUNDLE_FORMAT:
@@ -76,6 +79,6 @@ def load_bundle(uri: str) -> Bundle:
                         f"was trained?): {str(exc).splitlines()[0]}") from None
     module.eval()
     return Bundle(module=module, spec=spec, ref=ref, data=data, params=dict(payload["params"]),
-                  preprocessing=payload["preprocessing"], extra=payload["extra"])
+                  preprocessing=payload["preprocessing"], extra=payload["extra"], version=version)
 
 

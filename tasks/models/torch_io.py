@@ -19,16 +19,19 @@ def save_torch(uri: str, payload: dict[str, Any]) -> None:
     storage.write_bytes(uri, buffer.getvalue())
 
 
-def load_torch(uri: str) -> dict[str, Any]:
-    """Read a file written by :func:`save_torch`; tensors land on the CPU (see :func:`restore_training_state`).
-
-    Bytes that do not load (cut, corrupt, not a torch file, or a registered model that no longer matches its
-    version) are a DataError naming ``uri``: no retry reads them differently. Read faults pass and are retried.
-    """
+def read_checked(uri: str) -> tuple[bytes, str]:
+    """A torch file's bytes and their version id (tasks.models.versions), read once; a registered model whose bytes
+    no longer match its version is a DataError naming it. Read faults pass and are retried."""
     fs, path = storage.filesystem(uri)
     with fs.open(path, "rb") as handle:
         data = handle.read()
-    check_registered(uri, data)
+    return data, check_registered(uri, data)
+
+
+def parse_torch(uri: str, data: bytes) -> dict[str, Any]:
+    """``data`` read from ``uri`` loaded with ``weights_only=True``, tensors on the CPU (see
+    :func:`restore_training_state`); bytes that do not load (cut, corrupt, not a torch file) are a DataError naming
+    ``uri``: no retry reads them differently."""
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except MemoryError:
@@ -37,3 +40,8 @@ def load_torch(uri: str) -> dict[str, Any]:
         reason = " ".join(str(exc).split())[:300]
         raise DataError(f"{uri}: cannot be loaded as a torch file ({type(exc).__name__}: {reason}; {len(data)} bytes): "
                         f"it is cut or corrupt; restore it or run the stage that writes it again") from None
+
+
+def load_torch(uri: str) -> dict[str, Any]:
+    """Read and load a file written by :func:`save_torch` (:func:`read_checked`, then :func:`parse_torch`)."""
+    return parse_torch(uri, read_checked(uri)[0])

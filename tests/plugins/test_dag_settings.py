@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import datetime as dt
 from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
 
+from tasks.core import storage
+from tasks.reporting import timeline
 from tests.conftest import REPO_ROOT, base_config
 
 
@@ -22,7 +25,7 @@ def _bag(tmp_path: Path, storage_root: Path, monkeypatch, airflow: dict):
 
 def test_the_teams_dag_settings_and_callbacks_reach_every_dag_beside_stagewises_own(tmp_path, storage_root, monkeypatch):
     """Owner, extra tags, max_active_runs, start_date/catchup and default_args are the config's; a task's
-    on_failure_callback is Stagewise's bookkeeping first, then the team's callback (both fire)."""
+    on_failure_callback is Stagewise's bookkeeping first, then the team's callback, and both fire."""
     from tests.plugins import team_callbacks
 
     bag = _bag(tmp_path, storage_root, monkeypatch, {
@@ -40,6 +43,16 @@ def test_the_teams_dag_settings_and_callbacks_reach_every_dag_beside_stagewises_
             assert theirs is team_callbacks.page and ours.__module__ == "stagewise_airflow.steps"
             retry = task.on_retry_callback  # Airflow keeps a single callback as it is or as a list of one
             assert [hook.__module__ for hook in (retry if isinstance(retry, list) else [retry])] == ["stagewise_airflow.steps"]
+
+    # Called in order, as Airflow calls a list: Stagewise records the failed attempt, then the team's callback runs.
+    ti = SimpleNamespace(task_id="train_s1", map_index=-1, try_number=1, start_date=None,
+                         xcom_pull=lambda **_: None)
+    context = {"ti": ti, "dag": SimpleNamespace(dag_id="ml_pipeline"), "run_id": "manual__1"}
+    for hook in bag.get_dag("ml_pipeline").get_task("train_s1").on_failure_callback:
+        hook(context)
+    assert team_callbacks.CALLED[-1] == "train_s1"
+    recorded = timeline.records(storage.run_prefix(str(storage_root), "ml_pipeline", "manual__1"))
+    assert [(r["task_id"], r["state"]) for r in recorded] == [("train_s1", "failed")]
 
 
 def test_a_callback_that_does_not_import_is_an_import_error_naming_the_key(tmp_path, storage_root, monkeypatch):

@@ -26,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PARAMS = {"lr": 0.05, "hidden": 64}
 
 
-def _stage(tmp_path, monkeypatch, root: str, attempt: int = 1):
+def _stage(tmp_path, root: str, attempt: int = 1):
     """A deferrable s2 config under ``root`` in moto's S3 with its preprocess output; the operator and its context."""
     import s3fs
 
@@ -54,7 +54,7 @@ def test_execute_submits_the_tries_job_and_defers_to_the_providers_sagemaker_tri
 
     from stagewise_airflow import credentials
 
-    config, args, operator, context = _stage(tmp_path, monkeypatch, "s3://stagewise-test/deferred", attempt=2)
+    config, args, operator, context = _stage(tmp_path, "s3://stagewise-test/deferred", attempt=2)
     before = time.time()
     with pytest.raises(TaskDeferred) as deferred:
         operator.execute(context)
@@ -92,7 +92,7 @@ def test_a_success_event_returns_the_stages_result_and_failures_map_as_the_backe
 
     from stagewise_airflow.backends import stage_result
 
-    config, args, operator, context = _stage(tmp_path, monkeypatch, "s3://stagewise-test/resumed")
+    config, args, operator, context = _stage(tmp_path, "s3://stagewise-test/resumed")
     with pytest.raises(TaskDeferred) as deferred:
         operator.execute(context)
     name = deferred.value.trigger.job_name
@@ -132,9 +132,9 @@ def test_a_failure_event_fails_without_retry_for_the_users_faults_and_retries_ot
 
 
 @pytest.mark.service
-def test_the_providers_trigger_yields_success_for_a_completed_job_on_moto(tmp_path, moto_aws, monkeypatch):  # noqa: F811
+def test_the_providers_trigger_yields_success_for_a_completed_job_on_moto(tmp_path, moto_aws):  # noqa: F811
     """The real trigger, as the triggerer runs it (asyncio, aiobotocore), against moto's SageMaker."""
-    _, _, operator, context = _stage(tmp_path, monkeypatch, "s3://stagewise-test/trigger")
+    _, _, operator, context = _stage(tmp_path, "s3://stagewise-test/trigger")
     with pytest.raises(TaskDeferred) as deferred:
         operator.execute(context)
     classpath, kwargs = deferred.value.trigger.serialize()
@@ -214,7 +214,7 @@ def test_a_dag_run_resolves_the_xcom_inputs_defers_and_pushes_the_stages_result(
 
     import s3fs
 
-    _, args, operator, _ = _stage(tmp_path, monkeypatch, "s3://stagewise-test/dagrun")
+    _, args, operator, _ = _stage(tmp_path, "s3://stagewise-test/dagrun")
     out = args["out"]
     s3fs.S3FileSystem().pipe(f"{out}/train/s2/metrics.json".removeprefix("s3://"),
                              json.dumps({"stage": "s2", "world_size": 4, "complete": True}).encode())

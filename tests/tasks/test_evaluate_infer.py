@@ -24,6 +24,7 @@ from tasks.models.building import build, data_info
 from tasks.models.bundle import load_bundle, preprocessing_of, save_bundle
 from tasks.models.mlp import MLPClassifier
 from tasks.models.scoring import exact_float32, prefetch, scoring_device
+from tasks.models.versions import version_of
 from tasks.spec import DataInfo, SpecRef
 from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
 from tests.conftest import base_config, preprocess_digits, train_digits_s1
@@ -176,7 +177,7 @@ def test_score_and_commit(trained, batch_size):
     np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
     assert (probabilities >= 0).all()
     assert np.array_equal(probabilities.argmax(axis=1), table.column("prediction").to_numpy())
-    assert set(table.column("model_version").to_pylist()) == {infer.model_version(model_uri)}
+    assert set(table.column("model_version").to_pylist()) == {version_of(Path(model_uri).read_bytes())}
     listed = {entry["uri"] for entry in manifest["files"]}
     on_disk = {str(p) for p in (Path(out) / "predictions").iterdir() if p.name != "manifest.json"}
     assert on_disk == listed
