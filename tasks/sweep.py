@@ -48,8 +48,8 @@ from tasks.study.studies import (
 )
 from tasks.study.summary import summarize
 from tasks.training.distributed import distributed_job
-from tasks.training.local_torchrun import command
 from tasks.training.loop import rank_batches, start_loop
+from tasks.training.torchrun_command import command
 
 log = logging.getLogger("stagewise.sweep")
 

@@ -29,6 +29,7 @@ import psutil
 from stagewise_airflow import REPO_ROOT
 from tasks.core import contract
 from tasks.definitions.config import Profile
+from tasks.training import torchrun_command
 
 log = logging.getLogger("stagewise.launch")
 
@@ -51,9 +52,7 @@ def command(module: str, args: list[str], profile: Profile, distributed: bool, s
     """
     entry = [script] if script else ["-m", module]
     if distributed:
-        from tasks.training import local_torchrun  # imports torch: not at DAG parse time
-
-        return local_torchrun.command(entry, args, profile.processes_per_node, profile.max_restarts)
+        return torchrun_command.command(entry, args, profile.processes_per_node, profile.max_restarts)
     return [sys.executable, *entry, *args]
 
 

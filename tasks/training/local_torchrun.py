@@ -127,16 +127,6 @@ def torchrun_argv(argv: list[str]) -> list[str]:
     return ["--nnodes=1", f"--rdzv-backend={RENDEZVOUS_BACKEND}", f"--rdzv-endpoint={LOOPBACK}:0", *own]
 
 
-def command(entry: list[str], args: list[str], nproc_per_node: int, max_restarts: int = 0, backend: str = "local",
-            python: str = sys.executable) -> list[str]:
-    """The argv running ``entry`` (``[script]`` or ``["-m", module]``) with ``args`` under torchrun: the one torchrun
-    command of the Airflow launcher's DDP sub-jobs, of tasks.sweep's bring-your-own trials (backend local: this
-    launcher) and of every node of a SageMaker or Kubernetes job (tasks.training.node_launch; ``python`` is the
-    image's interpreter there)."""
-    launcher = ["tasks.training.local_torchrun"] if backend == "local" else ["tasks.training.node_launch", backend]
-    return [python, "-m", *launcher, f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", *entry, *args]
-
-
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run as torchrun
 

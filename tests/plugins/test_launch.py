@@ -48,6 +48,16 @@ def test_torchrun_command_follows_the_profile():
     assert argv[-3:] == ["tasks.train", "--stage", "s2"]
 
 
+def test_building_a_torchrun_command_imports_no_torch():
+    """The Airflow task process builds a DDP stage's command without importing torch (about 2 CPU-s a task)."""
+    code = ("import sys; from stagewise_airflow import launch; from tasks.definitions.config import Profile; "
+            "launch.command('tasks.train', [], Profile(processes_per_node=2), distributed=True); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(launch.REPO_ROOT), str(Path(launch.__file__).parents[1])])})
+    assert result.stdout.strip() == "[]", result.stdout
+
+
 def test_child_env_pins_threads_and_hides_gpus_on_cpu_profiles():
     """Threads per process come from the profile; a cpu profile never touches CUDA."""
     env = launch.child_env(Profile(threads_per_process=3, device="cpu"), "/tmp/x")

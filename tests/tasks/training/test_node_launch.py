@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tasks.training import local_torchrun
+from tasks.training import torchrun_command
 from tasks.training.node_launch import NodeConfigError, kubernetes_node, sagemaker_node, torchrun_argv
 
 ENTRY = ["--nproc-per-node=2", "-m", "tasks.train", "--stage", "s2"]
@@ -104,7 +104,7 @@ def test_unknown_backend_is_refused():
 
 
 def test_one_command_builder_serves_the_local_launcher_and_every_node():
-    assert local_torchrun.command(["-m", "tasks.train"], ["--stage", "s2"], 2)[1:3] == ["-m", "tasks.training.local_torchrun"]
-    remote = local_torchrun.command(["-m", "tasks.train"], ["--stage", "s2"], 4, 1, backend="sagemaker", python="python")
+    assert torchrun_command.command(["-m", "tasks.train"], ["--stage", "s2"], 2)[1:3] == ["-m", "tasks.training.local_torchrun"]
+    remote = torchrun_command.command(["-m", "tasks.train"], ["--stage", "s2"], 4, 1, backend="sagemaker", python="python")
     assert remote == ["python", "-m", "tasks.training.node_launch", "sagemaker", "--nproc-per-node=4", "--max-restarts=1",
                       "-m", "tasks.train", "--stage", "s2"]
