@@ -106,15 +106,20 @@ def ingest(config: Any, source_uri: str, target_uri: str) -> dict[str, Any]:
 
 
 
-def write_demo() -> str:
-    """Write the data set the pipeline config asks for (dataset.demo_data) where its dataset.uri points, once."""
+def write_demo(num_shards: int | None = None) -> str:
+    """Write the data set the pipeline config asks for (dataset.demo_data) where its dataset.uri points, once,
+    in ``num_shards`` files (default: that data set's own)."""
     config = load_config()
     target = storage.resolve(config.storage_root, config.dataset.uri)
     fs, path = storage.filesystem(target)
     if fs.isdir(path) and fs.glob(path.rstrip("/") + "/*.parquet"):
         log.info("demo data already at %s", target)
     else:
-        DEMO_WRITERS[config.dataset.demo_data](target)
+        writer = DEMO_WRITERS[config.dataset.demo_data]
+        if num_shards is None:
+            writer(target)
+        else:
+            writer(target, num_shards=num_shards)
     return target
 
 
@@ -127,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
         bundled = sub.add_parser(name, help=text)
         bundled.add_argument("out_uri")
         bundled.add_argument("--num-shards", type=int, default=shards)
-    sub.add_parser("demo", help="dataset.demo_data into the pipeline config's dataset.uri unless it already holds shards")
+    demo = sub.add_parser("demo", help="dataset.demo_data into the pipeline config's dataset.uri unless it already holds shards")
+    demo.add_argument("--num-shards", type=int, default=None, help="files to split it into (default: the data set's own)")
     synth = sub.add_parser("synthetic", help="a learnable synthetic classification set")
     synth.add_argument("out_uri")
     synth.add_argument("--rows", type=int, required=True)
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup_logging()
     if args.kind == "demo":
-        write_demo()
+        write_demo(args.num_shards)
     elif args.kind == "synthetic":
         write_synthetic(args.out_uri, args.rows, args.features, args.classes, args.num_shards, args.seed, args.dirty_fraction)
     else:

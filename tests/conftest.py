@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests import run_cache
 
 # The live_airflow fixture (a real api-server, scheduler and dag-processor) for any test that needs one.
 pytest_plugins = ["tests.live_airflow"]
@@ -59,8 +62,14 @@ _running: list = [None]  # the test whose setup, call or teardown runs now (modu
 _unmarked_starts: dict[str, list[str]] = {}
 
 
+_owned_cache: list[str] = []
+
+
 def pytest_configure(config):
-    """Watch every process this pytest process starts, so a test starting torchrun or Airflow unmarked fails."""
+    """Open the run's setup cache (tests/run_cache.py), and watch every process this pytest process starts, so a
+    test starting torchrun or Airflow unmarked fails."""
+    if folder := run_cache.open_cache():
+        _owned_cache.append(folder)
     execute_child = subprocess.Popen._execute_child
 
     def checked(self, args, *rest, **kwargs):
@@ -71,6 +80,11 @@ def pytest_configure(config):
         return execute_child(self, args, *rest, **kwargs)
 
     subprocess.Popen._execute_child = checked
+
+
+def pytest_unconfigure(config):
+    for folder in _owned_cache:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.hookimpl(wrapper=True)

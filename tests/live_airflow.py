@@ -33,6 +33,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests import run_cache
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MARKER_ENV = "STAGEWISE_LIVE_AIRFLOW"  # every process we start (and their children) carries this
 FINAL_RUN_STATES = frozenset({"success", "failed"})
@@ -220,15 +222,20 @@ class LiveAirflow:
         # The simple auth manager keeps generated passwords here and only adds missing users: seed ours.
         (self.home / "simple_auth_manager_passwords.json.generated").write_text(json.dumps({_ADMIN: self.password}))
         migrate_log = self.log_dir / "db-migrate.log"
-        with open(migrate_log, "w") as handle:
-            try:
-                result = subprocess.run([*self._airflow(), "db", "migrate"], env=self.env, cwd=self.tmp_dir,
-                                        stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
-                                        timeout=self.startup_timeout, start_new_session=True)
-            except subprocess.TimeoutExpired:
-                raise LiveAirflowError(f"airflow db migrate timed out\n{self._tail(migrate_log)}") from None
-        if result.returncode != 0:
-            raise LiveAirflowError(f"airflow db migrate failed ({result.returncode})\n{self._tail(migrate_log)}")
+        db_url = self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+        if db_url.startswith("sqlite:///"):  # a copy of one migrated DB per pytest run (tests/run_cache.py)
+            run_cache.migrated_sqlite_db(db_url.removeprefix("sqlite:///"))
+            migrate_log.write_text(f"copied a migrated SQLite DB to {db_url}\n")
+        else:
+            with open(migrate_log, "w") as handle:
+                try:
+                    result = subprocess.run([*self._airflow(), "db", "migrate"], env=self.env, cwd=self.tmp_dir,
+                                            stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
+                                            timeout=self.startup_timeout, start_new_session=True)
+                except subprocess.TimeoutExpired:
+                    raise LiveAirflowError(f"airflow db migrate timed out\n{self._tail(migrate_log)}") from None
+            if result.returncode != 0:
+                raise LiveAirflowError(f"airflow db migrate failed ({result.returncode})\n{self._tail(migrate_log)}")
         self._spawn("api-server", "api-server", "-H", "127.0.0.1", "-p", str(self.port), "-w", "1")
         self._spawn("scheduler", "scheduler", "--skip-serve-logs")
         self._spawn("dag-processor", "dag-processor")
@@ -520,10 +527,7 @@ def small_pipeline_airflow(tmp_dir: str | os.PathLike, dag_ids: tuple[str, ...] 
     storage_root = tmp_dir / "storage"
     config_path = tmp_dir / "pipeline.yaml"
     config_path.write_text(yaml.safe_dump(base_config(storage_root)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW__")}
-    env.update({"STAGEWISE_CONFIG": str(config_path), "PYTHONPATH": str(REPO_ROOT)})
-    subprocess.run([sys.executable, "-m", "tasks.data", "demo"], cwd=REPO_ROOT, env=env, check=True,
-                   capture_output=True)
+    run_cache.demo_data(config_path)
     with LiveAirflow(tmp_dir / "live_airflow", REPO_ROOT / "dags", {"STAGEWISE_CONFIG": str(config_path)}) as live:
         live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "cpu_cores", "slots": 2})
         for dag_id in dag_ids:

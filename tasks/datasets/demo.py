@@ -119,5 +119,5 @@ def write_synthetic(out_uri: str, num_rows: int, num_features: int = 32, num_cla
 
 
 DEMO_WRITERS = {"digits": write_digits, "digits-images": write_digits_images, "diabetes": write_diabetes,
-                "synthetic": lambda uri: write_synthetic(uri, 20_000)}
-"""dataset.demo_data -> the writer of that data set."""
+                "synthetic": lambda uri, num_shards=8: write_synthetic(uri, 20_000, num_shards=num_shards)}
+"""dataset.demo_data -> the writer of that data set: ``writer(out_uri, num_shards)``, each with its own default."""

@@ -9,13 +9,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import run_cache
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_airflow_env(home: Path, storage_root: str, journal_dir: Path, extra: dict | None = None,
                      config: dict | None = None, data_env: dict | None = None,
                      base_config: Path = REPO_ROOT / "pipeline.yaml") -> dict:
-    """A fresh Airflow home and DB, pools created, the demo config on ``storage_root`` and its data written.
+    """A fresh Airflow home and DB, pools created, the demo config on ``storage_root`` and its data written
+    (tests/run_cache.py: a copy of a migrated DB with the config's pools, the demo data in two shards).
 
     ``extra`` joins every process's environment, ``config`` the top-level config keys, and
     ``data_env`` only the environment of the process that writes the demo data; ``base_config``
@@ -31,12 +34,14 @@ def make_airflow_env(home: Path, storage_root: str, journal_dir: Path, extra: di
     env = dict(os.environ)
     env.update({"AIRFLOW_HOME": str(home), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
                 "STAGEWISE_CONFIG": str(config_path), "STAGEWISE_TEST_STORAGE": storage_root, **(extra or {})})
-    airflow(env, "db", "migrate")
-    command = ". scripts/airflow_env.sh && exec python -m stagewise_airflow.pools"
-    subprocess.run(["bash", "-c", command], cwd=REPO_ROOT, env=env, check=True, capture_output=True)
-    subprocess.run([str(REPO_ROOT / ".venv/bin/python"), "-m", "tasks.data", "demo"], cwd=REPO_ROOT,
-                   env=_with_path({**env, **(data_env or {})}),
-                   check=True, capture_output=True)
+    db_url = env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+    if db_url.startswith("sqlite:///"):
+        run_cache.migrated_sqlite_db(db_url.removeprefix("sqlite:///"), pools_of=config_path)
+    else:
+        airflow(env, "db", "migrate")
+        command = ". scripts/airflow_env.sh && exec python -m stagewise_airflow.pools"
+        subprocess.run(["bash", "-c", command], cwd=REPO_ROOT, env=env, check=True, capture_output=True)
+    run_cache.demo_data(config_path, env=_with_path({**env, **(data_env or {})}))
     return env
 
 

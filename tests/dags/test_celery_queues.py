@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import run_cache
 from tests.conftest import base_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -17,11 +18,8 @@ QUEUES = {"small": "cpu_small", "ddp": "cpu_ddp"}  # worker name -> the queue it
 
 
 def test_every_sub_job_runs_on_the_worker_serving_its_profile_queue(live_airflow, postgres_databases, redis_url,
-                                                                     tmp_path, subprocess_env):
+                                                                     tmp_path):
     """Each task instance ran on the worker whose queue its profile names, and the run succeeded."""
-    import subprocess
-    import sys
-
     storage_root = tmp_path / "storage"
     raw = base_config(storage_root)
     raw["profiles"]["small"]["queue"] = QUEUES["small"]
@@ -29,8 +27,7 @@ def test_every_sub_job_runs_on_the_worker_serving_its_profile_queue(live_airflow
         raw["profiles"][profile]["queue"] = QUEUES["ddp"]
     config_path = tmp_path / "pipeline.yaml"
     config_path.write_text(yaml.safe_dump(raw))
-    env = {**subprocess_env, "STAGEWISE_CONFIG": str(config_path)}
-    subprocess.run([sys.executable, "-m", "tasks.data", "demo"], cwd=REPO_ROOT, env=env, check=True, capture_output=True)
+    run_cache.demo_data(config_path)
 
     results = postgres_databases().replace("postgresql://", "db+postgresql+psycopg2://")
     live = live_airflow(REPO_ROOT / "dags", {

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import run_cache
 from tests.conftest import base_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -15,19 +16,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.airflow, pytest.mark.torchrun]
 
 
-def test_asset_event_triggers_retrain_which_registers_and_promotes(live_airflow, tmp_path, subprocess_env):
+def test_asset_event_triggers_retrain_which_registers_and_promotes(live_airflow, tmp_path):
     """POST /api/v2/assets/events on the raw-data asset starts retrain; it succeeds and moves models/current."""
-    import subprocess
-    import sys
-
     storage_root = tmp_path / "storage"
     raw = base_config(storage_root)  # small sweep, 2 epochs a stage
     # Feb 29: the last trigger (2024) predates the DAG's start, so no scheduled run competes with the asset run.
     raw["retrain"] = {"schedule": "0 0 29 2 *", "num_trials": 2}
     config_path = tmp_path / "pipeline.yaml"
     config_path.write_text(yaml.safe_dump(raw))
-    env = {**subprocess_env, "STAGEWISE_CONFIG": str(config_path)}
-    subprocess.run([sys.executable, "-m", "tasks.data", "demo"], cwd=REPO_ROOT, env=env, check=True, capture_output=True)
+    run_cache.demo_data(config_path)
 
     live = live_airflow(REPO_ROOT / "dags", {"STAGEWISE_CONFIG": str(config_path)})
     live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "cpu_cores", "slots": 2, "description": "test"})

@@ -1,4 +1,10 @@
-"""ml_pipeline on an S3 endpoint that throttles, errs and drops connections, reached through an Airflow connection."""
+"""ml_pipeline with its storage root on s3://, through s3fs against a real S3 HTTP endpoint that throttles, errs and
+drops connections, reached through an Airflow connection.
+
+One run guards both the plain S3 path (every stage reads and writes s3://, the report, its page and the registry land
+there) and riding out the faults; credentials from the environment instead of a connection are covered by
+tests/plugins/test_credentials.py and the sub-job tests of tests/tasks/test_storage_s3.py.
+"""
 
 from __future__ import annotations
 
@@ -19,8 +25,9 @@ BUCKET = "stagewise-faults"
 FAULTS = FaultPlan(every=6, outage_after=400, outage_s=10.0)
 
 
-def test_ml_pipeline_rides_out_s3_faults_with_credentials_from_a_connection(s3_endpoint, tmp_path):
-    """The run succeeds through every fault kind and an outage; each row is predicted exactly once; no secret leaks."""
+def test_ml_pipeline_runs_on_s3_through_faults_with_credentials_from_a_connection(s3_endpoint, tmp_path):
+    """The run succeeds through every fault kind and an outage with every output on S3; each row is predicted exactly
+    once; no secret leaks into logs, report or page."""
     import pyarrow.parquet as pq
     import s3fs
 
@@ -49,7 +56,14 @@ def test_ml_pipeline_rides_out_s3_faults_with_credentials_from_a_connection(s3_e
     reports = direct.glob(f"{BUCKET}/root/runs/ml_pipeline/*/report.json")
     assert len(reports) == 1
     report = json.loads(direct.cat(reports[0]))
-    assert report["test_accuracy"] > 0.9
+    assert report["model_uri"].startswith(f"s3://{BUCKET}/root/") and report["test_accuracy"] > 0.9
+    assert report["predictions"]["rows"] == 1797 and report["predictions"]["uri"].startswith("s3://")
+    assert direct.exists(f"{BUCKET}/root/models/digits/current.json")
+    # report.html is beside report.json on S3, with every task attempt the timeline hooks recorded through s3fs.
+    assert report["html_uri"] == "s3://" + reports[0].rsplit("/", 1)[0] + "/report.html"
+    page = direct.cat(report["html_uri"]).decode()
+    assert 'data-figure="fig-timeline"' in page
+    assert {t["task_id"] for t in report["tasks"]} >= {"start_run", "sweep_worker", "train_s1", "train_s2", "report"}
     manifest = json.loads(direct.cat(report["predictions"]["uri"]))
     keys = []
     for entry in manifest["files"]:
@@ -66,4 +80,4 @@ def test_ml_pipeline_rides_out_s3_faults_with_credentials_from_a_connection(s3_e
         "failed S3 attempts are not visible in the task log"
     secret = s3_endpoint["AWS_SECRET_ACCESS_KEY"]
     assert secret not in result.stdout + result.stderr, "the secret key reached the logs"
-    assert secret not in json.dumps(report)
+    assert secret not in json.dumps(report) and secret not in page
