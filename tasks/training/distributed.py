@@ -83,6 +83,21 @@ def distributed_job(device: str, threads: int) -> Iterator[DistEnv]:
         destroy_process_group(env)
 
 
+def any_rank(env: DistEnv, flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank; every rank must call it (one all-reduce). A check that fails every rank
+    then fails them together: a rank that raised alone would have torchrun stop the others before they said why."""
+    if not env.distributed:
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor([int(flag)], device=env.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def destroy_process_group(env: DistEnv) -> None:
     if env.distributed:
         import torch.distributed as dist

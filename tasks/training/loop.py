@@ -25,7 +25,7 @@ from tasks.datasets.loader import ParquetBatches, split_batches
 from tasks.definitions.spec import Average, ModelSpec
 from tasks.models.building import BuiltModel, model_for_run
 from tasks.training.device_data import DeviceBatches, choose_placement, resident_bytes
-from tasks.training.distributed import DistEnv
+from tasks.training.distributed import DistEnv, any_rank
 
 Batches = ParquetBatches | DeviceBatches
 
@@ -357,15 +357,15 @@ def rank_batches(manifest: dict[str, Any], env: DistEnv, *, batch_size: int, see
                  too_few_rows: Callable[[int], str], placement: str = "auto",
                  memory_fraction: float = 0.5, shuffle_block_rows: int = 1) -> tuple[Batches, Batches]:
     """This rank's shuffled train batches and its validation batches. A batch that leaves no optimizer step is a user
-    error (``too_few_rows(rows per rank)`` says which setting); every rank reads the same Parquet metadata, so all refuse
-    together and none hangs in DDP. ``placement`` (auto, host, resident, streamed) and ``memory_fraction`` pick where
+    error (``too_few_rows(rows per rank)`` says which setting); the ranks agree on it first (one all-reduce), so all refuse
+    together, each saying why, and none hangs in DDP. ``placement`` (auto, host, resident, streamed) and ``memory_fraction`` pick where
     batches are made (tasks.training.device_data.choose_placement); rank 0 logs the choice. ``shuffle_block_rows``
     coarsens the host loader's shuffle (tasks.datasets.loader.ParquetBatches)."""
     train = split_batches(manifest, "train", rank=env.rank, world_size=env.world_size, batch_size=batch_size, seed=seed,
                           shuffle_block_rows=shuffle_block_rows)
     validation = split_batches(manifest, "validation", rank=env.rank, world_size=env.world_size, batch_size=4096,
                                seed=0, shuffle=False)
-    if train.steps_per_epoch(0) == 0:
+    if any_rank(env, train.steps_per_epoch(0) == 0):
         raise UserError(too_few_rows(train.num_rows // env.world_size))
     chosen, why = choose_placement(placement, memory_fraction, env.device, resident_bytes(train) + resident_bytes(validation))
     if env.master:

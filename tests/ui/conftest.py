@@ -68,22 +68,34 @@ class Screens:
         return path
 
 
+@pytest.fixture(scope="module")
+def admin_session(ui_airflow) -> dict:
+    """The browser state (cookies, local storage) of the admin once logged in; filled by the module's first login."""
+    return {}
+
+
 @pytest.fixture
-def logged_in(chromium, ui_airflow, request):
-    """A fresh browser page logged in as admin through the login form; yields (page, live, screens)."""
+def logged_in(chromium, ui_airflow, admin_session, request):
+    """A fresh browser page logged in as admin; yields (page, live, screens).
+
+    The module's first test logs in through the login form and lands on the home page; the others start from that
+    session's saved state (each page load of the React UI costs CPU-seconds of software rendering here).
+    """
     live, _ = ui_airflow
-    context = chromium.new_context(viewport={"width": 1600, "height": 1000})
+    context = chromium.new_context(viewport={"width": 1600, "height": 1000}, storage_state=admin_session.get("state"))
     context.set_default_timeout(UI_TIMEOUT_MS)
     page = context.new_page()
     screens = Screens(page, ARTIFACTS / re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name))
     try:
-        page.goto(live.base_url)
-        page.get_by_label("Username").fill("admin")
-        page.get_by_label("Password").fill(live.password)
-        screens.shot("login-form")
-        page.get_by_role("button", name="Sign in").click()
-        page.get_by_role("heading", name="Welcome").wait_for()
-        screens.shot("logged-in-home")
+        if "state" not in admin_session:
+            page.goto(live.base_url)
+            page.get_by_label("Username").fill("admin")
+            page.get_by_label("Password").fill(live.password)
+            screens.shot("login-form")
+            page.get_by_role("button", name="Sign in").click()
+            page.get_by_role("heading", name="Welcome").wait_for()
+            screens.shot("logged-in-home")
+            admin_session["state"] = context.storage_state()
         yield page, live, screens
     finally:
         screens.shot("last-state")

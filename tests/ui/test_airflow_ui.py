@@ -133,6 +133,7 @@ def test_the_stagewise_view_shows_the_finished_runs_report_and_the_registry(logg
     run_folder = Path(storage.run_prefix(str(storage_root), "ml_pipeline", finished_run))
     report = json.loads((run_folder / "report.json").read_text())
 
+    page.goto(live.base_url)  # the home page, with the nav bar the plugin adds its entry to
     page.get_by_role("link", name="Stagewise", exact=True).click()
     view = page.frame_locator('iframe[title="Stagewise"]')
     expect(view.get_by_role("heading", name="Stagewise runs")).to_be_visible()
