@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.data import write_demo
+from tasks.data import main, write_demo
 from tasks.datasets.demo import synthetic_table, write_diabetes, write_digits, write_digits_images, write_synthetic
 
 
@@ -61,6 +61,14 @@ def test_demo_writes_the_data_set_the_config_asks_for(write_config, storage_root
     target = write_demo()
     assert column in pq.read_schema(sorted((storage_root / "raw" / "anything").glob("*.parquet"))[0]).names
     assert target.endswith("raw/anything")
+
+
+def test_demo_num_shards_splits_the_same_rows_into_that_many_files(write_config, storage_root, monkeypatch):
+    """`tasks.data demo --num-shards 2` writes the digits' 1,797 rows in two files (the demo's default is four)."""
+    monkeypatch.setenv("STAGEWISE_CONFIG", str(write_config()))
+    main(["demo", "--num-shards", "2"])
+    files = sorted((storage_root / "raw" / "digits").glob("*.parquet"))
+    assert len(files) == 2 and sum(pq.read_metadata(f).num_rows for f in files) == 1797
 
 
 def test_synthetic_rows_shards_and_unique_keys(tmp_path):
