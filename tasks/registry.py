@@ -64,16 +64,12 @@ def code_version() -> str:
 
 def data_fingerprint(manifest_uri: str) -> str:
     """A hash of the committed preprocess manifest: which files, rows and statistics trained the model."""
-    fs, path = storage.filesystem(manifest_uri)
-    with fs.open(path, "rb") as handle:
-        return hashlib.sha256(handle.read()).hexdigest()[:16]
+    return hashlib.sha256(storage.read_bytes(manifest_uri)).hexdigest()[:16]
 
 
 def register(storage_root: str, name: str, model_uri: str, card: dict[str, Any]) -> dict[str, Any]:
     """Copy the model into ``models/<name>/<version>/`` with its card; idempotent per model bytes."""
-    fs, path = storage.filesystem(model_uri)
-    with fs.open(path, "rb") as handle:
-        data = handle.read()
+    data = storage.read_bytes(model_uri)
     version = version_of(data)  # every load of the registered file checks its bytes against this id (read_checked)
     nonfinite = {key: value for key, value in card.items() if isinstance(value, float) and not math.isfinite(value)}
     if nonfinite:

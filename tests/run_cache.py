@@ -95,7 +95,6 @@ def demo_data(config_path: str | os.PathLike, num_shards: int = 2, env: dict[str
     target = storage.resolve(config.storage_root, config.dataset.uri)
     if "://" in target:
         env = {**(os.environ if env is None else env), "STAGEWISE_CONFIG": str(config_path)}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         subprocess.run([sys.executable, "-m", "tasks.data", "demo", "--num-shards", str(num_shards)], cwd=REPO_ROOT,
                        env=env, check=True, capture_output=True)
         return target

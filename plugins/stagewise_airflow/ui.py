@@ -371,10 +371,8 @@ def create_app() -> FastAPI:
         uri = storage.join(prefix, "report.html")
         if not storage.exists(uri):
             raise HTTPException(404, f"run {run_id!r} has no report.html yet (its report.json is on the run page)")
-        fs, path = storage.filesystem(uri)
-        with fs.open(path, "rb") as handle:
-            return Response(handle.read(), media_type="text/html; charset=utf-8",
-                            headers={"Content-Security-Policy": REPORT_CSP})
+        return Response(storage.read_bytes(uri), media_type="text/html; charset=utf-8",
+                        headers={"Content-Security-Policy": REPORT_CSP})
 
     @router.get("/runs/{dag_id}/{run_id}/report.json")
     def report_json(dag_id: str, run_id: str, user: User) -> Response:

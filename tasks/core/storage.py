@@ -213,12 +213,17 @@ def write_json(uri: str, obj: Any) -> None:
     write_bytes(uri, _json_bytes(obj))
 
 
+def read_bytes(uri: str) -> bytes:
+    """The whole file at ``uri``, on any storage; read faults pass (the caller's retry reads again)."""
+    fs, path = filesystem(uri)
+    with fs.open(path, "rb") as handle:
+        return handle.read()
+
+
 def read_json(uri: str) -> Any:
     """The JSON at ``uri``; a file that exists but does not parse is a DataError naming it (no retry can mend it)."""
-    fs, path = filesystem(uri)
     try:
-        with fs.open(path, "rb") as handle:
-            data = handle.read()
+        data = read_bytes(uri)
     except FileNotFoundError:
         raise FileNotFoundError(f"{uri} does not exist") from None
     return _parse_json(uri, data)

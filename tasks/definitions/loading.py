@@ -59,11 +59,7 @@ def config_path(path: str | os.PathLike | None = None) -> Path | str:
 
 
 def _read_text(resolved: Path | str) -> str:
-    if isinstance(resolved, Path):
-        return resolved.read_text()
-    fs, path = storage.filesystem(resolved)
-    with fs.open(path, "rb") as handle:
-        return handle.read().decode()
+    return resolved.read_text() if isinstance(resolved, Path) else storage.read_bytes(resolved).decode()
 
 
 def _apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> None:

@@ -22,9 +22,7 @@ def save_torch(uri: str, payload: dict[str, Any]) -> None:
 def read_checked(uri: str) -> tuple[bytes, str]:
     """A torch file's bytes and their version id (tasks.models.versions), read once; a registered model whose bytes
     no longer match its version is a DataError naming it. Read faults pass and are retried."""
-    fs, path = storage.filesystem(uri)
-    with fs.open(path, "rb") as handle:
-        data = handle.read()
+    data = storage.read_bytes(uri)
     return data, check_registered(uri, data)
 
 
