@@ -43,9 +43,11 @@ airflow-init: $(STAMP)
 demo-data: $(STAMP)
 	@$(AIRFLOW_ENV) && python -m tasks.data demo
 
+# The DAG of the pipeline in $$STAGEWISE_CONFIG (default pipeline.yaml, the pipeline `ml`): ml_pipeline.
 demo: airflow-init demo-data
-	@$(AIRFLOW_ENV) && mkdir -p "$$AIRFLOW_HOME/logs" && echo "running: airflow dags test ml_pipeline (log: .airflow/logs/demo.log)" \
-	  && { airflow dags test ml_pipeline > "$$AIRFLOW_HOME/logs/demo.log" 2>&1 \
+	@$(AIRFLOW_ENV) && dag=$$(python -m tasks.config --dag-id pipeline) && mkdir -p "$$AIRFLOW_HOME/logs" \
+	  && echo "running: airflow dags test $$dag (log: .airflow/logs/demo.log)" \
+	  && { airflow dags test "$$dag" > "$$AIRFLOW_HOME/logs/demo.log" 2>&1 \
 	       || { tail -n 60 "$$AIRFLOW_HOME/logs/demo.log"; echo "demo failed: see .airflow/logs/demo.log"; exit 1; }; } \
 	  && python -m tasks.report latest
 

@@ -160,15 +160,15 @@ def inference_parallel_speedup(rows: int = 400_000) -> dict[str, Any]:
         with LiveAirflow(workdir / "airflow", REPO_ROOT / "dags", env={"STAGEWISE_CONFIG": str(config_path)}) as live:
             live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "cpu_cores", "slots": 2})
             live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "infer_pool", "slots": 1})
-            live.wait_for_dag("batch_inference")
-            live.unpause("batch_inference")
+            live.wait_for_dag("ml_batch_inference")
+            live.unpause("ml_batch_inference")
             for workers in (1, 2):
                 live.api("PATCH", "/api/v2/pools/infer_pool", json={"name": "infer_pool", "slots": workers, "include_deferred": False})
-                run_id = live.trigger("batch_inference", {"input_uri": source})
-                state = live.wait_for_run("batch_inference", run_id, timeout=600)
+                run_id = live.trigger("ml_batch_inference", {"input_uri": source})
+                state = live.wait_for_run("ml_batch_inference", run_id, timeout=600)
                 if state != "success":
                     raise RuntimeError(f"batch_inference with {workers} worker(s) ended {state}:\n{live.logs_tail()}")
-                spans[workers] = _span_of(live.task_instances("batch_inference", run_id), "infer_shard")
+                spans[workers] = _span_of(live.task_instances("ml_batch_inference", run_id), "infer_shard")
     return {"ours": spans[1], "baseline": spans[2], "unit": "s (1 worker / 2 workers)",
             "details": {"one_worker_s": round(spans[1], 2), "two_workers_s": round(spans[2], 2), "shards": 4, "rows": rows,
                         "note": "ratio = 1-worker time / 2-worker time (a speed-up)"}}

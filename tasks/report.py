@@ -15,7 +15,8 @@ from typing import Any
 from tasks.core import storage
 from tasks.core.cli import common_parser, parse_overrides, setup_logging
 from tasks.core.errors import DataError, UserError
-from tasks.definitions.loading import load_config
+from tasks.definitions.loading import config_path, load_config
+from tasks.definitions.pipelines import dag_id, name_of
 from tasks.reporting import html as report_html
 
 log = logging.getLogger("stagewise.report")
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Show a run report.")
     sub = parser.add_subparsers(dest="step", required=True)
     p_latest = sub.add_parser("latest", parents=[common_parser()], help="summarise the newest report")
-    p_latest.add_argument("--dag-id", default="ml_pipeline")
+    p_latest.add_argument("--dag-id", help="whose runs (default: the config's training DAG, <name>_pipeline)")
     p_html = sub.add_parser("html", help="render report.html again from a finished run's files")
     p_html.add_argument("run", help="the run prefix (runs/<dag_id>/<run_id> under the storage root) or its report.json")
     args = parser.parse_args(argv)
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(str(exc)) from None
         return
     config = load_config(args.config, parse_overrides(args.override))
-    uri = latest_report(config.storage_root, args.dag_id)
+    uri = latest_report(config.storage_root, args.dag_id or dag_id(name_of(config_path(args.config)), "pipeline"))
     for line in summary_lines(storage.read_json(uri)):
         print(line)
     html = uri.rsplit("/", 1)[0] + "/report.html"

@@ -6,9 +6,10 @@ Run: loaded by ``plugins/stagewise_ui_plugin.py`` and mounted at ``/stagewise`` 
 Every page needs the caller's Airflow login: Airflow mounts a plugin's app as is, so each route depends on
 Airflow's own ``get_user`` (the UI's ``_token`` cookie or an ``Authorization: Bearer`` JWT; none: 401, a bad
 one: 403) and the auth manager's UI access; a run also needs read access to its DAG's runs (403). Reads go through
-``tasks.core.storage`` under the pipeline config's ``storage_root`` (``$STAGEWISE_CONFIG``), so an ``s3://`` root
-works with the api-server's AWS environment. Everything taken from storage is HTML-escaped, and a DAG or run
-id becomes a path only through ``tasks.core.storage.safe_name`` after '/', '\\' and '.'/'..' are refused.
+``tasks.core.storage`` under the storage root of every pipeline of the deployment (``$STAGEWISE_PIPELINES``, see
+``tasks.definitions.pipelines``), so an ``s3://`` root works with the api-server's AWS environment.
+Everything taken from storage is HTML-escaped, and a DAG or run id becomes a path only through
+``tasks.core.storage.safe_name`` after '/', '\\' and '.'/'..' are refused.
 
 Every response, errors included, carries ``X-Content-Type-Options: nosniff``, ``Referrer-Policy: same-origin`` and a
 Content-Security-Policy that lets only Airflow's own pages frame it and fetches nothing. report.html runs its inline
@@ -32,7 +33,8 @@ from fastapi.responses import HTMLResponse, Response
 from tasks.core import storage
 from tasks.core.errors import DataError, UserError
 from tasks.definitions.config import PipelineConfig
-from tasks.definitions.loading import config_path, load_config
+from tasks.definitions.loading import load_config
+from tasks.definitions.pipelines import discover
 from tasks.registry import model_names
 from tasks.report import list_reports, read_report
 
@@ -43,25 +45,39 @@ log = logging.getLogger("stagewise.ui")
 
 # -- config and storage -----------------------------------------------------------------------------
 
-_config_cache: dict[tuple[str, int], PipelineConfig] = {}
+_config_cache: dict[tuple, dict[str, PipelineConfig]] = {}
 
 
-def pipeline_config() -> PipelineConfig:
-    """The pipeline config, read again only when its file changes (the api-server runs for days)."""
-    path = config_path()
+def pipeline_configs() -> dict[str, PipelineConfig]:
+    """Every pipeline of the deployment that loads, by name, read again only when a file changes (the api-server runs
+    for days). A config that does not load is left out and named in the api-server's log, not on the page."""
     try:
-        key = (str(path), path.stat().st_mtime_ns)
-    except OSError as exc:
-        log.error("pipeline config %s: %s", path, exc.strerror)  # the path goes to the api-server's log, not the page
-        raise HTTPException(500, f"pipeline config: {exc.strerror} (set STAGEWISE_CONFIG for the api-server)") from None
+        pipelines = discover()
+        key = tuple((pipeline.name, str(pipeline.path), pipeline.path.stat().st_mtime_ns) for pipeline in pipelines)
+    except (UserError, OSError) as exc:
+        log.error("pipelines: %s", exc)  # paths go to the api-server's log, not the page
+        raise HTTPException(500, "pipeline config: the pipelines cannot be read (set STAGEWISE_PIPELINES or "
+                                 "STAGEWISE_CONFIG for the api-server; its log says why)") from None
     if key not in _config_cache:
         _config_cache.clear()
-        try:
-            _config_cache[key] = load_config(path)
-        except UserError as exc:
-            log.error("pipeline config %s: %s", path, exc)
-            raise HTTPException(500, "the pipeline config is invalid: the api-server's log says why") from None
+        loaded = {}
+        for pipeline in pipelines:
+            try:
+                loaded[pipeline.name] = load_config(pipeline.path)
+            except UserError as exc:
+                log.error("pipeline %s: %s", pipeline.name, exc)
+        if pipelines and not loaded:
+            raise HTTPException(500, "the pipeline config is invalid: the api-server's log says why")
+        _config_cache[key] = loaded
     return _config_cache[key]
+
+
+def storage_roots() -> dict[str, list[str]]:
+    """Each storage root the pipelines use, with the names of the pipelines writing there (two may share one)."""
+    roots: dict[str, list[str]] = {}
+    for name, config in pipeline_configs().items():
+        roots.setdefault(config.storage_root, []).append(name)
+    return roots
 
 
 def path_segment(value: str, what: str) -> str:
@@ -303,11 +319,13 @@ def create_app() -> FastAPI:
 
     @router.get("/", response_class=HTMLResponse)
     def runs(request: Request, user: User) -> HTMLResponse:
-        config = pipeline_config()
+        roots = storage_roots()
         root = request.scope.get("root_path", "")
         allowed: dict[str, bool] = {}
         rows = []
-        for entry in list_reports(config.storage_root):
+        entries = sorted((entry for storage_root in roots for entry in list_reports(storage_root)),
+                         key=lambda entry: entry["modified"].timestamp() if entry["modified"] else 0.0, reverse=True)
+        for entry in entries:
             report = read_report(entry["uri"], entry["modified"])
             dag_id = str(report.get("dag_id") or entry["dag_folder"])
             if dag_id not in allowed:
@@ -325,22 +343,25 @@ def create_app() -> FastAPI:
             best = (report.get("sweep") or {}).get("best_value") if isinstance(report.get("sweep"), dict) else None
             rows.append([esc(dag_id), _link(href, run_id), esc(when), esc(metric), fmt(value), fmt(best),
                          gate_badge(report.get("registry"))])
-        body = (f"<h1>Stagewise runs</h1><p class='sub'>Every run with a report under <code>{esc(config.storage_root)}"
-                f"/runs/</code>, newest first. Open a run for its report.</p>")
+        where = ", ".join(f"<code>{esc(storage_root)}/runs/</code> ({esc(', '.join(names))})"
+                          for storage_root, names in roots.items())
+        body = (f"<h1>Stagewise runs</h1><p class='sub'>Every run with a report under {where}, newest first. "
+                f"Open a run for its report.</p>")
         body += table(["DAG", "run", "reported", "objective", "test value", "sweep best", "gate"], rows, numeric=(4, 5),
                       wide=True) \
-            if rows else "<p class='empty'>No run has written a report yet: trigger <code>ml_pipeline</code>.</p>"
+            if rows else "<p class='empty'>No run has written a report yet: trigger a pipeline's <code>&lt;name&gt;_pipeline</code> DAG.</p>"
         return page(request, "Runs", body, "runs", "runs")
 
     def _run_folder(user: Any, dag_id: str, run_id: str) -> tuple[str, dict[str, Any]]:
         dag_folder, run_folder = path_segment(dag_id, "DAG id"), path_segment(run_id, "run id")
         if not can_read_runs(user, dag_id):  # before looking: no answer tells an outsider which runs exist
             raise HTTPException(403, "Forbidden")
-        prefix = storage.join(pipeline_config().storage_root, "runs", dag_folder, run_folder)
-        report_uri = storage.join(prefix, "report.json")
-        if not storage.exists(report_uri):
-            raise HTTPException(404, f"no report for run {run_id!r} of DAG {dag_id!r}")
-        return prefix, read_report(report_uri)
+        for storage_root in storage_roots():  # DAG ids are unique across pipelines; roots are few
+            prefix = storage.join(storage_root, "runs", dag_folder, run_folder)
+            report_uri = storage.join(prefix, "report.json")
+            if storage.exists(report_uri):
+                return prefix, read_report(report_uri)
+        raise HTTPException(404, f"no report for run {run_id!r} of DAG {dag_id!r}")
 
     @router.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse)
     def run_page(request: Request, dag_id: str, run_id: str, user: User) -> HTMLResponse:
@@ -383,24 +404,28 @@ def create_app() -> FastAPI:
     def registry_page(request: Request) -> HTMLResponse:
         from tasks import registry
 
-        config = pipeline_config()
         root = request.scope.get("root_path", "")
-        names = model_names(config.storage_root)
-        if config.registry.model_name in names:  # the configured model first
-            names.remove(config.registry.model_name)
-            names.insert(0, config.registry.model_name)
-        body = (f"<h1>Model registry</h1><p class='sub'>Versions under <code>{esc(config.storage_root)}/models/"
-                f"</code>; the gate moves <em>current</em>, batch inference scores with it.</p>")
-        if not names:
-            body += "<p class='empty'>No model registered yet: a finished <code>ml_pipeline</code> run registers one.</p>"
-        for name in names:
+        configs = pipeline_configs()
+        body = ("<h1>Model registry</h1><p class='sub'>Versions under each pipeline's <code>models/</code>; the gate "
+                "moves <em>current</em>, batch inference scores with it.</p>")
+        models = []  # (storage root, model name, the pipelines registering it): each pipeline's own model first
+        for storage_root, pipeline_names in storage_roots().items():
+            own = {configs[name].registry.model_name: name for name in pipeline_names}
+            found = model_names(storage_root)
+            models += [(storage_root, name, own[name]) for name in own if name in found]
+            models += [(storage_root, name, "") for name in found if name not in own]
+        if not models:
+            body += "<p class='empty'>No model registered yet: a finished <code>&lt;name&gt;_pipeline</code> run registers one.</p>"
+        for storage_root, name, pipeline in models:
             try:
-                pointer, pointer_error = registry.pointer(config.storage_root, name), ""
+                pointer, pointer_error = registry.pointer(storage_root, name), ""
             except DataError as exc:  # a torn current.json hides this name's current version, not the page
                 pointer, pointer_error = {}, f"<p class='err'>{esc(exc)}</p>"
-            cards = registry.versions(config.storage_root, name)
+            cards = registry.versions(storage_root, name)
             current = pointer.get("version")
-            body += f"<section data-stagewise-model='{esc(name)}'><h2>{esc(name)}</h2>{pointer_error}"
+            body += (f"<section data-stagewise-model='{esc(name)}'><h2>{esc(name)}</h2><p class='sub'>"
+                     + (f"pipeline <b>{esc(pipeline)}</b> · " if pipeline else "")
+                     + f"<code>{esc(storage_root)}/models/{esc(name)}</code></p>{pointer_error}")
             body += (f"<p>Current: <span class='badge cur mono'>{esc(current)}</span> since {esc(pointer.get('moved_at'))}"
                      f" · {esc(pointer.get('reason'))}</p>" if current else "<p class='sub'>No current version.</p>")
             chain = [*pointer.get("history", []), *([current] if current else [])]

@@ -619,6 +619,8 @@ class AirflowSettings(_Strict):
 class PipelineConfig(_Strict):
     """The whole pipeline."""
 
+    name: str = Field("", pattern=r"^([A-Za-z][A-Za-z0-9_]{0,63})?$", description=(
+        "The pipeline's name, which its DAG ids start with (<name>_pipeline, <name>_retrain, ...); empty: the file's name."))
     storage_root: str = Field(description="URI under which raw/, runs/ and models/ live (file path, file:// or s3://).")
     storage_conn_id: str = Field("", description="Airflow connection (type aws) with S3 keys and extra endpoint_url; empty: the worker's AWS environment.")
     dataset: Dataset = Field(description="The input table.")

@@ -37,12 +37,18 @@ def test_dag_file_imports_without_heavy_modules(path, tmp_path):
     assert probe["heavy"] == [], f"{path.name} imports {probe['heavy']} at module level"
 
 
-def test_dagbag_has_no_import_errors_and_ids_are_file_stems():
-    """Airflow's own parser loads every file without error, each DAG named after its file."""
+def test_dagbag_holds_every_default_pipelines_family_without_import_errors(monkeypatch):
+    """Airflow's own parser loads the checkout's pipelines (pipeline.yaml and examples/) side by side: four DAGs
+    each, named <pipeline>_<kind>, each tagged with its pipeline's name, and no import error."""
     from airflow.dag_processing.dagbag import DagBag
 
+    monkeypatch.delenv("STAGEWISE_PIPELINES", raising=False)
+    monkeypatch.delenv("STAGEWISE_CONFIG", raising=False)
     bag = DagBag(dag_folder=str(REPO_ROOT / "dags"))
     assert bag.import_errors == {}
-    assert set(bag.dag_ids) == {p.stem for p in DAG_FILES}
-    for dag_id in bag.dag_ids:
-        assert bag.get_dag(dag_id).tags, f"{dag_id} has no tags"
+    names = ("ml", "digits_cnn", "diabetes", "ddp_tutorial")
+    kinds = ("pipeline", "retrain", "batch_inference", "ingest")
+    assert set(bag.dag_ids) == {f"{name}_{kind}" for name in names for kind in kinds}
+    for name in names:
+        for kind in kinds:
+            assert {"stagewise", name} <= set(bag.get_dag(f"{name}_{kind}").tags)

@@ -1,4 +1,4 @@
-"""The examples run end to end through `airflow dags test ml_pipeline` with config changes only."""
+"""The examples run end to end through `airflow dags test <example>_pipeline` with config changes only."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ pytestmark = [pytest.mark.airflow, pytest.mark.torchrun]
 
 
 def _report_of(tmp_path_factory, example: str, *args: str) -> dict:
-    """One `airflow dags test ml_pipeline` of examples/<example>.yaml on scratch storage; its report.json."""
+    """One `airflow dags test <example>_pipeline` of examples/<example>.yaml on scratch storage; its report.json."""
     storage_root = tmp_path_factory.mktemp(f"{example}_storage")
     env = make_airflow_env(tmp_path_factory.mktemp(f"{example}_home"), str(storage_root), storage_root,
                            base_config=REPO_ROOT / "examples" / f"{example}.yaml")
-    airflow(env, "dags", "test", "ml_pipeline", *args)
-    found = sorted(Path(storage_root).glob("runs/ml_pipeline/*/report.json"))
+    airflow(env, "dags", "test", f"{example}_pipeline", *args)
+    found = sorted(Path(storage_root).glob(f"runs/{example}_pipeline/*/report.json"))
     assert len(found) == 1, found
     return json.loads(found[0].read_text())
 

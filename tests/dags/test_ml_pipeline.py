@@ -98,8 +98,8 @@ def test_batch_inference_dag_scores_with_the_current_model(report, airflow_env, 
     dirty = source.set_column(source.column_names.index("px_05"), "px_05", pa.array(column))
     pq.write_table(dirty, tmp_path / "to_score.parquet", row_group_size=100)
     airflow({**airflow_env, "STAGEWISE_CONFIG": _with_rows_per_shard(airflow_env, tmp_path, 200)},
-            "dags", "test", "batch_inference", "-c", json.dumps({"input_uri": str(tmp_path / "to_score.parquet")}))
-    found = sorted(storage_root.glob("runs/batch_inference/*/report.json"))
+            "dags", "test", "ml_batch_inference", "-c", json.dumps({"input_uri": str(tmp_path / "to_score.parquet")}))
+    found = sorted(storage_root.glob("runs/ml_batch_inference/*/report.json"))
     assert len(found) == 1
     inference = json.loads(found[0].read_text())
     assert inference["model_version"] == report["registry"]["current"]
@@ -118,14 +118,14 @@ def test_a_cut_current_model_fails_batch_inference_once_per_shard_naming_the_fil
 
     storage_root = Path(airflow_env["STAGEWISE_TEST_STORAGE"])
     model = storage_root / "models" / "digits" / report["registry"]["current"] / "model.pt"
-    before = {p.parent.name for p in storage_root.glob("runs/batch_inference/*/timeline")}
+    before = {p.parent.name for p in storage_root.glob("runs/ml_batch_inference/*/timeline")}
     intact = model.read_bytes()
     try:
         model.write_bytes(intact[: len(intact) // 2])
-        result = airflow(airflow_env, "dags", "test", "batch_inference", check=False)
+        result = airflow(airflow_env, "dags", "test", "ml_batch_inference", check=False)
     finally:
         model.write_bytes(intact)
-    [run] = [p for p in storage_root.glob("runs/batch_inference/*") if p.name not in before]
+    [run] = [p for p in storage_root.glob("runs/ml_batch_inference/*") if p.name not in before]
     shards = [r for r in timeline.records(str(run)) if r["task_id"] == "infer_shard"]
     assert shards and {(r["try_number"], r["state"]) for r in shards} == {(1, "failed")}, shards
     assert f"{model}: its {len(intact) // 2} bytes hash to" in result.stdout + result.stderr

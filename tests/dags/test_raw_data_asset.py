@@ -24,8 +24,8 @@ def _dags_for(tmp_path: Path, monkeypatch, dataset_uri: str) -> dict:
     monkeypatch.setenv("STAGEWISE_CONFIG", str(config_path))
     bag = DagBag(dag_folder=str(REPO_ROOT / "dags"))
     assert bag.import_errors == {}
-    return {"ingest": bag.dags["ingest"].get_task("ingest").outlets[0],
-            "retrain": bag.dags["retrain"].timetable.asset_condition.objects[0]}
+    return {"ingest": bag.dags["ml_ingest"].get_task("ingest").outlets[0],
+            "retrain": bag.dags["ml_retrain"].timetable.asset_condition.objects[0]}
 
 
 def test_a_changed_dataset_uri_yields_a_new_asset_shared_by_ingest_and_retrain(tmp_path, monkeypatch):
@@ -44,7 +44,7 @@ def test_a_changed_dataset_uri_yields_a_new_asset_shared_by_ingest_and_retrain(t
 
 @pytest.mark.airflow
 def test_ingest_after_a_dataset_uri_change_emits_an_event_on_the_new_asset(tmp_path):
-    """`airflow dags test ingest` under one dataset.uri, then under another: the second run's outlet asset is active
+    """`airflow dags test ml_ingest` under one dataset.uri, then under another: the second run's outlet asset is active
     (no 'inactive assets' refusal) and an asset event for the new location is recorded."""
     import json
     import sqlite3
@@ -62,8 +62,8 @@ def test_ingest_after_a_dataset_uri_change_emits_an_event_on_the_new_asset(tmp_p
     moved_config = tmp_path / "moved.yaml"
     moved_config.write_text(yaml.safe_dump(raw))
     conf = json.dumps({"source_uri": str(new_data)})
-    airflow(env, "dags", "test", "ingest", "-c", conf)
-    second = airflow({**env, "STAGEWISE_CONFIG": str(moved_config)}, "dags", "test", "ingest", "-c", conf)
+    airflow(env, "dags", "test", "ml_ingest", "-c", conf)
+    second = airflow({**env, "STAGEWISE_CONFIG": str(moved_config)}, "dags", "test", "ml_ingest", "-c", conf)
     assert "inactive assets" not in second.stdout + second.stderr
     with sqlite3.connect(tmp_path / "home" / "airflow.db") as db:
         uris = [row[0] for row in db.execute("SELECT asset.uri FROM asset_event JOIN asset ON asset.id = asset_event.asset_id")]

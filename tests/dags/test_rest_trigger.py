@@ -25,7 +25,7 @@ def stack(tmp_path_factory):
     config_path.write_text(yaml.safe_dump(base_config(storage_root)))
     with LiveAirflow(tmp_path / "live_airflow", REPO_ROOT / "dags", {"STAGEWISE_CONFIG": str(config_path)}) as live:
         live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "cpu_cores", "slots": 2})
-        for dag_id in ("ml_pipeline", "ingest"):
+        for dag_id in ("ml_pipeline", "ml_ingest"):
             live.wait_for_dag(dag_id)
             live.unpause(dag_id)
         yield live, storage_root, config_path
@@ -46,9 +46,9 @@ def test_rest_trigger_refuses_out_of_bounds_conf_and_runs_a_valid_one(stack, tmp
                        json={"logical_date": None, "conf": {"num_trials": 0}})
     assert "num_trials" in refused.text
 
-    run_id = live.trigger("ingest", {"source_uri": str(new_data)})
-    assert live.wait_for_run("ingest", run_id, timeout=180) == "success", live.logs_tail()
-    added = live.xcom("ingest", run_id, "ingest")["added"]
+    run_id = live.trigger("ml_ingest", {"source_uri": str(new_data)})
+    assert live.wait_for_run("ml_ingest", run_id, timeout=180) == "success", live.logs_tail()
+    added = live.xcom("ml_ingest", run_id, "ingest")["added"]
     assert len(added) == 1 and Path(added[0]).parent == storage_root / "raw" / "digits"
 
 

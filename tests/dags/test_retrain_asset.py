@@ -28,8 +28,8 @@ def test_asset_event_triggers_retrain_which_registers_and_promotes(live_airflow,
 
     live = live_airflow(REPO_ROOT / "dags", {"STAGEWISE_CONFIG": str(config_path)})
     live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "cpu_cores", "slots": 2, "description": "test"})
-    live.wait_for_dag("retrain")
-    live.unpause("retrain")
+    live.wait_for_dag("ml_retrain")
+    live.unpause("ml_retrain")
     assets = live.api("GET", "/api/v2/assets", params={"name_pattern": "stagewise_raw_data"}).json()["assets"]
     assert len(assets) == 1 and assets[0]["uri"] == f"file://{storage_root}/raw/digits"
     live.api("POST", "/api/v2/assets/events", expect=(200,), json={"asset_id": assets[0]["id"], "extra": {"by": "test"}})
@@ -40,8 +40,8 @@ def test_asset_event_triggers_retrain_which_registers_and_promotes(live_airflow,
         return triggered[0]["dag_run_id"] if triggered else None
 
     run_id = live.wait_until(asset_run, 120, "no asset-triggered retrain run appeared", interval=1.0)
-    assert live.wait_for_run("retrain", run_id, timeout=600) == "success", live.logs_tail()
-    report = json.loads(next(storage_root.glob("runs/retrain/*/report.json")).read_text())
+    assert live.wait_for_run("ml_retrain", run_id, timeout=600) == "success", live.logs_tail()
+    report = json.loads(next(storage_root.glob("runs/ml_retrain/*/report.json")).read_text())
     assert report["sweep"]["n_trials"] == 2, "retrain uses its own smaller budget"
     assert report["registry"]["promoted"] and report["registry"]["reason"] == "no current model"
     current = json.loads((storage_root / "models" / "digits" / "current.json").read_text())

@@ -33,7 +33,7 @@ def test_the_teams_dag_settings_and_callbacks_reach_every_dag_beside_stagewises_
         "default_args": {"email": ["oncall@example.com"]},
         "on_failure_callback": ["tests.plugins.team_callbacks:page"]})
     assert bag.import_errors == {}
-    for dag_id in ("ml_pipeline", "retrain", "batch_inference", "ingest"):
+    for dag_id in ("ml_pipeline", "ml_retrain", "ml_batch_inference", "ml_ingest"):
         dag = bag.get_dag(dag_id)
         assert "team-x" in dag.tags and "stagewise" in dag.tags and dag.max_active_runs == 2 and dag.catchup
         assert dag.start_date.date() == dt.date(2025, 6, 1)
@@ -55,16 +55,30 @@ def test_the_teams_dag_settings_and_callbacks_reach_every_dag_beside_stagewises_
     assert [(r["task_id"], r["state"]) for r in recorded] == [("train_s1", "failed")]
 
 
-def test_a_callback_that_does_not_import_is_an_import_error_naming_the_key(tmp_path, storage_root, monkeypatch):
-    """A typo in a callback path fails the DAG file's parse with the config key, not the first failing task."""
-    bag = _bag(tmp_path, storage_root, monkeypatch, {"on_failure_callback": ["tests.plugins.team_callbacks:pgae"]})
-    assert bag.import_errors and all("airflow.on_failure_callback: cannot import tests.plugins.team_callbacks:pgae" in error
-                                     for error in bag.import_errors.values())
+def test_a_callback_that_does_not_import_breaks_only_its_own_pipeline_naming_the_key(tmp_path, storage_root, monkeypatch):
+    """A typo in a callback path: that pipeline's four DAGs keep their ids but hold one task that fails naming the key,
+    without retry; a second pipeline in the same folder parses as usual, and the file has no import error."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    for name, airflow in (("typo", {"on_failure_callback": ["tests.plugins.team_callbacks:pgae"]}), ("fine", {})):
+        raw = {**base_config(storage_root / name), "name": name, "airflow": airflow}
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("STAGEWISE_PIPELINES", str(folder))
+    bag = DagBag(dag_folder=str(REPO_ROOT / "dags"))
+    assert bag.import_errors == {}
+    for kind in ("pipeline", "retrain", "batch_inference", "ingest"):
+        broken, fine = bag.get_dag(f"typo_{kind}"), bag.get_dag(f"fine_{kind}")
+        assert [task.task_id for task in broken.tasks] == ["config_error"] and broken.tasks[0].retries == 0
+        assert "airflow.on_failure_callback: cannot import tests.plugins.team_callbacks:pgae" in broken.doc_md
+        assert str(folder / "typo.yaml") in broken.doc_md and "config error" in broken.tags
+        assert "config_error" not in fine.task_ids and "config error" not in fine.tags
 
 
 def test_without_an_airflow_section_the_dags_keep_their_defaults(tmp_path, storage_root, monkeypatch):
     """No section: owner stagewise, 4 concurrent runs (retrain 1), no catchup, the DAGs' own tags."""
     bag = _bag(tmp_path, storage_root, monkeypatch, {})
-    assert (bag.get_dag("ml_pipeline").max_active_runs, bag.get_dag("retrain").max_active_runs) == (4, 1)
-    assert set(bag.get_dag("retrain").tags) == {"stagewise", "ml", "retrain"} and not bag.get_dag("retrain").catchup
-    assert {task.owner for task in bag.get_dag("ingest").tasks} == {"stagewise"}
+    assert (bag.get_dag("ml_pipeline").max_active_runs, bag.get_dag("ml_retrain").max_active_runs) == (4, 1)
+    assert set(bag.get_dag("ml_retrain").tags) == {"stagewise", "ml", "retrain"} and not bag.get_dag("ml_retrain").catchup
+    assert {task.owner for task in bag.get_dag("ml_ingest").tasks} == {"stagewise"}

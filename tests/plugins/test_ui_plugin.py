@@ -34,12 +34,13 @@ def load_plugin():
     return module.StagewiseUIPlugin
 
 
-def write_run(storage_root: str, run_id: str, *, test_accuracy: float = 0.91, html: str | None = None) -> str:
+def write_run(storage_root: str, run_id: str, *, test_accuracy: float = 0.91, html: str | None = None,
+              dag_id: str = "ml_pipeline") -> str:
     """A finished ml_pipeline run's report.json (written by tasks.report itself); its report.html replaced by ``html``,
     or removed (a run reported before report.html existed) when ``html`` is None."""
-    out = storage.run_prefix(storage_root, "ml_pipeline", run_id)
+    out = storage.run_prefix(storage_root, dag_id, run_id)
     report.build_report(
-        dag_id="ml_pipeline", run_id=run_id, out=out,
+        dag_id=dag_id, run_id=run_id, out=out,
         stage_results={"preprocess": [{"duration_s": 1.5, "attempt": 1}], "train_s1": [{"duration_s": 4.0, "attempt": 2}]},
         preprocess={"rows": {"train": 1200, "validation": 300, "test": 297}, "rows_dropped": 3},
         sweep={"study_name": "ml_pipeline-x", "n_trials": 6, "n_complete": 4, "n_pruned": 2, "n_failed": 0,
@@ -168,6 +169,35 @@ def test_runs_list_and_run_page_for_a_logged_in_user(airflow_api, storage_root):
     assert client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.json", headers=bearer).json()["run_id"] == RUN_ID
     assert client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.html", headers=bearer).status_code == 404
     assert client.get("/stagewise/runs/ml_pipeline/no_such_run", headers=bearer).status_code == 404
+
+
+def test_runs_and_registry_of_every_pipeline_in_the_folder(airflow_api, tmp_path, monkeypatch):
+    """Two pipelines with their own storage roots: the list shows both pipelines' runs, each run page opens from its
+    own root, and the registry shows each pipeline's model under its name; a third config that does not load is
+    left out of the pages (and named in the api-server's log)."""
+    folder, roots = tmp_path / "pipelines", {"ml": tmp_path / "ml_root", "cnn": tmp_path / "cnn_root"}
+    folder.mkdir()
+    for name, root in roots.items():
+        raw = {**base_config(root), "name": name, "registry": {"model_name": f"{name}_model"}}
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(raw))
+        write_run(str(root), f"{name}_run", dag_id=f"{name}_pipeline", test_accuracy=0.81 if name == "ml" else 0.82)
+        model = tmp_path / f"{name}.pt"
+        model.write_bytes(name.encode())
+        registry.register(str(root), f"{name}_model", str(model), {"test_accuracy": 0.8, "objective": "accuracy",
+                                                                 "source_run": f"{name}_pipeline/{name}_run"})
+    (folder / "broken.yaml").write_text("storage_root: [")
+    monkeypatch.setenv("STAGEWISE_PIPELINES", str(folder))
+    client, token = airflow_api(str(roots["ml"]))
+    bearer = {"Authorization": f"Bearer {token}"}
+    listing = client.get("/stagewise/", headers=bearer).text
+    assert "ml_run" in listing and "cnn_run" in listing and "0.81" in listing and "0.82" in listing
+    for name in roots:
+        page = client.get(f"/stagewise/runs/{name}_pipeline/{name}_run", headers=bearer)
+        assert page.status_code == 200 and f"data-stagewise-run-id='{name}_run'" in page.text
+    assert client.get("/stagewise/runs/cnn_pipeline/ml_run", headers=bearer).status_code == 404
+    models = client.get("/stagewise/registry", headers=bearer).text
+    for name in roots:
+        assert f"data-stagewise-model='{name}_model'" in models and f"pipeline <b>{name}</b>" in models
 
 
 def test_the_ui_cookie_is_a_login_too(airflow_api, storage_root):

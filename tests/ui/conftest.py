@@ -47,7 +47,7 @@ def chromium():
 def ui_airflow(chromium, tmp_path_factory):
     """A live api-server, scheduler and dag-processor; ml_pipeline unpaused (retrain stays paused: its cron would run it)."""
     with small_pipeline_airflow(tmp_path_factory.mktemp("ui")) as (live, storage_root):
-        for dag_id in ("retrain", "batch_inference", "ingest"):
+        for dag_id in ("ml_retrain", "ml_batch_inference", "ml_ingest"):
             live.wait_for_dag(dag_id)
         yield live, storage_root
 

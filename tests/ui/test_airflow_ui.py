@@ -18,7 +18,7 @@ RUN_TIMEOUT_S = 600
 HOSTILE = "<!--<script>alert(1)</script>"
 CHART_TITLES = ("Training across", "Sweep:", "Task timeline", "Data: rows by split")  # the four sections' charts
 # Fields without a usable default that a person must fill before triggering; everything else has one.
-REQUIRED_INPUT = {"ingest": {"source_uri": "raw/incoming"}}
+REQUIRED_INPUT = {"ml_ingest": {"source_uri": "raw/incoming"}}
 
 
 def _open_trigger_form(page, live, dag_id: str):
@@ -30,7 +30,7 @@ def _open_trigger_form(page, live, dag_id: str):
     return dialog, dialog.get_by_role("button", name="Trigger", exact=True)
 
 
-@pytest.mark.parametrize("dag_id", ["ml_pipeline", "retrain", "batch_inference", "ingest"])
+@pytest.mark.parametrize("dag_id", ["ml_pipeline", "ml_retrain", "ml_batch_inference", "ml_ingest"])
 def test_trigger_form_can_be_submitted_with_its_defaults(logged_in, dag_id):
     """Each DAG's trigger form opens with Trigger enabled once the fields without a default are filled."""
     from playwright.sync_api import expect

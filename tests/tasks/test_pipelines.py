@@ -1,0 +1,92 @@
+"""Many pipelines in one deployment: which files are pipelines, the one naming rule, and what may not be shared."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+
+from tasks.definitions.config import ConfigError
+from tasks.definitions.loading import load_config
+from tasks.definitions.pipelines import collisions, dag_id, discover, sources
+from tests.conftest import base_config
+
+
+def unnamed(storage_root) -> dict:
+    """base_config without pipeline.yaml's `name: ml`: such a config takes its file's name."""
+    return {key: value for key, value in base_config(storage_root).items() if key != "name"}
+
+
+def _write(folder, file_name, raw):
+    folder.mkdir(exist_ok=True)
+    path = folder / file_name
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_every_yaml_of_a_folder_is_a_pipeline_named_by_its_name_key_else_its_file(tmp_path, storage_root, monkeypatch):
+    """A folder's *.yaml and *.yml files, sorted; `name:` wins over the file name; ids are <name>_<kind>."""
+    folder = tmp_path / "pipelines"
+    _write(folder, "b_fraud.yaml", unnamed(storage_root))
+    _write(folder, "a.yml", {**base_config(storage_root), "name": "churn"})
+    (folder / "notes.txt").write_text("not a pipeline")
+    monkeypatch.setenv("STAGEWISE_PIPELINES", str(folder))
+    found = discover()
+    assert [(p.name, p.path.name) for p in found] == [("churn", "a.yml"), ("b_fraud", "b_fraud.yaml")]
+    assert found[0].dag_ids() == {"pipeline": "churn_pipeline", "retrain": "churn_retrain",
+                                  "batch_inference": "churn_batch_inference", "ingest": "churn_ingest"}
+    with pytest.raises(ValueError, match="unknown DAG kind 'train'"):
+        dag_id("churn", "train")
+
+
+def test_the_setting_wins_then_stagewise_config_then_the_checkouts_pipelines(tmp_path, monkeypatch):
+    """$STAGEWISE_PIPELINES (several, PATH-style) over $STAGEWISE_CONFIG (one file) over pipeline.yaml + examples/."""
+    monkeypatch.delenv("STAGEWISE_PIPELINES", raising=False)
+    monkeypatch.delenv("STAGEWISE_CONFIG", raising=False)
+    assert [p.name for p in discover()] == ["ml", "ddp_tutorial", "diabetes", "digits_cnn"]
+    monkeypatch.setenv("STAGEWISE_CONFIG", str(tmp_path / "one.yaml"))
+    assert sources() == [tmp_path / "one.yaml"]
+    monkeypatch.setenv("STAGEWISE_PIPELINES", os.pathsep.join([str(tmp_path / "a"), str(tmp_path / "b.yaml")]))
+    assert sources() == [tmp_path / "a", tmp_path / "b.yaml"]
+
+
+@pytest.mark.parametrize("problem,message", [
+    ("same name", "pipeline name 'ml' is taken by"),
+    ("bad name", "pipeline name 'my-model' cannot name DAGs"),
+    ("missing", "no such pipelines folder or config file"),
+])
+def test_a_deployment_that_cannot_name_its_dags_apart_is_refused_naming_the_files(tmp_path, storage_root, monkeypatch,
+                                                                                problem, message):
+    """Two configs of one name (both files named), a name that is no DAG id, a source that is not there."""
+    folder = tmp_path / "pipelines"
+    if problem == "same name":
+        first = _write(folder, "ml.yaml", unnamed(storage_root))
+        second = _write(folder, "other.yaml", {**base_config(storage_root), "name": "ml"})
+    elif problem == "bad name":
+        first = second = _write(folder, "my-model.yaml", unnamed(storage_root))
+    else:
+        first = second = folder
+    monkeypatch.setenv("STAGEWISE_PIPELINES", str(folder))
+    with pytest.raises(ConfigError, match=message) as caught:
+        discover()
+    assert str(first) in str(caught.value) and str(second) in str(caught.value)
+
+
+def test_a_name_key_that_cannot_be_a_dag_id_fails_the_config_naming_the_key(write_config, storage_root):
+    with pytest.raises(ConfigError, match="name: String should match pattern"):
+        load_config(write_config({**base_config(storage_root), "name": "fraud detection"}))
+
+
+def test_two_pipelines_on_one_storage_root_may_not_share_a_registry_name(tmp_path, storage_root, monkeypatch):
+    """Same root and registry.model_name: both pipelines refused, each naming the other; another root is apart."""
+    folder = tmp_path / "pipelines"
+    _write(folder, "mlp.yaml", unnamed(storage_root))
+    _write(folder, "cnn.yaml", unnamed(storage_root))  # both register as 'digits' (from raw/digits)
+    _write(folder, "elsewhere.yaml", unnamed(tmp_path / "other_root"))
+    monkeypatch.setenv("STAGEWISE_PIPELINES", str(folder))
+    loaded = {pipeline: load_config(pipeline.path) for pipeline in discover()}
+    errors = {pipeline.name: error for pipeline, error in collisions(loaded).items()}
+    assert set(errors) == {"mlp", "cnn"}
+    assert "registry.model_name 'digits'" in errors["mlp"] and str(folder / "cnn.yaml") in errors["mlp"]
+    assert str(folder / "mlp.yaml") in errors["cnn"]
