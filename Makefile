@@ -70,7 +70,9 @@ $(BENCH_STAMP): bench/requirements.txt $(STAMP)
 bench: airflow-init $(BENCH_STAMP)
 	@$(AIRFLOW_ENV) && python -m bench $(if $(ONLY),--only $(ONLY))
 
-up: airflow-init demo-data
+# Every pipeline of the checkout (pipeline.yaml and examples/) side by side, each with its demo data.
+up: airflow-init
+	@$(AIRFLOW_ENV) && python -m tasks.data demo --all
 	@bash scripts/airflow_up.sh
 
 down:

@@ -23,6 +23,7 @@ from tasks.core.errors import DataError
 from tasks.datasets.columns import feature_difference, resolve_columns
 from tasks.datasets.demo import DEMO_WRITERS, write_synthetic
 from tasks.definitions.loading import load_config
+from tasks.definitions.pipelines import discover
 
 log = logging.getLogger("stagewise.data")
 
@@ -106,10 +107,10 @@ def ingest(config: Any, source_uri: str, target_uri: str) -> dict[str, Any]:
 
 
 
-def write_demo(num_shards: int | None = None) -> str:
+def write_demo(num_shards: int | None = None, config_file: str | None = None) -> str:
     """Write the data set the pipeline config asks for (dataset.demo_data) where its dataset.uri points, once,
     in ``num_shards`` files (default: that data set's own)."""
-    config = load_config()
+    config = load_config(config_file)
     target = storage.resolve(config.storage_root, config.dataset.uri)
     fs, path = storage.filesystem(target)
     if fs.isdir(path) and fs.glob(path.rstrip("/") + "/*.parquet"):
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         bundled.add_argument("--num-shards", type=int, default=shards)
     demo = sub.add_parser("demo", help="dataset.demo_data into the pipeline config's dataset.uri unless it already holds shards")
     demo.add_argument("--num-shards", type=int, default=None, help="files to split it into (default: the data set's own)")
+    demo.add_argument("--all", action="store_true", help="for every pipeline of the deployment ($STAGEWISE_PIPELINES)")
     synth = sub.add_parser("synthetic", help="a learnable synthetic classification set")
     synth.add_argument("out_uri")
     synth.add_argument("--rows", type=int, required=True)
@@ -145,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup_logging()
     if args.kind == "demo":
-        write_demo(args.num_shards)
+        for config_file in [str(p.path) for p in discover()] if args.all else [None]:
+            write_demo(args.num_shards, config_file)
     elif args.kind == "synthetic":
         write_synthetic(args.out_uri, args.rows, args.features, args.classes, args.num_shards, args.seed, args.dirty_fraction)
     else:

@@ -1,4 +1,4 @@
-"""Create the Airflow pools the pipeline config declares and the deployment does not have yet.
+"""Create the Airflow pools the deployment's pipeline configs declare and the deployment does not have yet.
 
 Run: ``python -m stagewise_airflow.pools`` (``make airflow-init`` does, after ``airflow db migrate``).
 A pool that already exists is the deployment's: its slots and description are left as they are.
@@ -10,17 +10,22 @@ import argparse
 import logging
 
 from tasks.definitions.loading import load_config
+from tasks.definitions.pipelines import discover
 
 log = logging.getLogger("stagewise.pools")
 
 
 def ensure_pools(config_file: str | None = None) -> dict[str, str]:
-    """Each declared pool's name -> 'created' or 'kept (N slots)'."""
+    """Each declared pool's name -> 'created' or 'kept (N slots)': of ``config_file``, else of every pipeline of the
+    deployment ($STAGEWISE_PIPELINES; a pool two pipelines declare is created once, as the first declares it)."""
     from airflow.models.pool import Pool
 
-    config = load_config(config_file)
+    configs = [load_config(config_file)] if config_file else [load_config(p.path) for p in discover()]
+    declared = {}
+    for config in configs:
+        declared = {**config.pools, **declared}
     outcome = {}
-    for name, pool in config.pools.items():
+    for name, pool in declared.items():
         existing = Pool.get_pool(name)
         if existing is None:
             Pool.create_or_update_pool(name=name, slots=pool.slots, description=pool.description, include_deferred=False)
@@ -36,7 +41,7 @@ def ensure_pools(config_file: str | None = None) -> dict[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None, help="pipeline YAML (default: $STAGEWISE_CONFIG or pipeline.yaml)")
+    parser.add_argument("--config", default=None, help="one pipeline YAML (default: every pipeline of the deployment)")
     outcome = ensure_pools(parser.parse_args().config)
     print(f"pools ready: {', '.join(f'{name} {what}' for name, what in sorted(outcome.items())) or '(none declared)'}")
 

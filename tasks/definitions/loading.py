@@ -25,6 +25,9 @@ DEFAULT_CONFIG_PATH = REPO_ROOT / "pipeline.yaml"
 
 CONFIG_ENV_VAR = "STAGEWISE_CONFIG"
 
+# libyaml's safe loader where PyYAML has it (the same YAML, ~10x faster: DAG parsing reads every pipeline's file).
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
 
 def _format_validation_error(path: Path, error: ValidationError, overrides: dict[str, Any]) -> str:
     lines = [f"{path}: invalid pipeline config"]
@@ -120,7 +123,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
             raise  # a storage fault while reading a run's snapshot: retried, not the user's to fix
         raise ConfigError(f"{resolved}: cannot read pipeline config ({exc.strerror or exc})") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=SAFE_LOADER)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{resolved}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from tasks.definitions.config import ConfigError, PipelineConfig
-from tasks.definitions.loading import CONFIG_ENV_VAR, DEFAULT_CONFIG_PATH, REPO_ROOT
+from tasks.definitions.loading import CONFIG_ENV_VAR, DEFAULT_CONFIG_PATH, REPO_ROOT, SAFE_LOADER
 
 PIPELINES_ENV_VAR = "STAGEWISE_PIPELINES"
 """Folders of pipeline configs (every ``*.yaml`` in each) or single config files, separated like PATH."""
@@ -68,7 +68,7 @@ def name_of(path: Path) -> str:
     Only the YAML is read (no validation), so a broken config still has a name for its DAGs to report under.
     """
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=SAFE_LOADER)
     except (OSError, yaml.YAMLError):
         raw = None
     named = raw.get("name") if isinstance(raw, dict) else None
