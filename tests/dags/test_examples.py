@@ -48,15 +48,16 @@ def test_cnn_example_runs_every_stage_with_its_own_model(cnn_report):
 
 @pytest.fixture(scope="module")
 def tutorial_report(tmp_path_factory) -> dict:
-    """The tutorial-style script (examples/ddp_tutorial.py) as every trial and both stages."""
-    return _report_of(tmp_path_factory, "ddp_tutorial")
+    """The tutorial-style script (examples/ddp_tutorial.py) as every trial and both stages, with a 6-trial sweep (each
+    trial is a torchrun job of its own)."""
+    return _report_of(tmp_path_factory, "ddp_tutorial", "-c", json.dumps({"num_trials": 6}))
 
 
 def test_ddp_tutorial_script_runs_as_pruned_trials_and_growing_batch_stages(tutorial_report):
     """The user's script is each sweep trial (Hyperband prunes some through report()) and both stages, s2 from s1's
     model at a larger global batch; its model is evaluated, registered under its own name and scores every row."""
     sweep, (s1, s2) = tutorial_report["sweep"], tutorial_report["training"]
-    assert sweep["n_trials"] == 8 and sweep["n_pruned"] >= 1 and sweep["n_complete"] >= 1
+    assert sweep["n_trials"] == 6 and sweep["n_pruned"] >= 1 and sweep["n_complete"] >= 1
     assert set(sweep["best_params"]) == {"lr", "weight_decay", "hidden", "dropout"}
     assert (s1["world_size"], s2["world_size"]) == (1, 2) and s2["global_batch"] > s1["global_batch"]
     assert s1["val_metric"] is not None and s2["val_metric"] is not None  # from the script's last report()
