@@ -116,6 +116,8 @@ def ingest_dag(pipeline: PipelineFile, config: PipelineConfig) -> DAG:
     return ingest()
 
 
+# Every DAG here has auto_register=False: a builder that fails half-way must leave no DAG behind to shadow its
+# placeholder; the DAGs reach Airflow through the DAG file's globals (build_pipelines).
 FAMILY: dict[str, Callable[[PipelineFile, PipelineConfig], DAG]] = {
     "pipeline": training_dag, "retrain": retrain_dag, "batch_inference": batch_inference_dag, "ingest": ingest_dag}
 """The DAG builder of each kind in tasks.definitions.pipelines.KINDS."""
@@ -145,9 +147,6 @@ def build_pipelines(namespace: dict[str, Any], setting: str | None = None) -> li
     $STAGEWISE_CONFIG, else the checkout's pipeline.yaml and examples/.
     """
     from airflow.sdk import get_parsing_context
-
-    # auto_register=False on every DAG: a builder that fails half-way must leave no DAG behind to shadow its
-    # placeholder; the DAGs this returns reach Airflow through the DAG file's globals.
 
     wanted = get_parsing_context().dag_id  # set in a task's process: build that DAG only
     pipelines = [pipeline for pipeline in discover(setting) if wanted is None or wanted in pipeline.dag_ids().values()]

@@ -35,7 +35,7 @@ def test_asset_event_triggers_retrain_which_registers_and_promotes(live_airflow,
     live.api("POST", "/api/v2/assets/events", expect=(200,), json={"asset_id": assets[0]["id"], "extra": {"by": "test"}})
 
     def asset_run() -> str | None:
-        runs = live.api("GET", "/api/v2/dags/retrain/dagRuns").json()["dag_runs"]
+        runs = live.api("GET", "/api/v2/dags/ml_retrain/dagRuns").json()["dag_runs"]
         triggered = [r for r in runs if r["run_type"] == "asset_triggered"]
         return triggered[0]["dag_run_id"] if triggered else None
 

@@ -153,7 +153,7 @@ def test_a_deferrable_sagemaker_stage_is_wired_as_the_operator_with_its_profiles
 
     path, config = backend_config(tmp_path, "sagemaker", deferrable=True, retries=3)
     monkeypatch.setenv("STAGEWISE_CONFIG", str(path))
-    bag = DagBag(dag_folder=str(REPO_ROOT / "dags" / "ml_pipeline.py"))
+    bag = DagBag(dag_folder=str(REPO_ROOT / "dags" / "stagewise_pipelines.py"))
     assert bag.import_errors == {}
     dag = bag.dags["ml_pipeline"]
     task = dag.get_task("train_s2")
@@ -176,7 +176,7 @@ def test_a_deferrable_sagemaker_stage_is_wired_as_the_operator_with_its_profiles
     # Without the option the stage stays the TaskFlow step (it waits on the worker, streaming node logs).
     path, _ = backend_config(tmp_path, "sagemaker")
     monkeypatch.setenv("STAGEWISE_CONFIG", str(path))
-    bag = DagBag(dag_folder=str(REPO_ROOT / "dags" / "ml_pipeline.py"))
+    bag = DagBag(dag_folder=str(REPO_ROOT / "dags" / "stagewise_pipelines.py"))
     assert type(bag.dags["ml_pipeline"].get_task("train_s2")).__name__ != SageMakerStageOperator.__name__
 
 

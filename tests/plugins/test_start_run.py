@@ -51,7 +51,7 @@ def test_a_run_reads_its_snapshot_not_the_file_edited_after_it_started(write_con
 
 
 def test_a_run_starts_from_its_dags_config_not_the_processs_default(write_config, storage_root, monkeypatch):
-    """A DAG built from another file (a copy of ml_pipeline.py pointed at a diabetes config) runs that file, whatever
+    """A DAG built from another file (another pipeline of the deployment, with a diabetes-like config) runs that file, whatever
     $STAGEWISE_CONFIG says in the worker: its label, not the default config's with its Params laid on top."""
     from tests.conftest import base_config
 
