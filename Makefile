@@ -7,16 +7,13 @@ AIRFLOW_ENV := . scripts/airflow_env.sh
 ONLY ?=
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test`/`test-fast` (0: one process). The heavy tests spend much of their time waiting
-# (on Airflow's scheduler, S3 retries, a task's sleep), so 6 workers keep 2 cores busy. loadfile: a file's tests run
+# (on Airflow's scheduler, S3 retries, a task's sleep), so 4 workers keep 2 cores busy (6 measured no faster). loadfile: a file's tests run
 # on one worker and share its module fixtures (one pipeline run each); files go out in collection order, which
 # tests/conftest.py sorts longest first (--no-loadscope-reorder keeps it).
-PYTEST_WORKERS ?= 6
+PYTEST_WORKERS ?= 4
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 # What `make test-fast` leaves out: every test that needs more than this Python process (markers in pytest.ini).
 FAST_MARKERS := not (airflow or torchrun or browser or service or gpu)
-# One intra-op thread per torch in the pytest workers: several workers share 2 cores, and torch's OpenMP threads
-# spin-wait for each other when oversubscribed. Sub-jobs set their own from the profile (threads_per_process).
-TEST_ENV := OMP_NUM_THREADS=1
 
 .PHONY: help venv airflow-init demo-data demo test test-fast test-ui bench up down clean
 
@@ -55,11 +52,11 @@ demo: airflow-init demo-data
 	  && python -m tasks.report latest
 
 test: airflow-init
-	@$(AIRFLOW_ENV) && python -m ruff check . && $(TEST_ENV) python -m pytest $(XDIST) $(PYTEST_ARGS)
+	@$(AIRFLOW_ENV) && python -m ruff check . && python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # airflow-init: the in-process UI-plugin and DagBag tests read the repo-local Airflow DB (no server runs).
 test-fast: airflow-init
-	@$(AIRFLOW_ENV) && python -m ruff check . && $(TEST_ENV) python -m pytest $(XDIST) -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+	@$(AIRFLOW_ENV) && python -m ruff check . && python -m pytest $(XDIST) -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 test-ui: airflow-init
 	@$(AIRFLOW_ENV) && python -m pytest tests/ui tests/dags/test_airflow_client.py $(PYTEST_ARGS)
