@@ -116,6 +116,11 @@ def base_config(storage_root: Path) -> dict:
     return raw
 
 
+def unnamed(storage_root: Path) -> dict:
+    """base_config without pipeline.yaml's `name: ml`: such a config takes its file's name."""
+    return {key: value for key, value in base_config(storage_root).items() if key != "name"}
+
+
 @pytest.fixture
 def storage_root(tmp_path: Path) -> Path:
     root = tmp_path / "storage"

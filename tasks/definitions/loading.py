@@ -25,7 +25,7 @@ DEFAULT_CONFIG_PATH = REPO_ROOT / "pipeline.yaml"
 
 CONFIG_ENV_VAR = "STAGEWISE_CONFIG"
 
-# libyaml's safe loader where PyYAML has it (the same YAML, ~10x faster: DAG parsing reads every pipeline's file).
+# libyaml's safe loader where PyYAML has it (the same YAML, faster: DAG parsing reads every pipeline's file).
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
@@ -61,7 +61,8 @@ def config_path(path: str | os.PathLike | None = None) -> Path | str:
     return str(chosen) if "://" in str(chosen) else Path(chosen).resolve()
 
 
-def _read_text(resolved: Path | str) -> str:
+def read_text(resolved: Path | str) -> str:
+    """A config file's text: a local path, or a URI (a run's snapshot) through storage."""
     return resolved.read_text() if isinstance(resolved, Path) else storage.read_bytes(resolved).decode()
 
 
@@ -117,7 +118,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
     """Read, override (dotted keys such as ``sweep.num_trials``) and validate the pipeline config."""
     resolved = config_path(path)
     try:
-        text = _read_text(resolved)
+        text = read_text(resolved)
     except OSError as exc:
         if isinstance(resolved, str) and not isinstance(exc, FileNotFoundError):
             raise  # a storage fault while reading a run's snapshot: retried, not the user's to fix

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import yaml
 
 from tasks.definitions.config import ConfigError, PipelineConfig
-from tasks.definitions.loading import CONFIG_ENV_VAR, DEFAULT_CONFIG_PATH, REPO_ROOT, SAFE_LOADER
+from tasks.definitions.loading import CONFIG_ENV_VAR, DEFAULT_CONFIG_PATH, REPO_ROOT, SAFE_LOADER, read_text
 
 PIPELINES_ENV_VAR = "STAGEWISE_PIPELINES"
 """Folders of pipeline configs (every ``*.yaml`` in each) or single config files, separated like PATH."""
@@ -62,17 +62,15 @@ def sources(setting: str | None = None) -> list[Path]:
     return [path.resolve() for path in DEFAULT_PIPELINES]
 
 
-def name_of(path: Path) -> str:
-    """The pipeline name of the config at ``path``: its ``name`` key, else the file name without its suffix.
-
-    Only the YAML is read (no validation), so a broken config still has a name for its DAGs to report under.
-    """
+def name_of(path: Path | str) -> str:
+    """The pipeline name of the config at ``path`` (a file or a URI): its ``name`` key, else the file name without
+    its suffix. Only the YAML is read (no validation), so a broken config still has a name for its DAGs."""
     try:
-        raw = yaml.load(path.read_text(), Loader=SAFE_LOADER)
+        raw = yaml.load(read_text(path), Loader=SAFE_LOADER)
     except (OSError, yaml.YAMLError):
         raw = None
     named = raw.get("name") if isinstance(raw, dict) else None
-    return named if isinstance(named, str) and named else path.stem
+    return named if isinstance(named, str) and named else PurePosixPath(str(path)).stem
 
 
 def discover(setting: str | None = None) -> list[PipelineFile]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import yaml
 
-from tests.tasks.test_pipelines import unnamed
+from tests.conftest import unnamed
 
 
 def _folder(tmp_path, storage_root, configs: dict[str, dict]):

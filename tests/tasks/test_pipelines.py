@@ -9,13 +9,8 @@ import yaml
 
 from tasks.definitions.config import ConfigError
 from tasks.definitions.loading import load_config
-from tasks.definitions.pipelines import collisions, dag_id, discover, sources
-from tests.conftest import base_config
-
-
-def unnamed(storage_root) -> dict:
-    """base_config without pipeline.yaml's `name: ml`: such a config takes its file's name."""
-    return {key: value for key, value in base_config(storage_root).items() if key != "name"}
+from tasks.definitions.pipelines import collisions, dag_id, discover, name_of, sources
+from tests.conftest import base_config, unnamed
 
 
 def _write(folder, file_name, raw):
@@ -90,3 +85,11 @@ def test_two_pipelines_on_one_storage_root_may_not_share_a_registry_name(tmp_pat
     assert set(errors) == {"mlp", "cnn"}
     assert "registry.model_name 'digits'" in errors["mlp"] and str(folder / "cnn.yaml") in errors["mlp"]
     assert str(folder / "mlp.yaml") in errors["cnn"]
+
+
+def test_a_runs_snapshot_uri_is_named_like_a_file(tmp_path, storage_root):
+    """A config read by URI (a run's snapshot: tasks.report latest --config file://...) takes its name key, else its
+    file's name, as a path does."""
+    named = _write(tmp_path, "snap.yaml", base_config(storage_root))
+    plain = _write(tmp_path, "fraud.yaml", unnamed(storage_root))
+    assert (name_of(f"file://{named}"), name_of(f"file://{plain}")) == ("ml", "fraud")
