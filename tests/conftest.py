@@ -104,6 +104,11 @@ def pytest_runtest_teardown(item, nextitem):
                     pytrace=False)
 
 
+# One inference shard per raw file of the tests' two-file digits (run_cache.demo_data): infer_shard still fans out,
+# with half the sub-jobs of the demo's 500 rows a shard.
+TEST_ROWS_PER_SHARD = 1000
+
+
 def base_config(storage_root: Path) -> dict:
     """A small, fast, valid config as a plain dict; tests mutate it to make bad cases."""
     with open(REPO_ROOT / "pipeline.yaml") as handle:
@@ -113,6 +118,7 @@ def base_config(storage_root: Path) -> dict:
     raw["sweep"].update({"num_trials": 4, "num_workers": 2, "epochs": 3})
     for stage in raw["train"]["stages"]:
         stage["epochs"] = 2
+    raw["inference"]["rows_per_shard"] = TEST_ROWS_PER_SHARD
     return raw
 
 

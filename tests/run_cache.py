@@ -1,5 +1,5 @@
-"""What many tests set up the same way, made once per pytest run and copied: a migrated Airflow SQLite DB (with a
-config's pools), demo data.
+"""What many tests set up the same way, made once per pytest run and copied or read: a migrated Airflow SQLite DB
+(with a config's pools), demo data, the uninterrupted reference run of the stage the resume tests interrupt.
 
 ``airflow db migrate`` costs a few CPU-seconds in a fresh home and writing the digits imports scikit-learn; a
 dozen Airflow homes and pipeline runs paid both every run of the suite. The cache lives in $STAGEWISE_TEST_CACHE,
@@ -105,3 +105,38 @@ def demo_data(config_path: str | os.PathLike, num_shards: int = 2, env: dict[str
             _mark_ready(folder)
         shutil.copytree(folder, target, ignore=shutil.ignore_patterns(".ready"), dirs_exist_ok=True)
     return target
+
+
+# Stage s2 of the digits MLP as the resume and multi-node tests run it: checkpoints every 10 steps, 4 epochs.
+REFERENCE_CHECKPOINT_EVERY = 10
+REFERENCE_STAGE_ARGS = ("--stage", "s2", "--params", json.dumps({"lr": 0.02, "dropout": 0.1}),
+                        f"--override=train.checkpoint_every_steps={REFERENCE_CHECKPOINT_EVERY}",
+                        "--override=train.stages.1.epochs=4")
+
+
+def reference_stage(env: dict[str, str]) -> tuple[str, dict]:
+    """The run prefix and result of REFERENCE_STAGE_ARGS run uninterrupted on one node with two processes (the local
+    launcher) over the tests' digits (tests.conftest.base_config, preprocess_digits); made once per pytest run.
+
+    A killed-and-resumed stage, or one on two emulated nodes, must end exactly where this one does: the data, its
+    order per global rank, the seed and the dropout masks are the same whichever test preprocessed the digits.
+    """
+    from tests.conftest import base_config, preprocess_digits
+
+    with _entry("reference-s2") as (folder, ready):
+        out, result_file = folder / "storage" / "runs" / "test" / "reference", folder / "result.json"
+        if not ready:
+            shutil.rmtree(folder, ignore_errors=True)
+            (folder / "storage").mkdir(parents=True)
+            config_path = folder / "pipeline.yaml"
+            config_path.write_text(yaml.safe_dump(base_config(folder / "storage")))
+            preprocess_digits(config_path, str(out))
+            command = [sys.executable, "-m", "tasks.training.local_torchrun", "--nproc-per-node=2", "-m", "tasks.train",
+                       "--config", str(config_path), "--out", str(out), *REFERENCE_STAGE_ARGS,
+                       "--result-file", str(result_file)]
+            done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"the reference stage failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
+                                   f"{done.stderr[-3000:]}")
+            _mark_ready(folder)
+    return str(out), json.loads(result_file.read_text())

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from tests import run_cache
+from tests.conftest import TEST_ROWS_PER_SHARD
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +19,8 @@ def make_airflow_env(home: Path, storage_root: str, journal_dir: Path, extra: di
                      config: dict | None = None, data_env: dict | None = None,
                      base_config: Path = REPO_ROOT / "pipeline.yaml") -> dict:
     """A fresh Airflow home and DB, pools created, the demo config on ``storage_root`` and its data written
-    (tests/run_cache.py: a copy of a migrated DB with the config's pools, the demo data in two shards).
+    (tests/run_cache.py: a copy of a migrated DB with the config's pools, the demo data in two shards, scored in
+    two inference shards).
 
     ``extra`` joins every process's environment, ``config`` the top-level config keys, and
     ``data_env`` only the environment of the process that writes the demo data; ``base_config``
@@ -26,6 +28,7 @@ def make_airflow_env(home: Path, storage_root: str, journal_dir: Path, extra: di
     """
     with open(base_config) as handle:
         raw = yaml.safe_load(handle)
+    raw["inference"]["rows_per_shard"] = TEST_ROWS_PER_SHARD
     raw.update(config or {})
     raw["storage_root"] = storage_root
     raw["sweep"]["storage"] = f"journal://{journal_dir}/optuna.journal"

@@ -12,18 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import run_cache
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CHECKPOINT_EVERY = 10
+CHECKPOINT_EVERY = run_cache.REFERENCE_CHECKPOINT_EVERY
 KILL_AT_STEP = 25
+MLP = "tasks.model:MLPClassifier"
 
 pytestmark = pytest.mark.torchrun
 
 
 def run_stage(config: Path, out: str, env: dict, result_name: str, spec: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tasks.train",
-               "--config", str(config), "--stage", "s2", "--out", out, "--params", json.dumps({"lr": 0.02, "dropout": 0.1}),
-               f"--override=train.checkpoint_every_steps={CHECKPOINT_EVERY}", "--override=train.stages.1.epochs=4",
-               f"--override=model.spec={spec}",
+               "--config", str(config), "--out", out, *run_cache.REFERENCE_STAGE_ARGS, f"--override=model.spec={spec}",
                "--result-file", str(Path(out) / result_name)]
     return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -41,15 +42,25 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("spec, data", [("tasks.model:MLPClassifier", "digits_run"),
+def clean_run(config: Path, out: str, spec: str, env: dict, tmp_path: Path) -> tuple[str, dict]:
+    """The same stage run uninterrupted over the same data: the MLP's is the run's shared reference (run_cache), the
+    CNN's is run here in a run prefix of its own."""
+    if spec == MLP:
+        return run_cache.reference_stage(env)
+    reference_out = str(tmp_path / "reference")
+    os.makedirs(f"{reference_out}/preprocess")
+    shutil.copy(f"{out}/preprocess/manifest.json", f"{reference_out}/preprocess/manifest.json")
+    clean = run_stage(config, reference_out, env, "clean.json", spec)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    return reference_out, json.loads(Path(reference_out, "clean.json").read_text())
+
+
+@pytest.mark.parametrize("spec, data", [(MLP, "digits_run"),
                                         ("examples.digits_cnn:DigitsCNN", "digits_images_run")])
 def test_killed_rank_fails_the_stage_and_the_retry_resumes_exactly(request, subprocess_env, tmp_path, spec, data):
     """SIGKILL of rank 1 at step 25 ends every process; the retry redoes at most K steps and ends where a clean run
     does, for the built-in MLP and for a user's spec (the example CNN) alike."""
     config, out = request.getfixturevalue(data)
-    reference_out = str(tmp_path / "reference")
-    os.makedirs(f"{reference_out}/preprocess")
-    shutil.copy(f"{out}/preprocess/manifest.json", f"{reference_out}/preprocess/manifest.json")
 
     faulty_env = {**subprocess_env, "STAGEWISE_FAULT_KILL_AT": f"1:{KILL_AT_STEP}"}
     crashed = run_stage(config, out, faulty_env, "crashed.json", spec)
@@ -65,9 +76,7 @@ def test_killed_rank_fails_the_stage_and_the_retry_resumes_exactly(request, subp
     steps_redone = KILL_AT_STEP - result["resumed_from_step"]
     assert 0 <= steps_redone <= CHECKPOINT_EVERY, f"redid {steps_redone} steps"
 
-    clean = run_stage(config, reference_out, subprocess_env, "clean.json", spec)
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    reference = json.loads(Path(reference_out, "clean.json").read_text())
+    reference_out, reference = clean_run(config, out, spec, subprocess_env, tmp_path)
     assert result["steps"] == reference["steps"]
     # Tolerance: identical data order and dropout masks; only float summation order may differ.
     assert result["val_metric"] == pytest.approx(reference["val_metric"], abs=1e-9)

@@ -9,7 +9,6 @@ across the veth pair, not loopback. Needs root and ``ip netns``.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,16 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import netns
+from tests import netns, run_cache
 from tests.conftest import service_unavailable
 from tests.netns import Host, namespace_pids
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-CHECKPOINT_EVERY = 10
+CHECKPOINT_EVERY = run_cache.REFERENCE_CHECKPOINT_EVERY
 KILL_AT_STEP = 25
 TIMEOUT_S = 300
-STAGE_ARGS = ["--stage", "s2", "--params", json.dumps({"lr": 0.02, "dropout": 0.1}),
-              f"--override=train.checkpoint_every_steps={CHECKPOINT_EVERY}", "--override=train.stages.1.epochs=4"]
+STAGE_ARGS = list(run_cache.REFERENCE_STAGE_ARGS)  # the stage whose one-node, two-process run is the reference
 
 pytestmark = pytest.mark.torchrun
 
@@ -71,24 +69,9 @@ def run_nodes(hosts: list[Host], envs: list[dict], config: Path, out: str, backe
     return finished
 
 
-def run_single_node(config: Path, out: str, env: dict) -> dict:
-    """The reference: the same stage as one host with two processes (the local launcher)."""
-    command = [sys.executable, "-m", "tasks.training.local_torchrun", "--nproc-per-node=2", "-m", "tasks.train",
-               "--config", str(config), "--out", out, *STAGE_ARGS, "--result-file", str(Path(out) / "single.json")]
-    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(Path(out, "single.json").read_text())
-
-
-def copy_of_run(out: str, tmp_path: Path, name: str) -> str:
-    """A second run prefix with the same committed preprocess manifest (the data files are shared)."""
-    copy = tmp_path / name
-    (copy / "preprocess").mkdir(parents=True)
-    shutil.copy(Path(out, "preprocess", "manifest.json"), copy / "preprocess" / "manifest.json")
-    return str(copy)
-
-
-def assert_same_training(out: str, result: dict, reference_out: str, reference: dict) -> None:
+def assert_same_training(out: str, result: dict, env: dict) -> None:
+    """``out`` trained what the same stage as one host with two processes (the local launcher) does."""
+    reference_out, reference = run_cache.reference_stage(env)
     assert result["world_size"] == reference["world_size"] == 2
     assert result["global_batch"] == reference["global_batch"]
     assert result["steps"] == reference["steps"]
@@ -106,7 +89,6 @@ def test_two_nodes_train_what_one_node_with_two_processes_does(two_hosts, digits
     """2 nodes x 1 process through node_launch (gloo over the veth) = 1 node x 2 processes: steps, val metric, weights;
     only global rank 0 (node a) writes the result."""
     config, out = digits_run
-    reference_out = copy_of_run(out, tmp_path, "reference")
     if backend == "sagemaker":
         envs = [netns.sagemaker_environment(host, two_hosts, tmp_path, subprocess_env) for host in two_hosts]
     else:
@@ -117,14 +99,13 @@ def test_two_nodes_train_what_one_node_with_two_processes_does(two_hosts, digits
     a, b = two_hosts
     assert not Path(out, f"multi-{b.namespace}.json").exists(), "only global rank 0 writes the result"
     result = json.loads(Path(out, f"multi-{a.namespace}.json").read_text())
-    assert_same_training(out, result, reference_out, run_single_node(config, reference_out, subprocess_env))
+    assert_same_training(out, result, subprocess_env)
 
 
 def test_a_killed_node_fails_both_launchers_and_the_retry_resumes(two_hosts, digits_run, subprocess_env, tmp_path):
     """Node b's rank SIGKILLed at step 25: both launchers exit nonzero in time, no process is left in either
     namespace, and the retry (both nodes again) resumes from step 20 and ends where a clean run does."""
     config, out = digits_run
-    reference_out = copy_of_run(out, tmp_path, "reference")
     a, b = two_hosts
     envs = [netns.sagemaker_environment(host, two_hosts, tmp_path, subprocess_env) for host in two_hosts]
     faulty = [envs[0], {**envs[1], "STAGEWISE_FAULT_KILL_AT": f"1:{KILL_AT_STEP}"}]  # global rank 1 is node b's rank
@@ -141,4 +122,4 @@ def test_a_killed_node_fails_both_launchers_and_the_retry_resumes(two_hosts, dig
         assert code == 0, output[-4000:]
     result = json.loads(Path(out, f"resumed-{a.namespace}.json").read_text())
     assert result["resumed_from_step"] == pointer["step"]
-    assert_same_training(out, result, reference_out, run_single_node(config, reference_out, subprocess_env))
+    assert_same_training(out, result, subprocess_env)
