@@ -7,8 +7,9 @@ AIRFLOW_ENV := . scripts/airflow_env.sh
 ONLY ?=
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test`/`test-fast` (0: one process). The heavy tests spend much of their time waiting
-# (on Airflow's scheduler, S3 retries, a task's sleep), so 4 workers keep 2 cores busy (6 measured no faster). loadfile: a file's tests run
-# on one worker and share its module fixtures (one pipeline run each); files go out in collection order, which
+# (on Airflow's scheduler, S3 retries, a task's sleep), so 4 workers keep 2 cores busy (6 measured no faster).
+# loadfile: a file's tests run on one worker and share its module fixtures (one pipeline run each), and the files on
+# the shared live stack go together (tests/conftest.py's scheduler); they go out in collection order, which
 # tests/conftest.py sorts longest first (--no-loadscope-reorder keeps it).
 PYTEST_WORKERS ?= 4
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)

@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 _NEEDS = ("airflow", "torchrun", "browser", "service", "gpu")  # the markers of pytest.ini; test-fast runs none
 # Fixtures that bring a need with them: checked at collection, so a test using one cannot run unmarked.
-_FIXTURE_NEEDS = {"live_airflow": "airflow", "airflow_env": "airflow", "chromium": "browser",
+_FIXTURE_NEEDS = {"live_airflow": "airflow", "shared_airflow": "airflow", "airflow_env": "airflow", "chromium": "browser",
                   "postgres_databases": "service", "redis_url": "service", "s3_endpoint": "service"}
 # A process the test starts, named by its argv (a bash -c script or python -c code included).
 _TORCHRUN = re.compile(r"(?<![\w.])(torchrun|tasks\.training\.local_torchrun|tasks\.training\.node_launch|torch\.distributed\.run)(?![\w.])")
@@ -36,6 +36,23 @@ def process_needs(argv) -> set[str]:
     return {name for name, pattern in (("torchrun", _TORCHRUN), ("airflow", _AIRFLOW)) if pattern.search(text)}
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the files on the shared live stack (SHARED_STACK_FILES) as one unit: one worker
+    starts that stack. (xdist's own loadgroup renames node ids, which pytest 9 no longer lets it do.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    from tests.live_airflow import SHARED_STACK_FILES  # a plugin of this file: imported after it, for assert rewriting
+
+    class SharedStackScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return "the shared live stack" if file in SHARED_STACK_FILES else file
+
+    return SharedStackScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """A test that takes a fixture needing Airflow, a browser or a service must say so with the marker."""
     unmarked = []
@@ -46,6 +63,13 @@ def pytest_collection_modifyitems(config, items):
             unmarked.append(f"{item.nodeid}: needs @pytest.mark.{', @pytest.mark.'.join(sorted(missing))}")
     if unmarked:
         raise pytest.UsageError("tests without the markers of what they need:\n" + "\n".join(unmarked))
+    from tests.live_airflow import SHARED_STACK_FILES
+
+    astray = sorted({item.nodeid.split("::")[0] for item in items if "shared_airflow" in item.fixturenames}
+                    - set(SHARED_STACK_FILES))
+    if astray:
+        raise pytest.UsageError(f"{astray} use the shared_airflow stack: list them in tests/live_airflow.py's "
+                                "SHARED_STACK_FILES, so one worker runs them")
     # Longest first, so pytest-xdist's workers do not end on one long run each: modules running Airflow or a browser
     # (those needing more besides first), then torchrun or a service, then the rest. A stable sort by module keeps
     # each module's tests together.

@@ -3,6 +3,8 @@
 Use: ``with LiveAirflow(tmp_path, dags_folder, env={...}) as live: run_id = live.trigger("my_dag")``,
 or in a test module ``from tests.live_airflow import live_airflow`` and take the ``live_airflow`` fixture
 (a factory: ``live = live_airflow(dags_folder, env)``; everything it started is stopped at teardown).
+Tests that only trigger runs and read them back share one stack of several pipelines: the ``shared_airflow``
+fixture, from a file listed in SHARED_STACK_FILES.
 
 Everything lives under one scratch folder: an isolated AIRFLOW_HOME with a SQLite file DB, one log
 file per component (``<tmp>/logs/*.log``, tails are attached to every failure) and the task logs.
@@ -26,7 +28,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -512,25 +515,58 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-@contextlib.contextmanager
-def small_pipeline_airflow(tmp_dir: str | os.PathLike, dag_ids: tuple[str, ...] = ("ml_pipeline",)):
-    """A LiveAirflow over the repo's DAGs with tests.conftest's small config and the digits data written.
+# The pipelines of the shared stack, each tests.conftest's small config on a storage root of its own, and each
+# suite on its own pipeline, so none reads another's runs or registry: `ml` (its DAGs ml_pipeline, ml_retrain, ...:
+# the official client, REST triggers and an ingest, which adds a raw file), `twin` (the browser suite; a sweep
+# budget of its own shows in its form) and `fresh` (an asset-triggered retrain from an empty registry; its cron,
+# Feb 29, last fired before the DAG's start, so no scheduled run competes).
+SHARED_PIPELINES = {"ml": {}, "twin": {"sweep": {"num_trials": 5}},
+                    "fresh": {"retrain": {"schedule": "0 0 29 2 *", "num_trials": 2}}}
+# The test files on the shared stack: tests/conftest.py's scheduler sends them to one pytest-xdist worker together.
+SHARED_STACK_FILES = ("tests/dags/test_airflow_client.py", "tests/dags/test_rest_trigger.py",
+                      "tests/dags/test_retrain_asset.py", "tests/ui/test_airflow_ui.py")
 
-    Yields ``(live, storage_root)``; ``dag_ids`` are waited for and unpaused. For tests that watch a whole
-    ml_pipeline run from outside (the browser suite, the official client).
-    """
+
+@dataclass(frozen=True)
+class PipelinesStack:
+    """A live stack over the repo's DAG file and a folder of pipeline configs ($STAGEWISE_PIPELINES)."""
+
+    live: LiveAirflow
+    roots: dict[str, Path]  # each pipeline's storage root, by pipeline name
+    configs: dict[str, Path]  # each pipeline's config file, by pipeline name
+
+
+@contextlib.contextmanager
+def pipelines_airflow(tmp_dir: str | os.PathLike, pipelines: dict[str, dict]) -> Iterator[PipelinesStack]:
+    """A LiveAirflow over the repo's DAGs and one config per pipeline (tests.conftest's small config with the given
+    top-level keys laid over it, each on its own storage root with the digits written), the pool created."""
     import yaml
 
     from tests.conftest import base_config
 
     tmp_dir = Path(tmp_dir)
-    storage_root = tmp_dir / "storage"
-    config_path = tmp_dir / "pipeline.yaml"
-    config_path.write_text(yaml.safe_dump(base_config(storage_root)))
-    run_cache.demo_data(config_path)
-    with LiveAirflow(tmp_dir / "live_airflow", REPO_ROOT / "dags", {"STAGEWISE_CONFIG": str(config_path)}) as live:
+    folder, roots, configs = tmp_dir / "pipelines", {}, {}
+    folder.mkdir(parents=True)
+    for name, changes in pipelines.items():
+        roots[name] = tmp_dir / f"storage_{name}"
+        raw = {**base_config(roots[name]), "name": name}
+        for key, value in changes.items():
+            raw[key] = {**raw[key], **value} if isinstance(value, dict) else value
+        configs[name] = folder / f"{name}.yaml"
+        configs[name].write_text(yaml.safe_dump(raw))
+        run_cache.demo_data(configs[name])
+    with LiveAirflow(tmp_dir / "live_airflow", REPO_ROOT / "dags", {"STAGEWISE_PIPELINES": str(folder)}) as live:
         live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "cpu_cores", "slots": 2})
-        for dag_id in dag_ids:
-            live.wait_for_dag(dag_id)
-            live.unpause(dag_id)
-        yield live, storage_root
+        yield PipelinesStack(live, roots, configs)
+
+
+@pytest.fixture(scope="session")
+def shared_airflow(tmp_path_factory) -> Iterator[PipelinesStack]:
+    """One live stack for the tests that only trigger runs and read them back (the browser suite, the official
+    client, REST triggers, the asset-triggered retrain): SHARED_PIPELINES side by side, every DAG paused until a
+    test unpauses it. Their files are SHARED_STACK_FILES, which one pytest-xdist worker runs, on one stack.
+
+    Each test triggers its own runs and finds them by run id; none moves another pipeline's data or registry.
+    """
+    with pipelines_airflow(tmp_path_factory.mktemp("shared_airflow"), SHARED_PIPELINES) as stack:
+        yield stack

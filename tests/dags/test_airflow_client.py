@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import service_unavailable
-from tests.live_airflow import FINAL_RUN_STATES, small_pipeline_airflow
+from tests.live_airflow import FINAL_RUN_STATES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,58 +40,65 @@ def _access_token(base_url: str, username: str, password: str) -> str:
     return response.json()["access_token"]
 
 
-def test_official_client_triggers_waits_lists_named_mapped_tasks_and_reads_the_report(tmp_path):
-    """With the client: a bad conf is a 400 naming the param; a valid one runs; mapped tasks carry names; report_uri opens."""
+def test_official_client_triggers_waits_lists_named_mapped_tasks_and_reads_the_report(shared_airflow):
+    """With the client: a bad conf is a 400 naming the param; a valid one runs; mapped tasks carry names; report_uri opens.
+    On the shared stack's pipeline `ml`."""
+    import pyarrow.parquet as pq
+
     client = _client_api()
     from airflow_client.client.api.dag_run_api import DagRunApi
     from airflow_client.client.api.task_instance_api import TaskInstanceApi
     from airflow_client.client.api.x_com_api import XComApi
     from airflow_client.client.models.trigger_dag_run_post_body import TriggerDAGRunPostBody
 
-    with small_pipeline_airflow(tmp_path) as (live, storage_root):
-        configuration = client.Configuration(host=live.base_url,
-                                             access_token=_access_token(live.base_url, "admin", live.password))
-        with client.ApiClient(configuration) as api_client:
-            runs = DagRunApi(api_client)
-            with pytest.raises(client.ApiException) as refused:
-                runs.trigger_dag_run("ml_pipeline", TriggerDAGRunPostBody(logical_date=None, conf={"num_trials": 0}))
-            assert refused.value.status == 400 and "num_trials" in refused.value.body
+    live, storage_root = shared_airflow.live, shared_airflow.roots["ml"]
+    live.wait_for_dag("ml_pipeline")
+    live.unpause("ml_pipeline")
+    raw_files = sorted((storage_root / "raw" / "digits").glob("*.parquet"))
+    raw_rows = sum(pq.ParquetFile(path).metadata.num_rows for path in raw_files)  # an ingest may have added a file
+    configuration = client.Configuration(host=live.base_url,
+                                         access_token=_access_token(live.base_url, "admin", live.password))
+    with client.ApiClient(configuration) as api_client:
+        runs = DagRunApi(api_client)
+        with pytest.raises(client.ApiException) as refused:
+            runs.trigger_dag_run("ml_pipeline", TriggerDAGRunPostBody(logical_date=None, conf={"num_trials": 0}))
+        assert refused.value.status == 400 and "num_trials" in refused.value.body
 
-            run = runs.trigger_dag_run("ml_pipeline", TriggerDAGRunPostBody(
-                logical_date=None, conf={"num_trials": 3, "num_sweep_workers": 2}))
-            run_id = run.dag_run_id
+        run = runs.trigger_dag_run("ml_pipeline", TriggerDAGRunPostBody(
+            logical_date=None, conf={"num_trials": 3, "num_sweep_workers": 2}))
+        run_id = run.dag_run_id
 
-            def finished() -> str | None:
-                state = runs.get_dag_run("ml_pipeline", run_id).state.value
-                return state if state in FINAL_RUN_STATES else None
+        def finished() -> str | None:
+            state = runs.get_dag_run("ml_pipeline", run_id).state.value
+            return state if state in FINAL_RUN_STATES else None
 
-            assert live.wait_until(finished, 600, f"run {run_id} did not finish", interval=2.0) == "success", \
-                live.logs_tail()
+        assert live.wait_until(finished, 600, f"run {run_id} did not finish", interval=2.0) == "success", \
+            live.logs_tail()
 
-            instances = TaskInstanceApi(api_client)
-            raw_files = sorted(path.name for path in (storage_root / "raw" / "digits").glob("*.parquet"))
-            stats = instances.get_mapped_task_instances("ml_pipeline", run_id, "preprocess_stats").task_instances
-            assert [(ti.map_index, ti.rendered_map_index) for ti in sorted(stats, key=lambda ti: ti.map_index)] == \
-                list(enumerate(raw_files))
-            workers = instances.get_mapped_task_instances("ml_pipeline", run_id, "sweep_worker").task_instances
-            assert sorted(ti.rendered_map_index for ti in workers) == ["worker 0", "worker 1"]
-            shards = instances.get_mapped_task_instances("ml_pipeline", run_id, "infer_shard").task_instances
-            assert shards and all(ti.rendered_map_index.split(",")[0] in raw_files and
-                                  ti.rendered_map_index.endswith(" rows") for ti in shards), \
-                [ti.rendered_map_index for ti in shards]
+        instances = TaskInstanceApi(api_client)
+        raw_names = [path.name for path in raw_files]
+        stats = instances.get_mapped_task_instances("ml_pipeline", run_id, "preprocess_stats").task_instances
+        assert [(ti.map_index, ti.rendered_map_index) for ti in sorted(stats, key=lambda ti: ti.map_index)] == \
+            list(enumerate(raw_names))
+        workers = instances.get_mapped_task_instances("ml_pipeline", run_id, "sweep_worker").task_instances
+        assert sorted(ti.rendered_map_index for ti in workers) == ["worker 0", "worker 1"]
+        shards = instances.get_mapped_task_instances("ml_pipeline", run_id, "infer_shard").task_instances
+        assert shards and all(ti.rendered_map_index.split(",")[0] in raw_names and
+                              ti.rendered_map_index.endswith(" rows") for ti in shards), \
+            [ti.rendered_map_index for ti in shards]
 
-            entry = XComApi(api_client).get_xcom_entry("ml_pipeline", "report", run_id, "return_value", deserialize=True)
-            report_uri = entry.actual_instance.value["report_uri"]  # anyOf(native, string): deserialize=True gives native
+        entry = XComApi(api_client).get_xcom_entry("ml_pipeline", "report", run_id, "return_value", deserialize=True)
+        report_uri = entry.actual_instance.value["report_uri"]  # anyOf(native, string): deserialize=True gives native
 
     report = json.loads(Path(report_uri).read_text())
     assert (report["dag_id"], report["run_id"]) == ("ml_pipeline", run_id)
     assert Path(report_uri).parent.parent == storage_root / "runs" / "ml_pipeline"
     assert report["sweep"]["n_trials"] == 3, "the conf's budget reached the sweep"
-    assert report["predictions"]["rows"] == 1797 and report["test_accuracy"] >= 0.5
+    assert report["predictions"]["rows"] == raw_rows and report["test_accuracy"] >= 0.5
     # The README's other way to find it: the newest report under the storage root.
     latest = subprocess.run([sys.executable, "-m", "tasks.report", "latest"], cwd=REPO_ROOT, capture_output=True,
                             text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT),
-                                                    "STAGEWISE_CONFIG": str(storage_root.parent / "pipeline.yaml")})
+                                                    "STAGEWISE_CONFIG": str(shared_airflow.configs["ml"])})
     assert latest.returncode == 0, latest.stderr
     assert latest.stdout.strip().splitlines()[-1] == f"REPORT {report_uri}"
 

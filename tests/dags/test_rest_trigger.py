@@ -5,30 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
-
-from tests.conftest import base_config
-from tests.live_airflow import LiveAirflow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.airflow]
+pytestmark = pytest.mark.airflow
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """One live Airflow over the repo's DAGs with the small config, ml_pipeline and ingest unpaused; each test only
-    triggers its own runs and reads them back. Yields (live, storage root, config path)."""
-    tmp_path = tmp_path_factory.mktemp("rest_trigger")
-    storage_root = tmp_path / "storage"
-    config_path = tmp_path / "pipeline.yaml"
-    config_path.write_text(yaml.safe_dump(base_config(storage_root)))
-    with LiveAirflow(tmp_path / "live_airflow", REPO_ROOT / "dags", {"STAGEWISE_CONFIG": str(config_path)}) as live:
-        live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "cpu_cores", "slots": 2})
-        for dag_id in ("ml_pipeline", "ml_ingest"):
-            live.wait_for_dag(dag_id)
-            live.unpause(dag_id)
-        yield live, storage_root, config_path
+def stack(shared_airflow):
+    """The shared live stack's pipeline `ml`, ml_pipeline and ml_ingest unpaused; each test only triggers its own runs
+    and reads them back. Yields (live, storage root, config path)."""
+    live = shared_airflow.live
+    for dag_id in ("ml_pipeline", "ml_ingest"):
+        live.wait_for_dag(dag_id)
+        live.unpause(dag_id)
+    return live, shared_airflow.roots["ml"], shared_airflow.configs["ml"]
 
 
 def test_rest_trigger_refuses_out_of_bounds_conf_and_runs_a_valid_one(stack, tmp_path, subprocess_env):

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from tasks.definitions.pipelines import KINDS, dag_id
 from tests.conftest import service_unavailable
-from tests.live_airflow import small_pipeline_airflow
+from tests.live_airflow import PipelinesStack
 
 CHROMIUM = os.environ.get("STAGEWISE_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("STAGEWISE_UI_ARTIFACTS", Path(__file__).resolve().parent / "artifacts"))
 UI_TIMEOUT_MS = 60_000  # a 2-core machine running the scheduler and sub-jobs renders slowly
+UI_PIPELINE = "twin_pipeline"  # the DAG this suite runs, of the shared stack's pipeline `twin`
 
 
 # Module, not session: playwright's sync API keeps an asyncio loop running until it exits, and a later test on the
@@ -44,12 +46,14 @@ def chromium():
 
 
 @pytest.fixture(scope="module")
-def ui_airflow(chromium, tmp_path_factory):
-    """A live api-server, scheduler and dag-processor; ml_pipeline unpaused (retrain stays paused: its cron would run it)."""
-    with small_pipeline_airflow(tmp_path_factory.mktemp("ui")) as (live, storage_root):
-        for dag_id in ("ml_retrain", "ml_batch_inference", "ml_ingest"):
-            live.wait_for_dag(dag_id)
-        yield live, storage_root
+def ui_airflow(chromium, shared_airflow) -> PipelinesStack:
+    """The shared live stack (tests/live_airflow.py: pipelines side by side), every pipeline's DAGs parsed; this suite
+    runs the `twin` pipeline, whose twin_pipeline is unpaused (retrain stays paused: its cron would run it)."""
+    for name in shared_airflow.roots:
+        for kind in KINDS:
+            shared_airflow.live.wait_for_dag(dag_id(name, kind))
+    shared_airflow.live.unpause(UI_PIPELINE)
+    return shared_airflow
 
 
 class Screens:
@@ -81,7 +85,7 @@ def logged_in(chromium, ui_airflow, admin_session, request):
     The module's first test logs in through the login form and lands on the home page; the others start from that
     session's saved state (each page load of the React UI costs CPU-seconds of software rendering here).
     """
-    live, _ = ui_airflow
+    live = ui_airflow.live
     context = chromium.new_context(viewport={"width": 1600, "height": 1000}, storage_state=admin_session.get("state"))
     context.set_default_timeout(UI_TIMEOUT_MS)
     page = context.new_page()

@@ -1,4 +1,6 @@
-"""What a user sees in the Airflow 3.3 UI, driven in Debian's chromium: trigger forms, a run in the grid, a task log.
+"""What a user sees in the Airflow 3.3 UI, driven in Debian's chromium: several pipelines' DAGs and trigger forms, a
+run in the grid, a task log, the Stagewise view. On the shared stack (tests/live_airflow.py), this suite's pipeline is
+`twin`.
 
 Run: ``python -m pytest -q tests/ui`` (screenshots in tests/ui/artifacts/ or $STAGEWISE_UI_ARTIFACTS).
 """
@@ -10,6 +12,10 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
+
+from tasks.definitions.pipelines import KINDS, dag_id
+from tests.ui.conftest import UI_PIPELINE
 
 pytestmark = [pytest.mark.browser, pytest.mark.airflow, pytest.mark.torchrun]
 
@@ -18,7 +24,8 @@ RUN_TIMEOUT_S = 600
 HOSTILE = "<!--<script>alert(1)</script>"
 CHART_TITLES = ("Training across", "Sweep:", "Task timeline", "Data: rows by split")  # the four sections' charts
 # Fields without a usable default that a person must fill before triggering; everything else has one.
-REQUIRED_INPUT = {"ml_ingest": {"source_uri": "raw/incoming"}}
+REQUIRED_INPUT = {"twin_ingest": {"source_uri": "raw/incoming"}}
+FORMS = ["twin_pipeline", "twin_retrain", "twin_batch_inference", "twin_ingest", "ml_pipeline"]  # another pipeline's too
 
 
 def _open_trigger_form(page, live, dag_id: str):
@@ -30,13 +37,35 @@ def _open_trigger_form(page, live, dag_id: str):
     return dialog, dialog.get_by_role("button", name="Trigger", exact=True)
 
 
-@pytest.mark.parametrize("dag_id", ["ml_pipeline", "ml_retrain", "ml_batch_inference", "ml_ingest"])
-def test_trigger_form_can_be_submitted_with_its_defaults(logged_in, dag_id):
-    """Each DAG's trigger form opens with Trigger enabled once the fields without a default are filled."""
+def test_the_dag_list_shows_each_pipelines_four_dags_with_its_tag(logged_in, ui_airflow):
+    """The DAG list holds <name>_pipeline, _retrain, _batch_inference and _ingest of every pipeline in the folder;
+    filtering on a pipeline's tag leaves only its four."""
+    from playwright.sync_api import expect
+
+    page, live, screens = logged_in
+    page.goto(f"{live.base_url}/dags")
+    for name in ui_airflow.roots:
+        for kind in KINDS:
+            expect(page.get_by_role("link", name=dag_id(name, kind), exact=True)).to_be_visible()
+    screens.shot("dag-list-every-pipeline")
+    page.goto(f"{live.base_url}/dags?tags=twin")
+    for kind in KINDS:
+        expect(page.get_by_role("link", name=dag_id("twin", kind), exact=True)).to_be_visible()
+    expect(page.get_by_role("link", name="ml_pipeline", exact=True)).to_have_count(0)
+    screens.shot("dag-list-tag-twin")
+
+
+@pytest.mark.parametrize("dag_id", FORMS)
+def test_trigger_form_can_be_submitted_with_its_defaults(logged_in, ui_airflow, dag_id):
+    """Each DAG's trigger form opens with Trigger enabled once the fields without a default are filled; a training
+    DAG's sweep budget is its own pipeline's (twin's 5 trials, ml's 4)."""
     from playwright.sync_api import expect
 
     page, live, screens = logged_in
     dialog, trigger = _open_trigger_form(page, live, dag_id)
+    if dag_id.endswith("_pipeline"):
+        config = yaml.safe_load(ui_airflow.configs[dag_id.removesuffix("_pipeline")].read_text())
+        expect(dialog.get_by_role("spinbutton", name="num_trials")).to_have_value(str(config["sweep"]["num_trials"]))
     for name in REQUIRED_INPUT.get(dag_id, {}):
         field = dialog.locator(f"#element_{name}")
         field.wait_for()
@@ -51,11 +80,11 @@ def test_trigger_form_can_be_submitted_with_its_defaults(logged_in, dag_id):
 
 
 def test_a_run_triggered_from_the_form_succeeds_in_the_grid_with_epoch_progress_in_the_log(logged_in):
-    """ml_pipeline triggered from the form with num_trials changed runs to success; train_s1's log shows its epochs."""
+    """twin_pipeline triggered from the form with num_trials changed runs to success; train_s1's log shows its epochs."""
     from playwright.sync_api import expect
 
     page, live, screens = logged_in
-    dialog, trigger = _open_trigger_form(page, live, "ml_pipeline")
+    dialog, trigger = _open_trigger_form(page, live, UI_PIPELINE)
     expect(dialog.get_by_text("Trial budget of the Optuna sweep: 1 to 500.")).to_be_visible()  # bounds shown
     trials = dialog.get_by_role("spinbutton", name="num_trials")
     trials.fill("3")
@@ -69,42 +98,42 @@ def test_a_run_triggered_from_the_form_succeeds_in_the_grid_with_epoch_progress_
     expect(dialog).to_be_hidden()
     screens.shot("triggered")
 
-    runs = live.api("GET", "/api/v2/dags/ml_pipeline/dagRuns").json()["dag_runs"]
+    runs = live.api("GET", f"/api/v2/dags/{UI_PIPELINE}/dagRuns").json()["dag_runs"]
     assert len(runs) == 1 and runs[0]["triggered_by"] == "ui", runs
     run_id = runs[0]["dag_run_id"]
     assert runs[0]["conf"]["num_trials"] == 3, runs[0]["conf"]
 
-    page.goto(f"{live.base_url}/dags/ml_pipeline/runs/{run_id}")
+    page.goto(f"{live.base_url}/dags/{UI_PIPELINE}/runs/{run_id}")
     run_state = page.get_by_test_id("state-badge").first
     expect(run_state).to_have_text(re.compile("Queued|Running|Success"))
     screens.shot("grid-running")
     # The grid redraws itself every few seconds while a run is active: software rendering of that cost as much CPU
     # as the run. Wait over REST with the page parked, then read the outcome in the grid.
     page.goto("about:blank")
-    assert live.wait_for_run("ml_pipeline", run_id, timeout=RUN_TIMEOUT_S) == "success", live.logs_tail()
-    page.goto(f"{live.base_url}/dags/ml_pipeline/runs/{run_id}")
+    assert live.wait_for_run(UI_PIPELINE, run_id, timeout=RUN_TIMEOUT_S) == "success", live.logs_tail()
+    page.goto(f"{live.base_url}/dags/{UI_PIPELINE}/runs/{run_id}")
     expect(run_state).to_have_text("Success")
     expect(page.get_by_text("part-00000.parquet", exact=True).first).to_be_visible()  # named mapped tasks
     expect(page.get_by_text("worker 0", exact=True).first).to_be_visible()
     screens.shot("grid-success")
 
-    page.goto(f"{live.base_url}/dags/ml_pipeline/runs/{run_id}/tasks/train_s1")
+    page.goto(f"{live.base_url}/dags/{UI_PIPELINE}/runs/{run_id}/tasks/train_s1")
     expect(page.get_by_text("stage s1 epoch").first).to_be_visible()
     screens.shot("train-s1-log")
 
-    report_uri = live.xcom("ml_pipeline", run_id, "report")["report_uri"]
+    report_uri = live.xcom(UI_PIPELINE, run_id, "report")["report_uri"]
     assert json.loads(Path(report_uri).read_text())["sweep"]["n_trials"] == 3, "the form's value reached the sweep"
 
 
 @pytest.fixture(scope="module")
 def finished_run(ui_airflow) -> str:
-    """A successful ml_pipeline run of this module's Airflow: the one the form test made, else one triggered over REST."""
-    live, _ = ui_airflow
-    done = live.api("GET", "/api/v2/dags/ml_pipeline/dagRuns", params={"state": "success"}).json()["dag_runs"]
+    """A successful twin_pipeline run: the one the form test made, else one triggered over REST."""
+    live = ui_airflow.live
+    done = live.api("GET", f"/api/v2/dags/{UI_PIPELINE}/dagRuns", params={"state": "success"}).json()["dag_runs"]
     if done:
         return done[-1]["dag_run_id"]
-    run_id = live.trigger("ml_pipeline", {"num_trials": 3})
-    assert live.wait_for_run("ml_pipeline", run_id, timeout=RUN_TIMEOUT_S) == "success", live.logs_tail()
+    run_id = live.trigger(UI_PIPELINE, {"num_trials": 3})
+    assert live.wait_for_run(UI_PIPELINE, run_id, timeout=RUN_TIMEOUT_S) == "success", live.logs_tail()
     return run_id
 
 
@@ -119,8 +148,8 @@ def _watch(page):
 
 def test_the_stagewise_view_shows_the_finished_runs_report_and_the_registry(logged_in, ui_airflow, finished_run):
     """From the Airflow UI: the Stagewise nav entry lists the run, the run's own tab opens its report.html with its
-    four charts drawn, the registry shows the version this run registered; nothing leaves 127.0.0.1 and
-    the console stays clean."""
+    four charts drawn, the registry shows the version this run registered under its pipeline; nothing leaves
+    127.0.0.1 and the console stays clean."""
     from urllib.parse import urlsplit
 
     from playwright.sync_api import expect
@@ -128,9 +157,9 @@ def test_the_stagewise_view_shows_the_finished_runs_report_and_the_registry(logg
     from tasks.core import storage
 
     page, live, screens = logged_in
-    _, storage_root = ui_airflow
+    storage_root = ui_airflow.roots["twin"]
     requests, errors = _watch(page)
-    run_folder = Path(storage.run_prefix(str(storage_root), "ml_pipeline", finished_run))
+    run_folder = Path(storage.run_prefix(str(storage_root), UI_PIPELINE, finished_run))
     report = json.loads((run_folder / "report.json").read_text())
 
     page.goto(live.base_url)  # the home page, with the nav bar the plugin adds its entry to
@@ -141,7 +170,7 @@ def test_the_stagewise_view_shows_the_finished_runs_report_and_the_registry(logg
     expect(run_link).to_be_visible()
     screens.shot("stagewise-runs")
 
-    page.goto(f"{live.base_url}/dags/ml_pipeline/runs/{finished_run}")
+    page.goto(f"{live.base_url}/dags/{UI_PIPELINE}/runs/{finished_run}")
     page.get_by_role("link", name="Stagewise report", exact=True).click()  # the run's tab from the plugin's dag_run view
     run_view = page.frame_locator('iframe[title="Stagewise report"]')
     expect(run_view.locator(f"[data-stagewise-run-id='{finished_run}']")).to_be_visible()
@@ -160,7 +189,9 @@ def test_the_stagewise_view_shows_the_finished_runs_report_and_the_registry(logg
     run_view.get_by_role("link", name="Model registry").click()
     version = report["registry"]["current"]
     expect(run_view.get_by_role("heading", name="Model registry")).to_be_visible()
-    expect(run_view.locator(".badge.cur", has_text=version).first).to_be_visible()
+    own_model = run_view.locator("section[data-stagewise-model]", has_text="pipeline twin")  # under its pipeline's name
+    expect(own_model).to_contain_text(f"{storage_root}/models/{report['registry']['model_name']}")
+    expect(own_model.locator(".badge.cur", has_text=version)).to_be_visible()
     screens.shot("stagewise-registry")
 
     outside = sorted({url for url in requests if urlsplit(url).scheme in ("http", "https", "ws", "wss")
@@ -181,26 +212,26 @@ def test_stagewise_answers_are_locked_down_and_hostile_chart_data_still_draws(lo
     from tasks.reporting import html as report_html
 
     page, live, screens = logged_in
-    _, storage_root = ui_airflow
+    storage_root = ui_airflow.roots["twin"]
     _, errors = _watch(page)
     answers = []
     page.on("response", lambda answer: answers.append(answer) if "/stagewise/" in answer.url else None)
 
-    page.goto(f"{live.base_url}/dags/ml_pipeline/runs/{finished_run}")
+    page.goto(f"{live.base_url}/dags/{UI_PIPELINE}/runs/{finished_run}")
     page.get_by_role("link", name="Stagewise report", exact=True).click()
     run_view = page.frame_locator('iframe[title="Stagewise report"]')
     expect(run_view.locator("#stagewise-report")).to_have_attribute("sandbox", "allow-scripts allow-downloads")
     expect(run_view.frame_locator("#stagewise-report").locator("svg.main-svg").first).to_be_attached()
 
     # the finished run's report again, one split name made hostile, in a run folder of its own
-    source = storage.run_prefix(str(storage_root), "ml_pipeline", finished_run)
+    source = storage.run_prefix(str(storage_root), UI_PIPELINE, finished_run)
     report = {**json.loads(Path(source, "report.json").read_text()), "run_id": "manual__hostile_chart_data"}
     report["data"]["rows"][HOSTILE] = 7
-    out = storage.run_prefix(str(storage_root), "ml_pipeline", report["run_id"])
+    out = storage.run_prefix(str(storage_root), UI_PIPELINE, report["run_id"])
     storage.write_bytes(storage.join(out, "report.html"),
                         report_html.render(report, report_html.load_sources(report, source)).encode())
     storage.write_json(storage.join(out, "report.json"), report)
-    run_url = f"{live.base_url}/stagewise/runs/ml_pipeline/{Path(out).name}"
+    run_url = f"{live.base_url}/stagewise/runs/{UI_PIPELINE}/{Path(out).name}"
     page.goto(run_url)
     charts = page.frame_locator("#stagewise-report")
     for title in CHART_TITLES:
@@ -216,7 +247,7 @@ def test_stagewise_answers_are_locked_down_and_hostile_chart_data_still_draws(lo
     expect(page.locator("#fig-data text", has_text=HOSTILE).first).to_be_visible()
     assert page.evaluate("window.origin") == "null"
 
-    runs = "/stagewise/runs/ml_pipeline"
+    runs = f"/stagewise/runs/{UI_PIPELINE}"
     seen = [(unquote(urlsplit(answer.url).path), answer.all_headers()) for answer in answers]
     assert {f"{runs}/{finished_run}", f"{runs}/{storage.safe_name(finished_run)}/report.html", f"{runs}/{Path(out).name}",
             f"{runs}/{Path(out).name}/report.html"} <= {path for path, _ in seen}, seen
