@@ -1,5 +1,6 @@
-"""Production layout on one machine: PostgreSQL as Airflow's metadata DB and as the Optuna storage, a real
-scheduler with LocalExecutor parallelism > 1, and mapped sub-jobs that really run side by side."""
+"""The production layout on one machine: PostgreSQL as Airflow's metadata DB, Celery's result backend and the Optuna
+storage; the CeleryExecutor with the Redis broker and two workers, each serving one instance profile's queue; mapped
+sub-jobs that really run side by side."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tests.conftest import base_config
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.airflow, pytest.mark.torchrun, pytest.mark.service]
+QUEUES = {"small": "cpu_small", "ddp": "cpu_ddp"}  # worker name -> the queue it serves
 
 
 def _overlapping(instances: list[dict]) -> bool:
@@ -23,10 +25,15 @@ def _overlapping(instances: list[dict]) -> bool:
     return any(later_start < earlier_end for (_, earlier_end), (later_start, _) in zip(spans, spans[1:]))
 
 
-def test_pipeline_on_postgresql_with_overlapping_mapped_tasks(live_airflow, postgres_databases, tmp_path):
-    """ml_pipeline succeeds with Airflow and Optuna on PostgreSQL; mapped preprocess and sweep tasks overlapped."""
+def test_pipeline_on_postgresql_and_celery_runs_each_sub_job_on_its_queues_worker_side_by_side(
+        live_airflow, postgres_databases, redis_url, tmp_path):
+    """ml_pipeline succeeds with Airflow, Celery results and Optuna on PostgreSQL; each task instance ran on the worker
+    whose queue its profile names; mapped preprocess and sweep tasks overlapped; the study is the only one stored."""
     storage_root = tmp_path / "storage"
     raw = base_config(storage_root)
+    raw["profiles"]["small"]["queue"] = QUEUES["small"]
+    for profile in ("ddp1", "ddp2"):
+        raw["profiles"][profile]["queue"] = QUEUES["ddp"]
     # Separate databases: Airflow and Optuna each keep their own alembic_version table.
     raw["sweep"]["storage"] = postgres_databases().replace("postgresql://", "postgresql+psycopg2://")
     config_path = tmp_path / "pipeline.yaml"
@@ -34,8 +41,13 @@ def test_pipeline_on_postgresql_with_overlapping_mapped_tasks(live_airflow, post
     run_cache.demo_data(config_path)
 
     airflow_db = postgres_databases().replace("postgresql://", "postgresql+psycopg2://")
-    live = live_airflow(REPO_ROOT / "dags", {"STAGEWISE_CONFIG": str(config_path),
-                                             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": airflow_db})
+    results = postgres_databases().replace("postgresql://", "db+postgresql+psycopg2://")
+    live = live_airflow(REPO_ROOT / "dags", {
+        "STAGEWISE_CONFIG": str(config_path), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": airflow_db,
+        "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor", "AIRFLOW__CELERY__BROKER_URL": redis_url,
+        "AIRFLOW__CELERY__RESULT_BACKEND": results, "AIRFLOW__CORE__HOSTNAME_CALLABLE": "tests.live_airflow.worker_hostname"})
+    for name, queue in QUEUES.items():
+        live.start_celery_worker(name, [queue])
     live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "cpu_cores", "slots": 2})
     live.wait_for_dag("ml_pipeline")
     live.unpause("ml_pipeline")
@@ -43,6 +55,12 @@ def test_pipeline_on_postgresql_with_overlapping_mapped_tasks(live_airflow, post
     assert live.wait_for_run("ml_pipeline", run_id, timeout=600) == "success", live.logs_tail()
 
     instances = live.task_instances("ml_pipeline", run_id)
+    serving = {queue: name for name, queue in QUEUES.items()}
+    assert {ti["queue"] for ti in instances} == set(QUEUES.values())
+    wrong = [(ti["task_id"], ti["map_index"], ti["queue"], ti["hostname"]) for ti in instances
+             if ti["hostname"] != serving[ti["queue"]]]
+    assert wrong == [], f"task instances ran off their queue's worker: {wrong}"
+    assert {ti["hostname"] for ti in instances if ti["task_id"].startswith("train_")} == {"ddp"}
     for task_id in ("preprocess_stats", "sweep_worker"):
         mapped = [ti for ti in instances if ti["task_id"] == task_id]
         assert len(mapped) >= 2 and _overlapping(mapped), f"{task_id} instances never ran at the same time"
