@@ -1,6 +1,6 @@
 """A user's own DDP training script, run by Stagewise as a stage (bring your own script).
 
-Run under the pipeline by naming it in a stage (see README, "Bring your own script"):
+Run under the pipeline by naming it in a stage (see docs/your-own-script.md):
 
     - name: custom
       profile: ddp2

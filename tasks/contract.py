@@ -1,4 +1,4 @@
-"""Print the STAGEWISE_* environment a bring-your-own script gets: ``python -m tasks.contract`` (the README's table).
+"""Print the STAGEWISE_* environment a bring-your-own script gets: ``python -m tasks.contract`` (the table in docs/your-own-script.md).
 
 The variables are declared in ``tasks.core.contract``.
 """
@@ -12,7 +12,7 @@ from tasks.core import contract
 
 def main(argv: list[str] | None = None) -> None:
     argparse.ArgumentParser(description="Print the STAGEWISE_* environment of a bring-your-own script as a "
-                                        "Markdown table (the README's list).").parse_args(argv)
+                                        "Markdown table (the list in docs/your-own-script.md).").parse_args(argv)
     print(contract.markdown())
 
 

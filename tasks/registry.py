@@ -98,7 +98,7 @@ def _warn_if_unscoped(storage_root: str, name: str) -> None:
     legacy = storage.join(storage_root, "models", "current.json")
     if storage.exists(legacy):
         log.warning("%s is an unscoped registry from before model names and is ignored; move its versions into "
-                    "models/%s/ (see README, 'Models, batch inference and retraining')", legacy, name)
+                    "models/%s/ (see docs/pipelines.md)", legacy, name)
 
 
 def _read_pointer(storage_root: str, name: str) -> tuple[dict[str, Any], str | None]:

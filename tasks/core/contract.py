@@ -2,8 +2,8 @@
 
 ``tasks.train.byo_environment`` sets the stage's variables, the Airflow launcher the ones every sub-job
 gets, ``tasks.sweep`` a trial's (a trial gets the stage's variables too, filled from ``sweep``); all take
-the names from here, and the README's list is this module's output (``python -m tasks.contract``),
-checked by tests/test_readme.py. Add a variable here, never inline.
+the names from here, and docs/your-own-script.md's list is this module's output (``python -m tasks.contract``),
+checked by tests/test_docs.py. Add a variable here, never inline.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ ENVIRONMENT: dict[str, str] = {**STAGE_ENV, **LAUNCH_ENV, **TRIAL_ENV}
 
 
 def markdown() -> str:
-    """The README's table of the contract: one row per variable, in declaration order, with who gets it."""
+    """The docs' table of the contract: one row per variable, in declaration order, with who gets it."""
     who = {**dict.fromkeys(STAGE_ENV, "stage, trial"), **dict.fromkeys(LAUNCH_ENV, "every sub-job"),
            **dict.fromkeys(TRIAL_ENV, "trial")}
     rows = [f"| `{name}` | {who[name]} | {doc} |" for name, doc in ENVIRONMENT.items()]

@@ -113,7 +113,7 @@ class Profile(_Strict):
         for backend in ("sagemaker", "kubernetes"):
             settings = getattr(self, backend)
             if self.backend == backend and settings is None:
-                raise ValueError(f"backend '{backend}' needs a '{backend}:' block (see the README's section on it)")
+                raise ValueError(f"backend '{backend}' needs a '{backend}:' block (see docs/scale-out.md)")
             if self.backend != backend and settings is not None:
                 raise ValueError(f"a '{backend}:' block belongs to backend '{backend}', not '{self.backend}'")
         if self.backend == "local" and self.nodes != 1:

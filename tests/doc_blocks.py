@@ -1,11 +1,12 @@
-"""The README's generated blocks: each is a command's output between two markers, never edited by hand.
+"""The generated blocks of the README and the docs/ pages: each is a command's output between two markers, never
+edited by hand.
 
     <!-- BEGIN generated: python -m tasks.config --reference -->
     ...the command's stdout...
     <!-- END generated -->
 
-tests/test_readme.py fails when a block differs from what its command prints now; refresh them all with
-``python -m tests.readme_blocks`` (rewrites README.md in place).
+tests/test_docs.py fails when a block differs from what its command prints now; refresh them all with
+``python -m tests.doc_blocks`` (rewrites the pages in place).
 """
 
 from __future__ import annotations
@@ -24,16 +25,21 @@ _BLOCK = re.compile(r"^<!-- BEGIN generated: (?P<command>python -m tasks\.[\w.]+
                     r"(?P<body>.*?)^<!-- END generated -->$", re.MULTILINE | re.DOTALL)
 
 
+def pages() -> list[Path]:
+    """The README and every docs/ page."""
+    return [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
+
+
 @dataclass(frozen=True)
 class Block:
     command: str
     body: str  # the text between the markers, without the final newline
-    start: int  # offsets of the body in the README text
+    start: int  # offsets of the body in the page's text
     end: int
 
 
 def blocks(text: str) -> list[Block]:
-    """Every generated block of a README text, in order."""
+    """Every generated block of a page's text, in order."""
     found = []
     for match in _BLOCK.finditer(text):
         body = match.group("body")
@@ -53,7 +59,7 @@ def render(command: str) -> str:
 
 
 def refreshed(text: str) -> str:
-    """The README text with every generated block replaced by its command's current output."""
+    """The page's text with every generated block replaced by its command's current output."""
     for block in reversed(blocks(text)):
         body = render(block.command)
         text = text[:block.start] + (body + "\n" if body else "") + text[block.end:]
@@ -61,10 +67,14 @@ def refreshed(text: str) -> str:
 
 
 def main() -> None:
-    text = README.read_text()
-    new = refreshed(text)
-    README.write_text(new)
-    print(f"{README.name}: {len(blocks(new))} generated block(s), {'rewritten' if new != text else 'already current'}")
+    for page in pages():
+        text = page.read_text()
+        if not blocks(text):
+            continue
+        new = refreshed(text)
+        page.write_text(new)
+        print(f"{page.relative_to(REPO_ROOT)}: {len(blocks(new))} generated block(s), "
+              f"{'rewritten' if new != text else 'already current'}")
 
 
 if __name__ == "__main__":
