@@ -518,10 +518,10 @@ def _group_alive(pgid: int) -> bool:
 # The pipelines of the shared stack, each tests.conftest's small config on a storage root of its own, and each
 # suite on its own pipeline, so none reads another's runs or registry: `ml` (its DAGs ml_pipeline, ml_retrain, ...:
 # the official client, REST triggers and an ingest, which adds a raw file), `twin` (the browser suite; a sweep
-# budget of its own shows in its form) and `fresh` (an asset-triggered retrain from an empty registry; its cron,
-# Feb 29, last fired before the DAG's start, so no scheduled run competes).
+# budget of its own shows in its form) and `fresh` (an asset-triggered retrain from an empty registry, one sweep
+# worker; its cron, Feb 29, last fired before the DAG's start, so no scheduled run competes).
 SHARED_PIPELINES = {"ml": {}, "twin": {"sweep": {"num_trials": 5}},
-                    "fresh": {"retrain": {"schedule": "0 0 29 2 *", "num_trials": 2}}}
+                    "fresh": {"retrain": {"schedule": "0 0 29 2 *", "num_trials": 2}, "sweep": {"num_workers": 1}}}
 # The test files on the shared stack: tests/conftest.py's scheduler sends them to one pytest-xdist worker together.
 SHARED_STACK_FILES = ("tests/dags/test_airflow_client.py", "tests/dags/test_rest_trigger.py",
                       "tests/dags/test_retrain_asset.py", "tests/ui/test_airflow_ui.py")

@@ -11,6 +11,9 @@ import torch
 from tests.dags.conftest import REPO_ROOT, airflow, make_airflow_env
 
 pytestmark = [pytest.mark.airflow, pytest.mark.torchrun]
+# Parallel sweep workers are ml_pipeline's tests' to guard; one worker saves a process per run, and its seeded sweep
+# takes the same path every run.
+ONE_SWEEP_WORKER = {"num_sweep_workers": 1}
 
 
 def _report_of(tmp_path_factory, example: str, *args: str) -> dict:
@@ -27,7 +30,7 @@ def _report_of(tmp_path_factory, example: str, *args: str) -> dict:
 @pytest.fixture(scope="module")
 def cnn_report(tmp_path_factory) -> dict:
     """examples/digits_cnn.yaml (its spec, image column, search space and objective), with a 6-trial sweep."""
-    return _report_of(tmp_path_factory, "digits_cnn", "-c", json.dumps({"num_trials": 6, "num_sweep_workers": 2}))
+    return _report_of(tmp_path_factory, "digits_cnn", "-c", json.dumps({"num_trials": 6, **ONE_SWEEP_WORKER}))
 
 
 def test_cnn_example_reaches_095_test_accuracy(cnn_report):
@@ -50,7 +53,7 @@ def test_cnn_example_runs_every_stage_with_its_own_model(cnn_report):
 def tutorial_report(tmp_path_factory) -> dict:
     """The tutorial-style script (examples/ddp_tutorial.py) as every trial and both stages, with a 6-trial sweep (each
     trial is a torchrun job of its own)."""
-    return _report_of(tmp_path_factory, "ddp_tutorial", "-c", json.dumps({"num_trials": 6}))
+    return _report_of(tmp_path_factory, "ddp_tutorial", "-c", json.dumps({"num_trials": 6, **ONE_SWEEP_WORKER}))
 
 
 def test_ddp_tutorial_script_runs_as_pruned_trials_and_growing_batch_stages(tutorial_report):
@@ -69,7 +72,7 @@ def test_ddp_tutorial_script_runs_as_pruned_trials_and_growing_batch_stages(tuto
 @pytest.fixture(scope="module")
 def diabetes_report(tmp_path_factory) -> dict:
     """examples/diabetes.yaml: a float target, a Regressor, rmse minimised."""
-    return _report_of(tmp_path_factory, "diabetes")
+    return _report_of(tmp_path_factory, "diabetes", "-c", json.dumps(ONE_SWEEP_WORKER))
 
 
 def test_diabetes_example_beats_the_mean_baseline(diabetes_report):
