@@ -11,8 +11,8 @@ import torch
 from tests.dags.conftest import REPO_ROOT, airflow, make_airflow_env
 
 pytestmark = [pytest.mark.airflow, pytest.mark.torchrun]
-# Parallel sweep workers are ml_pipeline's tests' to guard; one worker saves a process per run, and its seeded sweep
-# takes the same path every run.
+# Parallel sweep workers are ml_pipeline's tests' to guard; one worker saves a process per run, and the seeded sweep
+# no longer depends on how two workers race.
 ONE_SWEEP_WORKER = {"num_sweep_workers": 1}
 
 
