@@ -14,7 +14,7 @@ pytestmark = pytest.mark.airflow
 @pytest.fixture(scope="module")
 def stack(shared_airflow):
     """The shared live stack's pipeline `ml`, ml_pipeline and ml_ingest unpaused; each test only triggers its own runs
-    and reads them back. Yields (live, storage root, config path)."""
+    and reads them back. Returns (live, storage root, config path)."""
     live = shared_airflow.live
     for dag_id in ("ml_pipeline", "ml_ingest"):
         live.wait_for_dag(dag_id)
