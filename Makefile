@@ -29,28 +29,31 @@ help:
 venv: $(STAMP)
 
 # The pinned set first, then this project itself, editable and without dependencies (pyproject.toml lists none):
-# tasks, stagewise_airflow and examples import from the checkout in every process, with no PYTHONPATH.
+# stagewise (tasks/, plugins/stagewise_airflow/, examples/) imports from the checkout in every process, with no PYTHONPATH.
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -r requirements.txt
 	$(VENV)/bin/python -m pip install --quiet --no-deps -e .
+	@# The build's metadata left in the checkout: with the checkout on a path (cwd, PYTHONPATH) it reads as a second
+	@# installed stagewise, and Airflow would load the UI plugin's entry point twice.
+	@rm -rf stagewise.egg-info
 	@touch $(STAMP)
 
 airflow-init: $(STAMP)
 	@$(AIRFLOW_ENV) && { airflow db migrate > "$$AIRFLOW_HOME/db-migrate.log" 2>&1 || { cat "$$AIRFLOW_HOME/db-migrate.log"; exit 1; }; } \
-	  && python -m stagewise_airflow.pools
+	  && python -m stagewise.airflow.pools
 
 demo-data: $(STAMP)
-	@$(AIRFLOW_ENV) && python -m tasks.data demo
+	@$(AIRFLOW_ENV) && python -m stagewise.data demo
 
 # The DAG of the pipeline in $$STAGEWISE_CONFIG (default pipeline.yaml, the pipeline `ml`): ml_pipeline.
 demo: airflow-init demo-data
-	@$(AIRFLOW_ENV) && dag=$$(python -m tasks.config --dag-id pipeline) && mkdir -p "$$AIRFLOW_HOME/logs" \
+	@$(AIRFLOW_ENV) && dag=$$(python -m stagewise.config --dag-id pipeline) && mkdir -p "$$AIRFLOW_HOME/logs" \
 	  && echo "running: airflow dags test $$dag (log: .airflow/logs/demo.log)" \
 	  && { airflow dags test "$$dag" > "$$AIRFLOW_HOME/logs/demo.log" 2>&1 \
 	       || { tail -n 60 "$$AIRFLOW_HOME/logs/demo.log"; echo "demo failed: see .airflow/logs/demo.log"; exit 1; }; } \
-	  && python -m tasks.report latest
+	  && python -m stagewise.report latest
 
 test: airflow-init
 	@$(AIRFLOW_ENV) && python -m ruff check . && python -m pytest $(XDIST) $(PYTEST_ARGS)
@@ -73,7 +76,7 @@ bench: airflow-init $(BENCH_STAMP)
 
 # Every pipeline of the checkout (pipeline.yaml and examples/) side by side, each with its demo data.
 up: airflow-init
-	@$(AIRFLOW_ENV) && python -m tasks.data demo --all
+	@$(AIRFLOW_ENV) && python -m stagewise.data demo --all
 	@bash scripts/airflow_up.sh
 
 down:

@@ -220,8 +220,8 @@ def _measure(rows: int) -> dict[str, Any]:
     """Best of 3 per side after a warm-up round, sides interleaved, on the same files; refuses differing splits."""
     if rows in _MEASURED:
         return _MEASURED[rows]
-    from tasks.datasets.demo import write_synthetic
-    from tasks.definitions.loading import load_config
+    from stagewise.datasets.demo import write_synthetic
+    from stagewise.definitions.loading import load_config
 
     missing = [engine for engine in ENGINES if importlib.util.find_spec(engine) is None]
     if missing:

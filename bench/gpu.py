@@ -4,7 +4,7 @@ Run: ``python -m bench --only train_throughput_gpu,train_vs_dataloader_gpu,infer
 
 Where CUDA is absent each raises :class:`bench.harness.BenchmarkSkipped` ('no CUDA') before any work, and the
 harness records the skip, never a number. They need what a training sub-job needs and nothing else: torch,
-pyarrow, numpy, fsspec, pydantic and pyyaml (tasks.definitions.loading parses the pipeline YAML with them); no Airflow,
+pyarrow, numpy, fsspec, pydantic and pyyaml (stagewise.definitions.loading parses the pipeline YAML with them); no Airflow,
 optuna, pandas or services. ``make bench`` runs ``airflow-init`` first, so on a box without Airflow call
 ``python -m bench`` as above.
 
@@ -23,7 +23,7 @@ from typing import Any
 
 from bench.harness import BenchmarkSkipped
 from bench.training import resident_loop, sync
-from tasks.models.scoring import exact_float32
+from stagewise.models.scoring import exact_float32
 
 # The rows of issue 13's table: (MLP hidden width, batch).
 TRAIN_ROWS = ((1024, 1024), (4096, 1024), (1024, 256))
@@ -45,8 +45,8 @@ def _dataloader_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from tasks.models.building import build, data_info
-    from tasks.training.loop import make_optimizer
+    from stagewise.models.building import build, data_info
+    from stagewise.training.loop import make_optimizer
 
     torch.manual_seed(0)
     model = build(model_spec, data_info(manifest), full).to(device)
@@ -72,13 +72,13 @@ def _dataloader_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any
 def measure_training(rows: int, device: Any, epochs: int = 3, table: tuple = TRAIN_ROWS,
                      threads: int = 4) -> list[dict[str, Any]]:
     """Per (hidden, batch) row: samples/s (median of the epochs after the first) of our stage
-    (tasks.train.run_stage, one process, its profile on ``device``), of the resident loop and of the DataLoader loop."""
+    (stagewise.train.run_stage, one process, its profile on ``device``), of the resident loop and of the DataLoader loop."""
     import torch
 
     from bench.training import _prepare
-    from tasks.datasets.manifest import load_split, read_manifest
-    from tasks.models.building import load_spec, resolve_params
-    from tasks.train import run_stage
+    from stagewise.datasets.manifest import load_split, read_manifest
+    from stagewise.models.building import load_spec, resolve_params
+    from stagewise.train import run_stage
 
     stages = [{"name": f"h{hidden}_b{batch}", "profile": "ddp1", "per_process_batch": batch, "epochs": epochs}
               for hidden, batch in table]
@@ -120,7 +120,7 @@ def _worst(rows: int, baseline: str) -> dict[str, Any]:
     worst = min(measured, key=lambda row: row[f"ours_vs_{baseline}"])
     return {"ours": float(worst["ours"]), "baseline": float(worst[baseline]), "unit": "samples/s",
             "details": {"raw_rows": rows, "train_rows": round(rows * TRAIN_FRACTION), "features": 32,
-                        "spec": "tasks.model:MLPClassifier", "epochs": 3, "epochs_measured": 2,
+                        "spec": "stagewise.model:MLPClassifier", "epochs": 3, "epochs_measured": 2,
                         "ratio_is": f"the lowest ours/{baseline} of the rows (this entry's ours and baseline are that row's)",
                         "worst_row": {"hidden": worst["hidden"], "batch": worst["batch"]}, "table": list(measured)}}
 
@@ -139,7 +139,7 @@ def train_vs_dataloader_gpu(rows: int = 1_000_000) -> dict[str, Any]:
 
 def measure_inference(rows: int, device: Any, hidden: int = 1024, batch: int = 65_536, threads: int = 4,
                       repeats: int = 3) -> dict[str, Any]:
-    """Rows/s of tasks.infer.score_shard on ``device`` (best of ``repeats`` after a warm-up), of a plain loop over the
+    """Rows/s of stagewise.infer.score_shard on ``device`` (best of ``repeats`` after a warm-up), of a plain loop over the
     same rows already normalised and resident on ``device`` (forward, softmax, argmax, both back to the host per
     chunk), and of our scoring on the CPU for scale."""
     import numpy as np
@@ -148,10 +148,10 @@ def measure_inference(rows: int, device: Any, hidden: int = 1024, batch: int = 6
 
     from bench.inference import _raw_file
     from bench.training import _prepare
-    from tasks import infer
-    from tasks.definitions.loading import load_config
-    from tasks.models.bundle import load_bundle
-    from tasks.train import run_stage
+    from stagewise import infer
+    from stagewise.definitions.loading import load_config
+    from stagewise.models.bundle import load_bundle
+    from stagewise.train import run_stage
 
     with tempfile.TemporaryDirectory(prefix="bench-gpu-infer-") as tmp:
         workdir = Path(tmp)
@@ -204,6 +204,6 @@ def measure_inference(rows: int, device: Any, hidden: int = 1024, batch: int = 6
 
 
 def inference_throughput_gpu(rows: int = 2_000_000) -> dict[str, Any]:
-    """Rows/s of our shard scoring (tasks.infer.score_shard, cuda profile) / a plain GPU loop over the same rows already
+    """Rows/s of our shard scoring (stagewise.infer.score_shard, cuda profile) / a plain GPU loop over the same rows already
     normalised and resident on the device; MLP hidden 1024, batch 65,536."""
     return measure_inference(rows, cuda_device())

@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def _trained_model(workdir: Path, rows: int = 20_000) -> tuple[Any, str, str]:
     """A model trained by our stage on synthetic data; returns (config, run prefix, model URI)."""
     from bench.training import _prepare
-    from tasks.train import run_stage
+    from stagewise.train import run_stage
 
     config, out = _prepare(workdir, rows, **{
         "train__stages": [{"name": "s1", "profile": "ddp1", "per_process_batch": 256, "epochs": 1}]})
@@ -32,7 +32,7 @@ def _trained_model(workdir: Path, rows: int = 20_000) -> tuple[Any, str, str]:
 def _raw_file(workdir: Path, name: str, rows: int, row_group_rows: int = 65_536) -> str:
     import pyarrow.parquet as pq
 
-    from tasks.datasets.demo import synthetic_table
+    from stagewise.datasets.demo import synthetic_table
 
     path = workdir / name
     pq.write_table(synthetic_table(rows, seed=3, dirty_fraction=0.0), path, row_group_size=row_group_rows)
@@ -40,7 +40,7 @@ def _raw_file(workdir: Path, name: str, rows: int, row_group_rows: int = 65_536)
 
 
 def inference_throughput(rows: int = 400_000) -> dict[str, Any]:
-    """Rows/s of our shard task (tasks.infer.score_shard) / a plain PyTorch loop over the same Parquet file
+    """Rows/s of our shard task (stagewise.infer.score_shard) / a plain PyTorch loop over the same Parquet file
     read with pyarrow, same model and batch size (4096), one thread each, in one process. Both write the
     key, the prediction and the class probabilities to Parquet; ours also checks rows and tags the version."""
     import numpy as np
@@ -48,8 +48,8 @@ def inference_throughput(rows: int = 400_000) -> dict[str, Any]:
     import pyarrow.parquet as pq
     import torch
 
-    from tasks import infer
-    from tasks.models.bundle import load_bundle
+    from stagewise import infer
+    from stagewise.models.bundle import load_bundle
 
     with tempfile.TemporaryDirectory(prefix="bench-infer-") as tmp:
         workdir = Path(tmp)
@@ -103,8 +103,8 @@ def inference_throughput(rows: int = 400_000) -> dict[str, Any]:
 _PEAK_PROBE = """
 import json, sys
 sys.path[:0] = [{root!r}]
-from tasks import infer
-from tasks.definitions.loading import load_config
+from stagewise import infer
+from stagewise.definitions.loading import load_config
 import pyarrow.parquet as pq
 config = load_config({config!r})
 shard = {{"index": 0, "uri": {source!r}, "row_groups": list(range(pq.ParquetFile({source!r}).num_row_groups))}}
@@ -144,7 +144,7 @@ def inference_parallel_speedup(rows: int = 400_000) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-infer-par-") as tmp:
         workdir = Path(tmp)
         config, _, model_uri = _trained_model(workdir)
-        from tasks import registry
+        from stagewise import registry
 
         name = config.registry.model_name
         version = registry.register(config.storage_root, name, model_uri, {"test_accuracy": 0.0, "source_run": "bench"})["version"]

@@ -30,8 +30,8 @@ def _training_ms_per_1000(out: str) -> list[float]:
 
 def multinode_overhead(rows: int = 60_000) -> dict[str, Any]:
     """Training time of stage s1 (built-in MLP, hidden 256, 128 rows per process, 4 epochs, 1 thread per process)
-    on 2 emulated nodes x 1 process (tasks.training.node_launch sagemaker in two network namespaces joined by a veth
-    pair, gloo over it) vs 1 node x 2 processes (tasks.training.local_torchrun, gloo over loopback).
+    on 2 emulated nodes x 1 process (stagewise.training.node_launch sagemaker in two network namespaces joined by a veth
+    pair, gloo over it) vs 1 node x 2 processes (stagewise.training.local_torchrun, gloo over loopback).
 
     ours / baseline = median ms per 1000 training samples over the epochs after the first (three runs of each side,
     alternated): the cost of the veth and the multi-node launch on the steps themselves. Both "nodes" share this
@@ -45,16 +45,16 @@ def multinode_overhead(rows: int = 60_000) -> dict[str, Any]:
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory(prefix="bench-multinode-") as tmp:
         config, out = _prepare(Path(tmp), rows, features=32, **{
-            "model": {"spec": "tasks.model:MLPClassifier", "args": {}},
+            "model": {"spec": "stagewise.model:MLPClassifier", "args": {}},
             "profiles__ddp2__threads_per_process": 1, "train__checkpoint_every_steps": 100_000,
             "train__stages": [{"name": "s1", "profile": "ddp2", "per_process_batch": 128, "epochs": 4}]})
-        stage = ["-m", "tasks.train", "--config", str(Path(tmp) / "pipeline.yaml"), "--stage", "s1", "--out", out,
+        stage = ["-m", "stagewise.train", "--config", str(Path(tmp) / "pipeline.yaml"), "--stage", "s1", "--out", out,
                  "--params", json.dumps({"lr": 0.01, "hidden": 256, "dropout": 0.0})]
         multi, single, results = [], [], {}
         with netns.two_hosts() as hosts:
             for _ in range(_ROUNDS):  # alternated, so both sides meet the same machine
                 shutil.rmtree(Path(out, "train"), ignore_errors=True)  # a fresh stage each time, never a resume
-                nodes = [netns.popen(host, [sys.executable, "-m", "tasks.training.node_launch", "sagemaker",
+                nodes = [netns.popen(host, [sys.executable, "-m", "stagewise.training.node_launch", "sagemaker",
                                             "--nproc-per-node=1", *stage],
                                      netns.sagemaker_environment(host, hosts, Path(tmp), env), cwd=REPO_ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for host in hosts]
@@ -66,7 +66,7 @@ def multinode_overhead(rows: int = 60_000) -> dict[str, Any]:
                 results["multi_val"] = json.loads(Path(out, "train", "s1", "metrics.json").read_text())["val_metric"]
 
                 shutil.rmtree(Path(out, "train"), ignore_errors=True)
-                done = subprocess.run([sys.executable, "-m", "tasks.training.local_torchrun", "--nproc-per-node=2", *stage],
+                done = subprocess.run([sys.executable, "-m", "stagewise.training.local_torchrun", "--nproc-per-node=2", *stage],
                                       cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=_TIMEOUT_S)
                 if done.returncode != 0:
                     raise RuntimeError(f"1-node stage failed (exit {done.returncode}): {done.stderr[-2000:]}")

@@ -35,14 +35,14 @@ def _overrides(workdir: Path) -> dict[str, Any]:
 
 
 def _stats(job: tuple[str, int, str]) -> dict[str, Any]:
-    from tasks import preprocess
+    from stagewise import preprocess
 
     shard, index, out = job
     return preprocess.shard_stats(_WORKER_CONFIG, shard, index, out)
 
 
 def _transform(job: tuple[str, int, str, str]) -> dict[str, Any]:
-    from tasks import preprocess
+    from stagewise import preprocess
 
     shard, index, out, stats_uri = job
     return preprocess.transform_shard(_WORKER_CONFIG, shard, index, out, stats_uri)
@@ -62,7 +62,7 @@ def run_ours(config: Any, files: list[str], out: str, processes: int = 1) -> tup
     Returns (seconds, rows written). ``processes=2`` runs each mapped step's shards in 2 processes.
     """
     global _WORKER_CONFIG
-    from tasks import preprocess
+    from stagewise import preprocess
 
     _WORKER_CONFIG = config
     started = time.perf_counter()
@@ -140,8 +140,8 @@ def _measure(rows: int) -> dict[str, Any]:
     """Best of 3 for each side on the same files, after a warm-up round; rows/s per side."""
     if rows in _MEASURED:
         return _MEASURED[rows]
-    from tasks.datasets.demo import write_synthetic
-    from tasks.definitions.loading import load_config
+    from stagewise.datasets.demo import write_synthetic
+    from stagewise.definitions.loading import load_config
 
     with tempfile.TemporaryDirectory(prefix="bench-preprocess-") as tmp:
         workdir = Path(tmp)

@@ -19,10 +19,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def _pruning_runs(rows: int) -> dict[str, dict[str, Any]]:
     """The same sweep (budget, seed, TPE) with Hyperband and unpruned, on the synthetic set."""
     from bench.training import _prepare
-    from tasks.definitions.loading import load_config
-    from tasks.study.studies import create
-    from tasks.study.summary import summarize
-    from tasks.sweep import run_worker
+    from stagewise.definitions.loading import load_config
+    from stagewise.study.studies import create
+    from stagewise.study.summary import summarize
+    from stagewise.sweep import run_worker
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-pruning-") as tmp:
@@ -99,8 +99,8 @@ def sweep_parallel_speedup(rows: int = 0) -> dict[str, Any]:
         env = {"STAGEWISE_CONFIG": str(config_path)}
         import os
 
-        from tasks.data import write_demo
-        from tasks.definitions.loading import load_config
+        from stagewise.data import write_demo
+        from stagewise.definitions.loading import load_config
 
         previous = os.environ.get("STAGEWISE_CONFIG")
         os.environ["STAGEWISE_CONFIG"] = str(config_path)

@@ -38,9 +38,9 @@ def _prepare(workdir: Path, rows: int, features: int = 32, noise_seed: int = 0, 
 
     ``image_shape``: the features as one declared tensor column ``image`` of that shape instead of f_* columns.
     """
-    from tasks import preprocess
-    from tasks.datasets.demo import write_synthetic
-    from tasks.definitions.loading import load_config
+    from stagewise import preprocess
+    from stagewise.datasets.demo import write_synthetic
+    from stagewise.definitions.loading import load_config
 
     raw = yaml.safe_load((REPO_ROOT / "pipeline.yaml").read_text())
     raw["storage_root"] = str(workdir)
@@ -71,7 +71,7 @@ def _prepare(workdir: Path, rows: int, features: int = 32, noise_seed: int = 0, 
 
 def _stage_rates(config: Any, out: str, params: dict[str, Any]) -> tuple[list[float], dict[str, Any]]:
     """Run stage s1 afresh (never a resume); samples/s of its epochs after the first, and the stage's result."""
-    from tasks.train import run_stage
+    from stagewise.train import run_stage
 
     shutil.rmtree(Path(out, "train"), ignore_errors=True)
     result = run_stage(config, "s1", out, params, None)
@@ -82,7 +82,7 @@ def _stage_rates(config: Any, out: str, params: dict[str, Any]) -> tuple[list[fl
 def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict[str, Any], params: dict[str, Any],
                          batch: int, image_shape: list[int] | None = None, threads: int = 2, epochs: int = 2,
                          rounds: int = 6) -> dict[str, Any]:
-    """Samples/s of our stage (tasks.train.run_stage, Parquet per-rank loader, the spec's batch/loss) and of a
+    """Samples/s of our stage (stagewise.train.run_stage, Parquet per-rank loader, the spec's batch/loss) and of a
     plain PyTorch loop over in-memory tensors with the same module, optimizer, batch and threads.
 
     The sides alternate in ``rounds`` short runs (which goes first alternates too), and each side's rate is the
@@ -92,8 +92,8 @@ def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict
     """
     import torch
 
-    from tasks.datasets.manifest import load_split, read_manifest
-    from tasks.models.building import load_spec, resolve_params
+    from stagewise.datasets.manifest import load_split, read_manifest
+    from stagewise.models.building import load_spec, resolve_params
 
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         config, out = _prepare(Path(tmp), rows, features=features, image_shape=image_shape, **{
@@ -143,8 +143,8 @@ def resident_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any, b
     there; samples/s of each epoch after the first."""
     import torch
 
-    from tasks.models.building import build, data_info
-    from tasks.training.loop import make_optimizer
+    from stagewise.models.building import build, data_info
+    from stagewise.training.loop import make_optimizer
 
     torch.manual_seed(0)
     model = build(model_spec, data_info(manifest), full).to(device)
@@ -169,14 +169,14 @@ def resident_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any, b
 
 def train_throughput(rows: int = 120_000) -> dict[str, Any]:
     """The built-in MLP (hidden 1024, a step of several ms), batch 256, 2 threads: our stage vs a plain loop."""
-    return _stage_vs_plain_loop(rows, features=32, spec="tasks.model:MLPClassifier", spec_args={},
+    return _stage_vs_plain_loop(rows, features=32, spec="stagewise.model:MLPClassifier", spec_args={},
                                 params={"lr": 0.01, "hidden": 1024, "dropout": 0.0}, batch=256)
 
 
 def custom_model_throughput(rows: int = 60_000) -> dict[str, Any]:
-    """A user's spec, the example CNN (examples.digits_cnn, 32 channels) on a declared 1x8x8 image column, batch 256, 2 threads:
+    """A user's spec, the example CNN (stagewise.examples.digits_cnn, 32 channels) on a declared 1x8x8 image column, batch 256, 2 threads:
     our stage vs a plain PyTorch loop over the same CNN, data and batch."""
-    return _stage_vs_plain_loop(rows, features=64, image_shape=[1, 8, 8], spec="examples.digits_cnn:DigitsCNN",
+    return _stage_vs_plain_loop(rows, features=64, image_shape=[1, 8, 8], spec="stagewise.examples.digits_cnn:DigitsCNN",
                                 spec_args={"channels": 32}, params={"lr": 0.01, "dropout": 0.0}, batch=256)
 
 
@@ -187,7 +187,7 @@ KNOBS = {"fp32": {}, "bf16": {"precision": "bf16"}, "compile": {"compile": "defa
 def train_bf16(rows: int = 120_000, rounds: int = 2, epochs: int = 3) -> dict[str, Any]:
     """The stage knobs on CPU: our stage with ``precision: bf16`` / the same stage in fp32 (built-in MLP, hidden 1024,
     batch 256, 2 threads); details give ``compile: default`` and both together, and each one's validation accuracy."""
-    from tasks.definitions.loading import load_config
+    from stagewise.definitions.loading import load_config
 
     params = {"lr": 0.01, "hidden": 1024, "dropout": 0.0}
     with tempfile.TemporaryDirectory(prefix="bench-knobs-") as tmp:
@@ -210,7 +210,7 @@ def train_bf16(rows: int = 120_000, rounds: int = 2, epochs: int = 3) -> dict[st
                 accuracy[name] = round(result["val_metric"], 4)
     median = {name: statistics.median(values) for name, values in rates.items()}
     return {"ours": median["bf16"], "baseline": median["fp32"], "unit": "samples/s", "details": {
-        "rows": rows, "spec": "tasks.model:MLPClassifier", "params": params, "batch": 256, "threads": 2,
+        "rows": rows, "spec": "stagewise.model:MLPClassifier", "params": params, "batch": 256, "threads": 2,
         "rounds": rounds, "epochs_measured_per_run": epochs - 1,
         "samples_per_s": {name: round(value) for name, value in median.items()},
         "vs_fp32": {name: round(value / median["fp32"], 4) for name, value in median.items()},
@@ -229,13 +229,13 @@ def growing_batch_steps(rows: int = 60_000) -> dict[str, Any]:
     from the previous one's checkpoint. ratio = growing steps to reach (fixed final accuracy - 0.5
     points) / fixed steps.
     """
-    from tasks.datasets.loader import split_batches
-    from tasks.datasets.manifest import read_manifest
-    from tasks.models.building import build, data_info, resolve_params
-    from tasks.models.mlp import MLPClassifier
-    from tasks.train import run_stage
-    from tasks.training.distributed import DistEnv
-    from tasks.training.loop import Loop, make_optimizer
+    from stagewise.datasets.loader import split_batches
+    from stagewise.datasets.manifest import read_manifest
+    from stagewise.models.building import build, data_info, resolve_params
+    from stagewise.models.mlp import MLPClassifier
+    from stagewise.train import run_stage
+    from stagewise.training.distributed import DistEnv
+    from stagewise.training.loop import Loop, make_optimizer
 
     base_lr, factor, epochs_per_phase = 0.05, 5, 4
     params = {"lr": base_lr, "hidden": 128, "dropout": 0.0, "momentum": 0.9, "weight_decay": 0.0}
@@ -282,11 +282,11 @@ def _accuracy_by_shuffle(manifest: dict[str, Any], block_rows: int, epochs: int 
     """Validation accuracy of one small MLP trained with the row shuffle and with ``block_rows`` runs, same init and lr."""
     import torch
 
-    from tasks.datasets.loader import split_batches
-    from tasks.models.building import build, data_info
-    from tasks.models.mlp import MLPClassifier
-    from tasks.training.distributed import DistEnv
-    from tasks.training.loop import Loop
+    from stagewise.datasets.loader import split_batches
+    from stagewise.models.building import build, data_info
+    from stagewise.models.mlp import MLPClassifier
+    from stagewise.training.distributed import DistEnv
+    from stagewise.training.loop import Loop
 
     accuracy = {}
     for name, rows in (("row_shuffle", 1), (f"block_{block_rows}_shuffle", block_rows)):
@@ -310,7 +310,7 @@ def parquet_loading(rows: int = 1_000_000, block_rows: int = 64) -> dict[str, An
     """
     import pyarrow.parquet as pq
 
-    from tasks.datasets.loader import ParquetBatches
+    from stagewise.datasets.loader import ParquetBatches
 
     with tempfile.TemporaryDirectory(prefix="bench-loading-") as tmp:
         _, out = _prepare(Path(tmp), rows)

@@ -14,6 +14,8 @@ RUN pip install --index-url "$TORCH_INDEX" "$(grep '^torch==' requirements.txt)"
  && pip install -r requirements.txt
 COPY . .
 RUN pip install --no-deps -e .
+# The build metadata it leaves here would read as a second installed stagewise from this folder.
+RUN rm -rf stagewise.egg-info
 
 # What scripts/airflow_env.sh sets for one machine, fixed for the image (compose.yaml adds the services' addresses).
 ENV STAGEWISE_HOME=/opt/stagewise \

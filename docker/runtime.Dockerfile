@@ -15,9 +15,11 @@ RUN pip install --index-url "$TORCH_INDEX" "$(grep '^torch==' requirements.txt)"
 # The project itself, editable as in make venv (configs and user scripts resolve under /opt/stagewise).
 COPY . .
 RUN pip install --no-deps -e .
+# The build metadata it leaves here would read as a second installed stagewise from this folder.
+RUN rm -rf stagewise.egg-info
 
 # STAGEWISE_CONFIG: a job passes its own --config (the run's config, as a path under /opt/stagewise).
 ENV STAGEWISE_HOME=/opt/stagewise STAGEWISE_CONFIG=/opt/stagewise/pipeline.yaml
-# Jobs give the whole command (`python -m tasks.training.node_launch sagemaker|kubernetes ...`); run bare, the
+# Jobs give the whole command (`python -m stagewise.training.node_launch sagemaker|kubernetes ...`); run bare, the
 # image starts the same module, which reads the node's place in the gang from the platform.
-ENTRYPOINT ["python", "-m", "tasks.training.node_launch"]
+ENTRYPOINT ["python", "-m", "stagewise.training.node_launch"]

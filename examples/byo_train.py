@@ -8,7 +8,7 @@ Run under the pipeline by naming it in a stage (see docs/your-own-script.md):
       epochs: 3
       entrypoint: {script: examples/byo_train.py, args: ["--hidden", "{hidden}"]}   # {hidden}: the sweep's best
 
-It imports only ``tasks.spec`` (and torch): the committed splits (read_split), the config's model
+It imports only ``stagewise.spec`` (and torch): the committed splits (read_split), the config's model
 (build_model, here with the script's own --hidden), the stage's batch, epochs and rescaled lr (context),
 checkpoints in checkpoint_dir() resumed on retry, a progress line per epoch (report) and final.pt and
 model.pt for what comes next (save_model). A small JSON result in $STAGEWISE_RESULT_FILE (its ``params``,
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from tasks.spec import build_model, checkpoint_dir, context, load_state, read_split, report, save_model, save_state
+from stagewise.spec import build_model, checkpoint_dir, context, load_state, read_split, report, save_model, save_state
 
 
 def main() -> None:

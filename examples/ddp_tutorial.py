@@ -4,7 +4,7 @@ The same file is every sweep trial (``sweep.entrypoint``) and both training stag
 stage) of examples/ddp_tutorial.yaml. Besides the tutorial's shape (a ``Trainer`` that resumes from its
 snapshot, ``_run_epoch``, ``_save_snapshot``, ``train``; ``main`` with ``init_process_group`` and a
 DataLoader over a DistributedSampler) only the lines marked ``# stagewise:`` are new: model, data, epochs,
-batch and lr come from the runtime helper in ``tasks.spec``, the snapshot lives in ``checkpoint_dir()``,
+batch and lr come from the runtime helper in ``stagewise.spec``, the snapshot lives in ``checkpoint_dir()``,
 a later stage starts from ``init_from()``, ``report`` after each epoch's validation stops a pruned trial,
 and ``save_model`` hands the result to the next stage, evaluation, the registry and inference.
 
@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from tasks import spec  # stagewise: the runtime helper, the one module a user script imports
+from stagewise import spec  # stagewise: the runtime helper, the one module a user script imports
 
 
 class Trainer:

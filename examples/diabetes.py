@@ -1,10 +1,10 @@
 """A small MLP regressor on scikit-learn's diabetes data: a float target through every stage.
 
-Use it with ``model: {spec: "examples.diabetes:DiabetesMLP", args: {}}``, no ``dataset.num_classes``
+Use it with ``model: {spec: "stagewise.examples.diabetes:DiabetesMLP", args: {}}``, no ``dataset.num_classes``
 (the label is a float target) and ``objective: {metric: rmse, direction: minimize}`` (see
-examples/diabetes.yaml). :class:`tasks.spec.Regressor` trains the module on the standardised target
+examples/diabetes.yaml). :class:`stagewise.spec.Regressor` trains the module on the standardised target
 and reports ``rmse``/``mae`` and predictions in the target's own units. It imports only the public
-interface, ``tasks.spec``.
+interface, ``stagewise.spec``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from tasks.spec import DataInfo, Regressor
+from stagewise.spec import DataInfo, Regressor
 
 
 class DiabetesMLP(Regressor):

@@ -1,10 +1,10 @@
 """A small CNN on the digits as 1x8x8 images: a user's own model, named in the config, in every stage.
 
-Use it with ``model: {spec: "examples.digits_cnn:DigitsCNN", args: {channels: 16}}`` and the data set's
+Use it with ``model: {spec: "stagewise.examples.digits_cnn:DigitsCNN", args: {channels: 16}}`` and the data set's
 ``features: [{column: image, shape: [1, 8, 8]}]`` (see examples/digits_cnn.yaml): the sweep, the
 growing-batch stages, evaluation, the registry and batch inference all run it. The image's shape
 comes from the declared column (``DataInfo.shapes``), not from the code. It imports only the public
-interface, ``tasks.spec``.
+interface, ``stagewise.spec``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from tasks.spec import Classifier, DataInfo, UserError
+from stagewise.spec import Classifier, DataInfo, UserError
 
 
 class DigitsCNN(Classifier):

@@ -2,7 +2,7 @@
 # Usage: . scripts/airflow_env.sh   (variables already set in the environment win)
 STAGEWISE_HOME="${STAGEWISE_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]:-$0}")/.." && pwd)}"
 export STAGEWISE_HOME
-# The venv has this project installed editable (make venv), so no PYTHONPATH: tasks and stagewise_airflow import as is.
+# The venv has this project installed editable (make venv), so no PYTHONPATH: the package stagewise imports as is.
 export PATH="$STAGEWISE_HOME/.venv/bin:$PATH"
 export AIRFLOW_HOME="${AIRFLOW_HOME:-$STAGEWISE_HOME/.airflow}"
 export AIRFLOW__CORE__DAGS_FOLDER="${AIRFLOW__CORE__DAGS_FOLDER:-$STAGEWISE_HOME/dags}"
@@ -17,7 +17,7 @@ export AIRFLOW__API__BASE_URL="${AIRFLOW__API__BASE_URL:-http://127.0.0.1:$AIRFL
 export AIRFLOW__CORE__EXECUTION_API_SERVER_URL="${AIRFLOW__CORE__EXECUTION_API_SERVER_URL:-$AIRFLOW__API__BASE_URL/execution/}"
 export AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT="${AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT:-8793}"
 # One machine: tasks record 127.0.0.1 as their host, so the UI reads running logs from the loopback log server.
-export AIRFLOW__CORE__HOSTNAME_CALLABLE="${AIRFLOW__CORE__HOSTNAME_CALLABLE:-stagewise_airflow.log_server.loopback_hostname}"
+export AIRFLOW__CORE__HOSTNAME_CALLABLE="${AIRFLOW__CORE__HOSTNAME_CALLABLE:-stagewise.airflow.log_server.loopback_hostname}"
 mkdir -p "$AIRFLOW_HOME"
 # The SQLite DB and the generated admin password are secrets: create them empty and private (0600) before
 # Airflow does (it keeps an existing file's mode), and make existing ones private too.

@@ -20,7 +20,7 @@ start api-server airflow api-server -H 127.0.0.1 -p "$AIRFLOW__API__PORT"
 start scheduler airflow scheduler --skip-serve-logs
 start dag-processor airflow dag-processor
 # The scheduler's own log server binds every interface; this serves running tasks' logs on 127.0.0.1.
-start log-server python -m stagewise_airflow.log_server
+start log-server python -m stagewise.airflow.log_server
 for _ in $(seq 1 90); do
   if python -c "import urllib.request,sys; urllib.request.urlopen('$AIRFLOW__API__BASE_URL/api/v2/monitor/health', timeout=2)" 2>/dev/null; then
     echo "Airflow UI: $AIRFLOW__API__BASE_URL  (user admin; password in .airflow/simple_auth_manager_passwords.json.generated)"

@@ -1,8 +1,8 @@
-"""Check a pipeline config: ``python -m tasks.config [pipeline.yaml]`` validates a file and prints it resolved;
-``python -m tasks.config --reference`` prints the config reference as Markdown; ``--dag-id KIND`` prints the DAG id
+"""Check a pipeline config: ``python -m stagewise.config [pipeline.yaml]`` validates a file and prints it resolved;
+``python -m stagewise.config --reference`` prints the config reference as Markdown; ``--dag-id KIND`` prints the DAG id
 of the file's KIND DAG (``pipeline``: ``ml_pipeline``); ``--pipelines`` lists the deployment's pipelines.
 
-The schema lives in ``tasks.definitions.config``, loading in ``tasks.definitions.loading``.
+The schema lives in ``stagewise.definitions.config``, loading in ``stagewise.definitions.loading``.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import argparse
 
 import yaml
 
-from tasks.definitions import reference
-from tasks.definitions.config import ConfigError
-from tasks.definitions.loading import config_path, load_config
-from tasks.definitions.pipelines import KINDS, PipelineFile, dag_id, discover, name_of
+from stagewise.definitions import reference
+from stagewise.definitions.config import ConfigError
+from stagewise.definitions.loading import config_path, load_config
+from stagewise.definitions.pipelines import KINDS, PipelineFile, dag_id, discover, name_of
 
 
 def main(argv: list[str] | None = None) -> None:

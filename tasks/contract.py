@@ -1,13 +1,13 @@
-"""Print the STAGEWISE_* environment a bring-your-own script gets: ``python -m tasks.contract`` (the table in docs/your-own-script.md).
+"""Print the STAGEWISE_* environment a bring-your-own script gets: ``python -m stagewise.contract`` (the table in docs/your-own-script.md).
 
-The variables are declared in ``tasks.core.contract``.
+The variables are declared in ``stagewise.core.contract``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from tasks.core import contract
+from stagewise.core import contract
 
 
 def main(argv: list[str] | None = None) -> None:

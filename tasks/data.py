@@ -1,10 +1,10 @@
 """Data sets: scikit-learn's bundled digits and diabetes, and a synthetic generator of any size.
 
-Run: ``python -m tasks.data demo`` (the config's dataset.demo_data into its dataset.uri, unless already there)
-     ``python -m tasks.data digits OUT_URI [--num-shards 4]``          (64 columns px_00..px_63)
-     ``python -m tasks.data digits-images OUT_URI [--num-shards 4]``   (one 64-value list column ``image``)
-     ``python -m tasks.data diabetes OUT_URI [--num-shards 2]``        (10 float features, a float ``target``)
-     ``python -m tasks.data synthetic OUT_URI --rows 1000000 [--features 32 --classes 10]``
+Run: ``python -m stagewise.data demo`` (the config's dataset.demo_data into its dataset.uri, unless already there)
+     ``python -m stagewise.data digits OUT_URI [--num-shards 4]``          (64 columns px_00..px_63)
+     ``python -m stagewise.data digits-images OUT_URI [--num-shards 4]``   (one 64-value list column ``image``)
+     ``python -m stagewise.data diabetes OUT_URI [--num-shards 2]``        (10 float features, a float ``target``)
+     ``python -m stagewise.data synthetic OUT_URI --rows 1000000 [--features 32 --classes 10]``
 
 Each writes raw Parquet shards with an integer row key ``row_id``, a label (an integer class, or the
 diabetes' float ``target``) and numeric feature columns: the raw layout the preprocess stage expects.
@@ -17,13 +17,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.core import storage
-from tasks.core.cli import setup_logging
-from tasks.core.errors import DataError
-from tasks.datasets.columns import feature_difference, resolve_columns
-from tasks.datasets.demo import DEMO_WRITERS, write_synthetic
-from tasks.definitions.loading import load_config
-from tasks.definitions.pipelines import discover
+from stagewise.core import storage
+from stagewise.core.cli import setup_logging
+from stagewise.core.errors import DataError
+from stagewise.datasets.columns import feature_difference, resolve_columns
+from stagewise.datasets.demo import DEMO_WRITERS, write_synthetic
+from stagewise.definitions.loading import load_config
+from stagewise.definitions.pipelines import discover
 
 log = logging.getLogger("stagewise.data")
 

@@ -1,6 +1,6 @@
 """Evaluate a trained model on the committed test split.
 
-Run: ``python -m tasks.evaluate --model storage/runs/x/y/train/s2/model.pt --out storage/runs/x/y``
+Run: ``python -m stagewise.evaluate --model storage/runs/x/y/train/s2/model.pt --out storage/runs/x/y``
 
 The evaluate profile's ``device`` picks where the model runs, with inference's chunk prefetch onto a GPU.
 """
@@ -11,15 +11,15 @@ import argparse
 import logging
 from typing import Any
 
-from tasks.core import storage
-from tasks.core.cli import common_parser, parse_overrides, run_subjob
-from tasks.core.errors import UserError
-from tasks.datasets.manifest import load_split, read_manifest
-from tasks.definitions.config import PipelineConfig
-from tasks.definitions.loading import load_config
-from tasks.models.bundle import load_bundle
-from tasks.models.scoring import exact_float32, prefetch, scoring_device
-from tasks.training.loop import accumulate_metrics
+from stagewise.core import storage
+from stagewise.core.cli import common_parser, parse_overrides, run_subjob
+from stagewise.core.errors import UserError
+from stagewise.datasets.manifest import load_split, read_manifest
+from stagewise.definitions.config import PipelineConfig
+from stagewise.definitions.loading import load_config
+from stagewise.models.bundle import load_bundle
+from stagewise.models.scoring import exact_float32, prefetch, scoring_device
+from stagewise.training.loop import accumulate_metrics
 
 log = logging.getLogger("stagewise.evaluate")
 

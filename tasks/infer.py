@@ -1,8 +1,8 @@
 """Sharded batch inference: plan shards by file and row-group ranges, score each, commit a manifest.
 
-Run:  ``python -m tasks.infer plan --input raw/digits``
-      ``python -m tasks.infer shard --model M --shard '{"index": 0, "uri": "...", "row_groups": [0]}' --out P``
-      ``python -m tasks.infer commit --out P --model M --results @results.json``
+Run:  ``python -m stagewise.infer plan --input raw/digits``
+      ``python -m stagewise.infer shard --model M --shard '{"index": 0, "uri": "...", "row_groups": [0]}' --out P``
+      ``python -m stagewise.infer commit --out P --model M --results @results.json``
 
 Each shard streams its row groups in batches, so memory is bounded by the batch size. Raw rows become
 the model's inputs as in preprocessing (tensor columns flattened by the same function, the bundle's
@@ -24,15 +24,15 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from tasks.core import storage
-from tasks.core.cli import common_parser, json_arg, parse_overrides, run_subjob
-from tasks.core.errors import DataError
-from tasks.datasets import predictions
-from tasks.datasets.columns import check_feature_types, flatten_features
-from tasks.definitions.config import PipelineConfig
-from tasks.definitions.loading import load_config
-from tasks.models.bundle import load_bundle
-from tasks.models.scoring import exact_float32, prefetch, scoring_device
+from stagewise.core import storage
+from stagewise.core.cli import common_parser, json_arg, parse_overrides, run_subjob
+from stagewise.core.errors import DataError
+from stagewise.datasets import predictions
+from stagewise.datasets.columns import check_feature_types, flatten_features
+from stagewise.definitions.config import PipelineConfig
+from stagewise.definitions.loading import load_config
+from stagewise.models.bundle import load_bundle
+from stagewise.models.scoring import exact_float32, prefetch, scoring_device
 
 log = logging.getLogger("stagewise.infer")
 

@@ -2,11 +2,11 @@
 
 Run one step alone, e.g.::
 
-    python -m tasks.preprocess plan --input raw/digits --out runs/demo/r1
-    python -m tasks.preprocess stats --shard raw/digits/part-00000.parquet --index 0 --out runs/demo/r1
-    python -m tasks.preprocess reduce --out runs/demo/r1
-    python -m tasks.preprocess transform --shard raw/digits/part-00000.parquet --index 0 --out runs/demo/r1
-    python -m tasks.preprocess commit --out runs/demo/r1
+    python -m stagewise.preprocess plan --input raw/digits --out runs/demo/r1
+    python -m stagewise.preprocess stats --shard raw/digits/part-00000.parquet --index 0 --out runs/demo/r1
+    python -m stagewise.preprocess reduce --out runs/demo/r1
+    python -m stagewise.preprocess transform --shard raw/digits/part-00000.parquet --index 0 --out runs/demo/r1
+    python -m stagewise.preprocess commit --out runs/demo/r1
 
 Every shard is streamed in record batches, so memory is bounded by the batch, not the shard. The
 split is a pure function of the row key (and a salt), so any retry or re-run yields the same rows
@@ -27,10 +27,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from tasks.core import storage
-from tasks.core.cli import common_parser, json_arg, parse_overrides, run_subjob
-from tasks.core.errors import DataError
-from tasks.datasets.columns import (
+from stagewise.core import storage
+from stagewise.core.cli import common_parser, json_arg, parse_overrides, run_subjob
+from stagewise.core.errors import DataError
+from stagewise.datasets.columns import (
     FEATURES_COLUMN,
     SPLITS,
     Columns,
@@ -39,8 +39,8 @@ from tasks.datasets.columns import (
     processed_schema,
     resolve_columns,
 )
-from tasks.datasets.keys import KEY_HASHES_SUFFIX, key_hashes, repeated_hashes, split_of
-from tasks.datasets.statistics import (
+from stagewise.datasets.keys import KEY_HASHES_SUFFIX, key_hashes, repeated_hashes, split_of
+from stagewise.datasets.statistics import (
     CheckedBatch,
     batch_moments,
     empty_moments,
@@ -49,8 +49,8 @@ from tasks.datasets.statistics import (
     normalised_rows,
     std_of,
 )
-from tasks.definitions.config import Dataset, PipelineConfig
-from tasks.definitions.loading import load_config
+from stagewise.definitions.config import Dataset, PipelineConfig
+from stagewise.definitions.loading import load_config
 
 log = logging.getLogger("stagewise.preprocess")
 
@@ -126,7 +126,7 @@ def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dic
 # Each shard's stats step writes the sorted 64-bit hashes of its kept keys (8 bytes a row: an integer key's own
 # bits, a string key's SipHash); reduce merges them k-way in bounded memory, and every hash seen twice is
 # confirmed by reading the real key values from the files involved, so a hash collision is never reported
-# and a duplicate never missed (the merge is tasks.datasets.keys.repeated_hashes).
+# and a duplicate never missed (the merge is stagewise.datasets.keys.repeated_hashes).
 
 def _write_key_hashes(out: str, index: int, hashes: list[np.ndarray]) -> str:
     """Write one shard's sorted key hashes, attempt-unique (the stats JSON written after it names the file)."""
@@ -190,12 +190,12 @@ def planned_stats(out: str, shards: list[str]) -> list[str]:
         recorded = storage.read_json(uri).get("shard", "")
         if not _same_file(recorded, shard):
             raise DataError(f"{uri}: statistics of {recorded}, but planned shard {index} is {shard}: stale statistics "
-                            f"from another input; run `python -m tasks.preprocess stats --index {index}` for it again")
+                            f"from another input; run `python -m stagewise.preprocess stats --index {index}` for it again")
         uris.append(uri)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise DataError(f"no statistics for planned shard(s) {shown} under {_stats_prefix(out)}: run "
-                        f"`python -m tasks.preprocess stats` for each first; reduce merges every planned shard or none")
+                        f"`python -m stagewise.preprocess stats` for each first; reduce merges every planned shard or none")
     fs, path = storage.filesystem(_stats_prefix(out))
     extra = [p for p in fs.glob(path + "/shard-*.json") if int(p.rsplit("-", 1)[1].split(".")[0]) >= len(shards)]
     if extra:

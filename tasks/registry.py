@@ -1,9 +1,9 @@
 """Model registry on the storage root: versioned folders and a ``current`` pointer moved by a gate.
 
-Run: ``python -m tasks.registry list``            versions, newest first, the current one marked
-     ``python -m tasks.registry show [VERSION]``  one version's card (default: current)
-     ``python -m tasks.registry rollback``        point ``current`` back at the previous version
-     ``python -m tasks.registry promote VERSION`` point ``current`` at VERSION (no gate)
+Run: ``python -m stagewise.registry list``            versions, newest first, the current one marked
+     ``python -m stagewise.registry show [VERSION]``  one version's card (default: current)
+     ``python -m stagewise.registry rollback``        point ``current`` back at the previous version
+     ``python -m stagewise.registry promote VERSION`` point ``current`` at VERSION (no gate)
 Each takes ``--model NAME`` (default: the config's ``registry.model_name``).
 
 Layout, one registry per model name: ``models/<name>/<version>/model.pt`` and ``card.json``
@@ -26,13 +26,13 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tasks.core import storage
-from tasks.core.cli import common_parser, parse_overrides, setup_logging
-from tasks.core.errors import DataError, UserError
-from tasks.definitions.config import PipelineConfig
-from tasks.definitions.loading import REPO_ROOT, load_config
-from tasks.models.versions import version_of
-from tasks.scripting.entrypoint import card_params
+from stagewise.core import storage
+from stagewise.core.cli import common_parser, parse_overrides, setup_logging
+from stagewise.core.errors import DataError, UserError
+from stagewise.definitions.config import PipelineConfig
+from stagewise.definitions.loading import CHECKOUT_ROOT, load_config
+from stagewise.models.versions import version_of
+from stagewise.scripting.entrypoint import card_params
 
 log = logging.getLogger("stagewise.registry")
 POINTER_SWAP_ATTEMPTS = 20  # each lost attempt means another writer moved the pointer; 20 in a row is a stampede
@@ -54,9 +54,16 @@ def pointer_uri(storage_root: str, name: str) -> str:
 
 
 def code_version() -> str:
-    """The git commit of the code that trained the model, when it runs from a checkout."""
+    """The code that trained the model: the git commit of a checkout, else the installed package's version."""
+    if CHECKOUT_ROOT is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return f"stagewise {version('stagewise')}"
+        except PackageNotFoundError:
+            return "unknown"
     try:
-        return subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+        return subprocess.run(["git", "-C", str(CHECKOUT_ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -178,7 +185,7 @@ def _judge(storage_root: str, name: str, candidate: dict[str, Any], incumbent_ve
     incumbent = card(storage_root, name, incumbent_version)
     if metric not in incumbent:
         raise UserError(f"current model {incumbent_version} has no metric '{metric}' to compare with: it was trained "
-                        f"for another objective; promote explicitly (python -m tasks.registry promote {candidate['version']})")
+                        f"for another objective; promote explicitly (python -m stagewise.registry promote {candidate['version']})")
     minimize = direction == "minimize"
     better = candidate[metric] < incumbent[metric] - margin if minimize else candidate[metric] > incumbent[metric] + margin
     relation = ("<" if better else ">=") if minimize else (">" if better else "<=")

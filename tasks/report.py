@@ -1,8 +1,8 @@
 """The run report: ``runs/<dag_id>/<run_id>/report.json`` (schema in the design notes) and ``report.html`` beside it.
 
-Run: ``python -m tasks.report latest`` prints a short summary of the newest report under the storage
+Run: ``python -m stagewise.report latest`` prints a short summary of the newest report under the storage
 root, where its report.html is (``HTML <uri>``) and, as its last line, ``REPORT <uri>``.
-``python -m tasks.report html <run prefix or report.json URI>`` renders report.html again from the run's files.
+``python -m stagewise.report html <run prefix or report.json URI>`` renders report.html again from the run's files.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import datetime as dt
 import logging
 from typing import Any
 
-from tasks.core import storage
-from tasks.core.cli import common_parser, parse_overrides, setup_logging
-from tasks.core.errors import DataError, UserError
-from tasks.definitions.loading import config_path, load_config
-from tasks.definitions.pipelines import dag_id, name_of
-from tasks.reporting import html as report_html
+from stagewise.core import storage
+from stagewise.core.cli import common_parser, parse_overrides, setup_logging
+from stagewise.core.errors import DataError, UserError
+from stagewise.definitions.loading import config_path, load_config
+from stagewise.definitions.pipelines import dag_id, name_of
+from stagewise.reporting import html as report_html
 
 log = logging.getLogger("stagewise.report")
 
@@ -41,7 +41,7 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
                  config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Assemble report.json, write report.html and then report.json (the commit); returns their URIs and headline numbers.
 
-    ``direction``: the objective's (minimize or maximize); ``tasks``: the run's task attempts (tasks.reporting.timeline);
+    ``direction``: the objective's (minimize or maximize); ``tasks``: the run's task attempts (stagewise.reporting.timeline);
     ``config``: the run's config snapshot (``config_uri``, ``config_hash``, ``config_source``).
     """
     report = {
@@ -91,7 +91,7 @@ def build_inference_report(*, dag_id: str, run_id: str, out: str, model: dict[st
                            stage_results: dict[str, list[dict[str, Any]]], predictions: dict[str, Any],
                            tasks: list[dict[str, Any]] | None = None, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """report.json (and report.html before it) of a batch_inference run: which model scored what, and how much was
-    quarantined; ``tasks``: the run's task attempts (tasks.reporting.timeline); ``config``: its config snapshot."""
+    quarantined; ``tasks``: the run's task attempts (stagewise.reporting.timeline); ``config``: its config snapshot."""
     report = {"dag_id": dag_id, "run_id": run_id, "run_prefix": out, "config": config or {},
               "stages": stage_timing(stage_results),
               "model_version": model["current"], "model_uri": model["model_uri"],

@@ -1,10 +1,10 @@
 """Hyperparameter sweep: one Optuna study shared by parallel worker tasks.
 
-Run:  ``python -m tasks.sweep create --study S``
-      ``python -m tasks.sweep worker --study S --worker 0 --out storage/runs/x/y``   (one per worker;
+Run:  ``python -m stagewise.sweep create --study S``
+      ``python -m stagewise.sweep worker --study S --worker 0 --out storage/runs/x/y``   (one per worker;
       under ``torchrun --nproc-per-node N`` each trial is an N-process DDP job; with ``sweep.entrypoint``
       one process drives the user's script as each trial, under torchrun itself)
-      ``python -m tasks.sweep summary --study S --out storage/runs/x/y``
+      ``python -m stagewise.sweep summary --study S --out storage/runs/x/y``
 
 Sampler and pruner come from the config (default: multivariate TPE with constant liar, so parallel
 workers spread out, and Hyperband on the per-epoch validation accuracy). The storage is a journal
@@ -27,16 +27,16 @@ import signal
 import time
 from typing import Any
 
-from tasks.core import contract as env_contract
-from tasks.core import storage
-from tasks.core.cli import common_parser, parse_overrides, run_subjob
-from tasks.core.errors import UserError
-from tasks.datasets.manifest import read_manifest
-from tasks.definitions.config import PipelineConfig, Sweep
-from tasks.definitions.loading import REPO_ROOT, config_path, load_config
-from tasks.models.building import resolve_params
-from tasks.scripting.entrypoint import contract_environment, entrypoint_args, read_last_report
-from tasks.study.studies import (
+from stagewise.core import contract as env_contract
+from stagewise.core import storage
+from stagewise.core.cli import common_parser, parse_overrides, run_subjob
+from stagewise.core.errors import UserError
+from stagewise.datasets.manifest import read_manifest
+from stagewise.definitions.config import PipelineConfig, Sweep
+from stagewise.definitions.loading import config_path, load_config
+from stagewise.models.building import resolve_params
+from stagewise.scripting.entrypoint import contract_environment, entrypoint_args, read_last_report
+from stagewise.study.studies import (
     best_trial,
     counts_toward_budget,
     create,
@@ -46,10 +46,10 @@ from tasks.study.studies import (
     recover_abandoned,
     suggest,
 )
-from tasks.study.summary import summarize
-from tasks.training.distributed import distributed_job
-from tasks.training.loop import rank_batches, start_loop
-from tasks.training.torchrun_command import command
+from stagewise.study.summary import summarize
+from stagewise.training.distributed import distributed_job
+from stagewise.training.loop import rank_batches, start_loop
+from stagewise.training.torchrun_command import command
 
 log = logging.getLogger("stagewise.sweep")
 
@@ -189,7 +189,7 @@ def absolute_storage(uri: str) -> str:
 
 def trial_contract(config: PipelineConfig, config_file: str, trial: Any, params: dict[str, Any], out: str,
                    workdir: str) -> dict[str, Any]:
-    """A bring-your-own trial's stage values (tasks.contract.STAGE_VALUES) filled from ``sweep``: its batch, its
+    """A bring-your-own trial's stage values (stagewise.contract.STAGE_VALUES) filled from ``sweep``: its batch, its
     epochs, the suggested lr as it is, the sweep's seed plus the trial number, outputs in the scratch ``workdir``."""
     sweep = config.sweep
     world = config.profile(sweep.profile).processes_per_node
@@ -203,7 +203,7 @@ def trial_contract(config: PipelineConfig, config_file: str, trial: Any, params:
 def trial_environment(config: PipelineConfig, name: str, trial: Any, values: dict[str, Any], workdir: str,
                       overrides: dict[str, Any]) -> dict[str, str]:
     """What a bring-your-own trial script gets: the stage variables from :func:`trial_contract`, its own result,
-    error and metrics files in ``workdir`` (never the worker's), and the trial's study (tasks.contract.TRIAL_ENV)."""
+    error and metrics files in ``workdir`` (never the worker's), and the trial's study (stagewise.contract.TRIAL_ENV)."""
     return {**contract_environment(config, values, overrides),
             env_contract.RESULT_FILE: os.path.join(workdir, "result.json"),
             env_contract.ERROR_FILE: os.path.join(workdir, "user_error.txt"),
@@ -230,12 +230,13 @@ def script_trial(config: PipelineConfig, config_file: str, name: str, trial: Any
     with tempfile.TemporaryDirectory(prefix=f"stagewise-trial{trial.number}-") as workdir:
         values = trial_contract(config, config_file, trial, resolve_params(config, suggested), out, workdir)
         env = trial_environment(config, name, trial, values, workdir, overrides)
-        # A relative script is a file under the repo root, which its trials can import from.
-        target = [os.path.join(REPO_ROOT, entry.script)] if entry.script else ["-m", entry.module]
+        # A loaded config's script is absolute (relative to its file); a module may sit beside the config.
+        target = [entry.script] if entry.script else ["-m", entry.module]
         cwd = os.path.join(workdir, "cwd")
         os.mkdir(cwd)
         child = {**os.environ, **env, "OMP_NUM_THREADS": str(profile.threads_per_process),
-                 "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+                 "PYTHONPATH": os.pathsep.join(p for p in (*(config.model.import_paths or ()), os.environ.get("PYTHONPATH", ""))
+                                               if p)}
         log.info("trial %d: running %s with %s", trial.number, what, suggested)
         argv = command(target, entrypoint_args(entry, "sweep", values), profile.processes_per_node)
         code = subprocess.run(argv, cwd=cwd, env=child).returncode  # its output goes straight into the task log
@@ -249,7 +250,7 @@ def script_trial(config: PipelineConfig, config_file: str, name: str, trial: Any
     if code != 0 or reason:
         return "FAIL", None, reason or f"{what} exited with code {code}", epochs
     if last is None:
-        return "FAIL", None, f"{what} ended without reporting a metric (tasks.spec.report)", epochs
+        return "FAIL", None, f"{what} ended without reporting a metric (stagewise.spec.report)", epochs
     if last["pruned"]:
         return "PRUNED", None, None, epochs
     return "COMPLETE", float(last["metrics"][config.objective.metric]), None, epochs
@@ -258,7 +259,7 @@ def script_trial(config: PipelineConfig, config_file: str, name: str, trial: Any
 def run_script_trials(config: PipelineConfig, name: str, worker: int, out: str, config_file: str,
                       overrides: dict[str, Any]) -> dict[str, Any]:
     """This worker's share of the budget as runs of the user's ``sweep.entrypoint``: ask the study for a trial,
-    run the script (it reports through tasks.spec.report, which prunes), tell the study; a failing trial is
+    run the script (it reports through stagewise.spec.report, which prunes), tell the study; a failing trial is
     recorded and the sweep goes on. One process drives; each trial is its own torchrun job."""
     import optuna
 

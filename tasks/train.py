@@ -1,10 +1,10 @@
 """One DDP training stage, launched by torchrun (gloo on CPU, NCCL on GPU).
 
-Run: ``torchrun --standalone --nproc-per-node 2 -m tasks.train --stage s2 --out storage/runs/x/y \
+Run: ``torchrun --standalone --nproc-per-node 2 -m stagewise.train --stage s2 --out storage/runs/x/y \
         --params '{"lr": 0.05}' --init-from storage/runs/x/y/train/s1/final.pt``
 
 The stage reads the committed preprocess manifest under ``--out``; each rank streams its own part
-of the train split (tasks.datasets.loader). It starts from the previous stage's final checkpoint (model and
+of the train split (stagewise.datasets.loader). It starts from the previous stage's final checkpoint (model and
 optimizer carry over; the LR schedule is re-derived for this stage's global batch, with warmup when
 the batch grew). Rank 0 checkpoints every ``train.checkpoint_every_steps`` optimizer steps; an
 Airflow retry resumes from the newest checkpoint at the same batch, redoing at most that many steps.
@@ -22,20 +22,20 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from tasks.core import contract as env_contract
-from tasks.core import storage
-from tasks.core.cli import common_parser, json_arg, parse_overrides, run_subjob
-from tasks.core.errors import UserError
-from tasks.datasets.manifest import read_manifest
-from tasks.definitions.config import PipelineConfig
-from tasks.definitions.loading import load_config
-from tasks.models.building import resolve_params
-from tasks.models.bundle import preprocessing_of, save_bundle
-from tasks.models.torch_io import load_torch, save_torch
-from tasks.scripting.entrypoint import LAST_REPORT, contract_environment, entrypoint_args
-from tasks.training.checkpoint import CheckpointStore, restore_training_state
-from tasks.training.distributed import distributed_job
-from tasks.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, start_loop, warmup_factor
+from stagewise.core import contract as env_contract
+from stagewise.core import storage
+from stagewise.core.cli import common_parser, json_arg, parse_overrides, run_subjob
+from stagewise.core.errors import UserError
+from stagewise.datasets.manifest import read_manifest
+from stagewise.definitions.config import PipelineConfig
+from stagewise.definitions.loading import load_config
+from stagewise.models.building import resolve_params
+from stagewise.models.bundle import preprocessing_of, save_bundle
+from stagewise.models.torch_io import load_torch, save_torch
+from stagewise.scripting.entrypoint import LAST_REPORT, contract_environment, entrypoint_args
+from stagewise.training.checkpoint import CheckpointStore, restore_training_state
+from stagewise.training.distributed import distributed_job
+from stagewise.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, start_loop, warmup_factor
 
 log = logging.getLogger("stagewise.train")
 
@@ -51,7 +51,7 @@ def config_hash(stage: dict[str, Any], params: dict[str, Any], world_size: int, 
 
 def byo_contract(config: PipelineConfig, config_file: str, stage_name: str, out: str, swept: dict[str, Any],
                  init_from: str | None) -> dict[str, Any]:
-    """The stage's values a user's own script gets, by name (tasks.contract.STAGE_VALUES), typed."""
+    """The stage's values a user's own script gets, by name (stagewise.contract.STAGE_VALUES), typed."""
     stage = config.stage(stage_name)
     world = config.profile(stage.profile).world_size
     micro = stage.micro_batch(world)
@@ -66,7 +66,7 @@ def byo_contract(config: PipelineConfig, config_file: str, stage_name: str, out:
         "global_batch": global_batch, "lr": scaled_lr_for(config, params["lr"], global_batch), "epochs": stage.epochs,
         "seed": config.train.seed,
     }
-    assert set(values) == set(env_contract.STAGE_VALUES), "tasks.contract declares the stage values; fill each of them here"
+    assert set(values) == set(env_contract.STAGE_VALUES), "stagewise.contract declares the stage values; fill each of them here"
     return values
 
 
@@ -74,12 +74,12 @@ def byo_environment(config: PipelineConfig, config_file: str, stage_name: str, o
                     init_from: str | None, overrides: dict[str, Any] | None = None) -> dict[str, str]:
     """What a user's own stage script gets besides torchrun's RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT.
 
-    Exactly tasks.contract.STAGE_ENV (the names and their docs live there); the launcher adds LAUNCH_ENV.
+    Exactly stagewise.contract.STAGE_ENV (the names and their docs live there); the launcher adds LAUNCH_ENV.
 
     The script reads data through the manifest, keeps its checkpoints in STAGEWISE_CHECKPOINT_DIR
     (a retry finds them there), and for a later stage or evaluation writes ``final.pt`` (model and
-    optimizer state, global_batch) and ``model.pt`` (tasks.models.bundle.save_bundle) in STAGEWISE_OUTPUT_DIR
-    (tasks.spec.save_model writes both).
+    optimizer state, global_batch) and ``model.pt`` (stagewise.models.bundle.save_bundle) in STAGEWISE_OUTPUT_DIR
+    (stagewise.spec.save_model writes both).
     """
     return contract_environment(config, byo_contract(config, config_file, stage_name, out, swept, init_from), overrides)
 
@@ -95,7 +95,7 @@ def byo_args(config: PipelineConfig, stage_name: str, contract: dict[str, Any]) 
 
 # What a user's stage must leave in STAGEWISE_OUTPUT_DIR: the next stage starts from final.pt, evaluation loads model.pt.
 BYO_OUTPUTS = {"final.pt": "model and optimizer state plus global_batch, which the next stage starts from",
-               "model.pt": "the model bundle (tasks.models.bundle.save_bundle), which evaluation, the registry and inference load"}
+               "model.pt": "the model bundle (stagewise.models.bundle.save_bundle), which evaluation, the registry and inference load"}
 
 
 def check_byo_outputs(config: PipelineConfig, stage_name: str, out: str) -> dict[str, str]:
@@ -106,7 +106,7 @@ def check_byo_outputs(config: PipelineConfig, stage_name: str, out: str) -> dict
     missing = [name for name, uri in uris.items() if not storage.exists(uri)]
     if missing:
         entry = stage.entrypoint
-        what = f"script {entry.script}" if entry and entry.script else f"module {entry.module}" if entry else "tasks.train"
+        what = f"script {entry.script}" if entry and entry.script else f"module {entry.module}" if entry else "stagewise.train"
         needs = "; ".join(f"{name}: {BYO_OUTPUTS[name]}" for name in missing)
         raise UserError(f"stage {stage.name}: {what} ended without writing {' and '.join(missing)} in "
                         f"STAGEWISE_OUTPUT_DIR ({prefix}); rank 0 must write them there ({needs})")
@@ -118,7 +118,7 @@ def byo_result(config: PipelineConfig, stage_name: str, out: str, contract: dict
     """A finished user stage's result: outputs checked, the contract's numbers, and params only as the script reported them.
 
     ``reported`` is the script's own result JSON ($STAGEWISE_RESULT_FILE; empty when it wrote none) plus, under
-    ``last_report``, what its last tasks.spec.report recorded: the objective there is the val_metric unless the
+    ``last_report``, what its last stagewise.spec.report recorded: the objective there is the val_metric unless the
     result JSON gives one.
     """
     outputs = check_byo_outputs(config, stage_name, out)

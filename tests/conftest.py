@@ -18,13 +18,17 @@ from tests import run_cache
 pytest_plugins = ["tests.live_airflow"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Sub-jobs a test starts, itself or through the launcher, import test helpers (tests.plugins.fake_subjob, ...):
+# the checkout on their path, as pytest's rootdir is on this process's. `stagewise` itself is installed.
+os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(
+    path for path in (str(REPO_ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if path))
 
 _NEEDS = ("airflow", "torchrun", "browser", "service", "gpu")  # the markers of pytest.ini; test-fast runs none
 # Fixtures that bring a need with them: checked at collection, so a test using one cannot run unmarked.
 _FIXTURE_NEEDS = {"live_airflow": "airflow", "shared_airflow": "airflow", "airflow_env": "airflow", "chromium": "browser",
                   "postgres_databases": "service", "redis_url": "service", "s3_endpoint": "service"}
 # A process the test starts, named by its argv (a bash -c script or python -c code included).
-_TORCHRUN = re.compile(r"(?<![\w.])(torchrun|tasks\.training\.local_torchrun|tasks\.training\.node_launch|torch\.distributed\.run)(?![\w.])")
+_TORCHRUN = re.compile(r"(?<![\w.])(torchrun|stagewise\.training\.local_torchrun|stagewise\.training\.node_launch|torch\.distributed\.run)(?![\w.])")
 # The CLI as a command (`airflow dags test`, `python -m airflow scheduler`, `... && exec airflow`), not `import airflow`.
 _AIRFLOW = re.compile(r"(?:^|[;&|]\s*|\bexec\s+|-m\s+|/)airflow(?=\s)")
 
@@ -181,10 +185,10 @@ def subprocess_env() -> dict:
 
 def preprocess_digits(config_path: Path, out: str) -> dict:
     """Write the config's demo data (the digits) and run the whole preprocess stage into ``out``; returns the commit result."""
-    from tasks import preprocess
-    from tasks.core import storage
-    from tasks.datasets.demo import DEMO_WRITERS
-    from tasks.definitions.loading import load_config
+    from stagewise import preprocess
+    from stagewise.core import storage
+    from stagewise.datasets.demo import DEMO_WRITERS
+    from stagewise.definitions.loading import load_config
 
     config = load_config(config_path)
     raw = storage.resolve(config.storage_root, config.dataset.uri)
@@ -202,8 +206,8 @@ def train_digits_s1(root: Path, run: str, hidden: int) -> tuple[Path, str, str]:
     returns (config path, run prefix, model URI)."""
     import yaml
 
-    from tasks import train
-    from tasks.definitions.loading import load_config
+    from stagewise import train
+    from stagewise.definitions.loading import load_config
 
     config_path = root / "pipeline.yaml"
     config_path.write_text(yaml.safe_dump(base_config(root)))
@@ -312,7 +316,7 @@ def s3_env(s3_endpoint, monkeypatch):
     """The AWS environment of the plain (fault-free) S3 endpoint, with a fresh s3fs client and bucket check."""
     import s3fs
 
-    from tasks.core import storage
+    from stagewise.core import storage
 
     for key, value in s3_endpoint.items():
         monkeypatch.setenv(key, value)

@@ -1,7 +1,7 @@
 """The generated blocks of the README and the docs/ pages: each is a command's output between two markers, never
 edited by hand.
 
-    <!-- BEGIN generated: python -m tasks.config --reference -->
+    <!-- BEGIN generated: python -m stagewise.config --reference -->
     ...the command's stdout...
     <!-- END generated -->
 
@@ -20,8 +20,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 README = REPO_ROOT / "README.md"
-# Only our own generators run: `python -m tasks.<module> [--flag ...]`.
-_BLOCK = re.compile(r"^<!-- BEGIN generated: (?P<command>python -m tasks\.[\w.]+(?: --[\w-]+)*) -->\n"
+# Only our own generators run: `python -m stagewise.<module> [--flag ...]`.
+_BLOCK = re.compile(r"^<!-- BEGIN generated: (?P<command>python -m stagewise\.[\w.]+(?: --[\w-]+)*) -->\n"
                     r"(?P<body>.*?)^<!-- END generated -->$", re.MULTILINE | re.DOTALL)
 
 

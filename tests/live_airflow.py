@@ -9,7 +9,7 @@ fixture, from a file listed in SHARED_STACK_FILES.
 Everything lives under one scratch folder: an isolated AIRFLOW_HOME with a SQLite file DB, one log
 file per component (``<tmp>/logs/*.log``, tails are attached to every failure) and the task logs.
 Servers bind 127.0.0.1 on free ports only (never ``airflow standalone``: it binds all interfaces); as with
-``make up``, running tasks' logs are served by ``stagewise_airflow.log_server`` on loopback.
+``make up``, running tasks' logs are served by ``stagewise.airflow.log_server`` on loopback.
 Each component runs in its own process group; on exit the groups get SIGTERM, then SIGKILL, and a
 sweep by an environment marker ends anything that left its group (e.g. a sub-job in its own session).
 Every wait is bounded and fails with the component logs, so a broken stack never hangs CI.
@@ -198,8 +198,7 @@ class LiveAirflow:
         if self.plugins_folder:
             env["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(self.plugins_folder)
         # As `make up`: tasks record 127.0.0.1, where our log server serves their running logs.
-        env["AIRFLOW__CORE__HOSTNAME_CALLABLE"] = "stagewise_airflow.log_server.loopback_hostname"
-        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*env["PYTHONPATH"].split(os.pathsep), str(REPO_ROOT / "plugins")]))
+        env["AIRFLOW__CORE__HOSTNAME_CALLABLE"] = "stagewise.airflow.log_server.loopback_hostname"
         env.update(extra)
         return env
 
@@ -243,7 +242,7 @@ class LiveAirflow:
         self._spawn("scheduler", "scheduler", "--skip-serve-logs")
         self._spawn("dag-processor", "dag-processor")
         # The scheduler's own log server binds every interface; this one serves the same app on 127.0.0.1.
-        self._spawn("log-server", "-m", "stagewise_airflow.log_server", argv0=[sys.executable])
+        self._spawn("log-server", "-m", "stagewise.airflow.log_server", argv0=[sys.executable])
         self._wait_healthy()
         self._client = httpx.Client(base_url=self.base_url, timeout=30.0, trust_env=False,
                                     headers={"Authorization": f"Bearer {self._token()}"})

@@ -54,7 +54,7 @@ def _mark_ready(folder: Path) -> None:
 
 def migrated_sqlite_db(target: str | os.PathLike, pools_of: str | os.PathLike | None = None) -> None:
     """Put an Airflow metadata DB that ``airflow db migrate`` made into ``target`` (mode 0600, as airflow_env.sh);
-    with ``pools_of`` (a pipeline config), with the pools ``python -m stagewise_airflow.pools`` creates for it."""
+    with ``pools_of`` (a pipeline config), with the pools ``python -m stagewise.airflow.pools`` creates for it."""
     pools = yaml.safe_load(Path(pools_of).read_text()).get("pools") if pools_of else None
     key = hashlib.sha256(json.dumps(pools, sort_keys=True).encode()).hexdigest()[:12] if pools_of else "bare"
     with _entry(f"airflow-db-{key}") as (folder, ready):
@@ -65,10 +65,10 @@ def migrated_sqlite_db(target: str | os.PathLike, pools_of: str | os.PathLike | 
             env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
             env.update({"AIRFLOW_HOME": str(folder / "home"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
                         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{template}",
-                        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "plugins")])})
+                        "PYTHONPATH": str(REPO_ROOT)})
             steps = [["airflow", "db", "migrate"]]
             if pools_of:
-                steps.append(["stagewise_airflow.pools", "--config", str(pools_of)])
+                steps.append(["stagewise.airflow.pools", "--config", str(pools_of)])
             for step in steps:
                 result = subprocess.run([sys.executable, "-m", *step], env=env, cwd=folder, capture_output=True,
                                         text=True, timeout=600)
@@ -84,18 +84,18 @@ def demo_data(config_path: str | os.PathLike, num_shards: int = 2, env: dict[str
     """The config's demo data set (dataset.demo_data) at its dataset.uri in ``num_shards`` files; returns the URI.
 
     Two shards, not the demo's four: the mapped tasks still fan out, with half the processes. A local storage root
-    gets a copy of files written once per run; any other (s3://) is written there by ``python -m tasks.data demo``
+    gets a copy of files written once per run; any other (s3://) is written there by ``python -m stagewise.data demo``
     in ``env`` (default: this process's), which must reach that storage.
     """
-    from tasks.core import storage
-    from tasks.datasets.demo import DEMO_WRITERS
-    from tasks.definitions.loading import load_config
+    from stagewise.core import storage
+    from stagewise.datasets.demo import DEMO_WRITERS
+    from stagewise.definitions.loading import load_config
 
     config = load_config(config_path)
     target = storage.resolve(config.storage_root, config.dataset.uri)
     if "://" in target:
         env = {**(os.environ if env is None else env), "STAGEWISE_CONFIG": str(config_path)}
-        subprocess.run([sys.executable, "-m", "tasks.data", "demo", "--num-shards", str(num_shards)], cwd=REPO_ROOT,
+        subprocess.run([sys.executable, "-m", "stagewise.data", "demo", "--num-shards", str(num_shards)], cwd=REPO_ROOT,
                        env=env, check=True, capture_output=True)
         return target
     with _entry(f"data-{config.dataset.demo_data}-{num_shards}") as (folder, ready):
@@ -131,7 +131,7 @@ def reference_stage(env: dict[str, str]) -> tuple[str, dict]:
             config_path = folder / "pipeline.yaml"
             config_path.write_text(yaml.safe_dump(base_config(folder / "storage")))
             preprocess_digits(config_path, str(out))
-            command = [sys.executable, "-m", "tasks.training.local_torchrun", "--nproc-per-node=2", "-m", "tasks.train",
+            command = [sys.executable, "-m", "stagewise.training.local_torchrun", "--nproc-per-node=2", "-m", "stagewise.train",
                        "--config", str(config_path), "--out", str(out), *REFERENCE_STAGE_ARGS,
                        "--result-file", str(result_file)]
             done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""Model specs for tests: each breaks one part of the tasks.spec contract on purpose (or changes shape by its args)."""
+"""Model specs for tests: each breaks one part of the stagewise.spec contract on purpose (or changes shape by its args)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tasks.models.mlp import MLPClassifier
-from tasks.spec import Average, DataInfo
+from stagewise.models.mlp import MLPClassifier
+from stagewise.spec import Average, DataInfo
 
 
 class MeanAccuracy(MLPClassifier):

@@ -12,8 +12,8 @@ import pytest
 from tests.doc_blocks import REPO_ROOT, blocks, pages, render
 
 # Each generated block and the page it lives on.
-EXPECTED = {"python -m tasks.config --reference": "docs/configuration.md",
-            "python -m tasks.contract": "docs/your-own-script.md"}
+EXPECTED = {"python -m stagewise.config --reference": "docs/configuration.md",
+            "python -m stagewise.contract": "docs/your-own-script.md"}
 _LINK = re.compile(r"\]\((?!https?://|mailto:)([^)\s]+)\)")
 
 

@@ -1,4 +1,5 @@
-"""The package declares what its code imports, as ranges the tested pins (requirements.txt) satisfy."""
+"""The package declares what its code imports, as ranges the tested pins (requirements.txt) satisfy; it installs as
+one package under the project's name, with its UI plugin behind Airflow's entry point."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from packaging.requirements import Requirement
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
-OURS = {"tasks", "stagewise_airflow", "examples", "__future__"}
+OURS = {"stagewise", "__future__"}
 # Imported through another declared distribution that requires it (botocore comes with s3fs, FastAPI with Airflow).
 COMES_WITH = {"aiobotocore": "s3fs", "botocore": "s3fs", "fastapi": "apache-airflow"}
 TEST_TOOLS = {"pytest", "pytest-xdist", "pytest-timeout", "ruff", "playwright", "moto", "apache-airflow-client"}
@@ -66,3 +67,42 @@ def test_every_range_admits_the_tested_pin_and_no_test_tool_is_a_runtime_depende
         assert name in pins, f"{name} is declared but requirements.txt does not pin it (untested)"
         assert requirement.specifier.contains(pins[name], prereleases=True), f"{requirement} excludes the pin {pins[name]}"
         assert name not in TEST_TOOLS
+
+
+SETUPTOOLS = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+OLD_NAMES = ("tasks", "examples", "stagewise_airflow")
+OLD_IN_PROSE = re.compile(r"^\s*(?:from|import) (tasks|examples|stagewise_airflow)\b", re.M)  # code blocks in pages
+
+
+def _old_imports(path: Path) -> list[int]:
+    """Lines of ``path`` importing an old top-level name: real imports of a .py file (a team's own ``from tasks
+    import ...`` written into a test's string is not one), import lines of a page or config."""
+    text = path.read_text()
+    if path.suffix != ".py":
+        return [text[:match.start()].count("\n") + 1 for match in OLD_IN_PROSE.finditer(text)]
+    found = []
+    for node in ast.walk(ast.parse(text, str(path))):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+        found += [node.lineno for name in names if name.split(".")[0] in OLD_NAMES]
+    return found
+
+
+def test_no_code_or_page_imports_the_old_top_level_names():
+    """Code, examples, configs and docs import stagewise.<module>; `tasks`, `examples` and `stagewise_airflow` are
+    folders of the repository, never module names (they are not installed)."""
+    skip = {".venv", ".git", ".airflow", "artifacts", "results", "build"}
+    files = [path for suffix in ("*.py", "*.md", "*.yaml") for path in REPO_ROOT.rglob(suffix)
+             if not skip & set(path.relative_to(REPO_ROOT).parts)]
+    assert len(files) > 100
+    hits = [f"{path.relative_to(REPO_ROOT)}:{line}" for path in files for line in _old_imports(path)]
+    assert hits == []
+
+
+def test_the_import_check_sees_code_and_pages_but_not_strings(tmp_path):
+    """Guard for the guard: a real import and a page's import line count, a string holding one does not."""
+    code, page = tmp_path / "a.py", tmp_path / "a.md"
+    code.write_text('import os\nfrom tasks.spec import report\nTEAM = """\nfrom tasks import x\n"""\n'
+                    "def f():\n    import examples.diabetes\n")
+    page.write_text("```python\nfrom stagewise.spec import report\nfrom stagewise_airflow import dags\n```\n")
+    assert (_old_imports(code), _old_imports(page)) == ([2, 7], [3])

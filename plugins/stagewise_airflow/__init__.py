@@ -1,10 +1,7 @@
-"""Airflow glue for Stagewise: profiles onto Airflow's knobs, sub-job launch, Params.
+"""Airflow glue for Stagewise: profiles onto Airflow's knobs, sub-job launch, Params, the UI plugin.
 
-Thin by design: the work lives in ``tasks/`` (plain Python, no Airflow). Both are one installed
-package (pyproject.toml; ``make venv`` installs it editable), so DAG parsing imports them without
-path edits. ``REPO_ROOT`` is the checkout: sub-jobs run there and find pipeline.yaml and user scripts.
+Thin by design: the work lives in ``stagewise`` (the repository's ``tasks/``: plain Python, no Airflow). This
+package is ``stagewise.airflow`` (the repository's ``plugins/stagewise_airflow/``); both are one installed
+package (pyproject.toml; ``make venv`` installs it editable), so DAG parsing and every sub-job import them
+without path edits.
 """
-
-import os
-
-REPO_ROOT = os.environ.get("STAGEWISE_HOME") or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -2,10 +2,10 @@
 
 A file in the team's dags folder (Airflow parses files that mention ``airflow`` and ``dag``)::
 
-    from stagewise_airflow.dags import build_pipelines  # airflow: one DAG family per pipeline config
+    from stagewise.airflow.dags import build_pipelines  # airflow: one DAG family per pipeline config
     build_pipelines(globals())  # or build_pipelines(globals(), "/opt/team/pipelines")
 
-Naming, sources and isolation: :mod:`tasks.definitions.pipelines`. A task's own process builds only the DAG it
+Naming, sources and isolation: :mod:`stagewise.definitions.pipelines`. A task's own process builds only the DAG it
 runs (Airflow's ``get_parsing_context()``), so a deployment of many pipelines costs each task one config load.
 A config that does not load keeps its DAG ids, as DAGs whose only task fails naming the file and the key, and
 leaves the other pipelines' DAGs as they are.
@@ -19,11 +19,11 @@ from typing import Any
 
 from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, Param, dag, task
 
-from stagewise_airflow import steps, wiring
-from stagewise_airflow.params import inference_params, pipeline_params
-from tasks.definitions.config import ConfigError, PipelineConfig
-from tasks.definitions.loading import load_config
-from tasks.definitions.pipelines import PipelineFile, collisions, discover
+from stagewise.airflow import steps, wiring
+from stagewise.airflow.params import inference_params, pipeline_params
+from stagewise.definitions.config import ConfigError, PipelineConfig
+from stagewise.definitions.loading import load_config
+from stagewise.definitions.pipelines import PipelineFile, collisions, discover
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def ingest_dag(pipeline: PipelineFile, config: PipelineConfig) -> DAG:
 # placeholder; the DAGs reach Airflow through the DAG file's globals (build_pipelines).
 FAMILY: dict[str, Callable[[PipelineFile, PipelineConfig], DAG]] = {
     "pipeline": training_dag, "retrain": retrain_dag, "batch_inference": batch_inference_dag, "ingest": ingest_dag}
-"""The DAG builder of each kind in tasks.definitions.pipelines.KINDS."""
+"""The DAG builder of each kind in stagewise.definitions.pipelines.KINDS."""
 
 
 def broken_dag(dag_id: str, error: str) -> DAG:

@@ -1,9 +1,9 @@
 """Run a sub-job as a child process group and stream its output into the Airflow task log.
 
-One process (``python -m tasks.X``) or a torchrun job, per the stage's profile. The child gets its
+One process (``python -m stagewise.X``) or a torchrun job, per the stage's profile. The child gets its
 own session, and its group plus every descendant (torchrun's ranks have sessions of their own) is
 ended together: on task timeout, on SIGTERM from Airflow (mark failed, kill). If the task process
-itself dies, the child is SIGKILLed (PDEATHSIG) and torchrun's ranks die with it (tasks.training.rank_guard).
+itself dies, the child is SIGKILLed (PDEATHSIG) and torchrun's ranks die with it (stagewise.training.rank_guard).
 A sub-job that reports a user error (bad config or data) fails the task without retry.
 """
 
@@ -26,10 +26,9 @@ from typing import Any
 
 import psutil
 
-from stagewise_airflow import REPO_ROOT
-from tasks.core import contract
-from tasks.definitions.config import Profile
-from tasks.training import torchrun_command
+from stagewise.core import contract
+from stagewise.definitions.config import Profile
+from stagewise.training import torchrun_command
 
 log = logging.getLogger("stagewise.launch")
 
@@ -48,7 +47,7 @@ def _die_with_parent() -> None:
 def command(module: str, args: list[str], profile: Profile, distributed: bool, script: str | None = None) -> list[str]:
     """The argv: torchrun for a distributed sub-job, else python; ``script`` (a file) replaces ``-m module``.
 
-    torchrun runs through tasks.training.local_torchrun, which keeps its rendezvous store on 127.0.0.1.
+    torchrun runs through stagewise.training.local_torchrun, which keeps its rendezvous store on 127.0.0.1.
     """
     entry = [script] if script else ["-m", module]
     if distributed:
@@ -57,12 +56,13 @@ def command(module: str, args: list[str], profile: Profile, distributed: bool, s
 
 
 def child_env(profile: Profile, error_file: str, import_paths: Sequence[str] = ()) -> dict[str, str]:
-    """The sub-job's environment: threads pinned, the repo and the config's model.import_paths importable."""
+    """The sub-job's environment: threads pinned, the config's model.import_paths importable (``stagewise`` is
+    installed)."""
     env = dict(os.environ)
     threads = str(profile.threads_per_process)
     env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1",
                 contract.ERROR_FILE: error_file,
-                "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, *import_paths, env.get("PYTHONPATH", "")) if p)})
+                "PYTHONPATH": os.pathsep.join(p for p in (*import_paths, env.get("PYTHONPATH", "")) if p)})
     if profile.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
@@ -112,7 +112,7 @@ RESULT_FILE_ENV = contract.RESULT_FILE
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR,
            "CRITICAL": logging.CRITICAL}
 _GLOG_LEVELS = {"D": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
-# tasks.core.cli.setup_logging's "%(asctime)s %(levelname)s %(name)s: %(message)s" (timestamp optional).
+# stagewise.core.cli.setup_logging's "%(asctime)s %(levelname)s %(name)s: %(message)s" (timestamp optional).
 _RECORD = re.compile(r"^(?:\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[,.]\d+)? )?"
                      r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) (\S+?): ?(.*)$")
 # Python's logging.basicConfig() default, "LEVEL:name:message".
@@ -215,16 +215,16 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
 
     Our sub-jobs take ``--result-file``; a user's own script or module (``script``, or
     ``result_arg=False``) finds the path in $STAGEWISE_RESULT_FILE instead and may leave it unwritten; what its
-    last tasks.spec.report recorded ($STAGEWISE_METRICS_FILE) comes back under ``last_report``.
+    last stagewise.spec.report recorded ($STAGEWISE_METRICS_FILE) comes back under ``last_report``.
     A user's entrypoint runs in a scratch working directory of its own, removed when the attempt
-    ends, so files it writes relative to its cwd never reach the repo, a later stage or a later run;
-    a relative ``script`` still names a file under the repo root.
+    ends, so files it writes relative to its cwd never reach a later stage or a later run; a relative
+    ``script`` is relative to this process's cwd (a config's scripts are absolute once it is loaded).
     """
     import json
 
     from airflow.sdk.exceptions import AirflowFailException
 
-    from tasks.scripting.entrypoint import LAST_REPORT, read_last_report
+    from stagewise.scripting.entrypoint import LAST_REPORT, read_last_report
 
     check_devices(profile, distributed)
     workdir = tempfile.mkdtemp(prefix="stagewise-")
@@ -232,12 +232,12 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
     error_file = os.path.join(workdir, "user_error.txt")
     metrics_file = os.path.join(workdir, "metrics.json")
     ours = script is None and result_arg
-    name, cwd = script or module, REPO_ROOT
+    name, cwd = script or module, None
+    if script:
+        script = os.path.abspath(script)
     if not ours:
         cwd = os.path.join(workdir, "cwd")
         os.mkdir(cwd)
-        if script:
-            script = os.path.join(REPO_ROOT, script)  # an absolute script stays as it is
     argv = command(module, [*args, "--result-file", result_file] if ours else args, profile, distributed, script)
     env = {**child_env(profile, error_file, import_paths), RESULT_FILE_ENV: result_file, contract.METRICS_FILE: metrics_file,
            **(extra_env or {})}
@@ -285,7 +285,7 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
             with open(result_file) as handle:
                 result = json.load(handle)
         if not ours and (last := read_last_report(metrics_file)) is not None:
-            result[LAST_REPORT] = last  # the script's last tasks.spec.report: byo_result takes its val_metric
+            result[LAST_REPORT] = last  # the script's last stagewise.spec.report: byo_result takes its val_metric
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     result["attempt"] = attempt

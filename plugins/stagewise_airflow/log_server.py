@@ -1,7 +1,7 @@
 """Airflow's task-log server on 127.0.0.1 only, for a single-machine Airflow (``make up``).
 
-Run: ``python -m stagewise_airflow.log_server`` (port: ``[logging] worker_log_server_port``), with
-``[core] hostname_callable = stagewise_airflow.log_server.loopback_hostname``.
+Run: ``python -m stagewise.airflow.log_server`` (port: ``[logging] worker_log_server_port``), with
+``[core] hostname_callable = stagewise.airflow.log_server.loopback_hostname``.
 
 While a task runs, the api-server reads its log from ``http://<ti.hostname>:<worker_log_server_port>``.
 The scheduler's built-in server (and ``airflow standalone``'s) binds every interface and has no host

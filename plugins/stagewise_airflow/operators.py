@@ -35,7 +35,7 @@ class SageMakerStageOperator(BaseOperator):
         self.poll_s = poll_s
 
     def _config(self) -> Any:
-        from stagewise_airflow.steps import run_config
+        from stagewise.airflow.steps import run_config
 
         return run_config(self.run)
 
@@ -43,9 +43,9 @@ class SageMakerStageOperator(BaseOperator):
         from airflow.providers.amazon.aws.triggers.sagemaker import SageMakerTrigger
         from airflow.sdk.exceptions import AirflowFailException
 
-        from stagewise_airflow import credentials
-        from stagewise_airflow.backends import sagemaker
-        from tasks.core.errors import UserError
+        from stagewise.airflow import credentials
+        from stagewise.airflow.backends import sagemaker
+        from stagewise.core.errors import UserError
 
         config, run, stage = self._config(), self.run, self.stage
         spec = config.stage(stage)
@@ -73,8 +73,8 @@ class SageMakerStageOperator(BaseOperator):
 
     def execute_complete(self, context: Any, event: dict[str, Any], started: float | None = None) -> dict[str, Any]:
         """The trigger's event: success -> the stage's result; failed/stopped -> ``sagemaker.failure``'s exception."""
-        from stagewise_airflow import credentials
-        from stagewise_airflow.backends import sagemaker, stage_result
+        from stagewise.airflow import credentials
+        from stagewise.airflow.backends import sagemaker, stage_result
 
         config = self._config()
         settings = config.profile(config.stage(self.stage).profile).sagemaker

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.definitions.config import MAX_STUDY_NAME, PipelineConfig
-from tasks.models.versions import VERSION_PATTERN
+from stagewise.definitions.config import MAX_STUDY_NAME, PipelineConfig
+from stagewise.models.versions import VERSION_PATTERN
 
 # A string Param that may be left empty: the UI treats a non-null type with an empty value as a missing field.
 OPTIONAL_STRING = ["null", "string"]
@@ -68,7 +68,7 @@ def inference_params(config: PipelineConfig) -> dict[str, Any]:
         "input_uri": Param(config.inference.input_uri or config.dataset.uri, type="string", minLength=1, maxLength=MAX_URI,
                            description="Parquet file or folder to score (relative to the storage root, or a URI)."),
         "model_version": Param(None, type=OPTIONAL_STRING, pattern=f"^{VERSION_PATTERN}$",
-                               description="Registered model version (python -m tasks.registry list); empty means "
+                               description="Registered model version (python -m stagewise.registry list); empty means "
                                            "the current one."),
     }
 

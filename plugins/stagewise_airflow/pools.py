@@ -1,6 +1,6 @@
 """Create the Airflow pools the deployment's pipeline configs declare and the deployment does not have yet.
 
-Run: ``python -m stagewise_airflow.pools`` (``make airflow-init`` does, after ``airflow db migrate``).
+Run: ``python -m stagewise.airflow.pools`` (``make airflow-init`` does, after ``airflow db migrate``).
 A pool that already exists is the deployment's: its slots and description are left as they are.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from tasks.definitions.loading import load_config
-from tasks.definitions.pipelines import discover
+from stagewise.definitions.loading import load_config
+from stagewise.definitions.pipelines import discover
 
 log = logging.getLogger("stagewise.pools")
 

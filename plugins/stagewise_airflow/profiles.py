@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from tasks.definitions.config import Profile
+from stagewise.definitions.config import Profile
 
 
 def task_kwargs(profile: Profile) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The callables behind ml_pipeline's tasks: each turns the Airflow context into a sub-job call.
 
 Heavy steps (per-shard work, sweep workers, training, evaluation, scoring) run as child processes
-through :mod:`stagewise_airflow.launch`; small bookkeeping steps (plan, reduce, commit, report) run
+through :mod:`stagewise.airflow.launch`; small bookkeeping steps (plan, reduce, commit, report) run
 in the task process. Every step takes and returns small dicts: URIs, ids, metrics.
 """
 
@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from stagewise_airflow import credentials, launch
-from tasks.core.errors import UserError
-from tasks.definitions.config import ConfigError, PipelineConfig
-from tasks.definitions.loading import config_path, load_config, snapshot
+from stagewise.airflow import credentials, launch
+from stagewise.core.errors import UserError
+from stagewise.definitions.config import ConfigError, PipelineConfig
+from stagewise.definitions.loading import config_path, load_config, snapshot
 
 
 def _all(results: Sequence[Any]) -> list[Any]:
@@ -84,15 +84,15 @@ def _started_run(context: Any, result: Any = None) -> dict[str, Any] | None:
 
 
 def _record_attempt(context: Any, state: str, ended: bool, result: Any = None) -> None:
-    """This attempt's start or end into the run's timeline (tasks.reporting.timeline); a storage hiccup never fails the task.
+    """This attempt's start or end into the run's timeline (stagewise.reporting.timeline); a storage hiccup never fails the task.
 
     The run's own config places it (an s3:// run stays on S3 whatever this process's default config says); only
     a start_run that fails, before the run exists, falls back to the process's config.
     """
     import logging
 
-    from tasks.core import storage
-    from tasks.reporting import timeline
+    from stagewise.core import storage
+    from stagewise.reporting import timeline
 
     ti = context["ti"]
     if ti.task_id == "start_run" and state == "running":  # recorded with its start once it returns the run
@@ -128,9 +128,9 @@ def start_run(mode: str = "pipeline", config_file: str | None = None) -> dict[st
     ``mode="retrain"`` warm-starts the sweep from the current model's study with the retrain budget. ``config_file``
     is the DAG's own config (the file its DAG was built from), never this process's default.
     """
-    from stagewise_airflow.params import overrides_from_params, unknown_trigger_keys
-    from tasks.core import storage
-    from tasks.study.studies import study_name
+    from stagewise.airflow.params import overrides_from_params, unknown_trigger_keys
+    from stagewise.core import storage
+    from stagewise.study.studies import study_name
 
     context = _context()
     dag_id, run_id = context["dag"].dag_id, context["run_id"]
@@ -149,7 +149,7 @@ def start_run(mode: str = "pipeline", config_file: str | None = None) -> dict[st
         except (KeyError, ValueError) as exc:
             raise ConfigError(f"trigger params: {exc}") from None
         if mode == "retrain":
-            from tasks import registry
+            from stagewise import registry
 
             with credentials.exported(credentials.aws_environment(base.storage_conn_id)):
                 overrides.update(registry.retrain_overrides(base))
@@ -168,8 +168,8 @@ def start_run(mode: str = "pipeline", config_file: str | None = None) -> dict[st
 
 def ingest(config_file: str | None = None) -> dict[str, Any]:
     """Copy the ``source_uri`` Param's Parquet into the data set of the DAG's config; the task's outlet Asset announces it."""
-    from tasks.core import storage
-    from tasks.data import ingest as ingest_files
+    from stagewise.core import storage
+    from stagewise.data import ingest as ingest_files
 
     config = load_config(config_file)
     source = _context()["params"]["source_uri"]
@@ -178,8 +178,8 @@ def ingest(config_file: str | None = None) -> dict[str, Any]:
 
 
 def plan_shards(run: dict[str, Any]) -> list[dict[str, Any]]:
-    from tasks import preprocess
-    from tasks.core import storage
+    from stagewise import preprocess
+    from stagewise.core import storage
 
     config = run_config(run)
     uris = _inline(config, lambda: preprocess.plan(storage.resolve(config.storage_root, config.dataset.uri)))
@@ -187,25 +187,25 @@ def plan_shards(run: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def preprocess_stats(run: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
-    return _launch(run, "tasks.preprocess", ["stats", "--shard", shard["uri"], "--index", str(shard["index"]),
+    return _launch(run, "stagewise.preprocess", ["stats", "--shard", shard["uri"], "--index", str(shard["index"]),
                                              "--out", run["out"]], run_config(run).preprocess.profile)
 
 
 def reduce_stats(run: dict[str, Any], stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    from tasks import preprocess
+    from stagewise import preprocess
 
     config = run_config(run)
     return _inline(config, lambda: preprocess.reduce_stats(config, run["out"], [s["stats_uri"] for s in _all(stats)]))
 
 
 def preprocess_transform(run: dict[str, Any], reduced: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
-    return _launch(run, "tasks.preprocess", ["transform", "--shard", shard["uri"], "--index", str(shard["index"]),
+    return _launch(run, "stagewise.preprocess", ["transform", "--shard", shard["uri"], "--index", str(shard["index"]),
                                              "--out", run["out"], "--stats", reduced["stats_uri"]],
                    run_config(run).preprocess.profile)
 
 
 def commit_preprocess(run: dict[str, Any], reduced: dict[str, Any], transformed: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    from tasks import preprocess
+    from stagewise import preprocess
 
     config = run_config(run)
     return _inline(config, lambda: preprocess.commit(config, run["out"], reduced["stats_uri"], _all(transformed)))
@@ -213,7 +213,7 @@ def commit_preprocess(run: dict[str, Any], reduced: dict[str, Any], transformed:
 
 def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[int]:
     """Create (or find again) the run's study; return the worker indices to map over."""
-    from tasks.study.studies import create
+    from stagewise.study.studies import create
 
     config = run_config(run)
     _inline(config, lambda: create(config, run["study"]))
@@ -224,40 +224,40 @@ def sweep_worker(run: dict[str, Any], worker: int) -> dict[str, Any]:
     """One worker of the shared study; a multi-process trial profile makes every trial a torchrun DDP job.
 
     With ``sweep.entrypoint`` the worker is one process that drives the user's script as each of its trials,
-    under torchrun with the profile's processes (tasks.sweep.run_script_trials).
+    under torchrun with the profile's processes (stagewise.sweep.run_script_trials).
     """
     config = run_config(run)
     profile = config.sweep.profile
     ddp_trials = config.profile(profile).processes_per_node > 1 and config.sweep.entrypoint is None
-    return _launch(run, "tasks.sweep", ["worker", "--study", run["study"], "--worker", str(worker), "--out", run["out"]],
+    return _launch(run, "stagewise.sweep", ["worker", "--study", run["study"], "--worker", str(worker), "--out", run["out"]],
                    profile, distributed=ddp_trials)
 
 
 def sweep_summary(run: dict[str, Any], workers: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    from tasks.study.summary import summarize
+    from stagewise.study.summary import summarize
 
     config = run_config(run)
     return _inline(config, lambda: summarize(config, run["study"], run["out"]))
 
 
 def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
-    """Launch one stage under torchrun (tasks.train, or the user's own entrypoint), or submit it as its backend's job."""
+    """Launch one stage under torchrun (stagewise.train, or the user's own entrypoint), or submit it as its backend's job."""
     config = run_config(run)
     spec = config.stage(stage)
     init_from = previous["checkpoint_uri"] if previous else None
     if config.profile(spec.profile).backend != "local":  # the whole gang as one SageMaker or Kubernetes job
-        from stagewise_airflow.backends import submit_stage
+        from stagewise.airflow.backends import submit_stage
 
         return submit_stage(config, run, stage, swept["best_params"], init_from, attempt=_context()["ti"].try_number)
     if spec.entrypoint is None:
         args = ["--stage", stage, "--out", run["out"], "--params", json.dumps(swept["best_params"])]
-        return _launch(run, "tasks.train", args + (["--init-from", init_from] if init_from else []), spec.profile, distributed=True)
+        return _launch(run, "stagewise.train", args + (["--init-from", init_from] if init_from else []), spec.profile, distributed=True)
     return launch_entrypoint(run, stage, swept["best_params"], init_from)
 
 
 def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], init_from: str | None) -> dict[str, Any]:
     """Bring your own script: same profile, retries and torchrun; the contract is in environment variables."""
-    from tasks.train import byo_args, byo_contract, byo_environment, byo_result
+    from stagewise.train import byo_args, byo_contract, byo_environment, byo_result
 
     config = run_config(run)
     spec = config.stage(stage)
@@ -280,14 +280,14 @@ def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], i
 
 
 def evaluate(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
-    return _launch(run, "tasks.evaluate", ["--model", trained["model_uri"], "--out", run["out"]],
+    return _launch(run, "stagewise.evaluate", ["--model", trained["model_uri"], "--out", run["out"]],
                    run_config(run).evaluate.profile)
 
 
 def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dict[str, Any], swept: dict[str, Any]) -> dict[str, Any]:
     """Add the trained model to the registry with its card (metrics, params, data, code, source run)."""
-    from tasks import registry
-    from tasks.core import storage
+    from stagewise import registry
+    from stagewise.core import storage
 
     config = run_config(run)
 
@@ -303,7 +303,7 @@ def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dic
 
 def gate_model(run: dict[str, Any], registered: dict[str, Any]) -> dict[str, Any]:
     """Promote the new version only if it beats the current one; return the model inference should use."""
-    from tasks import registry
+    from stagewise import registry
 
     config = run_config(run)
     return _inline(config, lambda: registry.gate_new_version(config, registered["version"]))
@@ -311,7 +311,7 @@ def gate_model(run: dict[str, Any], registered: dict[str, Any]) -> dict[str, Any
 
 def resolve_model(run: dict[str, Any]) -> dict[str, Any]:
     """The registered model a batch_inference run scores with: the version Param, else the current one."""
-    from tasks import registry
+    from stagewise import registry
 
     config = run_config(run)
     version = _context()["params"].get("model_version") or None
@@ -319,8 +319,8 @@ def resolve_model(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def plan_inference(run: dict[str, Any], model: dict[str, Any]) -> list[dict[str, Any]]:
-    from tasks.core import storage
-    from tasks.datasets import predictions
+    from stagewise.core import storage
+    from stagewise.datasets import predictions
 
     config = run_config(run)
     source = storage.resolve(config.storage_root, config.inference.input_uri or config.dataset.uri)
@@ -328,12 +328,12 @@ def plan_inference(run: dict[str, Any], model: dict[str, Any]) -> list[dict[str,
 
 
 def infer_shard(run: dict[str, Any], model: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
-    return _launch(run, "tasks.infer", ["shard", "--model", model["model_uri"], "--shard", json.dumps(shard),
+    return _launch(run, "stagewise.infer", ["shard", "--model", model["model_uri"], "--shard", json.dumps(shard),
                                         "--out", run["out"]], run_config(run).inference.profile)
 
 
 def commit_predictions(run: dict[str, Any], model: dict[str, Any], scored: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    from tasks.datasets import predictions
+    from stagewise.datasets import predictions
 
     return _inline(run_config(run), lambda: {**predictions.commit_predictions(run["out"], model["model_uri"], _all(scored)),
                                              "model_version": model["current"]})
@@ -342,8 +342,8 @@ def commit_predictions(run: dict[str, Any], model: dict[str, Any], scored: Seque
 def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, transformed: Sequence[dict], prepared: dict,
                  workers: Sequence[dict], swept: dict, trained: list[dict], evaluation: dict, registered: dict,
                  gated: dict, scored: Sequence[dict], predictions: dict) -> dict[str, Any]:
-    from tasks import report
-    from tasks.reporting import timeline
+    from stagewise import report
+    from stagewise.reporting import timeline
 
     config = run_config(run)
     stage_results = {"preprocess": [*_all(stats), reduced, *_all(transformed), prepared], "sweep": [*_all(workers), swept]}
@@ -359,8 +359,8 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
 
 
 def write_inference_report(run: dict[str, Any], model: dict[str, Any], scored: Sequence[dict], predictions: dict) -> dict[str, Any]:
-    from tasks import report
-    from tasks.reporting import timeline
+    from stagewise import report
+    from stagewise.reporting import timeline
 
     return _inline(run_config(run), lambda: report.build_inference_report(
         dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], model=model,

@@ -6,10 +6,10 @@ Run: loaded by ``plugins/stagewise_ui_plugin.py`` and mounted at ``/stagewise`` 
 Every page needs the caller's Airflow login: Airflow mounts a plugin's app as is, so each route depends on
 Airflow's own ``get_user`` (the UI's ``_token`` cookie or an ``Authorization: Bearer`` JWT; none: 401, a bad
 one: 403) and the auth manager's UI access; a run also needs read access to its DAG's runs (403). Reads go through
-``tasks.core.storage`` under the storage root of every pipeline of the deployment (``$STAGEWISE_PIPELINES``, see
-``tasks.definitions.pipelines``), so an ``s3://`` root works with the api-server's AWS environment.
+``stagewise.core.storage`` under the storage root of every pipeline of the deployment (``$STAGEWISE_PIPELINES``, see
+``stagewise.definitions.pipelines``), so an ``s3://`` root works with the api-server's AWS environment.
 Everything taken from storage is HTML-escaped, and a DAG or run id becomes a path only through
-``tasks.core.storage.safe_name`` after '/', '\\' and '.'/'..' are refused.
+``stagewise.core.storage.safe_name`` after '/', '\\' and '.'/'..' are refused.
 
 Every response, errors included, carries ``X-Content-Type-Options: nosniff``, ``Referrer-Policy: same-origin`` and a
 Content-Security-Policy that lets only Airflow's own pages frame it and fetches nothing. report.html runs its inline
@@ -30,13 +30,13 @@ from urllib.parse import quote
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
 
-from tasks.core import storage
-from tasks.core.errors import DataError, UserError
-from tasks.definitions.config import PipelineConfig
-from tasks.definitions.loading import load_config
-from tasks.definitions.pipelines import discover
-from tasks.registry import model_names
-from tasks.report import list_reports, read_report
+from stagewise.core import storage
+from stagewise.core.errors import DataError, UserError
+from stagewise.definitions.config import PipelineConfig
+from stagewise.definitions.loading import load_config
+from stagewise.definitions.pipelines import discover
+from stagewise.registry import model_names
+from stagewise.report import list_reports, read_report
 
 URL_PREFIX = "/stagewise"
 
@@ -402,7 +402,7 @@ def create_app() -> FastAPI:
 
     @router.get("/registry", response_class=HTMLResponse)
     def registry_page(request: Request) -> HTMLResponse:
-        from tasks import registry
+        from stagewise import registry
 
         root = request.scope.get("root_path", "")
         configs = pipeline_configs()

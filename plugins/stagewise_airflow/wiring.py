@@ -1,6 +1,6 @@
 """Task chains shared by the DAG files: each function adds its tasks to the DAG being defined.
 
-Still wiring only: every task body is a thin step from :mod:`stagewise_airflow.steps`; the config
+Still wiring only: every task body is a thin step from :mod:`stagewise.airflow.steps`; the config
 decides task ids, mapping and each task's instance profile (pool, slots, queue, retries, timeout).
 """
 
@@ -10,9 +10,9 @@ from typing import Any
 
 from airflow.sdk import Asset, task
 
-from stagewise_airflow import steps
-from stagewise_airflow.profiles import task_kwargs
-from tasks.definitions.config import PipelineConfig
+from stagewise.airflow import steps
+from stagewise.airflow.profiles import task_kwargs
+from stagewise.definitions.config import PipelineConfig
 
 # Names of mapped task instances in the grid (Jinja over the task's expanded kwargs; rendered before the body runs).
 SHARD_FILE_NAME = "{{ task.op_kwargs['shard']['uri'].rstrip('/').split('/')[-1] }}"
@@ -67,7 +67,7 @@ def raw_data_asset(config: PipelineConfig) -> Asset:
     """
     import hashlib
 
-    from tasks.core.storage import resolve
+    from stagewise.core.storage import resolve
 
     location = resolve(config.storage_root, config.dataset.uri)
     uri = location if "://" in location else f"file://{location}"
@@ -116,7 +116,7 @@ def train_stages(config: PipelineConfig, run: Any, swept: dict[str, Any]) -> dic
     for stage in config.train.stages:
         settings = config.profile(stage.profile).sagemaker
         if config.profile(stage.profile).backend == "sagemaker" and settings is not None and settings.deferrable:
-            from stagewise_airflow.operators import SageMakerStageOperator
+            from stagewise.airflow.operators import SageMakerStageOperator
 
             previous = SageMakerStageOperator(task_id=f"train_{stage.name}", run=run, stage=stage.name,
                                               swept=swept["swept"], previous=previous,
@@ -150,6 +150,6 @@ def inference_chain(config: PipelineConfig, run: Any, model: Any) -> dict[str, A
 
 
 def report(config: PipelineConfig, run: Any, *phases: dict[str, Any]) -> Any:
-    """The run's report.json from every phase's results (see tasks.report)."""
+    """The run's report.json from every phase's results (see stagewise.report)."""
     results = {name: value for phase in phases for name, value in phase.items()}
     return task(steps.write_report, task_id="report", **knobs(config, config.preprocess.profile))(run, **results)

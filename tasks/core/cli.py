@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tasks.core import contract
-from tasks.core.errors import USER_ERROR_EXIT, UserError
+from stagewise.core import contract
+from stagewise.core.errors import USER_ERROR_EXIT, UserError
 
 log = logging.getLogger("stagewise")
 

@@ -1,21 +1,21 @@
 """The STAGEWISE_* environment a bring-your-own script gets: every variable's name and meaning, in one place.
 
-``tasks.train.byo_environment`` sets the stage's variables, the Airflow launcher the ones every sub-job
-gets, ``tasks.sweep`` a trial's (a trial gets the stage's variables too, filled from ``sweep``); all take
-the names from here, and docs/your-own-script.md's list is this module's output (``python -m tasks.contract``),
+``stagewise.train.byo_environment`` sets the stage's variables, the Airflow launcher the ones every sub-job
+gets, ``stagewise.sweep`` a trial's (a trial gets the stage's variables too, filled from ``sweep``); all take
+the names from here, and docs/your-own-script.md's list is this module's output (``python -m stagewise.contract``),
 checked by tests/test_docs.py. Add a variable here, never inline.
 """
 
 from __future__ import annotations
 
 STAGE_ENV: dict[str, str] = {}
-"""Set for a bring-your-own stage by tasks.train.byo_environment (name -> meaning)."""
+"""Set for a bring-your-own stage by stagewise.train.byo_environment (name -> meaning)."""
 LAUNCH_ENV: dict[str, str] = {}
 """Set by the launcher for every sub-job, ours and a user's (name -> meaning)."""
 TRIAL_ENV: dict[str, str] = {}
-"""Set, besides STAGE_ENV and LAUNCH_ENV, for a bring-your-own sweep trial by tasks.sweep (name -> meaning)."""
+"""Set, besides STAGE_ENV and LAUNCH_ENV, for a bring-your-own sweep trial by stagewise.sweep (name -> meaning)."""
 NODE_ENV: dict[str, str] = {}
-"""Set by a SageMaker or Kubernetes job for tasks.training.node_launch: the node's place in the gang. Not part of a
+"""Set by a SageMaker or Kubernetes job for stagewise.training.node_launch: the node's place in the gang. Not part of a
 script's contract (a script sees torchrun's RANK, WORLD_SIZE, ... as on one machine)."""
 
 
@@ -26,7 +26,7 @@ def _declare(group: dict[str, str], name: str, doc: str) -> str:
     return name
 
 
-CONFIG = _declare(STAGE_ENV, "STAGEWISE_CONFIG", "The run's config snapshot (a path or URI): tasks.definitions.loading.load_config reads it.")
+CONFIG = _declare(STAGE_ENV, "STAGEWISE_CONFIG", "The run's config snapshot (a path or URI): stagewise.definitions.loading.load_config reads it.")
 STAGE = _declare(STAGE_ENV, "STAGEWISE_STAGE", "The stage's name.")
 RUN_PREFIX = _declare(STAGE_ENV, "STAGEWISE_RUN_PREFIX", "The run's storage prefix (`runs/<dag_id>/<run_id>`).")
 DATA_MANIFEST = _declare(STAGE_ENV, "STAGEWISE_DATA_MANIFEST",
@@ -49,24 +49,24 @@ LR = _declare(STAGE_ENV, "STAGEWISE_LR", "The learning rate, already rescaled fo
 EPOCHS = _declare(STAGE_ENV, "STAGEWISE_EPOCHS", "Epochs this stage trains (a trial: `sweep.epochs`).")
 SEED = _declare(STAGE_ENV, "STAGEWISE_SEED", "The run's seed (`train.seed`; a trial: `sweep.seed` plus its number).")
 STAGE_VALUES: tuple[str, ...] = tuple(name.removeprefix("STAGEWISE_").lower() for name in STAGE_ENV)
-"""The stage's own values (config through seed, above), by the name an entrypoint's ``{name}`` arg uses (tasks.definitions.config)."""
+"""The stage's own values (config through seed, above), by the name an entrypoint's ``{name}`` arg uses (stagewise.definitions.config)."""
 
 OVERRIDES = _declare(STAGE_ENV, "STAGEWISE_OVERRIDES",
                      "The run's config overrides (e.g. from the trigger form) as a JSON object of dotted key -> "
-                     "value; `tasks.definitions.loading.load_config(path, overrides)` applies them.")
+                     "value; `stagewise.definitions.loading.load_config(path, overrides)` applies them.")
 OBJECTIVE = _declare(STAGE_ENV, "STAGEWISE_OBJECTIVE",
-                      "The objective metric (`objective.metric`): `tasks.spec.report` needs it among the metrics.")
+                      "The objective metric (`objective.metric`): `stagewise.spec.report` needs it among the metrics.")
 RESULT_FILE = _declare(LAUNCH_ENV, "STAGEWISE_RESULT_FILE",
                        "Optional: a JSON object written here becomes the task's result (XCom), over the defaults.")
 ERROR_FILE = _declare(LAUNCH_ENV, "STAGEWISE_ERROR_FILE",
                       "Write a reason here (e.g. bad input) to fail the task without retry; it becomes the error.")
 
 METRICS_FILE = _declare(LAUNCH_ENV, "STAGEWISE_METRICS_FILE",
-                        "Where `tasks.spec.report` keeps rank 0's latest epoch, metrics and prune decision for the "
+                        "Where `stagewise.spec.report` keeps rank 0's latest epoch, metrics and prune decision for the "
                         "framework (a trial's value, a stage's val_metric).")
 STUDY_STORAGE = _declare(TRIAL_ENV, "STAGEWISE_STUDY_STORAGE", "The Optuna storage of the sweep's shared study.")
 STUDY_NAME = _declare(TRIAL_ENV, "STAGEWISE_STUDY_NAME", "The shared study's name.")
-TRIAL_ID = _declare(TRIAL_ENV, "STAGEWISE_TRIAL_ID", "The Optuna trial id `tasks.spec.report` reports to.")
+TRIAL_ID = _declare(TRIAL_ENV, "STAGEWISE_TRIAL_ID", "The Optuna trial id `stagewise.spec.report` reports to.")
 TRIAL_NUMBER = _declare(TRIAL_ENV, "STAGEWISE_TRIAL_NUMBER", "The trial's number in the study (for logs).")
 
 SM_RESOURCE_CONFIG = _declare(NODE_ENV, "STAGEWISE_SM_RESOURCE_CONFIG",

@@ -29,7 +29,7 @@ import fsspec.asyn
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from tasks.core.errors import DataError, UserError
+from stagewise.core.errors import DataError, UserError
 
 log = logging.getLogger("stagewise.storage")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")

@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tasks.core.errors import DataError
-from tasks.definitions.config import Dataset
+from stagewise.core.errors import DataError
+from stagewise.definitions.config import Dataset
 
 SPLITS = ("train", "validation", "test")
 

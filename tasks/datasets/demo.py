@@ -1,6 +1,6 @@
 """The demo data sets: scikit-learn's bundled digits and diabetes, and a synthetic generator of any size.
 
-``python -m tasks.data`` writes them; each is raw Parquet shards with an integer row key ``row_id``, a
+``python -m stagewise.data`` writes them; each is raw Parquet shards with an integer row key ``row_id``, a
 label (an integer class, or the diabetes' float ``target``) and numeric feature columns.
 """
 
@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.core import storage
+from stagewise.core import storage
 
 log = logging.getLogger("stagewise.data")
 

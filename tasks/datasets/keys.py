@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import numpy as np
 import pyarrow as pa
 
-from tasks.core import storage
-from tasks.core.errors import DataError
-from tasks.definitions.config import Split
+from stagewise.core import storage
+from stagewise.core.errors import DataError
+from stagewise.definitions.config import Split
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 

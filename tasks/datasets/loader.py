@@ -27,10 +27,10 @@ import pyarrow.parquet as pq
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from tasks.core import storage
-from tasks.core.errors import DataError, UserError
-from tasks.datasets.columns import FEATURES_COLUMN, feature_matrix
-from tasks.datasets.manifest import label_dtype
+from stagewise.core import storage
+from stagewise.core.errors import DataError, UserError
+from stagewise.datasets.columns import FEATURES_COLUMN, feature_matrix
+from stagewise.datasets.manifest import label_dtype
 
 # Windows read ahead of the one being consumed: bounds memory at a few windows.
 PREFETCH_WINDOWS = 2
@@ -319,7 +319,7 @@ def split_batches(manifest: dict, split: str, *, rank: int, world_size: int, bat
 
 def read_row_groups(groups: list[RowGroup], label: str, x: np.ndarray, y: np.ndarray) -> None:
     """Read ``groups`` in order, unshuffled, into caller-owned ``x`` (rows x features, float32) and ``y`` (labels):
-    row i of their concatenation lands at index i (tasks.training.device_data reads into pinned host memory so)."""
+    row i of their concatenation lands at index i (stagewise.training.device_data reads into pinned host memory so)."""
     total = sum(g.num_rows for g in groups)
     if len(x) != total or len(y) != total:
         raise ValueError(f"read_row_groups: {total} rows need buffers of that length, got {len(x)} and {len(y)}")

@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from tasks.core import storage
-from tasks.core.errors import DataError
-from tasks.datasets.columns import FEATURES_COLUMN, feature_matrix
+from stagewise.core import storage
+from stagewise.core.errors import DataError
+from stagewise.datasets.columns import FEATURES_COLUMN, feature_matrix
 
 
 def read_manifest(uri: str) -> dict[str, Any]:

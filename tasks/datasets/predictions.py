@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tasks.core import storage
+from stagewise.core import storage
 
 log = logging.getLogger("stagewise.infer")
 

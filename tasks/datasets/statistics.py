@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from tasks.datasets.columns import tensor_block
+from stagewise.datasets.columns import tensor_block
 
 
 class _Scratch(threading.local):

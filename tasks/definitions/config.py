@@ -1,7 +1,7 @@
 """The pipeline config's schema: typed, strict pydantic models with one line of doc per field.
 
-Loading a file (overrides, relative paths) is ``tasks.definitions.loading``; the generated reference
-``tasks.definitions.reference``; ``python -m tasks.config`` validates a file.
+Loading a file (overrides, relative paths) is ``stagewise.definitions.loading``; the generated reference
+``stagewise.definitions.reference``; ``python -m stagewise.config`` validates a file.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tasks.core.contract import STAGE_VALUES
-from tasks.core.errors import UserError
-from tasks.definitions.hyperparams import (
+from stagewise.core.contract import STAGE_VALUES
+from stagewise.core.errors import UserError
+from stagewise.definitions.hyperparams import (
     BUILTIN_SPEC,
     KNOWN,
     TUNABLE,
@@ -170,7 +170,7 @@ class Dataset(_Strict):
     num_classes: int | None = Field(None, ge=2, description="Classes of an integer label in [0, num_classes); null: the label is a float target.")
     normalize: bool = Field(True, description="Standardise the plain (scalar) feature columns; false keeps them as they are.")
     demo_data: Literal["digits", "digits-images", "diabetes", "synthetic"] = Field(
-        "digits", description="What `python -m tasks.data demo` (make demo) writes into uri when it holds no shards.")
+        "digits", description="What `python -m stagewise.data demo` (make demo) writes into uri when it holds no shards.")
 
     @field_validator("features", mode="before")
     @classmethod
@@ -324,7 +324,7 @@ class Pruner(_Strict):
 class EntryPoint(_Strict):
     """A user's own torchrun script or module for a stage or for each sweep trial (bring your own training code)."""
 
-    script: str | None = Field(None, description="Python file, relative to the repo root or absolute.")
+    script: str | None = Field(None, description="Python file, relative to the config file or absolute.")
     module: str | None = Field(None, description="Importable module, run as `-m module`.")
     args: list[str] = Field(default_factory=list, description=(
         "Arguments; {epochs}, {lr}, {per_process_batch}, ... and hyperparameter names are filled in ({{ }}: literal braces)."))
@@ -354,7 +354,7 @@ class Sweep(_Strict):
     warm_start_from: str = Field("", max_length=MAX_STUDY_NAME,
                                  description="Study name whose best params are enqueued first (empty: cold start).")
     entrypoint: EntryPoint | None = Field(None, description=(
-        "Run each trial as this user script/module under torchrun (it reports through tasks.spec.report) "
+        "Run each trial as this user script/module under torchrun (it reports through stagewise.spec.report) "
         "instead of the built-in loop; {epochs} is sweep.epochs, {per_process_batch} sweep.batch_size."))
     search_space: dict[str, Annotated[SearchParam, Field(discriminator="type")]] = Field(
         description="Tunable hyperparameters by name.")
@@ -404,7 +404,7 @@ class Sweep(_Strict):
         return {name: list(space.grid or getattr(space, "choices", [])) for name, space in self.search_space.items()}
 
 
-# The stage values (tasks.contract.STAGE_VALUES) an entrypoint's args may name as {name}; params is a JSON object
+# The stage values (stagewise.contract.STAGE_VALUES) an entrypoint's args may name as {name}; params is a JSON object
 # (braces and all): a script reads it from $STAGEWISE_PARAMS, not from an argument.
 ARG_PLACEHOLDERS = tuple(name for name in STAGE_VALUES if name != "params")
 
@@ -435,10 +435,10 @@ class TrainStage(_Strict):
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
     epochs: int = Field(ge=1, le=10000, description="Epochs of this stage.")
     warmup_steps: int = Field(0, ge=0, description="Linear LR warmup steps when the global batch grew.")
-    entrypoint: EntryPoint | None = Field(None, description="Run this user script/module instead of tasks.train.")
+    entrypoint: EntryPoint | None = Field(None, description="Run this user script/module instead of stagewise.train.")
     data_placement: Literal["auto", "host", "resident", "streamed"] = Field("auto", description=(
         "Where batches are shuffled and sliced: auto (CUDA: resident if it fits, else streamed; CPU: host), host "
-        "(tasks.datasets.loader, copied per batch), resident (read and moved once) or streamed (chunks copied ahead) on the device."))
+        "(stagewise.datasets.loader, copied per batch), resident (read and moved once) or streamed (chunks copied ahead) on the device."))
     resident_memory_fraction: float = Field(0.5, gt=0, le=1, description=(
         "auto: data is resident when the whole train split (per rank) fits in this fraction of the device's memory."))
     shuffle_block_rows: int = Field(1, ge=1, description=(
@@ -554,7 +554,7 @@ class Model(_Strict):
     """The model: a ModelSpec subclass named by import path, with its arguments (see tasks/spec.py)."""
 
     spec: str = Field(BUILTIN_SPEC, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
-                      description="The ModelSpec as module:Class, importable from the repo root or installed.")
+                      description="The ModelSpec as module:Class, beside the config (model.import_paths) or installed.")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the spec class.")
     import_paths: list[str] | None = Field(
         None, description="Folders the spec imports from, relative to the config file; null: the config's own folder.")

@@ -1,7 +1,7 @@
 """The hyperparameters the framework knows, declared once: name, default, domain and how a sweep may search it.
 
 The framework's own (optimizer and learning-rate rules) hold in every run; the built-in MLP's
-(``tasks.model:MLPClassifier``) are known by name too, so a typo in its params is refused early. A
+(``stagewise.model:MLPClassifier``) are known by name too, so a typo in its params is refused early. A
 user's spec declares its own in ``ModelSpec.default_params``; their domains are the spec's to check.
 """
 
@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-BUILTIN_SPEC = "tasks.model:MLPClassifier"
+BUILTIN_SPEC = "stagewise.model:MLPClassifier"
 """The model.spec of a config that names none: the built-in MLP."""
 
 

@@ -13,14 +13,21 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from tasks.core import storage
-from tasks.definitions.config import ConfigError, PipelineConfig, default_model_name
-
-# tasks/definitions/loading.py -> the checkout (or install) root, where the default pipeline.yaml lives.
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from stagewise.core import storage
+from stagewise.definitions.config import ConfigError, PipelineConfig, default_model_name
 
 
-DEFAULT_CONFIG_PATH = REPO_ROOT / "pipeline.yaml"
+def _checkout_root() -> Path | None:
+    """The source checkout this package runs from (``make venv``'s editable install), else None: an installed
+    Stagewise has no pipeline of its own and reads only the configs it is given."""
+    root = Path(__file__).resolve().parents[2]  # tasks/definitions/loading.py -> the checkout
+    return root if (root / "pipeline.yaml").is_file() and (root / "tasks" / "definitions").is_dir() else None
+
+
+CHECKOUT_ROOT = _checkout_root()
+
+DEFAULT_CONFIG_PATH = CHECKOUT_ROOT / "pipeline.yaml" if CHECKOUT_ROOT else None
+"""The checkout's pipeline.yaml (the pipeline ``ml``, what ``make demo`` runs); none when installed."""
 
 
 CONFIG_ENV_VAR = "STAGEWISE_CONFIG"
@@ -53,11 +60,14 @@ def _same_branch(location: tuple, dotted: str) -> bool:
 
 
 def config_path(path: str | os.PathLike | None = None) -> Path | str:
-    """The config file: the argument, else $STAGEWISE_CONFIG, else pipeline.yaml at the repo root.
+    """The config file: the argument, else $STAGEWISE_CONFIG, else the checkout's pipeline.yaml.
 
     A URI (``s3://``, ``file://``: a run's config snapshot) stays as it is; a local path is made absolute.
     """
     chosen = path or os.environ.get(CONFIG_ENV_VAR) or DEFAULT_CONFIG_PATH
+    if not chosen:
+        raise ConfigError(f"no pipeline config: pass --config or set ${CONFIG_ENV_VAR} (an installed Stagewise has "
+                          "no pipeline.yaml of its own)")
     return str(chosen) if "://" in str(chosen) else Path(chosen).resolve()
 
 
@@ -101,7 +111,11 @@ def _fill_model_name(raw: dict[str, Any]) -> None:
 
 
 def _resolve_relative_paths(raw: dict[str, Any], folder: Path) -> None:
-    """A relative storage root, journal file or spec folder is relative to the config file, not to a worker's cwd."""
+    """A relative storage root, journal file, spec folder or script is relative to the config file, not to a
+    worker's cwd."""
+    for entrypoint in _entrypoints(raw):
+        if isinstance(entrypoint.get("script"), str) and not os.path.isabs(entrypoint["script"]):
+            entrypoint["script"] = str((folder / entrypoint["script"]).resolve())
     model = raw.get("model")
     if isinstance(model, dict) and isinstance(model.get("import_paths", []), list | None):
         model["import_paths"] = [str((folder / path).resolve()) for path in model.get("import_paths") or ["."]]
@@ -112,6 +126,16 @@ def _resolve_relative_paths(raw: dict[str, Any], folder: Path) -> None:
     journal = sweep.get("storage", "") if isinstance(sweep, dict) else ""
     if isinstance(journal, str) and journal.startswith("journal://") and journal[10:] and not journal[10:].startswith("/"):
         raw["sweep"]["storage"] = "journal://" + str((folder / journal[10:]).resolve())
+
+
+def _entrypoints(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """The raw config's entrypoint mappings (the sweep's and each stage's), as written."""
+    sweep, train = raw.get("sweep"), raw.get("train")
+    found = [sweep.get("entrypoint")] if isinstance(sweep, dict) else []
+    stages = train.get("stages") if isinstance(train, dict) else None
+    if isinstance(stages, list):
+        found += [stage.get("entrypoint") for stage in stages if isinstance(stage, dict)]
+    return [entry for entry in found if isinstance(entry, dict)]
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:

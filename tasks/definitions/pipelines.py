@@ -15,14 +15,15 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from tasks.definitions.config import ConfigError, PipelineConfig
-from tasks.definitions.loading import CONFIG_ENV_VAR, DEFAULT_CONFIG_PATH, REPO_ROOT, SAFE_LOADER, read_text
+from stagewise.definitions.config import ConfigError, PipelineConfig
+from stagewise.definitions.loading import CHECKOUT_ROOT, CONFIG_ENV_VAR, DEFAULT_CONFIG_PATH, SAFE_LOADER, read_text
 
 PIPELINES_ENV_VAR = "STAGEWISE_PIPELINES"
 """Folders of pipeline configs (every ``*.yaml`` in each) or single config files, separated like PATH."""
 
-DEFAULT_PIPELINES = (DEFAULT_CONFIG_PATH, REPO_ROOT / "examples")
-"""Without the setting: the checkout's own pipeline.yaml and the shipped examples, side by side."""
+DEFAULT_PIPELINES = (DEFAULT_CONFIG_PATH, CHECKOUT_ROOT / "examples") if CHECKOUT_ROOT else ()
+"""Without the setting, in a checkout: its own pipeline.yaml and the shipped examples, side by side. An installed
+Stagewise has none: the DAG file or $STAGEWISE_PIPELINES names the team's pipelines."""
 
 KINDS = ("pipeline", "retrain", "batch_inference", "ingest")
 """The family of DAGs every pipeline gets, in the order they are built."""
@@ -59,6 +60,9 @@ def sources(setting: str | None = None) -> list[Path]:
         return [Path(part).expanduser().resolve() for part in chosen.split(os.pathsep) if part.strip()]
     if single := os.environ.get(CONFIG_ENV_VAR, "").strip():
         return [Path(single).expanduser().resolve()]
+    if not DEFAULT_PIPELINES:
+        raise ConfigError(f"no pipelines named: give the DAG file's build_pipelines(globals(), \"/path/to/pipelines\") "
+                          f"a folder of configs, or set ${PIPELINES_ENV_VAR}")
     return [path.resolve() for path in DEFAULT_PIPELINES]
 
 

@@ -1,10 +1,10 @@
-"""The config reference in Markdown, generated from the schema's field docs (``python -m tasks.config --reference``)."""
+"""The config reference in Markdown, generated from the schema's field docs (``python -m stagewise.config --reference``)."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel
 
-from tasks.definitions.config import (
+from stagewise.definitions.config import (
     CategoricalParam,
     EntryPoint,
     FloatParam,

@@ -3,7 +3,7 @@
 Use::
 
     model:
-      spec: "examples.digits_cnn:DigitsCNN"      # module:Class, importable from the repo or installed
+      spec: "stagewise.examples.digits_cnn:DigitsCNN"      # module:Class, importable from the repo or installed
       args: {channels: 16}                         # passed to the class as keyword arguments
     objective: {metric: accuracy, direction: maximize}
 
@@ -13,7 +13,7 @@ loss, metrics that reduce across ranks (sums and counts, never per-rank means) a
 prediction row holds. The framework keeps the rest: torchrun and DDP, batch arithmetic and the LR
 rules, warmup, checkpoints and exact resume, sharding, the sweep and pruning, evaluation, the
 registry and its gate, batch inference and the report. The built-in
-``tasks.model:MLPClassifier`` is one example of a spec. :class:`Classifier` (integer classes) and
+``stagewise.model:MLPClassifier`` is one example of a spec. :class:`Classifier` (integer classes) and
 :class:`Regressor` (a float target: no ``dataset.num_classes``) supply the loss, metrics and
 predictions, so a subclass of either writes only :meth:`ModelSpec.build`.
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tasks.core.errors import UserError
+from stagewise.core.errors import UserError
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,7 @@
 """From (spec, data, hyperparameters) to a module: the one path shared by sweep trials, training stages,
 evaluation, inference and bundle loading.
 
-The built-in ``tasks.model:MLPClassifier`` is one spec among any a user names in ``model.spec``.
+The built-in ``stagewise.model:MLPClassifier`` is one spec among any a user names in ``model.spec``.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 
 from torch import nn
 
-from tasks.core.errors import UserError
-from tasks.definitions.config import PipelineConfig
-from tasks.definitions.hyperparams import FRAMEWORK_DEFAULTS, hyperparameter_problem, typed
-from tasks.definitions.spec import DataInfo, ModelSpec, SpecRef
+from stagewise.core.errors import UserError
+from stagewise.definitions.config import PipelineConfig
+from stagewise.definitions.hyperparams import FRAMEWORK_DEFAULTS, hyperparameter_problem, typed
+from stagewise.definitions.spec import DataInfo, ModelSpec, SpecRef
 
 
 def data_info(manifest: dict[str, Any]) -> DataInfo:

@@ -11,11 +11,11 @@ from typing import Any
 
 from torch import nn
 
-from tasks.core.errors import UserError
-from tasks.definitions.hyperparams import BUILTIN_SPEC
-from tasks.definitions.spec import DataInfo, ModelSpec, SpecRef
-from tasks.models.building import build
-from tasks.models.torch_io import parse_torch, read_checked, save_torch
+from stagewise.core.errors import UserError
+from stagewise.definitions.hyperparams import BUILTIN_SPEC
+from stagewise.definitions.spec import DataInfo, ModelSpec, SpecRef
+from stagewise.models.building import build
+from stagewise.models.torch_io import parse_torch, read_checked, save_torch
 
 BUNDLE_FORMAT = "stagewise-model/2"
 

@@ -1,4 +1,4 @@
-"""The built-in model spec; configs and bundles name it by its public path ``tasks.model:MLPClassifier``."""
+"""The built-in model spec; configs and bundles name it by its public path ``stagewise.model:MLPClassifier``."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from typing import Any
 
 from torch import nn
 
-from tasks.core.errors import UserError
-from tasks.definitions.hyperparams import BUILTIN_SPEC_PARAMS, defaults
-from tasks.definitions.spec import Classifier, DataInfo
+from stagewise.core.errors import UserError
+from stagewise.definitions.hyperparams import BUILTIN_SPEC_PARAMS, defaults
+from stagewise.definitions.spec import Classifier, DataInfo
 
 
 class MLPClassifier(Classifier):

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from tasks.core.errors import UserError
+from stagewise.core.errors import UserError
 
 
 def scoring_device(requested: str) -> Any:

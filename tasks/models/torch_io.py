@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from tasks.core import storage
-from tasks.core.errors import DataError
-from tasks.models.versions import check_registered
+from stagewise.core import storage
+from stagewise.core.errors import DataError
+from stagewise.models.versions import check_registered
 
 
 def save_torch(uri: str, payload: dict[str, Any]) -> None:
@@ -20,7 +20,7 @@ def save_torch(uri: str, payload: dict[str, Any]) -> None:
 
 
 def read_checked(uri: str) -> tuple[bytes, str]:
-    """A torch file's bytes and their version id (tasks.models.versions), read once; a registered model whose bytes
+    """A torch file's bytes and their version id (stagewise.models.versions), read once; a registered model whose bytes
     no longer match its version is a DataError naming it. Read faults pass and are retried."""
     data = storage.read_bytes(uri)
     return data, check_registered(uri, data)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import hashlib
 import re
 
-from tasks.core.errors import DataError
+from stagewise.core.errors import DataError
 
 VERSION_PATTERN = r"m-[0-9a-f]{12}"
-# A registered model's file: models/<name>/<version>/model.pt (tasks.registry's layout).
+# A registered model's file: models/<name>/<version>/model.pt (stagewise.registry's layout).
 _REGISTERED_FILE = re.compile(rf"/({VERSION_PATTERN})/model\.pt$")
 
 
@@ -28,5 +28,5 @@ def check_registered(uri: str, data: bytes) -> str:
     if registered and registered.group(1) != version:
         raise DataError(f"{uri}: its {len(data)} bytes hash to {version}, not to its registered version "
                         f"{registered.group(1)}: the file was cut, corrupted or replaced after registration; roll back "
-                        f"(python -m tasks.registry rollback) or register the model again")
+                        f"(python -m stagewise.registry rollback) or register the model again")
     return version

@@ -1,6 +1,6 @@
 """report.html: one self-contained, offline page per run, beside its report.json.
 
-Run: ``python -m tasks.report html <run prefix>`` renders it again from a finished run's files alone: report.json,
+Run: ``python -m stagewise.report html <run prefix>`` renders it again from a finished run's files alone: report.json,
 ``train/<stage>/metrics.json`` (per-epoch history and resume points) and ``sweep/trials.json`` (every trial).
 
 Four sections: the training curve across all stages on one global step axis (loss and the run's objective, each
@@ -18,8 +18,8 @@ import json
 import logging
 from typing import Any
 
-from tasks.core import storage
-from tasks.core.errors import DataError
+from stagewise.core import storage
+from stagewise.core.errors import DataError
 
 log = logging.getLogger("stagewise.report")
 

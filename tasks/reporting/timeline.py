@@ -12,8 +12,8 @@ import datetime as dt
 import logging
 from typing import Any
 
-from tasks.core import storage
-from tasks.core.errors import DataError
+from stagewise.core import storage
+from stagewise.core.errors import DataError
 
 log = logging.getLogger("stagewise.timeline")
 

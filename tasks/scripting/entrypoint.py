@@ -9,13 +9,13 @@ import json
 import os
 from typing import Any
 
-from tasks.core import contract as env_contract
-from tasks.core.errors import UserError
-from tasks.definitions.config import ARG_PLACEHOLDERS, EntryPoint, PipelineConfig, placeholders
+from stagewise.core import contract as env_contract
+from stagewise.core.errors import UserError
+from stagewise.definitions.config import ARG_PLACEHOLDERS, EntryPoint, PipelineConfig, placeholders
 
 
 def contract_environment(config: PipelineConfig, values: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, str]:
-    """tasks.contract.STAGE_ENV from a stage's (or a sweep trial's) contract values, all as strings."""
+    """stagewise.contract.STAGE_ENV from a stage's (or a sweep trial's) contract values, all as strings."""
     text = {"params": json.dumps(values["params"]), "lr": repr(values["lr"])}
     env = {f"STAGEWISE_{name.upper()}": text.get(name, str(value)) for name, value in values.items()}
     env[env_contract.OVERRIDES] = json.dumps(overrides or {})
@@ -39,7 +39,7 @@ def entrypoint_args(entry: EntryPoint | None, owner: str, contract: dict[str, An
     return args
 
 
-# The key under which the launcher hands a user script's last tasks.spec.report ($STAGEWISE_METRICS_FILE) to byo_result.
+# The key under which the launcher hands a user script's last stagewise.spec.report ($STAGEWISE_METRICS_FILE) to byo_result.
 LAST_REPORT = "last_report"
 
 
@@ -56,7 +56,7 @@ def card_params(trained: dict[str, Any], swept_params: dict[str, Any] | None) ->
 
 
 def read_last_report(path: str) -> dict[str, Any] | None:
-    """What the script's last ``tasks.spec.report`` recorded in ``path`` ($STAGEWISE_METRICS_FILE): epoch, metrics, pruned."""
+    """What the script's last ``stagewise.spec.report`` recorded in ``path`` ($STAGEWISE_METRICS_FILE): epoch, metrics, pruned."""
     if not os.path.exists(path):
         return None
     with open(path) as handle:

@@ -1,10 +1,10 @@
 """The runtime helper of your own torchrun script, as a training stage or as a sweep trial.
 
-Import it through the one public module, ``tasks.spec``::
+Import it through the one public module, ``stagewise.spec``::
 
-    from tasks.spec import build_model, checkpoint_dir, context, read_split, report, save_model
+    from stagewise.spec import build_model, checkpoint_dir, context, read_split, report, save_model
 
-Everything comes from the STAGEWISE_* environment the framework sets (tasks.core.contract), so the same
+Everything comes from the STAGEWISE_* environment the framework sets (stagewise.core.contract), so the same
 script runs as a stage (``train.stages[].entrypoint``) and as each trial of a sweep
 (``sweep.entrypoint``). Only rank 0 logs, talks to the Optuna study and writes; every rank gets the
 same answers. torch.distributed and Optuna are imported when first needed.
@@ -18,16 +18,16 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.core import contract, storage
-from tasks.core.errors import UserError
-from tasks.datasets.manifest import load_split, read_manifest
-from tasks.definitions.loading import load_config
-from tasks.definitions.spec import SpecRef
-from tasks.models.building import data_info, model_for_run
-from tasks.models.bundle import preprocessing_of, save_bundle
-from tasks.models.torch_io import load_torch, save_torch
-from tasks.study.studies import make_pruner, open_storage
-from tasks.training.distributed import read_env
+from stagewise.core import contract, storage
+from stagewise.core.errors import UserError
+from stagewise.datasets.manifest import load_split, read_manifest
+from stagewise.definitions.loading import load_config
+from stagewise.definitions.spec import SpecRef
+from stagewise.models.building import data_info, model_for_run
+from stagewise.models.bundle import preprocessing_of, save_bundle
+from stagewise.models.torch_io import load_torch, save_torch
+from stagewise.study.studies import make_pruner, open_storage
+from stagewise.training.distributed import read_env
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +66,7 @@ class Context:
 def _env(name: str) -> str:
     value = os.environ.get(name)
     if value is None:
-        raise UserError(f"${name} is not set: tasks.spec's runtime helpers work in a script Stagewise launches "
+        raise UserError(f"${name} is not set: stagewise.spec's runtime helpers work in a script Stagewise launches "
                         f"(a train stage's or the sweep's entrypoint)")
     return value
 

@@ -10,9 +10,9 @@ import logging
 import os
 from typing import Any
 
-from tasks.core import storage
-from tasks.core.errors import UserError
-from tasks.definitions.config import CategoricalParam, FloatParam, PipelineConfig, Sweep
+from stagewise.core import storage
+from stagewise.core.errors import UserError
+from stagewise.definitions.config import CategoricalParam, FloatParam, PipelineConfig, Sweep
 
 log = logging.getLogger("stagewise.sweep")
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tasks.core import storage
-from tasks.core.errors import UserError
-from tasks.definitions.config import PipelineConfig
-from tasks.study.studies import FINISHED, best_trial, counts_toward_budget, open_storage, outcome, recover_abandoned
+from stagewise.core import storage
+from stagewise.core.errors import UserError
+from stagewise.definitions.config import PipelineConfig
+from stagewise.study.studies import FINISHED, best_trial, counts_toward_budget, open_storage, outcome, recover_abandoned
 
 log = logging.getLogger("stagewise.sweep")
 

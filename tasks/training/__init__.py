@@ -1,13 +1,13 @@
-"""The training library under the sub-jobs (tasks.train runs a stage, tasks.sweep its trials).
+"""The training library under the sub-jobs (stagewise.train runs a stage, stagewise.sweep its trials).
 
-- :mod:`tasks.training.loop`: the one training loop of sweep trials and DDP stages (batch arithmetic,
+- :mod:`stagewise.training.loop`: the one training loop of sweep trials and DDP stages (batch arithmetic,
   LR rules, warmup, divergence checks, validation metrics reduced across ranks);
-- :mod:`tasks.training.device_data`: batches shuffled and sliced on the device, the data resident or streamed
+- :mod:`stagewise.training.device_data`: batches shuffled and sliced on the device, the data resident or streamed
   through pinned memory and a side CUDA stream (chosen per stage, automatically on CUDA);
-- :mod:`tasks.training.checkpoint`: checkpoints written by rank 0, exact resume, restoring model and optimizer state;
-- :mod:`tasks.training.distributed`: the torchrun environment, read once;
-- :mod:`tasks.training.local_torchrun` and :mod:`tasks.training.rank_guard`: torchrun on one machine with the
+- :mod:`stagewise.training.checkpoint`: checkpoints written by rank 0, exact resume, restoring model and optimizer state;
+- :mod:`stagewise.training.distributed`: the torchrun environment, read once;
+- :mod:`stagewise.training.local_torchrun` and :mod:`stagewise.training.rank_guard`: torchrun on one machine with the
   rendezvous on loopback and no rank outliving its agent;
-- :mod:`tasks.training.node_launch`: the same on each node of a SageMaker or Kubernetes job, the node's rank
+- :mod:`stagewise.training.node_launch`: the same on each node of a SageMaker or Kubernetes job, the node's rank
   from its backend (the container entrypoint).
 """

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tasks.core import storage
-from tasks.core.errors import DataError
-from tasks.models.torch_io import load_torch, save_torch
+from stagewise.core import storage
+from stagewise.core.errors import DataError
+from stagewise.models.torch_io import load_torch, save_torch
 
 log = logging.getLogger("stagewise.checkpoint")
 

@@ -1,9 +1,9 @@
 """Per-rank batches shuffled and sliced on the training device: resident epochs, or chunks streamed in.
 
-Used by :func:`tasks.training.loop.rank_batches` (``train.stages[].data_placement``); try it alone with
-``python -c "from tasks.training.device_data import choose_placement; help(choose_placement)"``.
+Used by :func:`stagewise.training.loop.rank_batches` (``train.stages[].data_placement``); try it alone with
+``python -c "from stagewise.training.device_data import choose_placement; help(choose_placement)"``.
 
-Which rows a rank reads is :class:`tasks.datasets.loader.ParquetBatches`'s: each epoch the split's row groups are
+Which rows a rank reads is :class:`stagewise.datasets.loader.ParquetBatches`'s: each epoch the split's row groups are
 permuted with ``seed + epoch`` and rank r takes every world_size-th one (ranks disjoint per epoch, the
 same number of steps on every rank). The rank's row groups are cut, in that order, into chunks of about
 ``chunk_bytes``; each chunk's rows are permuted by ``torch.randperm`` on the device with a generator
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tasks.core.errors import UserError
-from tasks.datasets.loader import ParquetBatches, RowGroup, read_row_groups
+from stagewise.core.errors import UserError
+from stagewise.datasets.loader import ParquetBatches, RowGroup, read_row_groups
 
 log = logging.getLogger("stagewise.train")
 
@@ -300,7 +300,7 @@ def _torch_dtype(numpy_dtype: type) -> torch.dtype:
 
 def choose_placement(setting: str, fraction: float, device: str, need_bytes: int) -> tuple[str, str]:
     """(placement, why): ``auto`` on CUDA is resident when ``need_bytes`` fit in ``fraction`` of the device's memory
-    (and in what is free), else streamed; on CPU it is host (tasks.datasets.loader as before). Forced settings are kept."""
+    (and in what is free), else streamed; on CPU it is host (stagewise.datasets.loader as before). Forced settings are kept."""
     if setting not in PLACEMENTS:
         raise UserError(f"data_placement '{setting}' is not one of {', '.join(PLACEMENTS)}")
     if not 0 < fraction <= 1:

@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tasks.core.errors import UserError
+from stagewise.core.errors import UserError
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,6 @@
 """torchrun for one machine whose rendezvous store listens on 127.0.0.1 only.
 
-Run: ``python -m tasks.training.local_torchrun --nproc-per-node=2 [--max-restarts=1] -m tasks.train --stage s1 ...``
+Run: ``python -m stagewise.training.local_torchrun --nproc-per-node=2 [--max-restarts=1] -m stagewise.train --stage s1 ...``
 (any torchrun option but the rendezvous ones; ``--help`` shows them all).
 
 ``torchrun --standalone`` hosts two TCPStores on every interface (``*:port``): a TCPStore server binds
@@ -8,7 +8,7 @@ the wildcard address whatever host it is given. Here the agent hosts one store i
 bound to 127.0.0.1 before the store takes it over (``master_listen_fd``); the ranks join it as
 clients (``use_agent_store``), and gloo/NCCL pick the loopback interface for their own sockets.
 
-Each rank starts through ``tasks.training.rank_guard``, which gives it a parent-death SIGKILL before it becomes the rank's
+Each rank starts through ``stagewise.training.rank_guard``, which gives it a parent-death SIGKILL before it becomes the rank's
 own command: torch starts ranks in sessions of their own, so without it a rank whose agent is killed runs on.
 """
 
@@ -89,11 +89,11 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 def guarded_argv(argv: list[str], launcher: str, refused: tuple[str, ...], why: str) -> list[str]:
-    """torchrun's options from ``argv`` then ``--no-python`` and every rank's command through tasks.training.rank_guard.
+    """torchrun's options from ``argv`` then ``--no-python`` and every rank's command through stagewise.training.rank_guard.
 
     Refuses the ``refused`` options (``why`` says what the launcher sets instead) and ``--run-path``, which would run
     the ranks as this agent's multiprocessing children instead of commands the guard can start. The one rank-command
-    builder of this launcher and of tasks.training.node_launch.
+    builder of this launcher and of stagewise.training.node_launch.
     """
     from torch.distributed.run import get_args_parser
 
@@ -112,17 +112,17 @@ def guarded_argv(argv: list[str], launcher: str, refused: tuple[str, ...], why: 
     else:  # the command torchrun itself would give each rank
         rank = [os.getenv("PYTHON_EXEC", sys.executable), "-u", *(["-m"] if parsed.module else []), parsed.training_script]
     # This process becomes the agent, the ranks' parent: the guard checks it is still there once the signal is armed.
-    guard = [sys.executable, "-m", "tasks.training.rank_guard", str(os.getpid()), *rank, *parsed.training_script_args]
+    guard = [sys.executable, "-m", "stagewise.training.rank_guard", str(os.getpid()), *rank, *parsed.training_script_args]
     options = [arg for arg in options if arg not in _ENTRYPOINT_OPTIONS]
     return [*options, "--no-python", *guard]
 
 
 def torchrun_argv(argv: list[str]) -> list[str]:
-    """torchrun's arguments with the loopback rendezvous and every rank started through tasks.training.rank_guard.
+    """torchrun's arguments with the loopback rendezvous and every rank started through stagewise.training.rank_guard.
 
     Refuses rendezvous options, which would undo the loopback store.
     """
-    own = guarded_argv(argv, "tasks.training.local_torchrun", RENDEZVOUS_OPTIONS,
+    own = guarded_argv(argv, "stagewise.training.local_torchrun", RENDEZVOUS_OPTIONS,
                        f"this launcher runs one node with its rendezvous on {LOOPBACK}")
     return ["--nnodes=1", f"--rdzv-backend={RENDEZVOUS_BACKEND}", f"--rdzv-endpoint={LOOPBACK}:0", *own]
 

@@ -2,8 +2,8 @@
 
 Batch arithmetic: global batch = per-process batch x world size x accumulation steps. The learning
 rate is swept at ``base_batch`` and rescaled by a rule (Goyal et al. 2017: linear).
-Data comes per rank from :mod:`tasks.datasets.loader` (host batches, copied per step) or
-:mod:`tasks.training.device_data` (batches already on the device); the loop's :class:`Position` (epoch, micro-step,
+Data comes per rank from :mod:`stagewise.datasets.loader` (host batches, copied per step) or
+:mod:`stagewise.training.device_data` (batches already on the device); the loop's :class:`Position` (epoch, micro-step,
 optimizer step) is what a checkpoint stores to resume at exactly the same batch.
 """
 
@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tasks.core.errors import UserError
-from tasks.datasets.loader import ParquetBatches, split_batches
-from tasks.definitions.spec import Average, ModelSpec
-from tasks.models.building import BuiltModel, model_for_run
-from tasks.training.device_data import DeviceBatches, choose_placement, resident_bytes
-from tasks.training.distributed import DistEnv, any_rank
+from stagewise.core.errors import UserError
+from stagewise.datasets.loader import ParquetBatches, split_batches
+from stagewise.definitions.spec import Average, ModelSpec
+from stagewise.models.building import BuiltModel, model_for_run
+from stagewise.training.device_data import DeviceBatches, choose_placement, resident_bytes
+from stagewise.training.distributed import DistEnv, any_rank
 
 Batches = ParquetBatches | DeviceBatches
 
@@ -187,7 +187,7 @@ class Loop:
         micro_total = self.train_data.steps_per_epoch(position.epoch)
         started = time.perf_counter()
         samples_before, lr = position.seen, lr_at(position.step)
-        # Batches of tasks.training.device_data are on the device already: no second copy.
+        # Batches of stagewise.training.device_data are on the device already: no second copy.
         to_device = self.env.device != "cpu" and not getattr(self.train_data, "on_device", False)
         for inputs, targets in self.train_data.epoch(position.epoch, skip_steps=position.micro_step):
             if to_device:
@@ -359,8 +359,8 @@ def rank_batches(manifest: dict[str, Any], env: DistEnv, *, batch_size: int, see
     """This rank's shuffled train batches and its validation batches. A batch that leaves no optimizer step is a user
     error (``too_few_rows(rows per rank)`` says which setting); the ranks agree on it first (one all-reduce), so all refuse
     together, each saying why, and none hangs in DDP. ``placement`` (auto, host, resident, streamed) and ``memory_fraction`` pick where
-    batches are made (tasks.training.device_data.choose_placement); rank 0 logs the choice. ``shuffle_block_rows``
-    coarsens the host loader's shuffle (tasks.datasets.loader.ParquetBatches)."""
+    batches are made (stagewise.training.device_data.choose_placement); rank 0 logs the choice. ``shuffle_block_rows``
+    coarsens the host loader's shuffle (stagewise.datasets.loader.ParquetBatches)."""
     train = split_batches(manifest, "train", rank=env.rank, world_size=env.world_size, batch_size=batch_size, seed=seed,
                           shuffle_block_rows=shuffle_block_rows)
     validation = split_batches(manifest, "validation", rank=env.rank, world_size=env.world_size, batch_size=4096,

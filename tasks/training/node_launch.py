@@ -1,11 +1,11 @@
 """The container entrypoint of a train stage on several nodes: one torchrun agent per node, ranks in a fixed order.
 
-Run (on every node of the job, the same command): ``python -m tasks.training.node_launch {sagemaker|kubernetes}
---nproc-per-node=2 [--max-restarts=1] -m tasks.train --stage s2 --config ... --out s3://...``
+Run (on every node of the job, the same command): ``python -m stagewise.training.node_launch {sagemaker|kubernetes}
+--nproc-per-node=2 [--max-restarts=1] -m stagewise.train --stage s2 --config ... --out s3://...``
 
 The backend names where this node learns its place in the job; everything else is the same torchrun for both:
 torch's static rendezvous (``--nnodes N --node-rank R`` on the store of node 0), so node R's ranks are
-R*nproc .. R*nproc+nproc-1 on every try, and each rank starts through tasks.training.rank_guard (no rank outlives
+R*nproc .. R*nproc+nproc-1 on every try, and each rank starts through stagewise.training.rank_guard (no rank outlives
 its agent). The other nodes wait up to the join timeout for node 0's store; a node that dies makes the others'
 collectives fail, and each agent then stops its ranks and exits nonzero: the job fails, the Airflow try with it,
 and the retry resumes from the stage's last checkpoint.
@@ -23,7 +23,7 @@ torch's c10d rendezvous is not used: it ignores ``--node-rank`` and orders nodes
 index already gives every pod its rank.
 
 Both: $STAGEWISE_JOIN_TIMEOUT_S (900) bounds the wait for every node. Node 0's store listens on all of the
-node's interfaces (the other nodes must reach it), unlike tasks.training.local_torchrun's loopback-only store.
+node's interfaces (the other nodes must reach it), unlike stagewise.training.local_torchrun's loopback-only store.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.core import contract
-from tasks.training.local_torchrun import RENDEZVOUS_OPTIONS, guarded_argv
+from stagewise.core import contract
+from stagewise.training.local_torchrun import RENDEZVOUS_OPTIONS, guarded_argv
 
-LAUNCHER = "tasks.training.node_launch"
+LAUNCHER = "stagewise.training.node_launch"
 BACKENDS = ("sagemaker", "kubernetes")
 SM_RESOURCE_CONFIG = "/opt/ml/input/config/resourceconfig.json"
 SM_RESOURCE_CONFIG_ENV = contract.SM_RESOURCE_CONFIG

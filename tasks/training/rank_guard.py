@@ -1,6 +1,6 @@
 """Start a torchrun rank that dies with its agent (Linux), then become the rank's own command.
 
-Run (tasks.training.local_torchrun makes it every rank's command): ``python -m tasks.training.rank_guard AGENT_PID COMMAND [ARG...]``
+Run (stagewise.training.local_torchrun makes it every rank's command): ``python -m stagewise.training.rank_guard AGENT_PID COMMAND [ARG...]``
 
 torch's elastic agent starts each rank in a session of its own and sets no parent-death signal, so a rank whose
 agent is SIGKILLed runs on as an orphan. The parent-death signal set here survives the exec into COMMAND.
@@ -25,7 +25,7 @@ def main() -> None:
             error = ctypes.get_errno()
             raise OSError(error, f"prctl(PR_SET_PDEATHSIG): {os.strerror(error)}")
         if os.getppid() != agent:  # the agent died before the signal was armed: nothing would end this rank
-            sys.exit(f"tasks.training.rank_guard: torchrun agent {agent} is gone; not starting {command[0]}")
+            sys.exit(f"stagewise.training.rank_guard: torchrun agent {agent} is gone; not starting {command[0]}")
     os.execvp(command[0], command)
 
 

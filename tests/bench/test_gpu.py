@@ -55,7 +55,7 @@ def test_skipped_entries_show_in_the_table_and_count_neither_met_nor_missed(no_c
 
 _IMPORT_PROBE = """
 import importlib.abc, json, sys
-BLOCKED = ("airflow", "optuna", "pandas", "sklearn", "stagewise_airflow")
+BLOCKED = ("airflow", "optuna", "pandas", "sklearn", "stagewise.airflow")
 
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -64,7 +64,7 @@ class Block(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Block())
 from bench.harness import run_one
-import bench.gpu, bench.training, bench.inference, tasks.train, tasks.infer, tasks.preprocess, tasks.data
+import bench.gpu, bench.training, bench.inference, stagewise.train, stagewise.infer, stagewise.preprocess, stagewise.data
 print(json.dumps([run_one(name) for name in sys.argv[1:]]))
 """
 

@@ -42,7 +42,7 @@ def make_airflow_env(home: Path, storage_root: str, journal_dir: Path, extra: di
         run_cache.migrated_sqlite_db(db_url.removeprefix("sqlite:///"), pools_of=config_path)
     else:
         airflow(env, "db", "migrate")
-        command = ". scripts/airflow_env.sh && exec python -m stagewise_airflow.pools"
+        command = ". scripts/airflow_env.sh && exec python -m stagewise.airflow.pools"
         subprocess.run(["bash", "-c", command], cwd=REPO_ROOT, env=env, check=True, capture_output=True)
     run_cache.demo_data(config_path, env=_with_path({**env, **(data_env or {})}))
     return env

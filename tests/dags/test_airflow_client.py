@@ -1,7 +1,7 @@
 """Scripting Stagewise the way users script Airflow: the official apache-airflow-client against a live stack.
 
 A JWT from ``POST /auth/token``, a trigger with a conf, a wait, the mapped task instances by their
-names, the report task's XCom, and the report.json it points to (also found by ``python -m tasks.report latest``).
+names, the report task's XCom, and the report.json it points to (also found by ``python -m stagewise.report latest``).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_official_client_triggers_waits_lists_named_mapped_tasks_and_reads_the_r
     assert report["sweep"]["n_trials"] == 3, "the conf's budget reached the sweep"
     assert report["predictions"]["rows"] == raw_rows and report["test_accuracy"] >= 0.5
     # The README's other way to find it: the newest report under the storage root.
-    latest = subprocess.run([sys.executable, "-m", "tasks.report", "latest"], cwd=REPO_ROOT, capture_output=True,
+    latest = subprocess.run([sys.executable, "-m", "stagewise.report", "latest"], cwd=REPO_ROOT, capture_output=True,
                             text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT),
                                                     "STAGEWISE_CONFIG": str(shared_airflow.configs["ml"])})
     assert latest.returncode == 0, latest.stderr

@@ -14,7 +14,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DAG_FILES = sorted((REPO_ROOT / "dags").glob("*.py"))
 HEAVY = ("torch", "optuna", "pyarrow", "pandas", "sklearn")
 
-# No sys.path edits: as in Airflow's dag-processor, tasks and stagewise_airflow import as the installed package.
+# No sys.path edits: as in Airflow's dag-processor, tasks and stagewise.airflow import as the installed package.
 PROBE = """
 import json, runpy, sys
 namespace = runpy.run_path({path!r})

@@ -104,7 +104,7 @@ def test_batch_inference_dag_scores_with_the_current_model(report, airflow_env, 
     inference = json.loads(found[0].read_text())
     assert inference["model_version"] == report["registry"]["current"]
     assert inference["predictions"]["rows"] == dirty.num_rows - 3 and inference["predictions"]["rows_quarantined"] == 3
-    from tasks.datasets.predictions import plan_inference
+    from stagewise.datasets.predictions import plan_inference
 
     shards = plan_inference(str(tmp_path / "to_score.parquet"), rows_per_shard=200)
     assert len(shards) == 3  # 449 rows in row groups of 100, about 200 rows a shard
@@ -114,7 +114,7 @@ def test_batch_inference_dag_scores_with_the_current_model(report, airflow_env, 
 def test_a_cut_current_model_fails_batch_inference_once_per_shard_naming_the_file(report, airflow_env, tmp_path):
     """The current model.pt cut after registration: each infer_shard fails on its first try (no retry), naming the
     file and its registered version, and no predictions are committed. The file is restored for the tests after."""
-    from tasks.reporting import timeline
+    from stagewise.reporting import timeline
 
     storage_root = Path(airflow_env["STAGEWISE_TEST_STORAGE"])
     model = storage_root / "models" / "digits" / report["registry"]["current"] / "model.pt"

@@ -49,7 +49,7 @@ def test_ingest_after_a_dataset_uri_change_emits_an_event_on_the_new_asset(tmp_p
     import json
     import sqlite3
 
-    from tasks.datasets.demo import write_digits
+    from stagewise.datasets.demo import write_digits
     from tests.dags.conftest import airflow, make_airflow_env
 
     storage_root = tmp_path / "storage"

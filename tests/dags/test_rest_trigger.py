@@ -30,7 +30,7 @@ def test_rest_trigger_refuses_out_of_bounds_conf_and_runs_a_valid_one(stack, tmp
     live, storage_root, config_path = stack
     env = {**subprocess_env, "STAGEWISE_CONFIG": str(config_path)}
     new_data = tmp_path / "incoming"
-    subprocess.run([sys.executable, "-m", "tasks.data", "digits", str(new_data), "--num-shards", "1"], cwd=REPO_ROOT,
+    subprocess.run([sys.executable, "-m", "stagewise.data", "digits", str(new_data), "--num-shards", "1"], cwd=REPO_ROOT,
                    env=env, check=True, capture_output=True)
 
     refused = live.api("POST", "/api/v2/dags/ml_pipeline/dagRuns", expect=(400,),

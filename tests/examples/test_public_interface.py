@@ -1,4 +1,4 @@
-"""User code imports one module of the project: every example reaches Stagewise through tasks.spec only."""
+"""User code imports one module of the project: every example reaches Stagewise through stagewise.spec only."""
 
 from __future__ import annotations
 
@@ -6,27 +6,28 @@ import ast
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PUBLIC = "tasks.spec"
+PUBLIC = "stagewise.spec"
 
 
 def project_imports(path: Path) -> list[str]:
-    """The project modules (tasks, stagewise_airflow, plugins) a file imports, at any depth."""
+    """The project modules (stagewise and all under it, and the repository's old top-level names) a file imports, at
+    any depth."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            # `from tasks import spec` imports tasks.spec
-            names = [f"{node.module}.{alias.name}" if node.module == "tasks" else node.module for alias in node.names]
+            # `from stagewise import spec` imports stagewise.spec
+            names = [f"{node.module}.{alias.name}" if node.module == "stagewise" else node.module for alias in node.names]
         else:
             continue
-        found += [name for name in names if name.split(".")[0] in ("tasks", "stagewise_airflow", "plugins")]
+        found += [name for name in names if name.split(".")[0] in ("stagewise", "tasks", "plugins")]
     return found
 
 
 def test_examples_import_only_the_public_module():
-    """examples/ are written as a user writes them: model specs and scripts import tasks.spec and nothing else of ours."""
-    files = sorted((REPO_ROOT / "examples").glob("*.py"))
+    """examples/ are written as a user writes them: model specs and scripts import stagewise.spec and nothing else of ours."""
+    files = sorted(path for path in (REPO_ROOT / "examples").glob("*.py") if path.name != "__init__.py")
     assert len(files) >= 4, files
     offending = {path.name: names for path in files if (names := [n for n in project_imports(path) if n != PUBLIC])}
     assert offending == {}, offending
@@ -34,8 +35,9 @@ def test_examples_import_only_the_public_module():
 
 
 def test_the_check_sees_internal_imports(tmp_path):
-    """Internal modules are caught in every import form; tasks.spec passes."""
+    """Internal modules are caught in every import form; stagewise.spec passes."""
     sample = tmp_path / "sample.py"
-    sample.write_text("from tasks.spec import Regressor\nfrom tasks import spec, model\nimport tasks.preprocess\n"
-                      "def f():\n    from stagewise_airflow import steps\n")
-    assert project_imports(sample) == ["tasks.spec", "tasks.spec", "tasks.model", "tasks.preprocess", "stagewise_airflow"]
+    sample.write_text("from stagewise.spec import Regressor\nfrom stagewise import spec, model\nimport stagewise.preprocess\n"
+                      "import tasks.train\ndef f():\n    from stagewise.airflow import steps\n")
+    assert project_imports(sample) == ["stagewise.spec", "stagewise.spec", "stagewise.model", "stagewise.preprocess",
+                                       "tasks.train", "stagewise.airflow"]

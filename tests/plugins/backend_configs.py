@@ -6,8 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from tasks.definitions.config import PipelineConfig
-from tasks.definitions.loading import load_config
+from stagewise.definitions.config import PipelineConfig
+from stagewise.definitions.loading import load_config
 from tests.conftest import base_config
 
 SAGEMAKER = {"instance_type": "ml.g5.12xlarge", "image_uri": "123456789012.dkr.ecr.eu-west-1.amazonaws.com/stagewise:1",
@@ -35,7 +35,7 @@ def backend_config(directory: Path, backend: str, storage_root: str = "s3://stag
 
 def job_args(path: Path, config: PipelineConfig, attempt: int = 1, **changes) -> dict:
     """The builders' keyword arguments for stage s2 of RUN."""
-    from tasks.core.storage import run_prefix
+    from stagewise.core.storage import run_prefix
 
     out = run_prefix(config.storage_root, **RUN)
     args = dict(dag_id=RUN["dag_id"], run_id=RUN["run_id"], stage="s2", out=out, attempt=attempt,

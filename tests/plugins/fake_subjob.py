@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-from tasks.core.cli import run_subjob
-from tasks.core.errors import DataError
+from stagewise.core.cli import run_subjob
+from stagewise.core.errors import DataError
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """A 2-rank job that joins its process group, then holds it open until told, so a test can list its sockets.
 
-Run: ``python -m tasks.training.local_torchrun --nproc-per-node=2 tests/plugins/rendezvous_probe.py READY_FILE RELEASE_FILE``
+Run: ``python -m stagewise.training.local_torchrun --nproc-per-node=2 tests/plugins/rendezvous_probe.py READY_FILE RELEASE_FILE``
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from tasks.training.distributed import init_process_group, read_env
+from stagewise.training.distributed import init_process_group, read_env
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """A 2-rank job whose ranks ignore SIGTERM (as a rank stuck in a collective or a long write does) and idle.
 
-Run: ``python -m tasks.training.local_torchrun --nproc-per-node=2 tests/plugins/stubborn_ranks.py PID_DIR``
+Run: ``python -m stagewise.training.local_torchrun --nproc-per-node=2 tests/plugins/stubborn_ranks.py PID_DIR``
 Once the group is up, each rank writes ``PID_DIR/rank<N>.pid``: its pid, then its agent's. A rank gives up after
 120 s, so a leak from a broken test does not live on for long.
 """
@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from tasks.training.distributed import init_process_group, read_env
+from stagewise.training.distributed import init_process_group, read_env
 
 
 def main() -> None:

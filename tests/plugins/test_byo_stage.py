@@ -9,10 +9,13 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from stagewise_airflow import launch
-from tasks.definitions.config import Profile
-from tasks.definitions.loading import load_config
-from tasks.train import byo_args, byo_contract, byo_environment, check_byo_outputs
+from stagewise.airflow import launch
+from stagewise.definitions.config import Profile
+from stagewise.definitions.loading import load_config
+from stagewise.train import byo_args, byo_contract, byo_environment, check_byo_outputs
+from tests.conftest import REPO_ROOT
+
+SNAPSHOT_SCRIPT = str(REPO_ROOT / "tests" / "plugins" / "byo_snapshot_script.py")
 
 
 @pytest.mark.torchrun
@@ -20,7 +23,8 @@ def test_user_script_runs_under_torchrun_with_the_stage_contract(digits_run):
     """The script gets torchrun's variables, its own args (placeholders filled), the data manifest, the output dirs; its result comes back."""
     config_path, out = digits_run
     raw = yaml.safe_load(config_path.read_text())
-    raw["train"]["stages"][1]["entrypoint"] = {"script": "examples/byo_train.py", "args": ["--hidden", "{hidden}"]}
+    raw["train"]["stages"][1]["entrypoint"] = {"script": str(REPO_ROOT / "examples" / "byo_train.py"),
+                                                   "args": ["--hidden", "{hidden}"]}
     config_path.write_text(yaml.safe_dump(raw))
     config = load_config(config_path)
     stage = config.stage("s2")
@@ -42,7 +46,7 @@ def test_user_script_runs_under_torchrun_with_the_stage_contract(digits_run):
 
 def test_entrypoint_needs_exactly_one_target(write_config):
     """A stage entrypoint with both or neither of script and module is refused, naming the key."""
-    from tasks.definitions.config import ConfigError
+    from stagewise.definitions.config import ConfigError
 
     path = write_config()
     raw = yaml.safe_load(path.read_text())
@@ -52,25 +56,22 @@ def test_entrypoint_needs_exactly_one_target(write_config):
         load_config(path)
 
 
-@pytest.mark.parametrize("entry", [{"script": "tests/plugins/byo_snapshot_script.py"},
-                                   {"module": "tests.plugins.byo_snapshot_script"}])
+@pytest.mark.parametrize("entry", [{"script": SNAPSHOT_SCRIPT}, {"module": "tests.plugins.byo_snapshot_script"}])
 @pytest.mark.torchrun  # a one-process torchrun job
 def test_user_script_runs_in_a_scratch_cwd_that_no_later_run_sees(entry):
-    """A script writing snapshot.pt relative to its cwd leaves nothing in the repo root, and a second run starts clean.
-
-    A relative ``script:`` path still resolves against the repo root, and a ``module:`` still imports,
-    although the cwd is elsewhere.
+    """A script writing snapshot.pt relative to its cwd leaves nothing in the task's cwd, and a second run starts
+    clean. A ``module:`` still imports although the cwd is elsewhere.
     """
-    repo_root = Path(launch.REPO_ROOT)
-    leftover = repo_root / "snapshot.pt"
-    assert not leftover.exists(), "a snapshot.pt from an earlier run sits in the repo root"
+    task_cwd = Path.cwd()
+    leftover = task_cwd / "snapshot.pt"
+    assert not leftover.exists(), "a snapshot.pt from an earlier run sits in the task's cwd"
     kwargs = {"script": entry.get("script"), "result_arg": False}
     try:
         first = launch.run(entry.get("module", ""), [], Profile(), distributed=True, **kwargs)
         second = launch.run(entry.get("module", ""), [], Profile(), distributed=True, **kwargs)
-        assert not leftover.exists(), "the script's relative snapshot.pt landed in the repo root"
+        assert not leftover.exists(), "the script's relative snapshot.pt landed in the task's cwd"
         assert not first["found_snapshot"] and not second["found_snapshot"], "the second run saw the first run's snapshot"
-        assert Path(first["cwd"]) != repo_root and not Path(first["cwd"]).exists(), "the scratch cwd is removed"
+        assert Path(first["cwd"]) != task_cwd and not Path(first["cwd"]).exists(), "the scratch cwd is removed"
     finally:
         leftover.unlink(missing_ok=True)
 
@@ -90,10 +91,10 @@ def test_stage_whose_script_wrote_no_model_fails_without_retry_naming_what_is_mi
     from airflow.sdk.exceptions import AirflowFailException
     from airflow.sdk.execution_time.context import set_current_context
 
-    from stagewise_airflow import steps
+    from stagewise.airflow import steps
 
     config_path = write_config()
-    _set_entrypoint(config_path, 0, {"script": "tests/plugins/byo_snapshot_script.py"})
+    _set_entrypoint(config_path, 0, {"script": SNAPSHOT_SCRIPT})
     out = str(storage_root / "runs" / "test" / "no-model")
     run = {"dag_id": "test", "run_id": "no-model", "config": str(config_path), "overrides": {}, "out": out}
     # The task's Airflow context: only the try number is read by the step.
@@ -101,7 +102,7 @@ def test_stage_whose_script_wrote_no_model_fails_without_retry_naming_what_is_mi
         with pytest.raises(AirflowFailException) as failure:
             steps.train_stage(run, "s1", {"best_params": {"lr": 0.02}}, None)
     message = str(failure.value)
-    assert "stage s1: script tests/plugins/byo_snapshot_script.py ended without writing final.pt and model.pt" in message
+    assert f"stage s1: script {SNAPSHOT_SCRIPT} ended without writing final.pt and model.pt" in message
     assert str(Path(out) / "train" / "s1") in message and "save_bundle" in message
 
 
@@ -117,11 +118,11 @@ def test_model_card_records_the_params_the_script_reported_not_the_sweeps(write_
     """
     from airflow.sdk.execution_time.context import set_current_context
 
-    from stagewise_airflow import steps
+    from stagewise.airflow import steps
 
     config_path = write_config()
     args = ["--write-outputs"] + (["--params", json.dumps(reported).replace("{", "{{").replace("}", "}}")] if reported else [])
-    _set_entrypoint(config_path, 0, {"script": "tests/plugins/byo_snapshot_script.py", "args": args})
+    _set_entrypoint(config_path, 0, {"script": SNAPSHOT_SCRIPT, "args": args})
     out = storage_root / "runs" / "test" / "card"
     (out / "preprocess").mkdir(parents=True)
     (out / "preprocess" / "manifest.json").write_text("{}")  # the card fingerprints it; its content does not matter here
@@ -141,10 +142,10 @@ def test_script_reporting_params_that_are_no_object_fails_without_retry(write_co
     from airflow.sdk.exceptions import AirflowFailException
     from airflow.sdk.execution_time.context import set_current_context
 
-    from stagewise_airflow import steps
+    from stagewise.airflow import steps
 
     config_path = write_config()
-    _set_entrypoint(config_path, 0, {"script": "tests/plugins/byo_snapshot_script.py",
+    _set_entrypoint(config_path, 0, {"script": SNAPSHOT_SCRIPT,
                                      "args": ["--write-outputs", "--params", "[1, 2]"]})
     run = {"dag_id": "test", "run_id": "bad", "config": str(config_path), "overrides": {},
            "out": str(storage_root / "runs" / "test" / "bad")}

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
-from stagewise_airflow import launch
-from tasks import registry
-from tasks.definitions.config import Profile
-from tasks.models.torch_io import save_torch
+from stagewise import registry
+from stagewise.airflow import launch
+from stagewise.definitions.config import Profile
+from stagewise.models.torch_io import save_torch
 
 
 def _cut(path: Path) -> None:
@@ -29,7 +29,7 @@ def _files_under(folder: Path) -> list[Path]:
 
 @pytest.mark.torchrun
 def test_a_cut_model_of_the_previous_stage_fails_the_next_stage_once_naming_it(digits_run, tmp_path):
-    """train_s2 starting from a cut s1/final.pt: a data error naming that file, not 'tasks.train exited with code 1'."""
+    """train_s2 starting from a cut s1/final.pt: a data error naming that file, not 'stagewise.train exited with code 1'."""
     import torch
 
     config, out = digits_run
@@ -37,7 +37,7 @@ def test_a_cut_model_of_the_previous_stage_fails_the_next_stage_once_naming_it(d
     save_torch(str(final), {"model": {"w": torch.zeros(4)}})
     _cut(final)
     with pytest.raises(AirflowFailException, match=rf"{final}: cannot be loaded as a torch file .*cut or corrupt"):
-        launch.run("tasks.train", ["--stage", "s2", "--out", out, "--params", json.dumps({"lr": 0.05}),
+        launch.run("stagewise.train", ["--stage", "s2", "--out", out, "--params", json.dumps({"lr": 0.05}),
                                    "--init-from", str(final), "--config", str(config)],
                    Profile(processes_per_node=1), distributed=True)
     assert _files_under(Path(out) / "train" / "s2") == [], "nothing of s2 may be written"
@@ -52,7 +52,7 @@ def test_a_cut_registered_model_fails_each_inference_shard_once_naming_it(digits
     _cut(Path(card["model_uri"]))
     shard = {"index": 0, "files": [], "rows": 0}
     with pytest.raises(AirflowFailException, match=rf"{card['version']}/model.pt: its 350 bytes hash to .*not to its registered"):
-        launch.run("tasks.infer", ["shard", "--model", card["model_uri"], "--out", out, "--shard", json.dumps(shard),
+        launch.run("stagewise.infer", ["shard", "--model", card["model_uri"], "--out", out, "--shard", json.dumps(shard),
                                    "--config", str(config)], Profile())
     assert _files_under(Path(out) / "predictions") == []
 
@@ -63,6 +63,6 @@ def test_a_torn_preprocess_manifest_fails_evaluation_once_naming_it(digits_run, 
     manifest = Path(out) / "preprocess" / "manifest.json"
     _cut(manifest)
     with pytest.raises(AirflowFailException, match=rf"{manifest}: is not valid JSON"):
-        launch.run("tasks.evaluate", ["--model", str(tmp_path / "unused.pt"), "--out", out, "--config", str(config)],
+        launch.run("stagewise.evaluate", ["--model", str(tmp_path / "unused.pt"), "--out", out, "--config", str(config)],
                    Profile())
     assert not (Path(out) / "evaluate").exists()

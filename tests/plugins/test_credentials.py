@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from stagewise_airflow import credentials
+from stagewise.airflow import credentials
 
 
 def test_login_password_and_extras_map_onto_aws_variables():

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import yaml
 
-from tasks.core import storage
-from tasks.reporting import timeline
+from stagewise.core import storage
+from stagewise.reporting import timeline
 from tests.conftest import REPO_ROOT, base_config
 
 
@@ -40,9 +40,9 @@ def test_the_teams_dag_settings_and_callbacks_reach_every_dag_beside_stagewises_
         for task in dag.tasks:
             assert task.owner == "ml-platform" and task.email == ["oncall@example.com"]
             ours, theirs = task.on_failure_callback
-            assert theirs is team_callbacks.page and ours.__module__ == "stagewise_airflow.steps"
+            assert theirs is team_callbacks.page and ours.__module__ == "stagewise.airflow.steps"
             retry = task.on_retry_callback  # Airflow keeps a single callback as it is or as a list of one
-            assert [hook.__module__ for hook in (retry if isinstance(retry, list) else [retry])] == ["stagewise_airflow.steps"]
+            assert [hook.__module__ for hook in (retry if isinstance(retry, list) else [retry])] == ["stagewise.airflow.steps"]
 
     # Called in order, as Airflow calls a list: Stagewise records the failed attempt, then the team's callback runs.
     ti = SimpleNamespace(task_id="train_s1", map_index=-1, try_number=1, start_date=None,

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 # What steps.py imports inside its inline steps (a launched sub-job imports its job module in its own process).
-INLINE_MODULES = ("tasks.core.storage", "tasks.definitions.loading", "tasks.study.studies", "tasks.study.summary",
-                  "tasks.datasets.predictions", "tasks.preprocess", "tasks.registry", "tasks.report",
-                  "tasks.reporting.timeline", "stagewise_airflow.steps", "stagewise_airflow.backends")
+INLINE_MODULES = ("stagewise.core.storage", "stagewise.definitions.loading", "stagewise.study.studies", "stagewise.study.summary",
+                  "stagewise.datasets.predictions", "stagewise.preprocess", "stagewise.registry", "stagewise.report",
+                  "stagewise.reporting.timeline", "stagewise.airflow.steps", "stagewise.airflow.backends")
 
 
 def test_inline_step_modules_import_without_torch():

@@ -17,8 +17,8 @@ import pytest
 # inside a test that is pytest's per-test capture, closed when the test ends.
 from airflow.sdk.exceptions import AirflowFailException
 
-from stagewise_airflow.backends import Stopped, kubernetes, node_command, sagemaker
-from tasks.core.errors import USER_ERROR_EXIT
+from stagewise.airflow.backends import Stopped, kubernetes, node_command, sagemaker
+from stagewise.core.errors import USER_ERROR_EXIT
 from tests.plugins.backend_configs import backend_config, job_args
 from tests.plugins.fake_kube_api import FakeKubeAPI
 
@@ -60,7 +60,7 @@ def test_the_job_and_service_wire_every_pod_to_pod_0_as_the_rendezvous_host(tmp_
     assert env["AWS_DEFAULT_REGION"] == "eu-west-1"
     assert "JOB_COMPLETION_INDEX" not in env  # Kubernetes sets it per pod
     # What the pod's entrypoint makes of it, with the index Kubernetes adds: pod 1 of 2, rendezvous on pod 0.
-    from tasks.training.node_launch import kubernetes_node
+    from stagewise.training.node_launch import kubernetes_node
 
     node = kubernetes_node({**env, "JOB_COMPLETION_INDEX": "1"})
     assert (node.node_rank, node.num_nodes, node.master_addr, node.master_port) == (1, 2, f"{name}-0.{name}", 29400)
@@ -92,7 +92,7 @@ def test_each_try_and_each_run_has_its_own_job_and_rendezvous(tmp_path):
 
 
 def test_a_bad_toleration_is_refused_naming_it(tmp_path):
-    from tasks.core.errors import UserError
+    from stagewise.core.errors import UserError
 
     path, config = backend_config(tmp_path, "kubernetes", tolerations=[{"key": "a", "efect": "NoSchedule"}])
     with pytest.raises(UserError, match=r"tolerations\[0\]: unknown key\(s\) \['efect'\]"):
@@ -117,7 +117,7 @@ def _pod(name, exit_code, message):
 @pytest.fixture
 def stage_on(tmp_path, monkeypatch):
     """Run stage s2 through the real KubernetesHook (its connection points at the fake API) with a local storage root."""
-    from tasks.core import storage
+    from stagewise.core import storage
 
     def run(api: FakeKubeAPI, write_metrics: bool = True):
         connection = {"conn_type": "kubernetes", "extra": {"kube_config": json.dumps(api.kubeconfig())}}
@@ -184,7 +184,7 @@ def test_a_refused_job_fails_without_retry_and_its_service_is_deleted(stage_on):
 @pytest.mark.timeout(60)
 def test_a_task_killed_while_the_job_runs_deletes_the_job_and_service(stage_on, airflow_on_term):
     """SIGTERM (Airflow's kill or mark-failed) while the Job runs: the task stops waiting, and deletes both objects."""
-    from stagewise_airflow.backends import Stopped
+    from stagewise.airflow.backends import Stopped
 
     before = signal.getsignal(signal.SIGTERM)
     with FakeKubeAPI([_running()]) as api:

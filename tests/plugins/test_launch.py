@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
-from stagewise_airflow import launch
-from tasks.definitions.config import Profile
+from stagewise.airflow import launch
+from stagewise.definitions.config import Profile
 from tests.live_airflow import is_loopback, listening_sockets, process_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -42,19 +42,19 @@ def test_crash_is_retryable():
 
 def test_torchrun_command_follows_the_profile():
     """A distributed sub-job runs under the loopback torchrun with the profile's process count and restarts."""
-    argv = launch.command("tasks.train", ["--stage", "s2"], Profile(processes_per_node=2, max_restarts=1), distributed=True)
-    assert argv[1:3] == ["-m", "tasks.training.local_torchrun"]
+    argv = launch.command("stagewise.train", ["--stage", "s2"], Profile(processes_per_node=2, max_restarts=1), distributed=True)
+    assert argv[1:3] == ["-m", "stagewise.training.local_torchrun"]
     assert "--nproc-per-node=2" in argv and "--max-restarts=1" in argv
-    assert argv[-3:] == ["tasks.train", "--stage", "s2"]
+    assert argv[-3:] == ["stagewise.train", "--stage", "s2"]
 
 
 def test_building_a_torchrun_command_imports_no_torch():
     """The Airflow task process builds a DDP stage's command without importing torch (about 2 CPU-s a task)."""
-    code = ("import sys; from stagewise_airflow import launch; from tasks.definitions.config import Profile; "
-            "launch.command('tasks.train', [], Profile(processes_per_node=2), distributed=True); "
+    code = ("import sys; from stagewise.airflow import launch; from stagewise.definitions.config import Profile; "
+            "launch.command('stagewise.train', [], Profile(processes_per_node=2), distributed=True); "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(launch.REPO_ROOT), str(Path(launch.__file__).parents[1])])})
+                            env=dict(os.environ))
     assert result.stdout.strip() == "[]", result.stdout
 
 
@@ -62,7 +62,7 @@ def test_child_env_pins_threads_and_hides_gpus_on_cpu_profiles():
     """Threads per process come from the profile; a cpu profile never touches CUDA."""
     env = launch.child_env(Profile(threads_per_process=3, device="cpu"), "/tmp/x")
     assert env["OMP_NUM_THREADS"] == "3" and env["CUDA_VISIBLE_DEVICES"] == ""
-    assert env["PYTHONPATH"].split(os.pathsep)[0] == launch.REPO_ROOT
+    assert env["PYTHONPATH"] == os.environ.get("PYTHONPATH", ""), "stagewise is installed: no path of ours is added"
 
 
 def _alive(pid: int) -> bool:
@@ -79,11 +79,11 @@ def test_sigterm_to_the_task_ends_the_whole_process_group(tmp_path):
     """When Airflow SIGTERMs the task (kill, mark failed), the sub-job and its children die too."""
     pid_file = tmp_path / "grandchild.pid"
     script = (
-        "import sys; sys.path[:0] = [{root!r}, {plugins!r}]\n"
-        "from stagewise_airflow import launch\n"
-        "from tasks.definitions.config import Profile\n"
-        "launch.run('tests.plugins.fake_subjob', ['hang', '--pid-file', {pid!r}], Profile())\n"
-    ).format(root=str(REPO_ROOT), plugins=str(REPO_ROOT / "plugins"), pid=str(pid_file))
+        f"import sys; sys.path[:0] = [{str(REPO_ROOT)!r}]\n"
+        "from stagewise.airflow import launch\n"
+        "from stagewise.definitions.config import Profile\n"
+        f"launch.run('tests.plugins.fake_subjob', ['hang', '--pid-file', {str(pid_file)!r}], Profile())\n"
+    )
     task = subprocess.Popen([sys.executable, "-c", script])
     deadline = time.monotonic() + 60
     while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
@@ -192,7 +192,7 @@ def test_torchrun_job_listens_on_loopback_only(tmp_path):
     assert all(is_loopback(address) for address in seen), f"listening beyond loopback: {sorted(seen)}"
 
 
-# Lines as a sub-job under torchrun really prints them (captured from tasks.training.local_torchrun, one rank raising).
+# Lines as a sub-job under torchrun really prints them (captured from stagewise.training.local_torchrun, one rank raising).
 _TORCHRUN_CRASH = [
     "2026-11-23 11:15:01,838 INFO stagewise.train: epoch 1/3 step 10 lr 0.05 loss 1.2 ETA 0:01:00",
     "2026-11-23 11:15:01,838 WARNING stagewise.train: loss is rising",

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 
-from stagewise_airflow import launch
-from tasks.core import contract
-from tasks.definitions.config import Profile
-from tasks.definitions.loading import load_config
-from tasks.train import byo_environment
+from stagewise.airflow import launch
+from stagewise.core import contract
+from stagewise.definitions.config import Profile
+from stagewise.definitions.loading import load_config
+from stagewise.train import byo_environment
 
 DUMP_ENV = """
 import json, os

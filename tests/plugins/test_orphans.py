@@ -25,18 +25,18 @@ GONE_WITHIN_S = 15.0
 pytestmark = pytest.mark.torchrun
 
 # The task process: launch.run in its main thread; SIGALRM raises in it as Airflow's execution_timeout does.
-_TASK = """
+_TASK = f"""
 import signal, sys
-sys.path[:0] = [{root!r}, {plugins!r}]
-from stagewise_airflow import launch
-from tasks.definitions.config import Profile
+sys.path[:0] = [{str(REPO_ROOT)!r}]
+from stagewise.airflow import launch
+from stagewise.definitions.config import Profile
 
 def timed_out(signum, frame):
     raise TimeoutError("execution_timeout")
 
 signal.signal(signal.SIGALRM, timed_out)
-launch.run("stubborn", [sys.argv[1]], Profile(processes_per_node=2), distributed=True, script={script!r})
-""".format(root=str(REPO_ROOT), plugins=str(REPO_ROOT / "plugins"), script=str(STUBBORN_RANKS))
+launch.run("stubborn", [sys.argv[1]], Profile(processes_per_node=2), distributed=True, script={str(STUBBORN_RANKS)!r})
+"""
 
 
 def _alive(pid: int) -> bool:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from stagewise_airflow.params import overrides_from_params, pipeline_params, unknown_trigger_keys
-from stagewise_airflow.profiles import task_kwargs
-from tasks.definitions.config import Profile
-from tasks.definitions.loading import load_config
+from stagewise.airflow.params import overrides_from_params, pipeline_params, unknown_trigger_keys
+from stagewise.airflow.profiles import task_kwargs
+from stagewise.definitions.config import Profile
+from stagewise.definitions.loading import load_config
 
 
 def _defaults(config) -> dict:
@@ -62,7 +62,7 @@ def test_oversized_strings_and_traversing_model_versions_are_refused_by_the_form
     from airflow.sdk.definitions.param import ParamsDict
     from airflow.sdk.exceptions import ParamValidationError
 
-    from stagewise_airflow.params import inference_params
+    from stagewise.airflow.params import inference_params
 
     params = ParamsDict((pipeline_params if form == "pipeline" else inference_params)(load_config()))
     with pytest.raises(ParamValidationError, match=f"param {name}"):
@@ -144,7 +144,7 @@ def test_a_pool_the_deployment_already_has_keeps_its_slots(write_config):
     import yaml
     from airflow.models.pool import Pool
 
-    from stagewise_airflow.pools import ensure_pools
+    from stagewise.airflow.pools import ensure_pools
 
     owned, missing = f"team_gpus_{uuid.uuid4().hex[:6]}", f"new_pool_{uuid.uuid4().hex[:6]}"
     Pool.create_or_update_pool(name=owned, slots=8, description="the team's", include_deferred=False)

@@ -19,7 +19,7 @@ def _folder(tmp_path, storage_root, configs: dict[str, dict]):
 def test_a_tasks_process_builds_only_the_dag_it_runs_and_loads_no_other_config(tmp_path, storage_root, monkeypatch):
     """With Airflow's parsing context set (as in a task's process), only that DAG is built: the other pipeline's
     config is not even validated (its broken file costs nothing and fails nothing)."""
-    from stagewise_airflow.dags import build_pipelines
+    from stagewise.airflow.dags import build_pipelines
 
     folder = _folder(tmp_path, storage_root, {"fraud": {}, "churn": {}})
     (folder / "churn.yaml").write_text("storage_root: [")  # would be a placeholder family in a full parse
@@ -32,7 +32,7 @@ def test_a_tasks_process_builds_only_the_dag_it_runs_and_loads_no_other_config(t
 def test_a_broken_config_or_a_registry_clash_breaks_only_its_own_family(tmp_path, storage_root, monkeypatch):
     """A full parse: `bad` (invalid key) and the two pipelines sharing one registry name get DAGs whose only task
     fails naming the file and the reason; `good` is built whole."""
-    from stagewise_airflow.dags import build_pipelines
+    from stagewise.airflow.dags import build_pipelines
 
     monkeypatch.delenv("_AIRFLOW_PARSING_CONTEXT_DAG_ID", raising=False)
     shared = {"storage_root": str(storage_root), "registry": {"model_name": "shared"}}

@@ -1,5 +1,6 @@
 """Airflow's plugin loader imports every .py file under plugins/ as a top-level module named after the file;
-plugins/.airflowignore keeps it away from the stagewise_airflow package (imported by its own name)."""
+plugins/.airflowignore keeps it away from the stagewise.airflow package (imported by its own name). The UI plugin
+comes from the package's airflow.plugins entry point, as it does for a team that pip-installed Stagewise."""
 
 from __future__ import annotations
 
@@ -9,36 +10,41 @@ import sys
 
 from tests.conftest import REPO_ROOT
 
+# What every Airflow process that loads plugins does: the plugins folder, then the entry points.
 PROBE = """
 import json, sys
 from airflow import plugins_manager
-plugins, errors = plugins_manager._load_plugins_from_plugin_directory(sys.argv[1])
+plugins, errors = plugins_manager._get_plugins()
 kubernetes = sys.modules.get("kubernetes")
 print(json.dumps({"errors": errors, "plugins": sorted(p.name for p in plugins),
-                  "ui_imported": [m for m in ("stagewise_airflow.ui", "fastapi") if m in sys.modules],
+                  "ui_imported": [m for m in ("stagewise.airflow.ui", "fastapi") if m in sys.modules],
                   "top_level": sorted(m for m in ("steps", "launch", "wiring", "sagemaker", "kubernetes")
                                                         if m in sys.modules),
                   "kubernetes_file": getattr(kubernetes, "__file__", None)}))
 """
 
 
+def _load_plugins(subprocess_env: dict) -> dict:
+    """The probe's findings, in a process whose plugins folder is the repo's plugins/."""
+    env = {**subprocess_env, "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO_ROOT / "plugins")}
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_airflows_plugin_loader_imports_none_of_our_files_as_top_level_modules(subprocess_env):
     """Before the ignore file, loading plugins made backends/kubernetes.py sys.modules['kubernetes'], so the
     cncf.kubernetes provider and the kubernetes client broke in every Airflow process that loads plugins."""
-    done = subprocess.run([sys.executable, "-c", PROBE, str(REPO_ROOT / "plugins")], env=subprocess_env, cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = _load_plugins(subprocess_env)
     assert found["errors"] == {} and found["top_level"] == []
     assert found["kubernetes_file"] is None or "site-packages" in found["kubernetes_file"]
 
 
-def test_the_ui_plugin_loads_without_importing_its_pages(subprocess_env):
-    """Every process that loads plugins (the dag-processor too) gets the Stagewise UI plugin, but not FastAPI or
-    its pages: those are built on the api-server's first request."""
-    done = subprocess.run([sys.executable, "-c", PROBE, str(REPO_ROOT / "plugins")], env=subprocess_env, cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+def test_the_ui_plugin_loads_once_from_the_entry_point_without_importing_its_pages(subprocess_env):
+    """Every process that loads plugins (the dag-processor too) gets the Stagewise UI plugin once, from the
+    entry point (no file to copy into a plugins folder), but not FastAPI or its pages: those are built on the
+    api-server's first request."""
+    found = _load_plugins(subprocess_env)
     assert found["errors"] == {} and found["plugins"] == ["stagewise_ui"]
     assert found["ui_imported"] == []

@@ -9,8 +9,8 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.sdk.execution_time.context import set_current_context
 
-from stagewise_airflow import steps
-from tasks import registry
+from stagewise import registry
+from stagewise.airflow import steps
 from tests.conftest import base_config
 
 

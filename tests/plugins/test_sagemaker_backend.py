@@ -17,8 +17,8 @@ import pytest
 from airflow.providers.amazon.aws.hooks.sagemaker import SageMakerHook  # noqa: F401
 from airflow.sdk.exceptions import AirflowFailException
 
-from stagewise_airflow.backends import USER_ERROR_MARKER, node_command, sagemaker
-from tasks.core.errors import UserError
+from stagewise.airflow.backends import USER_ERROR_MARKER, node_command, sagemaker
+from stagewise.core.errors import UserError
 from tests.plugins.backend_configs import RUN, backend_config, job_args
 
 SECRET = "do-not-put-me-in-a-job"
@@ -53,14 +53,14 @@ def test_the_request_is_valid_for_sagemakers_api_and_runs_node_launch_on_every_n
     assert spec["ContainerEntrypoint"] + spec["ContainerArguments"] == node_command(
         "sagemaker", processes_per_node=2, stage="s2", out=out, params={"lr": 0.05, "hidden": 64},
         init_from="s3://b/final.pt", config_file=f"{out}/config.yaml")  # the run's snapshot, read from S3 by every node
-    assert spec["ContainerArguments"][:4] == ["-m", "tasks.training.node_launch", "sagemaker", "--nproc-per-node"]
+    assert spec["ContainerArguments"][:4] == ["-m", "stagewise.training.node_launch", "sagemaker", "--nproc-per-node"]
     # What the container's entrypoint makes of them on the second of two hosts: torchrun joins host 1's store.
-    from tasks.training.node_launch import sagemaker_node, torchrun_argv
+    from stagewise.training.node_launch import sagemaker_node, torchrun_argv
 
     hosts = {"SM_HOSTS": '["algo-1", "algo-2"]', "SM_CURRENT_HOST": "algo-2", "STAGEWISE_SM_RESOURCE_CONFIG": "/nonexistent"}
     node, torchrun = torchrun_argv("sagemaker", spec["ContainerArguments"][3:], hosts)
     assert node == sagemaker_node(hosts) and (node.node_rank, node.num_nodes, node.master_addr) == (1, 2, "algo-1")
-    assert torchrun[torchrun.index("--nproc-per-node") + 1] == "2" and "tasks.train" in torchrun
+    assert torchrun[torchrun.index("--nproc-per-node") + 1] == "2" and "stagewise.train" in torchrun
     assert request["ResourceConfig"] == {"InstanceType": "ml.g5.12xlarge", "InstanceCount": 2, "VolumeSizeInGB": 100}
     assert request["RoleArn"] == "arn:aws:iam::123456789012:role/stagewise-training"
     assert request["CheckpointConfig"]["S3Uri"] == f"{out}/train/s2/checkpoints/"
@@ -186,7 +186,7 @@ def test_node_log_lines_are_logged_once_each_and_a_logs_outage_never_fails_the_j
 @pytest.mark.timeout(60)
 def test_a_task_killed_while_waiting_stops_its_job(tmp_path, airflow_on_term):
     """SIGTERM (Airflow's kill or mark-failed) mid-wait: the task stops its job rather than leave it billing."""
-    from stagewise_airflow.backends import Stopped
+    from stagewise.airflow.backends import Stopped
 
     path, config = backend_config(tmp_path, "sagemaker")
     request = sagemaker.training_job_request(config, **job_args(path, config))
@@ -223,7 +223,7 @@ def test_a_stage_runs_as_a_training_job_on_motos_sagemaker_and_returns_the_stage
     import boto3
     import s3fs
 
-    from stagewise_airflow.backends import stage_result
+    from stagewise.airflow.backends import stage_result
 
     path, config = backend_config(tmp_path, "sagemaker")
     args = job_args(path, config)
@@ -232,7 +232,7 @@ def test_a_stage_runs_as_a_training_job_on_motos_sagemaker_and_returns_the_stage
     if not fs.exists("stagewise-test"):
         fs.mkdir("stagewise-test")
     fs.pipe(f"{out}/preprocess/manifest.json".removeprefix("s3://"), b"{}")
-    # What tasks.train's rank 0 writes last on success (the job itself is emulated: moto runs no container).
+    # What stagewise.train's rank 0 writes last on success (the job itself is emulated: moto runs no container).
     metrics = {"stage": "s2", "world_size": 4, "global_batch": 256, "lr": 0.4, "checkpoint_uri": f"{out}/train/s2/final.pt",
                "history": [{"epoch": 0}], "complete": True, "params": {"lr": 0.05}}
     fs.pipe(f"{out}/train/s2/metrics.json".removeprefix("s3://"), json.dumps(metrics).encode())
@@ -295,8 +295,7 @@ def test_train_stage_submits_a_sagemaker_profiles_stage_as_a_job_and_the_config_
 
     import s3fs
 
-    import stagewise_airflow
-    from stagewise_airflow import launch, steps
+    from stagewise.airflow import launch, steps
 
     path, config = backend_config(tmp_path, "sagemaker", storage_root="s3://stagewise-test/dispatch")
     args = job_args(path, config, attempt=3)
@@ -306,7 +305,6 @@ def test_train_stage_submits_a_sagemaker_profiles_stage_as_a_job_and_the_config_
     fs.pipe(f"{args['out']}/preprocess/manifest.json".removeprefix("s3://"), b"{}")
     fs.pipe(f"{args['out']}/train/s2/metrics.json".removeprefix("s3://"),
             json.dumps({"stage": "s2", "world_size": 4, "complete": True}).encode())
-    monkeypatch.setattr(stagewise_airflow, "REPO_ROOT", str(tmp_path))
     monkeypatch.setattr(steps, "_context", lambda: {"ti": types.SimpleNamespace(try_number=3)})
     monkeypatch.setattr(launch, "run", lambda *a, **k: pytest.fail("a sagemaker stage must not run on the worker"))
     run = {**RUN, "config": str(path), "overrides": {}, "out": args["out"]}
@@ -320,8 +318,8 @@ def test_train_stage_submits_a_sagemaker_profiles_stage_as_a_job_and_the_config_
     assert arguments[arguments.index("--init-from") + 1] == f"{args['out']}/train/s1/final.pt"
     assert received["EnableManagedSpotTraining"] is False  # try 3 of retries 2: the last one runs on demand
 
-    from tasks.definitions.config import ConfigError
-    from tasks.definitions.loading import load_config
+    from stagewise.definitions.config import ConfigError
+    from stagewise.definitions.loading import load_config
 
     with_entrypoint = yaml_with(path, {"train.stages.1.entrypoint": {"module": "my_train"}})
     with pytest.raises(ConfigError, match=r"train.stages\[1\] \(s2\): an entrypoint .* runs on backend local only"):
@@ -332,7 +330,7 @@ def yaml_with(path, changes: dict):
     """A copy of the config at ``path`` with dotted keys set (written next to it)."""
     import yaml
 
-    from tasks.definitions.loading import _apply_overrides
+    from stagewise.definitions.loading import _apply_overrides
 
     raw = yaml.safe_load(path.read_text())
     _apply_overrides(raw, changes)

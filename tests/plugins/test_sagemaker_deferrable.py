@@ -17,8 +17,8 @@ from airflow.providers.amazon.aws.hooks.sagemaker import SageMakerHook  # noqa: 
 from airflow.providers.amazon.aws.triggers.sagemaker import SageMakerTrigger
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
-from stagewise_airflow.backends import sagemaker
-from stagewise_airflow.operators import STARTUP_SLACK_S, SageMakerStageOperator
+from stagewise.airflow.backends import sagemaker
+from stagewise.airflow.operators import STARTUP_SLACK_S, SageMakerStageOperator
 from tests.plugins.backend_configs import RUN, backend_config, job_args
 from tests.plugins.test_sagemaker_backend import moto_aws  # noqa: F401 - the fixture
 
@@ -30,7 +30,7 @@ def _stage(tmp_path, root: str, attempt: int = 1):
     """A deferrable s2 config under ``root`` in moto's S3 with its preprocess output; the operator and its context."""
     import s3fs
 
-    from tasks.core.storage import run_prefix
+    from stagewise.core.storage import run_prefix
 
     path, config = backend_config(tmp_path, "sagemaker", storage_root=root, deferrable=True)
     # A run of its own: moto's server lives for the session, and a job's name is per (DAG, run, stage, try).
@@ -52,7 +52,7 @@ def _stage(tmp_path, root: str, attempt: int = 1):
 def test_execute_submits_the_tries_job_and_defers_to_the_providers_sagemaker_trigger(tmp_path, moto_aws, monkeypatch):  # noqa: F811
     import boto3
 
-    from stagewise_airflow import credentials
+    from stagewise.airflow import credentials
 
     config, args, operator, context = _stage(tmp_path, "s3://stagewise-test/deferred", attempt=2)
     before = time.time()
@@ -90,14 +90,14 @@ def test_execute_submits_the_tries_job_and_defers_to_the_providers_sagemaker_tri
 def test_a_success_event_returns_the_stages_result_and_failures_map_as_the_backend_does(tmp_path, moto_aws, monkeypatch):  # noqa: F811
     import s3fs
 
-    from stagewise_airflow.backends import stage_result
+    from stagewise.airflow.backends import stage_result
 
     config, args, operator, context = _stage(tmp_path, "s3://stagewise-test/resumed")
     with pytest.raises(TaskDeferred) as deferred:
         operator.execute(context)
     name = deferred.value.trigger.job_name
     out = args["out"]
-    # What tasks.train's rank 0 writes last on success (moto runs no container).
+    # What stagewise.train's rank 0 writes last on success (moto runs no container).
     metrics = {"stage": "s2", "world_size": 4, "global_batch": 256, "checkpoint_uri": f"{out}/train/s2/final.pt",
                "history": [{"epoch": 0}], "complete": True}
     s3fs.S3FileSystem().pipe(f"{out}/train/s2/metrics.json".removeprefix("s3://"), json.dumps(metrics).encode())
@@ -185,7 +185,7 @@ DAG_RUN_FILE = """
 import json, os, pathlib
 import pendulum
 from airflow.sdk import DAG, task
-from stagewise_airflow.operators import SageMakerStageOperator
+from stagewise.airflow.operators import SageMakerStageOperator
 
 inputs = json.loads(pathlib.Path(os.environ["STAGEWISE_TEST_INPUTS"]).read_text())
 

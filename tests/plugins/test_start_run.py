@@ -11,10 +11,10 @@ import pytest
 import yaml
 from airflow.sdk.execution_time.context import set_current_context
 
-from stagewise_airflow import steps
-from stagewise_airflow.params import pipeline_params
-from tasks.core import storage
-from tasks.definitions.loading import load_config, snapshot
+from stagewise.airflow import steps
+from stagewise.airflow.params import pipeline_params
+from stagewise.core import storage
+from stagewise.definitions.loading import load_config, snapshot
 from tests.conftest import REPO_ROOT
 
 
@@ -43,7 +43,7 @@ def test_a_run_reads_its_snapshot_not_the_file_edited_after_it_started(write_con
     seen = steps.run_config(run)
     assert (seen.stage("s2").per_process_batch, seen.stage("s2").warmup_steps, seen.sweep.num_trials) == (64, 20, 3)
     assert snapshot(seen)[1] == run["config_hash"] and steps._config_args(run) == ["--config", run["config"]]
-    probe = ("import sys; from tasks.definitions.loading import load_config; s2 = load_config(sys.argv[1]).stage('s2'); "
+    probe = ("import sys; from stagewise.definitions.loading import load_config; s2 = load_config(sys.argv[1]).stage('s2'); "
              "print(s2.per_process_batch, s2.warmup_steps)")
     printed = subprocess.run([sys.executable, "-c", probe, run["config"]], cwd=REPO_ROOT, env=subprocess_env,
                              capture_output=True, text=True, check=True).stdout.split()

@@ -1,4 +1,4 @@
-"""The operator hooks that record each task attempt for the run's timeline (stagewise_airflow.steps.timeline_hooks)."""
+"""The operator hooks that record each task attempt for the run's timeline (stagewise.airflow.steps.timeline_hooks)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from stagewise_airflow import steps
-from tasks.core import storage
-from tasks.reporting import timeline
+from stagewise.airflow import steps
+from stagewise.core import storage
+from stagewise.reporting import timeline
 
 RUN_ID = "manual__2026-01-01T10:00:00+00:00"
 

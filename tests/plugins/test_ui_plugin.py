@@ -1,22 +1,21 @@
 """The Stagewise pages in the api-server: mounted by Airflow's own plugin code, behind Airflow's auth, reading storage.
 
-The app under test is Airflow's: the plugin file loaded as Airflow's loader does, mounted by
+The app under test is Airflow's: the plugin loaded as Airflow's loader does (the package's entry point), mounted by
 ``airflow.api_fastapi.app.init_plugins``, with the simple auth manager (its /auth/token route) and Airflow's
 middlewares (the UI's ``_token`` cookie) in front, so a request is authenticated exactly as on the api-server.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tasks import registry, report
-from tasks.core import storage
-from tests.conftest import REPO_ROOT, base_config
+from stagewise import registry, report
+from stagewise.core import storage
+from tests.conftest import base_config
 
 PASSWORD = "stagewise-test-password"
 JWT_SECRET = "stagewise-ui-plugin-tests-" + "0" * 48  # one per process: Airflow caches its JWT validator
@@ -26,17 +25,16 @@ REPORT_PAGE = "<!doctype html><html><body><div id='charts' data-stagewise-sectio
 
 
 def load_plugin():
-    """plugins/stagewise_ui_plugin.py imported the way Airflow's plugin loader imports a plugins-folder file."""
-    path = REPO_ROOT / "plugins" / "stagewise_ui_plugin.py"
-    spec = importlib.util.spec_from_file_location("stagewise_ui_plugin", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.StagewiseUIPlugin
+    """The plugin class, found the way Airflow's loader finds it: the ``airflow.plugins`` entry point."""
+    from importlib.metadata import entry_points
+
+    (entry,) = [entry for entry in entry_points(group="airflow.plugins") if entry.name == "stagewise"]
+    return entry.load()
 
 
 def write_run(storage_root: str, run_id: str, *, test_accuracy: float = 0.91, html: str | None = None,
               dag_id: str = "ml_pipeline") -> str:
-    """A finished ml_pipeline run's report.json (written by tasks.report itself); its report.html replaced by ``html``,
+    """A finished ml_pipeline run's report.json (written by stagewise.report itself); its report.html replaced by ``html``,
     or removed (a run reported before report.html existed) when ``html`` is None."""
     out = storage.run_prefix(storage_root, dag_id, run_id)
     report.build_report(
@@ -275,7 +273,7 @@ def test_ids_cannot_walk_out_of_the_runs_folder(airflow_api, storage_root, path)
 
 @pytest.mark.service
 def test_reports_under_an_s3_root(airflow_api, s3_bucket, tmp_path):
-    """The same pages read through tasks.core.storage from an s3:// storage root (moto), registry included."""
+    """The same pages read through stagewise.core.storage from an s3:// storage root (moto), registry included."""
     root = f"{s3_bucket}/stagewise"
     write_run(root, RUN_ID, test_accuracy=0.8642, html="<html><body>from s3</body></html>")
     first, second = register_two_versions(root, tmp_path)

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from tasks.spec import context, hyperparameters, report
+from stagewise.spec import context, hyperparameters, report
 
 ctx = context()
 with open(os.path.join(os.environ["BYO_TRIAL_LOG"], f"trial{ctx.trial}.json"), "w") as handle:

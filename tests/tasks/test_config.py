@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.definitions.config import ConfigError, PipelineConfig
-from tasks.definitions.loading import load_config
+from stagewise.definitions.config import ConfigError, PipelineConfig
+from stagewise.definitions.loading import load_config
 from tests.conftest import REPO_ROOT, base_config
 
 
@@ -202,10 +202,14 @@ def test_override_of_a_missing_list_item_is_a_config_error(write_config):
 
 
 def test_relative_storage_root_resolves_against_the_config_file(tmp_path, storage_root, monkeypatch):
-    """A relative storage_root (and journal file) is under the config file's folder, whatever the cwd."""
+    """A relative storage_root, journal file and entrypoint script are under the config file's folder, whatever the
+    cwd (an installed Stagewise has no repo root to fall back on); an absolute script stays as it is."""
     raw = base_config(storage_root)
     raw["storage_root"] = "data"
     raw["sweep"]["storage"] = "journal://state/optuna.journal"
+    raw["sweep"]["entrypoint"] = {"script": "scripts/trial.py"}
+    raw["train"]["stages"][0]["entrypoint"] = {"script": "/opt/team/stage.py"}
+    raw["train"]["stages"][1]["entrypoint"] = {"module": "team.stage"}
     folder = tmp_path / "project"
     folder.mkdir()
     path = folder / "pipeline.yaml"
@@ -216,6 +220,9 @@ def test_relative_storage_root_resolves_against_the_config_file(tmp_path, storag
     config = load_config(path)
     assert Path(config.storage_root) == folder.resolve() / "data"
     assert config.sweep.storage == f"journal://{folder.resolve() / 'state' / 'optuna.journal'}"
+    assert config.sweep.entrypoint.script == str(folder.resolve() / "scripts" / "trial.py")
+    first, second = (stage.entrypoint for stage in config.train.stages)
+    assert first.script == "/opt/team/stage.py" and (second.script, second.module) == (None, "team.stage")
 
 
 def test_config_env_var_picks_the_file(write_config, monkeypatch, storage_root):
@@ -378,7 +385,7 @@ def test_a_column_declared_twice_is_refused(write_config, storage_root):
 
 
 def test_demo_data_is_one_of_the_writers(write_config, storage_root):
-    """dataset.demo_data names a data set tasks.data can write; digits by default."""
+    """dataset.demo_data names a data set stagewise.data can write; digits by default."""
     raw = base_config(storage_root)
     assert load_config(write_config(raw)).dataset.demo_data == "digits"
     raw["dataset"]["demo_data"] = "mnist"
@@ -473,7 +480,7 @@ def test_a_warm_start_study_longer_than_optuna_keeps_is_refused(write_config):
 def test_a_config_snapshot_loads_back_to_the_same_config_with_the_same_hash(name, tmp_path):
     """A run's config.yaml (every default and override written out) validates back to an equal config, from a path or
     a file:// URI, so the run reads exactly what start_run resolved; the hash is stable across the round trip."""
-    from tasks.definitions.loading import snapshot
+    from stagewise.definitions.loading import snapshot
 
     source = REPO_ROOT / name if name == "pipeline.yaml" else REPO_ROOT / "examples" / name
     config = load_config(source, {"sweep.num_trials": 3})

@@ -7,17 +7,17 @@ import json
 import re
 from pathlib import Path
 
-from tasks.core import contract
-from tasks.definitions.loading import load_config
-from tasks.train import byo_environment
+from stagewise.core import contract
+from stagewise.definitions.loading import load_config
+from stagewise.train import byo_environment
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # STAGEWISE_* variables that are not part of a script's contract, each with why.
 INTERNAL = {
     "STAGEWISE_HOME": "the checkout, for scripts/airflow_env.sh and the Airflow glue",
-    "STAGEWISE_PIPELINES": "the deployment's pipeline configs (tasks.definitions.pipelines), for the DAG file and the UI",
-    "STAGEWISE_FAULT_KILL_AT": "test-only fault injection in tasks.train",
-    "STAGEWISE_FAULT_KILL_TRIAL": "test-only fault injection in tasks.sweep",
+    "STAGEWISE_PIPELINES": "the deployment's pipeline configs (stagewise.definitions.pipelines), for the DAG file and the UI",
+    "STAGEWISE_FAULT_KILL_AT": "test-only fault injection in stagewise.train",
+    "STAGEWISE_FAULT_KILL_TRIAL": "test-only fault injection in stagewise.sweep",
 }
 
 

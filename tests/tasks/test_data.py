@@ -7,8 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.data import main, write_demo
-from tasks.datasets.demo import synthetic_table, write_diabetes, write_digits, write_digits_images, write_synthetic
+from stagewise.data import main, write_demo
+from stagewise.datasets.demo import synthetic_table, write_diabetes, write_digits, write_digits_images, write_synthetic
 
 
 def _read_all(uris: list[str]) -> pa.Table:
@@ -52,7 +52,7 @@ def test_diabetes_has_442_rows_10_float_features_and_the_raw_float_target(tmp_pa
 
 @pytest.mark.parametrize("kind,column", [("digits", "px_00"), ("digits-images", "image"), ("diabetes", "bmi")])
 def test_demo_writes_the_data_set_the_config_asks_for(write_config, storage_root, monkeypatch, kind, column):
-    """`python -m tasks.data demo` writes dataset.demo_data into dataset.uri (never guessed from names)."""
+    """`python -m stagewise.data demo` writes dataset.demo_data into dataset.uri (never guessed from names)."""
     from tests.conftest import base_config
 
     raw = base_config(storage_root)
@@ -64,7 +64,7 @@ def test_demo_writes_the_data_set_the_config_asks_for(write_config, storage_root
 
 
 def test_demo_num_shards_splits_the_same_rows_into_that_many_files(write_config, storage_root, monkeypatch):
-    """`tasks.data demo --num-shards 2` writes the digits' 1,797 rows in two files (the demo's default is four)."""
+    """`stagewise.data demo --num-shards 2` writes the digits' 1,797 rows in two files (the demo's default is four)."""
     monkeypatch.setenv("STAGEWISE_CONFIG", str(write_config()))
     main(["demo", "--num-shards", "2"])
     files = sorted((storage_root / "raw" / "digits").glob("*.parquet"))
@@ -126,7 +126,7 @@ def test_synthetic_classes_are_learnable():
 @pytest.fixture
 def dataset(write_config, storage_root):
     """A data set of 2 synthetic shards (keys 0..599) and a config over it; returns (config, data set URI)."""
-    from tasks.definitions.loading import load_config
+    from stagewise.definitions.loading import load_config
     from tests.conftest import base_config
 
     target = str(storage_root / "raw" / "synth")
@@ -153,8 +153,8 @@ def _content(uris: list[str]) -> list[bytes]:
 
 def test_ingest_adds_exactly_the_source_files_and_a_rerun_adds_nothing(dataset, tmp_path):
     """Ingest copies each source file once; running it again (a retry or a re-run) adds nothing."""
-    from tasks.core import storage
-    from tasks.data import ingest
+    from stagewise.core import storage
+    from stagewise.data import ingest
 
     config, target = dataset
     before = storage.list_parquet(target)
@@ -172,9 +172,9 @@ def test_ingest_adds_exactly_the_source_files_and_a_rerun_adds_nothing(dataset, 
 def test_ingest_with_a_broken_file_names_it_and_writes_nothing(dataset, tmp_path, kind):
     """A broken file anywhere in the source fails ingest with a DataError naming it, before any file is copied
     (the good files sorted before it are not left in the data set)."""
-    from tasks.core import storage
-    from tasks.core.errors import DataError
-    from tasks.data import ingest
+    from stagewise.core import storage
+    from stagewise.core.errors import DataError
+    from stagewise.data import ingest
     from tests.bad_parquet import EXPECTED_WORDING, write_bad_file
 
     config, target = dataset
@@ -190,9 +190,9 @@ def test_ingest_with_a_broken_file_names_it_and_writes_nothing(dataset, tmp_path
 
 def test_ingest_with_a_wrong_schema_last_writes_nothing(dataset, tmp_path):
     """A file lacking the label column, sorted last, fails naming file and column; nothing was copied before it."""
-    from tasks.core import storage
-    from tasks.core.errors import DataError
-    from tasks.data import ingest
+    from stagewise.core import storage
+    from stagewise.core.errors import DataError
+    from stagewise.data import ingest
 
     config, target = dataset
     before = storage.list_parquet(target)
@@ -206,9 +206,9 @@ def test_ingest_with_a_wrong_schema_last_writes_nothing(dataset, tmp_path):
 
 def test_ingest_with_an_extra_feature_column_names_it_and_both_files(dataset, tmp_path):
     """A new file with one more prefix-matched feature than the data set is refused naming that column and both files."""
-    from tasks.core import storage
-    from tasks.core.errors import DataError
-    from tasks.data import ingest
+    from stagewise.core import storage
+    from stagewise.core.errors import DataError
+    from stagewise.data import ingest
 
     config, target = dataset
     wider = tmp_path / "new" / "part-00000.parquet"
@@ -225,9 +225,9 @@ def test_ingest_of_the_same_bytes_twice_in_one_source_is_refused(dataset, tmp_pa
     """Two source files with identical bytes would duplicate every key: refused naming both, nothing copied."""
     import shutil
 
-    from tasks.core import storage
-    from tasks.core.errors import DataError
-    from tasks.data import ingest
+    from stagewise.core import storage
+    from stagewise.core.errors import DataError
+    from stagewise.data import ingest
 
     config, target = dataset
     before = storage.list_parquet(target)
@@ -244,8 +244,8 @@ def test_ingest_skips_a_file_already_in_the_data_set_under_another_name(dataset,
     """Re-ingesting one of the data set's own files (a copy under a new name) adds nothing: no duplicated rows."""
     import shutil
 
-    from tasks.core import storage
-    from tasks.data import ingest
+    from stagewise.core import storage
+    from stagewise.data import ingest
 
     config, target = dataset
     before = storage.list_parquet(target)
@@ -261,8 +261,8 @@ def test_ingest_crashing_mid_copy_leaves_no_partial_file_and_the_retry_adds_the_
     each once."""
     import os
 
-    from tasks.core import storage
-    from tasks.data import ingest
+    from stagewise.core import storage
+    from stagewise.data import ingest
 
     config, target = dataset
     before = storage.list_parquet(target)

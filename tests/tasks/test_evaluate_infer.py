@@ -12,20 +12,20 @@ import pytest
 import torch
 import yaml
 
-from tasks import infer
-from tasks.core import storage
-from tasks.core.errors import UserError
-from tasks.datasets.manifest import load_split, read_manifest
-from tasks.datasets.predictions import commit_predictions, plan_inference
-from tasks.definitions.hyperparams import BUILTIN_SPEC
-from tasks.definitions.loading import load_config
-from tasks.evaluate import evaluate
-from tasks.models.building import build, data_info
-from tasks.models.bundle import load_bundle, preprocessing_of, save_bundle
-from tasks.models.mlp import MLPClassifier
-from tasks.models.scoring import exact_float32, prefetch, scoring_device
-from tasks.models.versions import version_of
-from tasks.spec import DataInfo, SpecRef
+from stagewise import infer
+from stagewise.core import storage
+from stagewise.core.errors import UserError
+from stagewise.datasets.manifest import load_split, read_manifest
+from stagewise.datasets.predictions import commit_predictions, plan_inference
+from stagewise.definitions.hyperparams import BUILTIN_SPEC
+from stagewise.definitions.loading import load_config
+from stagewise.evaluate import evaluate
+from stagewise.models.building import build, data_info
+from stagewise.models.bundle import load_bundle, preprocessing_of, save_bundle
+from stagewise.models.mlp import MLPClassifier
+from stagewise.models.scoring import exact_float32, prefetch, scoring_device
+from stagewise.models.versions import version_of
+from stagewise.spec import DataInfo, SpecRef
 from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
 from tests.conftest import base_config, preprocess_digits, train_digits_s1
 
@@ -273,7 +273,7 @@ def test_missing_model_column_names_the_file(trained, tmp_path):
 @pytest.mark.parametrize("kind", BAD_KINDS)
 def test_a_broken_input_file_is_a_data_error_naming_it(trained, tmp_path, kind):
     """Planning or scoring an empty, non-Parquet, truncated or corrupt input file raises DataError naming the file."""
-    from tasks.core.errors import DataError
+    from stagewise.core.errors import DataError
 
     config_path, out, model_uri = trained
     config = load_config(config_path)
@@ -358,8 +358,8 @@ def test_crash_between_shard_writes_leaves_nothing_half_visible(trained, tmp_pat
 def todays_scores(config, model_uri: str, shard: dict) -> tuple[list, dict[str, np.ndarray]]:
     """The scoring of score_shard before the device path, verbatim: batch by batch, no_grad, float64 normalisation
     rounded to float32; returns (keys, prediction columns) of the scorable rows."""
-    from tasks.datasets.columns import flatten_features
-    from tasks.infer import _row_problems
+    from stagewise.datasets.columns import flatten_features
+    from stagewise.infer import _row_problems
 
     bundle = load_bundle(model_uri)
     prep = bundle.preprocessing
@@ -515,7 +515,7 @@ def diabetes(tmp_path_factory):
     raw = base_config(root)
     raw["dataset"] = {"uri": "raw/diabetes", "demo_data": "diabetes", "key": "row_id", "label": "target",
                       "features": ["age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s6"]}
-    raw["model"] = {"spec": "examples.diabetes:DiabetesMLP", "args": {}}
+    raw["model"] = {"spec": "stagewise.examples.diabetes:DiabetesMLP", "args": {}}
     raw["objective"] = {"metric": "rmse", "direction": "minimize"}
     raw["registry"] = {"model_name": "diabetes_mlp"}
     config_path = root / "pipeline.yaml"
@@ -527,7 +527,7 @@ def diabetes(tmp_path_factory):
 
 def _mean_regressor(config_path: Path, out: str, path: Path) -> str:
     """A DiabetesMLP bundle whose output is always 0: it predicts the data set's mean target for every row."""
-    from examples.diabetes import DiabetesMLP
+    from stagewise.examples.diabetes import DiabetesMLP
 
     manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
     params = {"hidden": 4, "dropout": 0.0}
@@ -536,7 +536,7 @@ def _mean_regressor(config_path: Path, out: str, path: Path) -> str:
         model[-1].weight.zero_()
         model[-1].bias.zero_()
     uri = str(path / "mean.pt")
-    save_bundle(uri, model, SpecRef("examples.diabetes:DiabetesMLP"), data_info(manifest), params, preprocessing_of(manifest), {})
+    save_bundle(uri, model, SpecRef("stagewise.examples.diabetes:DiabetesMLP"), data_info(manifest), params, preprocessing_of(manifest), {})
     return uri
 
 

@@ -16,11 +16,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tasks import infer
-from tasks.core import storage
-from tasks.datasets.predictions import plan_inference
-from tasks.definitions.loading import load_config
-from tasks.evaluate import evaluate
+from stagewise import infer
+from stagewise.core import storage
+from stagewise.datasets.predictions import plan_inference
+from stagewise.definitions.loading import load_config
+from stagewise.evaluate import evaluate
 from tests.conftest import train_digits_s1
 
 pytestmark = [pytest.mark.gpu,

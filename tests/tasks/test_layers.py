@@ -1,4 +1,4 @@
-"""tasks/ has layers anyone can read: every import (those inside functions too) points down tasks.LAYERS, no circle
+"""tasks/ has layers anyone can read: every import (those inside functions too) points down stagewise.LAYERS, no circle
 anywhere, jobs never import each other, nothing inside imports the public facades, project imports sit at the top."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks import LAYERS
+from stagewise import LAYERS
 
 TASKS_DIR = Path(__file__).resolve().parents[2] / "tasks"
+PACKAGE = "stagewise"  # what tasks/ is installed as (pyproject.toml's package-dir)
 
 
 @dataclass(frozen=True)
@@ -23,8 +24,8 @@ class Import:
     """At module level (or under ``if TYPE_CHECKING``), not inside a function, class or other block."""
 
 
-def module_name(root: Path, path: Path) -> str:
-    parts = path.relative_to(root.parent).with_suffix("").parts
+def module_name(root: Path, path: Path, package: str) -> str:
+    parts = (package, *path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -32,13 +33,13 @@ def _is_type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
-def project_imports(root: Path) -> list[Import]:
-    """Every import of a ``root`` module by a ``root`` module, at any depth, resolved to the module it loads."""
-    package = root.name
-    modules = {module_name(root, path) for path in root.rglob("*.py")}
+def project_imports(root: Path, package: str) -> list[Import]:
+    """Every import of a ``root`` module by a ``root`` module (``root`` is imported as ``package``), at any depth,
+    resolved to the module it loads."""
+    modules = _modules(root, package)
     found = []
     for path in sorted(root.rglob("*.py")):
-        importer = module_name(root, path)
+        importer = module_name(root, path, package)
         tree = ast.parse(path.read_text(), str(path))
         top = {id(node) for node in tree.body}
         top |= {id(child) for node in tree.body if _is_type_checking(node) for child in node.body}
@@ -68,7 +69,7 @@ def layer_problems(imports: list[Import], modules: set[str], layers=LAYERS) -> l
     """Each import that points up, into another job, into a facade, or sits inside a function; each unplaced module."""
     names = dict(layers)
     jobs, facades = set(names.get("jobs", ())), set(names.get("facades", ()))
-    problems = [f"{module}: in no layer of tasks.LAYERS" for module in sorted(modules)
+    problems = [f"{module}: in no layer of stagewise.LAYERS" for module in sorted(modules)
                 if module.count(".") > 0 and layer_of(module, layers) is None]
     for item in imports:
         where = f"{item.importer}:{item.line} imports {item.imported}"
@@ -125,30 +126,30 @@ def circles(imports: list[Import]) -> list[list[str]]:
     return found
 
 
-def _modules(root: Path) -> set[str]:
-    return {module_name(root, path) for path in root.rglob("*.py")}
+def _modules(root: Path, package: str) -> set[str]:
+    return {module_name(root, path, package) for path in root.rglob("*.py")}
 
 
 def test_tasks_has_no_import_circle():
     """No circle anywhere in tasks/, counting the imports inside functions that used to hide one."""
-    assert circles(project_imports(TASKS_DIR)) == []
+    assert circles(project_imports(TASKS_DIR, PACKAGE)) == []
 
 
 def test_every_import_points_down_the_declared_layers():
     """Each module is in a layer; imports go to its own package or lower; jobs and facades are never imported inside."""
-    assert layer_problems(project_imports(TASKS_DIR), _modules(TASKS_DIR)) == []
+    assert layer_problems(project_imports(TASKS_DIR, PACKAGE), _modules(TASKS_DIR, PACKAGE)) == []
 
 
 def test_public_facade_only_re_exports():
-    """tasks.spec defines nothing: it imports and lists in __all__ exactly what users may use."""
+    """stagewise.spec defines nothing: it imports and lists in __all__ exactly what users may use."""
     tree = ast.parse((TASKS_DIR / "spec.py").read_text())
     defined = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
     assert defined == []
     imported = {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
                 and node.module != "__future__" for alias in node.names}
-    import tasks.spec
+    import stagewise.spec
 
-    assert set(tasks.spec.__all__) == imported
+    assert set(stagewise.spec.__all__) == imported
 
 
 @pytest.fixture
@@ -171,19 +172,19 @@ def test_the_checks_see_each_kind_of_bad_import(sample_tree):
     """Guard for the guards: a clean tree passes, then an upward, a job-to-job, a facade, an in-function import and a
     circle each are reported."""
     root, layers = sample_tree
-    assert layer_problems(project_imports(root), _modules(root), layers) == []
+    assert layer_problems(project_imports(root, "pkg"), _modules(root, "pkg"), layers) == []
     (root / "core/leaf.py").write_text("def f():\n    from pkg.lib import util\n")
     (root / "job_b.py").write_text("from pkg import job_a\nfrom pkg.api import thing\n")
-    problems = "\n".join(layer_problems(project_imports(root), _modules(root), layers))
+    problems = "\n".join(layer_problems(project_imports(root, "pkg"), _modules(root, "pkg"), layers))
     assert "pkg.core.leaf:2 imports pkg.lib.util inside a function" in problems
     assert "'leaves' may import its own package and lower layers only" in problems
     assert "pkg.job_b:1 imports pkg.job_a: jobs never import each other" in problems
     assert "pkg.job_b:2 imports pkg.api: the facade is for users" in problems
-    assert circles(project_imports(root)) == [["pkg.core.leaf", "pkg.lib.util"]]
+    assert circles(project_imports(root, "pkg")) == [["pkg.core.leaf", "pkg.lib.util"]]
 
 
 def test_a_module_outside_every_layer_is_named(sample_tree):
     """A new module must be placed in the table: one in no layer fails by name."""
     root, layers = sample_tree
     (root / "stray.py").write_text("")
-    assert layer_problems(project_imports(root), _modules(root), layers) == ["pkg.stray: in no layer of tasks.LAYERS"]
+    assert layer_problems(project_imports(root, "pkg"), _modules(root, "pkg"), layers) == ["pkg.stray: in no layer of stagewise.LAYERS"]

@@ -1,4 +1,4 @@
-"""tasks.datasets.loader: rows whole and once per epoch, an order fixed by (seed, epoch, rank, window), exact resume, files closed."""
+"""stagewise.datasets.loader: rows whole and once per epoch, an order fixed by (seed, epoch, rank, window), exact resume, files closed."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tasks.datasets import loader
-from tasks.datasets.columns import Columns, feature_vectors, processed_schema
-from tasks.datasets.loader import ParquetBatches
+from stagewise.datasets import loader
+from stagewise.datasets.columns import Columns, feature_vectors, processed_schema
+from stagewise.datasets.loader import ParquetBatches
 
 COLUMNS = Columns(key="row_id", label="label", features=["a", "b", "c"], num_classes=5)
 FEATURES = COLUMNS.features

@@ -1,4 +1,5 @@
-"""tasks/ is plain Python: no file under it imports airflow, so every sub-job runs without Airflow."""
+"""tasks/ is plain Python: no file under it imports airflow or the Airflow glue (stagewise.airflow, installed beside
+it), so every sub-job runs without Airflow."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ _IMPORTERS = {"import_module", "__import__"}  # importlib.import_module("airflow
 
 
 def _is_airflow(module: str | None) -> bool:
-    return module is not None and (module == "airflow" or module.startswith("airflow."))
+    return module is not None and any(module == top or module.startswith(top + ".") for top in ("airflow", "stagewise.airflow"))
 
 
 def airflow_imports(source: str, filename: str) -> list[str]:
@@ -45,9 +46,11 @@ def test_the_check_sees_every_way_of_importing_airflow():
         "from airflow_helpers import x",
         "from . import airflow",
         "print('airflow')",
+        "from stagewise.airflow import launch",
+        "from stagewise.airflowish import x",
     ])
     hits = airflow_imports(source, "sample.py")
-    assert [hit.split(":")[1] for hit in hits] == ["1", "2", "3", "5", "6", "7"], hits
+    assert [hit.split(":")[1] for hit in hits] == ["1", "2", "3", "5", "6", "7", "12"], hits
 
 
 def test_tasks_never_imports_airflow():

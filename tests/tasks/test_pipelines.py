@@ -7,9 +7,9 @@ import os
 import pytest
 import yaml
 
-from tasks.definitions.config import ConfigError
-from tasks.definitions.loading import load_config
-from tasks.definitions.pipelines import collisions, dag_id, discover, name_of, sources
+from stagewise.definitions.config import ConfigError
+from stagewise.definitions.loading import load_config
+from stagewise.definitions.pipelines import collisions, dag_id, discover, name_of, sources
 from tests.conftest import base_config, unnamed
 
 
@@ -44,6 +44,21 @@ def test_the_setting_wins_then_stagewise_config_then_the_checkouts_pipelines(tmp
     assert sources() == [tmp_path / "one.yaml"]
     monkeypatch.setenv("STAGEWISE_PIPELINES", os.pathsep.join([str(tmp_path / "a"), str(tmp_path / "b.yaml")]))
     assert sources() == [tmp_path / "a", tmp_path / "b.yaml"]
+
+
+def test_an_installed_stagewise_has_no_pipeline_of_its_own(monkeypatch):
+    """Outside a checkout (a wheel in site-packages) nothing defaults to a file inside the package: the DAG file's
+    setting, $STAGEWISE_PIPELINES or $STAGEWISE_CONFIG must name the configs, and saying so is the error."""
+    from stagewise.definitions import loading, pipelines
+
+    monkeypatch.delenv("STAGEWISE_PIPELINES", raising=False)
+    monkeypatch.delenv("STAGEWISE_CONFIG", raising=False)
+    monkeypatch.setattr(pipelines, "DEFAULT_PIPELINES", ())
+    monkeypatch.setattr(loading, "DEFAULT_CONFIG_PATH", None)
+    with pytest.raises(ConfigError, match=r"no pipelines named: .*build_pipelines\(globals\(\), .*STAGEWISE_PIPELINES"):
+        discover()
+    with pytest.raises(ConfigError, match=r"no pipeline config: pass --config or set \$STAGEWISE_CONFIG"):
+        load_config()
 
 
 @pytest.mark.parametrize("problem,message", [
@@ -88,7 +103,7 @@ def test_two_pipelines_on_one_storage_root_may_not_share_a_registry_name(tmp_pat
 
 
 def test_a_runs_snapshot_uri_is_named_like_a_file(tmp_path, storage_root):
-    """A config read by URI (a run's snapshot: tasks.report latest --config file://...) takes its name key, else its
+    """A config read by URI (a run's snapshot: stagewise.report latest --config file://...) takes its name key, else its
     file's name, as a path does."""
     named = _write(tmp_path, "snap.yaml", base_config(storage_root))
     plain = _write(tmp_path, "fraud.yaml", unnamed(storage_root))

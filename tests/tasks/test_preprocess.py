@@ -9,17 +9,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks import preprocess
-from tasks.core import storage
-from tasks.core.errors import DataError
-from tasks.datasets import keys as key_module
-from tasks.datasets.columns import SPLITS
-from tasks.datasets.demo import write_synthetic
-from tasks.datasets.keys import key_bits, repeated_hashes, split_of
-from tasks.datasets.manifest import load_split, read_manifest
-from tasks.datasets.statistics import column_moments, feature_vectors_of, normalised_rows
-from tasks.definitions.config import Split
-from tasks.definitions.loading import load_config
+from stagewise import preprocess
+from stagewise.core import storage
+from stagewise.core.errors import DataError
+from stagewise.datasets import keys as key_module
+from stagewise.datasets.columns import SPLITS
+from stagewise.datasets.demo import write_synthetic
+from stagewise.datasets.keys import key_bits, repeated_hashes, split_of
+from stagewise.datasets.manifest import load_split, read_manifest
+from stagewise.datasets.statistics import column_moments, feature_vectors_of, normalised_rows
+from stagewise.definitions.config import Split
+from stagewise.definitions.loading import load_config
 from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
 from tests.conftest import REPO_ROOT, base_config
 
@@ -225,7 +225,7 @@ def test_a_shard_with_a_missing_or_extra_prefixed_feature_names_the_column_and_b
         synthetic, storage_root, num_features, difference):
     """With dataset.features 'f_*', a shard lacking one column or having one more fails naming only that column and
     the two files (not two full column lists), in reduce and in transform."""
-    from tasks.datasets.demo import synthetic_table
+    from stagewise.datasets.demo import synthetic_table
 
     config, raw_uri = synthetic(num_rows=1_000, num_shards=2, dirty_fraction=0.0)
     out = str(storage_root / "runs" / "t" / "columns")
@@ -254,7 +254,7 @@ def _write_table(folder: Path, name: str, table: pa.Table) -> str:
 
 def test_the_same_keys_in_two_shards_fail_naming_the_key_and_both_files(synthetic, storage_root):
     """Two shards sharing one key fail reduce with a DataError naming the key value and both files."""
-    from tasks.datasets.demo import synthetic_table
+    from stagewise.datasets.demo import synthetic_table
 
     config, raw_uri = synthetic(num_rows=3_000, num_shards=3, dirty_fraction=0.0)
     clash = _write_table(Path(raw_uri), "part-00003.parquet", synthetic_table(500, num_features=NUM_FEATURES, first_key=2_999))
@@ -299,7 +299,7 @@ def test_a_key_repeated_inside_one_file_fails_naming_the_file(synthetic, storage
 def test_hash_collisions_are_confirmed_against_the_keys_not_reported(synthetic, storage_root, monkeypatch):
     """With a deliberately coarse key hash (every key collides with hundreds of others) unique keys still pass and a
     real duplicate among the collisions is the one reported: the check is exact, the hash only narrows it."""
-    from tasks.datasets.demo import synthetic_table
+    from stagewise.datasets.demo import synthetic_table
 
     monkeypatch.setattr(preprocess, "key_hashes", lambda keys: key_bits(keys) % np.uint64(7))
     config, raw_uri = synthetic(num_rows=3_000, num_shards=3, dirty_fraction=0.0)
@@ -316,7 +316,7 @@ def test_a_colliding_hash_spread_over_many_merge_rounds_is_confirmed_as_one_grou
                                                                                   clash_key):
     """With a 3-value key hash, tiny merge buffers and tiny candidate batches, each hash's matches span many merge
     rounds; they are still confirmed together, so a duplicate whose two rows fall in different rounds is found."""
-    from tasks.datasets.demo import synthetic_table
+    from stagewise.datasets.demo import synthetic_table
 
     monkeypatch.setattr(preprocess, "key_hashes", lambda keys: key_bits(keys) % np.uint64(3))
     monkeypatch.setattr(key_module, "MERGE_BUDGET_HASHES", 1)  # 1024-hash chunks
@@ -379,19 +379,19 @@ def test_an_input_of_only_empty_files_says_it_has_no_rows(synthetic, storage_roo
 
 
 def test_standalone_reduce_refuses_when_a_planned_shard_has_no_stats(synthetic, storage_root, subprocess_env):
-    """`python -m tasks.preprocess reduce` with one planned shard's stats missing exits USER_ERROR_EXIT naming that
+    """`python -m stagewise.preprocess reduce` with one planned shard's stats missing exits USER_ERROR_EXIT naming that
     shard, and writes no stats.json (a failed shard is never silently left out)."""
     import subprocess
     import sys
 
-    from tasks.core.errors import USER_ERROR_EXIT
+    from stagewise.core.errors import USER_ERROR_EXIT
 
     config, raw_uri = synthetic(num_rows=3_000, num_shards=3, dirty_fraction=0.0)
     out = storage_root / "runs" / "t" / "partial"
     shards = preprocess.plan(raw_uri)
     for index in (0, 2):
         preprocess.shard_stats(config, shards[index], index, str(out))
-    completed = subprocess.run([sys.executable, "-m", "tasks.preprocess", "reduce", "--config",
+    completed = subprocess.run([sys.executable, "-m", "stagewise.preprocess", "reduce", "--config",
                                 str(storage_root.parent / "pipeline.yaml"), "--out", "runs/t/partial"],
                                cwd=REPO_ROOT, env=subprocess_env, capture_output=True, text=True, timeout=120)
     assert completed.returncode == USER_ERROR_EXIT, completed.stdout[-2000:] + completed.stderr[-2000:]
@@ -432,18 +432,18 @@ def test_a_broken_shard_fails_stats_and_transform_naming_the_file(synthetic, sto
 
 
 def test_stats_cli_on_a_corrupt_shard_exits_as_user_error_naming_the_file(synthetic, storage_root, subprocess_env):
-    """`python -m tasks.preprocess stats` on a truncated shard exits USER_ERROR_EXIT (Airflow does not retry) and
+    """`python -m stagewise.preprocess stats` on a truncated shard exits USER_ERROR_EXIT (Airflow does not retry) and
     its log names the file."""
     import subprocess
     import sys
 
-    from tasks.core.errors import USER_ERROR_EXIT
+    from stagewise.core.errors import USER_ERROR_EXIT
 
     config, raw_uri = synthetic(num_rows=1_000, num_shards=1, dirty_fraction=0.0)
     shard = preprocess.plan(raw_uri)[0]
     bad = str(write_bad_file("truncated", Path(raw_uri) / "part-00001.parquet", Path(shard).read_bytes()))
     config_path = storage_root.parent / "pipeline.yaml"
-    completed = subprocess.run([sys.executable, "-m", "tasks.preprocess", "stats", "--config", str(config_path),
+    completed = subprocess.run([sys.executable, "-m", "stagewise.preprocess", "stats", "--config", str(config_path),
                                 "--shard", bad, "--index", "1", "--out", "runs/t/cli"],
                                cwd=REPO_ROOT, env=subprocess_env, capture_output=True, text=True, timeout=120)
     assert completed.returncode == USER_ERROR_EXIT, completed.stdout[-2000:] + completed.stderr[-2000:]

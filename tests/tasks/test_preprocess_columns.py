@@ -10,17 +10,17 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tasks import infer, preprocess
-from tasks.core import storage
-from tasks.core.errors import DataError
-from tasks.datasets.columns import feature_matrix
-from tasks.datasets.manifest import load_split, read_manifest
-from tasks.datasets.predictions import plan_inference
-from tasks.definitions.loading import load_config
-from tasks.models.building import build, data_info
-from tasks.models.bundle import preprocessing_of, save_bundle
-from tasks.models.mlp import MLPClassifier
-from tasks.spec import SpecRef
+from stagewise import infer, preprocess
+from stagewise.core import storage
+from stagewise.core.errors import DataError
+from stagewise.datasets.columns import feature_matrix
+from stagewise.datasets.manifest import load_split, read_manifest
+from stagewise.datasets.predictions import plan_inference
+from stagewise.definitions.loading import load_config
+from stagewise.models.building import build, data_info
+from stagewise.models.bundle import preprocessing_of, save_bundle
+from stagewise.models.mlp import MLPClassifier
+from stagewise.spec import SpecRef
 from tests.conftest import base_config
 
 NUM_ROWS = 240
@@ -118,7 +118,7 @@ TENSOR_FEATURES = ["a", {"column": "image", "shape": [2, 3]}, "b", {"column": "v
 
 
 def _raw_matrix(table: pa.Table) -> np.ndarray:
-    """The expected feature vector, built independently of tasks.preprocess: columns in order, lists row-major."""
+    """The expected feature vector, built independently of stagewise.preprocess: columns in order, lists row-major."""
     return np.column_stack([table.column("a").to_numpy(),
                             np.stack(table.column("image").to_pylist()),
                             table.column("b").to_numpy(),
@@ -229,7 +229,7 @@ def test_inference_flattens_raw_tensor_columns_as_preprocessing_did(tensor_run, 
     params = {"hidden": 8, "dropout": 0.0}
     model = build(MLPClassifier(), data_info(manifest), params).eval()
     model_uri = str(storage_root / "model.pt")
-    save_bundle(model_uri, model, SpecRef("tasks.model:MLPClassifier"), data_info(manifest), params,
+    save_bundle(model_uri, model, SpecRef("stagewise.model:MLPClassifier"), data_info(manifest), params,
                 preprocessing_of(manifest), {})
     scored = pa.concat_tables([pq.read_table(infer.score_shard(config, model_uri, shard, out)["uri"])
                                for shard in plan_inference(raw_uri, 500)])

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks import registry
-from tasks.core.errors import UserError
+from stagewise import registry
+from stagewise.core.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NAME = "digits"  # the registry name the test config gets from its dataset.uri (raw/digits)
@@ -74,7 +74,7 @@ def test_unknown_version_is_a_user_error(storage_root):
 
 
 def test_cli_lists_versions_marks_current_and_rolls_back(storage_root, tmp_path, write_config, subprocess_env):
-    """`python -m tasks.registry list` marks the current version with '*'; `rollback` moves it back."""
+    """`python -m stagewise.registry list` marks the current version with '*'; `rollback` moves it back."""
     config = write_config()
     first = _register(storage_root, tmp_path, "a", 0.90)
     second = _register(storage_root, tmp_path, "b", 0.95)
@@ -82,7 +82,7 @@ def test_cli_lists_versions_marks_current_and_rolls_back(storage_root, tmp_path,
     registry.gate(str(storage_root), NAME, second, "test_accuracy", 0.0)
 
     def cli(*args: str) -> str:
-        return subprocess.run([sys.executable, "-m", "tasks.registry", *args, "--config", str(config)], cwd=REPO_ROOT,
+        return subprocess.run([sys.executable, "-m", "stagewise.registry", *args, "--config", str(config)], cwd=REPO_ROOT,
                               env=subprocess_env, capture_output=True, text=True, check=True).stdout
 
     listing = cli("list")
@@ -105,7 +105,7 @@ def test_model_with_a_non_finite_metric_is_never_registered(storage_root, tmp_pa
 
 def test_model_name_defaults_to_the_data_sets_last_path_component_and_ignores_input_overrides(write_config, storage_root):
     """No registry.model_name: the file's dataset.uri names the registry; a run's input_uri override does not move it."""
-    from tasks.definitions.loading import load_config
+    from stagewise.definitions.loading import load_config
     from tests.conftest import base_config
 
     path = write_config()
@@ -123,7 +123,7 @@ def test_two_model_names_on_one_storage_root_each_have_their_own_current_model(w
 
     Before, one registry spanned the storage root: the weak regressor was compared with the digits classifier.
     """
-    from tasks.definitions.loading import load_config
+    from stagewise.definitions.loading import load_config
     from tests.conftest import base_config
 
     raw = base_config(storage_root)
@@ -145,7 +145,7 @@ def test_two_model_names_on_one_storage_root_each_have_their_own_current_model(w
         registry.card(root, "diabetes", strong)
 
     def cli(config: str, *args: str) -> str:
-        return subprocess.run([sys.executable, "-m", "tasks.registry", *args, "--config", config], cwd=REPO_ROOT,
+        return subprocess.run([sys.executable, "-m", "stagewise.registry", *args, "--config", config], cwd=REPO_ROOT,
                               env=subprocess_env, capture_output=True, text=True, check=True).stdout
 
     listing = cli(str(tmp_path / "diabetes.yaml"), "list")
@@ -170,7 +170,7 @@ def test_an_unscoped_registry_from_before_model_names_is_ignored_with_a_warning(
 def test_the_config_drives_the_gate_serving_and_a_retrains_warm_start(write_config, storage_root, tmp_path):
     """The registry rules a run follows, from its config: a minimize objective's gate, the model inference scores
     with (named version or current), and a retrain warm-started from the current model's study."""
-    from tasks.definitions.loading import load_config
+    from stagewise.definitions.loading import load_config
 
     config = load_config(write_config(), {"objective.metric": "rmse", "objective.direction": "minimize",
                                           "registry.gate_metric": "test_rmse", "retrain.num_trials": 3})
@@ -191,7 +191,7 @@ def test_the_config_drives_the_gate_serving_and_a_retrains_warm_start(write_conf
 def test_a_model_card_records_the_objective_and_the_params_it_trained_with(write_config, storage_root, tmp_path):
     """The card holds the test metrics (not the derived test_objective), the objective's validation value, the
     sweep's params for our own stage, and what makes the version traceable (data, code, study, source run)."""
-    from tasks.definitions.loading import load_config
+    from stagewise.definitions.loading import load_config
 
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"features": ["a"], "splits": {}}))
@@ -210,7 +210,7 @@ def test_a_model_card_records_the_objective_and_the_params_it_trained_with(write
 def test_a_model_version_that_leaves_its_registry_is_refused(write_config, storage_root, tmp_path, version):
     """A version is one path segment: batch inference never scores (and the CLI never promotes) a model of another
     registry name or outside models/, even when that file exists."""
-    from tasks.definitions.loading import load_config
+    from stagewise.definitions.loading import load_config
 
     config = load_config(write_config())
     other = registry.register(str(storage_root), "other", _model(tmp_path, "o", b"o" * 10), {"test_accuracy": 0.5})["version"]
@@ -230,7 +230,7 @@ def test_a_model_name_that_leaves_models_is_refused(storage_root, name):
 
 def test_a_torn_card_is_a_data_error_naming_it_and_the_listing_shows_the_other_versions(storage_root, tmp_path):
     """A card that does not parse names its file (no retry); versions() lists it with its error beside the good ones."""
-    from tasks.core.errors import DataError
+    from stagewise.core.errors import DataError
 
     good = _register(storage_root, tmp_path, "a", 0.9)
     torn = _register(storage_root, tmp_path, "b", 0.8)
@@ -244,8 +244,8 @@ def test_a_torn_card_is_a_data_error_naming_it_and_the_listing_shows_the_other_v
 
 def test_a_registered_model_file_that_changed_since_registration_is_named(storage_root, tmp_path):
     """The version id is the digest of the registered bytes: a cut model.pt fails its check, naming the file."""
-    from tasks.core.errors import DataError
-    from tasks.models.versions import check_registered
+    from stagewise.core.errors import DataError
+    from stagewise.models.versions import check_registered
 
     version = _register(storage_root, tmp_path, "a", 0.9)
     model_uri = registry.card(str(storage_root), NAME, version)["model_uri"]

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tasks import registry
-from tasks.core import storage
+from stagewise import registry
+from stagewise.core import storage
 
 METRIC = "test_accuracy"
 WORSE, BETTER, BASELINE = 0.93, 0.95, 0.90

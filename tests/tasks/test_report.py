@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from tasks.core import storage
-from tasks.report import build_report, stage_timing, summary_lines
+from stagewise.core import storage
+from stagewise.report import build_report, stage_timing, summary_lines
 from tests.conftest import REPO_ROOT
 
 REQUIRED_KEYS = {"dag_id", "run_id", "stages", "sweep", "training", "test_accuracy", "model_uri", "predictions"}
@@ -106,7 +106,7 @@ def test_reports_are_listed_newest_first_per_dag_and_a_bad_one_reads_as_an_error
     newest of a DAG, and read_report turns an unreadable or non-object report into an error entry, not an exception."""
     import os
 
-    from tasks.report import latest_report, list_reports, read_report
+    from stagewise.report import latest_report, list_reports, read_report
 
     root = str(tmp_path)
     for age, (dag, run) in enumerate([("ml_pipeline", "new"), ("retrain", "middle"), ("ml_pipeline", "old")]):

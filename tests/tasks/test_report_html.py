@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks import report
-from tasks.core import storage
-from tasks.reporting import html as report_html
-from tasks.reporting import timeline
-from tasks.study.studies import create, open_storage, suggest
-from tasks.study.summary import summarize
+from stagewise import report
+from stagewise.core import storage
+from stagewise.reporting import html as report_html
+from stagewise.reporting import timeline
+from stagewise.study.studies import create, open_storage, suggest
+from stagewise.study.summary import summarize
 from tests.conftest import base_config, preprocess_digits
 
 CHECKPOINT_EVERY = 10
@@ -58,7 +58,7 @@ def outside_references(page: str) -> list[str]:
 
 def _crash_second_epoch_once(monkeypatch):
     """Loop.train_epoch raises at the start of the stage's second epoch, once: the first attempt dies mid-stage."""
-    from tasks.training import loop as loop_module
+    from stagewise.training import loop as loop_module
 
     original, calls = loop_module.Loop.train_epoch, {"n": 0}
 
@@ -80,9 +80,9 @@ def finished_run(tmp_path_factory):
     task timeline, then the report step. Returns (report dict, run prefix, sweep summary, metrics by stage)."""
     import optuna
 
-    from tasks import evaluate, registry
-    from tasks.definitions.loading import load_config
-    from tasks.train import run_stage
+    from stagewise import evaluate, registry
+    from stagewise.definitions.loading import load_config
+    from stagewise.train import run_stage
 
     monkeypatch = pytest.MonkeyPatch()
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -248,7 +248,7 @@ def test_page_fetches_nothing_from_outside(finished_run):
 
 
 def test_html_command_renders_the_page_again_from_the_files(finished_run, capsys):
-    """`python -m tasks.report html <run prefix>` rewrites report.html from report.json and the stages' files."""
+    """`python -m stagewise.report html <run prefix>` rewrites report.html from report.json and the stages' files."""
     _, out, _, _ = finished_run
     page = Path(out, "report.html")
     before = figures(page.read_text())
@@ -264,10 +264,10 @@ def test_html_command_renders_the_page_again_from_the_files(finished_run, capsys
 
 def _regression_run(out: str) -> dict:
     """A minimised-rmse run's files as the stages write them: each stage's metrics.json and the sweep's trials.json
-    (tasks.sweep.trial_records over a real study); returns build_report's inputs."""
+    (stagewise.sweep.trial_records over a real study); returns build_report's inputs."""
     import optuna
 
-    from tasks.study.summary import trial_records
+    from stagewise.study.summary import trial_records
 
     study = optuna.create_study(direction="minimize")
     for values, state in (([80.0, 70.0], "COMPLETE"), ([90.0], "PRUNED"), ([75.0, 60.0], "COMPLETE"), ([65.0, 62.0], "COMPLETE")):
@@ -334,7 +334,7 @@ def test_report_under_an_s3_root(s3_bucket):
 
 
 def test_latest_prints_where_the_page_is_before_the_report(write_config, storage_root, capsys):
-    """`python -m tasks.report latest` (make demo's last step) names report.html, then report.json on the last line."""
+    """`python -m stagewise.report latest` (make demo's last step) names report.html, then report.json on the last line."""
     out = str(storage_root / "runs" / "ml_pipeline" / "r2")
     written = report.build_report(**{**_regression_run(out), "dag_id": "ml_pipeline"})
     report.main(["latest", "--config", str(write_config())])

@@ -1,4 +1,4 @@
-"""The runtime helper of a user's own script (tasks.spec.report and friends), against real Optuna studies."""
+"""The runtime helper of a user's own script (stagewise.spec.report and friends), against real Optuna studies."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tasks import spec
-from tasks.core import contract
-from tasks.core.errors import UserError
-from tasks.definitions.loading import load_config
-from tasks.scripting import runtime
-from tasks.scripting.entrypoint import read_last_report
-from tasks.study.studies import open_storage
-from tasks.sweep import absolute_storage, trial_contract, trial_environment
-from tasks.train import byo_environment
+from stagewise import spec
+from stagewise.core import contract
+from stagewise.core.errors import UserError
+from stagewise.definitions.loading import load_config
+from stagewise.scripting import runtime
+from stagewise.scripting.entrypoint import read_last_report
+from stagewise.study.studies import open_storage
+from stagewise.sweep import absolute_storage, trial_contract, trial_environment
+from stagewise.train import byo_environment
 from tests.conftest import base_config
 
 
@@ -129,7 +129,7 @@ def test_report_in_a_trial_keeps_a_good_trial(write_config, storage_root, tmp_pa
 TWO_RANKS = """
 import os, sys
 import torch.distributed as dist
-from tasks.spec import report
+from stagewise.spec import report
 dist.init_process_group("gloo")
 stop = report(0, {"accuracy": 0.1})
 with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as handle:
@@ -149,7 +149,7 @@ def test_every_rank_of_a_torchrun_trial_gets_rank_0s_prune_decision(write_config
     script.write_text(TWO_RANKS)
     answers = tmp_path / "answers"
     answers.mkdir()
-    done = subprocess.run([sys.executable, "-m", "tasks.training.local_torchrun", "--nproc-per-node=2", str(script), str(answers)],
+    done = subprocess.run([sys.executable, "-m", "stagewise.training.local_torchrun", "--nproc-per-node=2", str(script), str(answers)],
                           env={**subprocess_env, **env}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert {p.name: json.loads(p.read_text()) for p in answers.iterdir()} == {"rank0.json": True, "rank1.json": True}
@@ -162,10 +162,10 @@ def test_a_stage_scripts_outputs_are_what_the_next_stage_and_evaluation_accept(d
     check_byo_outputs, load_bundle and the next stage take; the last report becomes the stage's val_metric."""
     import torch
 
-    from tasks.models.bundle import load_bundle
-    from tasks.models.torch_io import load_torch
-    from tasks.scripting.entrypoint import LAST_REPORT
-    from tasks.train import byo_contract, byo_result, check_byo_outputs
+    from stagewise.models.bundle import load_bundle
+    from stagewise.models.torch_io import load_torch
+    from stagewise.scripting.entrypoint import LAST_REPORT
+    from stagewise.train import byo_contract, byo_result, check_byo_outputs
 
     config_path, out = digits_run
     config = load_config(config_path)

@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks import train
-from tasks.core import storage
-from tasks.core.errors import UserError
-from tasks.datasets.predictions import plan_inference
-from tasks.definitions.hyperparams import BUILTIN_SPEC_PARAMS
-from tasks.definitions.loading import load_config
-from tasks.evaluate import evaluate
-from tasks.models.building import build
-from tasks.models.bundle import load_bundle
-from tasks.models.mlp import MLPClassifier
-from tasks.spec import DataInfo, Regressor, SpecRef
+from stagewise import train
+from stagewise.core import storage
+from stagewise.core.errors import UserError
+from stagewise.datasets.predictions import plan_inference
+from stagewise.definitions.hyperparams import BUILTIN_SPEC_PARAMS
+from stagewise.definitions.loading import load_config
+from stagewise.evaluate import evaluate
+from stagewise.models.building import build
+from stagewise.models.bundle import load_bundle
+from stagewise.models.mlp import MLPClassifier
+from stagewise.spec import DataInfo, Regressor, SpecRef
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PARAMS = {"lr": 0.05, "hidden": 32}
@@ -45,8 +45,8 @@ def test_builtin_spec_params_match_the_config_check():
 
 @pytest.mark.parametrize("path,message", [
     ("no_such_module:Spec", "no module 'no_such_module' in model.import_paths"),  # refused as the config loads
-    ("tasks.model:NotThere", "'NotThere' is not a ModelSpec subclass"),
-    ("tasks.model:BUNDLE_FORMAT", "is not a ModelSpec subclass"),
+    ("stagewise.model:NotThere", "'NotThere' is not a ModelSpec subclass"),
+    ("stagewise.model:BUNDLE_FORMAT", "is not a ModelSpec subclass"),
 ])
 def test_a_spec_that_cannot_be_imported_is_a_user_error_naming_it(digits_run, single_process, path, message):
     """A bad model.spec fails the stage as bad input, naming the path, before anything trains."""
@@ -59,8 +59,8 @@ def test_a_spec_that_cannot_be_imported_is_a_user_error_naming_it(digits_run, si
 def test_bad_spec_args_name_the_spec(digits_run, single_process):
     """model.args the class does not take are refused naming the spec and the args."""
     config_path, out = digits_run
-    with pytest.raises(UserError, match=r"examples.digits_cnn:DigitsCNN.*bad model.args.*colour"):
-        train.run_stage(_config(config_path, "examples.digits_cnn:DigitsCNN", {"colour": 3}), "s1", out, PARAMS, None)
+    with pytest.raises(UserError, match=r"stagewise.examples.digits_cnn:DigitsCNN.*bad model.args.*colour"):
+        train.run_stage(_config(config_path, "stagewise.examples.digits_cnn:DigitsCNN", {"colour": 3}), "s1", out, PARAMS, None)
 
 
 def test_build_must_return_a_module(digits_run, single_process):
@@ -92,7 +92,7 @@ def test_outputs_that_do_not_fit_the_contract_fail_before_the_first_step(digits_
 def test_an_objective_the_spec_does_not_report_is_named(digits_run, single_process):
     """objective.metric must be one of the spec's metrics (or loss); the error lists those it has."""
     config_path, out = digits_run
-    config = _config(config_path, "tasks.model:MLPClassifier", **{"objective.metric": "rmse"})
+    config = _config(config_path, "stagewise.model:MLPClassifier", **{"objective.metric": "rmse"})
     with pytest.raises(UserError, match=r"objective.metric 'rmse' is not among .* \['accuracy', 'loss'\]"):
         train.run_stage(config, "s1", out, PARAMS, None)
 
@@ -100,7 +100,7 @@ def test_an_objective_the_spec_does_not_report_is_named(digits_run, single_proce
 def test_unknown_hyperparameter_of_a_user_spec_is_checked_against_its_own(digits_images_run, single_process):
     """A user spec declares its hyperparameters: one it does not know fails naming it and the known ones."""
     config_path, out = digits_images_run
-    config = _config(config_path, "examples.digits_cnn:DigitsCNN")
+    config = _config(config_path, "stagewise.examples.digits_cnn:DigitsCNN")
     with pytest.raises(UserError, match=r"unknown hyperparameter 'hidden'.*'dropout'"):
         train.run_stage(config, "s1", out, PARAMS, None)
 
@@ -110,14 +110,14 @@ def test_a_user_spec_trains_evaluates_and_scores(digits_images_run, single_proce
     of raw image rows: its bundle names the spec and args."""
     import pyarrow.parquet as pq
 
-    from tasks import infer
+    from stagewise import infer
 
     config_path, out = digits_images_run
-    config = _config(config_path, "examples.digits_cnn:DigitsCNN", {"channels": 4})
+    config = _config(config_path, "stagewise.examples.digits_cnn:DigitsCNN", {"channels": 4})
     result = train.run_stage(config, "s1", out, {"lr": 0.05, "dropout": 0.1}, None)
     assert result["objective"] == "accuracy" and result["val_metric"] > 0.5
     bundle = load_bundle(result["model_uri"])
-    assert bundle.ref == SpecRef("examples.digits_cnn:DigitsCNN", {"channels": 4})
+    assert bundle.ref == SpecRef("stagewise.examples.digits_cnn:DigitsCNN", {"channels": 4})
     assert isinstance(bundle.module[1], torch.nn.Conv2d) and bundle.data.shapes == {"image": [1, 8, 8]}
     evaluation = evaluate(config, result["model_uri"], out)
     assert evaluation["test_objective"] == evaluation["test_accuracy"] > 0.5
@@ -156,10 +156,10 @@ def test_a_minimised_objective_drives_the_sweep_and_the_gate(digits_run, single_
     promotes only a model with a lower test nll."""
     import optuna
 
-    from tasks import registry
-    from tasks.study.studies import create, open_storage
-    from tasks.study.summary import summarize
-    from tasks.sweep import run_worker
+    from stagewise import registry
+    from stagewise.study.studies import create, open_storage
+    from stagewise.study.summary import summarize
+    from stagewise.sweep import run_worker
 
     config_path, out = digits_run
     config = _config(config_path, "tests.specs:LogLoss", **{"objective.metric": "nll", "objective.direction": "minimize",
@@ -192,15 +192,15 @@ def test_two_process_ddp_stage_with_the_cnn_spec(digits_images_run, subprocess_e
     """A real 2-rank torchrun stage trains the CNN example; rank 0 alone writes its bundle, which names the spec."""
     config, out = digits_images_run
     result_file = Path(out) / "cnn.json"
-    command = [sys.executable, "-m", "tasks.training.local_torchrun", "--nproc-per-node=2", "-m", "tasks.train", "--config",
+    command = [sys.executable, "-m", "stagewise.training.local_torchrun", "--nproc-per-node=2", "-m", "stagewise.train", "--config",
                str(config), "--stage", "s2", "--out", out, "--params", json.dumps({"lr": 0.02}),
-               "--override=model.spec=examples.digits_cnn:DigitsCNN", '--override=model.args={"channels": 4}',
+               "--override=model.spec=stagewise.examples.digits_cnn:DigitsCNN", '--override=model.args={"channels": 4}',
                "--result-file", str(result_file)]
     completed = subprocess.run(command, cwd=REPO_ROOT, env=subprocess_env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     result = json.loads(result_file.read_text())
     assert result["world_size"] == 2 and result["val_metric"] > 0.5
-    assert load_bundle(result["model_uri"]).ref.path == "examples.digits_cnn:DigitsCNN"
+    assert load_bundle(result["model_uri"]).ref.path == "stagewise.examples.digits_cnn:DigitsCNN"
 
 
 # --- Regressor ---------------------------------------------------------------------------------------------------
@@ -215,7 +215,7 @@ def _regressor(mean: float = 150.0, std: float = 40.0) -> Regressor:
 def test_regressor_rmse_reduces_over_batches_to_the_rmse_of_the_whole():
     """rmse is reported as summed squared errors and a count: two halves reduce to exactly the whole's RMSE
     (a mean of the halves' RMSEs would not), in the target's own units."""
-    from tasks.training.loop import accumulate_metrics
+    from stagewise.training.loop import accumulate_metrics
 
     torch.manual_seed(0)
     spec, module = _regressor(), torch.nn.Identity()

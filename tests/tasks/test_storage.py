@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.core import storage
-from tasks.core.errors import DataError, UserError
+from stagewise.core import storage
+from stagewise.core.errors import DataError, UserError
 from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
 
 

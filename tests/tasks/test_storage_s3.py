@@ -11,8 +11,8 @@ import uuid
 import pyarrow as pa
 import pytest
 
-from tasks.core import storage
-from tasks.core.errors import UserError
+from stagewise.core import storage
+from stagewise.core.errors import UserError
 from tests.conftest import REPO_ROOT, base_config, preprocess_digits
 from tests.s3_faults import FAULT_KINDS, FaultPlan, FaultyS3
 
@@ -105,7 +105,7 @@ def test_preprocess_through_faults_commits_what_a_clean_local_run_commits(faulty
 def test_an_outage_beyond_the_retries_fails_as_retryable_and_the_retry_commits(faulty_s3, tmp_path, subprocess_env):
     """With S3 down past its retries the sub-job exits 1 (Airflow retries it), not 3 (user error), and writes
     nothing; once S3 is back, the same command (the retry) writes the shard's statistics and the key hashes they name."""
-    from tasks.datasets.demo import write_digits
+    from stagewise.datasets.demo import write_digits
 
     proxy, bucket = faulty_s3(FaultPlan())
     root = f"s3://{bucket}/root"
@@ -113,7 +113,7 @@ def test_an_outage_beyond_the_retries_fails_as_retryable_and_the_retry_commits(f
     config_path = tmp_path / "pipeline.yaml"
     config_path.write_text(json.dumps({**base_config(tmp_path), "storage_root": root}))
     env = {**subprocess_env, **{k: v for k, v in os.environ.items() if k.startswith("AWS_")}, "AWS_MAX_ATTEMPTS": "2"}
-    command = [sys.executable, "-m", "tasks.preprocess", "stats", "--config", str(config_path), "--shard", shard,
+    command = [sys.executable, "-m", "stagewise.preprocess", "stats", "--config", str(config_path), "--shard", shard,
                "--index", "0", "--out", "runs/test/r1"]
     stats_prefix = storage.join(root, "runs", "test", "r1")
 
@@ -167,15 +167,15 @@ def test_an_unreachable_endpoint_is_not_a_missing_bucket(s3_env, monkeypatch):
 
 @pytest.mark.service
 def test_preprocess_cli_with_a_missing_bucket_exits_as_user_error_naming_storage_root(s3_env, tmp_path, subprocess_env):
-    """`python -m tasks.preprocess plan` with storage_root in a bucket that does not exist exits USER_ERROR_EXIT and
+    """`python -m stagewise.preprocess plan` with storage_root in a bucket that does not exist exits USER_ERROR_EXIT and
     names storage_root and the bucket (not NoCredentialsError or a bare NoSuchBucket)."""
-    from tasks.core.errors import USER_ERROR_EXIT
+    from stagewise.core.errors import USER_ERROR_EXIT
 
     bucket = f"missing-{uuid.uuid4().hex[:10]}"
     config_path = tmp_path / "pipeline.yaml"
     config_path.write_text(json.dumps({**base_config(tmp_path), "storage_root": f"s3://{bucket}/root"}))
     env = {**subprocess_env, **s3_env, "AWS_MAX_ATTEMPTS": "2"}
-    completed = subprocess.run([sys.executable, "-m", "tasks.preprocess", "plan", "--config", str(config_path)],
+    completed = subprocess.run([sys.executable, "-m", "stagewise.preprocess", "plan", "--config", str(config_path)],
                                cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert completed.returncode == USER_ERROR_EXIT, completed.stdout[-3000:] + completed.stderr[-3000:]
     assert f"storage_root s3://{bucket}/root: S3 bucket '{bucket}' does not exist" in completed.stdout
@@ -184,9 +184,9 @@ def test_preprocess_cli_with_a_missing_bucket_exits_as_user_error_naming_storage
 @pytest.mark.service
 def test_a_broken_raw_shard_on_s3_is_a_data_error_naming_it(s3_env, tmp_path):
     """A truncated Parquet object on S3 fails the stats step with a DataError naming its s3:// URI."""
-    from tasks import preprocess
-    from tasks.core.errors import DataError
-    from tasks.definitions.loading import load_config
+    from stagewise import preprocess
+    from stagewise.core.errors import DataError
+    from stagewise.definitions.loading import load_config
     from tests.bad_parquet import write_bad_file
 
     bucket = f"broken-{uuid.uuid4().hex[:10]}"
@@ -212,9 +212,9 @@ def test_ingest_onto_s3_adds_each_file_once_and_leaves_no_partial_object(s3_env,
     '.partial' object stays behind, and a second run (a retry) adds nothing."""
     import pyarrow.parquet as pq
 
-    from tasks.data import ingest
-    from tasks.datasets.demo import synthetic_table, write_synthetic
-    from tasks.definitions.loading import load_config
+    from stagewise.data import ingest
+    from stagewise.datasets.demo import synthetic_table, write_synthetic
+    from stagewise.definitions.loading import load_config
 
     bucket = f"ingest-{uuid.uuid4().hex[:10]}"
     fs, _ = storage.filesystem(f"s3://{bucket}")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from tasks.core import storage
-from tasks.core.errors import UserError
-from tasks.definitions.loading import load_config
-from tasks.study.studies import create, open_storage, study_name
-from tasks.study.summary import summarize
-from tasks.sweep import run_worker, worker_quota
+from stagewise.core import storage
+from stagewise.core.errors import UserError
+from stagewise.definitions.loading import load_config
+from stagewise.study.studies import create, open_storage, study_name
+from stagewise.study.summary import summarize
+from stagewise.sweep import run_worker, worker_quota
 
 
 @pytest.fixture
@@ -218,7 +218,7 @@ def test_objective_fault_injected_in_the_model_fails_each_trial(digits_run, sing
     def broken(spec, data, params):
         raise RuntimeError("forced fault")
 
-    monkeypatch.setattr("tasks.models.building.build", broken)
+    monkeypatch.setattr("stagewise.models.building.build", broken)
     create(config, "forced")
     assert run_worker(config, "forced", 0, out)["trials_run"] == 2
     with pytest.raises(UserError, match="forced fault"):

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import optuna
 import pytest
 
-from tasks import sweep
-from tasks.definitions.config import ConfigError
-from tasks.definitions.loading import load_config
-from tasks.study.studies import best_trial, create, open_storage
-from tasks.study.summary import summarize
+from stagewise import sweep
+from stagewise.definitions.config import ConfigError
+from stagewise.definitions.loading import load_config
+from stagewise.study.studies import best_trial, create, open_storage
+from stagewise.study.summary import summarize
 from tests.conftest import base_config
 
 
@@ -31,8 +33,11 @@ def test_script_trials_complete_prune_and_fail_and_the_sweep_goes_on(write_confi
     for key, value in subprocess_env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("BYO_TRIAL_LOG", str(tmp_path))
-    path = byo_sweep_config(write_config, storage_root, {"script": "tests/tasks/byo_trial_script.py",
+    # Beside its config, named relative to it (as a team's pipelines folder holds its scripts), not to any cwd.
+    shutil.copy(Path(__file__).with_name("byo_trial_script.py"), tmp_path / "byo_trial_script.py")
+    path = byo_sweep_config(write_config, storage_root, {"script": "byo_trial_script.py",
                                                            "args": ["--hidden", "{hidden}", "--epochs", "{epochs}"]})
+    assert Path(path).parent == tmp_path
     config = load_config(path)
     create(config, "byo_study")
     out = str(storage_root / "runs" / "t" / "r1")

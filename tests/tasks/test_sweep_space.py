@@ -5,9 +5,9 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from tasks.definitions.config import ConfigError
-from tasks.definitions.loading import load_config
-from tasks.study.studies import make_pruner, make_sampler, suggest
+from stagewise.definitions.config import ConfigError
+from stagewise.definitions.loading import load_config
+from stagewise.study.studies import make_pruner, make_sampler, suggest
 
 
 def _space_config(write_config, storage_root, space: dict, **sweep):

@@ -6,11 +6,11 @@ import optuna
 import pytest
 import yaml
 
-from tasks.core.errors import UserError
-from tasks.definitions.loading import load_config
-from tasks.study.studies import create, open_storage
-from tasks.study.summary import summarize
-from tasks.sweep import run_worker
+from stagewise.core.errors import UserError
+from stagewise.definitions.loading import load_config
+from stagewise.study.studies import create, open_storage
+from stagewise.study.summary import summarize
+from stagewise.sweep import run_worker
 
 
 def _config(config_path, **sweep):
@@ -72,7 +72,7 @@ def test_failing_trials_are_recorded_and_an_all_failed_sweep_says_why(digits_run
     def broken_model(spec, data, params):
         raise MemoryError("model too big for this worker")
 
-    monkeypatch.setattr("tasks.models.building.build", broken_model)
+    monkeypatch.setattr("stagewise.models.building.build", broken_model)
     create(config, "doomed")
     run_worker(config, "doomed", 0, out)
     study = optuna.load_study(study_name="doomed", storage=open_storage(config.sweep.storage))

@@ -11,9 +11,9 @@ import optuna
 import pytest
 import yaml
 
-from tasks.definitions.loading import load_config
-from tasks.study.studies import create, open_storage
-from tasks.study.summary import summarize
+from stagewise.definitions.loading import load_config
+from stagewise.study.studies import create, open_storage
+from stagewise.study.summary import summarize
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,8 +28,8 @@ def _sweep_config(config_path: Path, **sweep) -> Path:
 
 
 def _worker(config: Path, study: str, worker: int, out: str, env: dict, nproc: int = 1) -> subprocess.Popen:
-    entry = [sys.executable, "-m", "tasks.sweep"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "tasks.sweep"]
+    entry = [sys.executable, "-m", "stagewise.sweep"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "stagewise.sweep"]
     return subprocess.Popen([*entry, "worker", "--config", str(config), "--study", study, "--worker", str(worker),
                              "--out", out], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

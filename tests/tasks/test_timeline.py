@@ -1,8 +1,8 @@
-"""A run's task attempts as files (tasks.reporting.timeline): one record per attempt, rewritten whole, listed by start."""
+"""A run's task attempts as files (stagewise.reporting.timeline): one record per attempt, rewritten whole, listed by start."""
 
 from __future__ import annotations
 
-from tasks.reporting import timeline
+from stagewise.reporting import timeline
 
 
 def test_an_attempt_keeps_its_first_start_and_gains_its_end(tmp_path):

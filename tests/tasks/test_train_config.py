@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.definitions.config import ConfigError
-from tasks.definitions.loading import load_config
+from stagewise.definitions.config import ConfigError
+from stagewise.definitions.loading import load_config
 
 
 def _with_stage(write_config, storage_root, **stage) -> object:
@@ -61,7 +61,7 @@ def test_entrypoint_args_name_the_stage_values_and_hyperparameters(write_config,
 
     {lr} is the rescaled lr (as $STAGEWISE_LR); {{ and }} stay literal braces; a format spec applies.
     """
-    from tasks.train import byo_args, byo_contract
+    from stagewise.train import byo_args, byo_contract
 
     args = ["--epochs", "{epochs}", "--lr", "{lr}", "--batch-size", "{per_process_batch}", "--global={global_batch}",
             "--hidden", "{hidden}", "--wd={weight_decay:.0e}", "--out", "{output_dir}", "--init={init_from}",

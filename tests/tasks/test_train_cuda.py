@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks import train
-from tasks.definitions.loading import load_config
+from stagewise import train
+from stagewise.definitions.loading import load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CUDA = {f"profiles.{name}.device": "cuda" for name in ("ddp1", "ddp2")}
@@ -51,7 +51,7 @@ def test_second_stage_starts_from_the_first_on_the_gpu(digits_run, single_proces
 
 def _torchrun(config: Path, out: str, env: dict, result_name: str) -> subprocess.CompletedProcess:
     overrides = [f"--override={key}={json.dumps(value)}" for key, value in ONE_GPU.items()]
-    command = [sys.executable, "-m", "tasks.training.local_torchrun", "--nproc-per-node=1", "-m", "tasks.train",  # as the launcher runs it
+    command = [sys.executable, "-m", "stagewise.training.local_torchrun", "--nproc-per-node=1", "-m", "stagewise.train",  # as the launcher runs it
                "--config", str(config), "--stage", "s1", "--out", out, "--params", json.dumps(PARAMS),
                "--override=train.checkpoint_every_steps=10", "--override=train.stages.0.epochs=3", *overrides,
                "--result-file", str(Path(out) / result_name)]
@@ -86,9 +86,9 @@ def test_killed_gpu_stage_resumes_from_its_checkpoint(digits_run, subprocess_env
 def test_sweep_trials_train_on_the_gpu(digits_run, single_process):
     """A sweep worker on a cuda profile runs its trials on the device and the study gets real values."""
     pytest.importorskip("optuna")
-    from tasks.study.studies import create
-    from tasks.study.summary import summarize
-    from tasks.sweep import run_worker
+    from stagewise.study.studies import create
+    from stagewise.study.summary import summarize
+    from stagewise.sweep import run_worker
 
     config_path, out = digits_run
     config = load_config(config_path, {"profiles.small.device": "cuda", "sweep.num_trials": 2, "sweep.num_workers": 1})
@@ -99,14 +99,14 @@ def test_sweep_trials_train_on_the_gpu(digits_run, single_process):
     assert summary["n_complete"] >= 1 and summary["best_value"] > 0.5
 
 
-# --- batches made on the device (tasks.training.device_data) ----------------------------------------------------
+# --- batches made on the device (stagewise.training.device_data) ----------------------------------------------------
 
 
 def test_resident_and_streamed_batches_match_on_the_gpu(tmp_path):
     """On cuda both placements yield the same device batches (CUDA randperm, side-stream copies from pinned memory),
     each of the rank's rows once per epoch, and a mid-epoch resume gives the remaining batches."""
-    from tasks.datasets.loader import ParquetBatches
-    from tasks.training.device_data import DeviceBatches
+    from stagewise.datasets.loader import ParquetBatches
+    from stagewise.training.device_data import DeviceBatches
     from tests.tasks.test_loader import FEATURES, _write
 
     uris, rows = _write(lambda name: (str(tmp_path / name), open(tmp_path / name, "wb")), [(240, 8), (160, 8)])
@@ -130,11 +130,11 @@ def test_resident_and_streamed_batches_match_on_the_gpu(tmp_path):
 
 def test_auto_placement_on_the_gpu_keeps_a_small_split_resident(digits_run):
     """auto on cuda: the digits fit easily, so train and validation batches are resident device batches."""
-    from tasks.core import storage
-    from tasks.datasets.manifest import read_manifest
-    from tasks.training.device_data import DeviceBatches
-    from tasks.training.distributed import DistEnv
-    from tasks.training.loop import rank_batches
+    from stagewise.core import storage
+    from stagewise.datasets.manifest import read_manifest
+    from stagewise.training.device_data import DeviceBatches
+    from stagewise.training.distributed import DistEnv
+    from stagewise.training.loop import rank_batches
 
     manifest = read_manifest(storage.join(digits_run[1], "preprocess", "manifest.json"))
     env = DistEnv(rank=0, local_rank=0, world_size=1, device="cuda:0")
@@ -150,9 +150,9 @@ def test_auto_placement_on_the_gpu_keeps_a_small_split_resident(digits_run):
                                        {"train.stages.0.compile": "reduce-overhead"}])
 def test_gpu_stage_knobs_train_and_checkpoints_load_into_a_plain_model(digits_run, single_process, overrides):
     """Each placement and overhead knob trains a stage on cuda, and final.pt loads into an uncompiled fp32 model."""
-    from tasks.models.building import build
-    from tasks.models.mlp import MLPClassifier
-    from tasks.spec import DataInfo
+    from stagewise.models.building import build
+    from stagewise.models.mlp import MLPClassifier
+    from stagewise.spec import DataInfo
 
     config_path, out = digits_run
     config = load_config(config_path, {**ONE_GPU, **overrides})

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.torchrun
 def torchrun(nproc: int, config: Path, stage: str, out: str, env: dict, *extra: str) -> subprocess.CompletedProcess:
     result_file = Path(out) / f"result-{stage}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
-               "tasks.train", "--config", str(config), "--stage", stage, "--out", out,
+               "stagewise.train", "--config", str(config), "--stage", stage, "--out", out,
                "--params", json.dumps({"lr": 0.05, "hidden": 64}), "--result-file", str(result_file), *extra]
     completed = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
@@ -51,7 +51,7 @@ def test_diverging_ddp_stage_fails_on_every_rank_as_a_user_error(digits_run, sub
     config, out = digits_run
     error_file = tmp_path / "errors.txt"
     env = {**subprocess_env, "STAGEWISE_ERROR_FILE": str(error_file)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tasks.train",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "stagewise.train",
                "--config", str(config), "--stage", "s2", "--out", out, "--params", json.dumps({"lr": 1e6, "hidden": 64})]
     completed = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert completed.returncode != 0

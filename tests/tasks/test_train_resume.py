@@ -17,13 +17,13 @@ from tests import run_cache
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINT_EVERY = run_cache.REFERENCE_CHECKPOINT_EVERY
 KILL_AT_STEP = 25
-MLP = "tasks.model:MLPClassifier"
+MLP = "stagewise.model:MLPClassifier"
 
 pytestmark = pytest.mark.torchrun
 
 
 def run_stage(config: Path, out: str, env: dict, result_name: str, spec: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tasks.train",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "stagewise.train",
                "--config", str(config), "--out", out, *run_cache.REFERENCE_STAGE_ARGS, f"--override=model.spec={spec}",
                "--result-file", str(Path(out) / result_name)]
     return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -56,7 +56,7 @@ def clean_run(config: Path, out: str, spec: str, env: dict, tmp_path: Path) -> t
 
 
 @pytest.mark.parametrize("spec, data", [(MLP, "digits_run"),
-                                        ("examples.digits_cnn:DigitsCNN", "digits_images_run")])
+                                        ("stagewise.examples.digits_cnn:DigitsCNN", "digits_images_run")])
 def test_killed_rank_fails_the_stage_and_the_retry_resumes_exactly(request, subprocess_env, tmp_path, spec, data):
     """SIGKILL of rank 1 at step 25 ends every process; the retry redoes at most K steps and ends where a clean run
     does, for the built-in MLP and for a user's spec (the example CNN) alike."""

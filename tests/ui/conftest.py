@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.definitions.pipelines import KINDS, dag_id
+from stagewise.definitions.pipelines import KINDS, dag_id
 from tests.conftest import service_unavailable
 from tests.live_airflow import PipelinesStack
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.definitions.pipelines import KINDS, dag_id
+from stagewise.definitions.pipelines import KINDS, dag_id
 from tests.ui.conftest import UI_PIPELINE
 
 pytestmark = [pytest.mark.browser, pytest.mark.airflow, pytest.mark.torchrun]
@@ -154,7 +154,7 @@ def test_the_stagewise_view_shows_the_finished_runs_report_and_the_registry(logg
 
     from playwright.sync_api import expect
 
-    from tasks.core import storage
+    from stagewise.core import storage
 
     page, live, screens = logged_in
     storage_root = ui_airflow.roots["twin"]
@@ -208,8 +208,8 @@ def test_stagewise_answers_are_locked_down_and_hostile_chart_data_still_draws(lo
 
     from playwright.sync_api import expect
 
-    from tasks.core import storage
-    from tasks.reporting import html as report_html
+    from stagewise.core import storage
+    from stagewise.reporting import html as report_html
 
     page, live, screens = logged_in
     storage_root = ui_airflow.roots["twin"]

@@ -4,9 +4,9 @@ Each backend has two halves. The builders (``training_job_request``, ``job_objec
 request out, no Airflow and no network, so tests check them against the services' own schemas
 (botocore's SageMaker model, the kubernetes client's models). ``run_stage`` is the Airflow glue: it
 submits through the provider's hook, streams the job's status into the task log, maps failures onto
-Airflow's retry rules and returns what ``tasks.train`` returns.
+Airflow's retry rules and returns what ``stagewise.train`` returns.
 
-What runs on every node is one command, :func:`node_command`: ``tasks.training.node_launch`` reads the
+What runs on every node is one command, :func:`node_command`: ``stagewise.training.node_launch`` reads the
 node's place in the gang from the platform (SageMaker's resourceconfig.json, the Indexed Job's
 JOB_COMPLETION_INDEX) and starts torchrun with that node's processes.
 """
@@ -22,13 +22,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.core.errors import USER_ERROR_EXIT, UserError
-from tasks.definitions.config import PipelineConfig, Profile
+from stagewise.core.errors import USER_ERROR_EXIT, UserError
+from stagewise.definitions.config import PipelineConfig, Profile
 
-NODE_LAUNCH_MODULE = "tasks.training.node_launch"
+NODE_LAUNCH_MODULE = "stagewise.training.node_launch"
 # Where the project lives in the runtime image (docker/runtime.Dockerfile's WORKDIR).
 IMAGE_WORKDIR = "/opt/stagewise"
-# A node that fails on the user's input (tasks.core.errors.USER_ERROR_EXIT) reports this prefix in its failure
+# A node that fails on the user's input (stagewise.core.errors.USER_ERROR_EXIT) reports this prefix in its failure
 # message (SageMaker's /opt/ml/output/failure, the pod's termination message): no retry.
 USER_ERROR_MARKER = "stagewise user error"
 # Environment variables of the storage connection that are safe in a job description (no keys: the job's
@@ -38,11 +38,11 @@ _PUBLIC_AWS_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION")
 
 def node_command(mode: str, *, processes_per_node: int, stage: str, out: str, params: dict[str, Any],
                  init_from: str | None, config_file: str) -> list[str]:
-    """The command every node of a job runs (container entrypoint + arguments): node_launch, then tasks.train."""
+    """The command every node of a job runs (container entrypoint + arguments): node_launch, then stagewise.train."""
     if mode not in ("sagemaker", "kubernetes"):
         raise ValueError(f"node_launch mode must be sagemaker or kubernetes, not {mode!r}")
     command = ["python", "-m", NODE_LAUNCH_MODULE, mode, "--nproc-per-node", str(processes_per_node),
-               "-m", "tasks.train", "--stage", stage, "--out", out, "--params", json.dumps(params, sort_keys=True)]
+               "-m", "stagewise.train", "--stage", stage, "--out", out, "--params", json.dumps(params, sort_keys=True)]
     if init_from:
         command += ["--init-from", init_from]
     return [*command, "--config", config_file]
@@ -125,8 +125,8 @@ def stop_on_sigterm(what: str) -> Iterator[None]:
 
 
 def stage_result(config: PipelineConfig, out: str, stage: str) -> dict[str, Any]:
-    """What tasks.train returns, read back from the ``metrics.json`` its rank 0 wrote last (the stage's commit)."""
-    from tasks.core import storage
+    """What stagewise.train returns, read back from the ``metrics.json`` its rank 0 wrote last (the stage's commit)."""
+    from stagewise.core import storage
 
     prefix = storage.stage_prefix(out, stage)
     uri = storage.join(prefix, "metrics.json")
@@ -143,12 +143,12 @@ def stage_result(config: PipelineConfig, out: str, stage: str) -> dict[str, Any]
 
 def submit_stage(config: PipelineConfig, run: dict[str, Any], stage: str, params: dict[str, Any], init_from: str | None,
                  attempt: int) -> dict[str, Any]:
-    """Run one try of ``stage`` as a job of its profile's backend and return what tasks.train returns."""
+    """Run one try of ``stage`` as a job of its profile's backend and return what stagewise.train returns."""
     import time
 
     from airflow.sdk.exceptions import AirflowFailException
 
-    from stagewise_airflow import credentials
+    from stagewise.airflow import credentials
 
     spec = config.stage(stage)
     backend = config.profile(spec.profile).backend
@@ -159,12 +159,12 @@ def submit_stage(config: PipelineConfig, run: dict[str, Any], stage: str, params
     try:
         with credentials.exported(storage_env):  # the stage's metrics.json is read back from the run's storage
             if backend == "sagemaker":
-                from stagewise_airflow.backends import sagemaker
+                from stagewise.airflow.backends import sagemaker
 
                 result = sagemaker.run_stage(config, request=sagemaker.training_job_request(config, **common),
                                              out=run["out"], stage=stage)
             elif backend == "kubernetes":
-                from stagewise_airflow.backends import kubernetes
+                from stagewise.airflow.backends import kubernetes
 
                 service, job = kubernetes.job_objects(config, **common)
                 result = kubernetes.run_stage(config, service=service, job=job, out=run["out"], stage=stage)

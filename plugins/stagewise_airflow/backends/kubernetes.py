@@ -16,7 +16,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from stagewise_airflow.backends import (
+from stagewise.airflow.backends import (
     IMAGE_WORKDIR,
     Stopped,
     is_user_error,
@@ -25,8 +25,8 @@ from stagewise_airflow.backends import (
     stage_job,
     stop_on_sigterm,
 )
-from tasks.core.errors import USER_ERROR_EXIT, UserError
-from tasks.definitions.config import PipelineConfig
+from stagewise.core.errors import USER_ERROR_EXIT, UserError
+from stagewise.definitions.config import PipelineConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def job_objects(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str,
     """The headless Service and the Indexed Job of one try of ``stage``: (V1Service, V1Job)."""
     from kubernetes import client as k8s
 
-    from tasks.definitions.loading import CONFIG_ENV_VAR
+    from stagewise.definitions.loading import CONFIG_ENV_VAR
 
     job = stage_job(config, "kubernetes", stage=stage, out=out, params=params, init_from=init_from,
                     config_file=config_file)
@@ -72,7 +72,7 @@ def job_objects(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str,
         metadata=k8s.V1ObjectMeta(name=name, namespace=settings.namespace, labels=labels),
         spec=k8s.V1ServiceSpec(cluster_ip="None", selector={JOB_LABEL: name}, publish_not_ready_addresses=True,
                                ports=[k8s.V1ServicePort(name="rendezvous", port=port, target_port=port)]))
-    from tasks.training import node_launch  # the names the node side reads, declared there once
+    from stagewise.training import node_launch  # the names the node side reads, declared there once
 
     env = {CONFIG_ENV_VAR: config_file, **public_storage_env(storage_env or {}),
            node_launch.K8S_ENDPOINT_ENV: f"{name}-0.{name}:{port}",  # pod 0 under the headless Service
@@ -227,7 +227,7 @@ def delete(hook: Any, namespace: str, name: str) -> None:
 def run_stage(config: PipelineConfig, *, service: Any, job: Any, out: str, stage: str, poll_s: float = 10.0,
               hook: Any = None) -> dict[str, Any]:
     """Create the Service and the Job, wait for the Job, delete both whatever happens, return the stage's result."""
-    from stagewise_airflow.backends import stage_result
+    from stagewise.airflow.backends import stage_result
 
     settings = config.profile(config.stage(stage).profile).kubernetes
     if hook is None:

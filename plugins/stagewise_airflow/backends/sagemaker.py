@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from stagewise_airflow.backends import (
+from stagewise.airflow.backends import (
     Stopped,
     is_user_error,
     job_name,
@@ -26,8 +26,8 @@ from stagewise_airflow.backends import (
     stage_job,
     stop_on_sigterm,
 )
-from tasks.core.errors import UserError
-from tasks.definitions.config import PipelineConfig
+from stagewise.core.errors import UserError
+from stagewise.definitions.config import PipelineConfig
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ def training_job_request(config: PipelineConfig, *, dag_id: str, run_id: str, st
                          params: dict[str, Any], init_from: str | None, config_file: str,
                          storage_env: dict[str, str] | None = None) -> dict[str, Any]:
     """The CreateTrainingJob request of one try of ``stage`` (``out`` = the run prefix, an s3:// URI)."""
-    from tasks.core import storage
-    from tasks.definitions.loading import CONFIG_ENV_VAR
+    from stagewise.core import storage
+    from stagewise.definitions.loading import CONFIG_ENV_VAR
 
     if not out.startswith("s3://"):
         raise UserError(f"stage {stage}: a SageMaker job reads and writes the run through S3, but the run prefix is {out}")
@@ -87,14 +87,14 @@ def training_job_request(config: PipelineConfig, *, dag_id: str, run_id: str, st
         "AlgorithmSpecification": {
             "TrainingImage": settings.image_uri,
             # FastFile: the channel is mounted and streamed on access, nothing is copied before the job starts
-            # (tasks.train reads the manifest's files through s3fs itself, each rank its own rows).
+            # (stagewise.train reads the manifest's files through s3fs itself, each rank its own rows).
             "TrainingInputMode": "FastFile",
             "ContainerEntrypoint": command[:1],
             "ContainerArguments": arguments,
         },
         "RoleArn": settings.role_arn,
         # FullyReplicated: every node sees the whole committed preprocess output, because the rank split is the
-        # manifest's (tasks.training.loop.rank_batches), not S3 keys'; ShardedByS3Key would hide rows from ranks.
+        # manifest's (stagewise.training.loop.rank_batches), not S3 keys'; ShardedByS3Key would hide rows from ranks.
         "InputDataConfig": [{
             "ChannelName": DATA_CHANNEL,
             "DataSource": {"S3DataSource": {"S3DataType": "S3Prefix", "S3Uri": storage.join(out, "preprocess") + "/",
@@ -105,7 +105,7 @@ def training_job_request(config: PipelineConfig, *, dag_id: str, run_id: str, st
                            "VolumeSizeInGB": settings.volume_size_gb},
         "StoppingCondition": stopping,
         "EnableManagedSpotTraining": spot,
-        # tasks.train checkpoints straight to S3 under this prefix; SageMaker syncs it into the local path on a
+        # stagewise.train checkpoints straight to S3 under this prefix; SageMaker syncs it into the local path on a
         # spot restart, and a resumed stage finds its latest checkpoint there either way.
         "CheckpointConfig": {"S3Uri": storage.join(prefix, "checkpoints") + "/", "LocalPath": CHECKPOINT_LOCAL_PATH},
         "Environment": environment,
@@ -228,7 +228,7 @@ def submit(hook: Any, request: dict[str, Any]) -> str:
 def run_stage(config: PipelineConfig, *, request: dict[str, Any], out: str, stage: str, poll_s: float = POLL_S,
               hook: Any = None) -> dict[str, Any]:
     """Submit ``request`` (or attach to the job this try already submitted), wait, and return the stage's result."""
-    from stagewise_airflow.backends import stage_result
+    from stagewise.airflow.backends import stage_result
 
     settings = config.profile(config.stage(stage).profile).sagemaker
     hook = hook if hook is not None else hook_for(settings)

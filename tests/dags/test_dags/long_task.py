@@ -21,8 +21,8 @@ with DAG(
     # One retry: a try lost to an expired token would show as try_number 2, which the test refuses.
     @task(retries=1, retry_delay=timedelta(seconds=1))
     def sleep_past_token():
-        from stagewise_airflow import launch
-        from tasks.definitions.config import Profile
+        from stagewise.airflow import launch
+        from stagewise.definitions.config import Profile
 
         context = get_current_context()
         params = context["params"]

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from tasks.core.cli import run_subjob
+from stagewise.core.cli import run_subjob
 
 
 def main() -> None:

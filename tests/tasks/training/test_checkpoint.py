@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.training.checkpoint import CheckpointStore
+from stagewise.training.checkpoint import CheckpointStore
 
 
 def _state(step: int) -> dict:
@@ -62,8 +62,8 @@ def test_an_unreadable_pointer_falls_back_to_the_newest_readable_step_file(tmp_p
 
 def test_a_cut_torch_file_is_a_data_error_naming_it(tmp_path):
     """A file that exists but does not load (e.g. a cut s1/final.pt) names itself as a data error: no retry mends it."""
-    from tasks.core.errors import DataError
-    from tasks.models.torch_io import load_torch, save_torch
+    from stagewise.core.errors import DataError
+    from stagewise.models.torch_io import load_torch, save_torch
 
     uri = str(tmp_path / "s1" / "final.pt")
     save_torch(uri, _state(3))

@@ -1,4 +1,4 @@
-"""tasks.training.device_data: resident and streamed batches are the same sequence, cover each rank's rows once, are
+"""stagewise.training.device_data: resident and streamed batches are the same sequence, cover each rank's rows once, are
 fixed by (seed, epoch, rank), resume exactly; the placement choice and the stage knobs (placement, bf16, compile).
 
 CPU tensors stand in for the device (streams are no-ops there); tests/tasks/test_train_cuda.py runs the same on a GPU.
@@ -12,17 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks import train
-from tasks.core.errors import UserError
-from tasks.datasets.loader import ParquetBatches
-from tasks.definitions.config import ConfigError
-from tasks.definitions.loading import load_config
-from tasks.models.building import build
-from tasks.models.mlp import MLPClassifier
-from tasks.spec import DataInfo
-from tasks.training import device_data
-from tasks.training.device_data import DeviceBatches, choose_placement
-from tasks.training.distributed import DistEnv
+from stagewise import train
+from stagewise.core.errors import UserError
+from stagewise.datasets.loader import ParquetBatches
+from stagewise.definitions.config import ConfigError
+from stagewise.definitions.loading import load_config
+from stagewise.models.building import build
+from stagewise.models.mlp import MLPClassifier
+from stagewise.spec import DataInfo
+from stagewise.training import device_data
+from stagewise.training.device_data import DeviceBatches, choose_placement
+from stagewise.training.distributed import DistEnv
 from tests.tasks.test_loader import FEATURES, _write
 
 # Uneven files and row groups: chunks mix files, and batches of 4 span chunks of 3 row groups.
@@ -67,7 +67,7 @@ def test_resident_and_streamed_batches_are_identical_in_content_and_order(split,
 
 
 def test_unshuffled_device_batches_equal_the_host_loaders(split):
-    """Validation (unshuffled) reads every row in file order with the last partial batch, as tasks.datasets.loader does."""
+    """Validation (unshuffled) reads every row in file order with the last partial batch, as stagewise.datasets.loader does."""
     host = _source(split, batch_size=7, shuffle=False)
     for resident in (True, False):
         device = DeviceBatches(host, "cpu", resident=resident, chunk_bytes=CHUNK_BYTES)
@@ -130,7 +130,7 @@ def test_streamed_resume_reads_no_chunk_before_the_resume_point(split, monkeypat
 
 
 def test_placement_choice_on_cpu_is_the_host_loader_unless_forced():
-    """auto on CPU keeps today's tasks.datasets.loader path; a forced placement is kept on any device."""
+    """auto on CPU keeps today's stagewise.datasets.loader path; a forced placement is kept on any device."""
     assert choose_placement("auto", 0.5, "cpu", 10**12)[0] == "host"
     for forced in ("host", "resident", "streamed"):
         assert choose_placement(forced, 0.5, "cpu", 10**12)[0] == forced
@@ -153,7 +153,7 @@ def test_auto_on_cuda_is_resident_when_it_fits_the_fraction(monkeypatch):
     ("auto", 1.5, r"resident_memory_fraction 1.5 must be in \(0, 1\]"),
 ])
 def test_bad_placement_arguments_are_user_errors(setting, fraction, message):
-    """Called without the config (tasks.sweep, a user's code), bad values are refused naming the setting."""
+    """Called without the config (stagewise.sweep, a user's code), bad values are refused naming the setting."""
     with pytest.raises(UserError, match=message):
         choose_placement(setting, fraction, "cpu", 1)
 
@@ -187,9 +187,9 @@ def test_rank_batches_follow_the_placement(digits_run, placement, kind, caplog):
     """rank_batches (stages and sweep trials) builds the chosen kind for train and validation and logs the choice once."""
     import logging
 
-    from tasks.core import storage
-    from tasks.datasets.manifest import read_manifest
-    from tasks.training.loop import rank_batches
+    from stagewise.core import storage
+    from stagewise.datasets.manifest import read_manifest
+    from stagewise.training.loop import rank_batches
 
     manifest = read_manifest(storage.join(digits_run[1], "preprocess", "manifest.json"))
     with caplog.at_level(logging.INFO, logger="stagewise.train"):
@@ -205,10 +205,10 @@ def test_a_stages_shuffle_block_rows_reaches_the_host_loader_and_is_validated(di
     it does not apply; a value below 1 is refused at load, naming the key."""
     import logging
 
-    from tasks.core import storage
-    from tasks.datasets.manifest import read_manifest
-    from tasks.definitions.config import TrainStage
-    from tasks.training.loop import rank_batches
+    from stagewise.core import storage
+    from stagewise.datasets.manifest import read_manifest
+    from stagewise.definitions.config import TrainStage
+    from stagewise.training.loop import rank_batches
 
     manifest = read_manifest(storage.join(digits_run[1], "preprocess", "manifest.json"))
     train_batches, validation = rank_batches(manifest, CPU, batch_size=32, seed=0, too_few_rows=str, shuffle_block_rows=16)

@@ -1,4 +1,4 @@
-"""Training: LR scaling and warmup, per-rank data partition (tasks.datasets.loader), the loop, params, and a whole stage in-process."""
+"""Training: LR scaling and warmup, per-rank data partition (stagewise.datasets.loader), the loop, params, and a whole stage in-process."""
 
 from __future__ import annotations
 
@@ -11,20 +11,20 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tasks import train
-from tasks.core import storage
-from tasks.core.errors import UserError
-from tasks.core.storage import stage_prefix
-from tasks.datasets.columns import Columns, feature_vectors, processed_schema
-from tasks.datasets.loader import ParquetBatches
-from tasks.definitions.hyperparams import FRAMEWORK_DEFAULTS
-from tasks.definitions.loading import load_config
-from tasks.models.building import build, resolve_params
-from tasks.models.bundle import load_bundle
-from tasks.models.mlp import MLPClassifier
-from tasks.spec import DataInfo
-from tasks.training.distributed import DistEnv
-from tasks.training.loop import Loop, scaled_lr, seed_step, warmup_factor
+from stagewise import train
+from stagewise.core import storage
+from stagewise.core.errors import UserError
+from stagewise.core.storage import stage_prefix
+from stagewise.datasets.columns import Columns, feature_vectors, processed_schema
+from stagewise.datasets.loader import ParquetBatches
+from stagewise.definitions.hyperparams import FRAMEWORK_DEFAULTS
+from stagewise.definitions.loading import load_config
+from stagewise.models.building import build, resolve_params
+from stagewise.models.bundle import load_bundle
+from stagewise.models.mlp import MLPClassifier
+from stagewise.spec import DataInfo
+from stagewise.training.distributed import DistEnv
+from stagewise.training.loop import Loop, scaled_lr, seed_step, warmup_factor
 
 CPU = DistEnv(rank=0, local_rank=0, world_size=1, device="cpu")
 
@@ -62,7 +62,7 @@ def test_no_warmup_means_full_lr_from_the_first_step():
     assert [warmup_factor(step, 0) for step in range(3)] == [1.0, 1.0, 1.0]
 
 
-# --- per-rank data (tasks.datasets.loader): what Loop trains on ----------------------------------------------------------
+# --- per-rank data (stagewise.datasets.loader): what Loop trains on ----------------------------------------------------------
 
 
 def _write_processed(path: Path, labels: np.ndarray, matrix: np.ndarray, num_classes: int, rows_per_group: int) -> str:
@@ -285,7 +285,7 @@ def test_stage_writes_its_outputs_only_under_its_prefix(digits_run, storage_root
     manifest = storage.read_json(storage.join(out, "preprocess", "manifest.json"))
     assert bundle.preprocessing["features"] == manifest["features"], "the bundle carries its normalisation"
     assert bundle.preprocessing["mean"] == manifest["mean"] and not model.training
-    assert bundle.ref.path == "tasks.model:MLPClassifier" and bundle.params["hidden"] == 32
+    assert bundle.ref.path == "stagewise.model:MLPClassifier" and bundle.params["hidden"] == 32
 
 
 def test_rerun_resumes_from_the_checkpoint_without_retraining(digits_run, single_process):

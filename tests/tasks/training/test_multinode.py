@@ -1,5 +1,5 @@
 """A stage on two emulated hosts (network namespaces joined by a veth pair) through the real node entrypoint,
-tasks.training.node_launch, trains exactly what one host with two processes does, for both backends' inputs;
+stagewise.training.node_launch, trains exactly what one host with two processes does, for both backends' inputs;
 a node killed mid-stage fails both nodes' launchers, leaves no process, and the retry resumes.
 
 Only the network is emulated: both "hosts" share this machine's filesystem (the storage root), and gloo talks
@@ -41,7 +41,7 @@ def two_hosts():
 
 
 def start_node(host: Host, backend: str, config: Path, out: str, env: dict, result_file: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "tasks.training.node_launch", backend, "--nproc-per-node=1", "-m", "tasks.train",
+    command = [sys.executable, "-m", "stagewise.training.node_launch", backend, "--nproc-per-node=1", "-m", "stagewise.train",
                "--config", str(config), "--out", out, *STAGE_ARGS, "--result-file", str(result_file)]
     return netns.popen(host, command, env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

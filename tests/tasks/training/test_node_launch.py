@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from tasks.training import torchrun_command
-from tasks.training.node_launch import NodeConfigError, kubernetes_node, sagemaker_node, torchrun_argv
+from stagewise.training import torchrun_command
+from stagewise.training.node_launch import NodeConfigError, kubernetes_node, sagemaker_node, torchrun_argv
 
-ENTRY = ["--nproc-per-node=2", "-m", "tasks.train", "--stage", "s2"]
+ENTRY = ["--nproc-per-node=2", "-m", "stagewise.train", "--stage", "s2"]
 
 
 def resource_config(tmp_path, current: str, hosts: list[str], interface: str = "eth0") -> dict:
@@ -50,7 +50,7 @@ def test_sagemaker_variables_stand_in_for_a_missing_resource_config(tmp_path):
 ])
 def test_sagemaker_inputs_that_place_no_node_are_refused_by_name(tmp_path, make, message):
     environ = make(tmp_path)
-    with pytest.raises(NodeConfigError, match="tasks.training.node_launch: ") as raised:
+    with pytest.raises(NodeConfigError, match="stagewise.training.node_launch: ") as raised:
         sagemaker_node(environ)
     assert message in str(raised.value)
     if "STAGEWISE_SM_RESOURCE_CONFIG" in environ and "absent" not in environ["STAGEWISE_SM_RESOURCE_CONFIG"]:
@@ -82,8 +82,8 @@ def test_torchrun_gets_the_static_rendezvous_of_this_node_and_guarded_ranks():
                         "--rdzv-id=run1-s2-try2", "--rdzv-conf=timeout=900"]
     guard = argv.index("--no-python") + 1
     assert argv[6:guard] == ["--nproc-per-node=2", "--no-python"]
-    assert argv[guard:guard + 3] == [sys.executable, "-m", "tasks.training.rank_guard"]
-    assert argv[guard + 4:] == [sys.executable, "-u", "-m", "tasks.train", "--stage", "s2"]
+    assert argv[guard:guard + 3] == [sys.executable, "-m", "stagewise.training.rank_guard"]
+    assert argv[guard + 4:] == [sys.executable, "-u", "-m", "stagewise.train", "--stage", "s2"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -104,7 +104,7 @@ def test_unknown_backend_is_refused():
 
 
 def test_one_command_builder_serves_the_local_launcher_and_every_node():
-    assert torchrun_command.command(["-m", "tasks.train"], ["--stage", "s2"], 2)[1:3] == ["-m", "tasks.training.local_torchrun"]
-    remote = torchrun_command.command(["-m", "tasks.train"], ["--stage", "s2"], 4, 1, backend="sagemaker", python="python")
-    assert remote == ["python", "-m", "tasks.training.node_launch", "sagemaker", "--nproc-per-node=4", "--max-restarts=1",
-                      "-m", "tasks.train", "--stage", "s2"]
+    assert torchrun_command.command(["-m", "stagewise.train"], ["--stage", "s2"], 2)[1:3] == ["-m", "stagewise.training.local_torchrun"]
+    remote = torchrun_command.command(["-m", "stagewise.train"], ["--stage", "s2"], 4, 1, backend="sagemaker", python="python")
+    assert remote == ["python", "-m", "stagewise.training.node_launch", "sagemaker", "--nproc-per-node=4", "--max-restarts=1",
+                      "-m", "stagewise.train", "--stage", "s2"]

@@ -1,8 +1,8 @@
 """The Airflow plugin that puts Stagewise in the UI: a *Stagewise* nav entry and a *Stagewise report* tab on each DAG run.
 
-Airflow imports this file in every process that loads plugins (the dag-processor too), so it imports nothing heavy:
-the pages (stagewise_airflow.ui, FastAPI) are built on the api-server's first request to /stagewise.
-It is a top-level file because plugins/.airflowignore keeps Airflow's loader out of stagewise_airflow/.
+Airflow finds it through the package's ``airflow.plugins`` entry point (pyproject.toml) and imports it in every
+process that loads plugins (the dag-processor too), so it imports nothing heavy: the pages (stagewise.airflow.ui,
+FastAPI) are built on the api-server's first request to /stagewise.
 """
 
 from __future__ import annotations
@@ -11,18 +11,18 @@ from typing import Any
 
 from airflow.plugins_manager import AirflowPlugin
 
-URL_PREFIX = "/stagewise"  # stagewise_airflow.ui.URL_PREFIX; repeated so this file imports nothing else
+URL_PREFIX = "/stagewise"  # stagewise.airflow.ui.URL_PREFIX; repeated so this file imports nothing else
 
 
 class LazyStagewiseApp:
-    """An ASGI app that builds stagewise_airflow.ui's FastAPI app on its first request and hands every request to it."""
+    """An ASGI app that builds stagewise.airflow.ui's FastAPI app on its first request and hands every request to it."""
 
     def __init__(self) -> None:
         self._app: Any = None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if self._app is None:
-            from stagewise_airflow.ui import create_app
+            from stagewise.airflow.ui import create_app
 
             self._app = create_app()
         await self._app(scope, receive, send)
