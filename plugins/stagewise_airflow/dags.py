@@ -51,6 +51,18 @@ Param ``source_uri``: a Parquet file or folder with the data set's schema. Confi
 """
 
 
+def _with_params(built: DAG, params: dict[str, Param]) -> DAG:
+    """Give the DAG its trigger-form Params once its tasks exist.
+
+    Airflow deep-copies a DAG's params into each task at every level of the task's constructor, about a third of
+    the parse time of a folder of pipelines; a task's run merges the DAG's params under its own (empty) ones anyway
+    (``process_params``), so runs, the form and the serialized DAG see the same Params. Assigning converts and
+    validates them as the constructor does.
+    """
+    built.params = params
+    return built
+
+
 def _training(config: PipelineConfig, config_file: str, mode: str) -> None:
     """ml_pipeline's shape; start_run in retrain mode gives the sweep the retrain budget and the warm start."""
     run = wiring.start(config, config_file, mode=mode)
@@ -64,12 +76,12 @@ def _training(config: PipelineConfig, config_file: str, mode: str) -> None:
 def training_dag(pipeline: PipelineFile, config: PipelineConfig) -> DAG:
     dag_id, path = pipeline.dag_id("pipeline"), str(pipeline.path)
 
-    @dag(dag_id=dag_id, auto_register=False, schedule=None, params=pipeline_params(config),
+    @dag(dag_id=dag_id, auto_register=False, schedule=None,
          doc_md=TRAINING_DOC.format(path=path, dag_id=dag_id), **wiring.dag_settings(config, pipeline.name))
     def training() -> None:
         _training(config, path, "pipeline")
 
-    return training()
+    return _with_params(training(), pipeline_params(config))
 
 
 def retrain_dag(pipeline: PipelineFile, config: PipelineConfig) -> DAG:
@@ -77,19 +89,19 @@ def retrain_dag(pipeline: PipelineFile, config: PipelineConfig) -> DAG:
     schedule = AssetOrTimeSchedule(timetable=CronTriggerTimetable(config.retrain.schedule, timezone="UTC"),
                                    assets=[asset])
 
-    @dag(dag_id=dag_id, auto_register=False, schedule=schedule, params=pipeline_params(config),
+    @dag(dag_id=dag_id, auto_register=False, schedule=schedule,
          doc_md=RETRAIN_DOC.format(name=pipeline.name, asset=asset.name, path=path),
          **wiring.dag_settings(config, pipeline.name, "retrain", max_active_runs=1))
     def retrain() -> None:
         _training(config, path, "retrain")
 
-    return retrain()
+    return _with_params(retrain(), pipeline_params(config))
 
 
 def batch_inference_dag(pipeline: PipelineFile, config: PipelineConfig) -> DAG:
     dag_id, path = pipeline.dag_id("batch_inference"), str(pipeline.path)
 
-    @dag(dag_id=dag_id, auto_register=False, schedule=None, params=inference_params(config),
+    @dag(dag_id=dag_id, auto_register=False, schedule=None,
          doc_md=INFERENCE_DOC.format(name=pipeline.name, dag_id=dag_id, path=path),
          **wiring.dag_settings(config, pipeline.name, "inference"))
     def batch_inference() -> None:
@@ -100,20 +112,19 @@ def batch_inference_dag(pipeline: PipelineFile, config: PipelineConfig) -> DAG:
         task(steps.write_inference_report, task_id="report", **wiring.knobs(config, config.preprocess.profile))(
             run, model, inferred["scored"], inferred["predictions"])
 
-    return batch_inference()
+    return _with_params(batch_inference(), inference_params(config))
 
 
 def ingest_dag(pipeline: PipelineFile, config: PipelineConfig) -> DAG:
     dag_id, path, asset = pipeline.dag_id("ingest"), str(pipeline.path), wiring.raw_data_asset(config)
 
     @dag(dag_id=dag_id, auto_register=False, schedule=None, doc_md=INGEST_DOC.format(name=pipeline.name, asset=asset.name, path=path),
-         params={"source_uri": Param("", type="string", minLength=1,
-                                     description="New raw Parquet file or folder to add.")},
          **wiring.dag_settings(config, pipeline.name, "data"))
     def ingest() -> None:
         task(steps.ingest, task_id="ingest", outlets=[asset], **wiring.knobs(config, config.preprocess.profile))(path)
 
-    return ingest()
+    return _with_params(ingest(), {"source_uri": Param("", type="string", minLength=1,
+                                                       description="New raw Parquet file or folder to add.")})
 
 
 # Every DAG here has auto_register=False: a builder that fails half-way must leave no DAG behind to shadow its

@@ -46,3 +46,30 @@ def test_a_broken_config_or_a_registry_clash_breaks_only_its_own_family(tmp_path
         for kind in ("pipeline", "retrain", "batch_inference", "ingest"):
             dag = namespace[f"{name}_{kind}"]
             assert dag.task_ids == ["config_error"] and reason in dag.doc_md and str(folder / f"{name}.yaml") in dag.doc_md
+
+
+def test_every_task_runs_with_its_dags_params_though_they_are_set_after_the_tasks(tmp_path, storage_root, monkeypatch):
+    """The DAGs get their Params once their tasks exist (no copy per task); what a task runs with is what Airflow
+    merges at run time (process_params): the DAG's defaults, the trigger conf over them, its bounds enforced."""
+    import pytest
+    from airflow.sdk.definitions.param import ParamValidationError, process_params
+
+    from stagewise.airflow.dags import build_pipelines
+
+    monkeypatch.delenv("_AIRFLOW_PARSING_CONTEXT_DAG_ID", raising=False)
+    namespace: dict = {}
+    build_pipelines(namespace, str(_folder(tmp_path, storage_root, {"fraud": {}})))
+    for dag_id, wanted in (("fraud_pipeline", "num_trials"), ("fraud_retrain", "num_trials"),
+                           ("fraud_batch_inference", "model_version"), ("fraud_ingest", "source_uri")):
+        dag = namespace[dag_id]
+        conf = {"source_uri": "/data/new"} if dag_id == "fraud_ingest" else {}  # ingest's one Param has no default
+        defaults = {name: dag.params.get_param(name).value for name in dag.params}
+        assert wanted in defaults
+        for task in dag.tasks:
+            assert dict(task.params) == {}
+            assert process_params(dag, task, conf, suppress_exception=False) == {**defaults, **conf}
+    training = namespace["fraud_pipeline"]
+    sweep = training.get_task("create_study")
+    assert process_params(training, sweep, {"num_trials": 3}, suppress_exception=False)["num_trials"] == 3
+    with pytest.raises(ParamValidationError, match="num_trials"):
+        process_params(training, sweep, {"num_trials": 0}, suppress_exception=False)
