@@ -56,7 +56,9 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
                                                   "best_value", "best_params", "best_trial", "epochs_consumed",
                                                   "importances", "trials_uri")},
         "training": [{key: stage.get(key) for key in ("stage", "world_size", "global_batch", "lr", "epochs", "steps",
-                                                      "val_metric", "checkpoint_uri")} for stage in training],
+                                                      "val_metric", "checkpoint_uri", "handed_epoch", "epochs_run",
+                                                      "stopped_early", "lr_schedule", "grad_clip_norm")}
+                     for stage in training],
         "objective": {"metric": evaluation.get("objective"), "direction": direction, "test": evaluation.get("test_objective")},
         "test_metrics": {k: v for k, v in evaluation.items() if k.startswith("test_") and k != "test_objective"},
         "model_uri": training[-1].get("model_uri") if training else None,
@@ -113,7 +115,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
              f"{sweep['n_failed']} failed), best val {metric} {sweep['best_value']:.4f}"]
     for stage in report["training"]:
         lines.append(f"  train {stage['stage']}: world size {stage['world_size']}, global batch {stage['global_batch']}, "
-                     f"lr {stage['lr']:.4g}, {stage['epochs']} epochs, val {metric} {stage['val_metric']:.4f}")
+                     f"lr {stage['lr']:.4g}, {stage['epochs']} epochs, val {metric} {stage['val_metric']:.4f}"
+                     + (f" (epoch {stage['handed_epoch']} handed on)" if stage.get("handed_epoch") else "")
+                     + (f", stopped early after {stage['epochs_run']}" if stage.get("stopped_early") else ""))
     test = (report.get("objective") or {}).get("test")
     lines.append(f"  test {metric}: {test if test is not None else report['test_accuracy']:.4f}")
     baseline = report.get("baseline")

@@ -6,8 +6,10 @@ Run: ``torchrun --standalone --nproc-per-node 2 -m stagewise.train --stage s2 --
 The stage reads the committed preprocess manifest under ``--out``; each rank streams its own part
 of the train split (stagewise.datasets.loader). It starts from the previous stage's final checkpoint (model and
 optimizer carry over; the LR schedule is re-derived for this stage's global batch, with warmup when
-the batch grew). Rank 0 checkpoints every ``train.checkpoint_every_steps`` optimizer steps; an
-Airflow retry resumes from the newest checkpoint at the same batch, redoing at most that many steps.
+the batch grew, and the stage's ``lr_schedule`` after it). Rank 0 checkpoints every
+``train.checkpoint_every_steps`` optimizer steps; an Airflow retry resumes from the newest checkpoint at the same
+batch, redoing at most that many steps. The stage hands on its best epoch on the objective (``hand_on``) and may
+stop early (``early_stopping``); both are decided from the checkpointed history, so a resume decides alike.
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ from stagewise.core.errors import UserError
 from stagewise.datasets.manifest import read_manifest
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.loading import load_config
+from stagewise.definitions.spec import ModelSpec
 from stagewise.models.building import resolve_params
 from stagewise.models.bundle import preprocessing_of, save_bundle
 from stagewise.models.torch_io import load_torch, save_torch
 from stagewise.scripting.entrypoint import LAST_REPORT, contract_environment, entrypoint_args
 from stagewise.training.checkpoint import CheckpointStore, restore_training_state
 from stagewise.training.distributed import distributed_job
-from stagewise.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, start_loop, warmup_factor
+from stagewise.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, stage_lr, start_loop
+from stagewise.training.selection import EpochSelection, cpu_copy
 
 log = logging.getLogger("stagewise.train")
 
@@ -168,13 +172,15 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         # Checked at each checkpoint step too, so no checkpoint is ever written from NaN weights.
         built, loop = start_loop(config, manifest, env, swept, train, validation, seed=data_seed,
                                  grad_accum_steps=stage.grad_accum_steps, check_every_steps=config.train.checkpoint_every_steps,
-                                 precision=stage.precision, compile_mode=stage.compile)
+                                 precision=stage.precision, compile_mode=stage.compile,
+                                 grad_clip_norm=stage.grad_clip_norm)
         params, model, optimizer = built.params, loop.module, loop.optimizer
         digest = config_hash(stage.model_dump(), params, env.world_size, config.train.seed)
         prefix = storage.stage_prefix(out, stage.name)
         checkpoints = CheckpointStore(prefix, keep_last=config.train.keep_checkpoints)
 
         position, history, previous_batch, resumed_from = Position(), [], None, None
+        best_state: dict[str, Any] | None = None  # rank 0's copy of the best epoch's model and optimizer (hand_on best)
         resumes: list[dict[str, Any]] = []  # every resume of this stage, for the report's curve (rank 0 writes it)
         found = checkpoints.latest()
         if found and found[1]["config_hash"] == digest:
@@ -182,6 +188,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             restore_training_state(model, optimizer, state, env.device)
             position = Position(**json.loads(state["position"]))
             history, previous_batch = json.loads(state["history"]), state["previous_global_batch"]
+            best_state = state.get("best_epoch_state") or None
             resumed_from = position.step
             resumes = [*json.loads(state.get("resumes", "[]")),
                        {"step": position.step, "epoch": position.epoch, "at": time.time()}]
@@ -200,6 +207,12 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
 
         lr = scaled_lr(params["lr"], global_batch, config.train.base_batch, config.train.lr_rule)
         warmup = stage.warmup_steps if (previous_batch is None or global_batch > previous_batch) else 0
+        total_steps = sum(loop.steps_per_epoch(epoch) for epoch in range(stage.epochs))
+        lr_at = stage_lr(lr, warmup_steps=warmup, schedule=stage.lr_schedule, spec=built.spec, total_steps=total_steps,
+                         steps_per_epoch=loop.steps_per_epoch(0))
+        stopping = stage.early_stopping
+        selection = EpochSelection(config.objective.direction, stopping.min_delta if stopping else 0.0,
+                                   stopping.patience if stopping else None)
         loop.position = position
         fault_step = _fault_step(env.rank) if resumed_from is None else None
 
@@ -207,7 +220,8 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             return {"model": loop.module.state_dict(), "optimizer": optimizer.state_dict(),
                     "position": json.dumps(asdict(loop.position)), "history": json.dumps(history),
                     "global_batch": global_batch, "previous_global_batch": previous_batch, "config_hash": digest,
-                    "params": json.dumps(params), "rng_cpu": torch.get_rng_state(), "resumes": json.dumps(resumes)}
+                    "params": json.dumps(params), "rng_cpu": torch.get_rng_state(), "resumes": json.dumps(resumes),
+                    "best_epoch_state": best_state or {}}
 
         def on_step(current: Loop) -> None:
             if fault_step is not None and current.position.step == fault_step:
@@ -215,36 +229,65 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             if env.master and current.position.step % config.train.checkpoint_every_steps == 0:
                 checkpoints.save(current.position.step, state_now())
 
+        schedule = stage.lr_schedule
         log.info("stage %s: world size %d, global batch %d (%d per process x %d x %d accumulation), lr %.4g "
-                 "(%s rule, base batch %d), warmup %d steps, %d epochs of %d steps, %d train rows",
+                 "(%s rule, base batch %d), warmup %d steps, schedule %s, %d epochs of %d steps, %d train rows",
                  stage.name, env.world_size, global_batch, micro_batch, env.world_size, stage.grad_accum_steps, lr,
-                 config.train.lr_rule, config.train.base_batch, warmup, stage.epochs, loop.steps_per_epoch(0), train.num_rows)
-        started, first_epoch = time.monotonic(), loop.position.epoch
+                 config.train.lr_rule, config.train.base_batch, warmup,
+                 "the spec's own" if type(built.spec).lr_schedule is not ModelSpec.lr_schedule else
+                 schedule.type if schedule.type == "constant" else f"{schedule.type} to {schedule.min_lr_ratio:g} x lr",
+                 stage.epochs, loop.steps_per_epoch(0), train.num_rows)
+        started, first_epoch, stopped_early = time.monotonic(), loop.position.epoch, False
         while loop.position.epoch < stage.epochs:
+            if selection.should_stop([entry["val_metric"] for entry in history]):
+                stopped_early = True
+                break
             try:
-                result = loop.train_epoch(lambda s: lr * warmup_factor(s, warmup), on_step=on_step)
+                result = loop.train_epoch(lr_at, on_step=on_step)
             except Diverged as exc:
                 raise UserError(f"stage {stage.name}: {exc}") from None
             history.append(asdict(result))
+            improved = selection.best_index([entry["val_metric"] for entry in history]) == len(history) - 1
+            if env.master and stage.hand_on == "best" and improved:
+                best_state = {"model": cpu_copy(loop.module.state_dict()), "optimizer": cpu_copy(optimizer.state_dict())}
             if env.master:
                 done = result.epoch + 1
-                log.info("stage %s epoch %d/%d: loss %.4f, val_%s %.4f, %.0f samples/s, lr %.4g, step %d, ETA %.0fs",
+                clipped = "" if result.grad_norm is None else f", grad norm {result.grad_norm:.3g} (clip {stage.grad_clip_norm:g})"
+                log.info("stage %s epoch %d/%d: loss %.4f, val_%s %.4f%s, %.0f samples/s, lr %.4g%s, step %d, ETA %.0fs",
                          stage.name, done, stage.epochs, result.train_loss, config.objective.metric, result.val_metric,
-                         result.samples_per_s,
-                         result.lr, result.steps, eta_s(done - first_epoch, stage.epochs - first_epoch, time.monotonic() - started))
+                         " (best so far)" if improved else "", result.samples_per_s, result.lr, clipped,
+                         result.steps, eta_s(done - first_epoch, stage.epochs - first_epoch, time.monotonic() - started))
                 storage.write_json(storage.join(prefix, "metrics.json"), {"stage": stage.name, "history": history, "resumes": resumes,
                                                                           "complete": False})
-        final = history[-1] if history else {"val_metric": float("nan"), "val_metrics": {}}
+        values = [entry["val_metric"] for entry in history]
+        best_index = selection.best_index(values)
+        handed = best_index if stage.hand_on == "best" and best_index is not None else len(history) - 1
+        if env.master and best_state is None:  # resumed from a checkpoint older than the best-epoch copy
+            handed = len(history) - 1
+        if env.master and stopped_early:
+            log.info("stage %s stops early after epoch %d: val_%s has not improved by more than %g for %d epochs",
+                     stage.name, len(history), config.objective.metric, selection.min_delta, selection.patience)
+        if env.master and handed != len(history) - 1:
+            log.info("stage %s hands on epoch %d (val_%s %.4f), its best; the last, epoch %d, had %.4f", stage.name,
+                     handed + 1, config.objective.metric, values[handed], len(history), values[-1])
+        final = history[handed] if history else {"val_metric": float("nan"), "val_metrics": {}}
         final_uri = storage.join(prefix, "final.pt")
         result_info = {"stage": stage.name, "world_size": env.world_size, "global_batch": global_batch,
                        "per_process_batch": micro_batch, "grad_accum_steps": stage.grad_accum_steps, "lr": lr,
                        "warmup_steps": warmup, "epochs": stage.epochs, "val_metric": final["val_metric"],
                        "val_metrics": final["val_metrics"], "objective": config.objective.metric,
-                       "steps": loop.position.step, "resumed_from_step": resumed_from, "checkpoint_uri": final_uri}
+                       "steps": loop.position.step, "resumed_from_step": resumed_from, "checkpoint_uri": final_uri,
+                       "hand_on": stage.hand_on, "handed_epoch": handed + 1 if history else None,
+                       "epochs_run": len(history), "stopped_early": stopped_early,
+                       "lr_schedule": stage.lr_schedule.model_dump(), "grad_clip_norm": stage.grad_clip_norm}
         if env.master:
             if loop.position.step != resumed_from:
                 checkpoints.save(loop.position.step, state_now())  # a re-run of a finished stage retrains nothing
-            save_torch(final_uri, state_now())
+            handed_state = state_now()
+            if handed != len(history) - 1 and best_state:  # the best epoch's weights and optimizer go on
+                handed_state.update(model=best_state["model"], optimizer=best_state["optimizer"])
+                loop.module.load_state_dict(best_state["model"])
+            save_torch(final_uri, handed_state)
             model_uri = storage.join(prefix, "model.pt")
             save_bundle(model_uri, loop.module.cpu(), built.ref, built.data, params, preprocessing_of(manifest),
                         {"stage": stage.name, "objective": config.objective.metric, "val_metric": final["val_metric"],

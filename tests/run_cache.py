@@ -107,11 +107,14 @@ def demo_data(config_path: str | os.PathLike, num_shards: int = 2, env: dict[str
     return target
 
 
-# Stage s2 of the digits MLP as the resume and multi-node tests run it: checkpoints every 10 steps, 4 epochs.
+# Stage s2 of the digits MLP as the resume and multi-node tests run it: checkpoints every 10 steps, 4 epochs, a cosine
+# schedule and clipping (their state must resume exactly too), handing on its best epoch (the default).
 REFERENCE_CHECKPOINT_EVERY = 10
 REFERENCE_STAGE_ARGS = ("--stage", "s2", "--params", json.dumps({"lr": 0.02, "dropout": 0.1}),
                         f"--override=train.checkpoint_every_steps={REFERENCE_CHECKPOINT_EVERY}",
-                        "--override=train.stages.1.epochs=4")
+                        "--override=train.stages.1.epochs=4",
+                        '--override=train.stages.1.lr_schedule={"type": "cosine", "min_lr_ratio": 0.1}',
+                        "--override=train.stages.1.grad_clip_norm=1.0")
 
 
 def reference_stage(env: dict[str, str]) -> tuple[str, dict]:

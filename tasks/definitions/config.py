@@ -425,6 +425,27 @@ def placeholders(arg: str) -> list[str]:
     return names
 
 
+class LRSchedule(_Strict):
+    """The learning rate after warmup, on the stage's optimizer steps (a resumed stage continues the curve)."""
+
+    type: Literal["constant", "cosine", "linear", "step"] = Field(
+        "constant", description="constant, cosine or linear decay to the floor, or step decay every step_epochs.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="The floor, as a fraction of the stage's (rescaled) lr.")
+    step_epochs: int = Field(1, ge=1, description="step: epochs between two decays.")
+    gamma: float = Field(0.1, gt=0, lt=1, description="step: the factor of each decay.")
+
+
+class EarlyStopping(_Strict):
+    """Stop a stage whose objective has not improved for a while."""
+
+    patience: int = Field(ge=1, description="Epochs without improvement before the stage stops.")
+    min_delta: float = Field(0.0, ge=0, description="The least change of the objective that counts as improvement.")
+
+
+# The built-in loop's knobs: a stage that runs the user's own script never gets them, so it may not change their defaults.
+BUILT_IN_LOOP_KNOBS = ("lr_schedule", "grad_clip_norm", "hand_on", "early_stopping")
+
+
 class TrainStage(_Strict):
     """One training stage: its own process count, batch and epochs."""
 
@@ -447,11 +468,28 @@ class TrainStage(_Strict):
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: forward and loss under bf16 autocast (weights stay fp32).")
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = Field("off", description=(
         "torch.compile the model with this mode (reduce-overhead: CUDA graphs); checkpoints stay the plain model's."))
+    lr_schedule: LRSchedule = Field(default_factory=LRSchedule, description=(
+        "The lr after warmup (a spec's lr_schedule() replaces it); the batch rescale and warmup apply on top."))
+    grad_clip_norm: float | None = Field(None, gt=0, description=(
+        "Clip gradients to this global L2 norm before each optimizer step (the pre-clip norm is logged per epoch)."))
+    hand_on: Literal["best", "last"] = Field("best", description=(
+        "Which epoch's model the stage hands to the next stage, evaluation and the registry: best on the objective, or last."))
+    early_stopping: EarlyStopping | None = Field(None, description="Stop the stage early when the objective stalls.")
 
     @model_validator(mode="after")
     def _one_batch_size(self) -> TrainStage:
         if (self.per_process_batch is None) == (self.global_batch is None):
             raise ValueError("give exactly one of per_process_batch and global_batch")
+        return self
+
+    @model_validator(mode="after")
+    def _built_in_knobs_only_on_the_built_in_loop(self) -> TrainStage:
+        # Compared with the defaults, not with the keys given: a run's config snapshot writes every key out.
+        given = [knob for knob in BUILT_IN_LOOP_KNOBS if getattr(self, knob) != type(self).model_fields[knob].get_default(
+            call_default_factory=True)]
+        if self.entrypoint is not None and given:
+            raise ValueError(f"{', '.join(given)}: the built-in loop's, but this stage runs its own entrypoint, which "
+                             "never sees them; drop them (the script schedules, clips and picks its epoch itself)")
         return self
 
     def micro_batch(self, world_size: int) -> int:

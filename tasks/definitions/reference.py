@@ -6,6 +6,7 @@ from pydantic import BaseModel
 
 from stagewise.definitions.config import (
     CategoricalParam,
+    EarlyStopping,
     EntryPoint,
     FloatParam,
     IntParam,
@@ -38,8 +39,8 @@ def reference(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> list
 def markdown() -> str:
     """The whole reference: the top-level keys, then each nested model used in lists and unions."""
     parts = ["| key | meaning | default |\n|---|---|---|", "\n".join(reference())]
-    for model in (Profile, SageMakerSettings, KubernetesSettings, TrainStage, EntryPoint, Sampler, Pruner, FloatParam,
-                  IntParam, CategoricalParam):
+    for model in (Profile, SageMakerSettings, KubernetesSettings, TrainStage, EntryPoint, EarlyStopping, Sampler,
+                  Pruner, FloatParam, IntParam, CategoricalParam):
         parts.append(f"\n`{model.__name__}` ({model.__doc__.splitlines()[0]})\n\n| key | meaning | default |\n|---|---|---|")
         parts.append("\n".join(reference(model)))
     return "\n".join(parts)

@@ -82,6 +82,12 @@ class ModelSpec:
         """The untrained module for this data and these hyperparameters."""
         raise NotImplementedError
 
+    def lr_schedule(self, step: int, total_steps: int) -> float | None:
+        """Your own schedule: the factor of a stage's lr at optimizer ``step`` of its ``total_steps`` (as LambdaLR's
+        lr_lambda; warmup and the batch rescale apply on top, and a resume continues from the stage's step).
+        None (the default): the stage's ``lr_schedule`` from the config."""
+        return None
+
     def batch(self, features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) from a batch of rows: ``features`` is (rows, num_features) float32, ``labels`` the label column."""
         return features, labels

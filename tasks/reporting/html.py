@@ -3,7 +3,7 @@
 Run: ``python -m stagewise.report html <run prefix>`` renders it again from a finished run's files alone: report.json,
 ``train/<stage>/metrics.json`` (per-epoch history and resume points) and ``sweep/trials.json`` (every trial).
 
-Four sections: the training curve across all stages on one global step axis (loss and the run's objective, each
+Four sections: the training curve across all stages on one global step axis (loss, the run's objective and the lr, each
 stage's boundary marked with its global batch, learning rate and world size, and where a retry resumed); the sweep
 (objective per trial over time by outcome, the best params, parameter importances); the timeline of the run's task
 attempts (mapped tasks as lanes); the data counts, the test metrics and the gate's decision against the current model.
@@ -25,7 +25,7 @@ log = logging.getLogger("stagewise.report")
 
 STATE_COLOURS = {"COMPLETE": "#2b8a3e", "PRUNED": "#e8890c", "FAIL": "#c92a2a", "ABANDONED": "#868e96"}
 TASK_COLOURS = {"success": "#2b8a3e", "up_for_retry": "#e8890c", "failed": "#c92a2a", "running": "#868e96"}
-LOSS_COLOUR, OBJECTIVE_COLOUR = "#1c7ed6", "#ae3ec9"
+LOSS_COLOUR, OBJECTIVE_COLOUR, LR_COLOUR = "#1c7ed6", "#ae3ec9", "#2b8a3e"
 # what could end or re-open a script block, as JSON's own \u escapes (the same characters once parsed)
 _SCRIPT_JSON_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"})
 
@@ -111,7 +111,7 @@ def training_figure(report: dict[str, Any], sources: dict[str, Any]) -> dict[str
     if not stages:
         return None
     fig = go.Figure()
-    loss_x, loss_y, obj_x, obj_y, hover = [], [], [], [], []
+    loss_x, loss_y, obj_x, obj_y, hover, lr_y = [], [], [], [], [], []
     resume_x, resume_y, resume_text = [], [], []
     shapes, annotations, offset = [], [], 0
     attempts = report.get("stages") or {}
@@ -133,8 +133,10 @@ def training_figure(report: dict[str, Any], sources: dict[str, Any]) -> dict[str
             loss_y.append(entry["train_loss"])
             obj_x.append(step)
             obj_y.append(entry["val_metric"])
+            lr_y.append(entry.get("lr"))
+            norm = f", grad norm {_number(entry['grad_norm'])} before clipping" if entry.get("grad_norm") is not None else ""
             hover.append(f"stage {name}, epoch {entry['epoch'] + 1}, step {step}<br>lr {_number(entry.get('lr'))}, "
-                         f"{_number(entry.get('samples_per_s'))} samples/s")
+                         f"{_number(entry.get('samples_per_s'))} samples/s{norm}")
         for number, resume in enumerate(metrics.get("resumes") or [], start=1):
             step = offset + int(resume["step"])
             before = [e for e in history if int(e["steps"]) <= int(resume["step"])]
@@ -155,13 +157,19 @@ def training_figure(report: dict[str, Any], sources: dict[str, Any]) -> dict[str
         fig.add_trace(go.Scatter(x=resume_x, y=resume_y, name="resumed from checkpoint (retry)", mode="markers",
                                  marker={"symbol": "x", "size": 12, "color": "#c92a2a"}, text=resume_text,
                                  hovertemplate="%{text}<extra></extra>"))
-    fig.update_layout(**_layout(f"Training across {len(stages)} stage(s): loss and validation {metric} per epoch",
+    # The lr each epoch ended at: the batch rescale, warmup and the stage's schedule, on an axis of its own.
+    fig.add_trace(go.Scatter(x=loss_x, y=lr_y, name="learning rate (outer right axis, log)", mode="lines+markers",
+                             yaxis="y3", line={"color": LR_COLOUR, "dash": "dot"}, text=hover,
+                             hovertemplate="lr %{y:.4g}<br>%{text}<extra></extra>"))
+    fig.update_layout(**_layout(f"Training across {len(stages)} stage(s): loss, validation {metric} and lr per epoch",
                                 shapes=shapes, annotations=annotations, height=460,
                                 xaxis={"title": {"text": "optimizer step (global, counted across stages)"},
-                                       "rangemode": "tozero"},
+                                       "rangemode": "tozero", "domain": [0, 0.9]},
                                 yaxis={"title": {"text": "training loss"}},
                                 yaxis2={"title": {"text": f"validation {metric} ({_better(direction)})"},
-                                        "overlaying": "y", "side": "right", "showgrid": False}))
+                                        "overlaying": "y", "side": "right", "showgrid": False},
+                                yaxis3={"title": {"text": "learning rate"}, "type": "log", "overlaying": "y",
+                                        "side": "right", "anchor": "free", "position": 1.0, "showgrid": False}))
     return json.loads(fig.to_json())
 
 
@@ -373,10 +381,11 @@ def render(report: dict[str, Any], sources: dict[str, Any], generated_at: str | 
     stage_rows = "".join(
         f"<tr><th>{html.escape(str(s['stage']))}</th>" + "".join(f"<td class=num>{html.escape(_number(s.get(k)))}</td>" for k in
                                                                    ("world_size", "global_batch", "lr", "epochs", "steps",
-                                                                    "val_metric")) + "</tr>"
+                                                                    "val_metric", "handed_epoch")) + "</tr>"
         for s in report.get("training") or [])
     stages_table = (f"<table><caption>Stages</caption><tr><th>stage</th><th>world size</th><th>global batch</th><th>lr</th>"
-                    f"<th>epochs</th><th>steps</th><th>val {html.escape(metric)}</th></tr>{stage_rows}</table>"
+                    f"<th>epochs</th><th>steps</th><th>val {html.escape(metric)}</th><th>epoch handed on</th></tr>"
+                    f"{stage_rows}</table>"
                     if stage_rows else "")
     data = report.get("data") or {}
     predictions = report.get("predictions") or {}

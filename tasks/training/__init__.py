@@ -1,7 +1,8 @@
 """The training library under the sub-jobs (stagewise.train runs a stage, stagewise.sweep its trials).
 
 - :mod:`stagewise.training.loop`: the one training loop of sweep trials and DDP stages (batch arithmetic,
-  LR rules, warmup, divergence checks, validation metrics reduced across ranks);
+  LR rules, warmup and schedules, gradient clipping, divergence checks, validation metrics reduced across ranks);
+- :mod:`stagewise.training.selection`: the epoch a stage hands on (its best on the objective) and early stopping;
 - :mod:`stagewise.training.device_data`: batches shuffled and sliced on the device, the data resident or streamed
   through pinned memory and a side CUDA stream (chosen per stage, automatically on CUDA);
 - :mod:`stagewise.training.checkpoint`: checkpoints written by rank 0, exact resume, restoring model and optimizer state;

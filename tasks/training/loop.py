@@ -44,6 +44,38 @@ def scaled_lr(base_lr: float, global_batch: int, base_batch: int, rule: str) -> 
     raise UserError(f"train.lr_rule '{rule}' is not one of linear, sqrt, none")
 
 
+def schedule_factor(schedule: Any, step: int, *, warmup_steps: int, total_steps: int, steps_per_epoch: int) -> float:
+    """The factor of a stage's lr from its ``lr_schedule`` (stagewise.definitions.config.LRSchedule) at optimizer
+    step ``step``: 1 through warmup, then decaying to ``min_lr_ratio`` by the stage's last step (cosine, linear) or by
+    ``gamma`` every ``step_epochs`` epochs (step). The step is the stage's own, so a resume continues the curve."""
+    if schedule.type == "constant":
+        return 1.0
+    floor = schedule.min_lr_ratio
+    if schedule.type == "step":
+        return max(schedule.gamma ** (step // (schedule.step_epochs * max(steps_per_epoch, 1))), floor)
+    if step < warmup_steps:
+        return 1.0
+    progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule.type == "cosine" else 1 - progress
+    return floor + (1 - floor) * shape
+
+
+def stage_lr(lr: float, *, warmup_steps: int, schedule: Any, spec: ModelSpec, total_steps: int,
+             steps_per_epoch: int) -> Callable[[int], float]:
+    """A stage's lr at each optimizer step: the rescaled ``lr`` x warmup x the spec's own ``lr_schedule`` (when it
+    gives one) else the config's schedule."""
+
+    def lr_at(step: int) -> float:
+        own = spec.lr_schedule(step, total_steps)
+        factor = schedule_factor(schedule, step, warmup_steps=warmup_steps, total_steps=total_steps,
+                                 steps_per_epoch=steps_per_epoch) if own is None else float(own)
+        if not math.isfinite(factor) or factor < 0:
+            raise UserError(f"{type(spec).__name__}.lr_schedule({step}, {total_steps}) gave {factor}: a factor >= 0")
+        return lr * warmup_factor(step, warmup_steps) * factor
+
+    return lr_at
+
+
 def warmup_factor(step: int, warmup_steps: int) -> float:
     """Gradual warmup: ramp linearly from 1/warmup_steps to 1 over the first ``warmup_steps`` steps."""
     if warmup_steps <= 0 or step >= warmup_steps:
@@ -96,6 +128,8 @@ class EpochResult:
     """Learning rate at the epoch's last step."""
     steps: int
     """Optimizer steps taken so far in this stage."""
+    grad_norm: float | None = None
+    """Mean global gradient norm before clipping over the epoch's steps (None: the stage does not clip)."""
 
 
 @dataclass(kw_only=True)
@@ -112,6 +146,10 @@ class Position:
     """This rank's summed loss over the epoch so far."""
     seen: int = 0
     """This rank's samples over the epoch so far."""
+    grad_norm_sum: float = 0.0
+    """Pre-clip gradient norms of the epoch's steps so far, summed (every rank holds the same)."""
+    norm_steps: int = 0
+    """The steps ``grad_norm_sum`` covers."""
 
 
 class Loop:
@@ -120,11 +158,12 @@ class Loop:
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv,
                  train: Batches, validation: Batches, spec: ModelSpec, objective: str = "accuracy",
                  grad_accum_steps: int = 1, seed: int = 0, check_every_steps: int | None = None,
-                 precision: str = "fp32", compile_mode: str = "off") -> None:
+                 precision: str = "fp32", compile_mode: str = "off", grad_clip_norm: float | None = None) -> None:
         """``check_every_steps``: also check for divergence after every this many optimizer steps (besides each
         epoch's end); give the checkpoint interval so no checkpoint is ever written from NaN weights.
         ``precision`` fp32 or bf16 (autocast around forward and loss); ``compile_mode`` off or a torch.compile mode:
-        only the training forward runs compiled, ``module`` stays the plain model (checkpoints, validation)."""
+        only the training forward runs compiled, ``module`` stays the plain model (checkpoints, validation).
+        ``grad_clip_norm``: clip the (all-reduced) gradients to this global L2 norm before each optimizer step."""
         self.env = env
         self.module = model.to(env.device)
         self.model: nn.Module = self.module
@@ -157,6 +196,9 @@ class Loop:
         # Kept on the device and read only at checks, so a step never waits for the GPU.
         self._pending_loss = torch.zeros((), dtype=torch.float64, device=env.device)
         self._first_bad_step = torch.full((), _NO_STEP, dtype=torch.int64, device=env.device)
+        self.grad_clip_norm = grad_clip_norm
+        self._pending_norm = torch.zeros((), dtype=torch.float64, device=env.device)
+        self._pending_norm_steps = 0
 
     @property
     def global_batch(self) -> int:
@@ -215,6 +257,10 @@ class Loop:
                 lr = lr_at(position.step)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
+                if self.grad_clip_norm is not None:
+                    # After DDP's all-reduce every rank holds the same gradients, so the same norm and the same clip.
+                    self._pending_norm += nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip_norm).double()
+                    self._pending_norm_steps += 1
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 position.step += 1
@@ -238,8 +284,10 @@ class Loop:
         if self.objective not in metrics:
             raise UserError(f"objective.metric '{self.objective}' is not among the validation metrics "
                             f"{type(self.spec).__name__} reports: {sorted(metrics)}")
+        grad_norm = position.grad_norm_sum / position.norm_steps if position.norm_steps else None
         result = EpochResult(epoch=position.epoch, train_loss=loss_sum / max(seen, 1), val_metric=metrics[self.objective],
-                             val_metrics=metrics, samples_per_s=new_samples / max(elapsed, 1e-9), lr=lr, steps=position.step)
+                             val_metrics=metrics, samples_per_s=new_samples / max(elapsed, 1e-9), lr=lr, steps=position.step,
+                             grad_norm=grad_norm)
         self.position = Position(epoch=position.epoch + 1, step=position.step)
         return result
 
@@ -256,6 +304,10 @@ class Loop:
         negated_first_bad, any_weights_bad = verdict.tolist()
         self.position.loss_sum += float(self._pending_loss)
         self._pending_loss.zero_()
+        self.position.grad_norm_sum += float(self._pending_norm)
+        self.position.norm_steps += self._pending_norm_steps
+        self._pending_norm.zero_()
+        self._pending_norm_steps = 0
         first_bad = int(-negated_first_bad)
         if first_bad == _NO_STEP and not any_weights_bad:
             return
@@ -381,14 +433,16 @@ def rank_batches(manifest: dict[str, Any], env: DistEnv, *, batch_size: int, see
 
 def start_loop(config: Any, manifest: dict[str, Any], env: DistEnv, swept: dict[str, Any], train: Batches,
                validation: Batches, *, seed: int, grad_accum_steps: int = 1, check_every_steps: int | None = None,
-               precision: str = "fp32", compile_mode: str = "off") -> tuple[BuiltModel, Loop]:
+               precision: str = "fp32", compile_mode: str = "off", grad_clip_norm: float | None = None,
+               ) -> tuple[BuiltModel, Loop]:
     """The one setup of a sweep trial and a training stage: the config's model built with these hyperparameters, on the
     rank's device, its optimizer, and the loop over the rank's batches (seed the RNG first for a reproducible init)."""
     built = model_for_run(config, manifest, swept)
     model = built.module.to(env.device)  # before the optimizer exists or loads state: its buffers follow the params
     loop = Loop(model=model, optimizer=make_optimizer(model, built.params), env=env, train=train, validation=validation,
                 spec=built.spec, objective=config.objective.metric, grad_accum_steps=grad_accum_steps, seed=seed,
-                check_every_steps=check_every_steps, precision=precision, compile_mode=compile_mode)
+                check_every_steps=check_every_steps, precision=precision, compile_mode=compile_mode,
+                grad_clip_norm=grad_clip_norm)
     return built, loop
 
 

@@ -47,6 +47,19 @@ def test_training_stages_grow_the_batch_and_rescale_lr(report):
     assert s2["lr"] / s1["lr"] == pytest.approx(s2["global_batch"] / s1["global_batch"])
 
 
+def test_each_stage_hands_on_its_best_epoch_and_the_report_says_which(report):
+    """By default a stage hands on its best epoch on the objective: report.json names it, and its val metric is that
+    epoch's in the stage's history (the first of equal epochs)."""
+    import json
+    from pathlib import Path
+
+    for stage in report["training"]:
+        history = json.loads((Path(report["run_prefix"]) / "train" / stage["stage"] / "metrics.json").read_text())["history"]
+        values = [entry["val_metric"] for entry in history]
+        assert stage["handed_epoch"] == values.index(max(values)) + 1 and stage["val_metric"] == max(values)
+        assert stage["epochs_run"] == stage["epochs"] and stage["stopped_early"] is False
+
+
 def test_digits_test_accuracy_is_at_least_095(report):
     """The demo's model is good: at least 0.95 on the held-out test split."""
     assert report["test_accuracy"] >= 0.95

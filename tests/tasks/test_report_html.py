@@ -184,6 +184,9 @@ def test_training_curve_spans_every_stage_with_marked_boundaries_and_the_resume(
     assert len(resumes) == 1 and 0 < resumes[0]["step"] <= metrics["s1"]["history"][0]["steps"]
     assert resumed["x"] == [resumes[0]["step"]] and "resumed" in resumed["name"]
     assert not metrics["s2"]["resumes"]
+    (lr,) = [trace for trace in figure["data"] if trace["name"].startswith("learning rate")]
+    assert lr["x"] == loss["x"] and lr["yaxis"] == "y3" and figure["layout"]["yaxis3"]["type"] == "log"
+    assert lr["y"] == [entry["lr"] for name in ("s1", "s2") for entry in metrics[name]["history"]]
 
 
 def test_sweep_figure_counts_each_outcome_as_the_summary_does(finished_run):

@@ -97,3 +97,15 @@ def test_searched_and_default_hyperparameters_are_placeholders(write_config, sto
     path = _with_stage(write_config, storage_root, per_process_batch=16,
                        entrypoint={"script": "x.py", "args": ["{dropout}", "{momentum}", "{optimizer}"]})
     assert load_config(path).stage("s2").entrypoint.args == ["{dropout}", "{momentum}", "{optimizer}"]
+
+
+@pytest.mark.parametrize("knob", [{"lr_schedule": {"type": "cosine"}}, {"grad_clip_norm": 1.0}, {"hand_on": "last"},
+                                  {"early_stopping": {"patience": 2}}])
+def test_a_built_in_loop_knob_on_a_script_stage_is_refused_naming_it(write_config, storage_root, knob):
+    """A stage running the user's own script never sees the built-in loop's schedule, clipping or epoch choice:
+    setting one there is refused when the config loads, naming it, instead of being silently ignored."""
+    path = _with_stage(write_config, storage_root, per_process_batch=16, entrypoint={"script": "x.py"}, **knob)
+    (name,) = knob
+    with pytest.raises(ConfigError, match=rf"train\.stages\.1.*{name}: the built-in loop's, but this stage runs its own"):
+        load_config(path)
+    assert load_config(_with_stage(write_config, storage_root, per_process_batch=16, **knob)).stage("s2")

@@ -77,7 +77,7 @@ def test_killed_rank_fails_the_stage_and_the_retry_resumes_exactly(request, subp
     assert 0 <= steps_redone <= CHECKPOINT_EVERY, f"redid {steps_redone} steps"
 
     reference_out, reference = clean_run(config, out, spec, subprocess_env, tmp_path)
-    assert result["steps"] == reference["steps"]
+    assert result["steps"] == reference["steps"] and result["handed_epoch"] == reference["handed_epoch"]
     # Tolerance: identical data order and dropout masks; only float summation order may differ.
     assert result["val_metric"] == pytest.approx(reference["val_metric"], abs=1e-9)
     resumed_model = torch.load(Path(out, "train", "s2", "final.pt"), weights_only=True)["model"]

@@ -17,6 +17,7 @@ from stagewise.core.errors import UserError
 from stagewise.core.storage import stage_prefix
 from stagewise.datasets.columns import Columns, feature_vectors, processed_schema
 from stagewise.datasets.loader import ParquetBatches
+from stagewise.definitions.config import LRSchedule
 from stagewise.definitions.hyperparams import FRAMEWORK_DEFAULTS
 from stagewise.definitions.loading import load_config
 from stagewise.models.building import build, resolve_params
@@ -24,7 +25,7 @@ from stagewise.models.bundle import load_bundle
 from stagewise.models.mlp import MLPClassifier
 from stagewise.spec import DataInfo
 from stagewise.training.distributed import DistEnv
-from stagewise.training.loop import Loop, scaled_lr, seed_step, warmup_factor
+from stagewise.training.loop import Loop, scaled_lr, schedule_factor, seed_step, stage_lr, warmup_factor
 
 CPU = DistEnv(rank=0, local_rank=0, world_size=1, device="cpu")
 
@@ -60,6 +61,60 @@ def test_warmup_ramps_linearly_and_reaches_one(warmup_steps):
 def test_no_warmup_means_full_lr_from_the_first_step():
     """warmup_steps = 0 applies the full learning rate at once."""
     assert [warmup_factor(step, 0) for step in range(3)] == [1.0, 1.0, 1.0]
+
+
+# --- schedules after warmup --------------------------------------------------------------------------------------
+
+
+def _curve(schedule: LRSchedule, *, warmup: int = 0, total: int = 100, per_epoch: int = 10) -> list[float]:
+    return [schedule_factor(schedule, step, warmup_steps=warmup, total_steps=total, steps_per_epoch=per_epoch)
+            for step in range(total)]
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear"])
+def test_cosine_and_linear_hold_through_warmup_then_fall_to_the_floor_by_the_last_step(kind):
+    """1 through warmup, then falling without a rise to min_lr_ratio at the stage's last step; cosine is flat at both
+    ends (its midpoint halfway to the floor), linear falls evenly."""
+    curve = _curve(LRSchedule(type=kind, min_lr_ratio=0.1), warmup=10, total=110)
+    assert curve[:11] == [1.0] * 11 and all(a >= b for a, b in zip(curve, curve[1:]))
+    assert curve[-1] == pytest.approx(0.1 + 0.9 * (0.5 * (1 + math.cos(math.pi * 99 / 100)) if kind == "cosine" else 0.01))
+    assert schedule_factor(LRSchedule(type=kind, min_lr_ratio=0.1), 110, warmup_steps=10, total_steps=110,
+                           steps_per_epoch=10) == pytest.approx(0.1)
+    assert curve[60] == pytest.approx(0.55), "halfway after warmup: halfway to the floor"
+
+
+def test_step_decay_multiplies_by_gamma_every_step_epochs_down_to_the_floor():
+    """Epochs 0-1 at 1, 2-3 at 0.5, 4-5 at 0.25, then the floor 0.2."""
+    curve = _curve(LRSchedule(type="step", gamma=0.5, step_epochs=2, min_lr_ratio=0.2), total=80, per_epoch=10)
+    assert [curve[epoch * 10] for epoch in range(8)] == [1.0, 1.0, 0.5, 0.5, 0.25, 0.25, 0.2, 0.2]
+
+
+def test_constant_is_todays_behaviour():
+    assert set(_curve(LRSchedule())) == {1.0}
+
+
+class _OwnSchedule(MLPClassifier):
+    """A spec with its own schedule: half the lr for the second half of the stage."""
+
+    def lr_schedule(self, step: int, total_steps: int) -> float | None:
+        return 1.0 if step < total_steps // 2 else 0.5
+
+
+class _BadSchedule(MLPClassifier):
+    def lr_schedule(self, step: int, total_steps: int) -> float | None:
+        return -1.0
+
+
+def test_a_specs_own_schedule_replaces_the_configs_and_composes_with_rescale_and_warmup():
+    """stage_lr = rescaled lr x warmup x (the spec's factor, else the config's); a negative factor names the spec."""
+    lr_at = stage_lr(0.4, warmup_steps=4, schedule=LRSchedule(type="cosine"), spec=_OwnSchedule(), total_steps=20,
+                     steps_per_epoch=5)
+    assert [lr_at(step) for step in (0, 3, 9, 10, 19)] == pytest.approx([0.1, 0.4, 0.4, 0.2, 0.2])
+    config_curve = stage_lr(0.4, warmup_steps=0, schedule=LRSchedule(type="linear"), spec=MLPClassifier(),
+                            total_steps=20, steps_per_epoch=5)
+    assert config_curve(0) == pytest.approx(0.4) and config_curve(10) == pytest.approx(0.2)
+    with pytest.raises(UserError, match=r"_BadSchedule.lr_schedule\(3, 20\) gave -1.0"):
+        stage_lr(0.4, warmup_steps=0, schedule=LRSchedule(), spec=_BadSchedule(), total_steps=20, steps_per_epoch=5)(3)
 
 
 # --- per-rank data (stagewise.datasets.loader): what Loop trains on ----------------------------------------------------------
@@ -423,3 +478,46 @@ def test_divergence_is_caught_before_a_checkpoint_is_written(tmp_path):
         loop.train_epoch(lambda _step: 1e9, on_step=lambda current: saved.append(_finite(current.module.state_dict())))
     assert all(saved), "on_step (where checkpoints are written) never saw non-finite weights"
     assert caught.value.lr == 1e9 and caught.value.epoch == 1 and caught.value.step >= 1
+
+
+KNOBS = {"train.stages.0.epochs": 5, "train.stages.0.lr_schedule": {"type": "cosine", "min_lr_ratio": 0.1},
+         "train.stages.0.grad_clip_norm": 0.5, "train.checkpoint_every_steps": 1,
+         # No epoch can beat the first by more than 1.0 accuracy: the stage stops after 1 + patience epochs.
+         "train.stages.0.early_stopping": {"patience": 2, "min_delta": 1.0}}
+
+
+def test_a_scheduled_clipped_stage_stops_early_and_hands_on_its_best_epoch(digits_run, single_process):
+    """Cosine lr falls epoch by epoch, each epoch logs its pre-clip gradient norm, the stage stops after patience
+    epochs without improvement, and what it hands on (final.pt, model.pt, the result) is its best epoch's."""
+    config_path, out = digits_run
+    config = load_config(config_path, overrides=KNOBS)
+    result = train.run_stage(config, "s1", out, PARAMS, None)
+    history = storage.read_json(storage.join(stage_prefix(out, "s1"), "metrics.json"))["history"]
+    values = [entry["val_metric"] for entry in history]
+    assert (result["epochs_run"], result["stopped_early"], len(history)) == (3, True, 3)
+    assert all(a["lr"] > b["lr"] > 0.1 * result["lr"] for a, b in zip(history, history[1:]))
+    assert all(entry["grad_norm"] > 0 for entry in history)
+    best = values.index(max(values))
+    assert result["handed_epoch"] == best + 1 and result["val_metric"] == values[best]
+    final = torch.load(result["checkpoint_uri"], weights_only=True)
+    last = torch.load(Path(stage_prefix(out, "s1")) / "checkpoints" / f"step-{result['steps']:09d}.pt", weights_only=True)
+    for name, tensor in final["model"].items():
+        assert torch.equal(tensor, last["best_epoch_state"]["model"][name])
+        assert torch.equal(load_bundle(result["model_uri"]).module.state_dict()[name], tensor)
+    # A retry after the stage finished decides alike from the checkpoint: no epoch again, the same epoch handed on.
+    again = train.run_stage(config, "s1", out, PARAMS, None)
+    assert (again["resumed_from_step"], again["handed_epoch"], again["stopped_early"]) == (result["steps"], best + 1, True)
+    for name, tensor in torch.load(again["checkpoint_uri"], weights_only=True)["model"].items():
+        assert torch.equal(tensor, final["model"][name])
+
+
+def test_hand_on_last_hands_on_the_last_epoch(digits_run, single_process):
+    """hand_on: last keeps the old behaviour: the last epoch's weights and metric, whatever came before."""
+    config_path, out = digits_run
+    config = load_config(config_path, overrides={**KNOBS, "train.stages.0.hand_on": "last"})
+    result = train.run_stage(config, "s1", out, PARAMS, None)
+    history = storage.read_json(storage.join(stage_prefix(out, "s1"), "metrics.json"))["history"]
+    assert result["handed_epoch"] == len(history) and result["val_metric"] == history[-1]["val_metric"]
+    last = torch.load(Path(stage_prefix(out, "s1")) / "checkpoints" / f"step-{result['steps']:09d}.pt", weights_only=True)
+    for name, tensor in torch.load(result["checkpoint_uri"], weights_only=True)["model"].items():
+        assert torch.equal(tensor, last["model"][name])
