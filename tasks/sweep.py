@@ -197,7 +197,7 @@ def trial_contract(config: PipelineConfig, config_file: str, trial: Any, params:
             "output_dir": os.path.join(workdir, "output"), "checkpoint_dir": os.path.join(workdir, "checkpoints"),
             "data_manifest": storage.join(out, "preprocess", "manifest.json"), "init_from": "", "params": params,
             "per_process_batch": sweep.batch_size, "grad_accum_steps": 1, "global_batch": sweep.batch_size * world,
-            "lr": params["lr"], "epochs": sweep.epochs, "seed": sweep.seed + trial.number}
+            "lr": params["lr"], "epochs": sweep.epochs, "warmup_steps": 0, "seed": sweep.seed + trial.number}
 
 
 def trial_environment(config: PipelineConfig, name: str, trial: Any, values: dict[str, Any], workdir: str,

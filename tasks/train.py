@@ -68,6 +68,7 @@ def byo_contract(config: PipelineConfig, config_file: str, stage_name: str, out:
         "data_manifest": storage.join(out, "preprocess", "manifest.json"), "init_from": init_from or "",
         "params": params, "per_process_batch": micro, "grad_accum_steps": stage.grad_accum_steps,
         "global_batch": global_batch, "lr": scaled_lr_for(config, params["lr"], global_batch), "epochs": stage.epochs,
+        "warmup_steps": stage.warmup_steps if global_batch > previous_global_batch(config, stage_name) else 0,
         "seed": config.train.seed,
     }
     assert set(values) == set(env_contract.STAGE_VALUES), "stagewise.contract declares the stage values; fill each of them here"
@@ -140,6 +141,17 @@ def byo_result(config: PipelineConfig, stage_name: str, out: str, contract: dict
     return {**result, "params": params, "params_source": "script"}
 
 
+def previous_global_batch(config: PipelineConfig, stage_name: str) -> int:
+    """The global batch of the stage before ``stage_name`` (0 for the first): a script stage warms up when it grew,
+    as the built-in loop does."""
+    index = config.train.stages.index(config.stage(stage_name))
+    if index == 0:
+        return 0
+    previous = config.train.stages[index - 1]
+    world = config.profile(previous.profile).world_size
+    return previous.micro_batch(world) * world * previous.grad_accum_steps
+
+
 def scaled_lr_for(config: PipelineConfig, base_lr: float, global_batch: int) -> float:
     return scaled_lr(base_lr, global_batch, config.train.base_batch, config.train.lr_rule)
 
@@ -189,6 +201,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             position = Position(**json.loads(state["position"]))
             history, previous_batch = json.loads(state["history"]), state["previous_global_batch"]
             best_state = state.get("best_epoch_state") or None
+            loop.load_scaler_state(state.get("grad_scaler") or {})
             resumed_from = position.step
             resumes = [*json.loads(state.get("resumes", "[]")),
                        {"step": position.step, "epoch": position.epoch, "at": time.time()}]
@@ -221,7 +234,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                     "position": json.dumps(asdict(loop.position)), "history": json.dumps(history),
                     "global_batch": global_batch, "previous_global_batch": previous_batch, "config_hash": digest,
                     "params": json.dumps(params), "rng_cpu": torch.get_rng_state(), "resumes": json.dumps(resumes),
-                    "best_epoch_state": best_state or {}}
+                    "best_epoch_state": best_state or {}, "grad_scaler": loop.scaler_state()}
 
         def on_step(current: Loop) -> None:
             if fault_step is not None and current.position.step == fault_step:

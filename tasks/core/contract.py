@@ -47,6 +47,9 @@ GLOBAL_BATCH = _declare(STAGE_ENV, "STAGEWISE_GLOBAL_BATCH",
                         "accumulation steps); store it in `final.pt` as `global_batch`.")
 LR = _declare(STAGE_ENV, "STAGEWISE_LR", "The learning rate, already rescaled for the global batch (`train.lr_rule`); a trial's is the suggested one.")
 EPOCHS = _declare(STAGE_ENV, "STAGEWISE_EPOCHS", "Epochs this stage trains (a trial: `sweep.epochs`).")
+WARMUP_STEPS = _declare(STAGE_ENV, "STAGEWISE_WARMUP_STEPS",
+                        "Steps to ramp the lr up linearly over (the stage's `warmup_steps` when its global batch grew "
+                        "or it is the first stage, else 0; a trial: 0).")
 SEED = _declare(STAGE_ENV, "STAGEWISE_SEED", "The run's seed (`train.seed`; a trial: `sweep.seed` plus its number).")
 STAGE_VALUES: tuple[str, ...] = tuple(name.removeprefix("STAGEWISE_").lower() for name in STAGE_ENV)
 """The stage's own values (config through seed, above), by the name an entrypoint's ``{name}`` arg uses (stagewise.definitions.config)."""

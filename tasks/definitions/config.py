@@ -443,7 +443,8 @@ class EarlyStopping(_Strict):
 
 
 # The built-in loop's knobs: a stage that runs the user's own script never gets them, so it may not change their defaults.
-BUILT_IN_LOOP_KNOBS = ("lr_schedule", "grad_clip_norm", "hand_on", "early_stopping")
+BUILT_IN_LOOP_KNOBS = ("lr_schedule", "grad_clip_norm", "hand_on", "early_stopping", "precision", "data_placement",
+                       "resident_memory_fraction", "shuffle_block_rows", "compile")
 
 
 class TrainStage(_Strict):
@@ -465,7 +466,8 @@ class TrainStage(_Strict):
     shuffle_block_rows: int = Field(1, ge=1, description=(
         "Host loader: rows move within a shuffle window in runs of this many stored rows (1: single rows; more is "
         "coarser and faster, see bench parquet_loading's details); device placements always shuffle single rows."))
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: forward and loss under bf16 autocast (weights stay fp32).")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description=(
+        "bf16 or fp16: forward and loss under autocast (weights stay fp32); fp16 adds a gradient scaler, checkpointed."))
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = Field("off", description=(
         "torch.compile the model with this mode (reduce-overhead: CUDA graphs); checkpoints stay the plain model's."))
     lr_schedule: LRSchedule = Field(default_factory=LRSchedule, description=(
@@ -489,7 +491,7 @@ class TrainStage(_Strict):
             call_default_factory=True)]
         if self.entrypoint is not None and given:
             raise ValueError(f"{', '.join(given)}: the built-in loop's, but this stage runs its own entrypoint, which "
-                             "never sees them; drop them (the script schedules, clips and picks its epoch itself)")
+                             "never sees them; drop them (the script decides its schedule, clipping, epoch, precision and data itself)")
         return self
 
     def micro_batch(self, world_size: int) -> int:

@@ -40,6 +40,8 @@ class Context:
     """The trial's number in the shared study; None in a stage."""
     epochs: int
     """Epochs to train (``sweep.epochs`` in a trial)."""
+    warmup_steps: int
+    """Optimizer steps to ramp the lr up linearly over (0: none; a trial's is 0)."""
     per_process_batch: int
     """Samples per process per micro-step (``sweep.batch_size`` in a trial)."""
     grad_accum_steps: int
@@ -92,6 +94,7 @@ def context() -> Context:
     env = read_env("cpu")
     trial = os.environ.get(contract.TRIAL_NUMBER)
     return Context(stage=_env(contract.STAGE), trial=int(trial) if trial else None, epochs=int(_env(contract.EPOCHS)),
+                   warmup_steps=int(_env(contract.WARMUP_STEPS)),
                    per_process_batch=int(_env(contract.PER_PROCESS_BATCH)),
                    grad_accum_steps=int(_env(contract.GRAD_ACCUM_STEPS)), global_batch=int(_env(contract.GLOBAL_BATCH)),
                    lr=float(_env(contract.LR)), seed=int(_env(contract.SEED)), objective=_env(contract.OBJECTIVE),

@@ -161,7 +161,8 @@ class Loop:
                  precision: str = "fp32", compile_mode: str = "off", grad_clip_norm: float | None = None) -> None:
         """``check_every_steps``: also check for divergence after every this many optimizer steps (besides each
         epoch's end); give the checkpoint interval so no checkpoint is ever written from NaN weights.
-        ``precision`` fp32 or bf16 (autocast around forward and loss); ``compile_mode`` off or a torch.compile mode:
+        ``precision`` fp32, bf16 or fp16 (autocast around forward and loss; fp16 adds a gradient scaler, whose state
+        :meth:`scaler_state` gives the checkpoint); ``compile_mode`` off or a torch.compile mode:
         only the training forward runs compiled, ``module`` stays the plain model (checkpoints, validation).
         ``grad_clip_norm``: clip the (all-reduced) gradients to this global L2 norm before each optimizer step."""
         self.env = env
@@ -174,11 +175,13 @@ class Loop:
             self.ddp = DistributedDataParallel(self.module, device_ids=[env.local_rank] if env.device != "cpu" else None)
             self.model = self.ddp
         self.device_type = torch.device(env.device).type
-        if precision not in ("fp32", "bf16"):
-            raise UserError(f"precision '{precision}' is not one of fp32, bf16")
+        if precision not in ("fp32", "bf16", "fp16"):
+            raise UserError(f"precision '{precision}' is not one of fp32, bf16, fp16")
         if precision == "bf16" and self.device_type == "cuda" and not torch.cuda.is_bf16_supported():
             raise UserError(f"precision 'bf16': the GPU {torch.cuda.get_device_name(env.device)} does not support bfloat16")
         self.precision = precision
+        # fp16's narrow range underflows small gradients: the loss is scaled up and steps with inf/NaN are skipped.
+        self.scaler = torch.amp.GradScaler(self.device_type) if precision == "fp16" else None
         if compile_mode not in COMPILE_MODES:
             raise UserError(f"compile '{compile_mode}' is not one of {', '.join(COMPILE_MODES)}")
         if compile_mode != "off":
@@ -200,13 +203,22 @@ class Loop:
         self._pending_norm = torch.zeros((), dtype=torch.float64, device=env.device)
         self._pending_norm_steps = 0
 
+    def scaler_state(self) -> dict[str, Any]:
+        """The fp16 gradient scaler's state for a checkpoint (empty without one)."""
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_scaler_state(self, state: dict[str, Any]) -> None:
+        """Resume the scaler where a checkpoint left it (its scale and growth tracker): the same steps are skipped."""
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
     @property
     def global_batch(self) -> int:
         return self.train_data.batch_size * self.env.world_size * self.grad_accum_steps
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.precision == "bf16":
-            return torch.autocast(self.device_type, dtype=torch.bfloat16)
+        if self.precision in ("bf16", "fp16"):
+            return torch.autocast(self.device_type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
         return contextlib.nullcontext()
 
     def steps_per_epoch(self, epoch: int) -> int:
@@ -246,7 +258,8 @@ class Loop:
                 inputs, targets = self.spec.batch(inputs, targets)
                 with self._autocast():
                     loss = self.spec.loss(self.model(inputs), targets)
-                (loss / self.grad_accum_steps).backward()
+                scaled = loss / self.grad_accum_steps
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             detached = loss.detach()
             self._pending_loss += detached.double() * len(targets)
             self._first_bad_step = torch.where(torch.isfinite(detached), self._first_bad_step,
@@ -258,10 +271,16 @@ class Loop:
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
                 if self.grad_clip_norm is not None:
+                    if self.scaler is not None:
+                        self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
                     # After DDP's all-reduce every rank holds the same gradients, so the same norm and the same clip.
                     self._pending_norm += nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip_norm).double()
                     self._pending_norm_steps += 1
-                self.optimizer.step()
+                if self.scaler is not None:
+                    self.scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
+                    self.scaler.update()
+                else:
+                    self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 position.step += 1
                 if self.check_every_steps and position.step % self.check_every_steps == 0:

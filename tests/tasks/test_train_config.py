@@ -65,18 +65,19 @@ def test_entrypoint_args_name_the_stage_values_and_hyperparameters(write_config,
 
     args = ["--epochs", "{epochs}", "--lr", "{lr}", "--batch-size", "{per_process_batch}", "--global={global_batch}",
             "--hidden", "{hidden}", "--wd={weight_decay:.0e}", "--out", "{output_dir}", "--init={init_from}",
-            "--json={{\"seed\": {seed}}}", "--stage", "{stage}", "plain"]
-    path = _with_stage(write_config, storage_root, per_process_batch=16, grad_accum_steps=2,
+            "--json={{\"seed\": {seed}}}", "--stage", "{stage}", "--warmup", "{warmup_steps}", "plain"]
+    path = _with_stage(write_config, storage_root, per_process_batch=16, grad_accum_steps=2, warmup_steps=5,
                        entrypoint={"script": "x.py", "args": args})
     config = load_config(path)
     contract = byo_contract(config, str(path), "s2", "/runs/r", {"lr": 0.02, "hidden": 48, "weight_decay": 0.001}, None)
     assert byo_args(config, "s2", contract) == [
         "--epochs", "1", "--lr", repr(0.02 * 64 / 32), "--batch-size", "16", "--global=64", "--hidden", "48",
-        "--wd=1e-03", "--out", "/runs/r/train/s2", "--init=", '--json={"seed": 0}', "--stage", "s2", "plain"]
+        "--wd=1e-03", "--out", "/runs/r/train/s2", "--init=", '--json={"seed": 0}', "--stage", "s2", "--warmup", "5",
+        "plain"]
 
 
 @pytest.mark.parametrize("arg, fragment", [
-    ("{epoch}", r"unknown placeholder \{epoch\}; known: \['config', 'stage', .*'epochs', 'seed', .*'hidden'"),
+    ("{epoch}", r"unknown placeholder \{epoch\}; known: \['config', 'stage', .*'epochs', 'warmup_steps', 'seed', .*'hidden'"),
     ("{}", r"'\{\}' is not a placeholder name"),
     ("{params.lr}", r"'\{params\.lr\}' is not a placeholder name"),
     ("--json={\"a\": 1}", r"write literal braces as \{\{ and \}\}"),
@@ -100,10 +101,12 @@ def test_searched_and_default_hyperparameters_are_placeholders(write_config, sto
 
 
 @pytest.mark.parametrize("knob", [{"lr_schedule": {"type": "cosine"}}, {"grad_clip_norm": 1.0}, {"hand_on": "last"},
-                                  {"early_stopping": {"patience": 2}}])
+                                  {"early_stopping": {"patience": 2}}, {"precision": "bf16"},
+                                  {"data_placement": "resident"}, {"compile": "default"}])
 def test_a_built_in_loop_knob_on_a_script_stage_is_refused_naming_it(write_config, storage_root, knob):
-    """A stage running the user's own script never sees the built-in loop's schedule, clipping or epoch choice:
-    setting one there is refused when the config loads, naming it, instead of being silently ignored."""
+    """A stage running the user's own script never sees the built-in loop's schedule, clipping, epoch choice,
+    precision, data placement or compile: setting one there is refused when the config loads, naming it, instead of
+    being silently ignored."""
     path = _with_stage(write_config, storage_root, per_process_batch=16, entrypoint={"script": "x.py"}, **knob)
     (name,) = knob
     with pytest.raises(ConfigError, match=rf"train\.stages\.1.*{name}: the built-in loop's, but this stage runs its own"):

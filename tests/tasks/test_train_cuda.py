@@ -147,6 +147,7 @@ def test_auto_placement_on_the_gpu_keeps_a_small_split_resident(digits_run):
 @pytest.mark.parametrize("overrides", [{"train.stages.0.data_placement": "resident"},
                                        {"train.stages.0.data_placement": "streamed"},
                                        {"train.stages.0.precision": "bf16"},
+                                       {"train.stages.0.precision": "fp16", "train.stages.0.grad_clip_norm": 1.0},
                                        {"train.stages.0.compile": "reduce-overhead"}])
 def test_gpu_stage_knobs_train_and_checkpoints_load_into_a_plain_model(digits_run, single_process, overrides):
     """Each placement and overhead knob trains a stage on cuda, and final.pt loads into an uncompiled fp32 model."""

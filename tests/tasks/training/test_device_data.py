@@ -162,7 +162,7 @@ def test_bad_placement_arguments_are_user_errors(setting, fraction, message):
     ("data_placement", "gpu", "Input should be 'auto', 'host', 'resident' or 'streamed'"),
     ("resident_memory_fraction", 0, "Input should be greater than 0"),
     ("resident_memory_fraction", 1.5, "Input should be less than or equal to 1"),
-    ("precision", "fp16", "Input should be 'fp32' or 'bf16'"),
+    ("precision", "fp8", "Input should be 'fp32', 'bf16' or 'fp16'"),
     ("compile", "fast", "Input should be 'off', 'default', 'reduce-overhead' or 'max-autotune'"),
 ])
 def test_bad_stage_knobs_are_config_errors_naming_the_key(write_config, key, value, message):

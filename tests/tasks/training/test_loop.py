@@ -521,3 +521,35 @@ def test_hand_on_last_hands_on_the_last_epoch(digits_run, single_process):
     last = torch.load(Path(stage_prefix(out, "s1")) / "checkpoints" / f"step-{result['steps']:09d}.pt", weights_only=True)
     for name, tensor in torch.load(result["checkpoint_uri"], weights_only=True)["model"].items():
         assert torch.equal(tensor, last["model"][name])
+
+
+def test_an_fp16_stage_resumed_mid_way_ends_exactly_where_an_uninterrupted_one_does(digits_run, single_process):
+    """fp16 autocast with its gradient scaler, cosine, clipping and the best epoch: a retry resuming from a checkpoint
+    half-way (the scaler's scale and growth tracker come back from it) ends with the same weights, history and epoch
+    handed on as the run that was never interrupted."""
+    config_path, out = digits_run
+    config = load_config(config_path, overrides={
+        "train.stages.0.epochs": 3, "train.stages.0.precision": "fp16", "train.stages.0.grad_clip_norm": 1.0,
+        "train.stages.0.lr_schedule": {"type": "cosine"}, "train.checkpoint_every_steps": 7, "train.keep_checkpoints": 1000})
+    prefix = Path(stage_prefix(out, "s1"))
+    clean = train.run_stage(config, "s1", out, PARAMS, None)
+    clean_history = storage.read_json(str(prefix / "metrics.json"))["history"]
+    clean_final = torch.load(clean["checkpoint_uri"], weights_only=True)
+    assert clean_final["grad_scaler"]["scale"] > 0, "the scaler's state is in the checkpoint"
+    steps = sorted(int(path.stem.split("-")[1]) for path in (prefix / "checkpoints").glob("step-*.pt"))
+    middle = steps[len(steps) // 2]
+    for step in steps:  # the retry finds what a crash after step `middle` would have left
+        if step > middle:
+            (prefix / "checkpoints" / f"step-{step:09d}.pt").unlink()
+    storage.write_json(str(prefix / "checkpoints" / "latest.json"), {"uri": str(prefix / "checkpoints" / f"step-{middle:09d}.pt"),
+                                                                     "step": middle})
+    resumed = train.run_stage(config, "s1", out, PARAMS, None)
+    assert resumed["resumed_from_step"] == middle and resumed["steps"] == clean["steps"]
+    assert resumed["handed_epoch"] == clean["handed_epoch"]
+    history = storage.read_json(str(prefix / "metrics.json"))["history"]
+    for key in ("lr", "grad_norm", "val_metric"):
+        assert [e[key] for e in history] == pytest.approx([e[key] for e in clean_history], rel=1e-6), key
+    final = torch.load(resumed["checkpoint_uri"], weights_only=True)
+    assert final["grad_scaler"] == clean_final["grad_scaler"]
+    for name, tensor in clean_final["model"].items():
+        torch.testing.assert_close(final["model"][name], tensor, rtol=1e-5, atol=1e-6)
