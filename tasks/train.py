@@ -292,7 +292,8 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                        "steps": loop.position.step, "resumed_from_step": resumed_from, "checkpoint_uri": final_uri,
                        "hand_on": stage.hand_on, "handed_epoch": handed + 1 if history else None,
                        "epochs_run": len(history), "stopped_early": stopped_early,
-                       "lr_schedule": stage.lr_schedule.model_dump(), "grad_clip_norm": stage.grad_clip_norm}
+                       "lr_schedule": stage.lr_schedule.model_dump(), "grad_clip_norm": stage.grad_clip_norm,
+                       "params": params}
         if env.master:
             if loop.position.step != resumed_from:
                 checkpoints.save(loop.position.step, state_now())  # a re-run of a finished stage retrains nothing

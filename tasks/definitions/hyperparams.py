@@ -37,6 +37,8 @@ class Hyperparameter:
     """The allowed values of a categorical hyperparameter (a sweep must search it as categorical)."""
     fraction_of: str = "values"
     """What a fractional value would be, for the message refusing a float search dimension of an integer one."""
+    doc: str = ""
+    """What it does, in one line (the generated config reference lists it)."""
 
     def admits(self, value: Any) -> bool:
         """Whether ``value`` lies in the domain."""
@@ -57,16 +59,22 @@ def defaults(hypers: tuple[Hyperparameter, ...]) -> dict[str, Any]:
 
 
 FRAMEWORK = (
-    Hyperparameter(name="lr", default=0.05, domain="> 0", low=0.0, low_inclusive=False),
-    Hyperparameter(name="weight_decay", default=0.0, domain=">= 0", low=0.0),
-    Hyperparameter(name="momentum", default=0.9, domain="in [0, 1)", low=0.0, below=1.0),
-    Hyperparameter(name="optimizer", default="sgd", domain="one of sgd, adamw", choices=("sgd", "adamw")),
+    Hyperparameter(name="lr", default=0.05, domain="> 0", low=0.0, low_inclusive=False,
+                   doc="The learning rate at train.base_batch; each stage rescales it (train.lr_rule)."),
+    Hyperparameter(name="weight_decay", default=0.0, domain=">= 0", low=0.0,
+                   doc="Weight decay of weight matrices and kernels (never of biases or norm scales)."),
+    Hyperparameter(name="momentum", default=0.9, domain="in [0, 1)", low=0.0, below=1.0,
+                   doc="SGD's momentum (Nesterov when above 0); adamw ignores it."),
+    Hyperparameter(name="optimizer", default="sgd", domain="one of sgd, adamw", choices=("sgd", "adamw"),
+                   doc="The framework's optimizer, unless the spec builds its own (ModelSpec.optimizer)."),
 )
 """The framework's own: the optimizer and the learning-rate rules read them in every run."""
 
 BUILTIN_SPEC_PARAMS = (
-    Hyperparameter(name="hidden", default=128, domain="a whole number >= 1", low=1.0, integer=True, fraction_of="widths"),
-    Hyperparameter(name="dropout", default=0.0, domain="in [0, 1)", low=0.0, below=1.0),
+    Hyperparameter(name="hidden", default=128, domain="a whole number >= 1", low=1.0, integer=True, fraction_of="widths",
+                   doc="The built-in MLP's hidden width."),
+    Hyperparameter(name="dropout", default=0.0, domain="in [0, 1)", low=0.0, below=1.0,
+                   doc="The built-in MLP's dropout rate."),
 )
 """The built-in MLP's own (its ``default_params`` are these defaults)."""
 

@@ -18,6 +18,7 @@ from stagewise.definitions.config import (
     Sampler,
     TrainStage,
 )
+from stagewise.definitions.hyperparams import KNOWN
 
 
 def reference(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> list[str]:
@@ -43,4 +44,8 @@ def markdown() -> str:
                   Pruner, FloatParam, IntParam, CategoricalParam):
         parts.append(f"\n`{model.__name__}` ({model.__doc__.splitlines()[0]})\n\n| key | meaning | default |\n|---|---|---|")
         parts.append("\n".join(reference(model)))
+    parts.append("\nHyperparameters the framework knows by name (`train.default_params`, `sweep.search_space`, "
+                 "`--params`; a spec's own come from its `default_params`), and what the model card records with "
+                 "every version:\n\n| name | meaning | default | domain |\n|---|---|---|---|")
+    parts.append("\n".join(f"| `{hyper.name}` | {hyper.doc} | {hyper.default!r} | {hyper.domain} |" for hyper in KNOWN.values()))
     return "\n".join(parts)

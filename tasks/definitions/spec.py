@@ -82,6 +82,13 @@ class ModelSpec:
         """The untrained module for this data and these hyperparameters."""
         raise NotImplementedError
 
+    def optimizer(self, module: nn.Module, params: dict[str, Any]) -> torch.optim.Optimizer | None:
+        """Your own optimizer over ``module``'s parameters (any ``torch.optim`` optimizer, parameter groups with their
+        own weight decay or lr), built from the hyperparameters; a group's lr is kept as a multiple of
+        ``params["lr"]``, so the batch rescale, warmup and schedule move every group alike. None (the default): the
+        framework's SGD or AdamW (``params["optimizer"]``), without weight decay on biases and norm scales."""
+        return None
+
     def lr_schedule(self, step: int, total_steps: int) -> float | None:
         """Your own schedule: the factor of a stage's lr at optimizer ``step`` of its ``total_steps`` (as LambdaLR's
         lr_lambda; warmup and the batch rescale apply on top, and a resume continues from the stage's step).

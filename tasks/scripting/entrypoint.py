@@ -48,9 +48,11 @@ PARAMS_NOT_REPORTED = "not reported by the script"
 
 
 def card_params(trained: dict[str, Any], swept_params: dict[str, Any] | None) -> dict[str, Any]:
-    """The params a model card records: a user script's own report (or that it gave none), never the sweep's in its place."""
+    """The params a model card records: every hyperparameter our own stage built and trained the model with (the
+    sweep's best over the defaults), else a user script's own report (or that it gave none), never the sweep's in its
+    place."""
     if trained.get("params_source") != "script":
-        return {"params": swept_params, "params_source": "sweep"}
+        return {"params": trained.get("params") or swept_params, "params_source": "sweep"}
     reported = trained.get("params")
     return {"params": PARAMS_NOT_REPORTED if reported is None else reported, "params_source": "script"}
 

@@ -269,7 +269,7 @@ class Loop:
             if boundary:
                 lr = lr_at(position.step)
                 for group in self.optimizer.param_groups:
-                    group["lr"] = lr
+                    group["lr"] = lr * group.get("lr_scale", 1.0)
                 if self.grad_clip_norm is not None:
                     if self.scaler is not None:
                         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
@@ -458,20 +458,44 @@ def start_loop(config: Any, manifest: dict[str, Any], env: DistEnv, swept: dict[
     rank's device, its optimizer, and the loop over the rank's batches (seed the RNG first for a reproducible init)."""
     built = model_for_run(config, manifest, swept)
     model = built.module.to(env.device)  # before the optimizer exists or loads state: its buffers follow the params
-    loop = Loop(model=model, optimizer=make_optimizer(model, built.params), env=env, train=train, validation=validation,
+    loop = Loop(model=model, optimizer=make_optimizer(model, built.params, built.spec), env=env, train=train, validation=validation,
                 spec=built.spec, objective=config.objective.metric, grad_accum_steps=grad_accum_steps, seed=seed,
                 check_every_steps=check_every_steps, precision=precision, compile_mode=compile_mode,
                 grad_clip_norm=grad_clip_norm)
     return built, loop
 
 
-def make_optimizer(model: nn.Module, params: dict) -> torch.optim.Optimizer:
-    """SGD with Nesterov momentum (what the linear scaling rule was shown on) or AdamW."""
-    if params.get("optimizer", "sgd") == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=params["lr"], weight_decay=params["weight_decay"])
-    momentum = params["momentum"]
-    return torch.optim.SGD(model.parameters(), lr=params["lr"], momentum=momentum, weight_decay=params["weight_decay"],
-                           nesterov=momentum > 0)
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Parameter groups with weight decay on weight matrices and kernels only: biases and norm scales (1-d tensors)
+    are not pulled towards zero, as in most transformer and CNN recipes."""
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    groups = [{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def make_optimizer(model: nn.Module, params: dict, spec: ModelSpec | None = None) -> torch.optim.Optimizer:
+    """The spec's own optimizer (``ModelSpec.optimizer``) when it builds one, else SGD with Nesterov momentum (what
+    the linear scaling rule was shown on) or AdamW over :func:`decay_groups`. Each group keeps its lr as a multiple of
+    ``params["lr"]`` (``lr_scale``), so the stage's rescaled, warmed-up, scheduled lr keeps per-group ratios."""
+    optimizer = spec.optimizer(model, params) if spec is not None else None
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise UserError(f"{type(spec).__name__}.optimizer() returned {type(optimizer).__name__}, not a "
+                            "torch.optim.Optimizer")
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
+        if missing:
+            raise UserError(f"{type(spec).__name__}.optimizer() leaves trainable parameters out: {missing[:5]}")
+    elif params.get("optimizer", "sgd") == "adamw":
+        optimizer = torch.optim.AdamW(decay_groups(model, params["weight_decay"]), lr=params["lr"])
+    else:
+        momentum = params["momentum"]
+        optimizer = torch.optim.SGD(decay_groups(model, params["weight_decay"]), lr=params["lr"], momentum=momentum,
+                                    nesterov=momentum > 0)
+    for group in optimizer.param_groups:
+        group.setdefault("lr_scale", group["lr"] / params["lr"] if params["lr"] else 1.0)
+    return optimizer
 
 
 def eta_s(epochs_done: int, epochs_total: int, elapsed_s: float) -> float:

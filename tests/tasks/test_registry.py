@@ -254,3 +254,17 @@ def test_a_registered_model_file_that_changed_since_registration_is_named(storag
     assert registry.card(str(storage_root), NAME, version)["sha256"].startswith(version[2:])
     with pytest.raises(DataError, match=rf"{version}/model.pt: its 5 bytes hash to m-[0-9a-f]{{12}}, not to its registered"):
         check_registered(model_uri, data[:5])
+
+
+def test_the_card_records_every_hyperparameter_our_stage_built_and_trained_with(write_config, tmp_path):
+    """Not only the swept values: the stage's resolved params (framework defaults like optimizer and momentum, the
+    spec's own like hidden) are what the card keeps; the sweep's best is the fallback for a result without them."""
+    from stagewise.definitions.loading import load_config
+
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"features": ["a"], "splits": {}}))
+    resolved = {"lr": 0.1, "weight_decay": 0.0, "momentum": 0.9, "optimizer": "sgd", "hidden": 64, "dropout": 0.1}
+    card = registry.model_card(load_config(write_config()), trained={"val_metric": 0.9, "stage": "s2", "params": resolved},
+                               evaluation={"test_accuracy": 0.9}, best_params={"lr": 0.1}, study="st",
+                               source_run="ml_pipeline/r1", manifest_uri=str(manifest))
+    assert card["params"] == resolved and card["params_source"] == "sweep"

@@ -553,3 +553,50 @@ def test_an_fp16_stage_resumed_mid_way_ends_exactly_where_an_uninterrupted_one_d
     assert final["grad_scaler"] == clean_final["grad_scaler"]
     for name, tensor in clean_final["model"].items():
         torch.testing.assert_close(final["model"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+class _AdamWithSlowHead(MLPClassifier):
+    """A spec with its own optimizer: Adam, the last layer at a tenth of the lr and without weight decay."""
+
+    def optimizer(self, module, params):
+        head_params = list(module[-1].parameters())
+        rest = [p for p in module.parameters() if all(p is not h for h in head_params)]
+        return torch.optim.Adam([{"params": rest, "weight_decay": params["weight_decay"]},
+                                 {"params": head_params, "lr": params["lr"] / 10, "weight_decay": 0.0}], lr=params["lr"])
+
+
+def test_the_default_optimizer_decays_weights_but_not_biases_and_a_specs_own_keeps_its_group_ratios(tmp_path):
+    """SGD/AdamW put weight matrices in a decayed group and biases (1-d) in an undecayed one; a spec's own optimizer
+    is used as built, and the loop's lr moves each group by its own multiple of params['lr']."""
+    from stagewise.training.loop import make_optimizer
+
+    data = DataInfo(features=["a", "b"], num_classes=2)
+    params = {**FRAMEWORK_DEFAULTS, "lr": 0.1, "hidden": 8, "weight_decay": 0.01}
+    model = build(MLPClassifier(), data, params)
+    default = make_optimizer(model, params, MLPClassifier())
+    decayed, plain = default.param_groups
+    assert all(p.ndim >= 2 for p in decayed["params"]) and all(p.ndim == 1 for p in plain["params"])
+    assert (decayed["weight_decay"], plain["weight_decay"]) == (0.01, 0.0)
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+
+    spec = _AdamWithSlowHead()
+    own = make_optimizer(build(spec, data, params), params, spec)
+    assert isinstance(own, torch.optim.Adam) and [g["lr_scale"] for g in own.param_groups] == pytest.approx([1.0, 0.1])
+    loop = _loop(tmp_path)  # the loop sets each group's lr at every step: the stage's lr times the group's scale
+    loop.optimizer = make_optimizer(loop.module, {**params, "lr": 0.05}, spec)
+    loop.train_epoch(lambda _step: 0.02)
+    assert [g["lr"] for g in loop.optimizer.param_groups] == pytest.approx([0.02, 0.002])
+
+
+class _ForgetfulOptimizer(MLPClassifier):
+    def optimizer(self, module, params):
+        return torch.optim.SGD(list(module.parameters())[:1], lr=params["lr"])
+
+
+def test_a_specs_optimizer_that_leaves_parameters_out_is_a_user_error():
+    from stagewise.training.loop import make_optimizer
+
+    params = {**FRAMEWORK_DEFAULTS, "lr": 0.1, "hidden": 8}
+    spec = _ForgetfulOptimizer()
+    with pytest.raises(UserError, match=r"_ForgetfulOptimizer.optimizer\(\) leaves trainable parameters out"):
+        make_optimizer(build(spec, DataInfo(features=["a"], num_classes=2), params), params, spec)
