@@ -21,6 +21,7 @@ from stagewise.definitions.hyperparams import (
     TUNABLE,
     hyperparameter_problem,
 )
+from stagewise.definitions.spec_source import declared_default_params
 
 # Optuna keeps a study's name in at most 512 characters (its RDB schema).
 MAX_STUDY_NAME = 512
@@ -763,13 +764,18 @@ class PipelineConfig(_Strict):
         return self
 
     def arg_placeholders(self) -> list[str]:
-        """Names an entrypoint's args may use: the stage contract, then every hyperparameter a stage can get."""
-        hyper = [name for name in [*TUNABLE, *self.sweep.search_space, *self.train.default_params] if name not in ARG_PLACEHOLDERS]
+        """Names an entrypoint's args may use: the stage contract, then every hyperparameter a stage can get (the
+        spec's own ``default_params`` as its source declares them)."""
+        spec_params = sorted(declared_default_params(self.model.spec, self.model.import_paths or ()))
+        hyper = [name for name in [*TUNABLE, *self.sweep.search_space, *self.train.default_params, *spec_params]
+                 if name not in ARG_PLACEHOLDERS]
         return [*ARG_PLACEHOLDERS, *dict.fromkeys(hyper)]
 
     def _entrypoint_args_known(self) -> None:
-        known = self.arg_placeholders()
         entries = [(f"train.stages[{index}] ({stage.name})", stage.entrypoint) for index, stage in enumerate(self.train.stages)]
+        if not any(entry and entry.args for _, entry in [*entries, ("sweep", self.sweep.entrypoint)]):
+            return  # nothing to check: no spec source is read
+        known = self.arg_placeholders()
         for owner, entry in [*entries, ("sweep", self.sweep.entrypoint)]:
             for position, arg in enumerate(entry.args if entry else []):
                 where = f"{owner}: entrypoint.args[{position}] {arg!r}"

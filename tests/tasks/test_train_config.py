@@ -112,3 +112,27 @@ def test_a_built_in_loop_knob_on_a_script_stage_is_refused_naming_it(write_confi
     with pytest.raises(ConfigError, match=rf"train\.stages\.1.*{name}: the built-in loop's, but this stage runs its own"):
         load_config(path)
     assert load_config(_with_stage(write_config, storage_root, per_process_batch=16, **knob)).stage("s2")
+
+
+def test_a_specs_own_default_params_are_placeholders_read_from_its_source(write_config, storage_root, tmp_path):
+    """{heads} of a spec beside the config (default_params = {"heads": 4, ...}, inherited too) is a placeholder; the
+    spec is read, not imported (no torch at config load), and a name it does not declare is still refused."""
+    import sys
+
+    (tmp_path / "team_transformer.py").write_text(
+        "from stagewise.spec import Classifier\n\n\nclass Base(Classifier):\n"
+        "    default_params = {'heads': 4, 'layers': 2}\n\n\nclass Tiny(Base):\n    pass\n")
+    raw_path = _with_stage(write_config, storage_root, per_process_batch=16,
+                           entrypoint={"script": "x.py", "args": ["--heads", "{heads}", "--layers={layers}"]})
+    import yaml
+
+    raw = yaml.safe_load(raw_path.read_text())
+    raw["model"] = {"spec": "team_transformer:Tiny"}
+    raw_path.write_text(yaml.safe_dump(raw))
+    config = load_config(raw_path)
+    assert {"heads", "layers"} <= set(config.arg_placeholders())
+    assert "team_transformer" not in sys.modules, "the spec was read from its source, not imported"
+    raw["train"]["stages"][1]["entrypoint"]["args"] = ["{depth}"]
+    raw_path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"unknown placeholder \{depth\}; known: .*'heads', 'layers'"):
+        load_config(raw_path)
