@@ -216,8 +216,9 @@ def script_trial(config: PipelineConfig, config_file: str, name: str, trial: Any
                  overrides: dict[str, Any]) -> tuple[str, float | None, str | None, int]:
     """Run ``sweep.entrypoint`` as one trial under torchrun (sweep.profile's processes) in a scratch working dir.
 
-    Returns (state, value, error, epochs): PRUNED if its last report was pruned, COMPLETE with the last reported
-    objective, else FAIL with why (a nonzero exit, no report, a reason in $STAGEWISE_ERROR_FILE).
+    Returns (state, value, error, epochs): PRUNED or COMPLETE with the last reported objective (the study records
+    a pruned trial's values as its intermediates; the value is for the progress log), else FAIL with why (a nonzero
+    exit, no report, a reason in $STAGEWISE_ERROR_FILE).
     """
     import subprocess
     import tempfile
@@ -251,9 +252,8 @@ def script_trial(config: PipelineConfig, config_file: str, name: str, trial: Any
         return "FAIL", None, reason or f"{what} exited with code {code}", epochs
     if last is None:
         return "FAIL", None, f"{what} ended without reporting a metric (stagewise.spec.report)", epochs
-    if last["pruned"]:
-        return "PRUNED", None, None, epochs
-    return "COMPLETE", float(last["metrics"][config.objective.metric]), None, epochs
+    value = float(last["metrics"][config.objective.metric])
+    return ("PRUNED" if last["pruned"] else "COMPLETE"), value, None, epochs
 
 
 def run_script_trials(config: PipelineConfig, name: str, worker: int, out: str, config_file: str,

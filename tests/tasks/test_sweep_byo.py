@@ -27,7 +27,7 @@ def byo_sweep_config(write_config, storage_root, entrypoint: dict) -> str:
 
 @pytest.mark.torchrun
 def test_script_trials_complete_prune_and_fail_and_the_sweep_goes_on(write_config, storage_root, tmp_path, monkeypatch,
-                                                                     subprocess_env):
+                                                                     subprocess_env, caplog):
     """Each trial runs the script under torchrun in its own cwd with its params: a reported value COMPLETEs, a pruned
     report PRUNEs, a nonzero exit or no report FAILs with the reason, and the summary and best params see them."""
     for key, value in subprocess_env.items():
@@ -41,8 +41,10 @@ def test_script_trials_complete_prune_and_fail_and_the_sweep_goes_on(write_confi
     config = load_config(path)
     create(config, "byo_study")
     out = str(storage_root / "runs" / "t" / "r1")
-    result = sweep.run_worker(config, "byo_study", 0, out, path, {})
+    with caplog.at_level("INFO", logger="stagewise.sweep"):
+        result = sweep.run_worker(config, "byo_study", 0, out, path, {})
     assert result["trials_run"] == 4
+    assert "trial 1 pruned (val_accuracy 0.1000" in caplog.text, "a pruned trial logs its last reported value, not nan"
     study = optuna.load_study(study_name="byo_study", storage=open_storage(config.sweep.storage))
     trials = sorted(study.get_trials(), key=lambda t: t.number)
     assert [t.state.name for t in trials] == ["COMPLETE", "PRUNED", "FAIL", "FAIL"]
