@@ -35,7 +35,7 @@ from stagewise.datasets.manifest import read_manifest
 from stagewise.definitions.config import PipelineConfig, Sweep
 from stagewise.definitions.loading import config_path, load_config
 from stagewise.models.building import resolve_params
-from stagewise.scripting.entrypoint import contract_environment, entrypoint_args, read_last_report
+from stagewise.scripting.entrypoint import contract_environment, entrypoint_args, run_script
 from stagewise.study.studies import (
     best_trial,
     counts_toward_budget,
@@ -49,7 +49,6 @@ from stagewise.study.studies import (
 from stagewise.study.summary import summarize
 from stagewise.training.distributed import distributed_job
 from stagewise.training.loop import rank_batches, start_loop
-from stagewise.training.torchrun_command import command
 
 log = logging.getLogger("stagewise.sweep")
 
@@ -220,7 +219,6 @@ def script_trial(config: PipelineConfig, config_file: str, name: str, trial: Any
     a pruned trial's values as its intermediates; the value is for the progress log), else FAIL with why (a nonzero
     exit, no report, a reason in $STAGEWISE_ERROR_FILE).
     """
-    import subprocess
     import tempfile
 
     sweep = config.sweep
@@ -231,25 +229,14 @@ def script_trial(config: PipelineConfig, config_file: str, name: str, trial: Any
     with tempfile.TemporaryDirectory(prefix=f"stagewise-trial{trial.number}-") as workdir:
         values = trial_contract(config, config_file, trial, resolve_params(config, suggested), out, workdir)
         env = trial_environment(config, name, trial, values, workdir, overrides)
-        # A loaded config's script is absolute (relative to its file); a module may sit beside the config.
-        target = [entry.script] if entry.script else ["-m", entry.module]
-        cwd = os.path.join(workdir, "cwd")
-        os.mkdir(cwd)
-        child = {**os.environ, **env, "OMP_NUM_THREADS": str(profile.threads_per_process),
-                 "PYTHONPATH": os.pathsep.join(p for p in (*(config.model.import_paths or ()), os.environ.get("PYTHONPATH", ""))
-                                               if p)}
         log.info("trial %d: running %s with %s", trial.number, what, suggested)
-        argv = command(target, entrypoint_args(entry, "sweep", values), profile.processes_per_node)
-        code = subprocess.run(argv, cwd=cwd, env=child).returncode  # its output goes straight into the task log
-        last = read_last_report(env[env_contract.METRICS_FILE])
-        reason = None
-        if os.path.exists(env[env_contract.ERROR_FILE]):
-            with open(env[env_contract.ERROR_FILE]) as handle:
-                reason = f"{what}: {handle.read().strip()}"
+        ran = run_script(config, entry, entrypoint_args(entry, "sweep", values), env,
+                         processes=profile.processes_per_node, threads=profile.threads_per_process, workdir=workdir)
+    last = ran.last_report
     epochs = last["epoch"] if last else 0
     trial.set_user_attr("epochs", epochs)
-    if code != 0 or reason:
-        return "FAIL", None, reason or f"{what} exited with code {code}", epochs
+    if ran.code != 0 or ran.error:
+        return "FAIL", None, ran.error or f"{what} exited with code {ran.code}", epochs
     if last is None:
         return "FAIL", None, f"{what} ended without reporting a metric (stagewise.spec.report)", epochs
     value = float(last["metrics"][config.objective.metric])

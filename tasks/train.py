@@ -30,12 +30,12 @@ from stagewise.core.cli import common_parser, json_arg, parse_overrides, run_sub
 from stagewise.core.errors import UserError
 from stagewise.datasets.manifest import read_manifest
 from stagewise.definitions.config import PipelineConfig
-from stagewise.definitions.loading import load_config
+from stagewise.definitions.loading import config_path, load_config
 from stagewise.definitions.spec import ModelSpec
 from stagewise.models.building import resolve_params
 from stagewise.models.bundle import preprocessing_of, save_bundle
 from stagewise.models.torch_io import load_torch, save_torch
-from stagewise.scripting.entrypoint import LAST_REPORT, contract_environment, entrypoint_args
+from stagewise.scripting.entrypoint import LAST_REPORT, contract_environment, entrypoint_args, run_script
 from stagewise.training.checkpoint import CheckpointStore, restore_training_state
 from stagewise.training.distributed import distributed_job
 from stagewise.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, stage_lr, start_loop
@@ -312,8 +312,34 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         return result_info
 
 
+def run_script_stage(config: PipelineConfig, config_file: str, stage_name: str, out: str, swept: dict[str, Any],
+                     init_from: str | None, overrides: dict[str, Any]) -> dict[str, Any]:
+    """A stage with its own entrypoint, run alone as Airflow's task runs it: the same STAGEWISE_* contract, args and
+    torchrun process count, in a scratch cwd; the same checks of its outputs and the same result."""
+    import tempfile
+
+    stage = config.stage(stage_name)
+    entry = stage.entrypoint
+    assert entry is not None
+    values = byo_contract(config, config_file, stage_name, out, swept, init_from)
+    env = byo_environment(config, config_file, stage_name, out, swept, init_from, overrides)
+    profile = config.profile(stage.profile)
+    log.info("stage %s: running %s under torchrun (%d processes), as its Airflow task does", stage.name,
+             entry.script or entry.module, profile.processes_per_node)
+    with tempfile.TemporaryDirectory(prefix=f"stagewise-{stage.name}-") as workdir:
+        ran = run_script(config, entry, byo_args(config, stage_name, values), env,
+                         processes=profile.processes_per_node, threads=profile.threads_per_process, workdir=workdir)
+    if ran.error:
+        raise UserError(ran.error)
+    if ran.code != 0:
+        raise RuntimeError(f"stage {stage.name}: {entry.script or entry.module} exited with code {ran.code}")
+    return byo_result(config, stage_name, out, values, {**ran.result, LAST_REPORT: ran.last_report})
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="One DDP training stage (run under torchrun).", parents=[common_parser()])
+    parser = argparse.ArgumentParser(
+        description="One training stage: the built-in loop (run this under torchrun), or a stage with its own "
+                    "entrypoint, which this launches under torchrun itself (run it plainly).", parents=[common_parser()])
     parser.add_argument("--stage", required=True, help="name of a stage in train.stages")
     parser.add_argument("--out", required=True, help="the run prefix (holds preprocess/manifest.json)")
     parser.add_argument("--params", type=json_arg, default={}, help="hyperparameters (JSON or @file), e.g. the sweep's best")
@@ -322,8 +348,16 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", "0"))
 
     def work() -> dict[str, Any]:
-        config = load_config(args.config, parse_overrides(args.override))
-        return run_stage(config, args.stage, storage.resolve(config.storage_root, args.out), args.params, args.init_from)
+        overrides = parse_overrides(args.override)
+        config = load_config(args.config, overrides)
+        out = storage.resolve(config.storage_root, args.out)
+        if config.stage(args.stage).entrypoint is None:
+            return run_stage(config, args.stage, out, args.params, args.init_from)
+        if "RANK" in os.environ:
+            raise UserError(f"stage {args.stage} runs its own entrypoint, which this launches under torchrun: run "
+                            "`python -m stagewise.train` plainly, not under torchrun")
+        return run_script_stage(config, str(config_path(args.config)), args.stage, out, args.params, args.init_from,
+                                overrides)
 
     run_subjob(f"train stage {args.stage}", work, args.result_file if rank == 0 else None, quiet=rank != 0)
 

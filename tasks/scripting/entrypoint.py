@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from stagewise.core import contract as env_contract
 from stagewise.core.errors import UserError
 from stagewise.definitions.config import ARG_PLACEHOLDERS, EntryPoint, PipelineConfig, placeholders
+from stagewise.training.torchrun_command import command
 
 
 def contract_environment(config: PipelineConfig, values: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, str]:
@@ -55,6 +57,48 @@ def card_params(trained: dict[str, Any], swept_params: dict[str, Any] | None) ->
         return {"params": trained.get("params") or swept_params, "params_source": "sweep"}
     reported = trained.get("params")
     return {"params": PARAMS_NOT_REPORTED if reported is None else reported, "params_source": "script"}
+
+
+@dataclass(frozen=True)
+class ScriptRun:
+    """How one run of a user's entrypoint under torchrun ended."""
+
+    code: int
+    """torchrun's exit code."""
+    error: str | None
+    """The user error rank 0 left in $STAGEWISE_ERROR_FILE, prefixed with the script's name."""
+    result: dict[str, Any]
+    """What the script wrote to $STAGEWISE_RESULT_FILE (empty when nothing)."""
+    last_report: dict[str, Any] | None
+    """What its last ``stagewise.spec.report`` recorded."""
+
+
+def run_script(config: PipelineConfig, entry: EntryPoint, args: list[str], env: dict[str, str], *, processes: int,
+               threads: int, workdir: str) -> ScriptRun:
+    """Run ``entry`` with ``args`` under torchrun (``processes`` per node) in a scratch cwd under ``workdir``, with
+    ``env`` (its STAGE_ENV) and its own result, error and metrics files there; the config's model.import_paths are
+    importable. Its output goes straight to this process's."""
+    import subprocess
+
+    files = {env_contract.RESULT_FILE: os.path.join(workdir, "result.json"),
+             env_contract.ERROR_FILE: os.path.join(workdir, "user_error.txt"),
+             env_contract.METRICS_FILE: os.path.join(workdir, "metrics.json")}
+    cwd = os.path.join(workdir, "cwd")
+    os.makedirs(cwd, exist_ok=True)
+    paths = (*(config.model.import_paths or ()), os.environ.get("PYTHONPATH", ""))
+    child = {**os.environ, **files, **env, "OMP_NUM_THREADS": str(threads),
+             "PYTHONPATH": os.pathsep.join(path for path in paths if path)}
+    target = [entry.script] if entry.script else ["-m", entry.module]  # a loaded config's script is absolute
+    code = subprocess.run(command(target, args, processes), cwd=cwd, env=child).returncode
+    error = None
+    if os.path.exists(child[env_contract.ERROR_FILE]):
+        with open(child[env_contract.ERROR_FILE]) as handle:
+            error = f"{entry.script or entry.module}: {handle.read().strip()}"
+    result = {}
+    if os.path.exists(child[env_contract.RESULT_FILE]):
+        with open(child[env_contract.RESULT_FILE]) as handle:
+            result = json.load(handle)
+    return ScriptRun(code, error, result, read_last_report(child[env_contract.METRICS_FILE]))
 
 
 def read_last_report(path: str) -> dict[str, Any] | None:

@@ -152,3 +152,28 @@ def test_script_reporting_params_that_are_no_object_fails_without_retry(write_co
     with set_current_context({"ti": SimpleNamespace(try_number=1)}):
         with pytest.raises(AirflowFailException, match=r"stage s1: 'params' in the script's result JSON .* got list \[1, 2\]"):
             steps.train_stage(run, "s1", {"best_params": {"lr": 0.02}}, None)
+
+
+@pytest.mark.torchrun
+def test_a_script_stage_runs_alone_from_the_command_line_as_its_airflow_task_would(digits_run, subprocess_env):
+    """`python -m stagewise.train --stage s2` on a stage with its own script launches it under torchrun with the
+    stage's contract and checks its outputs, so it can be debugged in a terminal (it used to run the built-in loop);
+    started under torchrun itself, it refuses, naming how to run it."""
+    import subprocess
+    import sys
+
+    config_path, out = digits_run
+    raw = yaml.safe_load(config_path.read_text())
+    raw["train"]["stages"][1]["entrypoint"] = {"script": str(REPO_ROOT / "examples" / "byo_train.py"),
+                                               "args": ["--hidden", "{hidden}"]}
+    config_path.write_text(yaml.safe_dump(raw))
+    result_file = Path(out) / "alone.json"
+    command = [sys.executable, "-m", "stagewise.train", "--config", str(config_path), "--stage", "s2", "--out", out,
+               "--params", json.dumps({"lr": 0.02, "hidden": 32}), "--result-file", str(result_file)]
+    done = subprocess.run(command, env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(result_file.read_text())
+    assert result["world_size"] == 2 and result["args"] == {"hidden": 32} and result["params_source"] == "script"
+    assert Path(result["checkpoint_uri"]).name == "final.pt" and Path(result["model_uri"]).exists()
+    refused = subprocess.run(command, env={**subprocess_env, "RANK": "0"}, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 3 and "run `python -m stagewise.train` plainly, not under torchrun" in refused.stdout
