@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +83,8 @@ def _fail(message: str) -> UserError:
     return UserError(message)
 
 
+# When context() was first read: the script's start, for the ETA of its progress lines.
+_started = [time.monotonic()]
 # Rank 0's latest report in this process (save_model records its metrics in the bundle).
 _latest: dict[str, Any] = {}
 # The hyperparameters build_model last built with (save_model's bundle rebuilds the module from them).
@@ -92,6 +95,7 @@ _built: dict[str, Any] = {}
 def context() -> Context:
     """This run's stage values (epochs, batch sizes, rescaled lr, seed, objective) and rank, read once."""
     env = read_env("cpu")
+    _started[0] = time.monotonic()
     trial = os.environ.get(contract.TRIAL_NUMBER)
     return Context(stage=_env(contract.STAGE), trial=int(trial) if trial else None, epochs=int(_env(contract.EPOCHS)),
                    warmup_steps=int(_env(contract.WARMUP_STEPS)),
@@ -206,6 +210,17 @@ def _same_on_every_rank(value: bool) -> bool:
     return bool(holder[0])
 
 
+def progress_line(ctx: Context, epoch: int, values: dict[str, float], elapsed_s: float, pruned: bool) -> str:
+    """The epoch line a report prints, as the built-in loop's: the metrics, the lr and samples/s when the script
+    reports them (``lr``, ``samples_per_s``), and an ETA from the time since :func:`context` was first read."""
+    shown = [f"{value:.0f} samples/s" if name == "samples_per_s" else f"lr {value:.4g}" if name == "lr"
+             else f"{name} {value:.4f}" for name, value in values.items()]
+    remaining = ctx.epochs - epoch - 1
+    if remaining > 0 and not pruned:
+        shown.append(f"ETA {elapsed_s / (epoch + 1) * remaining:.0f}s")
+    return f"{ctx.stage} epoch {epoch + 1}/{ctx.epochs}: {', '.join(shown)}{' -> pruned' if pruned else ''}"
+
+
 def report(epoch: int, metrics: dict[str, float]) -> bool:
     """After epoch ``epoch`` (0-based, as in ``for epoch in range(epochs)``): record the validation metrics and
     return whether to stop (the trial is pruned; always False in a stage).
@@ -231,8 +246,7 @@ def report(epoch: int, metrics: dict[str, float]) -> bool:
             with open(path + ".tmp", "w") as handle:
                 json.dump(_latest, handle)
             os.replace(path + ".tmp", path)  # the framework never reads a torn file
-        shown = ", ".join(f"{name} {value:.4f}" for name, value in values.items())
-        print(f"{ctx.stage} epoch {epoch + 1}/{ctx.epochs}: {shown}{' -> pruned' if pruned else ''}", flush=True)
+        print(progress_line(ctx, epoch, values, time.monotonic() - _started[0], pruned), flush=True)
     return _same_on_every_rank(pruned)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,8 +84,19 @@ def test_report_in_a_stage_returns_false_and_records_the_metrics(write_config, s
     assert spec.report(1, {"accuracy": 0.75, "loss": 0.9}) is False
     recorded = read_last_report(env[contract.METRICS_FILE])
     assert recorded == {"epoch": 2, "metrics": {"accuracy": 0.75, "loss": 0.9}, "pruned": False}
-    lines = capsys.readouterr().out.splitlines()
-    assert lines == ["s2 epoch 1/2: accuracy 0.5000, loss 1.5000", "s2 epoch 2/2: accuracy 0.7500, loss 0.9000"]
+    first, last = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"s2 epoch 1/2: accuracy 0\.5000, loss 1\.5000, ETA \d+s", first), first
+    assert last == "s2 epoch 2/2: accuracy 0.7500, loss 0.9000", "no ETA once the last epoch is done"
+
+
+def test_a_scripts_progress_line_reads_like_the_built_in_loops():
+    """lr and samples/s, when the script reports them, read as the built-in loop's epoch lines; the ETA is the time
+    so far per epoch times the epochs left; a pruned trial says so instead."""
+    ctx = runtime.Context(stage="s1", trial=None, epochs=10, warmup_steps=0, per_process_batch=32, grad_accum_steps=1,
+                          global_batch=32, lr=0.1, seed=0, objective="accuracy", rank=0, world_size=1)
+    line = runtime.progress_line(ctx, 1, {"accuracy": 0.91234, "lr": 0.00125, "samples_per_s": 1234.6}, 20.0, False)
+    assert line == "s1 epoch 2/10: accuracy 0.9123, lr 0.00125, 1235 samples/s, ETA 80s"
+    assert runtime.progress_line(ctx, 1, {"accuracy": 0.5}, 20.0, True) == "s1 epoch 2/10: accuracy 0.5000 -> pruned"
 
 
 def test_report_without_the_objective_metric_names_it_and_fails_without_retry(write_config, storage_root, tmp_path,
