@@ -164,7 +164,7 @@ def training_figure(report: dict[str, Any], sources: dict[str, Any]) -> dict[str
     fig.update_layout(**_layout(f"Training across {len(stages)} stage(s): loss, validation {metric} and lr per epoch",
                                 shapes=shapes, annotations=annotations, height=460,
                                 xaxis={"title": {"text": "optimizer step (global, counted across stages)"},
-                                       "rangemode": "tozero", "domain": [0, 0.9]},
+                                       "rangemode": "tozero", "domain": [0, 0.85]},
                                 yaxis={"title": {"text": "training loss"}},
                                 yaxis2={"title": {"text": f"validation {metric} ({_better(direction)})"},
                                         "overlaying": "y", "side": "right", "showgrid": False},

@@ -38,7 +38,9 @@ def test_pipeline_on_postgresql_and_celery_runs_each_sub_job_on_its_queues_worke
     raw["sweep"]["storage"] = postgres_databases().replace("postgresql://", "postgresql+psycopg2://")
     config_path = tmp_path / "pipeline.yaml"
     config_path.write_text(yaml.safe_dump(raw))
-    run_cache.demo_data(config_path)
+    # Four raw shards, so four preprocess_stats instances meet two worker slots: short tasks dispatched a scheduler
+    # loop apart can miss each other in pairs, but not four in a row while the worker runs two at a time.
+    run_cache.demo_data(config_path, num_shards=4)
 
     airflow_db = postgres_databases().replace("postgresql://", "postgresql+psycopg2://")
     results = postgres_databases().replace("postgresql://", "db+postgresql+psycopg2://")
