@@ -300,7 +300,7 @@ def _torch_dtype(numpy_dtype: type) -> torch.dtype:
 
 def choose_placement(setting: str, fraction: float, device: str, need_bytes: int) -> tuple[str, str]:
     """(placement, why): ``auto`` on CUDA is resident when ``need_bytes`` fit in ``fraction`` of the device's memory
-    (and in what is free), else streamed; on CPU it is host (stagewise.datasets.loader as before). Forced settings are kept."""
+    (and in what is free), else streamed; on CPU it is host (stagewise.datasets.loader). Forced settings are kept."""
     if setting not in PLACEMENTS:
         raise UserError(f"data_placement '{setting}' is not one of {', '.join(PLACEMENTS)}")
     if not 0 < fraction <= 1:
@@ -308,7 +308,7 @@ def choose_placement(setting: str, fraction: float, device: str, need_bytes: int
     need = f"{need_bytes / 2**30:.3g} GiB"
     if not str(device).startswith("cuda"):
         if setting == "auto":
-            return "host", f"host (device {device}: batches stream from host memory as before)"
+            return "host", f"host (device {device}: each rank streams its Parquet row groups through the host loader)"
         return setting, f"{setting} (forced; {need} on {device})"
     free, total = torch.cuda.mem_get_info(torch.device(device))
     allowed = min(fraction * total, free)
