@@ -28,9 +28,11 @@ from stagewise.core import storage
 from stagewise.core.cli import common_parser, json_arg, parse_overrides, run_subjob
 from stagewise.core.errors import DataError
 from stagewise.datasets import predictions
-from stagewise.datasets.columns import check_feature_types, flatten_features
+from stagewise.datasets.columns import check_feature_types, check_typed_types, flatten_features, layout_of
+from stagewise.datasets.typed import fill_categories, records, typed_block
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.loading import load_config
+from stagewise.definitions.spec import batch_of
 from stagewise.models.bundle import load_bundle
 from stagewise.models.scoring import exact_float32, prefetch, scoring_device
 
@@ -72,8 +74,9 @@ def prediction_columns(bundle: Any, key_field: Any) -> Any:
     import torch
 
     with torch.no_grad():
-        probe_features = torch.zeros(1, bundle.data.num_features)
-        probe = bundle.spec.predict(bundle.module(bundle.spec.batch(probe_features, torch.zeros(1, dtype=torch.int64))[0]))
+        layout = bundle.data.layout
+        probe_features = layout.probe(1) if layout is not None else torch.zeros(1, bundle.data.num_features)
+        probe = bundle.spec.predict(bundle.module(batch_of(bundle.spec, probe_features, torch.zeros(1, dtype=torch.int64))[0]))
     clash = sorted(set(probe) & {key_field.name, "model_version"})
     if clash:
         raise DataError(f"{bundle.ref.path}.predict() names column(s) {clash}, which the output already has")
@@ -90,10 +93,10 @@ def _to_arrow(tensor: Any, kind: Any) -> Any:
     return pa.array(values, kind)
 
 
-def _host_chunks(batches: Iterable[Any], key: str, columns: list[str], features: list[str], shapes: dict[str, Any],
-                 mean: Any, std: Any, pin: bool, source: str, bad_rows: str,
-                 quarantine: Any) -> Iterator[tuple[tuple[Any, int], Any]]:
-    """Per Parquet batch: ((keys of the scorable rows, rows read), their normalised float32 features).
+def _host_chunks(batches: Iterable[Any], key: str, layout: Any, prep: dict[str, Any], pin: bool, source: str,
+                 bad_rows: str, quarantine: Any) -> Iterator[tuple[tuple[Any, int], Any]]:
+    """Per Parquet batch: ((keys of the scorable rows, rows read), their records: normalised float32 features, and
+    the typed columns' slots encoded as preprocessing did).
 
     Unscorable rows fail the shard (``bad_rows == 'fail'``) or go to ``quarantine(table)`` with a reason.
     Features are normalised in float64 and rounded to float32 as before, written straight into pinned memory
@@ -103,10 +106,18 @@ def _host_chunks(batches: Iterable[Any], key: str, columns: list[str], features:
     import pyarrow as pa
     import torch
 
+    features, shapes = prep["features"], prep.get("feature_shapes") or {}
+    mean, std = np.asarray(prep["mean"]), np.asarray(prep["std"])
+    dense = [column.name for column in layout.columns if not column.typed]
     offset = 0
     for batch in batches:
-        matrix = flatten_features(batch, columns, shapes, source)
+        matrix = flatten_features(batch, dense, shapes, source)
         reasons = _row_problems(batch, key, features, matrix)
+        block = None
+        if layout.typed:
+            block = typed_block(batch, layout, source)
+            fill_categories(block, layout, prep.get("vocabularies") or {})
+            reasons[(reasons == "") & ~block.keep] = "null or non-finite value in a typed feature column"
         valid = reasons == ""
         if not valid.all():
             first = int(np.flatnonzero(~valid)[0])
@@ -119,8 +130,12 @@ def _host_chunks(batches: Iterable[Any], key: str, columns: list[str], features:
                                  "source_uri": pa.array([source] * int((~valid).sum()), pa.string()),
                                  "source_row": pa.array(offset + np.flatnonzero(~valid), pa.int64())}))
         good = matrix[valid]
-        scaled = torch.empty(good.shape, dtype=torch.float32, pin_memory=pin)
-        scaled.numpy()[...] = (good - mean) / std  # the same float64 -> float32 rounding as astype
+        scaled = torch.empty((len(good), layout.words), dtype=torch.float32, pin_memory=pin)
+        # the same float64 -> float32 rounding as astype
+        scaled.numpy()[:, : layout.dense] = (good - mean) / std
+        if block is not None:
+            rows = np.flatnonzero(valid)
+            scaled.numpy()[...] = records(scaled.numpy()[:, : layout.dense], block, layout, rows)
         offset += batch.num_rows
         yield (batch.column(key).filter(pa.array(valid)), batch.num_rows), scaled
 
@@ -128,7 +143,6 @@ def _host_chunks(batches: Iterable[Any], key: str, columns: list[str], features:
 def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], out: str) -> dict[str, Any]:
     """Score one shard into an attempt-unique Parquet file on the inference profile's device; bad rows fail or
     go to quarantine with a reason."""
-    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
@@ -139,10 +153,9 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
     bundle = load_bundle(model_uri)  # one read: its version, checked against a registered one, then the weights
     version = bundle.version
     prep = bundle.preprocessing
-    features, key = prep["features"], prep["key"]
+    key, layout = prep["key"], layout_of(prep)
     # Bundles from before tensor columns list only plain feature columns.
-    columns, shapes = prep.get("columns") or features, prep.get("feature_shapes") or {}
-    mean, std = np.asarray(prep["mean"]), np.asarray(prep["std"])
+    columns, shapes = prep.get("columns") or prep["features"], prep.get("feature_shapes") or {}
     token = storage.unique_token()
     uri = storage.join(out, "predictions", f"part-{shard['index']:05d}-{token}.parquet")
     quarantine_uri = storage.join(out, "predictions", "quarantine", f"part-{shard['index']:05d}-{token}.parquet")
@@ -181,20 +194,22 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
         missing = [c for c in [key, *columns] if c not in names]
         if missing:
             raise DataError(f"{shard['uri']}: column(s) {missing} the model needs are missing")
-        check_feature_types(parquet.schema_arrow, columns, shapes, shard["uri"])
+        check_feature_types(parquet.schema_arrow, [c.name for c in layout.columns if not c.typed], shapes, shard["uri"])
+        if layout.typed:
+            check_typed_types(parquet.schema_arrow, layout, shard["uri"])
         output_schema = prediction_columns(bundle, parquet.schema_arrow.field(key))  # probed on the CPU, before the move
         model = bundle.module.to(device).eval()
         writer = pq.ParquetWriter(sink, output_schema)
         try:
             batches = storage.iter_batches(parquet, [key, *columns], config.inference.batch_size, shard["row_groups"],
                                            uri=shard["uri"])
-            chunks = _host_chunks(batches, key, columns, features, shapes, mean, std, device.type == "cuda",
-                                  shard["uri"], config.inference.bad_rows, quarantine)
+            chunks = _host_chunks(batches, key, layout, prep, device.type == "cuda", shard["uri"],
+                                  config.inference.bad_rows, quarantine)
             pending = None
             with exact_float32(device), torch.inference_mode():
                 for meta, inputs in prefetch(chunks, device):
                     labels = torch.zeros(len(inputs), dtype=torch.int64, device=device)
-                    predicted = bundle.spec.predict(model(bundle.spec.batch(inputs, labels)[0]))
+                    predicted = bundle.spec.predict(model(batch_of(bundle.spec, inputs, labels)[0]))
                     # One copy back per column and chunk; on CUDA it is queued, and the previous chunk is written meanwhile.
                     host = {name: tensor.to("cpu", non_blocking=True) for name, tensor in predicted.items()}
                     ready = None

@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +37,7 @@ from stagewise.datasets.columns import (
     Columns,
     feature_difference,
     feature_vectors,
+    layout_of,
     processed_schema,
     resolve_columns,
 )
@@ -48,6 +50,14 @@ from stagewise.datasets.statistics import (
     merge_moments,
     normalised_rows,
     std_of,
+)
+from stagewise.datasets.typed import (
+    category_counts,
+    fill_categories,
+    merge_category_counts,
+    records,
+    typed_block,
+    vocabulary,
 )
 from stagewise.definitions.config import Dataset, PipelineConfig
 from stagewise.definitions.loading import load_config
@@ -66,9 +76,13 @@ def _iter_checked(uri: str, dataset: Dataset) -> Iterator[tuple[Columns, Checked
     """
     with storage.open_parquet(uri) as parquet:
         columns = resolve_columns(dataset, parquet.schema_arrow, uri)
+        layout = columns.layout({name: 0 for name in columns.typed})
         wanted = [columns.key, columns.label, *columns.raw]
         for batch in storage.iter_batches(parquet, wanted, BATCH_ROWS, uri=uri):
-            vectors, keep = feature_vectors_of(batch, columns.raw, columns.shapes, uri)
+            vectors, keep = feature_vectors_of(batch, columns.dense, columns.shapes, uri)
+            typed = typed_block(batch, layout, uri) if columns.typed else None
+            if typed is not None:
+                keep &= typed.keep
             label_column = batch.column(columns.label)
             key_column = batch.column(columns.key)
             keep &= ~np.asarray(label_column.is_null().to_numpy(zero_copy_only=False))
@@ -82,7 +96,7 @@ def _iter_checked(uri: str, dataset: Dataset) -> Iterator[tuple[Columns, Checked
                 if bad.any():
                     raise DataError(f"{uri}: label column '{columns.label}' has value {labels[bad][0]} outside "
                                     f"[0, {columns.num_classes}) (dataset.num_classes) in {int(bad.sum())} row(s)")
-            yield columns, CheckedBatch(key_column, labels, vectors, keep)
+            yield columns, CheckedBatch(key_column, labels, vectors, keep, typed)
 
 
 def _stats_prefix(out: str) -> str:
@@ -102,10 +116,13 @@ def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dic
     moments: dict[str, Any] | None = None
     columns: Columns | None = None
     hashes: list[np.ndarray] = []
+    typed_parts: list[dict[str, Any]] = []
     for columns, batch in _iter_checked(shard, config.dataset):
         part = batch_moments(batch, columns.num_classes)
         moments = merge_moments(moments or empty_moments(len(columns.features), columns.num_classes), part)
         hashes.append(key_hashes(batch.kept_keys))
+        if batch.typed is not None:
+            typed_parts.append(_typed_stats(config, columns, batch))
     if columns is None:
         # An empty file still has a schema; validate it so a wrong file fails here, not later.
         columns = resolve_columns(config.dataset, storage.read_schema(shard), shard)
@@ -113,6 +130,7 @@ def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dic
     assert moments is not None
     moments.update({"shard": shard, "features": columns.features, "columns": columns.raw, "feature_shapes": columns.shapes,
                     "normalize": columns.normalize or [True] * len(columns.features),
+                    **_merge_typed_stats(typed_parts),
                     "key_hashes_uri": _write_key_hashes(out, index, hashes)})
     uri = storage.join(_stats_prefix(out), f"shard-{index:05d}.json")
     storage.write_json(uri, moments)  # last: it names this attempt's key hashes
@@ -120,6 +138,30 @@ def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dic
     log.info("shard %d: %d rows read, %d kept, %.0f rows/s (%s)", index, moments["rows_in"], moments["count"],
              moments["rows_in"] / max(elapsed, 1e-9), shard)
     return {"stats_uri": uri, "rows_in": moments["rows_in"], "rows_kept": moments["count"]}
+
+
+def _typed_stats(config: PipelineConfig, columns: Columns, batch: CheckedBatch) -> dict[str, Any]:
+    """A batch's categorical value counts (training rows: the vocabulary is learnt there) and largest int64 ids."""
+    assert batch.typed is not None
+    layout = columns.layout({name: 0 for name in columns.typed})
+    training = batch.keep.copy()
+    training[training] = split_of(batch.kept_keys, config.preprocess.split) == SPLITS.index("train")
+    kept = batch.typed.ints[batch.keep]
+    max_values = {column.name: int(kept[:, column.offset : column.offset + column.size].max())
+                  for column in layout.columns if column.dtype == "int64" and len(kept)}
+    return {"category_counts": category_counts(batch.typed, training), "max_values": max_values}
+
+
+def _merge_typed_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    if not parts:
+        return {}
+    counts = merge_category_counts([part["category_counts"] for part in parts])
+    max_values: dict[str, int] = {}
+    for part in parts:
+        for name, value in part["max_values"].items():
+            max_values[name] = max(value, max_values.get(name, value))
+    return {"category_counts": {name: [[value, count] for value, count in counter.items()] for name, counter in counts.items()},
+            "max_values": max_values}
 
 
 # --- duplicate keys ---------------------------------------------------------------------------------------------
@@ -244,8 +286,17 @@ def reduce_stats(config: PipelineConfig, out: str, stats_uris: list[str]) -> dic
                         f"preprocess.max_null_fraction={config.preprocess.max_null_fraction}")
     check_unique_keys(config, parts)
     normalize = np.asarray(parts[0]["normalize"], bool)
+    typed = _merge_typed_stats([part for part in parts if "category_counts" in part])
+    declared = config.dataset.declared
+    vocabularies = {name: vocabulary(Counter(dict((v, c) for v, c in pairs)), declared[name].max_categories)
+                    for name, pairs in typed.get("category_counts", {}).items()}
+    columns = resolve_columns(config.dataset, storage.read_schema(parts[0]["shard"]), parts[0]["shard"])
+    layout = columns.layout({name: len(vocab) for name, vocab in vocabularies.items()}, typed.get("max_values"))
+    for name, vocab in vocabularies.items():
+        log.info("categorical column '%s': %d value(s) in the training split, %d in the vocabulary (id 0: any other)",
+                 name, len(typed["category_counts"][name]), len(vocab))
     stats = {"features": features, "features_from": parts[0]["shard"], "columns": parts[0]["columns"],
-             "feature_shapes": parts[0]["feature_shapes"],
+             "feature_shapes": parts[0]["feature_shapes"], "layout": layout.to_dict(), "vocabularies": vocabularies,
              "mean": np.where(normalize, total["mean"], 0.0).tolist(), "std": np.where(normalize, std_of(total), 1.0).tolist(),
              "rows_in": total["rows_in"], "rows_kept": total["count"], "rows_dropped": dropped,
              "min": total["min"], "max": total["max"], "key_hashes": [part["key_hashes_uri"] for part in parts]}
@@ -266,6 +317,7 @@ def transform_shard(config: PipelineConfig, shard: str, index: int, out: str, st
     started = time.monotonic()
     stats = storage.read_json(stats_uri)
     mean, std = np.asarray(stats["mean"]), np.asarray(stats["std"])
+    layout = layout_of(stats)
     token = storage.unique_token()
     writers: dict[str, pq.ParquetWriter] = {}
     handles = []
@@ -279,12 +331,15 @@ def transform_shard(config: PipelineConfig, shard: str, index: int, out: str, st
                 raise DataError(difference)
             rows_in += len(batch.keep)
             kept, keys, labels = batch.kept, batch.kept_keys, batch.kept_labels
-            schema = processed_schema(columns, keys.type)
+            schema = processed_schema(columns, keys.type, layout.words)
+            if batch.typed is not None:
+                fill_categories(batch.typed, layout, stats.get("vocabularies", {}))
             assignment = split_of(keys, config.preprocess.split)
             # each split's rows together, in their order in the file: one contiguous block of the matrix per split
             order = np.argsort(assignment, kind="stable")
             bounds = np.concatenate([[0], np.cumsum(np.bincount(assignment, minlength=len(SPLITS)))])
-            normalised = normalised_rows(batch.vectors, order if kept is None else kept[order], mean, std)
+            rows_in_order = order if kept is None else kept[order]
+            normalised = records(normalised_rows(batch.vectors, rows_in_order, mean, std), batch.typed, layout, rows_in_order)
             for code, name in enumerate(SPLITS):
                 start, stop = int(bounds[code]), int(bounds[code + 1])
                 count = stop - start
@@ -332,6 +387,8 @@ def commit(config: PipelineConfig, out: str, stats_uri: str, shard_results: list
         "num_classes": config.dataset.num_classes,
         "columns": stats["columns"],
         "feature_shapes": stats["feature_shapes"],
+        "layout": stats["layout"],
+        "vocabularies": stats.get("vocabularies", {}),
         **({"target": stats["target"]} if "target" in stats else {}),
         "mean": stats["mean"],
         "std": stats["std"],

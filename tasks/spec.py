@@ -13,6 +13,7 @@ nothing inside ``tasks`` imports it, so the framework's internals can change wit
 from __future__ import annotations
 
 from stagewise.core.errors import UserError
+from stagewise.definitions.rows import Features, InputColumn
 from stagewise.definitions.spec import Average, Classifier, DataInfo, ModelSpec, Regressor, SpecRef
 from stagewise.scripting.runtime import (
     Context,
@@ -33,6 +34,8 @@ __all__ = [
     "Classifier",
     "Context",
     "DataInfo",
+    "Features",
+    "InputColumn",
     "ModelSpec",
     "Regressor",
     "SpecRef",

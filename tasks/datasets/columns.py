@@ -1,7 +1,9 @@
 """Column roles of a data set and its feature vector: what preprocessing checks and writes, and inference reads.
 
-A raw row's features are plain numeric columns and declared tensor columns (flattened row-major, element
-``name[i]``); a processed row holds them as one fixed-size float32 vector in the ``features`` column.
+A raw row's float features are plain numeric columns and declared tensor columns (flattened row-major, element
+``name[i]``); typed columns (int64, categorical, variable-length lists) are declared with their dtype. A processed
+row holds them all as one fixed-size record in the ``features`` column, laid out as
+:class:`stagewise.definitions.rows.RowLayout` says (float-only data: the float32 feature vector).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stagewise.core.errors import DataError
-from stagewise.definitions.config import Dataset
+from stagewise.definitions.config import Dataset, FeatureColumn
+from stagewise.definitions.rows import InputColumn, RowLayout, float_only_layout
 
 SPLITS = ("train", "validation", "test")
 
@@ -40,11 +43,49 @@ class Columns:
     """Declared tensor columns -> their per-row shape."""
     normalize: list[bool] = field(default_factory=list)
     """Per element of ``features``: standardise it (empty: all)."""
+    typed: dict[str, FeatureColumn] = field(default_factory=dict)
+    """Typed columns (int64, categorical, variable-length) by name; the rest of ``columns`` make the float vector."""
 
     @property
     def raw(self) -> list[str]:
-        """The raw columns the feature vector is read from."""
+        """The raw columns the record is read from."""
         return self.columns or self.features
+
+    @property
+    def dense(self) -> list[str]:
+        """The raw columns of the float32 feature vector (plain and tensor float columns)."""
+        return [name for name in self.raw if name not in self.typed]
+
+    def layout(self, categories: dict[str, int] | None = None, max_values: dict[str, int] | None = None) -> RowLayout:
+        """Where each column sits in a processed record; ``categories``: vocabulary sizes, ``max_values``: largest ids."""
+        categories, max_values = categories or {}, max_values or {}
+        inputs: list[InputColumn] = []
+        dense = len(self.features)
+        floats, ints = dense, 0
+        element = 0
+        for name in self.raw:
+            item = self.typed.get(name)
+            if item is None:
+                shape = self.shapes.get(name, [])
+                size = math.prod(shape)
+                inputs.append(InputColumn(name=name, dtype="float32", shape=list(shape), offset=element,
+                                          normalize=bool(self.normalize[element]) if self.normalize else True))
+                element += size
+                continue
+            variable = item.max_length is not None
+            shape = [item.max_length] if variable else list(item.shape or [])
+            size = math.prod(shape)
+            if item.dtype == "float32":
+                offset, floats = floats, floats + size
+            else:
+                offset, ints = ints, ints + size
+            length_slot = None
+            if variable:
+                length_slot, ints = ints, ints + 1
+            inputs.append(InputColumn(name=name, dtype=item.dtype, shape=shape, variable=variable, offset=offset,
+                                      length_slot=length_slot, truncate=item.truncate, max_value=max_values.get(name),
+                                      num_categories=categories[name] + 1 if item.dtype == "categorical" else None))
+        return RowLayout(columns=inputs, float_slots=floats, int_slots=ints)
 
 
 def element_names(columns: list[str], shapes: dict[str, list[int]]) -> list[str]:
@@ -99,7 +140,9 @@ def resolve_columns(dataset: Dataset, schema: pa.Schema, uri: str) -> Columns:
         missing = [name for name in columns if name not in names]
         if missing:
             raise DataError(f"{uri}: feature column(s) {missing} (dataset.features) are missing")
-    check_feature_types(schema, columns, shapes, uri)
+    typed = {name: item for name, item in dataset.declared.items() if item.typed}
+    dense = [name for name in columns if name not in typed]
+    check_feature_types(schema, dense, shapes, uri)
     label_type = schema.field(dataset.label).type
     if dataset.num_classes is not None and not pa.types.is_integer(label_type):
         raise DataError(f"{uri}: label column '{dataset.label}' has type {label_type}; it must be an integer "
@@ -109,12 +152,51 @@ def resolve_columns(dataset: Dataset, schema: pa.Schema, uri: str) -> Columns:
     key_type = schema.field(dataset.key).type
     if not (pa.types.is_integer(key_type) or pa.types.is_string(key_type) or pa.types.is_large_string(key_type)):
         raise DataError(f"{uri}: key column '{dataset.key}' has type {key_type}; it must be an integer or a string")
-    declared = {} if isinstance(dataset.features, str) else {
-        item.column: item.normalize for item in dataset.features if not isinstance(item, str)}
-    normalize = [flag for name in columns
-                 for flag in [declared.get(name, dataset.normalize)] * (math.prod(shapes[name]) if name in shapes else 1)]
-    return Columns(key=dataset.key, label=dataset.label, features=element_names(columns, shapes),
-                   num_classes=dataset.num_classes, columns=columns, shapes=shapes, normalize=normalize)
+    declared = dataset.declared
+    normalize = []
+    for name in dense:
+        item = declared.get(name)
+        flag = item.normalize if item is not None and item.normalize is not None else (
+            name in shapes or dataset.normalize)  # a tensor column is standardised unless it says otherwise
+        normalize += [flag] * (math.prod(shapes[name]) if name in shapes else 1)
+    resolved = Columns(key=dataset.key, label=dataset.label, features=element_names(dense, shapes),
+                       num_classes=dataset.num_classes, columns=columns, shapes=shapes, normalize=normalize, typed=typed)
+    if typed:
+        check_typed_types(schema, resolved.layout({name: 0 for name in typed}), uri)
+    return resolved
+
+
+def _is_list(kind: pa.DataType) -> bool:
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+
+
+def check_typed_types(schema: pa.Schema, layout: RowLayout, uri: str) -> None:
+    """An int64 column holds integers (a list of them with shape/max_length); a categorical one strings or integers."""
+    for column in layout.columns:
+        if not column.typed:
+            continue
+        name, declared = column.name, column.describe()
+        kind = schema.field(name).type
+        if column.dtype == "categorical":
+            if pa.types.is_dictionary(kind):
+                kind = kind.value_type
+            if not (pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+                raise DataError(f"{uri}: feature column '{name}' is {declared} (dataset.features) but has type {kind}; "
+                                f"categories must be strings or integers")
+            continue
+        listed = bool(column.shape)
+        if listed != _is_list(kind):
+            raise DataError(f"{uri}: feature column '{name}' is {declared} (dataset.features) but has type {kind}"
+                            + (", not a list" if listed else ", a list; give it shape: [...] or max_length"))
+        element = kind.value_type if listed else kind
+        number = pa.types.is_integer(element) or (column.is_float and pa.types.is_floating(element))
+        if not number:
+            raise DataError(f"{uri}: feature column '{name}' is {declared} (dataset.features) but "
+                            f"{'its elements have' if listed else 'it has'} type {element}"
+                            + ("; int64 ids must be stored as integers (float32 would lose ids above 2^24; cast the "
+                               "column in the data, or declare it float32)" if column.dtype == "int64" else ""))
+        if not column.variable and listed and pa.types.is_fixed_size_list(kind) and kind.list_size != column.size:
+            raise DataError(f"{uri}: feature column '{name}' is {declared} but has type {kind}: {kind.list_size} values a row")
 
 
 def feature_difference(uri: str, features: list[str], reference_uri: str, reference: list[str]) -> str | None:
@@ -186,9 +268,17 @@ def feature_matrix(table: pa.Table | pa.RecordBatch) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros((0, width), np.float32)
 
 
-def processed_schema(columns: Columns, key_type: pa.DataType) -> pa.Schema:
-    """Key, label (int64 classes or a float32 target) and each row's features as one little-endian float32 vector
-    (names in the manifest).
+def layout_of(manifest: dict) -> RowLayout:
+    """The record layout of a preprocess manifest (or its stats, or a bundle's preprocessing); a manifest from before
+    typed columns holds float32 features only."""
+    if manifest.get("layout"):
+        return RowLayout(**manifest["layout"])
+    return float_only_layout(manifest["features"], manifest.get("feature_shapes"), manifest.get("columns"))
+
+
+def processed_schema(columns: Columns, key_type: pa.DataType, words: int | None = None) -> pa.Schema:
+    """Key, label (int64 classes or a float32 target) and each row's record of ``words`` 4-byte words (default: the
+    float32 feature vector; layout in the manifest).
 
     A fixed-size binary column decodes about as fast as raw bytes (a Parquet list column is ~5x
     slower) and maps onto a (rows, features) matrix without a copy, so a training batch is one
@@ -196,7 +286,7 @@ def processed_schema(columns: Columns, key_type: pa.DataType) -> pa.Schema:
     """
     label_type = pa.float32() if columns.num_classes is None else pa.int64()
     return pa.schema([pa.field(columns.key, key_type), pa.field(columns.label, label_type),
-                      pa.field(FEATURES_COLUMN, pa.binary(4 * len(columns.features)))])
+                      pa.field(FEATURES_COLUMN, pa.binary(4 * (len(columns.features) if words is None else words)))])
 
 
 def feature_vectors(matrix: np.ndarray) -> pa.Array:

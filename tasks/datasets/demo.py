@@ -118,6 +118,36 @@ def write_synthetic(out_uri: str, num_rows: int, num_features: int = 32, num_cla
     return uris
 
 
-DEMO_WRITERS = {"digits": write_digits, "digits-images": write_digits_images, "diabetes": write_diabetes,
+# Token ids start far above 2^53, where float64 (let alone float32) cannot hold them exactly: only int64 keeps them.
+TOKEN_ID_BASE = 2**60
+SIGNAL_TOKENS = 8
+CHANNELS = ("web", "app", "mail", "store")
+
+
+def tokens_table(num_rows: int, *, vocabulary: int = 64, max_length: int = 16, seed: int = 0, first_key: int = 0) -> pa.Table:
+    """Variable-length token sequences (2..max_length ids, each ``TOKEN_ID_BASE + i``), a categorical ``channel`` and
+    a float ``hour``; ``label`` is 1 when a sequence holds one of the first ``SIGNAL_TOKENS`` ids, balanced."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, max_length + 1, size=num_rows)
+    labels = rng.integers(0, 2, size=num_rows)
+    ids = rng.integers(SIGNAL_TOKENS, vocabulary, size=int(lengths.sum()))
+    starts = np.cumsum(lengths) - lengths
+    signal_at = starts + rng.integers(0, lengths)  # one place in each positive row holds a signal token
+    ids[signal_at[labels == 1]] = rng.integers(0, SIGNAL_TOKENS, size=int(labels.sum()))
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    tokens = pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids.astype(np.int64) + TOKEN_ID_BASE))
+    return pa.table({"row_id": pa.array(np.arange(first_key, first_key + num_rows, dtype=np.int64)), "tokens": tokens,
+                     "channel": pa.array(rng.choice(CHANNELS, size=num_rows)),
+                     "hour": pa.array(rng.uniform(0, 24, size=num_rows)), "label": pa.array(labels.astype(np.int64))})
+
+
+def write_tokens(out_uri: str, num_shards: int = 4, num_rows: int = 4000, max_length: int = 16) -> list[str]:
+    """The token sequence data set (:func:`tokens_table`) as raw shards."""
+    uris = _write_shards(out_uri, tokens_table(num_rows, max_length=max_length), num_shards)
+    log.info("wrote %d token rows in %d shards to %s", num_rows, num_shards, out_uri)
+    return uris
+
+
+DEMO_WRITERS = {"tokens": write_tokens, "digits": write_digits, "digits-images": write_digits_images, "diabetes": write_diabetes,
                 "synthetic": lambda uri, num_shards=8: write_synthetic(uri, 20_000, num_shards=num_shards)}
 """dataset.demo_data -> the writer of that data set: ``writer(out_uri, num_shards)``, each with its own default."""

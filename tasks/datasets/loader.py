@@ -29,7 +29,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from stagewise.core import storage
 from stagewise.core.errors import DataError, UserError
-from stagewise.datasets.columns import FEATURES_COLUMN, feature_matrix
+from stagewise.datasets.columns import FEATURES_COLUMN, feature_matrix, layout_of
 from stagewise.datasets.manifest import label_dtype
 
 # Windows read ahead of the one being consumed: bounds memory at a few windows.
@@ -190,8 +190,9 @@ class ParquetBatches:
 
     def __init__(self, uris: list[str], features: list[str], label: str, *, rank: int, world_size: int,
                  batch_size: int, seed: int, window_row_groups: int = 8, shuffle: bool = True,
-                 label_dtype: type = np.int64, shuffle_block_rows: int = 1) -> None:
-        """``shuffle_block_rows`` > 1 (opt-in, coarser): rows move within a window in runs of that many consecutive
+                 label_dtype: type = np.int64, shuffle_block_rows: int = 1, width: int | None = None) -> None:
+        """``width``: 4-byte words of a processed record (default: one float32 per feature).
+        ``shuffle_block_rows`` > 1 (opt-in, coarser): rows move within a window in runs of that many consecutive
         stored rows instead of one by one; the copy into the window is then near sequential (parquet_loading measures
         its speed and its effect on accuracy), but a batch holds rows that were neighbours on disk."""
         if isinstance(shuffle_block_rows, bool) or not isinstance(shuffle_block_rows, int) or shuffle_block_rows < 1:
@@ -201,6 +202,7 @@ class ParquetBatches:
             raise UserError(f"the split has {len(self.groups)} row group(s) in {len(uris)} file(s), fewer than "
                             f"world size {world_size}: every rank needs data; use fewer processes or more shards")
         self.features, self.label = features, label
+        self.width = len(features) if width is None else width
         self.rank, self.world_size = rank, world_size
         self.batch_size, self.seed = batch_size, seed
         self.window_row_groups = max(1, window_row_groups)
@@ -249,7 +251,7 @@ class ParquetBatches:
                 if item is None:
                     return
                 groups, rng = item
-                window = pool.submit(_allocate_window, groups, len(self.features), rng, self.label_dtype,
+                window = pool.submit(_allocate_window, groups, self.width, rng, self.label_dtype,
                                      self.shuffle_block_rows)
                 reads, offset = [], 0
                 for run in _by_file(groups):
@@ -276,7 +278,7 @@ class ParquetBatches:
         """This rank's batches for ``epoch``; ``skip_steps`` resumes mid-epoch at the same position."""
         total = self.steps_per_epoch(epoch) if self.shuffle else None
         size = self.batch_size
-        carry_x = np.zeros((0, len(self.features)), np.float32)
+        carry_x = np.zeros((0, self.width), np.float32)
         carry_y = np.zeros(0, self.label_dtype)
         step = 0
         for window_x, window_y in self._prefetched(epoch):
@@ -314,7 +316,7 @@ def split_batches(manifest: dict, split: str, *, rank: int, world_size: int, bat
 
     return ParquetBatches(uris, manifest["features"], manifest["label"], rank=rank, world_size=world_size,
                           batch_size=batch_size, seed=seed, shuffle=shuffle, label_dtype=label_dtype(manifest),
-                          shuffle_block_rows=shuffle_block_rows)
+                          shuffle_block_rows=shuffle_block_rows, width=layout_of(manifest).words)
 
 
 def read_row_groups(groups: list[RowGroup], label: str, x: np.ndarray, y: np.ndarray) -> None:

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 
 from stagewise.core import storage
 from stagewise.core.errors import DataError
-from stagewise.datasets.columns import FEATURES_COLUMN, feature_matrix
+from stagewise.datasets.columns import FEATURES_COLUMN, feature_matrix, layout_of
 
 
 def read_manifest(uri: str) -> dict[str, Any]:
@@ -25,7 +25,8 @@ def label_dtype(manifest: dict[str, Any]) -> type:
 
 
 def load_split(manifest: dict[str, Any], split: str) -> tuple[np.ndarray, np.ndarray]:
-    """The features (float32) and labels (int64 classes or float32 targets) of a committed split, read from the listed files only."""
+    """The records (float32 features; typed slots too, see stagewise.definitions.rows) and labels (int64 classes or
+    float32 targets) of a committed split, read from the listed files only."""
     features, labels = [], []
     dtype = label_dtype(manifest)
     for entry in manifest["splits"].get(split, []):
@@ -35,7 +36,7 @@ def load_split(manifest: dict[str, Any], split: str) -> tuple[np.ndarray, np.nda
         features.append(feature_matrix(table))
         labels.append(table.column(manifest["label"]).to_numpy().astype(dtype))
     if not features:
-        return np.zeros((0, len(manifest["features"])), np.float32), np.zeros(0, dtype)
+        return np.zeros((0, layout_of(manifest).words), np.float32), np.zeros(0, dtype)
     return np.concatenate(features), np.concatenate(labels)
 
 

@@ -82,6 +82,8 @@ class CheckedBatch:
     labels: np.ndarray
     vectors: list[np.ndarray]
     keep: np.ndarray
+    typed: Any = None
+    """The typed columns' slots (stagewise.datasets.typed.TypedBlock), when the data set declares any."""
 
     @functools.cached_property
     def kept(self) -> np.ndarray | None:
@@ -154,6 +156,7 @@ def empty_moments(num_features: int, num_classes: int | None) -> dict[str, Any]:
 def batch_moments(batch: CheckedBatch, num_classes: int | None) -> dict[str, Any]:
     """The moments of one batch's clean rows, and the rows it read."""
     moments = {**column_moments(batch.vectors, batch.kept), "rows_in": len(batch.keep)}
+    moments["count"] = int(batch.keep.sum())  # also when every feature is typed (no float vector)
     labels = batch.kept_labels
     if num_classes is None:
         moments["target"] = column_moments([labels.astype(np.float64)], None)
@@ -175,7 +178,9 @@ def normalised_rows(vectors: list[np.ndarray], rows: np.ndarray, mean: np.ndarra
     in cache, reading each vector in order; then ``rows`` are gathered whole. The result is scratch memory,
     overwritten by the next call.
     """
-    num_rows = len(vectors[0]) if vectors else 0
+    if not vectors:
+        return np.zeros((len(rows), 0), np.float32)
+    num_rows = len(vectors[0])
     every_row = _SCRATCH.array("every_row", (num_rows, len(vectors)), np.float32)
     for start in range(0, num_rows, NORMALISE_BLOCK_ROWS):
         stop = min(start + NORMALISE_BLOCK_ROWS, num_rows)

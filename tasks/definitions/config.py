@@ -152,12 +152,44 @@ def _check_filesystem(uri: str) -> str:
     return uri
 
 
-class TensorColumn(_Strict):
-    """A feature column holding a fixed-shape tensor per row (a list of numbers), flattened into the feature vector."""
+class FeatureColumn(_Strict):
+    """A feature column declared with its type: a fixed-shape tensor, integer or categorical ids, or a variable-length list."""
 
-    column: str = Field(description="List column with prod(shape) numbers in every row.")
-    shape: list[Annotated[int, Field(ge=1)]] = Field(min_length=1, description="Each row's tensor shape, e.g. [1, 8, 8].")
-    normalize: bool = Field(True, description="Standardise its elements with the data set's mean/std; false keeps them as they are.")
+    column: str = Field(description="The raw column.")
+    dtype: Literal["float32", "int64", "categorical"] = Field(
+        "float32", description="float32 (standardised unless normalize: false), int64 (exact integer ids, never "
+                               "normalised) or categorical (strings or integers -> ids of the training split's vocabulary).")
+    shape: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None, min_length=1, description="A list column with this fixed per-row tensor shape, e.g. [1, 8, 8]; empty: a scalar.")
+    max_length: int | None = Field(
+        None, ge=1, le=65536, description="A variable-length list column of up to this many values a row, padded per batch with a mask.")
+    truncate: bool = Field(False, description="Keep the first max_length values of a longer row instead of failing on it.")
+    normalize: bool | None = Field(
+        None, description="float32 fixed-shape columns: standardise with the training data's mean/std (empty: true for a "
+                          "tensor column, dataset.normalize for a scalar).")
+    max_categories: int = Field(
+        100_000, ge=1, description="categorical: keep the most frequent values of the training split; others get id 0.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> FeatureColumn:
+        where = f"feature column '{self.column}'"
+        if self.shape is not None and self.max_length is not None:
+            raise ValueError(f"{where}: give shape (fixed) or max_length (variable-length), not both")
+        if self.truncate and self.max_length is None:
+            raise ValueError(f"{where}: truncate applies to a variable-length column (max_length)")
+        if self.normalize and (self.dtype != "float32" or self.max_length is not None):
+            kind = f"a {self.dtype} column" if self.dtype != "float32" else "a variable-length column"
+            raise ValueError(f"{where}: {kind} is never normalised (normalize: true); its values reach the spec as they are")
+        if self.dtype == "categorical" and (self.shape is not None or self.max_length is not None):
+            raise ValueError(f"{where}: a categorical column is one value a row (no shape or max_length)")
+        if self.max_categories != 100_000 and self.dtype != "categorical":
+            raise ValueError(f"{where}: max_categories applies to dtype categorical")
+        return self
+
+    @property
+    def typed(self) -> bool:
+        """Not a plain float32 element of the feature vector: ids or a variable-length list."""
+        return self.dtype != "float32" or self.max_length is not None
 
 
 class Dataset(_Strict):
@@ -166,11 +198,11 @@ class Dataset(_Strict):
     uri: str = Field(description="Parquet file or folder of raw shards; relative paths are under storage_root.")
     key: str = Field(description="Unique row key column (integer or string); drives the split.")
     label: str = Field(description="Label column: integer classes with num_classes, else a float target (regression).")
-    features: list[str | TensorColumn] | str = Field(
-        description="Feature columns (names or {column, shape} tensor columns), or a prefix ending in '*' (e.g. 'px_*').")
+    features: list[str | FeatureColumn] | str = Field(
+        description="Feature columns: names, or {column, dtype, shape | max_length} typed ones; or a prefix ending in '*' (e.g. 'px_*').")
     num_classes: int | None = Field(None, ge=2, description="Classes of an integer label in [0, num_classes); null: the label is a float target.")
     normalize: bool = Field(True, description="Standardise the plain (scalar) feature columns; false keeps them as they are.")
-    demo_data: Literal["digits", "digits-images", "diabetes", "synthetic"] = Field(
+    demo_data: Literal["digits", "digits-images", "diabetes", "synthetic", "tokens"] = Field(
         "digits", description="What `python -m stagewise.data demo` (make demo) writes into uri when it holds no shards.")
 
     @field_validator("features", mode="before")
@@ -183,7 +215,7 @@ class Dataset(_Strict):
         for index, item in enumerate(value):
             if isinstance(item, dict):
                 try:
-                    item = TensorColumn.model_validate(item)
+                    item = FeatureColumn.model_validate(item)
                 except ValidationError as exc:
                     problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
                     raise ValueError(f"item {index} {item}: {problems}") from None
@@ -192,7 +224,7 @@ class Dataset(_Strict):
 
     @field_validator("features")
     @classmethod
-    def _features_not_empty(cls, value: list[str | TensorColumn] | str) -> list[str | TensorColumn] | str:
+    def _features_not_empty(cls, value: list[str | FeatureColumn] | str) -> list[str | FeatureColumn] | str:
         if isinstance(value, str) and not value.endswith("*"):
             raise ValueError("a string must be a prefix ending in '*', e.g. 'px_*'; otherwise give a list")
         if isinstance(value, list) and not value:
@@ -205,9 +237,14 @@ class Dataset(_Strict):
 
     @property
     def shapes(self) -> dict[str, list[int]]:
-        """Declared tensor columns -> their shapes."""
+        """Declared float32 tensor columns -> their shapes (flattened into the feature vector)."""
+        return {item.column: list(item.shape) for item in self.declared.values() if item.shape is not None and not item.typed}
+
+    @property
+    def declared(self) -> dict[str, FeatureColumn]:
+        """Columns declared with their type ({column: ...} entries), by name."""
         return {} if isinstance(self.features, str) else {
-            item.column: list(item.shape) for item in self.features if isinstance(item, TensorColumn)}
+            item.column: item for item in self.features if isinstance(item, FeatureColumn)}
 
     @field_validator("uri")
     @classmethod

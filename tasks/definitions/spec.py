@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from stagewise.core.errors import UserError
+from stagewise.definitions.rows import Features, InputColumn, RowLayout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,10 +48,29 @@ class DataInfo:
     """Standard deviation of a float target (None for classes)."""
     shapes: dict[str, list[int]] = field(default_factory=dict)
     """Declared tensor columns -> their shape; column ``c``'s elements are the features ``c[0]``, ``c[1]``, ... in row-major order."""
+    layout: RowLayout | None = None
+    """Every input column with its dtype and shape (None: float features only); see :meth:`input`."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layout, dict):  # as a bundle stores it
+            object.__setattr__(self, "layout", RowLayout(**self.layout))
 
     @property
     def num_features(self) -> int:
+        """Elements of the float feature vector (``features.dense`` when the data has typed columns)."""
         return len(self.features)
+
+    @property
+    def typed(self) -> bool:
+        """The data has int64, categorical or variable-length columns: :meth:`ModelSpec.batch` receives :class:`Features`."""
+        return self.layout is not None and self.layout.typed
+
+    def input(self, name: str) -> InputColumn:
+        """Column ``name``: its dtype, shape, ``max_length`` (``shape[0]`` of a variable-length column), ``max_value``
+        (largest int64 id) or ``num_categories`` (categorical, id 0 for an unseen value): what an embedding is sized by."""
+        if self.layout is None:
+            raise KeyError(f"no typed input column '{name}': the data set declares float features only")
+        return self.layout.column(name)
 
 
 @dataclass(frozen=True)
@@ -71,6 +91,7 @@ class ModelSpec:
 
     default_params: dict[str, Any] = {}
     """The hyperparameters :meth:`build` reads, with their defaults (the sweep may search any of them)."""
+    _row_layout: RowLayout | None = None  # set by the framework's build: how a stored batch decodes for batch()
 
     def __init__(self, **args: Any) -> None:
         self.args = dict(args)
@@ -95,8 +116,9 @@ class ModelSpec:
         None (the default): the stage's ``lr_schedule`` from the config."""
         return None
 
-    def batch(self, features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) from a batch of rows: ``features`` is (rows, num_features) float32, ``labels`` the label column."""
+    def batch(self, features: torch.Tensor | Features, labels: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """(inputs, targets) from a batch of rows: ``features`` is (rows, num_features) float32, or :class:`Features`
+        (by column, variable-length ones padded with a mask) when the data declares typed columns; ``labels`` the label column."""
         return features, labels
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -153,6 +175,12 @@ class Regressor(ModelSpec):
 
     def predict(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"prediction": self._column(outputs) * self.target_std + self.target_mean}
+
+
+def batch_of(spec: ModelSpec, records: torch.Tensor, labels: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """(inputs, targets) of a batch of stored records: decoded as the spec's data is laid out, then ``spec.batch``."""
+    layout = spec._row_layout
+    return spec.batch(records if layout is None else layout.decode(records), labels)
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,18 @@ from torch import nn
 from stagewise.core.errors import UserError
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.hyperparams import FRAMEWORK_DEFAULTS, hyperparameter_problem, typed
+from stagewise.definitions.rows import RowLayout
 from stagewise.definitions.spec import DataInfo, ModelSpec, SpecRef
 
 
 def data_info(manifest: dict[str, Any]) -> DataInfo:
     """The data description a spec builds from, read off a preprocess manifest (or a bundle's preprocessing)."""
     target = manifest.get("target") or {}
+    layout = RowLayout(**manifest["layout"]) if manifest.get("layout") else None
     return DataInfo(features=list(manifest["features"]), num_classes=manifest.get("num_classes"),
                     target_mean=target.get("mean"), target_std=target.get("std"),
-                    shapes={name: list(shape) for name, shape in (manifest.get("feature_shapes") or {}).items()})
+                    shapes={name: list(shape) for name, shape in (manifest.get("feature_shapes") or {}).items()},
+                    layout=layout if layout is not None and layout.typed else None)
 
 
 def spec_params(spec: ModelSpec, params: dict[str, Any]) -> dict[str, Any]:
@@ -33,6 +36,7 @@ def spec_params(spec: ModelSpec, params: dict[str, Any]) -> dict[str, Any]:
 def build(spec: ModelSpec, data: DataInfo, params: dict[str, Any]) -> nn.Module:
     """The one way a module comes to be: the spec is prepared for the data and builds it; a spec that returns no module is named."""
     spec.prepare(data)
+    spec._row_layout = data.layout if data.typed else None
     module = spec.build(data, spec_params(spec, params))
     if not isinstance(module, nn.Module):
         raise UserError(f"{type(spec).__name__}.build returned {type(module).__name__}, not a torch.nn.Module")

@@ -21,9 +21,11 @@ BUNDLE_FORMAT = "stagewise-model/2"
 
 
 def preprocessing_of(manifest: dict[str, Any]) -> dict[str, Any]:
-    """What inference needs to turn raw rows into the model's inputs: raw columns, tensor shapes and normalisation."""
+    """What inference needs to turn raw rows into the model's inputs: raw columns, tensor shapes, normalisation, the record
+    layout and categorical vocabularies."""
     return {**{name: manifest[name] for name in ("features", "mean", "std", "key", "label")},
-            "columns": manifest.get("columns") or manifest["features"], "feature_shapes": manifest.get("feature_shapes") or {}}
+            "columns": manifest.get("columns") or manifest["features"], "feature_shapes": manifest.get("feature_shapes") or {},
+            **({"layout": manifest["layout"], "vocabularies": manifest.get("vocabularies") or {}} if manifest.get("layout") else {})}
 
 
 @dataclass(frozen=True)

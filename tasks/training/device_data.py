@@ -53,8 +53,8 @@ READ_AHEAD = 2
 
 
 def row_bytes(source: ParquetBatches) -> int:
-    """Bytes one row takes on the device: float32 features and its label."""
-    return 4 * len(source.features) + np.dtype(source.label_dtype).itemsize
+    """Bytes one row takes on the device: its record (float32 features, typed slots) and its label."""
+    return 4 * source.width + np.dtype(source.label_dtype).itemsize
 
 
 def resident_bytes(source: ParquetBatches) -> int:
@@ -128,7 +128,7 @@ class DeviceBatches:
         """Read the held row groups once, chunk by chunk (bounded host memory), into one device tensor each for x, y."""
         groups = self.source.groups if self.shuffle else self.source.assignment(0)
         total = sum(g.num_rows for g in groups)
-        self._x = torch.empty((total, len(self.source.features)), dtype=torch.float32, device=self.device)
+        self._x = torch.empty((total, self.source.width), dtype=torch.float32, device=self.device)
         self._y = torch.empty(total, dtype=_torch_dtype(self.source.label_dtype), device=self.device)
         offset = 0
         for group in groups:
@@ -249,7 +249,7 @@ class _Prefetcher:
         rows = chunk.end - chunk.start
         # A new thread's current device is 0: pin under this rank's device, so no context is made on another GPU.
         with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
-            x = torch.empty((rows, len(self.source.features)), dtype=torch.float32, pin_memory=self.cuda)
+            x = torch.empty((rows, self.source.width), dtype=torch.float32, pin_memory=self.cuda)
             y = torch.empty(rows, dtype=_torch_dtype(self.source.label_dtype), pin_memory=self.cuda)
         read_row_groups(chunk.groups, self.source.label, x.numpy(), y.numpy())
         return x, y

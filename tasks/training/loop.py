@@ -22,7 +22,8 @@ from torch import nn
 
 from stagewise.core.errors import UserError
 from stagewise.datasets.loader import ParquetBatches, split_batches
-from stagewise.definitions.spec import Average, ModelSpec
+from stagewise.datasets.typed import index_error_hint
+from stagewise.definitions.spec import Average, ModelSpec, batch_of
 from stagewise.models.building import BuiltModel, model_for_run
 from stagewise.training.device_data import DeviceBatches, choose_placement, resident_bytes
 from stagewise.training.distributed import DistEnv, any_rank
@@ -196,6 +197,8 @@ class Loop:
         self.spec, self.objective = spec, objective
         self._metric_names: list[str] | None = None
         self._spec_checked = False
+        # What to add when the first batch indexes out of range (e.g. ids that were standardised): records -> text.
+        self.index_hint: Callable[[torch.Tensor], str] | None = None
         # Kept on the device and read only at checks, so a step never waits for the GPU.
         self._pending_loss = torch.zeros((), dtype=torch.float64, device=env.device)
         self._first_bad_step = torch.full((), _NO_STEP, dtype=torch.int64, device=env.device)
@@ -247,7 +250,7 @@ class Loop:
             if to_device:
                 inputs, targets = inputs.to(self.env.device, non_blocking=True), targets.to(self.env.device, non_blocking=True)
             if not self._spec_checked:
-                check_spec(self.spec, self.module, inputs, targets)
+                check_spec(self.spec, self.module, inputs, targets, self.index_hint)
                 self._spec_checked = True
             index = position.micro_step
             boundary = (index + 1) % self.grad_accum_steps == 0 or index + 1 == micro_total
@@ -255,7 +258,7 @@ class Loop:
             seed_step(hash((self.seed, position.epoch, index, self.env.rank)) & 0x7FFFFFFF, self.env.device)
             sync = self.ddp.no_sync() if (self.ddp is not None and not boundary) else contextlib.nullcontext()
             with sync:
-                inputs, targets = self.spec.batch(inputs, targets)
+                inputs, targets = batch_of(self.spec, inputs, targets)
                 with self._autocast():
                     loss = self.spec.loss(self.model(inputs), targets)
                 scaled = loss / self.grad_accum_steps
@@ -366,7 +369,8 @@ def _shape(value: Any) -> str:
     return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
-def check_spec(spec: ModelSpec, module: nn.Module, features: torch.Tensor, labels: torch.Tensor) -> None:
+def check_spec(spec: ModelSpec, module: nn.Module, features: torch.Tensor, labels: torch.Tensor,
+               index_hint: Callable[[torch.Tensor], str] | None = None) -> None:
     """Run the spec once on a real batch before training and name the part that breaks its contract.
 
     A module whose outputs do not fit the targets (e.g. fewer logits than classes) or a loss that is no
@@ -375,7 +379,7 @@ def check_spec(spec: ModelSpec, module: nn.Module, features: torch.Tensor, label
     name, rows = type(spec).__name__, len(labels)
     where, inputs, targets, outputs = "batch", None, None, None
     try:
-        inputs, targets = spec.batch(features, labels)
+        inputs, targets = batch_of(spec, features, labels)
         where = "build's module"
         outputs = module(inputs)
         where = "loss"
@@ -389,7 +393,8 @@ def check_spec(spec: ModelSpec, module: nn.Module, features: torch.Tensor, label
                            (("features", features), ("labels", labels), ("inputs", inputs), ("targets", targets),
                             ("outputs", outputs)) if value is not None)
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"{name}.{where} failed on a first batch of {rows} rows ({shapes}): {first_line}") from None
+        hint = index_hint(features) if index_hint is not None and "index out of range" in str(exc) else ""
+        raise UserError(f"{name}.{where} failed on a first batch of {rows} rows ({shapes}): {first_line}{hint}") from None
     if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
         raise UserError(f"{name}.loss must return a scalar tensor with a gradient (the batch mean), got {_shape(loss)}"
                         f"{'' if not isinstance(loss, torch.Tensor) or loss.requires_grad else ' without a gradient'}")
@@ -406,7 +411,7 @@ def accumulate_metrics(spec: ModelSpec, module: nn.Module, batches: Iterable[tup
     ``on_outputs(outputs, targets)`` sees each batch's outputs too, so a caller needs no second forward pass."""
     totals: dict[str, list[Any]] = {}
     for features, labels in batches:
-        inputs, targets = spec.batch(features.to(device), labels.to(device))
+        inputs, targets = batch_of(spec, features.to(device), labels.to(device))
         outputs = module(inputs)
         if on_outputs is not None:
             on_outputs(outputs, targets)
@@ -462,6 +467,7 @@ def start_loop(config: Any, manifest: dict[str, Any], env: DistEnv, swept: dict[
                 spec=built.spec, objective=config.objective.metric, grad_accum_steps=grad_accum_steps, seed=seed,
                 check_every_steps=check_every_steps, precision=precision, compile_mode=compile_mode,
                 grad_clip_norm=grad_clip_norm)
+    loop.index_hint = lambda records: index_error_hint(manifest, records.detach().cpu().numpy())
     return built, loop
 
 

@@ -365,7 +365,35 @@ def test_tensor_columns_mix_with_plain_names(write_config, storage_root):
     raw["dataset"]["features"] = ["age", {"column": "image", "shape": [1, 8, 8]}, {"column": "v", "shape": [3], "normalize": False}]
     dataset = load_config(write_config(raw)).dataset
     assert dataset.shapes == {"image": [1, 8, 8], "v": [3]}
-    assert [getattr(item, "normalize", None) for item in dataset.features] == [None, True, False]
+    # unset (None) on a tensor column resolves to standardising it (tests/tasks/test_preprocess_columns.py)
+    assert [getattr(item, "normalize", "plain") for item in dataset.features] == ["plain", None, False]
+
+
+@pytest.mark.parametrize(("item", "problem"), [
+    ({"column": "t", "dtype": "int64", "shape": [4], "max_length": 8}, "not both"),
+    ({"column": "t", "dtype": "int64", "normalize": True}, "int64 column is never normalised"),
+    ({"column": "t", "max_length": 8, "normalize": True}, "variable-length column is never normalised"),
+    ({"column": "t", "dtype": "categorical", "max_length": 8}, "one value a row"),
+    ({"column": "t", "dtype": "int64", "truncate": True}, "truncate applies to a variable-length column"),
+    ({"column": "t", "dtype": "int64", "max_categories": 5}, "max_categories applies to dtype categorical"),
+    ({"column": "t", "dtype": "int32"}, "dtype"),
+])
+def test_typed_columns_are_checked_when_the_config_loads(write_config, storage_root, item, problem):
+    """A typed feature column that contradicts itself fails at load, naming the column and the clash."""
+    raw = base_config(storage_root)
+    raw["dataset"]["features"] = ["age", item]
+    message = _load_error(write_config, raw)
+    assert problem in message and "dataset.features" in message
+
+
+def test_typed_columns_are_not_tensor_shapes(write_config, storage_root):
+    """Only float32 tensor columns are flattened into the feature vector; typed ones are listed apart."""
+    raw = base_config(storage_root)
+    raw["dataset"]["features"] = ["age", {"column": "ids", "dtype": "int64", "shape": [4]},
+                                  {"column": "tokens", "dtype": "int64", "max_length": 16}, {"column": "image", "shape": [2]}]
+    dataset = load_config(write_config(raw)).dataset
+    assert dataset.shapes == {"image": [2]}
+    assert {name for name, item in dataset.declared.items() if item.typed} == {"ids", "tokens"}
 
 
 @pytest.mark.parametrize("shape", [[], [0], [1, -2]])
