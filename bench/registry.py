@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "dag_parse": ("dag_parse:dag_parse", "<= 1.5"),
     "train_throughput": ("training:train_throughput", ">= 0.95"),
     "custom_model_throughput": ("training:custom_model_throughput", ">= 0.95"),
+    "variable_length_throughput": ("training:variable_length_throughput", ">= 0.95"),
     "train_bf16": ("training:train_bf16", ">= 1.0"),
     "growing_batch_steps": ("training:growing_batch_steps", "<= 0.5"),
     "parquet_loading": ("training:parquet_loading", ">= 0.8"),

@@ -33,13 +33,14 @@ def _pack_image_column(folder: Path) -> None:
 
 
 def _prepare(workdir: Path, rows: int, features: int = 32, noise_seed: int = 0, noise: float = 1.1,
-             image_shape: list[int] | None = None, **config_changes: Any) -> tuple[Any, str]:
+             image_shape: list[int] | None = None, tokens: bool = False, **config_changes: Any) -> tuple[Any, str]:
     """Synthetic raw data, preprocessed by our own stage into a run prefix; returns (config, out).
 
     ``image_shape``: the features as one declared tensor column ``image`` of that shape instead of f_* columns.
+    ``tokens``: the token sequences of examples/token_transformer.yaml (its dataset block) instead.
     """
     from stagewise import preprocess
-    from stagewise.datasets.demo import write_synthetic
+    from stagewise.datasets.demo import write_synthetic, write_tokens
     from stagewise.definitions.loading import load_config
 
     raw = yaml.safe_load((REPO_ROOT / "pipeline.yaml").read_text())
@@ -47,6 +48,9 @@ def _prepare(workdir: Path, rows: int, features: int = 32, noise_seed: int = 0, 
     raw["sweep"]["storage"] = f"journal://{workdir}/optuna.journal"
     raw["dataset"].update({"uri": "raw/synthetic",
                            "features": [{"column": "image", "shape": image_shape}] if image_shape else "f_*"})
+    if tokens:
+        example = yaml.safe_load((REPO_ROOT / "examples" / "token_transformer.yaml").read_text())
+        raw["dataset"] = {**example["dataset"], "uri": "raw/synthetic"}
     for dotted, value in config_changes.items():
         node = raw
         *parents, leaf = dotted.split("__")
@@ -56,8 +60,11 @@ def _prepare(workdir: Path, rows: int, features: int = 32, noise_seed: int = 0, 
     config_path = workdir / "pipeline.yaml"
     config_path.write_text(yaml.safe_dump(raw))
     config = load_config(config_path)
-    write_synthetic(str(workdir / "raw" / "synthetic"), rows, num_features=features, num_shards=8, seed=noise_seed,
-                    dirty_fraction=0.0, noise=noise)
+    if tokens:
+        write_tokens(str(workdir / "raw" / "synthetic"), num_shards=8, num_rows=rows)
+    else:
+        write_synthetic(str(workdir / "raw" / "synthetic"), rows, num_features=features, num_shards=8, seed=noise_seed,
+                        dirty_fraction=0.0, noise=noise)
     if image_shape:
         _pack_image_column(workdir / "raw" / "synthetic")
     out = str(workdir / "runs" / "bench" / "r1")
@@ -81,7 +88,7 @@ def _stage_rates(config: Any, out: str, params: dict[str, Any]) -> tuple[list[fl
 
 def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict[str, Any], params: dict[str, Any],
                          batch: int, image_shape: list[int] | None = None, threads: int = 2, epochs: int = 2,
-                         rounds: int = 6) -> dict[str, Any]:
+                         rounds: int = 6, tokens: bool = False) -> dict[str, Any]:
     """Samples/s of our stage (stagewise.train.run_stage, Parquet per-rank loader, the spec's batch/loss) and of a
     plain PyTorch loop over in-memory tensors with the same module, optimizer, batch and threads.
 
@@ -96,7 +103,7 @@ def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict
     from stagewise.models.building import load_spec, resolve_params
 
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
-        config, out = _prepare(Path(tmp), rows, features=features, image_shape=image_shape, **{
+        config, out = _prepare(Path(tmp), rows, features=features, image_shape=image_shape, tokens=tokens, **{
             "model": {"spec": spec, "args": spec_args},
             "profiles__ddp1__threads_per_process": threads, "train__checkpoint_every_steps": 10_000,
             "train__stages": [{"name": "s1", "profile": "ddp1", "per_process_batch": batch, "epochs": epochs}]})
@@ -107,6 +114,8 @@ def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict
 
         def plain_loop() -> list[float]:
             torch.set_num_threads(threads)
+            if tokens:
+                return padded_loop(model_spec, manifest, full, x, y, batch, epochs)
             return resident_loop(model_spec, manifest, full, x, y, batch, epochs, torch.device("cpu"))
 
         our_rates, baseline_rates, pairs = [], [], []
@@ -165,6 +174,63 @@ def resident_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any, b
         sync(device)
         rates.append(steps * batch / (time.perf_counter() - started))
     return rates[1:]
+
+
+class _PaddedBatch:
+    """What a plain loop hands the token model: padded ids cut to the batch's longest row, their mask, the other
+    columns (the few methods examples/token_transformer.py calls)."""
+
+    def __init__(self, columns: dict[str, Any], lengths: Any, dense: Any) -> None:
+        import torch
+
+        self.columns, self.dense, self.lengths = columns, dense, lengths
+        self._mask = torch.arange(columns["tokens"].shape[1]) < lengths[:, None]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.columns[name]
+
+    def mask(self, name: str) -> Any:
+        return self._mask
+
+
+def padded_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any, batch: int, epochs: int) -> list[float]:
+    """The plain loop over variable-length tokens: plain in-memory tensors (ids padded to max_length, lengths, the
+    channel ids and the hour), a seeded ``randperm`` per epoch, each batch cut to its longest row with a mask."""
+    import torch
+
+    from stagewise.models.building import build, data_info
+    from stagewise.training.loop import make_optimizer
+
+    data = data_info(manifest)
+    decoded = data.layout.decode(x)  # once, before timing: the baseline starts from plain tensors
+    tokens = decoded["tokens"].clone()
+    lengths, channel, hour = decoded.lengths("tokens").clone(), decoded["channel"].clone(), decoded.dense.clone()
+    torch.manual_seed(0)
+    model = build(model_spec, data, full)
+    optimizer = make_optimizer(model, full, model_spec)
+    steps, rates = len(y) // batch, []
+    for epoch in range(epochs):
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
+        started = time.perf_counter()
+        for step in range(steps):
+            index = order[step * batch : (step + 1) * batch]
+            batch_lengths = lengths[index]
+            longest = int(batch_lengths.max())
+            inputs = _PaddedBatch({"tokens": tokens[index, :longest], "channel": channel[index]}, batch_lengths, hour[index])
+            loss = model_spec.loss(model(inputs), y[index])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        rates.append(steps * batch / (time.perf_counter() - started))
+    return rates[1:]
+
+
+def variable_length_throughput(rows: int = 40_000) -> dict[str, Any]:
+    """A user's transformer over variable-length int64 token rows (examples/token_transformer.py, dim 32, one layer;
+    2..16 tokens a row, each batch padded to its longest row), batch 256, 2 threads: our stage vs a plain loop with
+    the same padding, model and optimizer."""
+    return _stage_vs_plain_loop(rows, features=0, tokens=True, spec="stagewise.examples.token_transformer:TokenTransformer",
+                                spec_args={}, params={"lr": 0.003}, batch=256)
 
 
 def train_throughput(rows: int = 120_000) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stagewise.core.errors import DataError
+from stagewise.datasets.columns import layout_of
 from stagewise.definitions.rows import RowLayout
 
 # id of a category not in the vocabulary (or missing): the vocabulary's ids start at 1
@@ -160,8 +161,6 @@ def records(dense: np.ndarray, block: TypedBlock | None, layout: RowLayout, rows
 def standardised_whole_columns(manifest: dict[str, Any], records: np.ndarray) -> list[str]:
     """Standardised float32 columns whose values in ``records`` undo to whole numbers: ids that the normalisation
     turned into fractions, which an embedding then reads as (out of range) indices."""
-    from stagewise.datasets.columns import layout_of
-
     layout = layout_of(manifest)
     mean, std = np.asarray(manifest["mean"], np.float64), np.asarray(manifest["std"], np.float64)
     original = np.asarray(records, np.float64)[:, : layout.dense] * std + mean

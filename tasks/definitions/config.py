@@ -199,7 +199,7 @@ class Dataset(_Strict):
     key: str = Field(description="Unique row key column (integer or string); drives the split.")
     label: str = Field(description="Label column: integer classes with num_classes, else a float target (regression).")
     features: list[str | FeatureColumn] | str = Field(
-        description="Feature columns: names, or {column, dtype, shape | max_length} typed ones; or a prefix ending in '*' (e.g. 'px_*').")
+        description="Feature columns: names, or {column, dtype, shape or max_length} typed ones; or a prefix ending in '*' (e.g. 'px_*').")
     num_classes: int | None = Field(None, ge=2, description="Classes of an integer label in [0, num_classes); null: the label is a float target.")
     normalize: bool = Field(True, description="Standardise the plain (scalar) feature columns; false keeps them as they are.")
     demo_data: Literal["digits", "digits-images", "diabetes", "synthetic", "tokens"] = Field(

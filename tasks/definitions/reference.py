@@ -8,6 +8,7 @@ from stagewise.definitions.config import (
     CategoricalParam,
     EarlyStopping,
     EntryPoint,
+    FeatureColumn,
     FloatParam,
     IntParam,
     KubernetesSettings,
@@ -40,7 +41,7 @@ def reference(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> list
 def markdown() -> str:
     """The whole reference: the top-level keys, then each nested model used in lists and unions."""
     parts = ["| key | meaning | default |\n|---|---|---|", "\n".join(reference())]
-    for model in (Profile, SageMakerSettings, KubernetesSettings, TrainStage, EntryPoint, EarlyStopping, Sampler,
+    for model in (FeatureColumn, Profile, SageMakerSettings, KubernetesSettings, TrainStage, EntryPoint, EarlyStopping, Sampler,
                   Pruner, FloatParam, IntParam, CategoricalParam):
         parts.append(f"\n`{model.__name__}` ({model.__doc__.splitlines()[0]})\n\n| key | meaning | default |\n|---|---|---|")
         parts.append("\n".join(reference(model)))

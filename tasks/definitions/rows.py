@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:  # torch loads only where a batch is decoded: preprocessing and DAG parsing never pay for it
+    import torch
 
 Dtype = Literal["float32", "int64", "categorical"]
 
@@ -118,6 +119,8 @@ class RowLayout:
 
     def probe(self, rows: int, device: Any = "cpu") -> torch.Tensor:
         """Zero records whose variable-length columns hold one value each: a batch that runs through any model."""
+        import torch
+
         records = torch.zeros((rows, self.words), dtype=torch.float32, device=device)
         ints = records[:, self.int_offset:].view(torch.int64) if self.int_slots else None
         for column in self.columns:
@@ -138,7 +141,7 @@ def float_only_layout(features: list[str], shapes: dict[str, list[int]] | None =
     return RowLayout(columns=inputs, float_slots=len(features))
 
 
-class Features(Mapping[str, torch.Tensor]):
+class Features(Mapping[str, Any]):
     """A batch of rows by column, for a data set with typed or variable-length columns.
 
     ``features["tokens"]`` is an int64 (rows, L) tensor for a variable-length integer column, padded with 0 to the
@@ -149,6 +152,8 @@ class Features(Mapping[str, torch.Tensor]):
     """
 
     def __init__(self, records: torch.Tensor, layout: RowLayout) -> None:
+        import torch
+
         self.records, self.layout = records, layout
         self._ints = records[:, layout.int_offset:].view(torch.int64) if layout.int_slots else None
         self._longest: dict[str, int] = {}
@@ -195,11 +200,15 @@ class Features(Mapping[str, torch.Tensor]):
 
     def mask(self, name: str) -> torch.Tensor:
         """(rows, L) bool, True where ``features[name]`` holds a real value rather than padding."""
+        import torch
+
         width = self.longest(name)
         return torch.arange(width, device=self.device) < self.lengths(name)[:, None]
 
     def ragged(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, offsets): the rows' values back to back and where each row starts (``nn.EmbeddingBag``'s input)."""
+        import torch
+
         values = self[name][self.mask(name)]
         lengths = self.lengths(name)
         offsets = torch.zeros(len(lengths), dtype=torch.int64, device=self.device)

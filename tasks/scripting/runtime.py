@@ -145,7 +145,9 @@ def read_split(name: str) -> Any:
     """The whole committed split ``train``, ``validation`` or ``test`` as a TensorDataset of (float32 features, labels).
 
     Shard it with ``torch.utils.data.DistributedSampler`` as any DDP script does; labels are int64 for a
-    class label and float32 otherwise.
+    class label and float32 otherwise. When the data set declares typed columns (int64, categorical,
+    variable-length) each row is its stored record: turn a batch of them into :class:`Features` with
+    :func:`features_of`.
     """
     import torch
     from torch.utils.data import TensorDataset
@@ -155,6 +157,13 @@ def read_split(name: str) -> Any:
         raise _fail(f"read_split({name!r}): the preprocess manifest has splits {sorted(manifest['splits'])}")
     features, labels = load_split(manifest, name)  # labels already typed: int64 classes, float32 targets
     return TensorDataset(torch.from_numpy(features), torch.from_numpy(labels))
+
+
+def features_of(records: Any) -> Any:
+    """A batch from :func:`read_split` as the spec's ``batch`` receives it: :class:`stagewise.spec.Features` (by
+    column, variable-length ones padded to the batch's longest row, with masks) for typed data, else the records."""
+    layout = data_info(_manifest()).layout
+    return records if layout is None else layout.decode(records)
 
 
 def build_model(**overrides: Any) -> Any:
