@@ -288,7 +288,7 @@ def reduce_stats(config: PipelineConfig, out: str, stats_uris: list[str]) -> dic
     normalize = np.asarray(parts[0]["normalize"], bool)
     typed = _merge_typed_stats([part for part in parts if "category_counts" in part])
     declared = config.dataset.declared
-    vocabularies = {name: vocabulary(Counter(dict((v, c) for v, c in pairs)), declared[name].max_categories)
+    vocabularies = {name: vocabulary(Counter(dict(pairs)), declared[name].max_categories)
                     for name, pairs in typed.get("category_counts", {}).items()}
     columns = resolve_columns(config.dataset, storage.read_schema(parts[0]["shard"]), parts[0]["shard"])
     layout = columns.layout({name: len(vocab) for name, vocab in vocabularies.items()}, typed.get("max_values"))

@@ -210,3 +210,31 @@ def test_inference_encodes_raw_typed_rows_as_preprocessing_did(token_run, storag
     assert scored.num_rows == NUM_ROWS
     got = np.stack(scored.column("probabilities").to_pylist())
     np.testing.assert_allclose(got, np.stack([by_key[k] for k in scored.column("row_id").to_pylist()]), atol=1e-5)
+
+
+def test_a_stage_runs_the_specs_own_optimizer_and_schedule_over_typed_rows(write_config, storage_root):
+    """A training stage over token rows with the example spec's own AdamW groups and its inverse-sqrt schedule
+    (the stage's cosine is then not used): each epoch's lr is the spec's factor at that step, and the stage's result
+    lists the spec's hyperparameters with the ones given."""
+    import json
+    from pathlib import Path
+
+    from stagewise.definitions.loading import load_config
+    from stagewise.train import run_stage
+    from tests.conftest import base_config
+
+    raw_uri = _write(storage_root / "raw" / "t", tokens_table(NUM_ROWS, seed=4))
+    raw = base_config(storage_root)
+    raw["dataset"] = {"uri": "raw/t", "key": "row_id", "label": "label", "num_classes": 2, "features": TYPED_FEATURES}
+    raw["model"] = {"spec": "stagewise.examples.token_transformer:TokenTransformer", "args": {"schedule": "inverse_sqrt"}}
+    raw["train"]["stages"] = [{"name": "s1", "profile": raw["train"]["stages"][0]["profile"], "per_process_batch": 32,
+                               "epochs": 2, "lr_schedule": {"type": "cosine"}}]
+    config = load_config(write_config(raw))
+    out = str(storage_root / "runs" / "r")
+    _run_all(config, raw_uri, out)
+    result = run_stage(config, "s1", out, {"lr": 0.004, "embedding_lr_scale": 0.5}, None)
+    history = json.loads((Path(out) / "train" / "s1" / "metrics.json").read_text())["history"]
+    for entry in history:
+        step = entry["steps"] - 1  # the lr of the epoch's last step
+        assert entry["lr"] == pytest.approx(0.004 / (1.0 + step / 10.0) ** 0.5, rel=1e-6)
+    assert result["params"]["embedding_lr_scale"] == 0.5 and result["params"]["dim"] == 32
