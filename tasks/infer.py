@@ -29,7 +29,7 @@ from stagewise.core.cli import common_parser, json_arg, parse_overrides, run_sub
 from stagewise.core.errors import DataError
 from stagewise.datasets import predictions
 from stagewise.datasets.columns import check_feature_types, check_typed_types, flatten_features, layout_of
-from stagewise.datasets.typed import fill_categories, records, typed_block
+from stagewise.datasets.typed import fill_categories, typed_block, write_typed_slots
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.loading import load_config
 from stagewise.definitions.spec import batch_of
@@ -130,12 +130,10 @@ def _host_chunks(batches: Iterable[Any], key: str, layout: Any, prep: dict[str, 
                                  "source_uri": pa.array([source] * int((~valid).sum()), pa.string()),
                                  "source_row": pa.array(offset + np.flatnonzero(~valid), pa.int64())}))
         good = matrix[valid]
-        scaled = torch.empty((len(good), layout.words), dtype=torch.float32, pin_memory=pin)
-        # the same float64 -> float32 rounding as astype
-        scaled.numpy()[:, : layout.dense] = (good - mean) / std
+        scaled = torch.empty((len(good), layout.words), dtype=torch.float32, pin_memory=pin)  # every read word is written
+        scaled.numpy()[:, : layout.dense] = (good - mean) / std  # the same float64 -> float32 rounding as astype
         if block is not None:
-            rows = np.flatnonzero(valid)
-            scaled.numpy()[...] = records(scaled.numpy()[:, : layout.dense], block, layout, rows)
+            write_typed_slots(scaled.numpy(), block, layout, np.flatnonzero(valid))
         offset += batch.num_rows
         yield (batch.column(key).filter(pa.array(valid)), batch.num_rows), scaled
 

@@ -76,7 +76,7 @@ def _iter_checked(uri: str, dataset: Dataset) -> Iterator[tuple[Columns, Checked
     """
     with storage.open_parquet(uri) as parquet:
         columns = resolve_columns(dataset, parquet.schema_arrow, uri)
-        layout = columns.layout({name: 0 for name in columns.typed})
+        layout = columns.layout
         wanted = [columns.key, columns.label, *columns.raw]
         for batch in storage.iter_batches(parquet, wanted, BATCH_ROWS, uri=uri):
             vectors, keep = feature_vectors_of(batch, columns.dense, columns.shapes, uri)
@@ -130,7 +130,7 @@ def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dic
     assert moments is not None
     moments.update({"shard": shard, "features": columns.features, "columns": columns.raw, "feature_shapes": columns.shapes,
                     "normalize": columns.normalize or [True] * len(columns.features),
-                    **_merge_typed_stats(typed_parts),
+                    "layout": columns.layout.to_dict(), **_merge_typed_stats(typed_parts),
                     "key_hashes_uri": _write_key_hashes(out, index, hashes)})
     uri = storage.join(_stats_prefix(out), f"shard-{index:05d}.json")
     storage.write_json(uri, moments)  # last: it names this attempt's key hashes
@@ -143,12 +143,11 @@ def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dic
 def _typed_stats(config: PipelineConfig, columns: Columns, batch: CheckedBatch) -> dict[str, Any]:
     """A batch's categorical value counts (training rows: the vocabulary is learnt there) and largest int64 ids."""
     assert batch.typed is not None
-    layout = columns.layout({name: 0 for name in columns.typed})
     training = batch.keep.copy()
     training[training] = split_of(batch.kept_keys, config.preprocess.split) == SPLITS.index("train")
     kept = batch.typed.ints[batch.keep]
     max_values = {column.name: int(kept[:, column.offset : column.offset + column.size].max())
-                  for column in layout.columns if column.dtype == "int64" and len(kept)}
+                  for column in columns.layout.columns if column.dtype == "int64" and len(kept)}
     return {"category_counts": category_counts(batch.typed, training), "max_values": max_values}
 
 
@@ -290,8 +289,8 @@ def reduce_stats(config: PipelineConfig, out: str, stats_uris: list[str]) -> dic
     declared = config.dataset.declared
     vocabularies = {name: vocabulary(Counter(dict(pairs)), declared[name].max_categories)
                     for name, pairs in typed.get("category_counts", {}).items()}
-    columns = resolve_columns(config.dataset, storage.read_schema(parts[0]["shard"]), parts[0]["shard"])
-    layout = columns.layout({name: len(vocab) for name, vocab in vocabularies.items()}, typed.get("max_values"))
+    layout = layout_of(parts[0]).sized({name: len(vocab) for name, vocab in vocabularies.items()},
+                                       typed.get("max_values", {}))
     for name, vocab in vocabularies.items():
         log.info("categorical column '%s': %d value(s) in the training split, %d in the vocabulary (id 0: any other)",
                  name, len(typed["category_counts"][name]), len(vocab))

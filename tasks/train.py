@@ -31,7 +31,6 @@ from stagewise.core.errors import UserError
 from stagewise.datasets.manifest import read_manifest
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.loading import config_path, load_config
-from stagewise.definitions.spec import ModelSpec
 from stagewise.models.building import resolve_params
 from stagewise.models.bundle import preprocessing_of, save_bundle
 from stagewise.models.torch_io import load_torch, save_torch
@@ -58,8 +57,7 @@ def byo_contract(config: PipelineConfig, config_file: str, stage_name: str, out:
     """The stage's values a user's own script gets, by name (stagewise.contract.STAGE_VALUES), typed."""
     stage = config.stage(stage_name)
     world = config.profile(stage.profile).world_size
-    micro = stage.micro_batch(world)
-    global_batch = micro * world * stage.grad_accum_steps
+    micro, global_batch = stage.micro_batch(world), stage.global_batch_for(world)
     params = resolve_params(config, swept)
     prefix = storage.stage_prefix(out, stage.name)
     values = {
@@ -148,8 +146,7 @@ def previous_global_batch(config: PipelineConfig, stage_name: str) -> int:
     if index == 0:
         return 0
     previous = config.train.stages[index - 1]
-    world = config.profile(previous.profile).world_size
-    return previous.micro_batch(world) * world * previous.grad_accum_steps
+    return previous.global_batch_for(config.profile(previous.profile).world_size)
 
 
 def scaled_lr_for(config: PipelineConfig, base_lr: float, global_batch: int) -> float:
@@ -172,7 +169,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
     with distributed_job(profile.device, profile.threads_per_process) as env:
         manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
         micro_batch = stage.micro_batch(env.world_size)
-        global_batch = micro_batch * env.world_size * stage.grad_accum_steps
+        global_batch = stage.global_batch_for(env.world_size)
         data_seed = config.train.seed + 7919 * (config.train.stages.index(stage) + 1)
         train, validation = rank_batches(
             manifest, env, batch_size=micro_batch, seed=data_seed,
@@ -247,7 +244,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                  "(%s rule, base batch %d), warmup %d steps, schedule %s, %d epochs of %d steps, %d train rows",
                  stage.name, env.world_size, global_batch, micro_batch, env.world_size, stage.grad_accum_steps, lr,
                  config.train.lr_rule, config.train.base_batch, warmup,
-                 "the spec's own" if type(built.spec).lr_schedule is not ModelSpec.lr_schedule else
+                 "the spec's own" if built.spec.lr_schedule(0, total_steps) is not None else
                  schedule.type if schedule.type == "constant" else f"{schedule.type} to {schedule.min_lr_ratio:g} x lr",
                  stage.epochs, loop.steps_per_epoch(0), train.num_rows)
         started, first_epoch, stopped_early = time.monotonic(), loop.position.epoch, False
@@ -322,7 +319,7 @@ def run_script_stage(config: PipelineConfig, config_file: str, stage_name: str, 
     entry = stage.entrypoint
     assert entry is not None
     values = byo_contract(config, config_file, stage_name, out, swept, init_from)
-    env = byo_environment(config, config_file, stage_name, out, swept, init_from, overrides)
+    env = contract_environment(config, values, overrides)
     profile = config.profile(stage.profile)
     log.info("stage %s: running %s under torchrun (%d processes), as its Airflow task does", stage.name,
              entry.script or entry.module, profile.processes_per_node)

@@ -8,6 +8,7 @@ row holds them all as one fixed-size record in the ``features`` column, laid out
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -56,9 +57,9 @@ class Columns:
         """The raw columns of the float32 feature vector (plain and tensor float columns)."""
         return [name for name in self.raw if name not in self.typed]
 
-    def layout(self, categories: dict[str, int] | None = None, max_values: dict[str, int] | None = None) -> RowLayout:
-        """Where each column sits in a processed record; ``categories``: vocabulary sizes, ``max_values``: largest ids."""
-        categories, max_values = categories or {}, max_values or {}
+    @functools.cached_property
+    def layout(self) -> RowLayout:
+        """Where each column sits in a processed record (the data's vocabulary sizes and largest ids: RowLayout.sized)."""
         inputs: list[InputColumn] = []
         dense = len(self.features)
         floats, ints = dense, 0
@@ -83,8 +84,7 @@ class Columns:
             if variable:
                 length_slot, ints = ints, ints + 1
             inputs.append(InputColumn(name=name, dtype=item.dtype, shape=shape, variable=variable, offset=offset,
-                                      length_slot=length_slot, truncate=item.truncate, max_value=max_values.get(name),
-                                      num_categories=categories[name] + 1 if item.dtype == "categorical" else None))
+                                      length_slot=length_slot, truncate=item.truncate))
         return RowLayout(columns=inputs, float_slots=floats, int_slots=ints)
 
 
@@ -100,7 +100,7 @@ def check_feature_types(schema: pa.Schema, columns: list[str], shapes: dict[str,
     """A plain feature must be a number; a declared tensor column a list of numbers (of prod(shape) values if fixed-size)."""
     for name in columns:
         kind = schema.field(name).type
-        listlike = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+        listlike = _is_list(kind)
         if name not in shapes:
             if listlike:
                 raise DataError(f"{uri}: feature column '{name}' has type {kind}, a list; declare it in dataset.features "
@@ -162,7 +162,7 @@ def resolve_columns(dataset: Dataset, schema: pa.Schema, uri: str) -> Columns:
     resolved = Columns(key=dataset.key, label=dataset.label, features=element_names(dense, shapes),
                        num_classes=dataset.num_classes, columns=columns, shapes=shapes, normalize=normalize, typed=typed)
     if typed:
-        check_typed_types(schema, resolved.layout({name: 0 for name in typed}), uri)
+        check_typed_types(schema, resolved.layout, uri)
     return resolved
 
 

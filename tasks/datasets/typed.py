@@ -151,11 +151,15 @@ def records(dense: np.ndarray, block: TypedBlock | None, layout: RowLayout, rows
         return dense
     out = np.zeros((len(dense), layout.words), np.float32)
     out[:, : layout.dense] = dense
-    floats = block.floats if rows is None else block.floats[rows]
-    out[:, layout.dense : layout.float_slots] = floats
+    write_typed_slots(out, block, layout, rows)
+    return out
+
+
+def write_typed_slots(out: np.ndarray, block: TypedBlock, layout: RowLayout, rows: np.ndarray | None) -> None:
+    """Fill the typed part of (len(rows), words) float32 records ``out`` with ``block``'s slots of ``rows`` (None: all)."""
+    out[:, layout.dense : layout.float_slots] = block.floats if rows is None else block.floats[rows]
     if layout.int_slots:
         out[:, layout.int_offset :].view(np.int64)[:] = block.ints if rows is None else block.ints[rows]
-    return out
 
 
 def standardised_whole_columns(manifest: dict[str, Any], records: np.ndarray) -> list[str]:

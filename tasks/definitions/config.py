@@ -539,6 +539,10 @@ class TrainStage(_Strict):
         assert self.global_batch is not None
         return self.global_batch // (world_size * self.grad_accum_steps)
 
+    def global_batch_for(self, world_size: int) -> int:
+        """Samples per optimizer step over ``world_size`` processes."""
+        return self.micro_batch(world_size) * world_size * self.grad_accum_steps
+
 
 class Train(_Strict):
     """Sequential DDP stages whose global batch grows."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # torch loads only where a batch is decoded: preprocessing and DAG parsing never pay for it
@@ -112,6 +112,12 @@ class RowLayout:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def sized(self, categories: dict[str, int], max_values: dict[str, int]) -> RowLayout:
+        """This layout with each categorical column's vocabulary size and each int64 column's largest id filled in."""
+        columns = [replace(c, num_categories=categories.get(c.name, 0) + 1) if c.dtype == "categorical" else
+                   replace(c, max_value=max_values.get(c.name)) if c.dtype == "int64" else c for c in self.columns]
+        return replace(self, columns=columns)
 
     def decode(self, records: torch.Tensor) -> torch.Tensor | Features:
         """A batch as its spec sees it: ``records`` itself for a float-only layout, else its :class:`Features`."""
