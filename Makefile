@@ -16,7 +16,7 @@ XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfil
 # What `make test-fast` leaves out: every test that needs more than this Python process (markers in pytest.ini).
 FAST_MARKERS := not (airflow or torchrun or browser or service or gpu)
 
-.PHONY: help venv airflow-init demo-data demo test test-fast test-ui bench up down clean
+.PHONY: help venv mlflow-env airflow-init demo-data demo test test-fast test-ui bench up down clean
 
 help:
 	@echo "make demo   - run ml_pipeline end to end on the digits data (SQLite, LocalExecutor, local files)"
@@ -40,6 +40,19 @@ $(STAMP): requirements.txt pyproject.toml
 	@rm -rf stagewise.egg-info
 	@touch $(STAMP)
 
+# MLflow's server and a serving environment, apart from Airflow's (their pins differ): the tracking tests and the
+# mlflow_overhead benchmark start `mlflow server` from it; stagewise goes in without dependencies, for mlflow.pyfunc.
+MLFLOW_VENV := .venv-mlflow
+MLFLOW_STAMP := $(MLFLOW_VENV)/.installed
+mlflow-env: $(MLFLOW_STAMP)
+$(MLFLOW_STAMP): docker/mlflow/requirements.txt pyproject.toml
+	@test -x $(MLFLOW_VENV)/bin/python || $(PYTHON) -m venv $(MLFLOW_VENV)
+	$(MLFLOW_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MLFLOW_VENV)/bin/python -m pip install --quiet -r docker/mlflow/requirements.txt
+	$(MLFLOW_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	@rm -rf stagewise.egg-info
+	@touch $(MLFLOW_STAMP)
+
 airflow-init: $(STAMP)
 	@$(AIRFLOW_ENV) && { airflow db migrate > "$$AIRFLOW_HOME/db-migrate.log" 2>&1 || { cat "$$AIRFLOW_HOME/db-migrate.log"; exit 1; }; } \
 	  && python -m stagewise.airflow.pools
@@ -55,7 +68,7 @@ demo: airflow-init demo-data
 	       || { tail -n 60 "$$AIRFLOW_HOME/logs/demo.log"; echo "demo failed: see .airflow/logs/demo.log"; exit 1; }; } \
 	  && python -m stagewise.report latest
 
-test: airflow-init
+test: airflow-init mlflow-env
 	@$(AIRFLOW_ENV) && python -m ruff check . && python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # airflow-init: the in-process UI-plugin and DagBag tests read the repo-local Airflow DB (no server runs).
@@ -71,7 +84,7 @@ $(BENCH_STAMP): bench/requirements.txt $(STAMP)
 	$(VENV)/bin/python -m pip install --quiet --no-deps -r bench/requirements.txt
 	@touch $(BENCH_STAMP)
 
-bench: airflow-init $(BENCH_STAMP)
+bench: airflow-init mlflow-env $(BENCH_STAMP)
 	@$(AIRFLOW_ENV) && python -m bench $(if $(ONLY),--only $(ONLY))
 
 # Every pipeline of the checkout (pipeline.yaml and examples/) side by side, each with its demo data.

@@ -15,6 +15,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("study", ("stagewise.study",)),
     ("training", ("stagewise.training",)),
     ("reporting", ("stagewise.reporting",)),
+    ("tracking", ("stagewise.tracking",)),
     ("runtime helper", ("stagewise.scripting",)),
     ("facades", ("stagewise.spec", "stagewise.model")),
     ("jobs", ("stagewise.config", "stagewise.contract", "stagewise.data", "stagewise.preprocess", "stagewise.sweep", "stagewise.train",

@@ -31,8 +31,10 @@ from stagewise.core.cli import common_parser, parse_overrides, setup_logging
 from stagewise.core.errors import DataError, UserError
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.loading import CHECKOUT_ROOT, load_config
-from stagewise.models.versions import version_of
+from stagewise.models.versions import judge, version_of
 from stagewise.scripting.entrypoint import card_params
+from stagewise.tracking import registry as mlflow_registry
+from stagewise.tracking.runs import log_gate
 
 log = logging.getLogger("stagewise.registry")
 POINTER_SWAP_ATTEMPTS = 20  # each lost attempt means another writer moved the pointer; 20 in a row is a stampede
@@ -78,10 +80,7 @@ def register(storage_root: str, name: str, model_uri: str, card: dict[str, Any])
     """Copy the model into ``models/<name>/<version>/`` with its card; idempotent per model bytes."""
     data = storage.read_bytes(model_uri)
     version = version_of(data)  # every load of the registered file checks its bytes against this id (read_checked)
-    nonfinite = {key: value for key, value in card.items() if isinstance(value, float) and not math.isfinite(value)}
-    if nonfinite:
-        raise UserError(f"refusing to register {model_uri} (version {version}): its metric(s) {nonfinite} are not finite; "
-                        f"a model whose training or evaluation diverged is never registered")
+    _refuse_nonfinite(card, model_uri, version)
     folder = version_folder(storage_root, name, version)
     card_uri = storage.join(folder, "card.json")
     if storage.exists(card_uri):
@@ -94,6 +93,36 @@ def register(storage_root: str, name: str, model_uri: str, card: dict[str, Any])
     storage.write_json(card_uri, full_card)  # the card, written last, is what makes a version exist
     log.info("registered model %s/%s (%s)", name, version, {k: v for k, v in card.items() if k.startswith("test_") or k == "source_run"})
     return full_card
+
+
+def _refuse_nonfinite(card: dict[str, Any], model_uri: str, version: str) -> None:
+    nonfinite = {key: value for key, value in card.items() if isinstance(value, float) and not math.isfinite(value)}
+    if nonfinite:
+        raise UserError(f"refusing to register {model_uri} (version {version}): its metric(s) {nonfinite} are not finite; "
+                        f"a model whose training or evaluation diverged is never registered")
+
+
+def register_for(config: PipelineConfig, out: str, model_uri: str, card: dict[str, Any], *, dag_id: str,
+                 run_id: str) -> dict[str, Any]:
+    """Register the run's model in the config's registry backend: storage (default) or the MLflow Model Registry."""
+    if config.registry.backend == "storage":
+        return register(config.storage_root, config.registry.model_name, model_uri, card)
+
+    version = version_of(storage.read_bytes(model_uri))
+    _refuse_nonfinite(card, model_uri, version)
+    return mlflow_registry.register(config, out, model_uri, card, dag_id=dag_id, run_id=run_id, version=version)
+
+
+def gate_registered(config: PipelineConfig, registered: dict[str, Any], out: str) -> dict[str, Any]:
+    """The config's gate on a version just registered, in its backend; the test metrics and the decision also go on
+    the run's parent MLflow run when tracking is on."""
+    if config.registry.backend == "storage":
+        decision = gate_new_version(config, registered["version"])
+    else:
+
+        decision = mlflow_registry.gate(config, registered, out)
+    log_gate(config, out, registered, decision)
+    return decision
 
 
 def _card_at(folder: str) -> dict[str, Any]:
@@ -178,20 +207,9 @@ def promote(storage_root: str, name: str, version: str, reason: str = "manual") 
 def _judge(storage_root: str, name: str, candidate: dict[str, Any], incumbent_version: str | None, metric: str,
            margin: float, direction: str) -> dict[str, Any]:
     """The gate's decision on ``candidate`` against the version current now (None: no current model)."""
-    if incumbent_version is None:
-        return {"promoted": True, "reason": "no current model"}
-    if incumbent_version == candidate["version"]:
-        return {"promoted": False, "reason": "already current"}
-    incumbent = card(storage_root, name, incumbent_version)
-    if metric not in incumbent:
-        raise UserError(f"current model {incumbent_version} has no metric '{metric}' to compare with: it was trained "
-                        f"for another objective; promote explicitly (python -m stagewise.registry promote {candidate['version']})")
-    minimize = direction == "minimize"
-    better = candidate[metric] < incumbent[metric] - margin if minimize else candidate[metric] > incumbent[metric] + margin
-    relation = ("<" if better else ">=") if minimize else (">" if better else "<=")
-    return {"promoted": better, "reason": f"{metric} {candidate[metric]:.4f} {relation} current "
-                                          f"{incumbent[metric]:.4f} {'-' if minimize else '+'} margin {margin}",
-            "previous": incumbent_version, "incumbent_value": incumbent[metric]}
+    incumbent = card(storage_root, name, incumbent_version) if incumbent_version not in (None, candidate["version"]) else None
+    return judge(candidate, incumbent_version, incumbent, metric, margin, direction,
+                 promote_hint=f"python -m stagewise.registry promote {candidate['version']}")
 
 
 def gate(storage_root: str, name: str, version: str, metric: str, margin: float, direction: str = "maximize") -> dict[str, Any]:
@@ -233,8 +251,12 @@ def gate_new_version(config: PipelineConfig, version: str) -> dict[str, Any]:
     return {**decision, "model_uri": card(config.storage_root, name, decision["current"])["model_uri"]}
 
 
-def serving_model(config: PipelineConfig, version: str | None) -> dict[str, Any]:
-    """The registered model batch inference scores with: ``version`` when given, else the current one."""
+def serving_model(config: PipelineConfig, version: str | None, out: str = "") -> dict[str, Any]:
+    """The registered model batch inference scores with: ``version`` when given, else the current one (in MLflow:
+    ``models:/<name>@champion``, copied under the run ``out``)."""
+    if config.registry.backend == "mlflow":
+
+        return mlflow_registry.serving_model(config, version, out)
     name = config.registry.model_name
     chosen = card(config.storage_root, name, version) if version else current(config.storage_root, name)
     if chosen is None:
@@ -245,8 +267,12 @@ def serving_model(config: PipelineConfig, version: str | None) -> dict[str, Any]
 
 def retrain_overrides(config: PipelineConfig) -> dict[str, Any]:
     """A retrain's sweep: the retrain budget, warm-started from the study of the current model (cold without one)."""
-    incumbent = current(config.storage_root, config.registry.model_name)
-    return {"sweep.num_trials": config.retrain.num_trials, "sweep.warm_start_from": (incumbent or {}).get("study", "")}
+    if config.registry.backend == "mlflow":
+
+        study = mlflow_registry.champion_study(config)
+    else:
+        study = (current(config.storage_root, config.registry.model_name) or {}).get("study", "")
+    return {"sweep.num_trials": config.retrain.num_trials, "sweep.warm_start_from": study}
 
 
 def rollback(storage_root: str, name: str) -> dict[str, Any]:
@@ -307,7 +333,10 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.config, parse_overrides(args.override))
     root, name = config.storage_root, args.model or config.registry.model_name
     try:
-        if args.command == "list":
+        if config.registry.backend == "mlflow":
+            _mlflow_command(config.model_copy(update={"registry": config.registry.model_copy(update={"model_name": name})}),
+                            args.command, getattr(args, "version", None))
+        elif args.command == "list":
             now = pointer(root, name)["version"]
             for entry in versions(root, name):
                 mark = "*" if entry["version"] == now else " "
@@ -324,6 +353,25 @@ def main(argv: list[str] | None = None) -> None:
             print(f"current {name}: {promote(root, name, args.version)['version']}")
     except UserError as exc:
         raise SystemExit(str(exc)) from None
+
+
+def _mlflow_command(config: PipelineConfig, command: str, version: str | None) -> None:
+    import json
+
+
+    name = config.registry.model_name
+    if command == "list":
+        for entry in mlflow_registry.versions(config):
+            mark = "*" if mlflow_registry.CHAMPION in entry["aliases"] else " "
+            objective = entry.get("objective", "accuracy")
+            print(f"{mark} {entry['mlflow_version']:>4} {entry['version']}  {entry['registered_at']}  "
+                  f"{objective}={entry.get('test_' + objective)}  aliases={','.join(entry['aliases'])}  run={entry.get('source_run')}")
+    elif command == "show":
+        print(json.dumps(mlflow_registry.card_of(mlflow_registry.resolve(config, version)), indent=2))
+    elif command == "rollback":
+        print(f"{name}@{mlflow_registry.CHAMPION}: version {mlflow_registry.rollback(config)['mlflow_version']}")
+    else:
+        print(f"{name}@{mlflow_registry.CHAMPION}: version {mlflow_registry.promote(config, version)['mlflow_version']}")
 
 
 if __name__ == "__main__":

@@ -38,11 +38,12 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
                  preprocess: dict[str, Any], sweep: dict[str, Any], training: list[dict[str, Any]],
                  evaluation: dict[str, Any], predictions: dict[str, Any], registry: dict[str, Any],
                  direction: str | None = None, tasks: list[dict[str, Any]] | None = None,
-                 config: dict[str, Any] | None = None) -> dict[str, Any]:
+                 config: dict[str, Any] | None = None, tracking: dict[str, Any] | None = None) -> dict[str, Any]:
     """Assemble report.json, write report.html and then report.json (the commit); returns their URIs and headline numbers.
 
     ``direction``: the objective's (minimize or maximize); ``tasks``: the run's task attempts (stagewise.reporting.timeline);
-    ``config``: the run's config snapshot (``config_uri``, ``config_hash``, ``config_source``).
+    ``config``: the run's config snapshot (``config_uri``, ``config_hash``, ``config_source``); ``tracking``: the MLflow
+    run's and model version's pages and the tracking gaps (stagewise.tracking.runs.links), when tracking is on.
     """
     report = {
         "dag_id": dag_id,
@@ -68,6 +69,8 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
                         "model_version": predictions.get("model_version")},
         "tasks": tasks or [],
     }
+    if tracking is not None:
+        report["tracking"] = tracking
     if "test_accuracy" in evaluation:  # the design notes' headline for classifiers; a regressor has none
         report["test_accuracy"] = evaluation["test_accuracy"]
     if "test_baseline_rmse" in evaluation:
@@ -91,14 +94,18 @@ def write_html(report: dict[str, Any], out: str) -> str | None:
 
 def build_inference_report(*, dag_id: str, run_id: str, out: str, model: dict[str, Any],
                            stage_results: dict[str, list[dict[str, Any]]], predictions: dict[str, Any],
-                           tasks: list[dict[str, Any]] | None = None, config: dict[str, Any] | None = None) -> dict[str, Any]:
+                           tasks: list[dict[str, Any]] | None = None, config: dict[str, Any] | None = None,
+                           tracking: dict[str, Any] | None = None) -> dict[str, Any]:
     """report.json (and report.html before it) of a batch_inference run: which model scored what, and how much was
-    quarantined; ``tasks``: the run's task attempts (stagewise.reporting.timeline); ``config``: its config snapshot."""
+    quarantined; ``tasks``: the run's task attempts (stagewise.reporting.timeline); ``config``: its config snapshot;
+    ``tracking``: the MLflow model version it scored with, when the registry is MLflow's."""
     report = {"dag_id": dag_id, "run_id": run_id, "run_prefix": out, "config": config or {},
               "stages": stage_timing(stage_results),
               "model_version": model["current"], "model_uri": model["model_uri"],
               "predictions": {"uri": predictions.get("uri"), "rows": predictions.get("rows"),
                               "rows_quarantined": predictions.get("rows_quarantined", 0)}, "tasks": tasks or []}
+    if tracking is not None:
+        report["tracking"] = tracking
     report["html_uri"] = write_html(report, out)
     uri = storage.join(out, "report.json")
     storage.write_json(uri, report)

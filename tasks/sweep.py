@@ -47,6 +47,7 @@ from stagewise.study.studies import (
     suggest,
 )
 from stagewise.study.summary import summarize
+from stagewise.tracking.runs import Tracker, finish_trial, trial_tags
 from stagewise.training.distributed import distributed_job
 from stagewise.training.loop import rank_batches, start_loop
 
@@ -136,6 +137,7 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
                                        f"take no optimizer step; lower sweep.batch_size or the process count"))
         study, remaining = _worker_study(sweep, name, worker) if env.master else (None, 0)
         remaining = _broadcast(env, remaining)
+        tracker = Tracker.for_run(config, out, f"sweep_worker {worker}") if env.master else None
         fault_trial = int(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
         epochs_run, started = 0, time.monotonic()
         for _ in range(remaining):
@@ -149,6 +151,11 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
                     error = f"suggesting params failed: {type(exc).__name__}: {exc}"[:500]
             suggested, error = _broadcast(env, (suggested, error))
             value, state, steps = float("nan"), "FAIL" if error else "COMPLETE", 0
+            tracked = None
+            if tracker is not None:
+                tracked = tracker.nested(f"trial-{trial.number}", f"trial {trial.number}", trial_tags(name, trial.number, worker))
+                tracker.log(tracked, params={**(suggested or {}), "batch_size": sweep.batch_size,
+                                             "world_size": env.world_size})
             if not error:
                 try:
                     torch.manual_seed(sweep.seed + (trial.number if trial else 0))
@@ -159,6 +166,8 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
                         steps = loop.position.step
                         epochs_run += 1
                         prune = False
+                        if tracked is not None:
+                            tracker.log(tracked, metrics={f"val_{config.objective.metric}": value}, step=epoch + 1)
                         if env.master:
                             trial.report(value, epoch + 1)
                             prune = trial.should_prune()
@@ -176,6 +185,10 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
             if env.master:
                 trial.set_user_attr("steps", steps)
                 _finish(study, trial, state, value, error, config, worker, suggested, started)
+            if tracked is not None:
+                finish_trial(tracker, tracked, state, value, config.objective.metric, error)
+        if tracker is not None:
+            tracker.close()
         return {"worker": worker, "trials_run": remaining, "epochs_run": epochs_run, "world_size": env.world_size}
 
 
@@ -253,6 +266,7 @@ def run_script_trials(config: PipelineConfig, name: str, worker: int, out: str, 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sweep = config.sweep
     study, remaining = _worker_study(sweep, name, worker)
+    tracker = Tracker.for_run(config, out, f"sweep_worker {worker}")
     epochs_run, started = 0, time.monotonic()
     for _ in range(remaining):
         trial = _ask(study, sweep)
@@ -265,6 +279,15 @@ def run_script_trials(config: PipelineConfig, name: str, worker: int, out: str, 
             state, value, error = "FAIL", None, f"{type(exc).__name__}: {exc}"[:500]
         epochs_run += epochs
         _finish(study, trial, state, value, error, config, worker, suggested, started)
+        if tracker is not None:  # the script reported each epoch to the study: its curve goes to the trial's run
+            tracked = tracker.nested(f"trial-{trial.number}", f"trial {trial.number}", trial_tags(name, trial.number, worker))
+            tracker.log(tracked, params=suggested or {})
+            reported = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number).intermediate_values
+            for step, reported_value in sorted(reported.items()):
+                tracker.log(tracked, metrics={f"val_{config.objective.metric}": reported_value}, step=step)
+            finish_trial(tracker, tracked, state, value, config.objective.metric, error)
+    if tracker is not None:
+        tracker.close()
     return {"worker": worker, "trials_run": remaining, "epochs_run": epochs_run, "world_size":
             config.profile(sweep.profile).processes_per_node}
 

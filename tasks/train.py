@@ -35,6 +35,7 @@ from stagewise.models.building import resolve_params
 from stagewise.models.bundle import preprocessing_of, save_bundle
 from stagewise.models.torch_io import load_torch, save_torch
 from stagewise.scripting.entrypoint import LAST_REPORT, contract_environment, entrypoint_args, run_script
+from stagewise.tracking.runs import Tracker
 from stagewise.training.checkpoint import CheckpointStore, restore_training_state
 from stagewise.training.distributed import distributed_job
 from stagewise.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, stage_lr, start_loop
@@ -189,6 +190,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         checkpoints = CheckpointStore(prefix, keep_last=config.train.keep_checkpoints)
 
         position, history, previous_batch, resumed_from = Position(), [], None, None
+        step_offset = 0  # optimizer steps of the stages before this one: the tracked curve's x axis runs across stages
         best_state: dict[str, Any] | None = None  # rank 0's copy of the best epoch's model and optimizer (hand_on best)
         resumes: list[dict[str, Any]] = []  # every resume of this stage, for the report's curve (rank 0 writes it)
         found = checkpoints.latest()
@@ -197,6 +199,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             restore_training_state(model, optimizer, state, env.device)
             position = Position(**json.loads(state["position"]))
             history, previous_batch = json.loads(state["history"]), state["previous_global_batch"]
+            step_offset = state.get("global_step_offset", 0)
             best_state = state.get("best_epoch_state") or None
             loop.load_scaler_state(state.get("grad_scaler") or {})
             resumed_from = position.step
@@ -213,6 +216,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             except (RuntimeError, ValueError) as exc:
                 raise UserError(f"{init_from}: the previous stage's model does not fit this stage's: {exc}") from None
             previous_batch = state["global_batch"]
+            step_offset = state.get("global_step_offset", 0) + json.loads(state.get("position", "{}")).get("step", 0)
             log.info("stage %s starts from %s (global batch %d -> %d)", stage.name, init_from, previous_batch, global_batch)
 
         lr = scaled_lr(params["lr"], global_batch, config.train.base_batch, config.train.lr_rule)
@@ -231,7 +235,8 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                     "position": json.dumps(asdict(loop.position)), "history": json.dumps(history),
                     "global_batch": global_batch, "previous_global_batch": previous_batch, "config_hash": digest,
                     "params": json.dumps(params), "rng_cpu": torch.get_rng_state(), "resumes": json.dumps(resumes),
-                    "best_epoch_state": best_state or {}, "grad_scaler": loop.scaler_state()}
+                    "best_epoch_state": best_state or {}, "grad_scaler": loop.scaler_state(),
+                    "global_step_offset": step_offset}
 
         def on_step(current: Loop) -> None:
             if fault_step is not None and current.position.step == fault_step:
@@ -247,6 +252,14 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                  "the spec's own" if built.spec.lr_schedule(0, total_steps) is not None else
                  schedule.type if schedule.type == "constant" else f"{schedule.type} to {schedule.min_lr_ratio:g} x lr",
                  stage.epochs, loop.steps_per_epoch(0), train.num_rows)
+        tracker = Tracker.for_run(config, out, f"train_{stage.name}") if env.master else None
+        if tracker is not None:
+            tracked = tracker.nested(f"stage-{stage.name}", f"train {stage.name}",
+                                     {"stagewise.kind": "stage", "stagewise.stage": stage.name})
+            tracker.log(tracked, params={**params, "world_size": env.world_size, "global_batch": global_batch,
+                                         "per_process_batch": micro_batch, "grad_accum_steps": stage.grad_accum_steps,
+                                         "stage_lr": lr, "warmup_steps": warmup, "epochs": stage.epochs,
+                                         "lr_rule": config.train.lr_rule, "global_step_offset": step_offset})
         started, first_epoch, stopped_early = time.monotonic(), loop.position.epoch, False
         while loop.position.epoch < stage.epochs:
             if selection.should_stop([entry["val_metric"] for entry in history]):
@@ -255,6 +268,9 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             try:
                 result = loop.train_epoch(lr_at, on_step=on_step)
             except Diverged as exc:
+                if tracker is not None:
+                    tracker.end(tracked, "FAILED")
+                    tracker.close()
                 raise UserError(f"stage {stage.name}: {exc}") from None
             history.append(asdict(result))
             improved = selection.best_index([entry["val_metric"] for entry in history]) == len(history) - 1
@@ -269,6 +285,11 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                          result.steps, eta_s(done - first_epoch, stage.epochs - first_epoch, time.monotonic() - started))
                 storage.write_json(storage.join(prefix, "metrics.json"), {"stage": stage.name, "history": history, "resumes": resumes,
                                                                           "complete": False})
+                if tracker is not None:  # queued: the next epoch starts while a background thread sends it
+                    tracker.log(tracked, step=step_offset + result.steps, metrics={
+                        "loss": result.train_loss, f"val_{config.objective.metric}": result.val_metric,
+                        "samples_per_s": result.samples_per_s, "lr": result.lr, "epoch": done,
+                        **({"grad_norm": result.grad_norm} if result.grad_norm is not None else {})})
         values = [entry["val_metric"] for entry in history]
         best_index = selection.best_index(values)
         handed = best_index if stage.hand_on == "best" and best_index is not None else len(history) - 1
@@ -306,6 +327,11 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             storage.write_json(storage.join(prefix, "metrics.json"),
                                {**result_info, "params": params, "history": history, "resumes": resumes, "complete": True})
             result_info["model_uri"] = model_uri
+        if tracker is not None:
+            tracker.log(tracked, tags={"stagewise.handed_epoch": result_info["handed_epoch"],
+                                       "stagewise.stopped_early": stopped_early, "stagewise.steps": loop.position.step})
+            tracker.end(tracked, "FINISHED")
+            tracker.close()
         return result_info
 
 

@@ -26,7 +26,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(
 _NEEDS = ("airflow", "torchrun", "browser", "service", "gpu")  # the markers of pytest.ini; test-fast runs none
 # Fixtures that bring a need with them: checked at collection, so a test using one cannot run unmarked.
 _FIXTURE_NEEDS = {"live_airflow": "airflow", "shared_airflow": "airflow", "airflow_env": "airflow", "chromium": "browser",
-                  "postgres_databases": "service", "redis_url": "service", "s3_endpoint": "service"}
+                  "postgres_databases": "service", "redis_url": "service", "s3_endpoint": "service",
+                  "mlflow_server": "service", "mlflow_servers": "service"}
 # A process the test starts, named by its argv (a bash -c script or python -c code included).
 _TORCHRUN = re.compile(r"(?<![\w.])(torchrun|stagewise\.training\.local_torchrun|stagewise\.training\.node_launch|torch\.distributed\.run)(?![\w.])")
 # The CLI as a command (`airflow dags test`, `python -m airflow scheduler`, `... && exec airflow`), not `import airflow`.
@@ -354,3 +355,42 @@ def redis_url() -> str:
     except OSError as exc:
         service_unavailable(f"Redis at {url} is unreachable: {exc}")
     return url
+
+
+def _mlflow_server_or_skip(folder: Path, **kwargs):
+    from tests.mlflow_server import MLFLOW_PYTHON, MlflowServer
+
+    if not MLFLOW_PYTHON.exists():
+        service_unavailable(f"no MLflow environment at {MLFLOW_PYTHON.parent.parent}: run `make mlflow-env`")
+    try:
+        return MlflowServer(folder, **kwargs).start()
+    except RuntimeError as exc:
+        service_unavailable(f"mlflow server did not start: {exc}")
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server (SQLite store, artifacts proxied to a local folder) shared by a worker's tests;
+    each test uses experiments and model names of its own."""
+    server = _mlflow_server_or_skip(tmp_path_factory.mktemp("mlflow"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def mlflow_servers(tmp_path):
+    """A factory of MLflow servers of the test's own (``artifacts``: an s3:// destination; ``env``: its AWS
+    environment), stopped after it; a test may stop one mid-run."""
+    started = []
+
+    def start(name: str = "mlflow", **kwargs):
+        started.append(_mlflow_server_or_skip(tmp_path / name, **kwargs))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.stop()

@@ -1,10 +1,14 @@
-"""S3 credentials from an Airflow connection, handed to sub-jobs as the standard AWS environment.
+"""S3 and MLflow credentials from Airflow connections, handed to sub-jobs as the standard AWS and MLflow environment.
 
 The pipeline config's ``storage_conn_id`` names a connection of type ``aws``, the same shape the
 Amazon provider reads: login = access key id, password = secret access key, and in its extra
 ``endpoint_url`` (an S3-compatible store), ``region_name`` and ``aws_session_token``. Sub-jobs stay
 free of Airflow: they get ``AWS_*`` variables, which every AWS SDK (and s3fs) reads. Airflow masks
 the connection's password in task logs; nothing here logs, returns or stores a value.
+
+The config's ``tracking.conn_id`` names any connection (type http or generic) for the MLflow server: login and
+password become ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD`` (basic auth), a password alone
+``MLFLOW_TRACKING_TOKEN`` (bearer), which MLflow's clients and stagewise.tracking read.
 """
 
 from __future__ import annotations
@@ -56,6 +60,31 @@ def aws_environment(conn_id: str) -> dict[str, str]:
         return environment_from(connection.login, connection.password, connection.extra_dejson)
     except ValueError as exc:
         raise AirflowFailException(f"storage_conn_id: connection '{conn_id}' {exc}") from None
+
+
+def mlflow_environment(conn_id: str) -> dict[str, str]:
+    """The MLFLOW_TRACKING_* variables of connection ``conn_id`` (empty id: none, the worker's own apply)."""
+    if not conn_id:
+        return {}
+    from airflow.sdk import Connection
+    from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException
+
+    try:
+        connection = Connection.get(conn_id)
+    except AirflowNotFoundException:
+        raise AirflowFailException(f"tracking.conn_id: Airflow connection '{conn_id}' does not exist; create it (login "
+                                   f"and password, or a password alone as a token) or empty the key") from None
+    if connection.login and connection.password:
+        return {"MLFLOW_TRACKING_USERNAME": str(connection.login), "MLFLOW_TRACKING_PASSWORD": str(connection.password)}
+    if connection.password:
+        return {"MLFLOW_TRACKING_TOKEN": str(connection.password)}
+    raise AirflowFailException(f"tracking.conn_id: connection '{conn_id}' has no password (nor token); set login and "
+                               f"password for basic auth, or a password alone as a bearer token")
+
+
+def task_environment(config: Any) -> dict[str, str]:
+    """Everything a task of ``config``'s pipeline hands its sub-jobs: the storage and the tracking credentials."""
+    return {**aws_environment(config.storage_conn_id), **mlflow_environment(config.tracking.conn_id)}
 
 
 @contextlib.contextmanager

@@ -57,7 +57,7 @@ def _launch(run: dict[str, Any], module: str, args: list[str], profile: str, dis
     attempt = _context()["ti"].try_number
     config = run_config(run)
     return launch.run(module, [*args, *_config_args(run)], config.profile(profile), distributed=distributed,
-                      attempt=attempt, extra_env=credentials.aws_environment(config.storage_conn_id),
+                      attempt=attempt, extra_env=credentials.task_environment(config),
                       import_paths=config.model.import_paths or (), **kwargs)
 
 
@@ -67,7 +67,7 @@ def _inline(config: PipelineConfig | None, work: Callable[[], Any]) -> Any:
 
     started = time.monotonic()
     try:
-        with credentials.exported(credentials.aws_environment(config.storage_conn_id) if config else {}):
+        with credentials.exported(credentials.task_environment(config) if config else {}):
             result = work()
     except UserError as exc:
         raise AirflowFailException(str(exc)) from None
@@ -151,14 +151,20 @@ def start_run(mode: str = "pipeline", config_file: str | None = None) -> dict[st
         if mode == "retrain":
             from stagewise import registry
 
-            with credentials.exported(credentials.aws_environment(base.storage_conn_id)):
+            with credentials.exported(credentials.task_environment(base)):
                 overrides.update(registry.retrain_overrides(base))
         config = load_config(path, overrides)
         out = storage.run_prefix(config.storage_root, dag_id, run_id)
         text, config_hash = snapshot(config)
         snapshot_uri = storage.join(out, "config.yaml")
-        with credentials.exported(credentials.aws_environment(config.storage_conn_id)):
+        with credentials.exported(credentials.task_environment(config)):
             storage.write_bytes(snapshot_uri, text.encode())  # written before any task of the run reads it
+            if config.tracking.mlflow_uri:  # the parent MLflow run, before any sub-job looks for it
+                from stagewise.registry import code_version
+                from stagewise.tracking.runs import start_parent
+
+                start_parent(config, dag_id=dag_id, run_id=run_id, out=out, config_text=text, config_hash=config_hash,
+                             code_version=code_version())
         return {"dag_id": dag_id, "run_id": run_id, "config": snapshot_uri, "config_hash": config_hash,
                 "config_source": path, "storage_conn_id": config.storage_conn_id, "overrides": overrides, "out": out,
                 "study": study_name(dag_id, run_id)}
@@ -272,7 +278,7 @@ def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], i
     values, env, args = _inline(config, contract)  # bad params or args are the user's to fix: no retry
     reported = launch.run(entry.module or "", args, config.profile(spec.profile), distributed=True,
                           attempt=_context()["ti"].try_number, script=entry.script,
-                          extra_env={**credentials.aws_environment(config.storage_conn_id), **env},
+                          extra_env={**credentials.task_environment(config), **env},
                           result_arg=False, import_paths=config.model.import_paths or ())
     # Missing outputs fail here, without retry, rather than in evaluate three times.
     result = _inline(config, lambda: byo_result(config, stage, run["out"], values, reported))
@@ -296,7 +302,8 @@ def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dic
                                    study=run["study"], source_run=f"{run['dag_id']}/{run['run_id']}",
                                    manifest_uri=storage.join(run["out"], "preprocess", "manifest.json"))
         card.update(run_config_reference(run))  # what the model was trained with, after the file has changed
-        return registry.register(config.storage_root, config.registry.model_name, trained["model_uri"], card)
+        return registry.register_for(config, run["out"], trained["model_uri"], card, dag_id=run["dag_id"],
+                                     run_id=run["run_id"])
 
     return _inline(config, work)
 
@@ -306,7 +313,7 @@ def gate_model(run: dict[str, Any], registered: dict[str, Any]) -> dict[str, Any
     from stagewise import registry
 
     config = run_config(run)
-    return _inline(config, lambda: registry.gate_new_version(config, registered["version"]))
+    return _inline(config, lambda: registry.gate_registered(config, registered, run["out"]))
 
 
 def resolve_model(run: dict[str, Any]) -> dict[str, Any]:
@@ -315,7 +322,7 @@ def resolve_model(run: dict[str, Any]) -> dict[str, Any]:
 
     config = run_config(run)
     version = _context()["params"].get("model_version") or None
-    return _inline(config, lambda: registry.serving_model(config, version))
+    return _inline(config, lambda: registry.serving_model(config, version, run["out"]))
 
 
 def plan_inference(run: dict[str, Any], model: dict[str, Any]) -> list[dict[str, Any]]:
@@ -344,6 +351,7 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
                  gated: dict, scored: Sequence[dict], predictions: dict) -> dict[str, Any]:
     from stagewise import report
     from stagewise.reporting import timeline
+    from stagewise.tracking import runs as tracking
 
     config = run_config(run)
     stage_results = {"preprocess": [*_all(stats), reduced, *_all(transformed), prepared], "sweep": [*_all(workers), swept]}
@@ -351,18 +359,27 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
     stage_results.update({"evaluate": [evaluation], "registry": [registered, gated], "inference": [*_all(scored), predictions]})
     gate_keys = ("model_name", "promoted", "reason", "current", "previous", "metric", "direction", "margin",
                  "candidate_value", "incumbent_value")
-    return _inline(config, lambda: report.build_report(
-        dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], stage_results=stage_results, preprocess=prepared,
-        sweep=swept, training=list(trained), evaluation=evaluation, predictions=predictions,
-        registry={**{key: gated.get(key) for key in gate_keys}, "version": registered["version"]},
-        direction=config.objective.direction, tasks=timeline.records(run["out"]), config=run_config_reference(run)))
+    def work() -> dict[str, Any]:
+        links = tracking.links(run["out"], registered)
+        written = report.build_report(
+            dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], stage_results=stage_results, preprocess=prepared,
+            sweep=swept, training=list(trained), evaluation=evaluation, predictions=predictions,
+            registry={**{key: gated.get(key) for key in gate_keys}, "version": registered["version"]},
+            direction=config.objective.direction, tasks=timeline.records(run["out"]), config=run_config_reference(run),
+            tracking=links)
+        if links is not None:
+            tracking.finish_parent(config, run["out"], written)
+        return written
+
+    return _inline(config, work)
 
 
 def write_inference_report(run: dict[str, Any], model: dict[str, Any], scored: Sequence[dict], predictions: dict) -> dict[str, Any]:
     from stagewise import report
     from stagewise.reporting import timeline
+    from stagewise.tracking import runs as tracking
 
     return _inline(run_config(run), lambda: report.build_inference_report(
         dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], model=model,
         stage_results={"inference": [*_all(scored), predictions]}, predictions=predictions,
-        tasks=timeline.records(run["out"]), config=run_config_reference(run)))
+        tasks=timeline.records(run["out"]), config=run_config_reference(run), tracking=tracking.links(run["out"], model)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import re
+import urllib.parse
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -625,6 +626,9 @@ class Registry(_Strict):
                                          "file gives it."))
     gate_metric: str | None = Field(None, description="Test metric the gate compares; default: test_<objective.metric>, in the objective's direction.")
     margin: float = Field(0.0, ge=0, description="A new model must beat the current one by more than this, in the objective's direction.")
+    backend: Literal["storage", "mlflow"] = Field("storage", description=(
+        "Where versions live: storage (models/<model_name>/ under storage_root, current.json) or mlflow (the tracking "
+        "server's Model Registry, model <model_name>, aliases champion and challenger; needs tracking.mlflow_uri)."))
 
     @field_validator("gate_metric")
     @classmethod
@@ -632,6 +636,33 @@ class Registry(_Strict):
         if value is not None and not re.match(r"^test_\w+$", value):
             raise ValueError(f"'{value}' is not a test metric name such as test_accuracy")
         return value
+class Tracking(_Strict):
+    """Opt-in MLflow tracking: a parent run per DAG run, nested runs per sweep trial and training stage."""
+
+    mlflow_uri: str = Field("", description=(
+        "The team's MLflow tracking server (http:// or https://); empty: tracking off. Never put credentials here: "
+        "conn_id or the worker's MLFLOW_TRACKING_* variables carry them."))
+    experiment: str = Field("", description="MLflow experiment of the pipeline's runs; empty: stagewise/<pipeline name>.")
+    conn_id: str = Field("", description=(
+        "Airflow connection with the server's credentials (login and password: basic auth; password alone: a token); "
+        "empty: the worker's MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN."))
+    timeout_s: float = Field(10.0, gt=0, le=300, description=(
+        "Longest wait for one request; a server slower than this is skipped for the task with one warning."))
+
+    @field_validator("mlflow_uri")
+    @classmethod
+    def _http_without_credentials(cls, value: str) -> str:
+        if not value:
+            return value
+        parsed = urllib.parse.urlparse(value)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"'{value}' is not an http:// or https:// server address")
+        if parsed.username or parsed.password:
+            raise ValueError("holds credentials; put them in the Airflow connection (tracking.conn_id) or the worker's "
+                             "MLFLOW_TRACKING_USERNAME/PASSWORD instead, never in the config")
+        return value.rstrip("/")
+
+
 class Model(_Strict):
     """The model: a ModelSpec subclass named by import path, with its arguments (see tasks/spec.py)."""
 
@@ -716,6 +747,7 @@ class PipelineConfig(_Strict):
     evaluate: Evaluate = Field(description="Test-split evaluation.")
     inference: Inference = Field(description="Sharded batch inference.")
     registry: Registry = Field(default_factory=Registry, description="Model registry and gate.")
+    tracking: Tracking = Field(default_factory=Tracking, description="MLflow tracking of runs, trials and stages (off by default).")
     retrain: Retrain = Field(default_factory=Retrain, description="Scheduled and data-triggered retraining.")
     airflow: AirflowSettings = Field(default_factory=AirflowSettings, description="How the DAGs fit the team's Airflow.")
 
@@ -744,6 +776,12 @@ class PipelineConfig(_Strict):
             unknown = sorted(set(names) - set(known))
             if unknown:
                 raise ValueError(f"{where}: unknown hyperparameter(s) {unknown} for {BUILTIN_SPEC}; tunable: {list(known)}")
+        return self
+
+    @model_validator(mode="after")
+    def _mlflow_registry_needs_a_server(self) -> PipelineConfig:
+        if self.registry.backend == "mlflow" and not self.tracking.mlflow_uri:
+            raise ValueError("registry.backend: 'mlflow' keeps versions on the tracking server; set tracking.mlflow_uri")
         return self
 
     @model_validator(mode="after")

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import re
+from typing import Any
 
-from stagewise.core.errors import DataError
+from stagewise.core.errors import DataError, UserError
 
 VERSION_PATTERN = r"m-[0-9a-f]{12}"
 # A registered model's file: models/<name>/<version>/model.pt (stagewise.registry's layout).
@@ -30,3 +31,22 @@ def check_registered(uri: str, data: bytes) -> str:
                         f"{registered.group(1)}: the file was cut, corrupted or replaced after registration; roll back "
                         f"(python -m stagewise.registry rollback) or register the model again")
     return version
+
+
+def judge(candidate: dict[str, Any], incumbent_version: str | None, incumbent: dict[str, Any] | None, metric: str,
+          margin: float, direction: str, promote_hint: str) -> dict[str, Any]:
+    """The gate's decision on ``candidate``'s card against the incumbent's (None: no current model), for either
+    registry: promoted only when it beats the incumbent's ``metric`` by more than ``margin`` in ``direction``."""
+    if incumbent_version is None:
+        return {"promoted": True, "reason": "no current model"}
+    if incumbent_version == candidate["version"] or incumbent is None:
+        return {"promoted": False, "reason": "already current"}
+    if metric not in incumbent:
+        raise UserError(f"current model {incumbent_version} has no metric '{metric}' to compare with: it was trained "
+                        f"for another objective; promote explicitly ({promote_hint})")
+    minimize = direction == "minimize"
+    better = candidate[metric] < incumbent[metric] - margin if minimize else candidate[metric] > incumbent[metric] + margin
+    relation = ("<" if better else ">=") if minimize else (">" if better else "<=")
+    return {"promoted": better, "reason": f"{metric} {candidate[metric]:.4f} {relation} current "
+                                          f"{incumbent[metric]:.4f} {'-' if minimize else '+'} margin {margin}",
+            "previous": incumbent_version, "incumbent_value": incumbent[metric]}

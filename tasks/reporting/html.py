@@ -337,6 +337,23 @@ def config_line(config: dict[str, Any]) -> str:
             f'{html.escape(str(config["config_hash"]))}</b> (config.yaml, from {html.escape(str(config.get("config_source")))})')
 
 
+def tracking_line(tracking: dict[str, Any] | None) -> str:
+    """Links to the MLflow run and model version, and what tracking missed (empty when the run was not tracked)."""
+    if not tracking:
+        return ""
+    parts = []
+    if tracking.get("run_url"):
+        parts.append(f'<a href="{html.escape(tracking["run_url"])}" target="_blank" rel="noopener">MLflow run</a>')
+    if tracking.get("model_version_url"):
+        parts.append(f'<a href="{html.escape(tracking["model_version_url"])}" target="_blank" rel="noopener">'
+                     f'MLflow model {html.escape(str(tracking.get("model_version_label") or "version"))}</a>')
+    for gap in tracking.get("gaps") or []:
+        dropped = f", {gap['dropped_calls']} call(s) dropped" if gap.get("dropped_calls") else ""
+        parts.append(f'<span class=refused title="{html.escape(str(gap.get("error")))}">tracking gap in '
+                     f'{html.escape(str(gap.get("task")))}{dropped}</span>')
+    return f'<div class="tracking">{" · ".join(parts)}</div>' if parts else ""
+
+
 def outcome_line(report: dict[str, Any], metric: str) -> str:
     registry = report.get("registry") or {}
     test = (report.get("objective") or {}).get("test")
@@ -441,7 +458,7 @@ on the axis' worst edge.</p>
 <header><h1>Stagewise run {html.escape(title)}</h1>
 <div class="meta">dag_id <b>{html.escape(str(report.get('dag_id')))}</b> · run_id <b>{html.escape(str(report.get('run_id')))}</b>
 {objective} · {config_line(report.get('config') or {})} · report generated {html.escape(generated_at[:19])} UTC</div>
-<div class="outcome">{outcome_line(report, metric)}</div></header>
+<div class="outcome">{outcome_line(report, metric)}</div>{tracking_line(report.get('tracking'))}</header>
 <main>
 {sections}
 </main>

@@ -1,0 +1,150 @@
+"""Training stages tracked in MLflow and the MLflow registry backend, against a real `mlflow server`, read back with
+MLflow's official client: each stage's nested run on one step axis across stages, a registered version that
+`mlflow.pyfunc` loads and that scores raw rows as batch inference does, and the champion/challenger aliases through a
+passing gate, a refusing gate and a rollback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from stagewise import infer, registry, train
+from stagewise.core import storage
+from stagewise.datasets.predictions import plan_inference
+from stagewise.definitions.loading import load_config
+from stagewise.tracking.registry import CHALLENGER, CHAMPION
+from stagewise.tracking.runs import start_parent
+from tests.conftest import base_config, preprocess_digits
+
+pytestmark = pytest.mark.service
+
+
+def _config(root: Path, uri: str, model_name: str, **overrides):
+    raw = base_config(root)
+    raw["tracking"] = {"mlflow_uri": uri, "experiment": model_name}
+    raw["registry"] = {"backend": "mlflow", "model_name": model_name}
+    path = root / f"{model_name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return load_config(path, overrides)
+
+
+def _parent(config, out: str, run_id: str) -> str:
+    return start_parent(config, dag_id="ml_pipeline", run_id=run_id, out=out, config_text="", config_hash="h",
+                        code_version="c")["parent_run_id"]
+
+
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory, mlflow_server):
+    """The digits preprocessed and stages s1 and s2 trained in-process with tracking on; (config, run prefix, s2's result)."""
+    root = tmp_path_factory.mktemp("tracked_stages")
+    config = _config(root, mlflow_server.uri, "digits_stages")
+    out = str(root / "runs" / "ml_pipeline" / "staged")
+    preprocess_digits(root / "digits_stages.yaml", out)
+    _parent(config, out, "staged")
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            patch.delenv(name, raising=False)
+        first = train.run_stage(config, "s1", out, {"lr": 0.05, "hidden": 32}, None)
+        second = train.run_stage(config, "s2", out, {"lr": 0.05, "hidden": 32}, first["checkpoint_uri"])
+    return config, out, first, second
+
+
+def test_each_stage_is_a_nested_run_on_one_step_axis_across_stages(two_stages, mlflow_server):
+    """A stage's run has its params (world size, global batch, rescaled lr) and per epoch loss, objective, samples/s and
+    lr, stepped by optimizer steps counted across stages: s2 continues where s1 ended."""
+    config, out, first, second = two_stages
+    runs = mlflow_server.client("""
+        exp = client.get_experiment_by_name("digits_stages").experiment_id
+        emit({r.data.tags["stagewise.stage"]: {"status": r.info.status, "params": r.data.params,
+              "parent": r.data.tags["mlflow.parentRunId"],
+              "history": {key: [(m.step, m.value) for m in client.get_metric_history(r.info.run_id, key)]
+                          for key in ("loss", "val_accuracy", "samples_per_s", "lr")}}
+              for r in client.search_runs([exp], filter_string="tags.`stagewise.kind` = 'stage'")})
+    """)
+    assert set(runs) == {"s1", "s2"} and runs["s1"]["parent"] == runs["s2"]["parent"]
+    for result in (first, second):
+        run = runs[result["stage"]]
+        assert run["status"] == "FINISHED"
+        assert (int(run["params"]["world_size"]), int(run["params"]["global_batch"])) == (1, result["global_batch"])
+        assert float(run["params"]["stage_lr"]) == pytest.approx(result["lr"])
+        for key, points in run["history"].items():
+            assert len(points) == result["epochs_run"], key
+    s1_steps = [step for step, _ in runs["s1"]["history"]["loss"]]
+    s2_steps = [step for step, _ in runs["s2"]["history"]["loss"]]
+    assert s1_steps[-1] == first["steps"] and s2_steps[0] > s1_steps[-1] and s2_steps[-1] == first["steps"] + second["steps"]
+    history = json.loads(Path(out, "train", "s2", "metrics.json").read_text())["history"]
+    assert [value for _, value in runs["s2"]["history"]["val_accuracy"]] == pytest.approx([h["val_metric"] for h in history])
+
+
+def test_a_registered_version_loads_with_mlflow_pyfunc_and_scores_as_batch_inference(two_stages, mlflow_server, tmp_path):
+    """The version is linked to the parent run, holds weights-only model.pt beside an MLmodel, and
+    mlflow.pyfunc.load_model("models:/<name>@champion") in MLflow's own environment predicts on raw rows exactly
+    what Stagewise's batch inference writes for them."""
+    config, out, _, second = two_stages
+    card = {"test_accuracy": 0.9, "objective": "accuracy", "study": "s", "source_run": "ml_pipeline/staged"}
+    registered = registry.register_for(config, out, second["model_uri"], card, dag_id="ml_pipeline", run_id="staged")
+    decision = registry.gate_registered(config, registered, out)
+    assert decision["promoted"] and decision["current_mlflow_version"] == registered["mlflow_version"]
+
+    raw_file = storage.list_parquet(storage.resolve(config.storage_root, config.dataset.uri))[0]
+    shard = plan_inference(raw_file, 10_000)[0]
+    scored = infer.score_shard(config, second["model_uri"], shard, str(tmp_path / "scored"))
+    ours = pq.read_table(scored["uri"]).to_pydict()
+    seen = mlflow_server.client(f"""
+        import mlflow.pyfunc, pandas as pd
+        version = client.get_model_version_by_alias("digits_stages", "champion")
+        model = mlflow.pyfunc.load_model("models:/digits_stages@champion")
+        frame = pd.read_parquet({raw_file!r})
+        predicted = model.predict(frame)
+        emit({{"run_id": version.run_id, "files": sorted(a.path for a in client.list_artifacts(version.run_id, "model")),
+              "keys": predicted["row_id"].tolist(), "prediction": predicted["prediction"].tolist(),
+              "loader": model.metadata.flavors["python_function"]["loader_module"]}})
+    """)
+    assert seen["run_id"] == json.loads(Path(out, "tracking", "mlflow.json").read_text())["parent_run_id"]
+    assert {"model/MLmodel", "model/model.pt", "model/card.json", "model/requirements.txt"} <= set(seen["files"])
+    assert seen["loader"] == "stagewise.models.mlflow_pyfunc"
+    assert dict(zip(seen["keys"], seen["prediction"])) == dict(zip(ours["row_id"], ours["prediction"]))
+
+
+def test_the_gate_moves_champion_only_when_the_candidate_passes_and_rollback_moves_it_back(tmp_path, mlflow_server):
+    """challenger always points at the newest candidate; champion moves only on a pass; a refused version is tagged with
+    why; rollback restores the former champion; inference and retraining read @champion."""
+    config = _config(tmp_path, mlflow_server.uri, "gated_model")
+    numbers = {}
+    for label, accuracy in (("first", 0.90), ("worse", 0.85), ("better", 0.95)):
+        out = str(tmp_path / "runs" / label)
+        _parent(config, out, label)
+        model = tmp_path / f"{label}.pt"
+        model.write_bytes(label.encode() * 100)
+        card = {"test_accuracy": accuracy, "objective": "accuracy", "study": f"study-{label}", "source_run": label}
+        registered = registry.register_for(config, out, str(model), card, dag_id="ml_pipeline", run_id=label)
+        assert registry.register_for(config, out, str(model), card, dag_id="ml_pipeline", run_id=label)["mlflow_version"] \
+            == registered["mlflow_version"], "a retry finds its version"
+        decision = registry.gate_registered(config, registered, out)
+        numbers[label] = registered["mlflow_version"]
+        aliases = mlflow_server.client("""
+            emit({alias: client.get_model_version_by_alias("gated_model", alias).version for alias in ("champion", "challenger")})
+        """)
+        assert aliases[CHALLENGER] == registered["mlflow_version"]
+        if label == "worse":
+            assert not decision["promoted"] and aliases[CHAMPION] == numbers["first"]
+            assert storage.read_bytes(decision["model_uri"]) == b"first" * 100, "this run's inference scores with the champion"
+            tags = mlflow_server.client(f"""emit(client.get_model_version("gated_model", "{registered['mlflow_version']}").tags)""")
+            assert tags["stagewise.gate"] == "refused" and "0.8500 <= current 0.9000" in tags["stagewise.gate_reason"]
+        else:
+            assert decision["promoted"] and aliases[CHAMPION] == registered["mlflow_version"]
+    assert registry.retrain_overrides(config)["sweep.warm_start_from"] == "study-better"
+
+    out = str(tmp_path / "runs" / "serve")
+    served = registry.serving_model(config, None, out)
+    assert served["mlflow_version"] == numbers["better"] and storage.read_bytes(served["model_uri"]) == b"better" * 100
+    registry.main(["rollback", "--config", str(tmp_path / "gated_model.yaml")])
+    champion = mlflow_server.client("""emit(client.get_model_version_by_alias("gated_model", "champion").version)""")
+    assert champion == numbers["first"]
+    assert storage.read_bytes(registry.serving_model(config, None, out)["model_uri"]) == b"first" * 100
+    pinned = registry.serving_model(config, numbers["worse"], out)
+    assert storage.read_bytes(pinned["model_uri"]) == b"worse" * 100, "a model_version Param picks that version"
