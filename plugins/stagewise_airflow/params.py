@@ -67,9 +67,10 @@ def inference_params(config: PipelineConfig) -> dict[str, Any]:
     return {
         "input_uri": Param(config.inference.input_uri or config.dataset.uri, type="string", minLength=1, maxLength=MAX_URI,
                            description="Parquet file or folder to score (relative to the storage root, or a URI)."),
-        "model_version": Param(None, type=OPTIONAL_STRING, pattern=f"^{VERSION_PATTERN}$",
-                               description="Registered model version (python -m stagewise.registry list); empty means "
-                                           "the current one."),
+        "model_version": Param(None, type=OPTIONAL_STRING, pattern=f"^({VERSION_PATTERN}|[0-9]+)$",
+                               description="Registered model version (python -m stagewise.registry list): its m-... id, "
+                                           "or its number in MLflow's registry; empty means the current one "
+                                           "(@champion in MLflow)."),
     }
 
 

@@ -242,6 +242,23 @@ def objective_of(report: dict[str, Any]) -> tuple[str, Any]:
     return metric or "", value
 
 
+def mlflow_links(report: dict[str, Any]) -> str:
+    """The header's links to the run's MLflow run and model version, and its tracking gaps (empty when not tracked)."""
+    tracking = report.get("tracking") if isinstance(report.get("tracking"), dict) else {}
+    links = []
+    if isinstance(tracking.get("run_url"), str) and tracking["run_url"].startswith(("http://", "https://")):
+        links.append(f'<a data-stagewise-link="mlflow-run" href="{esc(tracking["run_url"])}" target="_blank" '
+                     f'rel="noopener">MLflow run</a>')
+    if isinstance(tracking.get("model_version_url"), str) and tracking["model_version_url"].startswith(("http://", "https://")):
+        links.append(f'<a data-stagewise-link="mlflow-model" href="{esc(tracking["model_version_url"])}" target="_blank" '
+                     f'rel="noopener">MLflow model {esc(tracking.get("model_version_label") or "version")}</a>')
+    gaps = [gap for gap in tracking.get("gaps") or [] if isinstance(gap, dict)]
+    if gaps:
+        links.append(f'<span class="badge err" title="{esc("; ".join(str(g.get("error")) for g in gaps))}">tracking gap in '
+                     f'{esc(", ".join(str(g.get("task")) for g in gaps))}</span>')
+    return "".join(f" · {link}" for link in links)
+
+
 def run_href(root: str, dag_id: str, run_id: str) -> str:
     return f"{root}/runs/{quote(dag_id, safe='')}/{quote(run_id, safe='')}"
 
@@ -299,7 +316,7 @@ def summary_html(report: dict[str, Any]) -> str:
             fmt(registry.get("model_name")), f'<span class="mono">{esc(registry.get("version"))}</span>',
             gate_badge(registry), esc(registry.get("reason")), f'<span class="mono">{esc(registry.get("current"))}</span>']]))
     shown = {"dag_id", "run_id", "run_prefix", "objective", "sweep", "registry", "predictions", "training", "data",
-             "test_metrics", "stages", "test_accuracy"}
+             "test_metrics", "stages", "test_accuracy", "tracking"}
     rest = {k: v for k, v in report.items() if k not in shown}
     if rest:
         parts.append("<h2>More</h2>" + table(["key", "value"], ([esc(k), fmt(v)] for k, v in rest.items())))
@@ -374,7 +391,8 @@ def create_app() -> FastAPI:
                 f"<h1 class='run-id' data-stagewise-run-id='{esc(shown_run)}'>{esc(shown_run)}</h1>"
                 f"<p class='sub'>DAG <b>{esc(shown_dag)}</b> · files under <code>{esc(prefix)}</code> · "
                 f"{_link(here + '/report.json', 'report.json')}"
-                + (f" · {_link(here + '/report.html', 'open the report on its own')}" if has_html else "") + "</p>")
+                + (f" · {_link(here + '/report.html', 'open the report on its own')}" if has_html else "")
+                + mlflow_links(report) + "</p>")
         if "_error" in report:
             content = f"<p><span class='badge err'>unreadable</span> {esc(report['_error'])}</p>"
         elif has_html:

@@ -342,9 +342,10 @@ def tracking_line(tracking: dict[str, Any] | None) -> str:
     if not tracking:
         return ""
     parts = []
-    if tracking.get("run_url"):
+    web = ("http://", "https://")
+    if str(tracking.get("run_url") or "").startswith(web):
         parts.append(f'<a href="{html.escape(tracking["run_url"])}" target="_blank" rel="noopener">MLflow run</a>')
-    if tracking.get("model_version_url"):
+    if str(tracking.get("model_version_url") or "").startswith(web):
         parts.append(f'<a href="{html.escape(tracking["model_version_url"])}" target="_blank" rel="noopener">'
                      f'MLflow model {html.escape(str(tracking.get("model_version_label") or "version"))}</a>')
     for gap in tracking.get("gaps") or []:

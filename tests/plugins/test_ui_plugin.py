@@ -33,7 +33,7 @@ def load_plugin():
 
 
 def write_run(storage_root: str, run_id: str, *, test_accuracy: float = 0.91, html: str | None = None,
-              dag_id: str = "ml_pipeline") -> str:
+              dag_id: str = "ml_pipeline", tracking: dict | None = None) -> str:
     """A finished ml_pipeline run's report.json (written by stagewise.report itself); its report.html replaced by ``html``,
     or removed (a run reported before report.html existed) when ``html`` is None."""
     out = storage.run_prefix(storage_root, dag_id, run_id)
@@ -49,7 +49,7 @@ def write_run(storage_root: str, run_id: str, *, test_accuracy: float = 0.91, ht
                     "test_loss": 0.3},
         predictions={"uri": storage.join(out, "predictions"), "rows": 297, "rows_quarantined": 1},
         registry={"model_name": "digits", "version": "m-abc", "promoted": True, "reason": "no current model",
-                  "current": "m-abc"})
+                  "current": "m-abc"}, tracking=tracking)
     page = storage.join(out, "report.html")
     if html is not None:
         storage.write_bytes(page, html.encode())
@@ -245,6 +245,27 @@ def test_a_torn_registry_file_is_shown_with_its_error_and_hides_nothing_else(air
     page = client.get("/stagewise/registry", headers={"Authorization": f"Bearer {token}"})
     assert page.status_code == 200, page.text
     assert f"{target}: is not valid JSON" in page.text and first in page.text and second in page.text
+
+
+def test_a_tracked_run_links_its_mlflow_run_and_model_version_and_names_its_gaps(airflow_api, storage_root):
+    """With tracking on, the run page's header links to the MLflow run and model version (http(s) only) and names each
+    task whose tracking had a gap; the report's own page carries the same links."""
+    tracking = {"run_url": "http://mlflow.team:5000/#/experiments/1/runs/abc",
+                "model_version_url": "http://mlflow.team:5000/#/models/digits/versions/3", "model_version_label": "digits v3",
+                "gaps": [{"task": "train_s2", "error": "ConnectionError", "dropped_calls": 4}]}
+    write_run(str(storage_root), RUN_ID, html=None, tracking=tracking)
+    write_run(str(storage_root), "odd", html=None, tracking={"run_url": "javascript:alert(1)", "gaps": []})
+    client, token = airflow_api(str(storage_root))
+    bearer = {"Authorization": f"Bearer {token}"}
+    page = client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}", headers=bearer).text
+    assert 'data-stagewise-link="mlflow-run" href="http://mlflow.team:5000/#/experiments/1/runs/abc"' in page
+    assert 'href="http://mlflow.team:5000/#/models/digits/versions/3"' in page and "MLflow model digits v3" in page
+    assert "tracking gap in train_s2" in page
+    assert "javascript:" not in client.get("/stagewise/runs/ml_pipeline/odd", headers=bearer).text
+    out = storage.run_prefix(str(storage_root), "ml_pipeline", RUN_ID)
+    report.write_html(report.read_report(storage.join(out, "report.json")), out)
+    html = storage.read_bytes(storage.join(out, "report.html")).decode()
+    assert 'href="http://mlflow.team:5000/#/models/digits/versions/3"' in html and "tracking gap in train_s2" in html
 
 
 def test_values_from_storage_are_escaped(airflow_api, storage_root):

@@ -148,3 +148,31 @@ def test_the_gate_moves_champion_only_when_the_candidate_passes_and_rollback_mov
     assert storage.read_bytes(registry.serving_model(config, None, out)["model_uri"]) == b"first" * 100
     pinned = registry.serving_model(config, numbers["worse"], out)
     assert storage.read_bytes(pinned["model_uri"]) == b"worse" * 100, "a model_version Param picks that version"
+
+
+def test_with_artifacts_on_s3_a_version_registers_and_loads_through_the_server(two_stages, mlflow_servers, s3_bucket, s3_env):
+    """A server whose artifact store is the S3 endpoint: the parent run's config, the version's bundle and its MLmodel
+    land in the bucket, and mlflow.pyfunc loads models:/<name>@champion through the server, with no S3 keys of its own."""
+    import s3fs
+
+    _, out, _, second = two_stages
+    server = mlflow_servers("s3", artifacts=f"{s3_bucket}/mlflow",
+                            env={**s3_env, "MLFLOW_S3_ENDPOINT_URL": s3_env["AWS_ENDPOINT_URL"]})
+    root = Path(out).parent / "s3_variant"
+    root.mkdir()
+    config = _config(root, server.uri, "digits_s3")
+    run_out = str(root / "runs" / "ml_pipeline" / "on_s3")
+    _parent(config, run_out, "on_s3")
+    registered = registry.register_for(config, run_out, second["model_uri"], {"test_accuracy": 0.9, "objective": "accuracy"},
+                                       dag_id="ml_pipeline", run_id="on_s3")
+    assert registry.gate_registered(config, registered, run_out)["promoted"]
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_env["AWS_ENDPOINT_URL"]}, skip_instance_cache=True)
+    stored = [path.rsplit("/", 1)[-1] for path in fs.find(f"{s3_bucket}/mlflow")]
+    assert {"config.yaml", "model.pt", "MLmodel", "card.json"} <= set(stored)
+    loaded = server.client("""
+        import mlflow.pyfunc
+        emit(mlflow.pyfunc.load_model("models:/digits_s3@champion").metadata.flavors["python_function"]["loader_module"])
+    """, AWS_ACCESS_KEY_ID="", AWS_SECRET_ACCESS_KEY="")
+    assert loaded == "stagewise.models.mlflow_pyfunc"
+    served = registry.serving_model(config, None, run_out)
+    assert storage.read_bytes(served["model_uri"]) == storage.read_bytes(second["model_uri"])
