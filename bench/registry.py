@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "inference_memory_growth": ("inference:inference_memory_growth", "<= 1.5"),
     "s3_pipeline_overhead": ("s3:s3_pipeline_overhead", "<= 1.5"),
     "multinode_overhead": ("multinode:multinode_overhead", "<= 1.3"),
+    "mlflow_overhead": ("tracking:mlflow_overhead", "<= 1.03"),
     "train_throughput_gpu": ("gpu:train_throughput_gpu", ">= 0.95"),
     "train_vs_dataloader_gpu": ("gpu:train_vs_dataloader_gpu", ">= 3"),
     "inference_throughput_gpu": ("gpu:inference_throughput_gpu", ">= 0.9"),
