@@ -104,9 +104,13 @@ def _record_attempt(context: Any, state: str, ended: bool, result: Any = None) -
             config = _cached_config(str(config_path()))
             out = storage.run_prefix(config.storage_root, context["dag"].dag_id, context["run_id"])
         start = timeline.iso(ti.start_date) if getattr(ti, "start_date", None) else None
-        with credentials.exported(credentials.aws_environment(config.storage_conn_id)):
+        with credentials.exported(credentials.task_environment(config)):
             timeline.record(out, task_id=ti.task_id, map_index=ti.map_index, try_number=ti.try_number, state=state,
                             start=start, end=timeline.iso() if ended else None)
+            if state == "failed" and config.tracking.mlflow_uri:
+                from stagewise.tracking.runs import fail_parent
+
+                fail_parent(config, out, ti.task_id)
     except Exception as exc:  # the timeline is a view of the run, never a reason to fail it
         logging.getLogger("stagewise.timeline").warning("could not record %s of %s: %s", state, ti.task_id, exc)
 

@@ -280,6 +280,17 @@ def finish_parent(config: PipelineConfig, out: str, report: dict[str, Any], stat
     task_call(config, out, "report", work)
 
 
+def fail_parent(config: PipelineConfig, out: str, task: str) -> None:
+    """A task of the run failed for good: the parent run ends FAILED, naming it (a later successful re-run of the DAG
+    run sets it RUNNING again)."""
+
+    def work(api: MlflowApi, state: dict[str, Any]) -> None:
+        api.log_batch(state["parent_run_id"], tags={"stagewise.failed_task": task})
+        api.end_run(state["parent_run_id"], "FAILED")
+
+    task_call(config, out, task, work)
+
+
 def links(out: str, model: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The report's view of tracking: the parent run's page, the MLflow model version (``model``: a registered or
     resolved version) and every gap; None when the run was neither tracked nor served from MLflow."""

@@ -13,7 +13,7 @@ from stagewise.core.errors import UserError
 from stagewise.definitions.loading import load_config
 from stagewise.study.studies import create
 from stagewise.sweep import run_worker
-from stagewise.tracking.runs import TRIAL_STATUS, Tracker, gaps, parent_state, start_parent
+from stagewise.tracking.runs import TRIAL_STATUS, Tracker, fail_parent, gaps, parent_state, start_parent
 from tests.mlflow_server import free_port
 
 pytestmark = pytest.mark.service
@@ -46,6 +46,21 @@ def test_the_parent_run_is_tagged_holds_the_config_and_a_rerun_reuses_it(digits_
     assert (tags["stagewise.dag_id"], tags["stagewise.run_id"], tags["stagewise.config_hash"],
             tags["stagewise.code_version"]) == ("ml_pipeline", "manual__1", "abc123", "deadbeef")
     assert first["run_url"].startswith(mlflow_server.uri) and first["parent_run_id"] in first["run_url"]
+
+
+def test_a_task_failing_for_good_ends_the_parent_run_failed_and_names_it(digits_run, mlflow_server):
+    """The failure callback's call: the parent run ends FAILED with the task's id; re-running the DAG run resumes it."""
+    config = _tracked(digits_run[0], mlflow_server.uri, "failing-test")
+    out = digits_run[1]
+    parent = _start(config, out, "failing")["parent_run_id"]
+    fail_parent(config, out, "train_s2")
+    seen = mlflow_server.client(f"""
+        run = client.get_run({parent!r})
+        emit([run.info.status, run.data.tags.get("stagewise.failed_task")])
+    """)
+    assert seen == ["FAILED", "train_s2"]
+    _start(config, out, "failing")
+    assert mlflow_server.client(f"emit(client.get_run({parent!r}).info.status)") == "RUNNING"
 
 
 @pytest.mark.torchrun
