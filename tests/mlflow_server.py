@@ -55,9 +55,10 @@ class MlflowServer:
         self.stop()
         raise RuntimeError(f"mlflow server did not answer /health in {START_TIMEOUT_S}s: {self.log_tail()}")
 
-    def stop(self) -> None:
+    def stop(self, crash: bool = False) -> None:
+        """Shut the server down (``crash``: SIGKILL, no graceful end of the requests in flight)."""
         if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, 15)
+            os.killpg(self.process.pid, 9 if crash else 15)
             try:
                 self.process.wait(20)
             except subprocess.TimeoutExpired:

@@ -112,7 +112,7 @@ def test_a_server_that_stops_mid_task_costs_one_warning_and_a_recorded_gap(digit
     stage = tracker.nested("stage-s1", "train s1", {"stagewise.kind": "stage"})
     tracker.log(stage, metrics={"loss": 1.0}, step=1)
     tracker.flush()  # the first epoch reached the server
-    server.stop()
+    server.stop(crash=True)
     caplog.set_level(logging.WARNING, logger="stagewise.tracking")
     started = time.monotonic()
     for epoch in range(2, 12):
@@ -124,6 +124,42 @@ def test_a_server_that_stops_mid_task_costs_one_warning_and_a_recorded_gap(digit
     assert len(warnings) == 1 and "train_s1" in warnings[0].getMessage()
     (gap,) = gaps(out)
     assert gap["task"] == "train_s1" and gap["dropped_calls"] == 10  # 9 epochs and the end; the first failed
+
+
+@pytest.mark.torchrun
+def test_a_stage_whose_server_stops_after_its_first_epoch_finishes_with_one_warning(digits_run, mlflow_servers, caplog,
+                                                                                    monkeypatch):
+    """The server stops while stage s1 trains: the stage trains every epoch and hands on its model, its log has one
+    warning naming the task, and the report's tracking section names the gap."""
+    import threading
+    from pathlib import Path
+
+    from stagewise import train
+    from stagewise.tracking.runs import links
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    server = mlflow_servers()
+    config = _tracked(digits_run[0], server.uri, "stage-stops", **{"tracking.timeout_s": 2, "train.stages": [
+        {"name": "s1", "profile": "ddp1", "per_process_batch": 32, "epochs": 4}]})
+    out = digits_run[1]
+    _start(config, out, "stage-stops")
+    first_epoch = Path(out, "train", "s1", "metrics.json")
+
+    def stop_after_the_first_epoch() -> None:
+        while not first_epoch.exists():
+            time.sleep(0.01)
+        server.stop(crash=True)
+
+    stopper = threading.Thread(target=stop_after_the_first_epoch)
+    stopper.start()
+    caplog.set_level(logging.WARNING, logger="stagewise.tracking")
+    result = train.run_stage(config, "s1", out, {"lr": 0.05, "hidden": 32}, None)
+    stopper.join()
+    assert result["epochs_run"] == 4 and Path(result["model_uri"]).exists()
+    warnings = [r.getMessage() for r in caplog.records if "MLflow tracking" in r.getMessage()]
+    assert len(warnings) == 1 and "train_s1" in warnings[0]
+    assert [gap["task"] for gap in links(out)["gaps"]] == ["train_s1"]
 
 
 def test_an_unreachable_server_at_the_start_leaves_the_run_untracked_with_the_gap_named(digits_run):
