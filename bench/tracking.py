@@ -19,8 +19,8 @@ from bench.training import _prepare
 def mlflow_overhead(rows: int = 120_000, rounds: int = 6, epochs: int = 4) -> dict[str, Any]:
     """Wall time of training stage s1 (run_stage, rank 0 tracking its nested run, params and every epoch) with tracking
     on ÷ the same stage with it off; the two alternate over ``rounds`` runs and each side's time is its median."""
-    from stagewise.train import run_stage
     from stagewise.tracking.runs import start_parent
+    from stagewise.train import run_stage
     from tests.mlflow_server import MlflowServer
 
     params = {"lr": 0.05, "hidden": 128}

@@ -153,9 +153,8 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
             value, state, steps = float("nan"), "FAIL" if error else "COMPLETE", 0
             tracked = None
             if tracker is not None:
-                tracked = tracker.nested(f"trial-{trial.number}", f"trial {trial.number}", trial_tags(name, trial.number, worker))
-                tracker.log(tracked, params={**(suggested or {}), "batch_size": sweep.batch_size,
-                                             "world_size": env.world_size})
+                tracked = tracker.nested(f"trial-{trial.number}", f"trial {trial.number}", trial_tags(name, trial.number, worker),
+                                         {**(suggested or {}), "batch_size": sweep.batch_size, "world_size": env.world_size})
             if not error:
                 try:
                     torch.manual_seed(sweep.seed + (trial.number if trial else 0))
@@ -280,8 +279,8 @@ def run_script_trials(config: PipelineConfig, name: str, worker: int, out: str, 
         epochs_run += epochs
         _finish(study, trial, state, value, error, config, worker, suggested, started)
         if tracker is not None:  # the script reported each epoch to the study: its curve goes to the trial's run
-            tracked = tracker.nested(f"trial-{trial.number}", f"trial {trial.number}", trial_tags(name, trial.number, worker))
-            tracker.log(tracked, params=suggested or {})
+            tracked = tracker.nested(f"trial-{trial.number}", f"trial {trial.number}", trial_tags(name, trial.number, worker),
+                                     suggested or {})
             reported = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number).intermediate_values
             for step, reported_value in sorted(reported.items()):
                 tracker.log(tracked, metrics={f"val_{config.objective.metric}": reported_value}, step=step)

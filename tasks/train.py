@@ -255,11 +255,11 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         tracker = Tracker.for_run(config, out, f"train_{stage.name}") if env.master else None
         if tracker is not None:
             tracked = tracker.nested(f"stage-{stage.name}", f"train {stage.name}",
-                                     {"stagewise.kind": "stage", "stagewise.stage": stage.name})
-            tracker.log(tracked, params={**params, "world_size": env.world_size, "global_batch": global_batch,
-                                         "per_process_batch": micro_batch, "grad_accum_steps": stage.grad_accum_steps,
-                                         "stage_lr": lr, "warmup_steps": warmup, "epochs": stage.epochs,
-                                         "lr_rule": config.train.lr_rule, "global_step_offset": step_offset})
+                                     {"stagewise.kind": "stage", "stagewise.stage": stage.name},
+                                     {**params, "world_size": env.world_size, "global_batch": global_batch,
+                                      "per_process_batch": micro_batch, "grad_accum_steps": stage.grad_accum_steps,
+                                      "stage_lr": lr, "warmup_steps": warmup, "epochs": stage.epochs,
+                                      "lr_rule": config.train.lr_rule, "global_step_offset": step_offset})
         started, first_epoch, stopped_early = time.monotonic(), loop.position.epoch, False
         while loop.position.epoch < stage.epochs:
             if selection.should_stop([entry["val_metric"] for entry in history]):

@@ -363,6 +363,7 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
     stage_results.update({"evaluate": [evaluation], "registry": [registered, gated], "inference": [*_all(scored), predictions]})
     gate_keys = ("model_name", "promoted", "reason", "current", "previous", "metric", "direction", "margin",
                  "candidate_value", "incumbent_value")
+
     def work() -> dict[str, Any]:
         links = tracking.links(run["out"], registered)
         written = report.build_report(
@@ -383,7 +384,16 @@ def write_inference_report(run: dict[str, Any], model: dict[str, Any], scored: S
     from stagewise.reporting import timeline
     from stagewise.tracking import runs as tracking
 
-    return _inline(run_config(run), lambda: report.build_inference_report(
-        dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], model=model,
-        stage_results={"inference": [*_all(scored), predictions]}, predictions=predictions,
-        tasks=timeline.records(run["out"]), config=run_config_reference(run), tracking=tracking.links(run["out"], model)))
+    config = run_config(run)
+
+    def work() -> dict[str, Any]:
+        links = tracking.links(run["out"], model)
+        written = report.build_inference_report(
+            dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], model=model,
+            stage_results={"inference": [*_all(scored), predictions]}, predictions=predictions,
+            tasks=timeline.records(run["out"]), config=run_config_reference(run), tracking=links)
+        if links is not None:
+            tracking.finish_parent(config, run["out"], written)
+        return written
+
+    return _inline(config, work)

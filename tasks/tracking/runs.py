@@ -169,8 +169,9 @@ class Tracker:
         else:
             self.dropped += 1
 
-    def nested(self, key: str, name: str, tags: dict[str, Any]) -> RunHandle:
-        """A nested run under the parent, found again by ``key`` on a retry (it goes back to RUNNING)."""
+    def nested(self, key: str, name: str, tags: dict[str, Any], params: dict[str, Any]) -> RunHandle:
+        """A nested run under the parent with its params, found again by ``key`` on a retry (RUNNING again; MLflow
+        params are write-once, so a retry whose params differ keeps the first attempt's, with a note in the log)."""
         handle = RunHandle(key)
 
         def create() -> None:
@@ -181,6 +182,12 @@ class Tracker:
             elif run["info"]["status"] != "RUNNING":
                 self.api.end_run(run["info"]["run_id"], "RUNNING")
             handle.run_id, handle.artifact_uri = run["info"]["run_id"], run["info"]["artifact_uri"]
+            try:
+                self.api.log_batch(handle.run_id, params=params)
+            except TrackingError as exc:
+                if exc.code != "INVALID_PARAMETER_VALUE":
+                    raise
+                log.info("%s: MLflow run %s keeps the params of an earlier attempt (%s)", self.task, name, exc)
 
         self.submit(create)
         return handle

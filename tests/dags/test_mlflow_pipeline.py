@@ -115,6 +115,8 @@ def test_the_version_is_champion_and_batch_inference_scored_with_it(tracked_run,
     assert champion["tags"]["stagewise.version"] == report["registry"]["version"] == inference["model_version"]
     assert champion["tags"]["stagewise.gate"] == "promoted" and float(champion["tags"]["test_rmse"]) > 0
     assert inference["predictions"]["rows"] > 0 and "/versions/" in inference["tracking"]["model_version_url"]
+    (served,) = [run for run in _kind(mlflow_view, "pipeline") if run["tags"]["stagewise.dag_id"] == "diabetes_batch_inference"]
+    assert served["status"] == "FINISHED" and {"config.yaml", "report.json"} <= set(served["files"])
     assert "models:/" not in inference["model_uri"] and inference["model_uri"].endswith(f"{inference['model_version']}.pt")
 
 

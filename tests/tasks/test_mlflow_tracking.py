@@ -109,7 +109,7 @@ def test_a_server_that_stops_mid_task_costs_one_warning_and_a_recorded_gap(digit
     out = digits_run[1]
     _start(config, out, "stops")
     tracker = Tracker.for_run(config, out, "train_s1")
-    stage = tracker.nested("stage-s1", "train s1", {"stagewise.kind": "stage"})
+    stage = tracker.nested("stage-s1", "train s1", {"stagewise.kind": "stage"}, {"world_size": 1})
     tracker.log(stage, metrics={"loss": 1.0}, step=1)
     tracker.flush()  # the first epoch reached the server
     server.stop(crash=True)
