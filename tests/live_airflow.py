@@ -517,8 +517,9 @@ def _group_alive(pgid: int) -> bool:
 # The pipelines of the shared stack, each tests.conftest's small config on a storage root of its own, and each
 # suite on its own pipeline, so none reads another's runs or registry: `ml` (its DAGs ml_pipeline, ml_retrain, ...:
 # the official client, REST triggers and an ingest, which adds a raw file), `twin` (the browser suite; a sweep
-# budget of its own shows in its form) and `fresh` (an asset-triggered retrain from an empty registry, one sweep
-# worker; its cron, Feb 29, last fired before the DAG's start, so no scheduled run competes).
+# budget of its own shows in its form; tracked in a real MLflow server, whose UI the suite opens) and `fresh` (an
+# asset-triggered retrain from an empty registry, one sweep worker; its cron, Feb 29, last fired before the DAG's
+# start, so no scheduled run competes).
 SHARED_PIPELINES = {"ml": {}, "twin": {"sweep": {"num_trials": 5}},
                     "fresh": {"retrain": {"schedule": "0 0 29 2 *", "num_trials": 2}, "sweep": {"num_workers": 1}}}
 # The test files on the shared stack: tests/conftest.py's scheduler sends them to one pytest-xdist worker together.
@@ -550,7 +551,7 @@ def pipelines_airflow(tmp_dir: str | os.PathLike, pipelines: dict[str, dict]) ->
         roots[name] = tmp_dir / f"storage_{name}"
         raw = {**base_config(roots[name]), "name": name}
         for key, value in changes.items():
-            raw[key] = {**raw[key], **value} if isinstance(value, dict) else value
+            raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
         configs[name] = folder / f"{name}.yaml"
         configs[name].write_text(yaml.safe_dump(raw))
         run_cache.demo_data(configs[name])
@@ -560,12 +561,14 @@ def pipelines_airflow(tmp_dir: str | os.PathLike, pipelines: dict[str, dict]) ->
 
 
 @pytest.fixture(scope="session")
-def shared_airflow(tmp_path_factory) -> Iterator[PipelinesStack]:
+def shared_airflow(tmp_path_factory, mlflow_server) -> Iterator[PipelinesStack]:
     """One live stack for the tests that only trigger runs and read them back (the browser suite, the official
     client, REST triggers, the asset-triggered retrain): SHARED_PIPELINES side by side, every DAG paused until a
     test unpauses it. Their files are SHARED_STACK_FILES, which one pytest-xdist worker runs, on one stack.
 
     Each test triggers its own runs and finds them by run id; none moves another pipeline's data or registry.
     """
-    with pipelines_airflow(tmp_path_factory.mktemp("shared_airflow"), SHARED_PIPELINES) as stack:
+    tracked = {"tracking": {"mlflow_uri": mlflow_server.uri, "experiment": "twin"}}
+    pipelines = {**SHARED_PIPELINES, "twin": {**SHARED_PIPELINES["twin"], **tracked}}
+    with pipelines_airflow(tmp_path_factory.mktemp("shared_airflow"), pipelines) as stack:
         yield stack

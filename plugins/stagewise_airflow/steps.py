@@ -286,6 +286,10 @@ def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], i
                           result_arg=False, import_paths=config.model.import_paths or ())
     # Missing outputs fail here, without retry, rather than in evaluate three times.
     result = _inline(config, lambda: byo_result(config, stage, run["out"], values, reported))
+    if config.tracking.mlflow_uri:
+        from stagewise.tracking.runs import log_script_stage
+
+        _inline(config, lambda: log_script_stage(config, run["out"], values, result))
     return {**result, "duration_s": round(time.monotonic() - started, 3)}
 
 

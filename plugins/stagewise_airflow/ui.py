@@ -432,7 +432,14 @@ def create_app() -> FastAPI:
             found = model_names(storage_root)
             models += [(storage_root, name, own[name]) for name in own if name in found]
             models += [(storage_root, name, "") for name in found if name not in own]
-        if not models:
+        in_mlflow = {name: config for name, config in configs.items() if config.registry.backend == "mlflow"}
+        for name, config in sorted(in_mlflow.items()):  # linked, not fetched: this page never waits on another server
+            model_url = f"{config.tracking.mlflow_uri}/#/models/{quote(config.registry.model_name, safe='')}"
+            body += (f"<section data-stagewise-mlflow-model='{esc(config.registry.model_name)}'><h2>"
+                     f"{esc(config.registry.model_name)}</h2><p class='sub'>pipeline <b>{esc(name)}</b> keeps its versions "
+                     f"in MLflow's Model Registry; the gate moves <em>@champion</em>: "
+                     f"<a href=\"{esc(model_url)}\" target=\"_blank\" rel=\"noopener\">open it in MLflow</a></p></section>")
+        if not models and not in_mlflow:
             body += "<p class='empty'>No model registered yet: a finished <code>&lt;name&gt;_pipeline</code> run registers one.</p>"
         for storage_root, name, pipeline in models:
             try:

@@ -95,8 +95,11 @@ def card_of(version: dict[str, Any]) -> dict[str, Any]:
                                                            time.gmtime(int(version.get("creation_timestamp", 0)) / 1000)),
                             "aliases": version.get("aliases") or []}
     for key, value in tags.items():
-        if key.startswith("test_") or key.startswith("val_"):
-            card[key] = float(value)
+        if key.startswith(("test_", "val_")):
+            try:
+                card[key] = float(value)
+            except ValueError:  # a tag someone set by hand in MLflow's UI: not a metric
+                continue
         elif key.startswith("stagewise.") and key[len("stagewise."):] in _CARD_TAGS:
             card[key[len("stagewise."):]] = value
     return card

@@ -257,6 +257,23 @@ def task_call(config: PipelineConfig, out: str, task: str, work: Callable[[Mlflo
         return None
 
 
+def log_script_stage(config: PipelineConfig, out: str, contract: dict[str, Any], result: dict[str, Any]) -> None:
+    """A stage run by the user's own script, as a nested run: the stage's contract (world size, global batch, rescaled
+    lr) and params, and the objective it last reported (its per-epoch curve stays in the script's own hands)."""
+    tracker = Tracker.for_run(config, out, f"train_{result['stage']}")
+    if tracker is None:
+        return
+    params = {**(result.get("params") or contract["params"]), "world_size": result["world_size"],
+              "global_batch": contract["global_batch"], "per_process_batch": contract["per_process_batch"],
+              "grad_accum_steps": contract["grad_accum_steps"], "stage_lr": contract["lr"], "epochs": contract["epochs"]}
+    tracked = tracker.nested(f"stage-{result['stage']}", f"train {result['stage']}",
+                             {"stagewise.kind": "stage", "stagewise.stage": result["stage"], "stagewise.script": "true"}, params)
+    if result.get("val_metric") is not None:
+        tracker.log(tracked, metrics={f"val_{config.objective.metric}": result["val_metric"]})
+    tracker.end(tracked, "FINISHED")
+    tracker.close()
+
+
 def log_gate(config: PipelineConfig, out: str, registered: dict[str, Any], decision: dict[str, Any]) -> None:
     """The candidate's test metrics and the gate's decision on the parent run."""
 

@@ -20,7 +20,7 @@ from tests.live_airflow import FINAL_RUN_STATES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.airflow, pytest.mark.torchrun]
+pytestmark = [pytest.mark.airflow, pytest.mark.torchrun, pytest.mark.service]  # service: the stack's MLflow server
 
 
 def _client_api():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-pytestmark = [pytest.mark.airflow, pytest.mark.torchrun]
+pytestmark = [pytest.mark.airflow, pytest.mark.torchrun, pytest.mark.service]  # service: the stack's MLflow server
 
 
 def test_asset_event_triggers_retrain_which_registers_and_promotes(shared_airflow):

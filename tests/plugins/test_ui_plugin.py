@@ -100,9 +100,10 @@ def airflow_api(monkeypatch, tmp_path):
     monkeypatch.setattr(plugins_manager, "get_fastapi_plugins", lambda: (plugin.fastapi_apps, []))
     clients = []
 
-    def start(storage_root: str):
+    def start(storage_root: str, **sections):
         raw = base_config(Path("/unused"))
         raw["storage_root"] = storage_root
+        raw.update(sections)  # top-level config sections of the test's own
         config = tmp_path / f"pipeline-{len(clients)}.yaml"
         config.write_text(yaml.safe_dump(raw))
         monkeypatch.setenv("STAGEWISE_CONFIG", str(config))
@@ -232,6 +233,17 @@ def test_registry_page_shows_versions_current_history_and_cards(airflow_api, sto
     assert f"<span class='mono'>{first}</span> → <span class='mono'>{second}</span>" in text  # history, oldest first
     assert text.count("<summary>Card of") == 2 and "weights" not in text
     assert f'href="/stagewise/runs/ml_pipeline/{storage.safe_name(RUN_ID)}"' in text
+
+
+def test_a_pipeline_on_the_mlflow_registry_is_linked_there_without_asking_the_server(airflow_api, storage_root):
+    """Its versions live in MLflow: the registry page links the model's MLflow page and never waits on the server
+    (nothing listens at this address)."""
+    client, token = airflow_api(str(storage_root), tracking={"mlflow_uri": "http://127.0.0.1:9"},
+                                registry={"backend": "mlflow", "model_name": "digits_mlflow"})
+    page = client.get("/stagewise/registry", headers={"Authorization": f"Bearer {token}"})
+    assert page.status_code == 200, page.text
+    assert "data-stagewise-mlflow-model='digits_mlflow'" in page.text
+    assert 'href="http://127.0.0.1:9/#/models/digits_mlflow"' in page.text
 
 
 @pytest.mark.parametrize("torn", ["card.json", "current.json"])

@@ -13,7 +13,15 @@ from stagewise.core.errors import UserError
 from stagewise.definitions.loading import load_config
 from stagewise.study.studies import create
 from stagewise.sweep import run_worker
-from stagewise.tracking.runs import TRIAL_STATUS, Tracker, fail_parent, gaps, parent_state, start_parent
+from stagewise.tracking.runs import (
+    TRIAL_STATUS,
+    Tracker,
+    fail_parent,
+    gaps,
+    log_script_stage,
+    parent_state,
+    start_parent,
+)
 from tests.mlflow_server import free_port
 
 pytestmark = pytest.mark.service
@@ -160,6 +168,27 @@ def test_a_stage_whose_server_stops_after_its_first_epoch_finishes_with_one_warn
     warnings = [r.getMessage() for r in caplog.records if "MLflow tracking" in r.getMessage()]
     assert len(warnings) == 1 and "train_s1" in warnings[0]
     assert [gap["task"] for gap in links(out)["gaps"]] == ["train_s1"]
+
+
+def test_a_script_stage_is_a_nested_run_with_its_contract_and_its_last_objective(digits_run, mlflow_server):
+    """A stage run by the user's own script: its nested run holds the contract it was given (global batch, rescaled lr)
+    and the objective it last reported."""
+    from stagewise.train import byo_contract
+
+    config = _tracked(digits_run[0], mlflow_server.uri, "script-stage")
+    out = digits_run[1]
+    parent = _start(config, out, "script")["parent_run_id"]
+    contract = byo_contract(config, str(digits_run[0]), "s2", out, {"lr": 0.05}, None)
+    log_script_stage(config, out, contract, {"stage": "s2", "world_size": 2, "val_metric": 0.91, "params": None})
+    (run,) = mlflow_server.client(f"""
+        exp = client.get_experiment_by_name("script-stage").experiment_id
+        emit([{{"params": r.data.params, "metrics": r.data.metrics, "tags": r.data.tags, "status": r.info.status}}
+              for r in client.search_runs([exp], filter_string="tags.`mlflow.parentRunId` = '{parent}'")])
+    """)
+    assert run["tags"]["stagewise.script"] == "true" and run["status"] == "FINISHED"
+    assert int(run["params"]["global_batch"]) == contract["global_batch"] and run["params"]["world_size"] == "2"
+    assert float(run["params"]["stage_lr"]) == pytest.approx(contract["lr"])
+    assert run["metrics"]["val_accuracy"] == pytest.approx(0.91)
 
 
 def test_an_unreachable_server_at_the_start_leaves_the_run_untracked_with_the_gap_named(digits_run):

@@ -17,7 +17,7 @@ import yaml
 from stagewise.definitions.pipelines import KINDS, dag_id
 from tests.ui.conftest import UI_PIPELINE
 
-pytestmark = [pytest.mark.browser, pytest.mark.airflow, pytest.mark.torchrun]
+pytestmark = [pytest.mark.browser, pytest.mark.airflow, pytest.mark.torchrun, pytest.mark.service]
 
 RUN_TIMEOUT_S = 600
 # A chart-data string that, left raw in report.html's JSON block, re-opened the block and stopped every chart drawing.
@@ -257,3 +257,25 @@ def test_stagewise_answers_are_locked_down_and_hostile_chart_data_still_draws(lo
         if path.endswith("/report.html"):
             assert headers["content-security-policy"].startswith("sandbox allow-scripts allow-downloads;"), path
     assert errors == [], "console errors:\n" + "\n".join(errors)
+
+
+def test_a_tracked_runs_view_links_its_mlflow_run_which_mlflows_own_ui_shows(logged_in, ui_airflow, finished_run):
+    """twin is tracked in a real MLflow server: the run's Stagewise view links the DAG run's MLflow run, and following
+    the link, MLflow's own UI shows that run by its Airflow run id, with no tracking gap named."""
+    from playwright.sync_api import expect
+
+    from stagewise.core import storage
+
+    page, live, screens = logged_in
+    report = json.loads(Path(storage.run_prefix(str(ui_airflow.roots["twin"]), UI_PIPELINE, finished_run),
+                             "report.json").read_text())
+    page.goto(f"{live.base_url}/stagewise/runs/{UI_PIPELINE}/{storage.safe_name(finished_run)}")
+    link = page.locator("[data-stagewise-link='mlflow-run']")
+    expect(link).to_be_visible()
+    assert link.get_attribute("href") == report["tracking"]["run_url"] and report["tracking"]["gaps"] == []
+    expect(page.get_by_text("tracking gap")).to_have_count(0)
+    screens.shot("run-view-links-mlflow")
+    page.goto(report["tracking"]["run_url"])
+    expect(page.get_by_text(finished_run).first).to_be_visible()
+    page.wait_for_load_state("networkidle")
+    screens.shot("mlflow-ui-shows-the-run")
