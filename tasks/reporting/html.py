@@ -36,6 +36,8 @@ header { background: #1f2933; color: #f8f9fa; padding: 18px 32px; }
 header h1 { margin: 0 0 4px; font-size: 22px; font-weight: 600; }
 header .meta { color: #ced4da; font-size: 14px; }
 header .outcome { margin-top: 8px; font-size: 16px; }
+header .tracking { margin-top: 6px; font-size: 14px; }
+header .tracking a { color: #9ecbff; }
 .promoted { color: #8ce99a; } .refused { color: #ffc078; }
 main { max-width: 1240px; margin: 0 auto; padding: 8px 24px 40px; }
 section { background: #fff; border: 1px solid #dee2e6; border-radius: 6px; margin: 18px 0; padding: 14px 20px; }

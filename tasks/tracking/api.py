@@ -100,8 +100,10 @@ class MlflowApi:
         except TrackingError as exc:
             if exc.code != "RESOURCE_DOES_NOT_EXIST":
                 raise
+        # The kind opens the experiment in MLflow's model-training view rather than its GenAI one.
+        kind = [{"key": "mlflow.experimentKind", "value": "custom_model_development"}]
         try:
-            return self.call("POST", "experiments/create", {"name": name})["experiment_id"]
+            return self.call("POST", "experiments/create", {"name": name, "tags": kind})["experiment_id"]
         except TrackingError as exc:
             if exc.code != "RESOURCE_ALREADY_EXISTS":
                 raise
