@@ -77,3 +77,43 @@ def multinode_overhead(rows: int = 60_000) -> dict[str, Any]:
                         "multi_ms_per_1000": [round(v, 2) for v in multi], "single_ms_per_1000": [round(v, 2) for v in single],
                         "multi_val_accuracy": results["multi_val"], "single_val_accuracy": results["single_val"],
                         "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}}
+
+
+def noise_scale_overhead(rows: int = 60_000, rounds: int = 4) -> dict[str, Any]:
+    """Step time of a 2-process DDP stage (built-in MLP, hidden 256, 128 rows per process, 4 epochs, 1 thread per
+    process, stagewise.training.local_torchrun) with the gradient noise scale measured (train.noise_scale: the comm
+    hook's per-bucket local norms, the averaged gradient's norm, one async scalar all-reduce per step) ÷ without it.
+
+    ours / baseline = median ms per 1000 training samples over the epochs after the first, the sides alternated over
+    ``rounds`` runs; details add the same ratio for one process (the consecutive-steps estimator)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    sides: dict[tuple[int, bool], list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-noise-") as tmp:
+        _, out = _prepare(Path(tmp), rows, features=32, **{
+            "model": {"spec": "stagewise.model:MLPClassifier", "args": {}},
+            "profiles__ddp2__threads_per_process": 1, "profiles__ddp1__threads_per_process": 1,
+            "train__checkpoint_every_steps": 100_000,
+            "train__stages": [{"name": "s1", "profile": "ddp2", "per_process_batch": 128, "epochs": 4}]})
+        for number in range(rounds):
+            for processes in (2, 1):
+                for measured in ((True, False) if number % 2 else (False, True)):
+                    shutil.rmtree(Path(out, "train"), ignore_errors=True)  # a fresh stage each time, never a resume
+                    profile = "ddp2" if processes == 2 else "ddp1"
+                    done = subprocess.run(
+                        [sys.executable, "-m", "stagewise.training.local_torchrun", f"--nproc-per-node={processes}",
+                         "-m", "stagewise.train", "--config", str(Path(tmp) / "pipeline.yaml"), "--stage", "s1",
+                         "--out", out, "--params", json.dumps({"lr": 0.01, "hidden": 256, "dropout": 0.0}),
+                         f"--override=train.noise_scale={str(measured).lower()}",
+                         f"--override=train.stages.0.profile={profile}"],
+                        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=_TIMEOUT_S)
+                    if done.returncode != 0:
+                        raise RuntimeError(f"stage failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+                    sides.setdefault((processes, measured), []).extend(_training_ms_per_1000(out))
+        noise = json.loads(Path(out, "train", "s1", "metrics.json").read_text())["history"][-1].get("noise_scale")
+    median = {key: statistics.median(values) for key, values in sides.items()}
+    return {"ours": median[(2, True)], "baseline": median[(2, False)], "unit": "ms per 1000 samples",
+            "details": {"rows": rows, "processes": 2, "per_process_batch": 128, "rounds": rounds,
+                        "one_process_ratio": round(median[(1, True)] / median[(1, False)], 4),
+                        "one_process_ms": {"on": round(median[(1, True)], 3), "off": round(median[(1, False)], 3)},
+                        "last_noise_scale_one_process": noise}}

@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "s3_pipeline_overhead": ("s3:s3_pipeline_overhead", "<= 1.5"),
     "multinode_overhead": ("multinode:multinode_overhead", "<= 1.3"),
     "mlflow_overhead": ("tracking:mlflow_overhead", "<= 1.03"),
+    "noise_scale_overhead": ("multinode:noise_scale_overhead", "<= 1.02"),
     "train_throughput_gpu": ("gpu:train_throughput_gpu", ">= 0.95"),
     "train_vs_dataloader_gpu": ("gpu:train_vs_dataloader_gpu", ">= 3"),
     "inference_throughput_gpu": ("gpu:inference_throughput_gpu", ">= 0.9"),

@@ -183,7 +183,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         built, loop = start_loop(config, manifest, env, swept, train, validation, seed=data_seed,
                                  grad_accum_steps=stage.grad_accum_steps, check_every_steps=config.train.checkpoint_every_steps,
                                  precision=stage.precision, compile_mode=stage.compile,
-                                 grad_clip_norm=stage.grad_clip_norm)
+                                 grad_clip_norm=stage.grad_clip_norm, noise_scale=config.train.noise_scale)
         params, model, optimizer = built.params, loop.module, loop.optimizer
         digest = config_hash(stage.model_dump(), params, env.world_size, config.train.seed)
         prefix = storage.stage_prefix(out, stage.name)
@@ -202,6 +202,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             step_offset = state.get("global_step_offset", 0)
             best_state = state.get("best_epoch_state") or None
             loop.load_scaler_state(state.get("grad_scaler") or {})
+            loop.load_noise_state(state.get("noise_scale") or {})  # the noise scale's curve goes on where it left off
             resumed_from = position.step
             resumes = [*json.loads(state.get("resumes", "[]")),
                        {"step": position.step, "epoch": position.epoch, "at": time.time()}]
@@ -236,7 +237,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                     "global_batch": global_batch, "previous_global_batch": previous_batch, "config_hash": digest,
                     "params": json.dumps(params), "rng_cpu": torch.get_rng_state(), "resumes": json.dumps(resumes),
                     "best_epoch_state": best_state or {}, "grad_scaler": loop.scaler_state(),
-                    "global_step_offset": step_offset}
+                    "global_step_offset": step_offset, "noise_scale": loop.noise_state()}
 
         def on_step(current: Loop) -> None:
             if fault_step is not None and current.position.step == fault_step:
@@ -279,9 +280,10 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             if env.master:
                 done = result.epoch + 1
                 clipped = "" if result.grad_norm is None else f", grad norm {result.grad_norm:.3g} (clip {stage.grad_clip_norm:g})"
-                log.info("stage %s epoch %d/%d: loss %.4f, val_%s %.4f%s, %.0f samples/s, lr %.4g%s, step %d, ETA %.0fs",
+                noise = "" if result.noise_scale is None else f", noise scale {result.noise_scale:.4g}"
+                log.info("stage %s epoch %d/%d: loss %.4f, val_%s %.4f%s, %.0f samples/s, lr %.4g%s%s, step %d, ETA %.0fs",
                          stage.name, done, stage.epochs, result.train_loss, config.objective.metric, result.val_metric,
-                         " (best so far)" if improved else "", result.samples_per_s, result.lr, clipped,
+                         " (best so far)" if improved else "", result.samples_per_s, result.lr, clipped, noise,
                          result.steps, eta_s(done - first_epoch, stage.epochs - first_epoch, time.monotonic() - started))
                 storage.write_json(storage.join(prefix, "metrics.json"), {"stage": stage.name, "history": history, "resumes": resumes,
                                                                           "complete": False})
@@ -289,7 +291,8 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                     tracker.log(tracked, step=step_offset + result.steps, metrics={
                         "loss": result.train_loss, f"val_{config.objective.metric}": result.val_metric,
                         "samples_per_s": result.samples_per_s, "lr": result.lr, "epoch": done,
-                        **({"grad_norm": result.grad_norm} if result.grad_norm is not None else {})})
+                        **({"grad_norm": result.grad_norm} if result.grad_norm is not None else {}),
+                        **({"noise_scale": result.noise_scale} if result.noise_scale is not None else {})})
         values = [entry["val_metric"] for entry in history]
         best_index = selection.best_index(values)
         handed = best_index if stage.hand_on == "best" and best_index is not None else len(history) - 1
@@ -311,7 +314,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                        "hand_on": stage.hand_on, "handed_epoch": handed + 1 if history else None,
                        "epochs_run": len(history), "stopped_early": stopped_early,
                        "lr_schedule": stage.lr_schedule.model_dump(), "grad_clip_norm": stage.grad_clip_norm,
-                       "params": params}
+                       "noise_scale": history[-1].get("noise_scale") if history else None, "params": params}
         if env.master:
             if loop.position.step != resumed_from:
                 checkpoints.save(loop.position.step, state_now())  # a re-run of a finished stage retrains nothing

@@ -26,6 +26,7 @@ log = logging.getLogger("stagewise.report")
 STATE_COLOURS = {"COMPLETE": "#2b8a3e", "PRUNED": "#e8890c", "FAIL": "#c92a2a", "ABANDONED": "#868e96"}
 TASK_COLOURS = {"success": "#2b8a3e", "up_for_retry": "#e8890c", "failed": "#c92a2a", "running": "#868e96"}
 LOSS_COLOUR, OBJECTIVE_COLOUR, LR_COLOUR = "#1c7ed6", "#ae3ec9", "#2b8a3e"
+NOISE_COLOUR = "#e8590c"  # the gradient noise scale and the batch it is compared with
 # what could end or re-open a script block, as JSON's own \u escapes (the same characters once parsed)
 _SCRIPT_JSON_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"})
 
@@ -114,6 +115,7 @@ def training_figure(report: dict[str, Any], sources: dict[str, Any]) -> dict[str
         return None
     fig = go.Figure()
     loss_x, loss_y, obj_x, obj_y, hover, lr_y = [], [], [], [], [], []
+    noise_x, noise_y, batch_x, batch_y = [], [], [], []
     resume_x, resume_y, resume_text = [], [], []
     shapes, annotations, offset = [], [], 0
     attempts = report.get("stages") or {}
@@ -136,6 +138,9 @@ def training_figure(report: dict[str, Any], sources: dict[str, Any]) -> dict[str
             obj_x.append(step)
             obj_y.append(entry["val_metric"])
             lr_y.append(entry.get("lr"))
+            if entry.get("noise_scale") is not None and 0 < entry["noise_scale"] < float("inf"):
+                noise_x.append(step)
+                noise_y.append(entry["noise_scale"])
             norm = f", grad norm {_number(entry['grad_norm'])} before clipping" if entry.get("grad_norm") is not None else ""
             hover.append(f"stage {name}, epoch {entry['epoch'] + 1}, step {step}<br>lr {_number(entry.get('lr'))}, "
                          f"{_number(entry.get('samples_per_s'))} samples/s{norm}")
@@ -149,6 +154,9 @@ def training_figure(report: dict[str, Any], sources: dict[str, Any]) -> dict[str
             shapes.append({"type": "line", "name": f"resume:{name}:{number}", "xref": "x", "yref": "paper", "x0": step,
                            "x1": step, "y0": 0, "y1": 0.8, "line": {"color": "#c92a2a", "width": 1, "dash": "dot"}})
         last = int(history[-1]["steps"]) if history else int(stage.get("steps") or 0)
+        if stage.get("global_batch"):  # the batch the stage trained at, beside the noise scale it measured
+            batch_x += [offset, offset + last, None]
+            batch_y += [stage["global_batch"], stage["global_batch"], None]
         offset += last
     fig.add_trace(go.Scatter(x=loss_x, y=loss_y, name="training loss (left axis)", mode="lines+markers",
                              line={"color": LOSS_COLOUR}, text=hover, hovertemplate="loss %{y:.4g}<br>%{text}<extra></extra>"))
@@ -163,6 +171,13 @@ def training_figure(report: dict[str, Any], sources: dict[str, Any]) -> dict[str
     fig.add_trace(go.Scatter(x=loss_x, y=lr_y, name="learning rate (outer right axis, log)", mode="lines+markers",
                              yaxis="y3", line={"color": LR_COLOUR, "dash": "dot"}, text=hover,
                              hovertemplate="lr %{y:.4g}<br>%{text}<extra></extra>"))
+    if noise_x:  # B_simple against the global batch: where the noise scale is above the batch, a larger one pays
+        fig.add_trace(go.Scatter(x=noise_x, y=noise_y, name="gradient noise scale B_simple (inner right axis, log)",
+                                 mode="lines+markers", yaxis="y4", line={"color": NOISE_COLOUR}, text=hover,
+                                 hovertemplate="noise scale %{y:.4g}<br>%{text}<extra></extra>"))
+        fig.add_trace(go.Scatter(x=batch_x, y=batch_y, name="global batch (inner right axis, log)", mode="lines",
+                                 yaxis="y4", line={"color": NOISE_COLOUR, "dash": "dash", "width": 1},
+                                 hovertemplate="global batch %{y}<extra></extra>"))
     fig.update_layout(**_layout(f"Training across {len(stages)} stage(s): loss, validation {metric} and lr per epoch",
                                 shapes=shapes, annotations=annotations, height=460,
                                 xaxis={"title": {"text": "optimizer step (global, counted across stages)"},
@@ -171,7 +186,10 @@ def training_figure(report: dict[str, Any], sources: dict[str, Any]) -> dict[str
                                 yaxis2={"title": {"text": f"validation {metric} ({_better(direction)})"},
                                         "overlaying": "y", "side": "right", "showgrid": False},
                                 yaxis3={"title": {"text": "learning rate"}, "type": "log", "overlaying": "y",
-                                        "side": "right", "anchor": "free", "position": 1.0, "showgrid": False}))
+                                        "side": "right", "anchor": "free", "position": 1.0, "showgrid": False},
+                                **({"yaxis4": {"title": {"text": "noise scale / global batch"}, "type": "log",
+                                               "overlaying": "y", "side": "right", "anchor": "free", "position": 0.93,
+                                               "showgrid": False}} if noise_x else {})))
     return json.loads(fig.to_json())
 
 

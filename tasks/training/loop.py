@@ -27,6 +27,7 @@ from stagewise.definitions.spec import Average, ModelSpec, batch_of
 from stagewise.models.building import BuiltModel, model_for_run
 from stagewise.training.device_data import DeviceBatches, choose_placement, resident_bytes
 from stagewise.training.distributed import DistEnv, any_rank
+from stagewise.training.noise_scale import ConsecutiveSteps, LocalNormHook, NoiseScale, squared_norm
 
 Batches = ParquetBatches | DeviceBatches
 
@@ -131,6 +132,8 @@ class EpochResult:
     """Optimizer steps taken so far in this stage."""
     grad_norm: float | None = None
     """Mean global gradient norm before clipping over the epoch's steps (None: the stage does not clip)."""
+    noise_scale: float | None = None
+    """The gradient noise scale B_simple at the epoch's end (stagewise.training.noise_scale; None: not measured)."""
 
 
 @dataclass(kw_only=True)
@@ -159,13 +162,16 @@ class Loop:
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv,
                  train: Batches, validation: Batches, spec: ModelSpec, objective: str = "accuracy",
                  grad_accum_steps: int = 1, seed: int = 0, check_every_steps: int | None = None,
-                 precision: str = "fp32", compile_mode: str = "off", grad_clip_norm: float | None = None) -> None:
+                 precision: str = "fp32", compile_mode: str = "off", grad_clip_norm: float | None = None,
+                 noise_scale: bool = False) -> None:
         """``check_every_steps``: also check for divergence after every this many optimizer steps (besides each
         epoch's end); give the checkpoint interval so no checkpoint is ever written from NaN weights.
         ``precision`` fp32, bf16 or fp16 (autocast around forward and loss; fp16 adds a gradient scaler, whose state
         :meth:`scaler_state` gives the checkpoint); ``compile_mode`` off or a torch.compile mode:
         only the training forward runs compiled, ``module`` stays the plain model (checkpoints, validation).
-        ``grad_clip_norm``: clip the (all-reduced) gradients to this global L2 norm before each optimizer step."""
+        ``grad_clip_norm``: clip the (all-reduced) gradients to this global L2 norm before each optimizer step.
+        ``noise_scale``: measure the gradient noise scale every step (stagewise.training.noise_scale): across ranks
+        from each rank's gradient before DDP's all-reduce, on one rank from consecutive steps."""
         self.env = env
         self.module = model.to(env.device)
         self.model: nn.Module = self.module
@@ -175,6 +181,16 @@ class Loop:
 
             self.ddp = DistributedDataParallel(self.module, device_ids=[env.local_rank] if env.device != "cpu" else None)
             self.model = self.ddp
+        self.noise: NoiseScale | None = NoiseScale(env.device) if noise_scale else None
+        self._local_norms: LocalNormHook | None = None
+        self._consecutive: ConsecutiveSteps | None = None
+        self._pending_noise: tuple[Any, ...] | None = None  # a step's local norms, their all-reduce still in flight
+        self._step_samples = 0
+        if self.noise is not None and self.ddp is not None:
+            self._local_norms = LocalNormHook(env.device)
+            self.ddp.register_comm_hook(None, self._local_norms.hook)
+        elif self.noise is not None:
+            self._consecutive = ConsecutiveSteps()
         self.device_type = torch.device(env.device).type
         if precision not in ("fp32", "bf16", "fp16"):
             raise UserError(f"precision '{precision}' is not one of fp32, bf16, fp16")
@@ -269,13 +285,17 @@ class Loop:
                                                torch.clamp(self._first_bad_step, max=position.step))
             position.seen += len(targets)
             position.micro_step += 1
+            self._step_samples += len(targets)
             if boundary:
                 lr = lr_at(position.step)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr * group.get("lr_scale", 1.0)
+                if self.scaler is not None and (self.grad_clip_norm is not None or self.noise is not None):
+                    self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not the scaled ones
+                if self.noise is not None:
+                    self._measure_noise()
+                self._step_samples = 0
                 if self.grad_clip_norm is not None:
-                    if self.scaler is not None:
-                        self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
                     # After DDP's all-reduce every rank holds the same gradients, so the same norm and the same clip.
                     self._pending_norm += nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip_norm).double()
                     self._pending_norm_steps += 1
@@ -291,6 +311,7 @@ class Loop:
                 if on_step is not None:
                     on_step(self)
         self.check_finite(lr_at)
+        self._fold_pending_noise()
         elapsed = time.perf_counter() - started
         sums = self.validation_sums()
         names = self._agreed_metric_names(sums)
@@ -309,9 +330,56 @@ class Loop:
         grad_norm = position.grad_norm_sum / position.norm_steps if position.norm_steps else None
         result = EpochResult(epoch=position.epoch, train_loss=loss_sum / max(seen, 1), val_metric=metrics[self.objective],
                              val_metrics=metrics, samples_per_s=new_samples / max(elapsed, 1e-9), lr=lr, steps=position.step,
-                             grad_norm=grad_norm)
+                             grad_norm=grad_norm, noise_scale=self.noise_estimates().get("noise_scale"))
         self.position = Position(epoch=position.epoch + 1, step=position.step)
         return result
+
+    @torch.no_grad()
+    def _measure_noise(self) -> None:
+        """This step's estimate of |G|² and tr(Σ): from the local norms the comm hook summed and the averaged gradient
+        (several ranks; the local norms' all-reduce overlaps the optimizer step and is folded in at the next step), or
+        from this step's gradient and the previous one (one rank)."""
+        assert self.noise is not None
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        if self._consecutive is not None:
+            measured = self._consecutive.measure(grads)
+            if measured is not None:
+                self.noise.update_consecutive(*measured, batch=float(self._step_samples))
+            return
+        import torch.distributed as dist
+
+        assert self._local_norms is not None
+        local = self._local_norms.take()
+        if self.scaler is not None:  # the hook saw the loss-scaled gradients; _scale is the device tensor (no host sync)
+            local = local / self.scaler._scale.double().square()
+        self._fold_pending_noise()
+        handle = dist.all_reduce(local, async_op=True)
+        b_small = float(self._step_samples)
+        self._pending_noise = (local, handle, squared_norm(grads), b_small, b_small * self.env.world_size)
+
+    def _fold_pending_noise(self) -> None:
+        if self._pending_noise is None or self.noise is None:
+            return
+        local, handle, big_sq, b_small, b_big = self._pending_noise
+        handle.wait()
+        self.noise.update(local / self.env.world_size, big_sq, b_small, b_big)
+        self._pending_noise = None
+
+    def noise_state(self) -> dict[str, Any]:
+        """The noise scale's state for a checkpoint, this step's measurement folded in (empty when not measured)."""
+        self._fold_pending_noise()
+        return self.noise.state_dict() if self.noise is not None else {}
+
+    def load_noise_state(self, state: dict[str, Any]) -> None:
+        if self.noise is not None and state:
+            self.noise.load_state_dict(state)
+
+    def noise_estimates(self) -> dict[str, float]:
+        """The noise scale's current estimates (empty when it is not measured or no step was taken yet)."""
+        self._fold_pending_noise()
+        return (self.noise.estimates() if self.noise is not None else None) or {}
 
     @torch.no_grad()
     def check_finite(self, lr_at: Callable[[int], float]) -> None:
@@ -458,7 +526,7 @@ def rank_batches(manifest: dict[str, Any], env: DistEnv, *, batch_size: int, see
 def start_loop(config: Any, manifest: dict[str, Any], env: DistEnv, swept: dict[str, Any], train: Batches,
                validation: Batches, *, seed: int, grad_accum_steps: int = 1, check_every_steps: int | None = None,
                precision: str = "fp32", compile_mode: str = "off", grad_clip_norm: float | None = None,
-               ) -> tuple[BuiltModel, Loop]:
+               noise_scale: bool = False) -> tuple[BuiltModel, Loop]:
     """The one setup of a sweep trial and a training stage: the config's model built with these hyperparameters, on the
     rank's device, its optimizer, and the loop over the rank's batches (seed the RNG first for a reproducible init)."""
     built = model_for_run(config, manifest, swept)
@@ -466,7 +534,7 @@ def start_loop(config: Any, manifest: dict[str, Any], env: DistEnv, swept: dict[
     loop = Loop(model=model, optimizer=make_optimizer(model, built.params, built.spec), env=env, train=train, validation=validation,
                 spec=built.spec, objective=config.objective.metric, grad_accum_steps=grad_accum_steps, seed=seed,
                 check_every_steps=check_every_steps, precision=precision, compile_mode=compile_mode,
-                grad_clip_norm=grad_clip_norm)
+                grad_clip_norm=grad_clip_norm, noise_scale=noise_scale)
     loop.index_hint = lambda records: index_error_hint(manifest, records.detach().cpu().numpy())
     return built, loop
 

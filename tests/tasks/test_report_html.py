@@ -187,6 +187,14 @@ def test_training_curve_spans_every_stage_with_marked_boundaries_and_the_resume(
     (lr,) = [trace for trace in figure["data"] if trace["name"].startswith("learning rate")]
     assert lr["x"] == loss["x"] and lr["yaxis"] == "y3" and figure["layout"]["yaxis3"]["type"] == "log"
     assert lr["y"] == [entry["lr"] for name in ("s1", "s2") for entry in metrics[name]["history"]]
+    # The gradient noise scale each epoch ended at, beside each stage's global batch, on one log axis.
+    (noise,) = [trace for trace in figure["data"] if trace["name"].startswith("gradient noise scale")]
+    (batch,) = [trace for trace in figure["data"] if trace["name"].startswith("global batch")]
+    assert noise["x"] == loss["x"] and noise["yaxis"] == batch["yaxis"] == "y4"
+    assert noise["y"] == pytest.approx([e["noise_scale"] for name in ("s1", "s2") for e in metrics[name]["history"]])
+    assert [y for y in batch["y"] if y is not None] == [s["global_batch"] for s in stages for _ in range(2)]
+    assert [s["noise_scale"] for s in written["training"]] == pytest.approx(
+        [metrics[name]["history"][-1]["noise_scale"] for name in ("s1", "s2")])
 
 
 def test_sweep_figure_counts_each_outcome_as_the_summary_does(finished_run):

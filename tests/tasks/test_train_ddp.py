@@ -39,6 +39,13 @@ def test_two_stages_grow_the_batch_and_hand_off_the_checkpoint(digits_run, subpr
     # Only rank 0 logs epochs: each epoch line appears once, not once per rank.
     epoch_lines = [line for line in second_run.stdout.splitlines() if "stage s2 epoch" in line]
     assert len(epoch_lines) == 2
+    # The gradient noise scale is measured in both stages (one rank: consecutive steps; two: each rank's gradient
+    # before the all-reduce against the averaged one) and logged with each epoch line.
+    for stage in ("s1", "s2"):
+        history = json.loads((Path(out) / "train" / stage / "metrics.json").read_text())["history"]
+        values = [entry["noise_scale"] for entry in history]  # None while the smoothed estimates are not positive yet
+        assert all(value is None or 0 < value < 1e7 for value in values) and values[-1] is not None, history
+    assert "noise scale" in epoch_lines[-1]
     checkpoint = torch.load(second["checkpoint_uri"], weights_only=True)
     assert checkpoint["global_batch"] == 128 and checkpoint["previous_global_batch"] == 32
     files = sorted(p.name for p in (Path(out) / "train" / "s2").iterdir())

@@ -80,6 +80,8 @@ def test_killed_rank_fails_the_stage_and_the_retry_resumes_exactly(request, subp
     assert result["steps"] == reference["steps"] and result["handed_epoch"] == reference["handed_epoch"]
     # Tolerance: identical data order and dropout masks; only float summation order may differ.
     assert result["val_metric"] == pytest.approx(reference["val_metric"], abs=1e-9)
+    # The noise scale's estimator state is in the checkpoint: the resumed stage's curve ends where the clean one does.
+    assert result["noise_scale"] > 0 and result["noise_scale"] == pytest.approx(reference["noise_scale"], rel=1e-6)
     resumed_model = torch.load(Path(out, "train", "s2", "final.pt"), weights_only=True)["model"]
     clean_model = torch.load(Path(reference_out, "train", "s2", "final.pt"), weights_only=True)["model"]
     assert any(t.dim() == 4 for t in clean_model.values()) == spec.endswith("DigitsCNN"), "the stage trained another model"
