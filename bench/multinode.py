@@ -79,7 +79,7 @@ def multinode_overhead(rows: int = 60_000) -> dict[str, Any]:
                         "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}}
 
 
-def noise_scale_overhead(rows: int = 60_000, rounds: int = 4) -> dict[str, Any]:
+def noise_scale_overhead(rows: int = 60_000, rounds: int = 6) -> dict[str, Any]:
     """Step time of a 2-process DDP stage (built-in MLP, hidden 256, 128 rows per process, 4 epochs, 1 thread per
     process, stagewise.training.local_torchrun) with the gradient noise scale measured (train.noise_scale: the comm
     hook's per-bucket local norms, the averaged gradient's norm, one async scalar all-reduce per step) ÷ without it.
@@ -89,6 +89,8 @@ def noise_scale_overhead(rows: int = 60_000, rounds: int = 4) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     sides: dict[tuple[int, bool], list[float]] = {}
+    per_round: list[float] = []  # each run's median ms per 1000 samples, 2 processes, measured
+    per_round_off: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-noise-") as tmp:
         _, out = _prepare(Path(tmp), rows, features=32, **{
             "model": {"spec": "stagewise.model:MLPClassifier", "args": {}},
@@ -110,10 +112,15 @@ def noise_scale_overhead(rows: int = 60_000, rounds: int = 4) -> dict[str, Any]:
                     if done.returncode != 0:
                         raise RuntimeError(f"stage failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
                     sides.setdefault((processes, measured), []).extend(_training_ms_per_1000(out))
+                    if measured and processes == 2:
+                        per_round.append(round(statistics.median(sides[(2, True)][-3:]), 3))
+                    elif processes == 2:
+                        per_round_off.append(round(statistics.median(sides[(2, False)][-3:]), 3))
         noise = json.loads(Path(out, "train", "s1", "metrics.json").read_text())["history"][-1].get("noise_scale")
     median = {key: statistics.median(values) for key, values in sides.items()}
     return {"ours": median[(2, True)], "baseline": median[(2, False)], "unit": "ms per 1000 samples",
             "details": {"rows": rows, "processes": 2, "per_process_batch": 128, "rounds": rounds,
                         "one_process_ratio": round(median[(1, True)] / median[(1, False)], 4),
                         "one_process_ms": {"on": round(median[(1, True)], 3), "off": round(median[(1, False)], 3)},
-                        "last_noise_scale_one_process": noise}}
+                        "last_noise_scale_one_process": noise,
+                        "ratio_per_round": [round(on / off, 4) for on, off in zip(per_round, per_round_off)]}}

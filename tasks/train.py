@@ -183,7 +183,8 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         built, loop = start_loop(config, manifest, env, swept, train, validation, seed=data_seed,
                                  grad_accum_steps=stage.grad_accum_steps, check_every_steps=config.train.checkpoint_every_steps,
                                  precision=stage.precision, compile_mode=stage.compile,
-                                 grad_clip_norm=stage.grad_clip_norm, noise_scale=config.train.noise_scale)
+                                 grad_clip_norm=stage.grad_clip_norm,
+                                 noise_scale_every=config.train.noise_scale_every_steps if config.train.noise_scale else 0)
         params, model, optimizer = built.params, loop.module, loop.optimizer
         digest = config_hash(stage.model_dump(), params, env.world_size, config.train.seed)
         prefix = storage.stage_prefix(out, stage.name)

@@ -557,7 +557,9 @@ class Train(_Strict):
     checkpoint_every_steps: int = Field(50, ge=1, description="Rank 0 checkpoints every this many optimizer steps (a retry redoes at most these).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept per stage (older ones are deleted).")
     noise_scale: bool = Field(True, description=(
-        "Measure the gradient noise scale B_simple every step of every stage (epoch log, report, training chart)."))
+        "Measure the gradient noise scale B_simple in every stage (epoch log, report, training chart)."))
+    noise_scale_every_steps: int = Field(8, ge=1, description=(
+        "Measure it on one optimizer step in this many: a measurement costs a few passes over the gradients."))
     stages: list[TrainStage] = Field(min_length=1, description="The stages, run in order.")
 
     @field_validator("default_params")

@@ -27,7 +27,7 @@ from stagewise.definitions.spec import Average, ModelSpec, batch_of
 from stagewise.models.building import BuiltModel, model_for_run
 from stagewise.training.device_data import DeviceBatches, choose_placement, resident_bytes
 from stagewise.training.distributed import DistEnv, any_rank
-from stagewise.training.noise_scale import ConsecutiveSteps, LocalNormHook, NoiseScale, squared_norm
+from stagewise.training.noise_scale import MeasuredAllReduce, NoiseScale
 
 Batches = ParquetBatches | DeviceBatches
 
@@ -163,15 +163,16 @@ class Loop:
                  train: Batches, validation: Batches, spec: ModelSpec, objective: str = "accuracy",
                  grad_accum_steps: int = 1, seed: int = 0, check_every_steps: int | None = None,
                  precision: str = "fp32", compile_mode: str = "off", grad_clip_norm: float | None = None,
-                 noise_scale: bool = False) -> None:
+                 noise_scale_every: int = 0) -> None:
         """``check_every_steps``: also check for divergence after every this many optimizer steps (besides each
         epoch's end); give the checkpoint interval so no checkpoint is ever written from NaN weights.
         ``precision`` fp32, bf16 or fp16 (autocast around forward and loss; fp16 adds a gradient scaler, whose state
         :meth:`scaler_state` gives the checkpoint); ``compile_mode`` off or a torch.compile mode:
         only the training forward runs compiled, ``module`` stays the plain model (checkpoints, validation).
         ``grad_clip_norm``: clip the (all-reduced) gradients to this global L2 norm before each optimizer step.
-        ``noise_scale``: measure the gradient noise scale every step (stagewise.training.noise_scale): across ranks
-        from each rank's gradient before DDP's all-reduce, on one rank from consecutive steps."""
+        ``noise_scale_every``: measure the gradient noise scale on one optimizer step in this many (0: never;
+        stagewise.training.noise_scale): across ranks from each rank's gradient before the all-reduce, on one rank
+        from part of the step's batch (its first micro-batch, or half of it) against the whole."""
         self.env = env
         self.module = model.to(env.device)
         self.model: nn.Module = self.module
@@ -181,16 +182,12 @@ class Loop:
 
             self.ddp = DistributedDataParallel(self.module, device_ids=[env.local_rank] if env.device != "cpu" else None)
             self.model = self.ddp
-        self.noise: NoiseScale | None = NoiseScale(env.device) if noise_scale else None
-        self._local_norms: LocalNormHook | None = None
-        self._consecutive: ConsecutiveSteps | None = None
-        self._pending_noise: tuple[Any, ...] | None = None  # a step's local norms, their all-reduce still in flight
+        self.noise_every = noise_scale_every
+        self.noise: NoiseScale | None = NoiseScale(env.device) if noise_scale_every > 0 else None
+        self._measured_all_reduce = MeasuredAllReduce() if self.noise is not None and self.ddp is not None else None
+        self._split_measure = self.noise is not None and self.ddp is None  # one rank: two batch sizes within a step
+        self._small: tuple[torch.Tensor, float] | None = None  # a measured step's small-batch squared norm and size
         self._step_samples = 0
-        if self.noise is not None and self.ddp is not None:
-            self._local_norms = LocalNormHook(env.device)
-            self.ddp.register_comm_hook(None, self._local_norms.hook)
-        elif self.noise is not None:
-            self._consecutive = ConsecutiveSteps()
         self.device_type = torch.device(env.device).type
         if precision not in ("fp32", "bf16", "fp16"):
             raise UserError(f"precision '{precision}' is not one of fp32, bf16, fp16")
@@ -272,13 +269,14 @@ class Loop:
             boundary = (index + 1) % self.grad_accum_steps == 0 or index + 1 == micro_total
             # Dropout masks depend only on (seed, epoch, micro-step, rank): a resumed run draws the same ones.
             seed_step(hash((self.seed, position.epoch, index, self.env.rank)) & 0x7FFFFFFF, self.env.device)
-            sync = self.ddp.no_sync() if (self.ddp is not None and not boundary) else contextlib.nullcontext()
+            # A measured step's boundary runs without DDP's all-reduce too: _measure_noise makes it, norms included.
+            measured = (boundary and self._measured_all_reduce is not None and position.step % self.noise_every == 0)
+            sync = self.ddp.no_sync() if (self.ddp is not None and (not boundary or measured)) else contextlib.nullcontext()
             with sync:
-                inputs, targets = batch_of(self.spec, inputs, targets)
-                with self._autocast():
-                    loss = self.spec.loss(self.model(inputs), targets)
-                scaled = loss / self.grad_accum_steps
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                if self._split_measure and position.step % self.noise_every == 0:
+                    loss = self._measured_backward(inputs, targets, first=index % self.grad_accum_steps == 0)
+                else:
+                    loss = self._backward(inputs, targets, 1.0 / self.grad_accum_steps)
             detached = loss.detach()
             self._pending_loss += detached.double() * len(targets)
             self._first_bad_step = torch.where(torch.isfinite(detached), self._first_bad_step,
@@ -290,10 +288,12 @@ class Loop:
                 lr = lr_at(position.step)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr * group.get("lr_scale", 1.0)
+                if measured:
+                    self._all_reduce_measured()
                 if self.scaler is not None and (self.grad_clip_norm is not None or self.noise is not None):
                     self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not the scaled ones
-                if self.noise is not None:
-                    self._measure_noise()
+                if self._small is not None:
+                    self._fold_split_measurement()
                 self._step_samples = 0
                 if self.grad_clip_norm is not None:
                     # After DDP's all-reduce every rank holds the same gradients, so the same norm and the same clip.
@@ -311,7 +311,6 @@ class Loop:
                 if on_step is not None:
                     on_step(self)
         self.check_finite(lr_at)
-        self._fold_pending_noise()
         elapsed = time.perf_counter() - started
         sums = self.validation_sums()
         names = self._agreed_metric_names(sums)
@@ -335,51 +334,70 @@ class Loop:
         return result
 
     @torch.no_grad()
-    def _measure_noise(self) -> None:
-        """This step's estimate of |G|² and tr(Σ): from the local norms the comm hook summed and the averaged gradient
-        (several ranks; the local norms' all-reduce overlaps the optimizer step and is folded in at the next step), or
-        from this step's gradient and the previous one (one rank)."""
-        assert self.noise is not None
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if not grads:
-            return
-        if self._consecutive is not None:
-            measured = self._consecutive.measure(grads)
-            if measured is not None:
-                self.noise.update_consecutive(*measured, batch=float(self._step_samples))
-            return
-        import torch.distributed as dist
-
-        assert self._local_norms is not None
-        local = self._local_norms.take()
-        if self.scaler is not None:  # the hook saw the loss-scaled gradients; _scale is the device tensor (no host sync)
-            local = local / self.scaler._scale.double().square()
-        self._fold_pending_noise()
-        handle = dist.all_reduce(local, async_op=True)
+    def _all_reduce_measured(self) -> None:
+        """A measured step on several ranks: the gradients all-reduced with the ranks' local squared norm riding along
+        (stagewise.training.noise_scale.MeasuredAllReduce), both squared norms into the estimator (on the device)."""
+        assert self.noise is not None and self._measured_all_reduce is not None
+        local, averaged = self._measured_all_reduce([p for p in self.module.parameters() if p.requires_grad],
+                                                    self.env.world_size)
+        if self.scaler is not None:  # the loss-scaled gradients; _scale is the device tensor (no host sync)
+            scale = self.scaler._scale.double().square()
+            local, averaged = local / scale, averaged / scale
         b_small = float(self._step_samples)
-        self._pending_noise = (local, handle, squared_norm(grads), b_small, b_small * self.env.world_size)
+        self.noise.update(local, averaged, b_small, b_small * self.env.world_size)
 
-    def _fold_pending_noise(self) -> None:
-        if self._pending_noise is None or self.noise is None:
-            return
-        local, handle, big_sq, b_small, b_big = self._pending_noise
-        handle.wait()
-        self.noise.update(local / self.env.world_size, big_sq, b_small, b_big)
-        self._pending_noise = None
+    def _backward(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float) -> torch.Tensor:
+        """Forward, the spec's loss and the backward of ``weight`` × that loss (scaled for fp16); returns the loss."""
+        features, labels = batch_of(self.spec, inputs, targets)
+        with self._autocast():
+            loss = self.spec.loss(self.model(features), labels)
+        weighted = loss * weight
+        (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
+        return loss
+
+    def _grad_sq(self) -> torch.Tensor:
+        """Σ |p.grad|² now, unscaled from fp16's loss scale, as a float64 device scalar (no host sync)."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        squared = torch.nn.utils.get_total_norm(grads).double().square()
+        return squared / self.scaler._scale.double().square() if self.scaler is not None else squared
+
+    def _measured_backward(self, inputs: torch.Tensor, targets: torch.Tensor, first: bool) -> torch.Tensor:
+        """A measured step on one rank: the gradient's squared norm at a smaller batch, taken on the way to the step's
+        own gradient (the same gradient, as the batch's mean loss is the weighted mean of its parts' mean losses). With
+        gradient accumulation the step's first micro-batch is the smaller batch; without, the micro-batch runs as two
+        halves. Assumes the spec's loss is a mean over the batch, as torch's losses are by default."""
+        size, accumulation = len(targets), self.grad_accum_steps
+        if accumulation > 1 or size < 2:
+            loss = self._backward(inputs, targets, 1.0 / accumulation)
+            if first and accumulation > 1:
+                self._small = (self._grad_sq() * accumulation**2, float(size))
+            return loss
+        half = size // 2
+        first_loss = self._backward(inputs[:half], targets[:half], half / size)
+        self._small = (self._grad_sq() * (size / half) ** 2, float(half))
+        second_loss = self._backward(inputs[half:], targets[half:], (size - half) / size)
+        return (first_loss * half + second_loss * (size - half)) / size
+
+    def _fold_split_measurement(self) -> None:
+        assert self.noise is not None and self._small is not None
+        small_sq, b_small = self._small
+        self._small = None
+        if self._step_samples > b_small:  # an epoch's last step may hold one micro-batch: no second batch size
+            self.noise.update(small_sq, self._grad_sq(), b_small, float(self._step_samples))
 
     def noise_state(self) -> dict[str, Any]:
-        """The noise scale's state for a checkpoint, this step's measurement folded in (empty when not measured)."""
-        self._fold_pending_noise()
+        """The noise scale's state for a checkpoint (empty when not measured)."""
         return self.noise.state_dict() if self.noise is not None else {}
 
     def load_noise_state(self, state: dict[str, Any]) -> None:
         if self.noise is not None and state:
             self.noise.load_state_dict(state)
 
-    def noise_estimates(self) -> dict[str, float]:
-        """The noise scale's current estimates (empty when it is not measured or no step was taken yet)."""
-        self._fold_pending_noise()
-        return (self.noise.estimates() if self.noise is not None else None) or {}
+    def noise_estimates(self) -> dict[str, Any]:
+        """The noise scale's estimates so far (empty when not measured or before its first measurement)."""
+        if self.noise is None:
+            return {}
+        return self.noise.estimates() or {}
 
     @torch.no_grad()
     def check_finite(self, lr_at: Callable[[int], float]) -> None:
@@ -526,7 +544,7 @@ def rank_batches(manifest: dict[str, Any], env: DistEnv, *, batch_size: int, see
 def start_loop(config: Any, manifest: dict[str, Any], env: DistEnv, swept: dict[str, Any], train: Batches,
                validation: Batches, *, seed: int, grad_accum_steps: int = 1, check_every_steps: int | None = None,
                precision: str = "fp32", compile_mode: str = "off", grad_clip_norm: float | None = None,
-               noise_scale: bool = False) -> tuple[BuiltModel, Loop]:
+               noise_scale_every: int = 0) -> tuple[BuiltModel, Loop]:
     """The one setup of a sweep trial and a training stage: the config's model built with these hyperparameters, on the
     rank's device, its optimizer, and the loop over the rank's batches (seed the RNG first for a reproducible init)."""
     built = model_for_run(config, manifest, swept)
@@ -534,7 +552,7 @@ def start_loop(config: Any, manifest: dict[str, Any], env: DistEnv, swept: dict[
     loop = Loop(model=model, optimizer=make_optimizer(model, built.params, built.spec), env=env, train=train, validation=validation,
                 spec=built.spec, objective=config.objective.metric, grad_accum_steps=grad_accum_steps, seed=seed,
                 check_every_steps=check_every_steps, precision=precision, compile_mode=compile_mode,
-                grad_clip_norm=grad_clip_norm, noise_scale=noise_scale)
+                grad_clip_norm=grad_clip_norm, noise_scale_every=noise_scale_every)
     loop.index_hint = lambda records: index_error_hint(manifest, records.detach().cpu().numpy())
     return built, loop
 

@@ -4,15 +4,16 @@ Training"), measured as a stage trains: the batch size beyond which a larger bat
 Two gradient norms at two batch sizes give unbiased estimates of |G|² and S = tr(Σ), because for a gradient
 averaged over B samples, E|g_B|² = |G|² + S/B:
 
-- several ranks: each rank's own gradient before DDP's all-reduce (B_small = its samples in the step) and the
-  averaged gradient after it (B_big = the global batch). A DDP communication hook sums each bucket's squares before
-  it goes out, and one scalar all-reduce per step averages them over ranks;
-- one rank: consecutive steps' gradients g_t, g_{t-1} (independent batches of B samples, G drifting slowly):
-  E[g_t·g_{t-1}] ≈ |G|² and |g_t|² − g_t·g_{t-1} estimates S/B.
+- several ranks: each rank's own gradient before the all-reduce (B_small = its samples in the step) and the
+  averaged gradient after it (B_big = the global batch). On a measured step the gradients are all-reduced here, with
+  the local squared norm appended to them, so the ranks' mean comes back with the gradients (no extra collective);
+- one rank: part of the step's batch against the whole: the step's first micro-batch with gradient accumulation, else
+  the micro-batch run as two halves (the same gradient in the end), its squared norm taken after the first half.
 
-Each estimate is noisy step to step; |G|² and S are each smoothed by a bias-corrected EMA and B_simple is their
-ratio. All of it stays on the device (no host sync per step); the state is a few scalars that go into the
-checkpoint, so a resumed stage continues the same curve.
+A measurement is a few passes over the gradients, which cost a small model's step several percent, so a stage measures
+one step in ``train.noise_scale_every_steps``; each measurement is one
+estimate of |G|² and S, each smoothed by a bias-corrected EMA on the device (no host sync), and B_simple is their
+ratio. The state is a few scalars that go into the checkpoint, so a resumed stage continues the same curve.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from typing import Any
 
 import torch
 
-EMA_BETA = 0.95  # about 20 steps of memory: a stage's curve moves with the loss, not with one batch
+EMA_BETA = 0.9  # per measurement: about 10 measurements of memory, so the curve follows the loss, not one batch
 
 
 class NoiseScale:
-    """The smoothed estimates of |G|² and S on ``device``; :meth:`value` is B_simple = S / |G|²."""
+    """The smoothed estimates of |G|² and S on ``device``; :meth:`estimates` gives B_simple = S / |G|²."""
 
     def __init__(self, device: Any, beta: float = EMA_BETA) -> None:
         self.beta = beta
@@ -37,20 +38,16 @@ class NoiseScale:
         """One step's squared norms at batch sizes ``b_small`` < ``b_big``, folded into the EMAs."""
         g2 = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
         s = (small_sq - big_sq) / (1.0 / b_small - 1.0 / b_big)
-        self._fold(torch.stack([g2.double(), s.double()]))
-
-    def update_consecutive(self, sq: torch.Tensor, dot_previous: torch.Tensor, batch: float) -> None:
-        """One step's squared norm at ``batch`` and its dot product with the previous step's gradient."""
-        self._fold(torch.stack([dot_previous.double(), (batch * (sq - dot_previous)).double()]))
+        self._fold(torch.stack((g2, s)))
 
     def _fold(self, estimate: torch.Tensor) -> None:
-        finite = torch.isfinite(estimate).all()  # an fp16 step that overflowed is skipped, as the optimizer skips it
+        finite = torch.isfinite(estimate).all()  # an fp16 step that overflowed is dropped, as the optimizer skips it
         self._ema.copy_(torch.where(finite, self.beta * self._ema + (1 - self.beta) * estimate, self._ema))
         self._weight.copy_(torch.where(finite, self.beta * self._weight + (1 - self.beta), self._weight))
         self.updates += 1
 
     def estimates(self) -> dict[str, Any] | None:
-        """``{"noise_scale", "grad_sq", "trace_cov"}`` now (one host read), or None before the first step.
+        """``{"noise_scale", "grad_sq", "trace_cov"}`` now (one host read), or None before the first measurement.
 
         ``noise_scale`` is None while the smoothed |G|² or S is not positive yet: both estimates are unbiased but
         noisy, and early on, or with B_small close to B_big, the noise can outweigh the signal."""
@@ -71,40 +68,36 @@ class NoiseScale:
         self.updates, self.beta = state["updates"], state["beta"]
 
 
-class LocalNormHook:
-    """A DDP communication hook (:meth:`hook`) that adds each bucket's local squared norm (before the all-reduce) to ``total``, then
-    all-reduces the bucket as DDP's default hook does (sum, divided by the world size)."""
-
-    def __init__(self, device: Any) -> None:
-        self.total = torch.zeros((), dtype=torch.float64, device=device)
-
-    def hook(self, process_group, bucket):  # unannotated: DDP refuses a hook whose annotations are not its own types
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        self.total += torch.linalg.vector_norm(bucket.buffer(), dtype=torch.float64).square()
-        return allreduce_hook(process_group, bucket)
-
-    def take(self) -> torch.Tensor:
-        """The squared norm summed since the last take (this rank's, for one step), and a fresh zero to sum into."""
-        total, self.total = self.total, torch.zeros_like(self.total)
-        return total
-
-
-def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Σ |g|² over ``grads``, as a float64 device scalar (one fused norm per device)."""
-    return torch.nn.utils.get_total_norm(grads, norm_type=2.0).double().square()
-
-
-class ConsecutiveSteps:
-    """One rank's estimator input: each step's flattened gradient beside the previous step's."""
+class MeasuredAllReduce:
+    """The all-reduce of a measured step, made here instead of by DDP: the step's backward ran under ``no_sync`` (each
+    rank's gradient is its own), so this rank's squared norm is taken, appended to the flattened gradients, and one
+    all-reduce of that buffer averages both; the averaged gradient's squared norm follows. The buffer is made once.
+    Every other step keeps DDP's own all-reduce, overlapped with the backward (a Python comm hook on every step costs
+    a small model's step several percent)."""
 
     def __init__(self) -> None:
-        self.previous: torch.Tensor | None = None
+        self._flat: torch.Tensor | None = None
 
-    def measure(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(|g_t|², g_t·g_{t-1}) of this step, or None on the first step (nothing to pair it with yet)."""
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        previous, self.previous = self.previous, flat
-        if previous is None or previous.numel() != flat.numel():
-            return None
-        return torch.dot(flat, flat).double(), torch.dot(flat, previous).double()
+    def __call__(self, parameters: list[torch.Tensor], world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the ranks' mean squared norm of their local gradients, the averaged gradient's), with every parameter's
+        gradient replaced by the average, as DDP would have left it."""
+        import torch.distributed as dist
+
+        grads = []
+        for parameter in parameters:
+            if parameter.grad is None:  # unused this step on this rank: DDP would all-reduce zeros for it too
+                parameter.grad = torch.zeros_like(parameter)
+            grads.append(parameter.grad)
+        size = sum(g.numel() for g in grads)
+        if self._flat is None or self._flat.numel() != size + 1 or self._flat.dtype != grads[0].dtype:
+            self._flat = grads[0].new_empty(size + 1)
+        flat, body = self._flat, self._flat[:-1]
+        torch.cat([g.reshape(-1) for g in grads], out=body)
+        flat[-1] = torch.linalg.vector_norm(body).square()
+        flat.div_(world_size)
+        dist.all_reduce(flat)
+        offset = 0
+        for grad in grads:
+            grad.copy_(body[offset: offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+        return flat[-1].double(), torch.linalg.vector_norm(body).double().square()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,14 @@ def test_two_stages_grow_the_batch_and_hand_off_the_checkpoint(digits_run, subpr
         values = [entry["noise_scale"] for entry in history]  # None while the smoothed estimates are not positive yet
         assert all(value is None or 0 < value < 1e7 for value in values) and values[-1] is not None, history
     assert "noise scale" in epoch_lines[-1]
+    # A measured step all-reduces the gradients itself (with the local norms appended): the same average DDP makes, so
+    # s2 measuring every step ends on exactly the weights of s2 never measuring.
+    measuring = torch.load(second["checkpoint_uri"], weights_only=True)["model"]
+    shutil.rmtree(Path(out) / "train" / "s2")
+    torchrun(2, config, "s2", out, subprocess_env, "--init-from", first["checkpoint_uri"], "--override=train.noise_scale=false")
+    plain = torch.load(second["checkpoint_uri"], weights_only=True)["model"]
+    for name, tensor in plain.items():
+        torch.testing.assert_close(measuring[name], tensor, rtol=1e-6, atol=1e-7)
     checkpoint = torch.load(second["checkpoint_uri"], weights_only=True)
     assert checkpoint["global_batch"] == 128 and checkpoint["previous_global_batch"] == 32
     files = sorted(p.name for p in (Path(out) / "train" / "s2").iterdir())

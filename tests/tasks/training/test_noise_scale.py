@@ -1,15 +1,17 @@
-"""The gradient noise scale estimator: on gradients drawn with a known mean G and covariance trace S, both estimators
-(two batch sizes across ranks; consecutive steps on one rank) recover |G|², S and B_simple = S/|G|²; its state
-round-trips through a checkpoint; an overflowed (non-finite) step is skipped."""
+"""The gradient noise scale estimator: on gradients drawn with a known mean G and covariance trace S, the estimate from
+two batch sizes recovers |G|², S and B_simple = S/|G|²; measuring on one rank changes no weight; its state
+round-trips through a checkpoint; an overflowed (non-finite) measurement is skipped."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from stagewise.training.noise_scale import ConsecutiveSteps, NoiseScale
+from stagewise.training.noise_scale import NoiseScale
 
 DIM, SIGMA = 200, 0.5  # per-sample noise N(0, SIGMA² I): tr(Σ) = DIM·SIGMA² = 50
 TRUE_G = torch.full((DIM,), 0.05, dtype=torch.float64)  # |G|² = 0.5, so B_simple = 100
@@ -34,7 +36,7 @@ def _averaged(estimator: NoiseScale, steps: int, record) -> dict[str, float]:
 def test_across_ranks_the_two_batch_sizes_recover_g_s_and_the_noise_scale():
     """4 ranks of 16 samples: each rank's squared norm (B_small = 16) against the averaged gradient's (B_big = 64)."""
     generator = torch.Generator().manual_seed(0)
-    estimator = NoiseScale("cpu", beta=0.99)
+    estimator = NoiseScale("cpu", beta=0.9)
     ranks, per_rank = 4, 16
 
     def record() -> None:
@@ -49,20 +51,33 @@ def test_across_ranks_the_two_batch_sizes_recover_g_s_and_the_noise_scale():
     assert found["noise_scale"] == pytest.approx(TRUE_S / TRUE_G2, rel=0.15)
 
 
-def test_on_one_rank_consecutive_steps_recover_the_noise_scale():
-    """One rank, batch 32: |g_t|² against g_t·g_(t-1) of independent consecutive batches."""
-    generator = torch.Generator().manual_seed(1)
-    estimator, pairs = NoiseScale("cpu", beta=0.99), ConsecutiveSteps()
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_measuring_on_one_rank_trains_the_same_weights_and_yields_a_noise_scale(digits_run, monkeypatch, accumulation):
+    """A measured step runs its batch as two halves (or measures its first micro-batch): the step's gradient is the
+    same, so a stage measuring every step ends on the weights of one that never measures, and reports a positive
+    noise scale where the other reports none."""
+    import shutil
 
-    def record() -> None:
-        measured = pairs.measure([_batch_gradient(generator, 32).float()])
-        if measured is not None:
-            estimator.update_consecutive(*measured, batch=32.0)
+    from stagewise import train
+    from stagewise.definitions.loading import load_config
 
-    pairs.measure([_batch_gradient(generator, 32).float()])  # the first step only primes the pair
-    found = _averaged(estimator, 4000, record)
-    assert found["grad_sq"] == pytest.approx(TRUE_G2, rel=0.1)
-    assert found["noise_scale"] == pytest.approx(TRUE_S / TRUE_G2, rel=0.15)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    config_path, out = digits_run
+    weights, results = {}, {}
+    for measured in (True, False):
+        shutil.rmtree(Path(out, "train"), ignore_errors=True)  # a fresh stage, never a resume of the other
+        config = load_config(config_path, {"train.noise_scale": measured, "train.noise_scale_every_steps": 1,
+                                           "train.stages.0.grad_accum_steps": accumulation, "train.stages.0.epochs": 3})
+        results[measured] = train.run_stage(config, "s1", out, {"lr": 0.05, "hidden": 32, "dropout": 0.0}, None)
+        weights[measured] = torch.load(results[measured]["checkpoint_uri"], weights_only=True)["model"]
+        results[measured]["history"] = json.loads(Path(out, "train", "s1", "metrics.json").read_text())["history"]
+    for name, tensor in weights[False].items():
+        torch.testing.assert_close(weights[True][name], tensor, rtol=1e-4, atol=1e-6)
+    assert all(entry["noise_scale"] is None for entry in results[False]["history"])
+    # None only while the smoothed |G|² is not positive (the gradient's mean drowned in its noise): never 0 or inf.
+    found = [entry["noise_scale"] for entry in results[True]["history"]]
+    assert found[0] is not None and all(value is None or 1 < value < 1e6 for value in found), found
 
 
 def test_state_round_trips_so_a_resumed_stage_continues_the_same_curve():
