@@ -36,6 +36,7 @@ from stagewise.models.bundle import preprocessing_of, save_bundle
 from stagewise.models.torch_io import load_torch, save_torch
 from stagewise.scripting.entrypoint import LAST_REPORT, contract_environment, entrypoint_args, run_script
 from stagewise.tracking.runs import Tracker
+from stagewise.training.batch_growth import adaptive_batch, previous_noise_scale
 from stagewise.training.checkpoint import CheckpointStore, restore_training_state
 from stagewise.training.distributed import distributed_job
 from stagewise.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, stage_lr, start_loop
@@ -169,8 +170,21 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
     profile = config.profile(stage.profile)
     with distributed_job(profile.device, profile.threads_per_process) as env:
         manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
-        micro_batch = stage.micro_batch(env.world_size)
+        micro_batch, accumulation = stage.micro_batch(env.world_size), stage.grad_accum_steps
         global_batch = stage.global_batch_for(env.world_size)
+        decision, handed = None, None
+        if init_from and config.train.batch_growth == "adaptive":  # from the stage before's handed-on checkpoint
+            handed = load_torch(init_from)
+            assert config.train.max_global_batch is not None
+            decision = adaptive_batch(previous_noise_scale(handed), handed["global_batch"], config.train.max_global_batch,
+                                      env.world_size, micro_batch)
+            micro_batch, accumulation, global_batch = (decision.per_process_batch, decision.grad_accum_steps,
+                                                       decision.global_batch)
+            if env.master:
+                noise = "none measured" if decision.noise_scale is None else f"{decision.noise_scale:.4g}"
+                log.info("stage %s: adaptive global batch %d = %d per process x %d x %d accumulation (noise scale %s at the "
+                         "end of the stage before, clamped to [%d, %d])", stage.name, global_batch, micro_batch,
+                         env.world_size, accumulation, noise, decision.previous_global_batch, decision.max_global_batch)
         data_seed = config.train.seed + 7919 * (config.train.stages.index(stage) + 1)
         train, validation = rank_batches(
             manifest, env, batch_size=micro_batch, seed=data_seed,
@@ -181,12 +195,13 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         torch.manual_seed(config.train.seed)
         # Checked at each checkpoint step too, so no checkpoint is ever written from NaN weights.
         built, loop = start_loop(config, manifest, env, swept, train, validation, seed=data_seed,
-                                 grad_accum_steps=stage.grad_accum_steps, check_every_steps=config.train.checkpoint_every_steps,
+                                 grad_accum_steps=accumulation, check_every_steps=config.train.checkpoint_every_steps,
                                  precision=stage.precision, compile_mode=stage.compile,
                                  grad_clip_norm=stage.grad_clip_norm,
                                  noise_scale_every=config.train.noise_scale_every_steps if config.train.noise_scale else 0)
         params, model, optimizer = built.params, loop.module, loop.optimizer
-        digest = config_hash(stage.model_dump(), params, env.world_size, config.train.seed)
+        digest = config_hash({**stage.model_dump(), **({"adaptive": asdict(decision)} if decision else {})}, params,
+                             env.world_size, config.train.seed)
         prefix = storage.stage_prefix(out, stage.name)
         checkpoints = CheckpointStore(prefix, keep_last=config.train.keep_checkpoints)
 
@@ -212,7 +227,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         elif found:
             log.warning("ignoring checkpoint %s: written under another config or world size", found[0])
         if resumed_from is None and init_from:
-            state = load_torch(init_from)
+            state = handed if handed is not None else load_torch(init_from)
             try:
                 restore_training_state(model, optimizer, state, env.device)
             except (RuntimeError, ValueError) as exc:
@@ -249,7 +264,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         schedule = stage.lr_schedule
         log.info("stage %s: world size %d, global batch %d (%d per process x %d x %d accumulation), lr %.4g "
                  "(%s rule, base batch %d), warmup %d steps, schedule %s, %d epochs of %d steps, %d train rows",
-                 stage.name, env.world_size, global_batch, micro_batch, env.world_size, stage.grad_accum_steps, lr,
+                 stage.name, env.world_size, global_batch, micro_batch, env.world_size, accumulation, lr,
                  config.train.lr_rule, config.train.base_batch, warmup,
                  "the spec's own" if built.spec.lr_schedule(0, total_steps) is not None else
                  schedule.type if schedule.type == "constant" else f"{schedule.type} to {schedule.min_lr_ratio:g} x lr",
@@ -259,9 +274,11 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             tracked = tracker.nested(f"stage-{stage.name}", f"train {stage.name}",
                                      {"stagewise.kind": "stage", "stagewise.stage": stage.name},
                                      {**params, "world_size": env.world_size, "global_batch": global_batch,
-                                      "per_process_batch": micro_batch, "grad_accum_steps": stage.grad_accum_steps,
+                                      "per_process_batch": micro_batch, "grad_accum_steps": accumulation,
                                       "stage_lr": lr, "warmup_steps": warmup, "epochs": stage.epochs,
-                                      "lr_rule": config.train.lr_rule, "global_step_offset": step_offset})
+                                      "lr_rule": config.train.lr_rule, "global_step_offset": step_offset,
+                                      "batch_growth": config.train.batch_growth,
+                                      **({"noise_scale_before": decision.noise_scale} if decision else {})})
         started, first_epoch, stopped_early = time.monotonic(), loop.position.epoch, False
         while loop.position.epoch < stage.epochs:
             if selection.should_stop([entry["val_metric"] for entry in history]):
@@ -308,14 +325,15 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         final = history[handed] if history else {"val_metric": float("nan"), "val_metrics": {}}
         final_uri = storage.join(prefix, "final.pt")
         result_info = {"stage": stage.name, "world_size": env.world_size, "global_batch": global_batch,
-                       "per_process_batch": micro_batch, "grad_accum_steps": stage.grad_accum_steps, "lr": lr,
+                       "per_process_batch": micro_batch, "grad_accum_steps": accumulation, "lr": lr,
                        "warmup_steps": warmup, "epochs": stage.epochs, "val_metric": final["val_metric"],
                        "val_metrics": final["val_metrics"], "objective": config.objective.metric,
                        "steps": loop.position.step, "resumed_from_step": resumed_from, "checkpoint_uri": final_uri,
                        "hand_on": stage.hand_on, "handed_epoch": handed + 1 if history else None,
                        "epochs_run": len(history), "stopped_early": stopped_early,
                        "lr_schedule": stage.lr_schedule.model_dump(), "grad_clip_norm": stage.grad_clip_norm,
-                       "noise_scale": history[-1].get("noise_scale") if history else None, "params": params}
+                       "noise_scale": history[-1].get("noise_scale") if history else None,
+                       "batch_decision": asdict(decision) if decision else None, "params": params}
         if env.master:
             if loop.position.step != resumed_from:
                 checkpoints.save(loop.position.step, state_now())  # a re-run of a finished stage retrains nothing

@@ -560,6 +560,11 @@ class Train(_Strict):
         "Measure the gradient noise scale B_simple in every stage (epoch log, report, training chart)."))
     noise_scale_every_steps: int = Field(8, ge=1, description=(
         "Measure it on one optimizer step in this many: a measurement costs a few passes over the gradients."))
+    batch_growth: Literal["fixed", "adaptive"] = Field("fixed", description=(
+        "fixed: the batches the stages give; adaptive: each stage after the first takes the noise scale measured at the "
+        "end of the stage before as its global batch, clamped between that stage's batch and max_global_batch (its "
+        "per_process_batch is then a memory bound, gradient accumulation reaching beyond it)."))
+    max_global_batch: int | None = Field(None, ge=1, description="adaptive: the largest global batch a stage may take.")
     stages: list[TrainStage] = Field(min_length=1, description="The stages, run in order.")
 
     @field_validator("default_params")
@@ -569,6 +574,20 @@ class Train(_Strict):
         if problems:
             raise ValueError("; ".join(problems))
         return value
+
+    @model_validator(mode="after")
+    def _adaptive_growth_has_what_it_needs(self) -> Train:
+        if self.batch_growth != "adaptive":
+            return self
+        if self.max_global_batch is None:
+            raise ValueError("batch_growth: 'adaptive' needs max_global_batch, the largest global batch a stage may take")
+        if not self.noise_scale:
+            raise ValueError("batch_growth: 'adaptive' chooses batches from the noise scale; turn noise_scale on")
+        scripted = [stage.name for stage in self.stages[1:] if stage.entrypoint is not None]
+        if scripted:
+            raise ValueError(f"batch_growth: 'adaptive' sizes the built-in loop's stages; {scripted} run their own "
+                             f"entrypoint, whose batch the script decides")
+        return self
 
     @field_validator("stages")
     @classmethod

@@ -124,8 +124,11 @@ def training_figure(report: dict[str, Any], sources: dict[str, Any]) -> dict[str
         metrics = sources["stages"].get(name) or {}
         history = metrics.get("history") or []
         attempt = (attempts.get(f"train_{name}") or {}).get("attempt") or 1
-        label = (f"<b>{html.escape(name)}</b><br>global batch {stage.get('global_batch')}<br>lr {_number(stage.get('lr'))}"
-                 f"<br>world size {stage.get('world_size')}" + (f"<br>attempt {attempt}" if attempt > 1 else ""))
+        decision = stage.get("batch_decision") or {}
+        adaptive = (f" (adaptive: noise scale {_number(decision.get('noise_scale'))})" if decision else "")
+        label = (f"<b>{html.escape(name)}</b><br>global batch {stage.get('global_batch')}{adaptive}<br>lr "
+                 f"{_number(stage.get('lr'))}<br>world size {stage.get('world_size')}"
+                 + (f"<br>attempt {attempt}" if attempt > 1 else ""))
         shapes.append({"type": "line", "name": f"stage:{name}", "xref": "x", "yref": "paper", "x0": offset, "x1": offset,
                        "y0": 0, "y1": 1, "line": {"color": "#495057", "width": 1.5, "dash": "dash"}})
         annotations.append({"name": f"stage:{name}", "x": offset, "xref": "x", "y": 1, "yref": "paper", "text": label,

@@ -1,0 +1,70 @@
+"""Adaptive batch growth: the next stage's global batch is the noise scale the stage before measured, clamped between
+that stage's batch and train.max_global_batch, reached with gradient accumulation when the per-process batch (a memory
+bound) is too small; the lr is rescaled by the rule, the decision is in the result, and a retry decides the same."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from stagewise.core.errors import UserError
+from stagewise.definitions.loading import load_config
+from stagewise.training.batch_growth import adaptive_batch, previous_noise_scale
+from stagewise.training.loop import scaled_lr
+
+
+@pytest.mark.parametrize(("noise", "expected"), [
+    (612.4, (612, 5, 61, 610)),  # 612 over 2 processes of at most 64: 5 accumulation steps of 61
+    (50.0, (128, 1, 64, 128)),  # below the stage before's batch: the batch never shrinks
+    (5000.0, (1024, 8, 64, 1024)),  # above the ceiling: max_global_batch
+    (None, (128, 1, 64, 128)),  # nothing measured: the batch stays
+])
+def test_the_decision_clamps_the_noise_scale_and_reaches_it_with_accumulation(noise, expected):
+    decision = adaptive_batch(noise, previous_global_batch=128, max_global_batch=1024, world_size=2, per_process_limit=64)
+    assert (decision.target, decision.grad_accum_steps, decision.per_process_batch, decision.global_batch) == expected
+    assert decision.global_batch <= decision.target and decision.per_process_batch <= 64
+
+
+@pytest.mark.parametrize("data", ["digits_run", "digits_images_run"])
+def test_an_adaptive_stage_trains_at_the_batch_the_stage_before_measured(request, monkeypatch, data):
+    """s1 measures the noise scale; s2 (adaptive) trains at that batch, clamped, with the lr rescaled for it; the
+    built-in MLP and a user's spec (the example CNN) alike; run again afresh, s2 decides exactly the same."""
+    from stagewise import train
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    config_path, out = request.getfixturevalue(data)
+    overrides = {"train.batch_growth": "adaptive", "train.max_global_batch": 512, "train.noise_scale_every_steps": 2,
+                 "train.stages.1.profile": "ddp1", "train.stages.1.per_process_batch": 64, "train.stages.1.epochs": 1}
+    if data == "digits_images_run":
+        overrides["model"] = {"spec": "stagewise.examples.digits_cnn:DigitsCNN"}
+    config = load_config(config_path, overrides)
+    params = {"lr": 0.05}
+    first = train.run_stage(config, "s1", out, params, None)
+    measured = previous_noise_scale(torch.load(first["checkpoint_uri"], weights_only=True))
+    assert measured == pytest.approx(first["noise_scale"])
+    second = train.run_stage(config, "s2", out, params, first["checkpoint_uri"])
+    decision = second["batch_decision"]
+    expected = adaptive_batch(measured, first["global_batch"], 512, 1, 64)
+    assert (second["global_batch"], second["per_process_batch"], second["grad_accum_steps"]) == (
+        expected.global_batch, expected.per_process_batch, expected.grad_accum_steps)
+    assert decision["noise_scale"] == pytest.approx(measured) and decision["previous_global_batch"] == 32
+    assert second["lr"] == pytest.approx(scaled_lr(params["lr"], second["global_batch"], config.train.base_batch,
+                                                   config.train.lr_rule))
+    history = json.loads(Path(out, "train", "s2", "metrics.json").read_text())["history"]
+    assert history and second["val_metric"] > 0.5
+    shutil.rmtree(Path(out, "train", "s2"))
+    assert train.run_stage(config, "s2", out, params, first["checkpoint_uri"])["batch_decision"] == decision
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"train.batch_growth": "adaptive"}, "needs max_global_batch"),
+    ({"train.batch_growth": "adaptive", "train.max_global_batch": 512, "train.noise_scale": False}, "turn noise_scale on"),
+])
+def test_adaptive_growth_needs_a_ceiling_and_the_noise_scale(write_config, overrides, message):
+    with pytest.raises(UserError, match=message):
+        load_config(write_config(), overrides)
