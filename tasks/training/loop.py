@@ -269,7 +269,7 @@ class Loop:
             boundary = (index + 1) % self.grad_accum_steps == 0 or index + 1 == micro_total
             # Dropout masks depend only on (seed, epoch, micro-step, rank): a resumed run draws the same ones.
             seed_step(hash((self.seed, position.epoch, index, self.env.rank)) & 0x7FFFFFFF, self.env.device)
-            # A measured step's boundary runs without DDP's all-reduce too: _measure_noise makes it, norms included.
+            # A measured step's boundary runs without DDP's all-reduce too: _all_reduce_measured makes it, norms included.
             measured = (boundary and self._measured_all_reduce is not None and position.step % self.noise_every == 0)
             sync = self.ddp.no_sync() if (self.ddp is not None and (not boundary or measured)) else contextlib.nullcontext()
             with sync:
@@ -288,14 +288,15 @@ class Loop:
                 lr = lr_at(position.step)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr * group.get("lr_scale", 1.0)
+                # Both measurements read the loss-scaled fp16 gradients and divide the scale out: before unscale_.
                 if measured:
                     self._all_reduce_measured()
-                if self.scaler is not None and (self.grad_clip_norm is not None or self.noise is not None):
-                    self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not the scaled ones
                 if self._small is not None:
                     self._fold_split_measurement()
                 self._step_samples = 0
                 if self.grad_clip_norm is not None:
+                    if self.scaler is not None:
+                        self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
                     # After DDP's all-reduce every rank holds the same gradients, so the same norm and the same clip.
                     self._pending_norm += nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip_norm).double()
                     self._pending_norm_steps += 1
