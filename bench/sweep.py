@@ -125,3 +125,70 @@ def sweep_parallel_speedup(rows: int = 0) -> dict[str, Any]:
     return {"ours": spans[1], "baseline": spans[2], "unit": "s (1 worker / 2 workers)",
             "details": {"one_worker_s": round(spans[1], 2), "two_workers_s": round(spans[2], 2), "num_trials": 24,
                         "epochs_per_trial": 30, "note": "ratio = 1-worker time / 2-worker time (a speed-up)"}}
+
+
+# The row budget both data-budget benchmarks and bench/scale.py run: a trial sees at most this many rows, whatever
+# the data set's size (its first round max_rows / 4^3), so the sweep's cost stays flat as the data grows.
+ROW_BUDGET = {"budget": "rows", "max_rows": 500_000}
+
+
+def _budget_runs(rows: int) -> dict[str, dict[str, Any]]:
+    """pipeline.yaml's sweep (8 trials, TPE, Hyperband with reduction factor 4, batch 32, up to 9 epochs) on ``rows``
+    synthetic rows, once with the epoch budget and once with the row budget; one worker runs the trials in turn, so
+    wall time is the work alone. The row budget's time includes writing its subsets."""
+    from bench.training import _prepare
+    from stagewise.definitions.loading import load_config
+    from stagewise.study.studies import create
+    from stagewise.study.summary import summarize
+    from stagewise.sweep import prepare_subsets, run_worker
+
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-budget-") as tmp:
+        _, out = _prepare(Path(tmp), rows)
+        for budget in ("rows", "epochs"):
+            raw = yaml.safe_load(Path(tmp, "pipeline.yaml").read_text())
+            raw["sweep"].update({"num_workers": 1, **(ROW_BUDGET if budget == "rows" else {})})
+            path = Path(tmp, f"{budget}.yaml")
+            path.write_text(yaml.safe_dump(raw))
+            config = load_config(path)
+            started = time.perf_counter()
+            create(config, budget)
+            subsets = prepare_subsets(config, out)
+            run_worker(config, budget, 0, out)
+            summary = summarize(config, budget, out)
+            results[budget] = {**summary, "wall_s": time.perf_counter() - started, "rounds": subsets.get("rounds"),
+                               "direction": config.objective.direction}
+    return results
+
+
+_BUDGET_CACHE: dict[int, dict[str, dict[str, Any]]] = {}
+
+
+def _budgets(rows: int) -> dict[str, dict[str, Any]]:
+    if rows not in _BUDGET_CACHE:  # both data-budget benchmarks read the same pair of sweeps
+        _BUDGET_CACHE[rows] = _budget_runs(rows)
+    return _BUDGET_CACHE[rows]
+
+
+def sweep_data_budget(rows: int = 1_000_000) -> dict[str, Any]:
+    """Sweep wall time with the row budget (sweep.budget rows, max_rows 500,000) / with the epoch budget, same trials."""
+    runs = _budgets(rows)
+    by_rows, by_epochs = runs["rows"], runs["epochs"]
+    return {"ours": by_rows["wall_s"], "baseline": by_epochs["wall_s"], "unit": "s (sweep wall time)",
+            "details": {"rows": rows, "num_trials": by_rows["n_trials"], **ROW_BUDGET,
+                        "row_budget_rounds_end_at": [r["rows_seen"] for r in by_rows["rounds"]],
+                        "rows_trained": {"rows": by_rows["rows_consumed"], "epochs": by_epochs["rows_consumed"]},
+                        "pruned": {"rows": by_rows["n_pruned"], "epochs": by_epochs["n_pruned"]},
+                        "epochs_consumed_by_epoch_budget": by_epochs["epochs_consumed"]}}
+
+
+def sweep_data_budget_quality(rows: int = 1_000_000) -> dict[str, Any]:
+    """Best validation objective of the row-budget sweep / that of the epoch-budget one (direction-aware: a minimised
+    objective's ratio is epochs' / rows')."""
+    runs = _budgets(rows)
+    by_rows, by_epochs = runs["rows"], runs["epochs"]
+    ours, baseline = by_rows["best_value"], by_epochs["best_value"]
+    if by_rows["direction"] == "minimize":  # so that a ratio above 1 is better either way
+        ours, baseline = baseline, ours
+    return {"ours": ours, "baseline": baseline, "unit": f"best val objective ({by_rows['direction']})",
+            "details": {"rows_best_params": by_rows["best_params"], "epochs_best_params": by_epochs["best_params"]}}

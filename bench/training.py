@@ -415,3 +415,118 @@ def parquet_loading(rows: int = 1_000_000, block_rows: int = 64) -> dict[str, An
                                           "note": "opt-in, off by default; the synthetic rows are stored in random order, "
                                                   "so neighbours on disk are unrelated here: data stored sorted (by label, "
                                                   "time, key) would correlate a block's rows"}}}
+
+
+def _stage_chain(config: Any, out: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Run the config's stages in order from scratch (each from the one before's handed-on checkpoint): every epoch's
+    validation objective at its optimizer step counted across stages, the last stage's test objective, the batches."""
+    from stagewise.evaluate import evaluate
+    from stagewise.train import run_stage
+
+    shutil.rmtree(Path(out, "train"), ignore_errors=True)
+    curve, offset, previous, batches, started, first_stage_steps = [], 0, None, [], time.perf_counter(), 0
+    for stage in config.train.stages:
+        result = run_stage(config, stage.name, out, params, previous)
+        history = json.loads(Path(out, "train", stage.name, "metrics.json").read_text())["history"]
+        curve += [(offset + entry["steps"], entry["val_metric"]) for entry in history]
+        offset += result["steps"]
+        first_stage_steps = first_stage_steps if batches else result["steps"]
+        previous = result["checkpoint_uri"]
+        batches.append({"stage": stage.name, "global_batch": result["global_batch"], "lr": round(result["lr"], 4),
+                        "noise_scale_at_end": result["noise_scale"]})
+    wall = time.perf_counter() - started
+    tested = evaluate(config, result["model_uri"], out)
+    return {"curve": curve, "steps": offset, "first_stage_steps": first_stage_steps, "wall_s": wall,
+            "test": tested["test_objective"],
+            "test_rows": tested.get("test_rows"), "stages": batches}
+
+
+def _adaptive_vs_fixed(workdir: Path, *, rows: int | None, first_epochs: int, later: list[int], max_global_batch: int,
+                       params: dict[str, Any], noise_every: int, noise: float = 1.1, lr_rule: str = "sqrt") -> dict[str, Any]:
+    """The same data, params and stages (a first stage at batch 32, then ``later`` stages of that many epochs) twice:
+    fixed at batch 128 after the first stage (the demo's schedule), and adaptive (each later stage at the noise scale
+    the stage before measured, up to ``max_global_batch``). Both chains share the first stage bit for bit; the steps
+    each takes after it until its validation objective first comes within one standard error of the fixed chain's
+    final one are compared, and their test objectives."""
+    import yaml
+
+    from stagewise.definitions.loading import load_config
+
+    settings = {"checkpoint_every_steps": 1_000_000, "noise_scale_every_steps": noise_every, "lr_rule": lr_rule}
+    if rows is None:  # the digits, as the tests preprocess them
+        from tests.conftest import base_config, preprocess_digits
+
+        config_path = workdir / "pipeline.yaml"
+        config_path.write_text(yaml.safe_dump(base_config(workdir)))
+        out = str(workdir / "runs" / "bench" / "r1")
+        preprocess_digits(config_path, out)
+    else:
+        _, out = _prepare(workdir, rows, noise=noise)
+        config_path = workdir / "pipeline.yaml"
+    raw = yaml.safe_load(config_path.read_text())
+    first = {"name": "s1", "profile": "ddp1", "per_process_batch": 32, "epochs": first_epochs}
+    runs = {}
+    for name, batch, growth in (("fixed", 128, {}), ("adaptive", 1024, {"batch_growth": "adaptive",
+                                                                        "max_global_batch": max_global_batch})):
+        stages = [first, *({"name": f"s{i + 2}", "profile": "ddp1", "per_process_batch": batch, "epochs": epochs}
+                           for i, epochs in enumerate(later))]
+        raw["train"].update({**settings, "stages": stages, **growth})
+        path = workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        runs[name] = _stage_chain(load_config(path), out, params)
+    fixed_run, adaptive_run = runs["fixed"], runs["adaptive"]
+    shared = fixed_run["first_stage_steps"]
+    assert adaptive_run["first_stage_steps"] == shared and adaptive_run["curve"][:first_epochs] == fixed_run["curve"][:first_epochs]
+    validation_rows = json.loads(Path(out, "preprocess", "manifest.json").read_text())["rows"]["validation"]
+    final = fixed_run["curve"][-1][1]
+    # within one standard error of the validation accuracy: a few rows of the digits, noise on the synthetic set
+    target = final - (final * (1 - final) / validation_rows) ** 0.5
+    if fixed_run["curve"][first_epochs - 1][1] >= target:
+        raise RuntimeError(f"the shared first stage already reaches the fixed chain's final {final:.4f}: this set "
+                           "saturates before the batch matters, so it measures nothing")
+
+    def steps_to_target(run: dict[str, Any]) -> int | None:
+        return next((steps - shared for steps, value in run["curve"][first_epochs:] if value >= target), None)
+
+    fixed_steps, adaptive_steps = steps_to_target(fixed_run), steps_to_target(adaptive_run)
+    assert fixed_steps is not None  # its own final value is within the target
+    test_error = (fixed_run["test"] * (1 - fixed_run["test"]) / fixed_run["test_rows"]) ** 0.5
+    test_ok = adaptive_run["test"] >= fixed_run["test"] - test_error
+    ours = adaptive_steps if adaptive_steps is not None and test_ok else max(adaptive_run["steps"] - shared, fixed_steps)
+    return {"fixed_steps": fixed_steps, "adaptive_steps": ours, "reached": adaptive_steps is not None,
+            "ratio": ours / fixed_steps, "first_stage_steps": shared, "target_val": round(target, 4),
+            "fixed_final_val": round(final, 4),
+            "whole_chain_steps_to_target": {"fixed": fixed_steps + shared,
+                                            "adaptive": None if adaptive_steps is None else adaptive_steps + shared},
+            "total_steps": {"fixed": fixed_run["steps"], "adaptive": adaptive_run["steps"]},
+            "test": {"fixed": round(fixed_run["test"], 4), "adaptive": round(adaptive_run["test"], 4),
+                     "standard_error": round(test_error, 4), "adaptive_equal_or_better": test_ok},
+            "wall_s": {"fixed": round(fixed_run["wall_s"], 2), "adaptive": round(adaptive_run["wall_s"], 2)},
+            "stages": {"fixed": fixed_run["stages"], "adaptive": adaptive_run["stages"]}}
+
+
+def adaptive_batch_steps(rows: int = 200_000) -> dict[str, Any]:
+    """Optimizer steps the adaptive stages (train.batch_growth adaptive) take to reach the fixed schedule's final
+    validation accuracy / the steps the fixed schedule's stages take, on the digits and on ``rows`` synthetic rows
+    (noise 3.0: the classes overlap, so accuracy keeps climbing for a few epochs); the ratio is the worse set's.
+
+    Both chains train the same stages, epochs and params in one process each and share their first stage (batch 32)
+    bit for bit: the stages after it run at the demo's batch 128, or at the noise scale the stage before measured
+    (clamped to the set's max_global_batch); steps count from the end of the first stage. lr_rule sqrt on both sides:
+    the linear rule's lr at a batch of thousands diverged on the synthetic set. Reaching the target means coming within
+    one standard error of it on the validation split; an adaptive chain whose test accuracy is worse than the fixed
+    one's by more than one standard error, or that never reaches the target, scores all its steps. Details keep each
+    set's whole-chain steps (first stage included), both test accuracies, wall times and every stage's batch and lr.
+    """
+    params = {"lr": 0.05, "hidden": 128, "dropout": 0.0, "momentum": 0.9, "weight_decay": 0.0}
+    sets = {"digits": {"rows": None, "first_epochs": 2, "later": [6, 6, 6], "max_global_batch": 1024, "noise_every": 2},
+            "synthetic": {"rows": rows, "first_epochs": 1, "later": [2, 2], "max_global_batch": 8192, "noise_every": 8,
+                          "noise": 3.0}}
+    results = {}
+    for name, setting in sets.items():
+        with tempfile.TemporaryDirectory(prefix=f"bench-adaptive-{name}-") as tmp:
+            results[name] = _adaptive_vs_fixed(Path(tmp), params=params, **setting)
+    worst = max(results, key=lambda name: results[name]["ratio"])
+    return {"ours": float(results[worst]["adaptive_steps"]), "baseline": float(results[worst]["fixed_steps"]),
+            "unit": f"optimizer steps after the first stage ({worst}, the worse set)",
+            "details": {**results, "params": params, "lr_rule": "sqrt"}}

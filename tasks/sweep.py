@@ -1,6 +1,8 @@
 """Hyperparameter sweep: one Optuna study shared by parallel worker tasks.
 
 Run:  ``python -m stagewise.sweep create --study S``
+      ``python -m stagewise.sweep subsets --out storage/runs/x/y``   (only for ``sweep.budget: rows`` or
+      ``sweep.validation_rows``: the nested data subsets every trial trains on, stagewise.datasets.subsets)
       ``python -m stagewise.sweep worker --study S --worker 0 --out storage/runs/x/y``   (one per worker;
       under ``torchrun --nproc-per-node N`` each trial is an N-process DDP job; with ``sweep.entrypoint``
       one process drives the user's script as each trial, under torchrun itself)
@@ -25,6 +27,7 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from stagewise.core import contract as env_contract
@@ -32,6 +35,7 @@ from stagewise.core import storage
 from stagewise.core.cli import common_parser, parse_overrides, run_subjob
 from stagewise.core.errors import UserError
 from stagewise.datasets.manifest import read_manifest
+from stagewise.datasets.subsets import Round, pass_splits, resolve_budget, subsets_uri, write_subsets
 from stagewise.definitions.config import PipelineConfig, Sweep
 from stagewise.definitions.loading import config_path, load_config
 from stagewise.models.building import resolve_params
@@ -83,12 +87,13 @@ def _broadcast(env: Any, value: Any) -> Any:
     return holder[0]
 
 
-def _worker_study(sweep: Sweep, name: str, worker: int) -> tuple[Any, int]:
-    """The shared study (this worker's sampler, the pruner) and how many trials of its quota are left to run."""
+def _worker_study(sweep: Sweep, name: str, worker: int, resource: tuple[int, int] | None = None) -> tuple[Any, int]:
+    """The shared study (this worker's sampler, the pruner over ``resource``: the row budget's (min, max) rows, or
+    None for epochs) and how many trials of its quota are left to run."""
     import optuna
 
     study = optuna.load_study(study_name=name, storage=open_storage(sweep.storage),
-                              sampler=make_sampler(sweep, worker), pruner=make_pruner(sweep))
+                              sampler=make_sampler(sweep, worker), pruner=make_pruner(sweep, resource))
     recovered = recover_abandoned(study, worker)
     done = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("worker") == worker and counts_toward_budget(t)]
     quota = worker_quota(sweep.num_trials, sweep.num_workers, worker)
@@ -115,11 +120,56 @@ def _finish(study: Any, trial: Any, state: str, value: float | None, error: str 
              time.monotonic() - started)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    """One report of a trial to the pruner: a pass over the train files of each entry of ``passes``, then the objective
+    at ``step`` (an epoch number under the epoch budget, rows seen under the row budget)."""
+
+    step: int
+    passes: list[dict[str, list[dict[str, Any]]]]
+    pass_rows: list[int]
+
+
+def trial_reports(sweep: Sweep, manifest: dict[str, Any], subsets: dict[str, Any] | None) -> list[Report]:
+    """What a trial that is never pruned trains and reports, in order: one report per epoch over the whole split, or one
+    per round of the row budget (stagewise.datasets.subsets) over its nested subsets."""
+    train_rows = manifest["rows"]["train"]
+    if sweep.budget == "epochs":
+        whole = pass_splits(manifest, subsets, 1.0)
+        return [Report(step=epoch + 1, passes=[whole], pass_rows=[train_rows]) for epoch in range(sweep.epochs)]
+    assert subsets is not None
+    return [Report(step=r.rows_seen, passes=[pass_splits(manifest, subsets, f) for f in r.fractions],
+                   pass_rows=r.subset_rows(train_rows)) for r in (Round(**entry) for entry in subsets["rounds"])]
+
+
+def read_subsets(sweep: Sweep, out: str) -> dict[str, Any] | None:
+    """The committed subsets of a row budget or a validation cap (None when the sweep has neither)."""
+    if not sweep.needs_subsets:
+        return None
+    uri = subsets_uri(out)
+    if not storage.exists(uri):
+        raise UserError(f"sweep.budget {sweep.budget} / validation_rows: {uri} is not committed; run `python -m "
+                        f"stagewise.sweep subsets --out {out}` first (the create_study task does)")
+    return storage.read_json(uri)
+
+
+def prepare_subsets(config: PipelineConfig, out: str) -> dict[str, Any]:
+    """Resolve the row budget against the committed train split and write its subsets (and the validation cap)."""
+    sweep = config.sweep
+    if not sweep.needs_subsets:
+        return {"budget": sweep.budget, "subsets_uri": None}
+    manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
+    processes = config.profile(sweep.profile).processes_per_node
+    budget = resolve_budget(sweep, manifest["rows"]["train"], processes) if sweep.budget == "rows" else None
+    committed = write_subsets(manifest, out, budget, sweep.validation_rows)
+    return {"budget": sweep.budget, "subsets_uri": subsets_uri(out), "rounds": committed["rounds"]}
+
+
 def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_file: str = "",
                overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run this worker's share of the budget. Under torchrun each trial is a DDP job: rank 0 owns the
-    Optuna trial, reports once per epoch, and broadcasts params and prune decisions to every rank.
-    With ``sweep.entrypoint`` each trial is the user's script instead (:func:`run_script_trials`)."""
+    Optuna trial, reports once per epoch (or per round of a row budget), and broadcasts params and prune decisions
+    to every rank. With ``sweep.entrypoint`` each trial is the user's script instead (:func:`run_script_trials`)."""
     if config.sweep.entrypoint is not None:
         return run_script_trials(config, name, worker, out, config_file, overrides or {})
     import optuna
@@ -130,16 +180,24 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
     profile = config.profile(sweep.profile)
     with distributed_job(profile.device, profile.threads_per_process) as env:
         manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
-        train, validation = rank_batches(
-            manifest, env, batch_size=sweep.batch_size, seed=sweep.seed,
-            too_few_rows=lambda rows: (f"sweep.batch_size {sweep.batch_size} exceeds the ~{rows} train rows each of "
-                                       f"{env.world_size} process(es) gets (sweep.profile '{sweep.profile}'): a trial would "
-                                       f"take no optimizer step; lower sweep.batch_size or the process count"))
-        study, remaining = _worker_study(sweep, name, worker) if env.master else (None, 0)
+        reports = trial_reports(sweep, manifest, read_subsets(sweep, out))
+        setting = "sweep.min_rows" if sweep.budget == "rows" else "sweep.batch_size"
+
+        def batches(splits: dict[str, Any], quiet: bool = True) -> tuple[Any, Any]:
+            return rank_batches(
+                {**manifest, "splits": splits}, env, batch_size=sweep.batch_size, seed=sweep.seed, quiet=quiet,
+                too_few_rows=lambda rows: (f"sweep.batch_size {sweep.batch_size} exceeds the ~{rows} train rows each of "
+                                           f"{env.world_size} process(es) gets (sweep.profile '{sweep.profile}'): a trial "
+                                           f"would take no optimizer step; lower sweep.batch_size or the process count, "
+                                           f"or raise {setting}"))
+
+        train, validation = batches(reports[0].passes[0], quiet=False)
+        resource = (reports[0].step, reports[-1].step) if sweep.budget == "rows" else None
+        study, remaining = _worker_study(sweep, name, worker, resource) if env.master else (None, 0)
         remaining = _broadcast(env, remaining)
         tracker = Tracker.for_run(config, out, f"sweep_worker {worker}") if env.master else None
         fault_trial = int(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
-        epochs_run, started = 0, time.monotonic()
+        epochs_run, rows_run, started = 0, 0, time.monotonic()
         for _ in range(remaining):
             trial, suggested, error = None, None, None
             if env.master:
@@ -150,45 +208,66 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
                 except Exception as exc:  # e.g. a space edited since the study began: this trial fails, the sweep goes on
                     error = f"suggesting params failed: {type(exc).__name__}: {exc}"[:500]
             suggested, error = _broadcast(env, (suggested, error))
-            value, state, steps = float("nan"), "FAIL" if error else "COMPLETE", 0
+            value, state, steps, rows_seen, passes = float("nan"), "FAIL" if error else "COMPLETE", 0, 0, 0
             tracked = None
             if tracker is not None:
                 tracked = tracker.nested(f"trial-{trial.number}", f"trial {trial.number}", trial_tags(name, trial.number, worker),
-                                         {**(suggested or {}), "batch_size": sweep.batch_size, "world_size": env.world_size})
+                                         {**(suggested or {}), "batch_size": sweep.batch_size, "world_size": env.world_size,
+                                          "budget": sweep.budget})
             if not error:
                 try:
                     torch.manual_seed(sweep.seed + (trial.number if trial else 0))
                     built, loop = start_loop(config, manifest, env, suggested, train, validation, seed=sweep.seed)
-                    params = built.params
-                    for epoch in range(sweep.epochs):
-                        value = loop.train_epoch(lambda _step: params["lr"]).val_metric  # identical on every rank
-                        steps = loop.position.step
-                        epochs_run += 1
+                    params, trial_started, reading = built.params, time.monotonic(), reports[0].passes[0]
+                    for index, report in enumerate(reports):
+                        for splits in report.passes:
+                            if splits != reading:  # the next subset of a row budget
+                                loop.train_data, reading = batches(splits)[0], splits
+                            before = loop.position.step
+                            value = loop.train_epoch(lambda _step: params["lr"]).val_metric  # identical on every rank
+                            steps = loop.position.step
+                            rows_seen += (steps - before) * sweep.batch_size * env.world_size
+                            passes += 1
+                        epochs_run += len(report.passes)
                         prune = False
                         if tracked is not None:
-                            tracker.log(tracked, metrics={f"val_{config.objective.metric}": value}, step=epoch + 1)
+                            tracker.log(tracked, metrics={f"val_{config.objective.metric}": value}, step=report.step)
                         if env.master:
-                            trial.report(value, epoch + 1)
+                            _progress(trial.number, index, len(reports), report, value, rows_seen, config,
+                                      time.monotonic() - trial_started)
+                            trial.report(value, report.step)
                             prune = trial.should_prune()
                             if fault_trial == trial.number and "retry_of" not in trial.user_attrs:
                                 os.kill(os.getpid(), signal.SIGKILL)
                         if _broadcast(env, prune):
                             state = "PRUNED"
                             break
-                    if env.master:
-                        trial.set_user_attr("epochs", epoch + 1)
                     if steps == 0:  # a random init's accuracy is no result
                         state, error = "FAIL", f"took 0 optimizer steps (sweep.batch_size {sweep.batch_size})"
                 except Exception as exc:  # a failing or diverging objective is recorded and the sweep goes on
                     state, error = "FAIL", f"{type(exc).__name__}: {exc}"[:500]
+            rows_run += rows_seen
             if env.master:
+                trial.set_user_attr("epochs", passes)
+                trial.set_user_attr("rows_seen", rows_seen)
                 trial.set_user_attr("steps", steps)
                 _finish(study, trial, state, value, error, config, worker, suggested, started)
             if tracked is not None:
                 finish_trial(tracker, tracked, state, value, config.objective.metric, error)
         if tracker is not None:
             tracker.close()
-        return {"worker": worker, "trials_run": remaining, "epochs_run": epochs_run, "world_size": env.world_size}
+        return {"worker": worker, "trials_run": remaining, "epochs_run": epochs_run, "rows_run": rows_run,
+                "world_size": env.world_size}
+
+
+def _progress(number: int, index: int, total: int, report: Report, value: float, rows_seen: int,
+              config: PipelineConfig, elapsed_s: float) -> None:
+    """One line per report of a trial: where it stands in its budget, its objective and its training speed."""
+    where = (f"epoch {report.step}/{total}" if config.sweep.budget == "epochs" else
+             f"round {index + 1}/{total} ({report.step:,} rows of its budget; passes over "
+             f"{' + '.join(f'{rows:,}' for rows in report.pass_rows)} rows)")
+    log.info("trial %d %s: val_%s %.4f, %d rows trained, %.0f rows/s", number, where, config.objective.metric, value,
+             rows_seen, rows_seen / max(elapsed_s, 1e-9))
 
 
 def absolute_storage(uri: str) -> str:
@@ -295,9 +374,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Optuna sweep steps.")
     common = common_parser()
     sub = parser.add_subparsers(dest="step", required=True)
-    for step in ("create", "worker", "summary"):
+    for step in ("create", "subsets", "worker", "summary"):
         p = sub.add_parser(step, parents=[common])
-        p.add_argument("--study", required=True, help="study name")
+        if step != "subsets":
+            p.add_argument("--study", required=True, help="study name")
         if step != "create":
             p.add_argument("--out", required=True, help="the run prefix")
     sub.choices["worker"].add_argument("--worker", type=int, required=True, help="this worker's index")
@@ -309,6 +389,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.step == "create":
             return create(config, args.study)
         out = storage.resolve(config.storage_root, args.out)
+        if args.step == "subsets":
+            return prepare_subsets(config, out)
         if args.step == "worker":
             return run_worker(config, args.study, args.worker, out, str(config_path(args.config)),
                               parse_overrides(args.override))

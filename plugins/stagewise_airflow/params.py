@@ -11,6 +11,8 @@ from stagewise.models.versions import VERSION_PATTERN
 OPTIONAL_STRING = ["null", "string"]
 # Longest URI a form takes: S3's longest key, 1,024 bytes. Every string Param is bounded, so a run's conf stays small.
 MAX_URI = 1024
+# Most rows a sweep trial may be budgeted: a trillion, far beyond any split, so the bound only refuses typos.
+MAX_SWEEP_ROWS = 10**12
 
 
 def bounded(default: Any, description: str, *, minimum: float, maximum: float, **schema: Any) -> Any:
@@ -41,6 +43,12 @@ def pipeline_params(config: PipelineConfig) -> dict[str, Any]:
                                      type="integer", minimum=1, maximum=32),
         "sweep_epochs": bounded(config.sweep.epochs, "Max epochs of one trial (Hyperband's max resource):",
                                 type="integer", minimum=1, maximum=200),
+        "sweep_budget": Param(config.sweep.budget, type="string", enum=["epochs", "rows"],
+                              description="Hyperband's resource: the epochs a trial trained, or the training rows it "
+                                          "has seen (nested key-hashed subsets of the data; flat cost as data grows)."),
+        "sweep_max_rows": bounded(config.sweep.max_rows, "Row budget: rows a trial that is never pruned sees (empty: "
+                                  "sweep epochs x the train split; ignored with the epoch budget):",
+                                  type=["null", "integer"], minimum=1, maximum=MAX_SWEEP_ROWS),
         "stage_epochs": Param(stage_epochs, type="object",
                               properties={name: {"type": "integer", "minimum": epochs_min, "maximum": epochs_max}
                                           for name in stage_epochs},
@@ -79,6 +87,14 @@ def unknown_trigger_keys(conf: dict[str, Any] | None, known: Any) -> list[str]:
     return sorted(set(conf or {}) - set(known))
 
 
+def _budget_overrides(config: PipelineConfig, params: dict[str, Any]) -> dict[str, Any]:
+    """The sweep's budget from the form: the row budget's sizes stay only while the budget is rows."""
+    budget = params.get("sweep_budget", config.sweep.budget)
+    if budget == "epochs":
+        return {"sweep.budget": "epochs", "sweep.max_rows": None, "sweep.min_rows": None}
+    return {"sweep.budget": "rows", "sweep.max_rows": params.get("sweep_max_rows")}
+
+
 def overrides_from_params(config: PipelineConfig, params: dict[str, Any]) -> dict[str, Any]:
     """Dotted config overrides for the values a person set in the trigger form."""
     overrides: dict[str, Any] = {
@@ -86,6 +102,7 @@ def overrides_from_params(config: PipelineConfig, params: dict[str, Any]) -> dic
         "sweep.num_trials": params["num_trials"],
         "sweep.num_workers": params["num_sweep_workers"],
         "sweep.epochs": params["sweep_epochs"],
+        **_budget_overrides(config, params),
         "sweep.seed": params["seed"],
         "sweep.warm_start_from": optional_text(params["warm_start_study"]),
         "train.seed": params["seed"],

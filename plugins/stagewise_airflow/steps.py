@@ -222,11 +222,14 @@ def commit_preprocess(run: dict[str, Any], reduced: dict[str, Any], transformed:
 
 
 def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[int]:
-    """Create (or find again) the run's study; return the worker indices to map over."""
+    """Create (or find again) the run's study, and write the data subsets of a row budget (a sub-job: it reads the
+    whole train split once); return the worker indices to map over."""
     from stagewise.study.studies import create
 
     config = run_config(run)
     _inline(config, lambda: create(config, run["study"]))
+    if config.sweep.needs_subsets:
+        _launch(run, "stagewise.sweep", ["subsets", "--out", run["out"]], config.preprocess.profile)
     return list(range(config.sweep.num_workers))
 
 

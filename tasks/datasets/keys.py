@@ -41,10 +41,15 @@ def key_hashes(keys: pa.Array | pa.ChunkedArray) -> np.ndarray:
     return key_bits(keys)
 
 
+def key_units(keys: pa.Array | pa.ChunkedArray, salt: str) -> np.ndarray:
+    """A number in [0, 1) per key from a salted hash of the key alone: uniform, and the same wherever the row is read."""
+    seed = np.uint64(int.from_bytes(hashlib.sha256(salt.encode()).digest()[:8], "little"))
+    return (_mix64(key_bits(keys) ^ seed) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
 def split_of(keys: pa.Array | pa.ChunkedArray, split: Split) -> np.ndarray:
     """0 = train, 1 = validation, 2 = test, decided by a salted hash of each key alone."""
-    salt = np.uint64(int.from_bytes(hashlib.sha256(split.salt.encode()).digest()[:8], "little"))
-    unit = (_mix64(key_bits(keys) ^ salt) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    unit = key_units(keys, split.salt)
     return np.where(unit < split.test, 2, np.where(unit < split.test + split.validation, 1, 0)).astype(np.int8)
 
 

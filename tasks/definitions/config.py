@@ -354,7 +354,7 @@ class Pruner(_Strict):
     """How weak trials stop early."""
 
     type: Literal["hyperband", "median", "none"] = Field("hyperband", description="hyperband, median or none.")
-    min_resource: int = Field(1, ge=1, description="Hyperband: epochs before the first decision.")
+    min_resource: int = Field(1, ge=1, description="Hyperband: epochs before the first decision (budget rows: min_rows).")
     reduction_factor: int = Field(3, ge=2, description="Hyperband: keep 1/reduction_factor at each rung.")
     n_startup_trials: int = Field(2, ge=0, description="Median: trials before pruning starts.")
     n_warmup_steps: int = Field(1, ge=0, description="Median: epochs of a trial before it can be pruned.")
@@ -395,6 +395,16 @@ class Sweep(_Strict):
     entrypoint: EntryPoint | None = Field(None, description=(
         "Run each trial as this user script/module under torchrun (it reports through stagewise.spec.report) "
         "instead of the built-in loop; {epochs} is sweep.epochs, {per_process_batch} sweep.batch_size."))
+    budget: Literal["epochs", "rows"] = Field("epochs", description=(
+        "Hyperband's resource: the epochs a trial has trained, or the training rows it has seen (its rounds pass over "
+        "growing, nested, key-hashed subsets of the train split, the same for every trial; docs/sweeps.md)."))
+    max_rows: int | None = Field(None, ge=1, description=(
+        "budget rows: the rows a trial that is never pruned sees in all (default: sweep.epochs passes of the split)."))
+    min_rows: int | None = Field(None, ge=1, description=(
+        "budget rows: the fewest rows of a trial's first round, before the first pruning decision; rounds end at "
+        "max_rows / reduction_factor^k (default: max_rows / reduction_factor^3, at least 16 batches)."))
+    validation_rows: int | None = Field(None, ge=1, description=(
+        "Score trials on this many key-hashed validation rows, the same for every trial (default: the whole split)."))
     search_space: dict[str, Annotated[SearchParam, Field(discriminator="type")]] = Field(
         description="Tunable hyperparameters by name.")
 
@@ -425,6 +435,23 @@ class Sweep(_Strict):
         return value
 
     @model_validator(mode="after")
+    def _row_budget_is_coherent(self) -> Sweep:
+        if self.entrypoint is not None and self.validation_rows is not None:
+            raise ValueError("validation_rows caps the built-in trial loop's validation; a sweep.entrypoint script "
+                             "reads its own validation data")
+        if self.budget == "epochs":
+            given = [name for name in ("max_rows", "min_rows") if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{' and '.join(given)} size a row budget; set budget: rows to use them")
+            return self
+        if self.entrypoint is not None:
+            raise ValueError("budget: rows drives the built-in trial loop over data subsets; a sweep.entrypoint script "
+                             "chooses its own data and reports its own steps: use budget: epochs with it")
+        if self.min_rows is not None and self.max_rows is not None and self.min_rows > self.max_rows:
+            raise ValueError(f"min_rows {self.min_rows} exceeds max_rows {self.max_rows}")
+        return self
+
+    @model_validator(mode="after")
     def _grid_is_complete(self) -> Sweep:
         if self.sampler.type != "grid":
             return self
@@ -437,6 +464,11 @@ class Sweep(_Strict):
         if self.num_trials > points:
             raise ValueError(f"num_trials {self.num_trials} exceeds the grid's {points} points; lower the budget")
         return self
+
+    @property
+    def needs_subsets(self) -> bool:
+        """Whether trials read data subsets written before them (stagewise.datasets.subsets): a row budget, a validation cap."""
+        return self.budget == "rows" or self.validation_rows is not None
 
     def grid(self) -> dict[str, list[Any]]:
         """The grid sampler's search space."""

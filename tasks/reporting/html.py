@@ -218,7 +218,7 @@ def sweep_figure(report: dict[str, Any], trials: dict[str, Any] | None) -> dict[
     known = [y for t in rows if (y := _trial_y(t)) is not None]
     floor = (max(known) if direction == "minimize" else min(known)) if known else 0.0
     fig = go.Figure()
-    labels = {"COMPLETE": "complete", "PRUNED": "pruned (value at its last epoch)", "FAIL": "failed",
+    labels = {"COMPLETE": "complete", "PRUNED": "pruned (value at its last report)", "FAIL": "failed",
               "ABANDONED": "abandoned (its worker died; retried)"}
     for state, label in labels.items():
         picked = [t for t in rows if _trial_state(t) == state]
@@ -460,7 +460,7 @@ marks where a stage began (its global batch, learning rate and world size beside
 where a retry resumed from a checkpoint.</p>
 {blocks['fig-training']}<div class="tables">{stages_table}</div></section>
 <section id="sweep"><h2>Sweep</h2>
-<p class="note">Every trial of the study, by outcome; pruned trials at the value of their last reported epoch, failed ones
+<p class="note">Every trial of the study, by outcome; pruned trials at the value of their last report (an epoch, or a round of a row budget), failed ones
 on the axis' worst edge.</p>
 {blocks['fig-sweep']}<div class="tables">{best}{counts}</div>{blocks['fig-importance']}</section>
 {timeline_section}

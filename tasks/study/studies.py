@@ -71,16 +71,21 @@ def make_sampler(sweep: Sweep, seed_offset: int) -> Any:
                                       n_startup_trials=spec.n_startup_trials, seed=seed)
 
 
-def make_pruner(sweep: Sweep) -> Any:
+def make_pruner(sweep: Sweep, rows: tuple[int, int] | None = None) -> Any:
+    """The configured pruner over epochs, or over ``rows`` seen: a row budget's (first round's, last round's) rows.
+    Under a row budget the median pruner's warmup counts the rows of that many first rounds."""
     import optuna
 
     spec = sweep.pruner
     if spec.type == "none":
         return optuna.pruners.NopPruner()
     if spec.type == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=spec.n_startup_trials, n_warmup_steps=spec.n_warmup_steps)
-    return optuna.pruners.HyperbandPruner(min_resource=spec.min_resource, max_resource=sweep.epochs,
-                                          reduction_factor=spec.reduction_factor)
+        warmup = spec.n_warmup_steps
+        if rows is not None and warmup:
+            warmup = rows[0] * spec.reduction_factor ** (warmup - 1)
+        return optuna.pruners.MedianPruner(n_startup_trials=spec.n_startup_trials, n_warmup_steps=warmup)
+    low, high = rows if rows is not None else (spec.min_resource, sweep.epochs)
+    return optuna.pruners.HyperbandPruner(min_resource=low, max_resource=high, reduction_factor=spec.reduction_factor)
 
 
 def counts_toward_budget(trial: Any) -> bool:

@@ -76,6 +76,7 @@ def summarize(config: PipelineConfig, name: str, out: str) -> dict[str, Any]:
         "study_name": name, "n_trials": len(counted), "n_complete": counts["COMPLETE"], "n_pruned": counts["PRUNED"],
         "n_failed": counts["FAIL"], "n_abandoned": sum(1 for t in trials if t.user_attrs.get("abandoned")),
         "n_stale_recovered": stale, "epochs_consumed": sum(int(t.user_attrs.get("epochs", 0)) for t in trials),
+        "rows_consumed": sum(int(t.user_attrs.get("rows_seen", 0)) for t in trials), "budget": config.sweep.budget,
         "storage_kind": config.sweep.storage.split("://")[0],
     }
     if counts["COMPLETE"] == 0:

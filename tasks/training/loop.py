@@ -27,7 +27,7 @@ from stagewise.definitions.spec import Average, ModelSpec, batch_of
 from stagewise.models.building import BuiltModel, model_for_run
 from stagewise.training.device_data import DeviceBatches, choose_placement, resident_bytes
 from stagewise.training.distributed import DistEnv, any_rank
-from stagewise.training.noise_scale import MeasuredAllReduce, NoiseScale
+from stagewise.training.noise_scale import MeasuredAllReduce, NoiseScale, epoch_beta
 
 Batches = ParquetBatches | DeviceBatches
 
@@ -183,7 +183,9 @@ class Loop:
             self.ddp = DistributedDataParallel(self.module, device_ids=[env.local_rank] if env.device != "cpu" else None)
             self.model = self.ddp
         self.noise_every = noise_scale_every
-        self.noise: NoiseScale | None = NoiseScale(env.device) if noise_scale_every > 0 else None
+        measured_per_epoch = math.ceil(train.steps_per_epoch(0) / grad_accum_steps) / max(noise_scale_every, 1)
+        self.noise: NoiseScale | None = (NoiseScale(env.device, beta=epoch_beta(measured_per_epoch))
+                                         if noise_scale_every > 0 else None)
         self._measured_all_reduce = MeasuredAllReduce() if self.noise is not None and self.ddp is not None else None
         self._split_measure = self.noise is not None and self.ddp is None  # one rank: two batch sizes within a step
         self._small: tuple[torch.Tensor, float] | None = None  # a measured step's small-batch squared norm and size
@@ -518,12 +520,13 @@ def accumulate_metrics(spec: ModelSpec, module: nn.Module, batches: Iterable[tup
 
 def rank_batches(manifest: dict[str, Any], env: DistEnv, *, batch_size: int, seed: int,
                  too_few_rows: Callable[[int], str], placement: str = "auto",
-                 memory_fraction: float = 0.5, shuffle_block_rows: int = 1) -> tuple[Batches, Batches]:
+                 memory_fraction: float = 0.5, shuffle_block_rows: int = 1, quiet: bool = False) -> tuple[Batches, Batches]:
     """This rank's shuffled train batches and its validation batches. A batch that leaves no optimizer step is a user
     error (``too_few_rows(rows per rank)`` says which setting); the ranks agree on it first (one all-reduce), so all refuse
     together, each saying why, and none hangs in DDP. ``placement`` (auto, host, resident, streamed) and ``memory_fraction`` pick where
     batches are made (stagewise.training.device_data.choose_placement); rank 0 logs the choice. ``shuffle_block_rows``
-    coarsens the host loader's shuffle (stagewise.datasets.loader.ParquetBatches)."""
+    coarsens the host loader's shuffle (stagewise.datasets.loader.ParquetBatches); ``quiet`` leaves the choice unlogged
+    (a row-budget trial makes batches again each round)."""
     train = split_batches(manifest, "train", rank=env.rank, world_size=env.world_size, batch_size=batch_size, seed=seed,
                           shuffle_block_rows=shuffle_block_rows)
     validation = split_batches(manifest, "validation", rank=env.rank, world_size=env.world_size, batch_size=4096,
@@ -531,7 +534,7 @@ def rank_batches(manifest: dict[str, Any], env: DistEnv, *, batch_size: int, see
     if any_rank(env, train.steps_per_epoch(0) == 0):
         raise UserError(too_few_rows(train.num_rows // env.world_size))
     chosen, why = choose_placement(placement, memory_fraction, env.device, resident_bytes(train) + resident_bytes(validation))
-    if env.master:
+    if env.master and not quiet:
         log.info("data placement: %s", why)
     if chosen == "host":
         return train, validation

@@ -12,7 +12,8 @@ averaged over B samples, E|g_B|² = |G|² + S/B:
 
 A measurement is a few passes over the gradients, which cost a small model's step several percent, so a stage measures
 one step in ``train.noise_scale_every_steps``; each measurement is one
-estimate of |G|² and S, each smoothed by a bias-corrected EMA on the device (no host sync), and B_simple is their
+estimate of |G|² and S, each smoothed by a bias-corrected EMA on the device (no host sync) whose memory is about one
+epoch of measurements (:func:`epoch_beta`), and B_simple is their
 ratio. The state is a few scalars that go into the checkpoint, so a resumed stage continues the same curve.
 """
 
@@ -23,6 +24,15 @@ from typing import Any
 import torch
 
 EMA_BETA = 0.9  # per measurement: about 10 measurements of memory, so the curve follows the loss, not one batch
+# The memory a stage's EMA gets, in measurements: about one epoch's, within these bounds.
+MIN_MEMORY, MAX_MEMORY = 10, 1000
+
+
+def epoch_beta(measurements_per_epoch: float) -> float:
+    """The EMA weight whose memory (1 / (1 - beta) measurements) is about one epoch: each estimate is noisy, and a
+    stage's last value (what adaptive batch growth decides on) should average its last epoch, not its last few
+    batches; bounded, so a tiny epoch still averages 10 measurements and a huge one still follows the loss."""
+    return 1.0 - 1.0 / min(max(measurements_per_epoch, MIN_MEMORY), MAX_MEMORY)
 
 
 class NoiseScale:

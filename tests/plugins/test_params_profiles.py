@@ -32,6 +32,24 @@ def test_params_override_budget_workers_and_stage_epochs():
     assert changed.stage("s2").epochs == 4 and changed.stage("s1").epochs == config.stage("s1").epochs
 
 
+def test_the_form_switches_the_sweep_to_a_row_budget_and_back(write_config, storage_root):
+    """sweep_budget rows with sweep_max_rows sets the row budget; on a config written with a row budget, switching
+    the form back to epochs drops the row budget's sizes, so that run takes the epoch budget."""
+    from tests.conftest import base_config
+
+    config = load_config()
+    rows = load_config(overrides=overrides_from_params(config, {**_defaults(config), "sweep_budget": "rows",
+                                                                "sweep_max_rows": 200_000}))
+    assert (rows.sweep.budget, rows.sweep.max_rows) == ("rows", 200_000)
+    raw = base_config(storage_root)
+    raw["sweep"].update({"budget": "rows", "max_rows": 300_000, "min_rows": 1_000})
+    path = write_config(raw)
+    written = load_config(path)
+    assert _defaults(written)["sweep_max_rows"] == 300_000
+    back = load_config(path, overrides_from_params(written, {**_defaults(written), "sweep_budget": "epochs"}))
+    assert (back.sweep.budget, back.sweep.max_rows, back.sweep.min_rows) == ("epochs", None, None)
+
+
 def test_objective_limit_reaches_evaluate():
     """The form's objective_limit becomes evaluate.objective_limit; left empty it sets no limit."""
     config = load_config()
@@ -41,6 +59,7 @@ def test_objective_limit_reaches_evaluate():
 
 
 @pytest.mark.parametrize("name,value", [("num_trials", 0), ("num_sweep_workers", 100), ("sweep_epochs", -1),
+                                        ("sweep_budget", "samples"), ("sweep_max_rows", 0),
                                         ("min_test_accuracy", 1.5), ("stage_epochs", {"s9": 3})])
 def test_out_of_bounds_params_are_refused(name, value):
     """The JSON-schema bounds refuse bad form values before a run starts."""
