@@ -242,6 +242,26 @@ def digits_images_run(write_config, storage_root) -> tuple[Path, str]:
     return config_path, out
 
 
+def diabetes_config(root: Path) -> dict:
+    """base_config over scikit-learn's diabetes: a float target, the example Regressor, rmse minimised."""
+    raw = base_config(root)
+    raw["dataset"] = {"uri": "raw/diabetes", "demo_data": "diabetes", "key": "row_id", "label": "target",
+                      "features": ["age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s6"]}
+    raw["model"] = {"spec": "stagewise.examples.diabetes:DiabetesMLP", "args": {}}
+    raw["objective"] = {"metric": "rmse", "direction": "minimize"}
+    raw["registry"] = {"model_name": "diabetes_mlp"}
+    return raw
+
+
+@pytest.fixture
+def diabetes_run(write_config, storage_root) -> tuple[Path, str]:
+    """Like digits_run, over the diabetes regression set (diabetes_config)."""
+    config_path = write_config(diabetes_config(storage_root))
+    out = str(storage_root / "runs" / "test" / "diabetes")
+    preprocess_digits(config_path, out)  # writes the config's demo_data: here the diabetes
+    return config_path, out
+
+
 def service_unavailable(reason: str) -> None:
     """Skip with the reason on a user's machine; fail in CI, where the service must be there."""
     if os.environ.get("CI", "").lower() == "true":

@@ -15,8 +15,10 @@ pytestmark = [pytest.mark.airflow, pytest.mark.torchrun]
 
 @pytest.fixture(scope="module")
 def report(airflow_env) -> dict:
-    """One full run with a trial budget set through the trigger conf (as the UI form would)."""
-    airflow(airflow_env, "dags", "test", "ml_pipeline", "-c", json.dumps({"num_trials": 6, "num_sweep_workers": 2}))
+    """One full run with a trial budget and a row budget for the sweep set through the trigger conf (as the UI form
+    would); the other pipelines' runs sweep on epochs."""
+    conf = {"num_trials": 6, "num_sweep_workers": 2, "sweep_budget": "rows", "sweep_max_rows": 9000}
+    airflow(airflow_env, "dags", "test", "ml_pipeline", "-c", json.dumps(conf))
     found = sorted(Path(airflow_env["STAGEWISE_TEST_STORAGE"]).glob("runs/ml_pipeline/*/report.json"))
     assert len(found) == 1, found
     return json.loads(found[0].read_text())
@@ -37,6 +39,22 @@ def test_sweep_used_the_conf_budget_and_pruned(report):
     assert sweep["n_trials"] == 6
     assert sweep["n_complete"] + sweep["n_pruned"] + sweep["n_failed"] == 6
     assert sweep["n_complete"] >= 1 and set(sweep["best_params"]) >= {"lr"}
+
+
+def test_the_sweep_ran_on_the_row_budget_from_the_form(report):
+    """create_study committed the row budget's subsets before the workers ran; every trial reported at rounds' ends
+    (rows seen), the trials that were never pruned at all of them, and the report counts the rows they trained on."""
+    run = Path(report["run_prefix"])
+    subsets = json.loads((run / "sweep" / "subsets" / "manifest.json").read_text())
+    ends = [r["rows_seen"] for r in subsets["rounds"]]
+    assert ends[-1] == 9000 and len(ends) >= 3 and subsets["increments"]
+    assert report["sweep"]["budget"] == "rows" and report["sweep"]["rows_consumed"] > 0
+    trials = json.loads((run / "sweep" / "trials.json").read_text())["trials"]
+    for trial in trials:
+        steps = sorted(int(step) for step in trial["intermediate"])
+        assert steps == ends[: len(steps)]
+        if trial["state"] == "COMPLETE":
+            assert steps == ends
 
 
 def test_training_stages_grow_the_batch_and_rescale_lr(report):

@@ -27,7 +27,7 @@ from stagewise.models.scoring import exact_float32, prefetch, scoring_device
 from stagewise.models.versions import version_of
 from stagewise.spec import DataInfo, SpecRef
 from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
-from tests.conftest import base_config, preprocess_digits, train_digits_s1
+from tests.conftest import diabetes_config, preprocess_digits, train_digits_s1
 
 
 @pytest.fixture(scope="module")
@@ -512,14 +512,8 @@ def test_a_cuda_inference_profile_without_a_gpu_fails_naming_the_device(trained,
 def diabetes(tmp_path_factory):
     """The diabetes data preprocessed under a Regressor config (rmse, minimised); returns (config path, run prefix)."""
     root = tmp_path_factory.mktemp("diabetes")
-    raw = base_config(root)
-    raw["dataset"] = {"uri": "raw/diabetes", "demo_data": "diabetes", "key": "row_id", "label": "target",
-                      "features": ["age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s6"]}
-    raw["model"] = {"spec": "stagewise.examples.diabetes:DiabetesMLP", "args": {}}
-    raw["objective"] = {"metric": "rmse", "direction": "minimize"}
-    raw["registry"] = {"model_name": "diabetes_mlp"}
     config_path = root / "pipeline.yaml"
-    config_path.write_text(yaml.safe_dump(raw))
+    config_path.write_text(yaml.safe_dump(diabetes_config(root)))
     out = str(root / "runs" / "test" / "diabetes")
     preprocess_digits(config_path, out)  # writes the config's demo_data: here the diabetes
     return config_path, out

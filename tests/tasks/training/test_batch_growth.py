@@ -29,10 +29,11 @@ def test_the_decision_clamps_the_noise_scale_and_reaches_it_with_accumulation(no
     assert decision.global_batch <= decision.target and decision.per_process_batch <= 64
 
 
-@pytest.mark.parametrize("data", ["digits_run", "digits_images_run"])
+@pytest.mark.parametrize("data", ["digits_run", "digits_images_run", "diabetes_run"])
 def test_an_adaptive_stage_trains_at_the_batch_the_stage_before_measured(request, monkeypatch, data):
     """s1 measures the noise scale; s2 (adaptive) trains at that batch, clamped, with the lr rescaled for it; the
-    built-in MLP and a user's spec (the example CNN) alike; run again afresh, s2 decides exactly the same."""
+    built-in MLP, a user's spec (the example CNN) and the regressor (a float target, rmse) alike; run again afresh,
+    s2 decides exactly the same."""
     from stagewise import train
 
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
@@ -43,7 +44,7 @@ def test_an_adaptive_stage_trains_at_the_batch_the_stage_before_measured(request
     if data == "digits_images_run":
         overrides["model"] = {"spec": "stagewise.examples.digits_cnn:DigitsCNN"}
     config = load_config(config_path, overrides)
-    params = {"lr": 0.05}
+    params = {"lr": 0.01 if data == "diabetes_run" else 0.05}
     first = train.run_stage(config, "s1", out, params, None)
     measured = previous_noise_scale(torch.load(first["checkpoint_uri"], weights_only=True))
     assert measured == pytest.approx(first["noise_scale"])
@@ -56,7 +57,10 @@ def test_an_adaptive_stage_trains_at_the_batch_the_stage_before_measured(request
     assert second["lr"] == pytest.approx(scaled_lr(params["lr"], second["global_batch"], config.train.base_batch,
                                                    config.train.lr_rule))
     history = json.loads(Path(out, "train", "s2", "metrics.json").read_text())["history"]
-    assert history and second["val_metric"] > 0.5
+    if data == "diabetes_run":  # rmse of a target around 25..346: trained, finite, well below its spread
+        assert history and 0 < second["val_metric"] < 80
+    else:
+        assert history and second["val_metric"] > 0.5
     shutil.rmtree(Path(out, "train", "s2"))
     assert train.run_stage(config, "s2", out, params, first["checkpoint_uri"])["batch_decision"] == decision
 
