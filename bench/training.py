@@ -424,20 +424,18 @@ def _stage_chain(config: Any, out: str, params: dict[str, Any]) -> dict[str, Any
     from stagewise.train import run_stage
 
     shutil.rmtree(Path(out, "train"), ignore_errors=True)
-    curve, offset, previous, batches, started, first_stage_steps = [], 0, None, [], time.perf_counter(), 0
+    curve, offset, previous, batches, started = [], 0, None, [], time.perf_counter()
     for stage in config.train.stages:
         result = run_stage(config, stage.name, out, params, previous)
         history = json.loads(Path(out, "train", stage.name, "metrics.json").read_text())["history"]
         curve += [(offset + entry["steps"], entry["val_metric"]) for entry in history]
         offset += result["steps"]
-        first_stage_steps = first_stage_steps if batches else result["steps"]
         previous = result["checkpoint_uri"]
-        batches.append({"stage": stage.name, "global_batch": result["global_batch"], "lr": round(result["lr"], 4),
-                        "noise_scale_at_end": result["noise_scale"]})
+        batches.append({"stage": stage.name, "steps": result["steps"], "global_batch": result["global_batch"],
+                        "lr": round(result["lr"], 4), "noise_scale_at_end": result["noise_scale"]})
     wall = time.perf_counter() - started
     tested = evaluate(config, result["model_uri"], out)
-    return {"curve": curve, "steps": offset, "first_stage_steps": first_stage_steps, "wall_s": wall,
-            "test": tested["test_objective"],
+    return {"curve": curve, "steps": offset, "wall_s": wall, "test": tested["test_objective"],
             "test_rows": tested.get("test_rows"), "stages": batches}
 
 
@@ -448,8 +446,6 @@ def _adaptive_vs_fixed(workdir: Path, *, rows: int | None, first_epochs: int, la
     the stage before measured, up to ``max_global_batch``). Both chains share the first stage bit for bit; the steps
     each takes after it until its validation objective first comes within one standard error of the fixed chain's
     final one are compared, and their test objectives."""
-    import yaml
-
     from stagewise.definitions.loading import load_config
 
     settings = {"checkpoint_every_steps": 1_000_000, "noise_scale_every_steps": noise_every, "lr_rule": lr_rule}
@@ -475,8 +471,8 @@ def _adaptive_vs_fixed(workdir: Path, *, rows: int | None, first_epochs: int, la
         path.write_text(yaml.safe_dump(raw))
         runs[name] = _stage_chain(load_config(path), out, params)
     fixed_run, adaptive_run = runs["fixed"], runs["adaptive"]
-    shared = fixed_run["first_stage_steps"]
-    assert adaptive_run["first_stage_steps"] == shared and adaptive_run["curve"][:first_epochs] == fixed_run["curve"][:first_epochs]
+    shared = fixed_run["stages"][0]["steps"]
+    assert adaptive_run["stages"][0]["steps"] == shared and adaptive_run["curve"][:first_epochs] == fixed_run["curve"][:first_epochs]
     validation_rows = json.loads(Path(out, "preprocess", "manifest.json").read_text())["rows"]["validation"]
     final = fixed_run["curve"][-1][1]
     # within one standard error of the validation accuracy: a few rows of the digits, noise on the synthetic set

@@ -160,8 +160,8 @@ def prepare_subsets(config: PipelineConfig, out: str) -> dict[str, Any]:
         return {"budget": sweep.budget, "subsets_uri": None}
     manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
     processes = config.profile(sweep.profile).processes_per_node
-    budget = resolve_budget(sweep, manifest["rows"]["train"], processes) if sweep.budget == "rows" else None
-    committed = write_subsets(manifest, out, budget, sweep.validation_rows)
+    rounds = resolve_budget(sweep, manifest["rows"]["train"], processes) if sweep.budget == "rows" else []
+    committed = write_subsets(manifest, out, rounds, sweep.validation_rows)
     return {"budget": sweep.budget, "subsets_uri": subsets_uri(out), "rounds": committed["rounds"]}
 
 

@@ -82,27 +82,9 @@ def plan_rounds(train_rows: int, max_rows: int, min_rows: int, factor: int) -> l
     return rounds
 
 
-@dataclass(frozen=True, kw_only=True)
-class RowBudget:
-    """The resolved row budget of one sweep: its rounds and the pruner's resource bounds."""
-
-    rounds: list[Round]
-    """A full trial's rounds, in order."""
-    train_rows: int
-    """Rows of the committed train split."""
-
-    @property
-    def min_resource(self) -> int:
-        return self.rounds[0].rows_seen
-
-    @property
-    def max_resource(self) -> int:
-        return self.rounds[-1].rows_seen
-
-
-def resolve_budget(sweep: Any, train_rows: int, processes: int) -> RowBudget:
-    """``sweep``'s row budget over a train split of ``train_rows``, checked: its first round must give each of
-    ``processes`` at least one batch."""
+def resolve_budget(sweep: Any, train_rows: int, processes: int) -> list[Round]:
+    """``sweep``'s row budget over a train split of ``train_rows`` as its rounds (the first round's and the last one's
+    ends are the pruner's min and max resource), checked: the first round must give each of ``processes`` a batch."""
     factor = sweep.pruner.reduction_factor
     max_rows = sweep.max_rows or sweep.epochs * train_rows
     floor = MIN_FIRST_ROUND_BATCHES * sweep.batch_size * processes
@@ -110,7 +92,7 @@ def resolve_budget(sweep: Any, train_rows: int, processes: int) -> RowBudget:
     if min_rows < sweep.batch_size * processes:
         raise UserError(f"sweep.min_rows {min_rows} gives the first round less than one batch of sweep.batch_size "
                         f"{sweep.batch_size} on each of {processes} process(es): raise sweep.min_rows")
-    return RowBudget(rounds=plan_rounds(train_rows, max_rows, min_rows, factor), train_rows=train_rows)
+    return plan_rounds(train_rows, max_rows, min_rows, factor)
 
 
 def _row_group_rows(rows: int) -> int:
@@ -171,13 +153,11 @@ def subsets_uri(out: str) -> str:
     return storage.join(out, "sweep", "subsets", "manifest.json")
 
 
-def write_subsets(manifest: dict[str, Any], out: str, budget: RowBudget | None, validation_rows: int | None
-                  ) -> dict[str, Any]:
+def write_subsets(manifest: dict[str, Any], out: str, rounds: list[Round], validation_rows: int | None) -> dict[str, Any]:
     """Copy each partial round's new rows (and the capped validation rows) into files of their own, then commit the
-    manifest that lists them (``budget`` None: the validation cap alone). A manifest already committed for the same
-    plan is kept: a retry copies nothing."""
+    manifest that lists them (no rounds: the validation cap alone). A manifest already committed for the same plan is
+    kept: a retry copies nothing."""
     uri = subsets_uri(out)
-    rounds = budget.rounds if budget is not None else []
     plan = {"salt": SUBSET_SALT, "rounds": [asdict(r) for r in rounds], "train_rows": manifest["rows"]["train"],
             "validation_rows": validation_rows}
     if storage.exists(uri):

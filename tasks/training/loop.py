@@ -183,9 +183,10 @@ class Loop:
             self.ddp = DistributedDataParallel(self.module, device_ids=[env.local_rank] if env.device != "cpu" else None)
             self.model = self.ddp
         self.noise_every = noise_scale_every
-        measured_per_epoch = math.ceil(train.steps_per_epoch(0) / grad_accum_steps) / max(noise_scale_every, 1)
-        self.noise: NoiseScale | None = (NoiseScale(env.device, beta=epoch_beta(measured_per_epoch))
-                                         if noise_scale_every > 0 else None)
+        self.noise: NoiseScale | None = None
+        if noise_scale_every > 0:
+            measured_per_epoch = math.ceil(train.steps_per_epoch(0) / grad_accum_steps) / noise_scale_every
+            self.noise = NoiseScale(env.device, beta=epoch_beta(measured_per_epoch))
         self._measured_all_reduce = MeasuredAllReduce() if self.noise is not None and self.ddp is not None else None
         self._split_measure = self.noise is not None and self.ddp is None  # one rank: two batch sizes within a step
         self._small: tuple[torch.Tensor, float] | None = None  # a measured step's small-batch squared norm and size

@@ -3,6 +3,7 @@ a rung, and report the rows seen to Hyperband; the subsets are committed once, a
 
 from __future__ import annotations
 
+import json
 import os
 
 import optuna
@@ -42,12 +43,12 @@ def test_rounds_end_on_hyperbands_rungs_and_pass_over_the_rows_they_add(train_ro
 
 def test_the_default_first_round_is_three_rungs_below_the_budget_and_holds_batches(write_config):
     config = load_config(write_config(), {"sweep.budget": "rows", "sweep.max_rows": 64_000, "sweep.batch_size": 32})
-    budget = resolve_budget(config.sweep, 100_000, processes=1)
+    rounds = resolve_budget(config.sweep, 100_000, processes=1)
     assert config.sweep.pruner.reduction_factor == 4  # pipeline.yaml's
-    assert [r.rows_seen for r in budget.rounds] == [1_000, 4_000, 16_000, 64_000]
-    assert (budget.min_resource, budget.max_resource) == (1_000, 64_000)
+    assert [r.rows_seen for r in rounds] == [1_000, 4_000, 16_000, 64_000]
+    assert (rounds[0].rows_seen, rounds[-1].rows_seen) == (1_000, 64_000)
     small = load_config(write_config(), {"sweep.budget": "rows", "sweep.max_rows": 1_000, "sweep.batch_size": 32})
-    assert resolve_budget(small.sweep, 100_000, processes=2).min_resource == 1_000  # 16 batches x 2 > max_rows
+    assert resolve_budget(small.sweep, 100_000, processes=2)[0].rows_seen == 1_000  # 16 batches x 2 > max_rows
     with pytest.raises(UserError, match="sweep.min_rows 40 .* less than one batch"):
         resolve_budget(load_config(write_config(), {"sweep.budget": "rows", "sweep.min_rows": 40}).sweep, 1_000, 2)
 
@@ -84,7 +85,8 @@ def test_subsets_are_nested_key_hashed_and_committed_once(digits_run, single_pro
     writing them again finds the committed manifest and copies nothing."""
     config, out = _row_budget(digits_run)
     first = prepare_subsets(config, out)
-    committed = __import__("json").loads(open(first["subsets_uri"]).read())
+    with open(first["subsets_uri"]) as handle:
+        committed = json.load(handle)
     increments = committed["increments"]
     assert [part["upper"] for part in increments] == sorted(part["upper"] for part in increments)
     subsets = [_keys([f for part in increments[: j + 1] for f in part["files"]]) for j in range(len(increments))]
@@ -94,12 +96,15 @@ def test_subsets_are_nested_key_hashed_and_committed_once(digits_run, single_pro
     for part, keys in zip(increments, subsets):  # the key hash is uniform: about the planned count
         assert abs(len(keys) - part["upper"] * train_rows) < 4 * (train_rows * part["upper"]) ** 0.5 + 5
     assert 60 <= sum(f["rows"] for f in committed["validation"]["files"]) <= 180
-    files = sorted(os.listdir(os.path.dirname(first["subsets_uri"])))
-    mtimes = {name: os.path.getmtime(os.path.join(os.path.dirname(first["subsets_uri"]), name)) for name in files}
+    folder = os.path.dirname(first["subsets_uri"])
+
+    def written() -> dict[str, float]:
+        return {name: os.path.getmtime(os.path.join(folder, name)) for name in sorted(os.listdir(folder))}
+
+    before = written()
     again = prepare_subsets(config, out)
     assert again["rounds"] == first["rounds"]
-    assert sorted(os.listdir(os.path.dirname(first["subsets_uri"]))) == files
-    assert {name: os.path.getmtime(os.path.join(os.path.dirname(first["subsets_uri"]), name)) for name in files} == mtimes
+    assert written() == before
 
 
 def test_trials_report_rows_seen_at_the_rounds_and_hyperband_prunes_on_rows(digits_run, single_process):
