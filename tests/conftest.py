@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # the checkout on their path, as pytest's rootdir is on this process's. `stagewise` itself is installed.
 os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(
     path for path in (str(REPO_ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if path))
+# Each test process (and every process it starts) keeps the pipelines' last valid versions apart from the checkout's
+# Airflow home and from other test sessions: a version recorded by one test must never serve another's DAGs.
+os.environ["STAGEWISE_STATE_DIR"] = tempfile.mkdtemp(prefix="stagewise-state-")
 
 _NEEDS = ("airflow", "torchrun", "browser", "service", "gpu")  # the markers of pytest.ini; test-fast runs none
 # Fixtures that bring a need with them: checked at collection, so a test using one cannot run unmarked.

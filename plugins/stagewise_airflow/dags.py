@@ -1,14 +1,24 @@
-"""Every pipeline config of the deployment as its family of DAGs; the one call a dags folder needs.
+"""Every pipeline config of the deployment as its family of DAGs; the two calls a dags folder needs.
 
-A file in the team's dags folder (Airflow parses files that mention ``airflow`` and ``dag``)::
+Two files in the team's dags folder (Airflow parses files that mention ``airflow`` and ``dag``)::
 
-    from stagewise.airflow.dags import build_pipelines  # airflow: one DAG family per pipeline config
-    build_pipelines(globals())  # or build_pipelines(globals(), "/opt/team/pipelines")
+    # stagewise_pipelines.py: one DAG family per pipeline config
+    from stagewise.airflow.dags import build_pipelines
+    build_pipelines(globals(), "/opt/team/pipelines")
+
+    # stagewise_pipelines_check.py: the pipelines' config errors, as this file's import error
+    from stagewise.airflow.dags import check_pipelines
+    check_pipelines("/opt/team/pipelines")
 
 Naming, sources and isolation: :mod:`stagewise.definitions.pipelines`. A task's own process builds only the DAG it
 runs (Airflow's ``get_parsing_context()``), so a deployment of many pipelines costs each task one config load.
-A config that does not load keeps its DAG ids, as DAGs whose only task fails naming the file and the key, and
-leaves the other pipelines' DAGs as they are.
+
+A run is an island: a config that stops loading, clashes with an older pipeline or is deleted keeps its DAGs at their
+last valid version (:mod:`stagewise.definitions.last_valid`), so its running runs finish with the tasks they started
+with, while a new run fails at its first task naming the file and key; the other pipelines' DAGs are untouched. The
+errors are an import error of a second DAG file that defines no DAG (``check_pipelines``): an import error marks every
+DAG of its file stale, and Airflow never schedules a stale DAG's running runs again. A config that never loaded gets
+DAGs whose only task fails naming the file and key.
 """
 
 from __future__ import annotations
@@ -21,9 +31,9 @@ from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, Param, d
 
 from stagewise.airflow import steps, wiring
 from stagewise.airflow.params import inference_params, pipeline_params
-from stagewise.definitions.config import ConfigError, PipelineConfig
-from stagewise.definitions.loading import load_config
-from stagewise.definitions.pipelines import PipelineFile, collisions, discover
+from stagewise.definitions.config import PipelineConfig
+from stagewise.definitions.last_valid import LastValid
+from stagewise.definitions.pipelines import PipelineFile, Resolved, resolve, sources
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +73,9 @@ def _with_params(built: DAG, params: dict[str, Param]) -> DAG:
     return built
 
 
-def _training(config: PipelineConfig, config_file: str, mode: str) -> None:
+def _training(config: PipelineConfig, config_file: str, mode: str, refusal: str | None) -> None:
     """ml_pipeline's shape; start_run in retrain mode gives the sweep the retrain budget and the warm start."""
-    run = wiring.start(config, config_file, mode=mode)
+    run = _start(config, config_file, mode, refusal)
     data = wiring.preprocess(config, run)
     swept = wiring.sweep(config, run, data)
     trained = wiring.train_stages(config, run, swept)
@@ -73,18 +83,18 @@ def _training(config: PipelineConfig, config_file: str, mode: str) -> None:
     wiring.report(config, run, data, swept, trained, gated, wiring.inference_chain(config, run, gated["gated"]))
 
 
-def training_dag(pipeline: PipelineFile, config: PipelineConfig) -> DAG:
+def training_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | None = None) -> DAG:
     dag_id, path = pipeline.dag_id("pipeline"), str(pipeline.path)
 
     @dag(dag_id=dag_id, auto_register=False, schedule=None,
          doc_md=TRAINING_DOC.format(path=path, dag_id=dag_id), **wiring.dag_settings(config, pipeline.name))
     def training() -> None:
-        _training(config, path, "pipeline")
+        _training(config, path, "pipeline", refusal)
 
     return _with_params(training(), pipeline_params(config))
 
 
-def retrain_dag(pipeline: PipelineFile, config: PipelineConfig) -> DAG:
+def retrain_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | None = None) -> DAG:
     dag_id, path, asset = pipeline.dag_id("retrain"), str(pipeline.path), wiring.raw_data_asset(config)
     schedule = AssetOrTimeSchedule(timetable=CronTriggerTimetable(config.retrain.schedule, timezone="UTC"),
                                    assets=[asset])
@@ -93,19 +103,19 @@ def retrain_dag(pipeline: PipelineFile, config: PipelineConfig) -> DAG:
          doc_md=RETRAIN_DOC.format(name=pipeline.name, asset=asset.name, path=path),
          **wiring.dag_settings(config, pipeline.name, "retrain", max_active_runs=1))
     def retrain() -> None:
-        _training(config, path, "retrain")
+        _training(config, path, "retrain", refusal)
 
     return _with_params(retrain(), pipeline_params(config))
 
 
-def batch_inference_dag(pipeline: PipelineFile, config: PipelineConfig) -> DAG:
+def batch_inference_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | None = None) -> DAG:
     dag_id, path = pipeline.dag_id("batch_inference"), str(pipeline.path)
 
     @dag(dag_id=dag_id, auto_register=False, schedule=None,
          doc_md=INFERENCE_DOC.format(name=pipeline.name, dag_id=dag_id, path=path),
          **wiring.dag_settings(config, pipeline.name, "inference"))
     def batch_inference() -> None:
-        run = wiring.start(config, path, mode="inference")
+        run = _start(config, path, "inference", refusal)
         model = task(steps.resolve_model, task_id="resolve_model",
                      **{**wiring.knobs(config, config.preprocess.profile), "retries": 0})(run)
         inferred = wiring.inference_chain(config, run, model)
@@ -115,13 +125,17 @@ def batch_inference_dag(pipeline: PipelineFile, config: PipelineConfig) -> DAG:
     return _with_params(batch_inference(), inference_params(config))
 
 
-def ingest_dag(pipeline: PipelineFile, config: PipelineConfig) -> DAG:
+def ingest_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | None = None) -> DAG:
     dag_id, path, asset = pipeline.dag_id("ingest"), str(pipeline.path), wiring.raw_data_asset(config)
 
     @dag(dag_id=dag_id, auto_register=False, schedule=None, doc_md=INGEST_DOC.format(name=pipeline.name, asset=asset.name, path=path),
          **wiring.dag_settings(config, pipeline.name, "data"))
     def ingest() -> None:
-        task(steps.ingest, task_id="ingest", outlets=[asset], **wiring.knobs(config, config.preprocess.profile))(path)
+        knobs = wiring.knobs(config, config.preprocess.profile)
+        if refusal is None:
+            task(steps.ingest, task_id="ingest", outlets=[asset], **knobs)(path)
+        else:
+            task(_fail_with, task_id="ingest", **{**knobs, "retries": 0})(refusal)
 
     return _with_params(ingest(), {"source_uri": Param("", type="string", minLength=1,
                                                        description="New raw Parquet file or folder to add.")})
@@ -129,58 +143,100 @@ def ingest_dag(pipeline: PipelineFile, config: PipelineConfig) -> DAG:
 
 # Every DAG here has auto_register=False: a builder that fails half-way must leave no DAG behind to shadow its
 # placeholder; the DAGs reach Airflow through the DAG file's globals (build_pipelines).
-FAMILY: dict[str, Callable[[PipelineFile, PipelineConfig], DAG]] = {
+FAMILY: dict[str, Callable[[PipelineFile, PipelineConfig, str | None], DAG]] = {
     "pipeline": training_dag, "retrain": retrain_dag, "batch_inference": batch_inference_dag, "ingest": ingest_dag}
 """The DAG builder of each kind in stagewise.definitions.pipelines.KINDS."""
 
 
 def broken_dag(dag_id: str, error: str) -> DAG:
-    """A pipeline whose config does not load: its DAG id stays, its doc says why, and its one task fails naming the
-    file and key without retry (the config is the user's to fix), so a run never silently uses other values."""
+    """A pipeline that never loaded (no last valid version): its DAG id stays, its doc says why, and its one task
+    fails naming the file and key without retry (the config is the user's to fix)."""
     import pendulum
-
-    def config_error() -> None:
-        from airflow.sdk.exceptions import AirflowFailException
-
-        raise AirflowFailException(error)
 
     with DAG(dag_id, schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC"), catchup=False,
              tags=["stagewise", "config error"], doc_md=f"**This pipeline's config does not load:**\n\n```\n{error}\n```",
              is_paused_upon_creation=True, auto_register=False) as broken:
-        task(config_error, task_id="config_error", retries=0)()
+        task(_fail_with, task_id="config_error", retries=0)(error)
     return broken
+
+
+def _fail_with(error: str) -> None:
+    from airflow.sdk.exceptions import AirflowFailException
+
+    raise AirflowFailException(error)
+
+
+def _start(config: PipelineConfig, config_file: str, mode: str, refusal: str | None) -> Any:
+    """A run's first task; for a pipeline whose file is broken, clashes or is gone (``refusal``) its DAGs keep their
+    last valid shape, so running runs finish, and a new run's first task fails naming the file and key, no retry."""
+    if refusal is None:
+        return wiring.start(config, config_file, mode=mode)
+    return task(_fail_with, task_id="start_run", **{**wiring.knobs(config, config.preprocess.profile), "retries": 0})(
+        refusal)
+
+
+def pipeline_state(setting: str | None) -> LastValid:
+    """Where the last valid versions of ``setting``'s pipelines are kept (:mod:`stagewise.definitions.last_valid`)."""
+    return LastValid(sources(setting))
 
 
 def build_pipelines(namespace: dict[str, Any], setting: str | None = None) -> list[str]:
     """Add every pipeline's DAGs to ``namespace`` (a DAG file's ``globals()``); returns the DAG ids added.
 
     ``setting``: folders or files of pipeline configs (as $STAGEWISE_PIPELINES); default that variable, else
-    $STAGEWISE_CONFIG, else the checkout's pipeline.yaml and examples/.
+    $STAGEWISE_CONFIG, else the checkout's pipeline.yaml and examples/. A pipeline whose file is broken, clashes or
+    is gone keeps its last valid DAGs (its running runs finish) and never raises here: the errors are
+    :func:`check_pipelines`' to show, as an import error of a DAG file of their own.
     """
     from airflow.sdk import get_parsing_context
 
-    wanted = get_parsing_context().dag_id  # set in a task's process: build that DAG only
-    pipelines = [pipeline for pipeline in discover(setting) if wanted is None or wanted in pipeline.dag_ids().values()]
-    loaded, errors = {}, {}
-    for pipeline in pipelines:
-        try:
-            loaded[pipeline] = load_config(pipeline.path)
-        except ConfigError as exc:
-            errors[pipeline] = str(exc)
-    if wanted is None:  # a full parse sees every pipeline: refuse those that would share a registry
-        errors.update(collisions(loaded))
-    added: dict[str, DAG] = {}
-    for pipeline in pipelines:
-        kinds = {kind: dag_id for kind, dag_id in pipeline.dag_ids().items() if wanted in (None, dag_id)}
-        family = {}
-        if pipeline not in errors:
-            try:
-                family = {dag_id: FAMILY[kind](pipeline, loaded[pipeline]) for kind, dag_id in kinds.items()}
-            except Exception as exc:  # e.g. a team callback that does not import: this pipeline's error only
-                errors[pipeline] = f"{pipeline.path}: {type(exc).__name__}: {exc}"
-        if pipeline in errors:
-            log.error("pipeline %s: %s", pipeline.name, errors[pipeline])
-            family = {dag_id: broken_dag(dag_id, errors[pipeline]) for dag_id in kinds.values()}
-        added.update(family)
+    context = get_parsing_context()  # set in a task's process: build that DAG only
+    wanted = context.dag_id
+    # A run's first task checks the clashes again (a new run of a refused pipeline fails); other tasks skip loading
+    # every other pipeline.
+    resolved = resolve(setting, wanted=wanted, check_clashes=wanted is None or context.task_id in (None, "start_run"),
+                       state=pipeline_state(setting), remember=True)
+    added = _families(resolved, wanted)
+    for error in resolved.errors.values():
+        log.error("%s", error)
     namespace.update(added)
     return list(added)
+
+
+def _families(resolved: Resolved, wanted: str | None) -> dict[str, DAG]:
+    """Each resolved pipeline's DAGs (only ``wanted`` where set); one that fails to build (a team callback that does
+    not import) becomes that pipeline's error, in ``resolved``."""
+    added: dict[str, DAG] = {}
+    for pipeline, config in resolved.configs.items():
+        kinds = {kind: dag_id for kind, dag_id in pipeline.dag_ids().items() if wanted in (None, dag_id)}
+        try:
+            refusal = resolved.refused.get(pipeline)
+            added.update({dag_id: FAMILY[kind](pipeline, config, refusal) for kind, dag_id in kinds.items()})
+        except Exception as exc:
+            resolved.broken[pipeline] = resolved.errors[str(pipeline.path)] = f"{pipeline.path}: {type(exc).__name__}: {exc}"
+    for pipeline, error in resolved.broken.items():
+        added.update({dag_id: broken_dag(dag_id, error) for dag_id in pipeline.dag_ids().values()
+                      if wanted in (None, dag_id)})
+    return added
+
+
+class PipelineConfigErrors(Exception):
+    """Every broken, clashing or deleted pipeline config of a deployment, each naming its file and key."""
+
+
+def check_pipelines(setting: str | None = None) -> None:
+    """Raise :class:`PipelineConfigErrors` naming every pipeline error of ``setting``; nothing if all load.
+
+    Called from a DAG file of its own that defines no DAG, so the errors are that file's import error (``airflow dags
+    list-import-errors``, the REST import errors, the UI's banner) while the DAG file's DAGs stay active: Airflow marks
+    stale every DAG of a file that has an import error, and a stale DAG's running runs are never scheduled again.
+    """
+    from airflow.sdk import get_parsing_context
+
+    if get_parsing_context().dag_id is not None:
+        return  # a task's process: not this file's concern
+    resolved = resolve(setting, state=pipeline_state(setting))
+    _families(resolved, None)  # what only building the DAGs finds (a team callback that does not import)
+    if resolved.errors:
+        raise PipelineConfigErrors(f"{len(resolved.errors)} Stagewise pipeline config(s) in error; other pipelines "
+                                   "run as usual:\n" + "\n".join(resolved.errors.values()))

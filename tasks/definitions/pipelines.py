@@ -3,20 +3,30 @@
 One rule names everything: a pipeline's name is its config's ``name`` key, else the file name without ``.yaml``;
 its DAGs are ``<name>_pipeline``, ``<name>_retrain``, ``<name>_batch_inference`` and ``<name>_ingest``. Run
 prefixes (``runs/<dag id>/``) and study names (from the DAG id) follow from the DAG ids, so two pipelines never
-share them; their registry names are checked apart by :func:`collisions`.
+share them; their registry names are checked apart by :func:`resolve`, which also keeps a broken pipeline at its
+last valid version.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 import yaml
+from pydantic import ValidationError
 
 from stagewise.definitions.config import ConfigError, PipelineConfig
-from stagewise.definitions.loading import CHECKOUT_ROOT, CONFIG_ENV_VAR, DEFAULT_CONFIG_PATH, SAFE_LOADER, read_text
+from stagewise.definitions.last_valid import LastValid
+from stagewise.definitions.loading import (
+    CHECKOUT_ROOT,
+    CONFIG_ENV_VAR,
+    DEFAULT_CONFIG_PATH,
+    SAFE_LOADER,
+    load_config,
+    read_text,
+)
 
 PIPELINES_ENV_VAR = "STAGEWISE_PIPELINES"
 """Folders of pipeline configs (every ``*.yaml`` in each) or single config files, separated like PATH."""
@@ -103,17 +113,137 @@ def discover(setting: str | None = None) -> list[PipelineFile]:
     return found
 
 
-def collisions(loaded: dict[PipelineFile, PipelineConfig]) -> dict[PipelineFile, str]:
-    """Pipelines that would share a model registry (one storage root and ``registry.model_name``): each one's
-    error, naming the other files; such pipelines would gate their models against each other."""
-    owners: dict[tuple[str, str], list[PipelineFile]] = {}
+# -- a deployment's parse: every pipeline, each one's error, and the last valid version in place of a broken one -----
+
+@dataclass
+class Resolved:
+    """What a parse of the pipelines builds: the config of each pipeline that has DAGs, and each error."""
+
+    configs: dict[PipelineFile, PipelineConfig] = field(default_factory=dict)
+    """Each pipeline's config to build its DAGs from: its file's, else its last valid one."""
+    errors: dict[str, str] = field(default_factory=dict)
+    """Each broken, clashing or deleted pipeline's error, by its config file, naming the file and the key."""
+    refused: dict[PipelineFile, str] = field(default_factory=dict)
+    """Pipelines that keep DAGs but whose new runs must fail with this error (their file is not what they run)."""
+    broken: dict[PipelineFile, str] = field(default_factory=dict)
+    """Pipelines with no valid version at all: DAGs whose only task fails with this error."""
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return float("inf")
+
+
+def _incumbent(sharing: list[PipelineFile], owns) -> PipelineFile:
+    """Of pipelines that clash, the one that was there first: the one whose last valid version already held what
+    they share (``owns``), else the oldest file; the others introduced the clash."""
+    holders = [pipeline for pipeline in sharing if owns(pipeline)]
+    return min(holders or sharing, key=lambda pipeline: (_mtime(pipeline.path), str(pipeline.path)))
+
+
+def _scan(setting: str | None, errors: dict[str, str]) -> list[PipelineFile]:
+    """Every config file of the setting with its name; a missing source or an unusable name is that source's or
+    file's error (in ``errors``), never the others'."""
+    found: list[PipelineFile] = []
+    for source in sources(setting):
+        if source.is_dir():
+            files = sorted(path for pattern in ("*.yaml", "*.yml") for path in source.glob(pattern))
+        elif source.is_file():
+            files = [source]
+        else:
+            errors[str(source)] = f"{source}: no such pipelines folder or config file"
+            continue
+        for path in files:
+            name = name_of(path)
+            if NAME_PATTERN.fullmatch(name):
+                found.append(PipelineFile(name, path))
+            else:
+                errors[str(path)] = (f"{path}: name: pipeline name '{name}' cannot name DAGs: a letter, then letters, "
+                                     "digits or _ (64 at most); set the config's name key")
+    return found
+
+
+def resolve(setting: str | None = None, *, wanted: str | None = None, check_clashes: bool = True,
+            state: LastValid | None = None, remember: bool = False) -> Resolved:
+    """Every pipeline of ``setting`` as a parse builds it (``wanted``: only the pipeline owning that DAG id).
+
+    A file that does not load, clashes with an older pipeline (a name or a registry), or is gone keeps its DAGs at
+    its last valid version from ``state`` (so its running runs finish) and gets an error naming the file and key;
+    a clash refuses the file that introduced it, never both. ``check_clashes`` off (a task's own parse) skips
+    loading the other pipelines. ``remember``: record each pipeline that loads as its last valid version.
+    """
+    resolved = Resolved()
+    records = state.all() if state else {}
+    found = _scan(setting, resolved.errors)
+
+    by_name: dict[str, list[PipelineFile]] = {}
+    for pipeline in found:
+        by_name.setdefault(pipeline.name, []).append(pipeline)
+    pipelines: list[PipelineFile] = []
+    for name, sharing in by_name.items():
+        first = _incumbent(sharing, lambda p, name=name: name in records and records[name].path == str(p.path))
+        pipelines.append(first)
+        for other in sharing:
+            if other is not first:
+                resolved.errors[str(other.path)] = (f"{other.path}: name: pipeline name '{name}' is taken by "
+                                                    f"{first.path}: set a distinct name key")
+    gone = [PipelineFile(name, Path(record.path)) for name, record in records.items() if name not in by_name]
+    if wanted is not None:
+        pipelines = [p for p in pipelines if wanted in p.dag_ids().values()]
+        gone = [p for p in gone if wanted in p.dag_ids().values()]
+
+    loaded: dict[PipelineFile, PipelineConfig] = {}
+    failed: dict[PipelineFile, str] = {}
+    for pipeline in pipelines:
+        try:
+            loaded[pipeline] = load_config(pipeline.path)
+        except ConfigError as exc:
+            failed[pipeline] = str(exc)
+    for pipeline in gone:
+        failed[pipeline] = (f"{pipeline.path}: the config file of pipeline '{pipeline.name}' is gone; its DAGs keep "
+                            f"their last valid version until `python -m stagewise.config --forget {pipeline.name}`")
+
+    if check_clashes:
+        def key_of(pipeline: PipelineFile) -> tuple[str, str] | None:
+            if pipeline in loaded:
+                return loaded[pipeline].storage_root.rstrip("/"), loaded[pipeline].registry.model_name
+            return records[pipeline.name].registry_key if pipeline.name in records else None
+
+        owners: dict[tuple[str, str], list[PipelineFile]] = {}
+        for pipeline in [*loaded, *failed]:
+            if (key := key_of(pipeline)) is not None:
+                owners.setdefault(key, []).append(pipeline)
+        for (root, model_name), sharing in owners.items():
+            if len(sharing) < 2:
+                continue
+            first = _incumbent(sharing, lambda p, key=(root, model_name): p.name in records
+                               and records[p.name].registry_key == key)
+            for other in sharing:
+                if other is not first and other in loaded:
+                    del loaded[other]
+                    failed[other] = (f"{other.path}: registry.model_name '{model_name}' under {root} is already "
+                                     f"{first.path}'s: each pipeline registers under its own name")
+
     for pipeline, config in loaded.items():
-        owners.setdefault((config.storage_root.rstrip("/"), config.registry.model_name), []).append(pipeline)
-    errors = {}
-    for (root, model_name), sharing in owners.items():
-        if len(sharing) > 1:
-            for pipeline in sharing:
-                others = " and ".join(str(other.path) for other in sharing if other is not pipeline)
-                errors[pipeline] = (f"{pipeline.path}: registry.model_name '{model_name}' under {root} is also "
-                                    f"{others}'s: each pipeline registers under its own name")
-    return errors
+        resolved.configs[pipeline] = config
+        if remember and state is not None:
+            state.save(pipeline.name, pipeline.path, config.model_dump(mode="json"))
+    for pipeline, error in failed.items():
+        record = records.get(pipeline.name)
+        fallback = None
+        if record is not None:
+            try:
+                fallback = PipelineConfig.model_validate(record.config)
+            except ValidationError:
+                fallback = None  # recorded by another Stagewise version whose schema differs
+        if fallback is None:
+            resolved.errors[str(pipeline.path)] = error
+            resolved.broken[pipeline] = error
+            continue
+        resolved.errors[str(pipeline.path)] = (f"{error}\n  (its DAGs keep their last valid version, so running "
+                                               "runs finish; a new run fails with this error)")
+        resolved.configs[pipeline] = fallback
+        resolved.refused[pipeline] = error
+    return resolved

@@ -158,9 +158,11 @@ def deployment(tmp_path_factory) -> Deployment:
     _team_pipelines(deployment.pipelines, storage_root, root)
     (home / "dags").mkdir(parents=True)
     (home / "plugins").mkdir()
-    # The one line, as docs/pipelines.md and the README give it.
+    # The two files, as docs/pipelines.md and the README give them.
     (home / "dags" / "stagewise_dags.py").write_text(
         f"from stagewise.airflow.dags import build_pipelines\nbuild_pipelines(globals(), {str(deployment.pipelines)!r})\n")
+    (home / "dags" / "stagewise_dags_check.py").write_text(
+        f"from stagewise.airflow.dags import check_pipelines\ncheck_pipelines({str(deployment.pipelines)!r})\n")
     (home / "dags" / "tasks.py").write_text(TEAM_TASKS)
     (home / "dags" / "team_report.py").write_text(TEAM_REPORT)
     run_cache.migrated_sqlite_db(home / "airflow.db", pools_of=deployment.pipelines / "diabetes.yaml")

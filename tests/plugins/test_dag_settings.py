@@ -57,7 +57,8 @@ def test_the_teams_dag_settings_and_callbacks_reach_every_dag_beside_stagewises_
 
 def test_a_callback_that_does_not_import_breaks_only_its_own_pipeline_naming_the_key(tmp_path, storage_root, monkeypatch):
     """A typo in a callback path: that pipeline's four DAGs keep their ids but hold one task that fails naming the key,
-    without retry; a second pipeline in the same folder parses as usual, and the file has no import error."""
+    without retry; a second pipeline in the same folder parses as usual; the DAG file has no import error, the check
+    file alone has one, naming the file and the key."""
     from airflow.dag_processing.dagbag import DagBag
 
     folder = tmp_path / "pipelines"
@@ -67,7 +68,9 @@ def test_a_callback_that_does_not_import_breaks_only_its_own_pipeline_naming_the
         (folder / f"{name}.yaml").write_text(yaml.safe_dump(raw))
     monkeypatch.setenv("STAGEWISE_PIPELINES", str(folder))
     bag = DagBag(dag_folder=str(REPO_ROOT / "dags"))
-    assert bag.import_errors == {}
+    check_file = str(REPO_ROOT / "dags" / "stagewise_pipelines_check.py")
+    assert list(bag.import_errors) == [check_file]
+    assert f"{folder / 'typo.yaml'}: ImportError: airflow.on_failure_callback: cannot import" in bag.import_errors[check_file]
     for kind in ("pipeline", "retrain", "batch_inference", "ingest"):
         broken, fine = bag.get_dag(f"typo_{kind}"), bag.get_dag(f"fine_{kind}")
         assert [task.task_id for task in broken.tasks] == ["config_error"] and broken.tasks[0].retries == 0

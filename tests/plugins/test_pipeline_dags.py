@@ -1,8 +1,10 @@
-"""The DAG file builds every pipeline's family; a task's process builds only its own DAG; a broken config or a
-registry clash turns only its own pipeline's DAGs into ones that fail naming the file."""
+"""The DAG file builds every pipeline's family; a task's process builds only its own DAG; a broken, clashing or deleted
+config changes only its own pipeline: it keeps its last valid DAGs (a running run keeps its tasks) and refuses new runs,
+or, never valid, gets DAGs that fail naming the file."""
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from tests.conftest import unnamed
@@ -29,23 +31,96 @@ def test_a_tasks_process_builds_only_the_dag_it_runs_and_loads_no_other_config(t
     assert "train_s2" in namespace["fraud_retrain"].task_ids
 
 
-def test_a_broken_config_or_a_registry_clash_breaks_only_its_own_family(tmp_path, storage_root, monkeypatch):
-    """A full parse: `bad` (invalid key) and the two pipelines sharing one registry name get DAGs whose only task
-    fails naming the file and the reason; `good` is built whole."""
+KINDS = ("pipeline", "retrain", "batch_inference", "ingest")
+
+
+def _first_task_fails(dag) -> bool:
+    """Whether the DAG's first task is the refusal (fails naming the error) rather than the real start."""
+    first = dag.get_task("ingest" if dag.dag_id.endswith("_ingest") else "start_run")
+    return first.python_callable.__name__ == "_fail_with"
+
+
+def _build(folder, monkeypatch, task: tuple[str, str] | None = None) -> dict:
     from stagewise.airflow.dags import build_pipelines
 
-    monkeypatch.delenv("_AIRFLOW_PARSING_CONTEXT_DAG_ID", raising=False)
+    if task is None:
+        monkeypatch.delenv("_AIRFLOW_PARSING_CONTEXT_DAG_ID", raising=False)
+        monkeypatch.delenv("_AIRFLOW_PARSING_CONTEXT_TASK_ID", raising=False)
+    else:
+        monkeypatch.setenv("_AIRFLOW_PARSING_CONTEXT_DAG_ID", task[0])
+        monkeypatch.setenv("_AIRFLOW_PARSING_CONTEXT_TASK_ID", task[1])
+    namespace: dict = {}
+    assert set(build_pipelines(namespace, str(folder))) == set(namespace)
+    return namespace
+
+
+def test_a_config_that_never_loaded_or_clashes_first_time_gets_failing_dags_of_its_own(tmp_path, storage_root, monkeypatch):
+    """A full parse with no last valid version: `bad` (invalid key) gets DAGs whose only task fails naming the file and
+    the reason; of two pipelines sharing one registry name only the newer file is refused; `good` is built whole."""
+    import os
+
     shared = {"storage_root": str(storage_root), "registry": {"model_name": "shared"}}
     folder = _folder(tmp_path, storage_root, {"good": {}, "bad": {"sweeep": {}}, "twin_a": shared, "twin_b": shared})
-    namespace: dict = {}
-    added = build_pipelines(namespace, str(folder))
-    assert len(added) == 16 and set(added) == set(namespace)
-    assert "config_error" not in namespace["good_pipeline"].task_ids and "train_s1" in namespace["good_pipeline"].task_ids
-    for name, reason in (("bad", "sweeep: unknown key"), ("twin_a", "registry.model_name 'shared'"),
-                         ("twin_b", "registry.model_name 'shared'")):
-        for kind in ("pipeline", "retrain", "batch_inference", "ingest"):
+    os.utime(folder / "twin_b.yaml", (2e9, 2e9))  # written after twin_a: twin_b introduced the clash
+    namespace = _build(folder, monkeypatch)
+    assert len(namespace) == 16
+    assert "train_s1" in namespace["good_pipeline"].task_ids and not _first_task_fails(namespace["good_pipeline"])
+    assert "train_s1" in namespace["twin_a_pipeline"].task_ids and not _first_task_fails(namespace["twin_a_pipeline"])
+    for name, reason in (("bad", "sweeep: unknown key"), ("twin_b", "registry.model_name 'shared'")):
+        for kind in KINDS:
             dag = namespace[f"{name}_{kind}"]
             assert dag.task_ids == ["config_error"] and reason in dag.doc_md and str(folder / f"{name}.yaml") in dag.doc_md
+
+
+def test_a_broken_or_deleted_config_keeps_its_last_valid_dags_and_refuses_new_runs(tmp_path, storage_root, monkeypatch):
+    """Once `fraud` has loaded, a typo or deleting its file keeps every one of its DAGs at that version (a running run
+    keeps its tasks, in the dag-processor and in a task's own process) while a new run's first task fails naming the
+    file and key; `churn` is built as before."""
+    folder = _folder(tmp_path, storage_root, {"fraud": {}, "churn": {}})
+    before = _build(folder, monkeypatch)
+    raw = yaml.safe_load((folder / "fraud.yaml").read_text())
+    raw["evaluate"]["min_test_acuracy"] = raw["evaluate"].pop("min_test_accuracy")
+    (folder / "fraud.yaml").write_text(yaml.safe_dump(raw))
+    for change in ("typo", "deleted"):
+        if change == "deleted":
+            (folder / "fraud.yaml").unlink()
+        after = _build(folder, monkeypatch)
+        assert set(after) == set(before)
+        for dag_id, dag in before.items():
+            assert after[dag_id].task_ids == dag.task_ids, f"{change}: {dag_id} changed shape"
+            assert _first_task_fails(after[dag_id]) == dag_id.startswith("fraud_"), change
+        start = after["fraud_pipeline"].get_task("start_run")
+        with pytest.raises(Exception, match="min_test_acuracy: unknown key" if change == "typo" else "fraud.yaml.* is gone"):
+            start.python_callable(*start.op_args)
+        in_task = _build(folder, monkeypatch, task=("fraud_pipeline", "train_s2"))
+        assert in_task["fraud_pipeline"].task_ids == before["fraud_pipeline"].task_ids
+        assert _first_task_fails(_build(folder, monkeypatch, task=("fraud_pipeline", "start_run"))["fraud_pipeline"])
+
+
+def test_a_clash_refuses_the_file_that_introduced_it_never_both(tmp_path, storage_root, monkeypatch):
+    """`old` loaded first; then `newer` claims its registry name (whatever the files' times say) and a third file takes
+    its pipeline name: `old` keeps its DAGs, `newer` is refused, and the name thief's error names both files."""
+    import os
+
+    from stagewise.airflow.dags import PipelineConfigErrors, check_pipelines
+
+    folder = _folder(tmp_path, storage_root, {"old": {"registry": {"model_name": "shared"}}})
+    _build(folder, monkeypatch)
+    (folder / "newer.yaml").write_text(yaml.safe_dump({**yaml.safe_load((folder / "old.yaml").read_text())}))
+    os.utime(folder / "old.yaml", (2e9, 2e9))  # touched later, yet still the one that was there first
+    (folder / "thief.yaml").write_text(yaml.safe_dump({**yaml.safe_load((folder / "old.yaml").read_text()),
+                                                       "name": "old"}))
+    namespace = _build(folder, monkeypatch)
+    assert not _first_task_fails(namespace["old_pipeline"]) and "train_s1" in namespace["old_pipeline"].task_ids
+    assert namespace["newer_pipeline"].task_ids == ["config_error"]
+    with pytest.raises(PipelineConfigErrors) as caught:
+        check_pipelines(str(folder))
+    message = str(caught.value)
+    assert f"{folder / 'newer.yaml'}: registry.model_name 'shared'" in message and f"is already {folder / 'old.yaml'}'s" in message
+    assert f"{folder / 'thief.yaml'}: name: pipeline name 'old' is taken by {folder / 'old.yaml'}" in message
+    (folder / "newer.yaml").unlink()
+    (folder / "thief.yaml").unlink()
+    check_pipelines(str(folder))  # all fixed: no error
 
 
 def test_every_task_runs_with_its_dags_params_though_they_are_set_after_the_tasks(tmp_path, storage_root, monkeypatch):

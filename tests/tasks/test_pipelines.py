@@ -9,7 +9,7 @@ import yaml
 
 from stagewise.definitions.config import ConfigError
 from stagewise.definitions.loading import load_config
-from stagewise.definitions.pipelines import collisions, dag_id, discover, name_of, sources
+from stagewise.definitions.pipelines import dag_id, discover, name_of, resolve, sources
 from tests.conftest import base_config, unnamed
 
 
@@ -89,17 +89,16 @@ def test_a_name_key_that_cannot_be_a_dag_id_fails_the_config_naming_the_key(writ
 
 
 def test_two_pipelines_on_one_storage_root_may_not_share_a_registry_name(tmp_path, storage_root, monkeypatch):
-    """Same root and registry.model_name: both pipelines refused, each naming the other; another root is apart."""
+    """Same root and registry.model_name: the newer file is refused naming the older; another root is apart."""
     folder = tmp_path / "pipelines"
     _write(folder, "mlp.yaml", unnamed(storage_root))
-    _write(folder, "cnn.yaml", unnamed(storage_root))  # both register as 'digits' (from raw/digits)
+    cnn = _write(folder, "cnn.yaml", unnamed(storage_root))  # both register as 'digits' (from raw/digits)
+    os.utime(cnn, (2e9, 2e9))
     _write(folder, "elsewhere.yaml", unnamed(tmp_path / "other_root"))
-    monkeypatch.setenv("STAGEWISE_PIPELINES", str(folder))
-    loaded = {pipeline: load_config(pipeline.path) for pipeline in discover()}
-    errors = {pipeline.name: error for pipeline, error in collisions(loaded).items()}
-    assert set(errors) == {"mlp", "cnn"}
-    assert "registry.model_name 'digits'" in errors["mlp"] and str(folder / "cnn.yaml") in errors["mlp"]
-    assert str(folder / "mlp.yaml") in errors["cnn"]
+    resolved = resolve(str(folder))
+    assert [pipeline.name for pipeline in resolved.configs] == ["elsewhere", "mlp"]
+    assert list(resolved.errors) == [str(cnn)]
+    assert "registry.model_name 'digits'" in resolved.errors[str(cnn)] and str(folder / "mlp.yaml") in resolved.errors[str(cnn)]
 
 
 def test_a_runs_snapshot_uri_is_named_like_a_file(tmp_path, storage_root):
@@ -108,3 +107,34 @@ def test_a_runs_snapshot_uri_is_named_like_a_file(tmp_path, storage_root):
     named = _write(tmp_path, "snap.yaml", base_config(storage_root))
     plain = _write(tmp_path, "fraud.yaml", unnamed(storage_root))
     assert (name_of(f"file://{named}"), name_of(f"file://{plain}")) == ("ml", "fraud")
+
+
+def test_the_ci_check_exits_non_zero_naming_each_broken_or_clashing_file_and_key(tmp_path, storage_root):
+    """`python -m stagewise.config --pipelines DIR`, as a team's CI runs it: a typo and a registry clash each named
+    with file and key, exit 1; the same folder fixed lists every pipeline with its DAG ids, exit 0."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "pipelines"
+    _write(folder, "fraud.yaml", unnamed(storage_root))
+    typo = unnamed(storage_root / "churn")
+    typo["evaluate"]["min_test_acuracy"] = typo["evaluate"].pop("min_test_accuracy")
+    _write(folder, "churn.yaml", typo)
+    copy = _write(folder, "copy.yaml", unnamed(storage_root))
+    os.utime(copy, (2e9, 2e9))  # the newer file introduced the clash
+
+    def check() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "stagewise.config", "--pipelines", str(folder)],
+                              capture_output=True, text=True, timeout=120)
+
+    failed = check()
+    assert failed.returncode == 1
+    assert f"{folder / 'churn.yaml'}: invalid pipeline config" in failed.stderr
+    assert "evaluate.min_test_acuracy: unknown key" in failed.stderr
+    assert f"{copy}: registry.model_name 'digits'" in failed.stderr and f"{folder / 'fraud.yaml'}'s" in failed.stderr
+    assert failed.stdout.split("\t")[0] == "fraud"
+    copy.unlink()
+    _write(folder, "churn.yaml", unnamed(storage_root / "churn"))
+    fixed = check()
+    assert fixed.returncode == 0, fixed.stderr
+    assert [line.split("\t")[0] for line in fixed.stdout.splitlines()] == ["churn", "fraud"]
