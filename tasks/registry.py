@@ -116,7 +116,9 @@ def register_for(config: PipelineConfig, out: str, model_uri: str, card: dict[st
 def gate_registered(config: PipelineConfig, registered: dict[str, Any], out: str) -> dict[str, Any]:
     """The config's gate on a version just registered, in its backend; the test metrics and the decision also go on
     the run's parent MLflow run when tracking is on."""
-    if config.registry.backend == "storage":
+    if config.registry.report_only:
+        decision = report_gate(config, registered["version"])
+    elif config.registry.backend == "storage":
         decision = gate_new_version(config, registered["version"])
     else:
 
@@ -249,6 +251,26 @@ def gate_new_version(config: PipelineConfig, version: str) -> dict[str, Any]:
     name = config.registry.model_name
     decision = gate(config.storage_root, name, version, config.gate_metric(), config.registry.margin, config.objective.direction)
     return {**decision, "model_uri": card(config.storage_root, name, decision["current"])["model_uri"]}
+
+
+def report_gate(config: PipelineConfig, version: str) -> dict[str, Any]:
+    """The config's gate on a newly registered version in report-only mode (registry.report_only, CI): the decision it
+    would take against the current model, logged and returned as ``decision``, with no pointer moved. ``current`` and
+    ``model_uri`` are the model that would be current, which inference scores with."""
+    name, root, metric = config.registry.model_name, config.storage_root, config.gate_metric()
+    candidate = card(root, name, version)
+    if metric not in candidate:
+        raise UserError(f"model {name}/{version} has no metric '{metric}' (registry.gate_metric) in its card")
+    incumbent = pointer(root, name)["version"]
+    decision = _judge(root, name, candidate, incumbent, metric, config.registry.margin, config.objective.direction)
+    would = decision.pop("promoted")
+    said = f"would {'promote' if would else 'refuse'} {version}: {decision['reason']}"
+    log.info("gate for %s/%s, report only (registry.report_only: nothing promoted): %s", name, version, said)
+    serving = version if would else incumbent
+    return {"model_name": name, "version": version, "current": serving, "metric": metric,
+            "direction": config.objective.direction, "margin": config.registry.margin,
+            "candidate_value": candidate[metric], **decision, "promoted": False, "would_promote": would,
+            "report_only": True, "decision": said, "model_uri": card(root, name, serving)["model_uri"]}
 
 
 def serving_model(config: PipelineConfig, version: str | None, out: str = "") -> dict[str, Any]:

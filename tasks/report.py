@@ -134,7 +134,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         versus = f" vs the model's {test_rmse:.4f}" if test_rmse is not None else ""
         lines.append(f"  baseline ({baseline['what']}): test rmse {baseline['test_rmse']:.4f}{versus}")
     registry = report.get("registry") or {}
-    if registry:
+    if registry.get("report_only"):
+        lines.append(f"  registry (report only, nothing promoted): {registry['decision']}")
+    elif registry:
         lines.append(f"  registry: {registry['version']} {'promoted to current' if registry['promoted'] else 'not promoted'}"
                      f" ({registry['reason']})")
     lines.append(f"  predictions: {report['predictions']['rows']} rows by {report['predictions'].get('model_version')}, "

@@ -33,6 +33,7 @@ from stagewise.airflow import steps, wiring
 from stagewise.airflow.params import inference_params, pipeline_params
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.last_valid import LastValid
+from stagewise.definitions.loading import scratch_root
 from stagewise.definitions.pipelines import PipelineFile, Resolved, resolve, sources
 
 log = logging.getLogger(__name__)
@@ -175,9 +176,10 @@ def _start(config: PipelineConfig, config_file: str, mode: str, refusal: str | N
         refusal)
 
 
-def pipeline_state(setting: str | None) -> LastValid:
-    """Where the last valid versions of ``setting``'s pipelines are kept (:mod:`stagewise.definitions.last_valid`)."""
-    return LastValid(sources(setting))
+def pipeline_state(setting: str | None) -> LastValid | None:
+    """Where the last valid versions of ``setting``'s pipelines are kept (:mod:`stagewise.definitions.last_valid`);
+    none in CI mode ($STAGEWISE_SCRATCH_ROOT): a scratch config must never stand in for production's, nor the reverse."""
+    return None if scratch_root() else LastValid(sources(setting))
 
 
 def build_pipelines(namespace: dict[str, Any], setting: str | None = None) -> list[str]:

@@ -370,6 +370,8 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
     stage_results.update({"evaluate": [evaluation], "registry": [registered, gated], "inference": [*_all(scored), predictions]})
     gate_keys = ("model_name", "promoted", "reason", "current", "previous", "metric", "direction", "margin",
                  "candidate_value", "incumbent_value")
+    # Only a report-only gate (CI, docs/ci.md) says what it would have done.
+    gate_keys += tuple(key for key in ("report_only", "would_promote", "decision") if key in gated)
 
     def work() -> dict[str, Any]:
         links = tracking.links(run["out"], registered)

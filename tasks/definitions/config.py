@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import os
 import re
 import urllib.parse
 from typing import Annotated, Any, Literal
@@ -26,6 +27,8 @@ from stagewise.definitions.spec_source import declared_default_params
 
 # Optuna keeps a study's name in at most 512 characters (its RDB schema).
 MAX_STUDY_NAME = 512
+# Where the sweep's journal lives under storage_root when sweep.storage is unset (docs/sweeps.md).
+DEFAULT_JOURNAL = "optuna/optuna.journal"
 # What well-known metrics can be: a limit outside can never be met nor missed, so it is a typo.
 METRIC_RANGES = {**dict.fromkeys(("accuracy", "precision", "recall", "f1", "auc"), (0.0, 1.0)),
                  **dict.fromkeys(("rmse", "mae", "mse", "loss"), (0.0, math.inf))}
@@ -384,8 +387,10 @@ class Sweep(_Strict):
     epochs: int = Field(8, ge=1, le=1000, description="Max epochs of one trial (Hyperband's max resource).")
     batch_size: int = Field(32, ge=1, description="Per-process batch size inside a trial.")
     storage: str = Field(
-        "journal://.stagewise/optuna.journal",
-        description="Optuna storage: journal://<file> (embedded) or postgresql://... (multi-node).",
+        "",
+        description=("Optuna storage: journal://<file> (embedded; a relative file is under storage_root) or "
+                     "postgresql://... (multi-node); empty: journal://<storage_root>/optuna/optuna.journal "
+                     "(an s3:// storage_root needs one set)."),
     )
     seed: int = Field(0, description="Sampler seed.")
     sampler: Sampler = Field(default_factory=Sampler, description="The sampler.")
@@ -684,6 +689,9 @@ class Registry(_Strict):
     backend: Literal["storage", "mlflow"] = Field("storage", description=(
         "Where versions live: storage (models/<model_name>/ under storage_root, current.json) or mlflow (the tracking "
         "server's Model Registry, model <model_name>, aliases champion and challenger; needs tracking.mlflow_uri)."))
+    report_only: bool = Field(False, description=(
+        "The gate decides and reports (would promote / would refuse) but moves no pointer; inference scores with the "
+        "model that would be current. $STAGEWISE_SCRATCH_ROOT turns it on (docs/ci.md)."))
 
     @field_validator("gate_metric")
     @classmethod
@@ -691,6 +699,15 @@ class Registry(_Strict):
         if value is not None and not re.match(r"^test_\w+$", value):
             raise ValueError(f"'{value}' is not a test metric name such as test_accuracy")
         return value
+
+    @model_validator(mode="after")
+    def _report_only_on_storage(self) -> Registry:
+        if self.report_only and self.backend != "storage":
+            raise ValueError("report_only judges in the storage registry (backend: storage); the mlflow backend "
+                             "has no report-only gate")
+        return self
+
+
 class Tracking(_Strict):
     """Opt-in MLflow tracking: a parent run per DAG run, nested runs per sweep trial and training stage."""
 
@@ -745,14 +762,54 @@ class Retrain(_Strict):
     @field_validator("schedule")
     @classmethod
     def _cron(cls, value: str) -> str:
-        from croniter import croniter  # a plain package (Airflow's own cron parser), so tasks/ needs no Airflow
-
-        try:
-            croniter(value)
-        except (ValueError, KeyError) as exc:
-            raise ValueError(f"'{value}' is not a cron expression ({exc}): give 5 fields, minute hour day-of-month "
-                             f"month day-of-week (e.g. '0 3 * * 0' is Sundays 03:00), or a preset such as @daily") from None
+        try:  # Airflow's own cron parser, a plain package: everywhere Airflow is, so wherever the DAGs are built
+            from croniter import croniter
+        except ImportError:  # a sub-job's host (a GPU box) need not have it: the schedule's shape is checked here
+            problem = cron_shape_problem(value)
+        else:
+            try:
+                croniter(value)
+                problem = None
+            except (ValueError, KeyError) as exc:
+                problem = str(exc)
+        if problem is not None:
+            raise ValueError(f"'{value}' is not a cron expression ({problem}): give 5 fields, minute hour day-of-month "
+                             f"month day-of-week (e.g. '0 3 * * 0' is Sundays 03:00), or a preset such as @daily")
         return value
+
+
+CRON_PRESETS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
+# minute, hour, day of month, month, day of week (0 and 7 are Sunday), and croniter's optional sixth: seconds.
+_CRON_RANGES = ((0, 59), (0, 23), (1, 31), (1, 12), (0, 7), (0, 59))
+_CRON_NAMES = {3: "jan feb mar apr may jun jul aug sep oct nov dec".split(), 4: "sun mon tue wed thu fri sat".split()}
+
+
+def cron_shape_problem(value: str) -> str | None:
+    """What makes ``value`` no cron expression, checked without croniter (None: none found): a preset, or 5 (or 6)
+    fields of ``*``, numbers and names in range, ranges ``a-b`` and steps ``/n``, lists; croniter's ``L``, ``W``, ``#``
+    and ``?`` extensions pass unchecked. Used only where croniter is not installed."""
+    if value.strip().lower() in CRON_PRESETS:
+        return None
+    fields = value.split()
+    if len(fields) not in (5, 6):
+        return f"{len(fields)} fields"
+    for position, field in enumerate(fields):
+        low, high = _CRON_RANGES[position]
+        names = _CRON_NAMES.get(position, [])
+        for item in field.lower().split(","):
+            if re.search(r"[lw#?]", item) and position in (2, 4):
+                continue
+            base, _, step = item.partition("/")
+            if step and not (step.isdigit() and int(step) > 0):
+                return f"step '{step}' in '{field}'"
+            if base == "*":
+                continue
+            for bound in base.split("-", 1):
+                number = (names.index(bound) + (1 if position == 3 else 0)) if bound in names else (
+                    int(bound) if bound.isdigit() else None)
+                if number is None or not low <= number <= high:
+                    return f"'{bound}' in '{field}' is not in {low}-{high}"
+    return None
 
 
 CALLBACK_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
@@ -821,6 +878,26 @@ class PipelineConfig(_Strict):
         if isinstance(registry, dict) and not registry.get("model_name"):
             return {**raw, "registry": {**registry, "model_name": default_model_name(raw["dataset"]["uri"])}}
         return raw
+
+    @model_validator(mode="before")
+    @classmethod
+    def _journal_under_the_root(cls, raw: Any) -> Any:
+        # The journal is a file every run writes: unset or relative, it lives under storage_root like the rest.
+        if not isinstance(raw, dict) or not isinstance(raw.get("sweep"), dict) or not isinstance(raw.get("storage_root"), str):
+            return raw
+        chosen = raw["sweep"].get("storage", "")
+        file = chosen.removeprefix("journal://") if isinstance(chosen, str) else ""
+        if chosen == "":
+            file = DEFAULT_JOURNAL
+        elif not chosen.startswith("journal://") or not file or os.path.isabs(file):
+            return raw  # a database, an absolute file, or a bad value the field's own check names
+        root = raw["storage_root"]
+        if "://" in root and not root.startswith("file://"):
+            raise ValueError(f"sweep.storage: storage_root '{root}' is not a local folder, so the sweep's journal file "
+                             f"cannot live under it; set sweep.storage to postgresql+psycopg2://... (workers on several "
+                             f"hosts) or journal:///an/absolute/path that every sweep worker shares")
+        journal = os.path.normpath(os.path.join(root.removeprefix("file://"), file))
+        return {**raw, "sweep": {**raw["sweep"], "storage": f"journal://{journal}"}}
 
     @model_validator(mode="after")
     def _params_known_to_the_builtin_spec(self) -> PipelineConfig:

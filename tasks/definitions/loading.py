@@ -1,4 +1,5 @@
-"""Loading a pipeline config file: read the YAML, apply dotted overrides, resolve relative paths, validate once.
+"""Loading a pipeline config file: read the YAML, apply dotted overrides (and $STAGEWISE_SCRATCH_ROOT's CI mode),
+resolve relative paths, validate once.
 
 Every sub-job and the DAG load the same file through :func:`load_config`; an invalid file raises
 :class:`ConfigError` naming the file, the key path and the reason (and the override that caused it).
@@ -7,7 +8,8 @@ Every sub-job and the DAG load the same file through :func:`load_config`; an inv
 from __future__ import annotations
 
 import os
-from pathlib import Path
+import re
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
@@ -31,6 +33,9 @@ DEFAULT_CONFIG_PATH = CHECKOUT_ROOT / "pipeline.yaml" if CHECKOUT_ROOT else None
 
 
 CONFIG_ENV_VAR = "STAGEWISE_CONFIG"
+
+SCRATCH_ENV_VAR = "STAGEWISE_SCRATCH_ROOT"
+"""CI mode (docs/ci.md): every pipeline's storage under this local folder, no outside registry, a report-only gate."""
 
 # libyaml's safe loader where PyYAML has it (the same YAML, faster: DAG parsing reads every pipeline's file).
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -110,9 +115,41 @@ def _fill_model_name(raw: dict[str, Any]) -> None:
         registry["model_name"] = default_model_name(dataset["uri"])
 
 
-def _resolve_relative_paths(raw: dict[str, Any], folder: Path) -> None:
-    """A relative storage root, journal file, spec folder or script is relative to the config file, not to a
-    worker's cwd."""
+def scratch_root() -> str | None:
+    """$STAGEWISE_SCRATCH_ROOT as an absolute local folder, or None when it is unset."""
+    chosen = os.environ.get(SCRATCH_ENV_VAR, "").strip()
+    if not chosen:
+        return None
+    if "://" in chosen and not chosen.startswith("file://"):
+        raise ConfigError(f"${SCRATCH_ENV_VAR}={chosen}: give a local folder (the CI runner's scratch disk): each "
+                          f"pipeline's runs, sweep journal and registry go under it")
+    return os.path.abspath(os.path.expanduser(chosen.removeprefix("file://")))
+
+
+def _apply_scratch(raw: dict[str, Any], resolved: Path | str, scratch: str) -> None:
+    """CI mode: storage_root becomes ``<scratch>/<pipeline name>``, read with the CI's own environment; the sweep
+    journal follows it; MLflow tracking is off; the registry is the scratch root's, its gate report-only.
+
+    Idempotent, so a run's snapshot (written in this mode, naming its pipeline) loads back unchanged.
+    """
+    named = raw.get("name")
+    name = named if isinstance(named, str) and named else PurePosixPath(str(resolved)).stem
+    if re.fullmatch(r"[A-Za-z][A-Za-z0-9_]{0,63}", name):
+        raw["name"] = name  # the snapshot keeps it: a snapshot's file stem ('config') must not pick another folder
+    raw["storage_root"] = os.path.join(scratch, storage.safe_name(name))
+    raw["storage_conn_id"] = ""
+    if isinstance(raw.get("sweep"), dict):
+        raw["sweep"]["storage"] = ""  # the default: a journal under the (scratch) storage root
+    if isinstance(raw.get("tracking", {}), dict):
+        raw["tracking"] = {**raw.get("tracking", {}), "mlflow_uri": "", "conn_id": ""}
+    if isinstance(raw.get("registry"), dict):
+        raw["registry"].update(backend="storage", report_only=True)
+
+
+def _resolve_relative_paths(raw: dict[str, Any], path: Path) -> None:
+    """A relative storage root, spec folder or script is relative to the config file, not to a worker's cwd; a
+    relative storage root inside an installed package (a shipped example used where pip put it) is refused."""
+    folder = path.parent
     for entrypoint in _entrypoints(raw):
         if isinstance(entrypoint.get("script"), str) and not os.path.isabs(entrypoint["script"]):
             entrypoint["script"] = str((folder / entrypoint["script"]).resolve())
@@ -121,11 +158,12 @@ def _resolve_relative_paths(raw: dict[str, Any], folder: Path) -> None:
         model["import_paths"] = [str((folder / path).resolve()) for path in model.get("import_paths") or ["."]]
     root = raw.get("storage_root")
     if isinstance(root, str) and "://" not in root and not os.path.isabs(root):
-        raw["storage_root"] = str((folder / root).resolve())
-    sweep = raw.get("sweep")
-    journal = sweep.get("storage", "") if isinstance(sweep, dict) else ""
-    if isinstance(journal, str) and journal.startswith("journal://") and journal[10:] and not journal[10:].startswith("/"):
-        raw["sweep"]["storage"] = "journal://" + str((folder / journal[10:]).resolve())
+        absolute = (folder / root).resolve()
+        if {"site-packages", "dist-packages"} & set(absolute.parts):
+            raise ConfigError(f"{path}: storage_root '{root}' is relative to the config's folder, which is inside an "
+                              f"installed package: runs and models would land in {absolute}; set storage_root to a "
+                              f"folder or s3:// URI of your own (or copy the config into your pipelines folder)")
+        raw["storage_root"] = str(absolute)
 
 
 def _entrypoints(raw: dict[str, Any]) -> list[dict[str, Any]]:
@@ -158,8 +196,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         _apply_overrides(raw, overrides or {})
     except ValueError as exc:
         raise ConfigError(f"{resolved}: cannot apply {exc}") from None
+    if scratch := scratch_root():  # after the overrides: no trigger value moves storage out of the scratch root
+        _apply_scratch(raw, resolved, scratch)
     if isinstance(resolved, Path):  # a snapshot (a URI) holds absolute paths only
-        _resolve_relative_paths(raw, resolved.parent)
+        _resolve_relative_paths(raw, resolved)
     try:
         config = PipelineConfig.model_validate(raw)
     except ValidationError as exc:

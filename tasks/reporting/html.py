@@ -384,6 +384,8 @@ def outcome_line(report: dict[str, Any], metric: str) -> str:
     parts = []
     if registry:
         verdict = "promoted to current" if registry.get("promoted") else "not promoted"
+        if registry.get("report_only"):  # CI's gate: what it would have done, nothing moved
+            verdict = f"not promoted (report only: {html.escape(str(registry.get('decision')))})"
         parts.append(f"<span class={'promoted' if registry.get('promoted') else 'refused'}>model "
                      f"{html.escape(str(registry.get('version')))} {verdict}</span> ({html.escape(str(registry.get('reason')))})")
     if test is not None:
@@ -446,7 +448,9 @@ def render(report: dict[str, Any], sources: dict[str, Any], generated_at: str | 
                             ("current model before the gate", registry.get("previous") or "none"),
                             (f"its {gate_metric}", registry.get("incumbent_value")),
                             ("decision", "promoted" if registry.get("promoted") else "not promoted"),
-                            ("why", registry.get("reason")), ("current model now", registry.get("current"))]) \
+                            ("why", registry.get("decision") or registry.get("reason")),
+                            ("model scored (would be current)" if registry.get("report_only") else "current model now",
+                             registry.get("current"))]) \
         if registry else "<p class=missing>No gate decision was recorded.</p>"
     title = f"{report.get('dag_id')} / {report.get('run_id')}"
     objective = f" · objective <b>{html.escape(metric)}</b> ({html.escape(direction)})"

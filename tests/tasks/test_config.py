@@ -202,8 +202,9 @@ def test_override_of_a_missing_list_item_is_a_config_error(write_config):
 
 
 def test_relative_storage_root_resolves_against_the_config_file(tmp_path, storage_root, monkeypatch):
-    """A relative storage_root, journal file and entrypoint script are under the config file's folder, whatever the
-    cwd (an installed Stagewise has no repo root to fall back on); an absolute script stays as it is."""
+    """A relative storage_root and entrypoint script are under the config file's folder, whatever the cwd (an
+    installed Stagewise has no repo root to fall back on), and a relative journal file under the storage root (a
+    read-only pipelines folder never holds one); an absolute script stays as it is."""
     raw = base_config(storage_root)
     raw["storage_root"] = "data"
     raw["sweep"]["storage"] = "journal://state/optuna.journal"
@@ -219,10 +220,51 @@ def test_relative_storage_root_resolves_against_the_config_file(tmp_path, storag
     monkeypatch.chdir(elsewhere)
     config = load_config(path)
     assert Path(config.storage_root) == folder.resolve() / "data"
-    assert config.sweep.storage == f"journal://{folder.resolve() / 'state' / 'optuna.journal'}"
+    assert config.sweep.storage == f"journal://{folder.resolve() / 'data' / 'state' / 'optuna.journal'}"
     assert config.sweep.entrypoint.script == str(folder.resolve() / "scripts" / "trial.py")
     first, second = (stage.entrypoint for stage in config.train.stages)
     assert first.script == "/opt/team/stage.py" and (second.script, second.module) == (None, "team.stage")
+
+
+@pytest.mark.parametrize("root", ["local", "file"])
+def test_the_sweep_journal_defaults_to_a_file_under_the_storage_root(write_config, storage_root, root):
+    """Unset sweep.storage: the journal is <storage_root>/optuna/optuna.journal (a plain local path for a file:// root),
+    never beside the config file nor in the worker's cwd."""
+    raw = base_config(storage_root)
+    del raw["sweep"]["storage"]
+    raw["storage_root"] = str(storage_root) if root == "local" else f"file://{storage_root}"
+    config = load_config(write_config(raw))
+    assert config.sweep.storage == f"journal://{storage_root / 'optuna' / 'optuna.journal'}"
+
+
+def test_an_s3_storage_root_needs_sweep_storage_set(write_config, storage_root):
+    """A journal file cannot live on S3: with an s3:// root and no sweep.storage the load fails naming the key and
+    the choices; a database (or an absolute shared journal file) is taken as given."""
+    raw = base_config(storage_root)
+    del raw["sweep"]["storage"]
+    raw["storage_root"] = "s3://team-bucket/stagewise"
+    message = _load_error(write_config, raw)
+    assert "sweep.storage" in message and "postgresql" in message and "s3://team-bucket/stagewise" in message
+    raw["sweep"]["storage"] = "postgresql+psycopg2://optuna@db/optuna"
+    assert load_config(write_config(raw)).sweep.storage == raw["sweep"]["storage"]
+
+
+@pytest.mark.parametrize("packages", ["site-packages", "dist-packages"])
+def test_a_relative_storage_root_inside_an_installed_package_is_refused(tmp_path, storage_root, monkeypatch, packages):
+    """A shipped example used where pip installed it (storage_root: ../storage) would put runs and models in the
+    environment: refused at load, naming the file and telling the user to set storage_root. Under the CI's scratch
+    root the same file loads, its storage there."""
+    installed = tmp_path / "venv" / "lib" / "python3.11" / packages / "stagewise" / "examples"
+    installed.mkdir(parents=True)
+    raw = base_config(storage_root)
+    raw["storage_root"] = "../storage"
+    path = installed / "digits.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert str(path) in str(caught.value) and "set storage_root" in str(caught.value)
+    monkeypatch.setenv("STAGEWISE_SCRATCH_ROOT", str(tmp_path / "ci"))
+    assert load_config(path).storage_root == str(tmp_path / "ci" / "ml")
 
 
 def test_config_env_var_picks_the_file(write_config, monkeypatch, storage_root):
