@@ -124,6 +124,25 @@ def write_demo(num_shards: int | None = None, config_file: str | None = None) ->
     return target
 
 
+def write_all_demos(num_shards: int | None = None) -> None:
+    """write_demo for every pipeline of the deployment (``make up``). A pipeline whose storage is remote (s3://) and
+    cannot be written from here (no credentials in this shell: its workers use its storage_conn_id) is named and
+    skipped, so one such pipeline stops no other's demo data nor the local Airflow from starting."""
+    for pipeline in discover():
+        config = load_config(pipeline.path)
+        target = storage.resolve(config.storage_root, config.dataset.uri)
+        if "://" not in target or target.startswith("file://"):
+            write_demo(num_shards, str(pipeline.path))
+            continue
+        try:
+            write_demo(num_shards, str(pipeline.path))
+        except Exception as exc:  # noqa: BLE001 - any failure to reach that storage is this pipeline's alone
+            log.warning("pipeline %s: no demo data written to its %s storage (%s): this shell cannot reach it; "
+                        "write it with that storage's credentials (STAGEWISE_CONFIG=%s python -m stagewise.data demo) "
+                        "or add data through its %s_ingest DAG", pipeline.name, target.split("://", 1)[0],
+                        type(exc).__name__, pipeline.path, pipeline.name)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="kind", required=True)
@@ -147,8 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup_logging()
     if args.kind == "demo":
-        for config_file in [str(p.path) for p in discover()] if args.all else [None]:
-            write_demo(args.num_shards, config_file)
+        if args.all:
+            write_all_demos(args.num_shards)
+        else:
+            write_demo(args.num_shards)
     elif args.kind == "synthetic":
         write_synthetic(args.out_uri, args.rows, args.features, args.classes, args.num_shards, args.seed, args.dirty_fraction)
     else:

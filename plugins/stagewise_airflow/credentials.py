@@ -4,7 +4,8 @@ The pipeline config's ``storage_conn_id`` names a connection of type ``aws``, th
 Amazon provider reads: login = access key id, password = secret access key, and in its extra
 ``endpoint_url`` (an S3-compatible store), ``region_name`` and ``aws_session_token``. Sub-jobs stay
 free of Airflow: they get ``AWS_*`` variables, which every AWS SDK (and s3fs) reads. Airflow masks
-the connection's password in task logs; nothing here logs, returns or stores a value.
+the connection's password in task logs; nothing here logs or stores a value. The api-server's Stagewise pages read
+each pipeline's storage with the same connection, as s3fs arguments (``storage_options``), never exported.
 
 The config's ``tracking.conn_id`` names any connection (type http or generic) for the MLflow server: login and
 password become ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD`` (basic auth), a password alone
@@ -60,6 +61,43 @@ def aws_environment(conn_id: str) -> dict[str, str]:
         return environment_from(connection.login, connection.password, connection.extra_dejson)
     except ValueError as exc:
         raise AirflowFailException(f"storage_conn_id: connection '{conn_id}' {exc}") from None
+
+
+class StorageConnectionError(ValueError):
+    """A pipeline's ``storage_conn_id`` that names no usable connection (the message names the id, never a value)."""
+
+
+# AWS variable -> s3fs argument, for a process that must not export them (the api-server reads many pipelines' storage).
+_ENV_TO_S3FS = {"AWS_ACCESS_KEY_ID": "key", "AWS_SECRET_ACCESS_KEY": "secret", "AWS_SESSION_TOKEN": "token",
+                "AWS_ENDPOINT_URL_S3": "endpoint_url"}
+
+
+def storage_options(conn_id: str) -> dict[str, Any]:
+    """s3fs arguments reaching storage as connection ``conn_id`` does (empty id: none, the process's own AWS setup).
+
+    For the api-server, which has no task context: the connection comes from Airflow's server-side lookup (secrets
+    backends, ``AIRFLOW_CONN_*``, the metadata DB), and its values go to the caller, never into ``os.environ``
+    (see ``stagewise.core.storage.using_options``). Raises StorageConnectionError naming the id.
+    """
+    if not conn_id:
+        return {}
+    from airflow.exceptions import AirflowNotFoundException
+    from airflow.models.connection import Connection
+
+    try:
+        connection = Connection.get_connection_from_secrets(conn_id)
+    except AirflowNotFoundException:
+        raise StorageConnectionError(f"storage connection '{conn_id}' does not exist") from None
+    if connection.conn_type not in ("aws", "s3"):
+        raise StorageConnectionError(f"storage connection '{conn_id}' has type '{connection.conn_type}', expected 'aws'")
+    try:
+        env = environment_from(connection.login, connection.password, connection.extra_dejson)
+    except ValueError as exc:
+        raise StorageConnectionError(f"storage connection '{conn_id}' {exc.args[0].split(';')[0]}") from None
+    options: dict[str, Any] = {argument: env[variable] for variable, argument in _ENV_TO_S3FS.items() if variable in env}
+    if region := env.get("AWS_DEFAULT_REGION"):
+        options["client_kwargs"] = {"region_name": region}
+    return options
 
 
 def mlflow_environment(conn_id: str) -> dict[str, str]:

@@ -5,10 +5,15 @@ Run: loaded by ``plugins/stagewise_ui_plugin.py`` and mounted at ``/stagewise`` 
 
 Every page needs the caller's Airflow login: Airflow mounts a plugin's app as is, so each route depends on
 Airflow's own ``get_user`` (the UI's ``_token`` cookie or an ``Authorization: Bearer`` JWT; none: 401, a bad
-one: 403) and the auth manager's UI access; a run also needs read access to its DAG's runs (403). Reads go through
-``stagewise.core.storage`` under the storage root of every pipeline of the deployment (``$STAGEWISE_PIPELINES``, see
-``stagewise.definitions.pipelines``), so an ``s3://`` root works with the api-server's AWS environment.
-Everything taken from storage is HTML-escaped, and a DAG or run id becomes a path only through
+one: 403) and the auth manager's UI access; a run also needs read access to its DAG's runs (403).
+
+The pipelines are the ones the DAG file built: each serialized DAG tagged ``stagewise`` in Airflow's metadata DB
+carries its pipeline's name and config (``stagewise.airflow.wiring.dag_settings``), so the api-server needs neither
+the pipelines folder nor a variable. Reads go through ``stagewise.core.storage`` under each pipeline's storage root,
+with that pipeline's own connection (``storage_conn_id``, as s3fs arguments scoped to the call; empty: the
+api-server's AWS environment), every storage at once within STORAGE_DEADLINE_S: a storage that fails or is slow shows
+its error in place of its own rows ("pipeline x: storage unreachable: NoCredentialsError"), never a path, and the
+other pipelines' rows render. Everything taken from storage is HTML-escaped, and a DAG or run id becomes a path only through
 ``stagewise.core.storage.safe_name`` after '/', '\\' and '.'/'..' are refused.
 
 Every response, errors included, carries ``X-Content-Type-Options: nosniff``, ``Referrer-Policy: same-origin`` and a
@@ -23,18 +28,21 @@ import html
 import json
 import logging
 import math
+import threading
+import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Annotated, Any
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
 from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
 
+from stagewise.airflow.credentials import StorageConnectionError, storage_options
+from stagewise.airflow.wiring import PIPELINE_DEFAULT_ARG
 from stagewise.core import storage
-from stagewise.core.errors import DataError, UserError
+from stagewise.core.errors import DataError
 from stagewise.definitions.config import PipelineConfig
-from stagewise.definitions.loading import load_config
-from stagewise.definitions.pipelines import discover
 from stagewise.registry import model_names
 from stagewise.report import list_reports, read_report
 
@@ -42,42 +50,167 @@ URL_PREFIX = "/stagewise"
 
 log = logging.getLogger("stagewise.ui")
 
-
-# -- config and storage -----------------------------------------------------------------------------
-
-_config_cache: dict[tuple, dict[str, PipelineConfig]] = {}
+T = TypeVar("T")
 
 
-def pipeline_configs() -> dict[str, PipelineConfig]:
-    """Every pipeline of the deployment that loads, by name, read again only when a file changes (the api-server runs
-    for days). A config that does not load is left out and named in the api-server's log, not on the page."""
+# -- pipelines: the DAGs Airflow holds ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A pipeline as the DAG file built it: its name, config and the DAGs carrying it."""
+
+    name: str
+    config: PipelineConfig
+    dag_ids: tuple[str, ...]
+
+
+# (dag_id, dag_hash) -> (pipeline name, config) the serialized DAG carries, None for none: validated once per version
+_carried: dict[tuple[str, str], tuple[str, PipelineConfig] | None] = {}
+_carried_lock = threading.Lock()  # pages are served from a thread pool
+
+
+def pipelines() -> dict[str, Pipeline]:
+    """Every pipeline whose DAGs Airflow holds now, by name: the latest serialized version of each DAG tagged
+    ``stagewise`` that is not stale carries its pipeline's name and config in default_args (PIPELINE_DEFAULT_ARG, set
+    by stagewise.airflow.wiring.dag_settings), so the api-server needs neither the pipelines folder nor a variable.
+    A DAG carrying none (a config that never loaded) or one that does not validate here is left out, and named in the
+    api-server's log."""
+    from airflow.models.dag import DagModel, DagTag
+    from airflow.models.dag_version import DagVersion
+    from airflow.models.serialized_dag import SerializedDagModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import func, select
+    from sqlalchemy.exc import SQLAlchemyError
+
+    latest = (select(DagVersion.dag_id, func.max(DagVersion.version_number).label("number"))
+              .join(SerializedDagModel, SerializedDagModel.dag_version_id == DagVersion.id)
+              .group_by(DagVersion.dag_id).subquery())
+    query = (select(SerializedDagModel.id, SerializedDagModel.dag_id, SerializedDagModel.dag_hash)
+             .join(DagVersion, SerializedDagModel.dag_version_id == DagVersion.id)
+             .join(latest, (DagVersion.dag_id == latest.c.dag_id) & (DagVersion.version_number == latest.c.number))
+             .join(DagModel, DagModel.dag_id == SerializedDagModel.dag_id)
+             .where(~DagModel.is_stale, DagModel.dag_id.in_(select(DagTag.dag_id).where(DagTag.name == "stagewise")))
+             .order_by(SerializedDagModel.dag_id))
     try:
-        pipelines = discover()
-        key = tuple((pipeline.name, str(pipeline.path), pipeline.path.stat().st_mtime_ns) for pipeline in pipelines)
-    except (UserError, OSError) as exc:
-        log.error("pipelines: %s", exc)  # paths go to the api-server's log, not the page
-        raise HTTPException(500, "pipeline config: the pipelines cannot be read (set STAGEWISE_PIPELINES or "
-                                 "STAGEWISE_CONFIG for the api-server; its log says why)") from None
-    if key not in _config_cache:
-        _config_cache.clear()
-        loaded = {}
-        for pipeline in pipelines:
+        with create_session() as session:
+            rows = session.execute(query).all()
+            with _carried_lock:
+                known = {(dag_id, dag_hash): _carried[(dag_id, dag_hash)] for _, dag_id, dag_hash in rows
+                         if (dag_id, dag_hash) in _carried}
+            for row_id, dag_id, dag_hash in rows:  # a new version's data only: it is the large column
+                if (dag_id, dag_hash) not in known:
+                    known[(dag_id, dag_hash)] = _pipeline_of(dag_id, session.get(SerializedDagModel, row_id).data)
+    except SQLAlchemyError as exc:
+        log.error("the Airflow metadata DB: %s", exc)
+        raise HTTPException(503, "the Airflow metadata DB cannot be read: the api-server's log says why") from None
+    with _carried_lock:  # older versions leave: the api-server runs for days
+        _carried.clear()
+        _carried.update(known)
+    found: dict[str, Pipeline] = {}
+    for key in sorted(known):  # a pipeline's DAGs carry one config; the first DAG's stands for them
+        if (carried := known[key]) is not None:
+            name, config = carried
+            earlier = found.get(name)
+            found[name] = Pipeline(name, earlier.config if earlier else config,
+                                   (*(earlier.dag_ids if earlier else ()), key[0]))
+    return found
+
+
+def _pipeline_of(dag_id: str, data: Any) -> tuple[str, PipelineConfig] | None:
+    """The pipeline a serialized DAG carries in its default_args, validated; None when it carries none or a bad one."""
+    from airflow.serialization.serialized_objects import BaseSerialization
+
+    encoded = (((data or {}).get("dag") or {}).get("default_args") or {}).get("__var", {}).get(PIPELINE_DEFAULT_ARG)
+    if encoded is None:
+        return None
+    try:
+        carried = BaseSerialization.deserialize(encoded)
+        return str(carried["name"]), PipelineConfig.model_validate(carried["config"])
+    except Exception as exc:  # noqa: BLE001 - a DAG this api-server cannot read hides that DAG, not the pages
+        log.error("DAG %s: its Stagewise pipeline config does not load here: %s", dag_id, exc)
+        return None
+
+
+# -- storage: each pipeline's own, through its connection, within a deadline ---------------------------
+
+# What one page waits for a pipeline's storage; a read still running then goes on in the background, bounded by
+# botocore's own timeouts (STORAGE_CLIENT_CONFIG), and its rows show the error.
+STORAGE_DEADLINE_S = 5.0
+STORAGE_CLIENT_CONFIG = {"connect_timeout": 2, "read_timeout": 3, "retries": {"mode": "standard", "max_attempts": 2}}
+
+
+@dataclass(frozen=True)
+class Storage:
+    """One storage root as the pipelines writing there reach it: with their connection (two may share a root)."""
+
+    root: str
+    conn_id: str
+    names: tuple[str, ...]
+
+    def label(self) -> str:
+        return f"pipeline{'s' if len(self.names) > 1 else ''} {', '.join(self.names)}"
+
+
+class StorageProblem(Exception):
+    """A storage that did not answer, or not in time: its message names the pipelines and the cause, never a path."""
+
+
+def storages(found: dict[str, Pipeline]) -> list[Storage]:
+    """Each (storage root, connection) the pipelines use, with the names of the pipelines using it."""
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for name, pipeline in sorted(found.items()):
+        grouped.setdefault((pipeline.config.storage_root, pipeline.config.storage_conn_id), []).append(name)
+    return [Storage(root, conn_id, tuple(names)) for (root, conn_id), names in grouped.items()]
+
+
+def _read_as(place: Storage, read: Callable[[Storage], T]) -> T:
+    """``read(place)`` with the place's own connection: s3fs arguments scoped to this call, never the environment."""
+    options: dict[str, Any] = {}
+    if "://" in place.root and not place.root.startswith("file://"):
+        options = {**storage_options(place.conn_id), "config_kwargs": STORAGE_CLIENT_CONFIG}
+    with storage.using_options(options):
+        return read(place)
+
+
+def read_each(places: Iterable[Storage], read: Callable[[Storage], T],
+              deadline_s: float | None = None) -> dict[Storage, T | StorageProblem]:
+    """``read(place)`` for every place at once, each with its own connection; what fails or is still running at the
+    deadline is a StorageProblem naming its pipelines and the cause (the details go to the api-server's log)."""
+    deadline_s = STORAGE_DEADLINE_S if deadline_s is None else deadline_s
+    boxes: dict[Storage, dict[str, Any]] = {}
+    threads = []
+    for place in places:
+        box = boxes[place] = {}
+
+        def run(place: Storage = place, box: dict[str, Any] = box) -> None:
             try:
-                loaded[pipeline.name] = load_config(pipeline.path)
-            except UserError as exc:
-                log.error("pipeline %s: %s", pipeline.name, exc)
-        if pipelines and not loaded:
-            raise HTTPException(500, "the pipeline config is invalid: the api-server's log says why")
-        _config_cache[key] = loaded
-    return _config_cache[key]
+                box["value"] = _read_as(place, read)
+            except BaseException as exc:  # noqa: BLE001 - whatever it is, it is this storage's error alone
+                box["error"] = exc
+
+        thread = threading.Thread(target=run, name=f"stagewise-ui-storage-{len(threads)}", daemon=True)
+        thread.start()
+        threads.append(thread)
+    end = time.monotonic() + deadline_s
+    for thread in threads:
+        thread.join(max(0.0, end - time.monotonic()))
+    results: dict[Storage, T | StorageProblem] = {}
+    for place, box in boxes.items():
+        if "value" in box:
+            results[place] = box["value"]
+        elif "error" in box:
+            results[place] = _problem(place, box["error"])
+        else:
+            log.warning("%s: storage %s gave no answer within %g s", place.label(), place.root, deadline_s)
+            results[place] = StorageProblem(f"{place.label()}: storage unreachable: no answer within {deadline_s:g} s")
+    return results
 
 
-def storage_roots() -> dict[str, list[str]]:
-    """Each storage root the pipelines use, with the names of the pipelines writing there (two may share one)."""
-    roots: dict[str, list[str]] = {}
-    for name, config in pipeline_configs().items():
-        roots.setdefault(config.storage_root, []).append(name)
-    return roots
+def _problem(place: Storage, error: BaseException) -> StorageProblem:
+    log.warning("%s: storage %s cannot be read: %s: %s", place.label(), place.root, type(error).__name__, error)
+    if isinstance(error, StorageConnectionError):
+        return StorageProblem(f"{place.label()}: {error}")
+    return StorageProblem(f"{place.label()}: storage unreachable: {type(error).__name__}")
 
 
 def path_segment(value: str, what: str) -> str:
@@ -85,6 +218,12 @@ def path_segment(value: str, what: str) -> str:
     if not value or value in (".", "..") or any(char in value for char in "/\\\0"):
         raise HTTPException(400, f"{what} {value!r} is not a valid id (no '/', '\\', or '.'/'..')")
     return storage.safe_name(value)  # a folder name maps to itself, an Airflow run id to its folder
+
+
+def storage_error(place: Storage, problem: StorageProblem) -> str:
+    """A storage's error in place of what it holds, marked with its pipelines' names."""
+    return (f"<span class='badge err' data-stagewise-storage-error='{esc(', '.join(place.names))}'>storage error</span> "
+            f"{esc(problem)}")
 
 
 # -- auth ---------------------------------------------------------------------------------------------
@@ -336,18 +475,32 @@ def create_app() -> FastAPI:
 
     @router.get("/", response_class=HTMLResponse)
     def runs(request: Request, user: User) -> HTMLResponse:
-        roots = storage_roots()
+        found = pipelines()
+        places = storages(found)
         root = request.scope.get("root_path", "")
         allowed: dict[str, bool] = {}
-        rows = []
-        entries = sorted((entry for storage_root in roots for entry in list_reports(storage_root)),
-                         key=lambda entry: entry["modified"].timestamp() if entry["modified"] else 0.0, reverse=True)
-        for entry in entries:
-            report = read_report(entry["uri"], entry["modified"])
-            dag_id = str(report.get("dag_id") or entry["dag_folder"])
+
+        def may_read(dag_id: str) -> bool:
             if dag_id not in allowed:
                 allowed[dag_id] = can_read_runs(user, dag_id)
-            if not allowed[dag_id]:
+            return allowed[dag_id]
+
+        listed = read_each(places, lambda place: [(entry, read_report(entry["uri"], entry["modified"]))
+                                                  for entry in list_reports(place.root)])
+        rows, entries, seen = [], [], set()
+        for place, result in listed.items():
+            if isinstance(result, StorageProblem):  # in place of its runs, for whoever may read one of its DAGs
+                if any(may_read(dag_id) for name in place.names for dag_id in found[name].dag_ids):
+                    rows.append([esc(", ".join(place.names)), "", "", "", "", "", storage_error(place, result)])
+                continue
+            for entry, report in result:  # two connections to one root list the same runs
+                if entry["uri"] not in seen:
+                    seen.add(entry["uri"])
+                    entries.append((entry, report))
+        entries.sort(key=lambda pair: pair[0]["modified"].timestamp() if pair[0]["modified"] else 0.0, reverse=True)
+        for entry, report in entries:
+            dag_id = str(report.get("dag_id") or entry["dag_folder"])
+            if not may_read(dag_id):
                 continue
             run_id = str(report.get("run_id") or entry["run_folder"])
             href = run_href(root, entry["dag_folder"], entry["run_folder"])
@@ -360,33 +513,50 @@ def create_app() -> FastAPI:
             best = (report.get("sweep") or {}).get("best_value") if isinstance(report.get("sweep"), dict) else None
             rows.append([esc(dag_id), _link(href, run_id), esc(when), esc(metric), fmt(value), fmt(best),
                          gate_badge(report.get("registry"))])
+        roots: dict[str, list[str]] = {}
+        for place in places:
+            roots.setdefault(place.root, []).extend(place.names)
         where = ", ".join(f"<code>{esc(storage_root)}/runs/</code> ({esc(', '.join(names))})"
                           for storage_root, names in roots.items())
         body = (f"<h1>Stagewise runs</h1><p class='sub'>Every run with a report under {where}, newest first. "
-                f"Open a run for its report.</p>")
+                f"Open a run for its report.</p>" if where else
+                "<h1>Stagewise runs</h1><p class='sub'>Airflow holds no Stagewise pipeline's DAGs yet.</p>")
         body += table(["DAG", "run", "reported", "objective", "test value", "sweep best", "gate"], rows, numeric=(4, 5),
                       wide=True) \
             if rows else "<p class='empty'>No run has written a report yet: trigger a pipeline's <code>&lt;name&gt;_pipeline</code> DAG.</p>"
         return page(request, "Runs", body, "runs", "runs")
 
-    def _run_folder(user: Any, dag_id: str, run_id: str) -> tuple[str, dict[str, Any]]:
+    def _run_folder(user: Any, dag_id: str, run_id: str) -> tuple[Storage, str, dict[str, Any], bool]:
+        """The storage holding the run, its folder there, its report and whether it has a report.html."""
         dag_folder, run_folder = path_segment(dag_id, "DAG id"), path_segment(run_id, "run id")
         if not can_read_runs(user, dag_id):  # before looking: no answer tells an outsider which runs exist
             raise HTTPException(403, "Forbidden")
-        for storage_root in storage_roots():  # DAG ids are unique across pipelines; roots are few
-            prefix = storage.join(storage_root, "runs", dag_folder, run_folder)
+        found = pipelines()
+        places = storages(found)
+        # the DAG's own pipeline's storage; a DAG no pipeline holds now (renamed, removed): every storage
+        owners = [place for place in places if any(dag_id in found[name].dag_ids for name in place.names)]
+
+        def look(place: Storage) -> tuple[str, dict[str, Any], bool] | None:
+            prefix = storage.join(place.root, "runs", dag_folder, run_folder)
             report_uri = storage.join(prefix, "report.json")
-            if storage.exists(report_uri):
-                return prefix, read_report(report_uri)
+            if not storage.exists(report_uri):
+                return None
+            return prefix, read_report(report_uri), storage.exists(storage.join(prefix, "report.html"))
+
+        looked = read_each(owners or places, look)
+        for place, result in looked.items():
+            if result is not None and not isinstance(result, StorageProblem):
+                return place, *result
+        if problems := [str(result) for result in looked.values() if isinstance(result, StorageProblem)]:
+            raise HTTPException(503, "; ".join(problems))
         raise HTTPException(404, f"no report for run {run_id!r} of DAG {dag_id!r}")
 
     @router.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse)
     def run_page(request: Request, dag_id: str, run_id: str, user: User) -> HTMLResponse:
-        prefix, report = _run_folder(user, dag_id, run_id)
+        _, prefix, report, has_html = _run_folder(user, dag_id, run_id)
         root = request.scope.get("root_path", "")
         here = run_href(root, path_segment(dag_id, "DAG id"), path_segment(run_id, "run id"))
         shown_dag, shown_run = report.get("dag_id") or dag_id, report.get("run_id") or run_id
-        has_html = storage.exists(storage.join(prefix, "report.html"))
         head = (f"<div class='crumbs'>{_link(root + '/', 'Runs')} › {esc(shown_dag)}</div>"
                 f"<h1 class='run-id' data-stagewise-run-id='{esc(shown_run)}'>{esc(shown_run)}</h1>"
                 f"<p class='sub'>DAG <b>{esc(shown_dag)}</b> · files under <code>{esc(prefix)}</code> · "
@@ -406,16 +576,17 @@ def create_app() -> FastAPI:
 
     @router.get("/runs/{dag_id}/{run_id}/report.html", response_class=HTMLResponse)
     def report_html(dag_id: str, run_id: str, user: User) -> Response:
-        prefix, _ = _run_folder(user, dag_id, run_id)
-        uri = storage.join(prefix, "report.html")
-        if not storage.exists(uri):
+        place, prefix, _, has_html = _run_folder(user, dag_id, run_id)
+        if not has_html:
             raise HTTPException(404, f"run {run_id!r} has no report.html yet (its report.json is on the run page)")
-        return Response(storage.read_bytes(uri), media_type="text/html; charset=utf-8",
-                        headers={"Content-Security-Policy": REPORT_CSP})
+        read = read_each([place], lambda place: storage.read_bytes(storage.join(prefix, "report.html")))[place]
+        if isinstance(read, StorageProblem):
+            raise HTTPException(503, str(read))
+        return Response(read, media_type="text/html; charset=utf-8", headers={"Content-Security-Policy": REPORT_CSP})
 
     @router.get("/runs/{dag_id}/{run_id}/report.json")
     def report_json(dag_id: str, run_id: str, user: User) -> Response:
-        _, report = _run_folder(user, dag_id, run_id)
+        _, _, report, _ = _run_folder(user, dag_id, run_id)
         return Response(json.dumps(report, indent=2, sort_keys=True, default=str), media_type="application/json")
 
     @router.get("/registry", response_class=HTMLResponse)
@@ -423,15 +594,37 @@ def create_app() -> FastAPI:
         from stagewise import registry
 
         root = request.scope.get("root_path", "")
-        configs = pipeline_configs()
+        found = pipelines()
+        configs = {name: pipeline.config for name, pipeline in found.items()}
         body = ("<h1>Model registry</h1><p class='sub'>Versions under each pipeline's <code>models/</code>; the gate "
                 "moves <em>current</em>, batch inference scores with it.</p>")
-        models = []  # (storage root, model name, the pipelines registering it): each pipeline's own model first
-        for storage_root, pipeline_names in storage_roots().items():
-            own = {configs[name].registry.model_name: name for name in pipeline_names}
-            found = model_names(storage_root)
-            models += [(storage_root, name, own[name]) for name in own if name in found]
-            models += [(storage_root, name, "") for name in found if name not in own]
+
+        def registered(place: Storage) -> dict[str, tuple[dict[str, Any], str, list[dict[str, Any]]]]:
+            """Each model name under the place's models/: its pointer, the pointer's error and its version cards."""
+            models = {}
+            for name in model_names(place.root):
+                try:
+                    pointer, pointer_error = registry.pointer(place.root, name), ""
+                except DataError as exc:  # a torn current.json hides this name's current version, not the page
+                    pointer, pointer_error = {}, str(exc)
+                models[name] = (pointer, pointer_error, registry.versions(place.root, name))
+            return models
+
+        models = []  # (storage root, model name, the pipeline registering it, what is there)
+        problems, seen = [], set()
+        for place, result in read_each(storages(found), registered).items():
+            if isinstance(result, StorageProblem):  # in place of its models
+                problems.append((place, result))
+                continue
+            own = {configs[name].registry.model_name: name for name in place.names}  # each pipeline's own model first
+            for name, pipeline in [*((n, own[n]) for n in own if n in result), *((n, "") for n in result if n not in own)]:
+                if (place.root, name) not in seen:  # two connections to one root list the same models
+                    seen.add((place.root, name))
+                    models.append((place.root, name, pipeline, result[name]))
+        for place, problem in problems:
+            body += (f"<section data-stagewise-storage-error='{esc(', '.join(place.names))}'><h2>"
+                     f"{esc(', '.join(configs[name].registry.model_name for name in place.names))}</h2>"
+                     f"<p>{storage_error(place, problem)}</p></section>")
         in_mlflow = {name: config for name, config in configs.items() if config.registry.backend == "mlflow"}
         for name, config in sorted(in_mlflow.items()):  # linked, not fetched: this page never waits on another server
             model_url = f"{config.tracking.mlflow_uri}/#/models/{quote(config.registry.model_name, safe='')}"
@@ -439,18 +632,14 @@ def create_app() -> FastAPI:
                      f"{esc(config.registry.model_name)}</h2><p class='sub'>pipeline <b>{esc(name)}</b> keeps its versions "
                      f"in MLflow's Model Registry; the gate moves <em>@champion</em>: "
                      f"<a href=\"{esc(model_url)}\" target=\"_blank\" rel=\"noopener\">open it in MLflow</a></p></section>")
-        if not models and not in_mlflow:
+        if not models and not in_mlflow and not problems:
             body += "<p class='empty'>No model registered yet: a finished <code>&lt;name&gt;_pipeline</code> run registers one.</p>"
-        for storage_root, name, pipeline in models:
-            try:
-                pointer, pointer_error = registry.pointer(storage_root, name), ""
-            except DataError as exc:  # a torn current.json hides this name's current version, not the page
-                pointer, pointer_error = {}, f"<p class='err'>{esc(exc)}</p>"
-            cards = registry.versions(storage_root, name)
-            current = pointer.get("version")
+        for storage_root, name, pipeline, (pointer, pointer_error, cards) in models:
             body += (f"<section data-stagewise-model='{esc(name)}'><h2>{esc(name)}</h2><p class='sub'>"
                      + (f"pipeline <b>{esc(pipeline)}</b> · " if pipeline else "")
-                     + f"<code>{esc(storage_root)}/models/{esc(name)}</code></p>{pointer_error}")
+                     + f"<code>{esc(storage_root)}/models/{esc(name)}</code></p>"
+                     + (f"<p class='err'>{esc(pointer_error)}</p>" if pointer_error else ""))
+            current = pointer.get("version")
             body += (f"<p>Current: <span class='badge cur mono'>{esc(current)}</span> since {esc(pointer.get('moved_at'))}"
                      f" · {esc(pointer.get('reason'))}</p>" if current else "<p class='sub'>No current version.</p>")
             chain = [*pointer.get("history", []), *([current] if current else [])]

@@ -43,17 +43,25 @@ def _callable(path: str, key: str) -> Any:
         raise ImportError(f"{key}: cannot import {path} ({exc})") from None
 
 
+# The default_args key carrying the pipeline's name and config into the serialized DAG: the api-server's Stagewise
+# pages read it from the metadata DB (stagewise.airflow.ui), so they show exactly the pipelines the DAG file built.
+# Operators take from default_args only the names of their own parameters, so no task ever receives it.
+PIPELINE_DEFAULT_ARG = "stagewise_pipeline"
+
+
 def dag_settings(config: PipelineConfig, *kinds: str, max_active_runs: int = 4) -> dict[str, Any]:
     """The DAG arguments the pipeline's ``airflow`` section sets: start date, catchup, tags (after stagewise and the
-    DAG's ``kinds``), owner, default_args and the run limit (``max_active_runs`` is this DAG's own default)."""
+    DAG's ``kinds``, the first of which is the pipeline's name), owner, default_args and the run limit
+    (``max_active_runs`` is this DAG's own default); default_args also carry the pipeline (PIPELINE_DEFAULT_ARG)."""
     import pendulum
 
     settings = config.airflow
     start = settings.start_date
+    pipeline = {"name": kinds[0] if kinds else config.name, "config": config.model_dump(mode="json")}
     return {"start_date": pendulum.datetime(start.year, start.month, start.day, tz="UTC"), "catchup": settings.catchup,
             "tags": list(dict.fromkeys(["stagewise", *kinds, *settings.tags])),
             "max_active_runs": settings.max_active_runs or max_active_runs,
-            "default_args": {**settings.default_args, "owner": settings.owner}}
+            "default_args": {**settings.default_args, "owner": settings.owner, PIPELINE_DEFAULT_ARG: pipeline}}
 
 
 RAW_DATA_ASSET_PREFIX = "stagewise_raw_data"

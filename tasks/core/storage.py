@@ -13,6 +13,7 @@ as an infrastructure fault, which Airflow retries with the profile's backoff. ``
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import fcntl
 import functools
 import hashlib
@@ -79,10 +80,34 @@ def _s3_session() -> Any:
     return session
 
 
+# s3fs arguments of the block opened by using_options(), for this thread (or asyncio task) only.
+_scoped_options: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("stagewise_storage_options",
+                                                                                        default=None)
+
+
+@contextlib.contextmanager
+def using_options(options: dict[str, Any]) -> Iterator[None]:
+    """Every ``s3://`` filesystem this thread opens in the block gets ``options`` (s3fs arguments: ``key``, ``secret``,
+    ``token``, ``endpoint_url``, ``client_kwargs``; ``config_kwargs`` merge over s3_options()'s).
+
+    For a process that reads several storages with different credentials at once (the api-server's pages, one
+    connection per pipeline): the options travel with the calls, never through the process's environment.
+    """
+    token = _scoped_options.set(options)
+    try:
+        yield
+    finally:
+        _scoped_options.reset(token)
+
+
 def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem and the protocol-free path of ``uri``."""
+    """The filesystem and the protocol-free path of ``uri`` (with the options of an enclosing using_options())."""
     if uri.startswith(_S3_PROTOCOLS):
-        return url_to_fs(uri, session=_s3_session(), **s3_options())
+        options = s3_options()
+        if scoped := _scoped_options.get():
+            options = {**options, **scoped,
+                       "config_kwargs": {**options["config_kwargs"], **scoped.get("config_kwargs", {})}}
+        return url_to_fs(uri, session=_s3_session(), **options)
     return url_to_fs(uri)
 
 
