@@ -104,9 +104,16 @@ def _layout(title: str, **extra: Any) -> dict[str, Any]:
             "hoverlabel": {"namelength": -1}, **extra}
 
 
+def _log_axis(title: str, **extra: Any) -> dict[str, Any]:
+    """A log axis whose every tick says its value (plotly's default labels a log axis's minor ticks 2..9 alone)."""
+    return {"title": {"text": title}, "type": "log", "tickformat": ".2~g", "showgrid": False, **extra}
+
+
 def training_figure(report: dict[str, Any], sources: dict[str, Any]) -> dict[str, Any] | None:
-    """Loss and validation objective per epoch on one global optimizer-step axis; a line and a label per stage start,
-    a marker where a retry resumed from a checkpoint."""
+    """Two panels on one global optimizer-step axis: loss and validation objective per epoch above; the learning
+    rate, and the gradient noise scale against each stage's global batch, below, each on a log axis of its own. A
+    line and a label per stage start (its details on hover), a marker where a retry resumed from a checkpoint; no
+    line crosses from one stage into the next."""
     import plotly.graph_objects as go
 
     metric, direction = objective_of(report, sources.get("trials"))
@@ -114,39 +121,47 @@ def training_figure(report: dict[str, Any], sources: dict[str, Any]) -> dict[str
     if not stages:
         return None
     fig = go.Figure()
-    loss_x, loss_y, obj_x, obj_y, hover, lr_y = [], [], [], [], [], []
-    noise_x, noise_y, batch_x, batch_y = [], [], [], []
+    loss_x, loss_y, obj_y, hover, lr_y = [], [], [], [], []
+    noise_x, noise_y, noise_text, batch_x, batch_y = [], [], [], [], []
     resume_x, resume_y, resume_text = [], [], []
     shapes, annotations, offset = [], [], 0
     attempts = report.get("stages") or {}
-    for stage in stages:
+    for index, stage in enumerate(stages):
         name = stage["stage"]
         metrics = sources["stages"].get(name) or {}
         history = metrics.get("history") or []
         attempt = (attempts.get(f"train_{name}") or {}).get("attempt") or 1
         decision = stage.get("batch_decision") or {}
         adaptive = (f" (adaptive: noise scale {_number(decision.get('noise_scale'))})" if decision else "")
-        label = (f"<b>{html.escape(name)}</b><br>global batch {stage.get('global_batch')}{adaptive}<br>lr "
-                 f"{_number(stage.get('lr'))}<br>world size {stage.get('world_size')}"
-                 + (f"<br>attempt {attempt}" if attempt > 1 else ""))
+        details = (f"{html.escape(name)}: global batch {stage.get('global_batch')}{adaptive}<br>lr "
+                   f"{_number(stage.get('lr'))}<br>world size {stage.get('world_size')}"
+                   + (f"<br>attempt {attempt}" if attempt > 1 else ""))
         shapes.append({"type": "line", "name": f"stage:{name}", "xref": "x", "yref": "paper", "x0": offset, "x1": offset,
                        "y0": 0, "y1": 1, "line": {"color": "#495057", "width": 1.5, "dash": "dash"}})
-        annotations.append({"name": f"stage:{name}", "x": offset, "xref": "x", "y": 1, "yref": "paper", "text": label,
-                            "showarrow": False, "xanchor": "left", "yanchor": "top", "align": "left",
-                            "bgcolor": "rgba(255,255,255,0.85)", "bordercolor": "#adb5bd", "font": {"size": 12}})
+        # Short labels, stepped down in turn, clear of the axis: adaptive stages can start a few steps apart.
+        annotations.append({"name": f"stage:{name}", "x": offset, "xref": "x", "y": 1 - 0.07 * (index % 3),
+                            "yref": "paper", "xshift": 4, "text": f"<b>{html.escape(name)}</b> · batch "
+                            f"{stage.get('global_batch')}" + (f" · attempt {attempt}" if attempt > 1 else ""),
+                            "hovertext": details, "showarrow": False, "xanchor": "left", "yanchor": "top",
+                            "align": "left", "bgcolor": "rgba(255,255,255,0.85)", "bordercolor": "#adb5bd",
+                            "font": {"size": 11}})
+        if index:  # a gap: no line runs from one stage's last epoch to the next one's first
+            for series in (loss_x, loss_y, obj_y, lr_y, hover, noise_x, noise_y, noise_text):
+                series.append(None)
         for entry in history:
             step = offset + int(entry["steps"])
+            norm = f", grad norm {_number(entry['grad_norm'])} before clipping" if entry.get("grad_norm") is not None else ""
+            text = (f"stage {name}, epoch {entry['epoch'] + 1}, step {step}<br>lr {_number(entry.get('lr'))}, "
+                    f"{_number(entry.get('samples_per_s'))} samples/s{norm}")
             loss_x.append(step)
             loss_y.append(entry["train_loss"])
-            obj_x.append(step)
             obj_y.append(entry["val_metric"])
             lr_y.append(entry.get("lr"))
+            hover.append(text)
             if entry.get("noise_scale") is not None and 0 < entry["noise_scale"] < float("inf"):
                 noise_x.append(step)
                 noise_y.append(entry["noise_scale"])
-            norm = f", grad norm {_number(entry['grad_norm'])} before clipping" if entry.get("grad_norm") is not None else ""
-            hover.append(f"stage {name}, epoch {entry['epoch'] + 1}, step {step}<br>lr {_number(entry.get('lr'))}, "
-                         f"{_number(entry.get('samples_per_s'))} samples/s{norm}")
+                noise_text.append(text)
         for number, resume in enumerate(metrics.get("resumes") or [], start=1):
             step = offset + int(resume["step"])
             before = [e for e in history if int(e["steps"]) <= int(resume["step"])]
@@ -155,44 +170,43 @@ def training_figure(report: dict[str, Any], sources: dict[str, Any]) -> dict[str
             resume_text.append(f"stage {name}: retry {number} resumed from the checkpoint at step {step} "
                                f"(epoch {int(resume['epoch']) + 1})")
             shapes.append({"type": "line", "name": f"resume:{name}:{number}", "xref": "x", "yref": "paper", "x0": step,
-                           "x1": step, "y0": 0, "y1": 0.8, "line": {"color": "#c92a2a", "width": 1, "dash": "dot"}})
+                           "x1": step, "y0": 0.45, "y1": 0.85, "line": {"color": "#c92a2a", "width": 1, "dash": "dot"}})
         last = int(history[-1]["steps"]) if history else int(stage.get("steps") or 0)
         if stage.get("global_batch"):  # the batch the stage trained at, beside the noise scale it measured
             batch_x += [offset, offset + last, None]
             batch_y += [stage["global_batch"], stage["global_batch"], None]
         offset += last
-    fig.add_trace(go.Scatter(x=loss_x, y=loss_y, name="training loss (left axis)", mode="lines+markers",
+    fig.add_trace(go.Scatter(x=loss_x, y=loss_y, name="training loss", mode="lines+markers",
                              line={"color": LOSS_COLOUR}, text=hover, hovertemplate="loss %{y:.4g}<br>%{text}<extra></extra>"))
-    fig.add_trace(go.Scatter(x=obj_x, y=obj_y, name=f"validation {metric} (right axis, {_better(direction)})",
+    fig.add_trace(go.Scatter(x=loss_x, y=obj_y, name=f"validation {metric} (right axis, {_better(direction)})",
                              mode="lines+markers", yaxis="y2", line={"color": OBJECTIVE_COLOUR}, text=hover,
                              hovertemplate=f"val {metric} %{{y:.4g}}<br>%{{text}}<extra></extra>"))
     if resume_x:
         fig.add_trace(go.Scatter(x=resume_x, y=resume_y, name="resumed from checkpoint (retry)", mode="markers",
                                  marker={"symbol": "x", "size": 12, "color": "#c92a2a"}, text=resume_text,
                                  hovertemplate="%{text}<extra></extra>"))
-    # The lr each epoch ended at: the batch rescale, warmup and the stage's schedule, on an axis of its own.
-    fig.add_trace(go.Scatter(x=loss_x, y=lr_y, name="learning rate (outer right axis, log)", mode="lines+markers",
+    # The lr each epoch ended at: the batch rescale, warmup and the stage's schedule, in the lower panel.
+    fig.add_trace(go.Scatter(x=loss_x, y=lr_y, name="learning rate (lower panel)", mode="lines+markers",
                              yaxis="y3", line={"color": LR_COLOUR, "dash": "dot"}, text=hover,
                              hovertemplate="lr %{y:.4g}<br>%{text}<extra></extra>"))
     if noise_x:  # B_simple against the global batch: where the noise scale is above the batch, a larger one pays
-        fig.add_trace(go.Scatter(x=noise_x, y=noise_y, name="gradient noise scale B_simple (inner right axis, log)",
-                                 mode="lines+markers", yaxis="y4", line={"color": NOISE_COLOUR}, text=hover,
+        fig.add_trace(go.Scatter(x=noise_x, y=noise_y, name="gradient noise scale B_simple (lower panel, right)",
+                                 mode="lines+markers", yaxis="y4", line={"color": NOISE_COLOUR}, text=noise_text,
                                  hovertemplate="noise scale %{y:.4g}<br>%{text}<extra></extra>"))
-        fig.add_trace(go.Scatter(x=batch_x, y=batch_y, name="global batch (inner right axis, log)", mode="lines",
+        fig.add_trace(go.Scatter(x=batch_x, y=batch_y, name="global batch (lower panel, right)", mode="lines",
                                  yaxis="y4", line={"color": NOISE_COLOUR, "dash": "dash", "width": 1},
                                  hovertemplate="global batch %{y}<extra></extra>"))
-    fig.update_layout(**_layout(f"Training across {len(stages)} stage(s): loss, validation {metric} and lr per epoch",
-                                shapes=shapes, annotations=annotations, height=460,
+    fig.update_layout(**_layout(f"Training across {len(stages)} stage(s): loss and validation {metric} per epoch; "
+                                "below, the learning rate and the noise scale", shapes=shapes, annotations=annotations,
+                                height=620,
                                 xaxis={"title": {"text": "optimizer step (global, counted across stages)"},
-                                       "rangemode": "tozero", "domain": [0, 0.85]},
-                                yaxis={"title": {"text": "training loss"}},
+                                       "rangemode": "tozero", "anchor": "y3"},
+                                yaxis={"title": {"text": "training loss"}, "domain": [0.45, 1.0]},
                                 yaxis2={"title": {"text": f"validation {metric} ({_better(direction)})"},
                                         "overlaying": "y", "side": "right", "showgrid": False},
-                                yaxis3={"title": {"text": "learning rate"}, "type": "log", "overlaying": "y",
-                                        "side": "right", "anchor": "free", "position": 1.0, "showgrid": False},
-                                **({"yaxis4": {"title": {"text": "noise scale / global batch"}, "type": "log",
-                                               "overlaying": "y", "side": "right", "anchor": "free", "position": 0.93,
-                                               "showgrid": False}} if noise_x else {})))
+                                yaxis3=_log_axis("learning rate", domain=[0.0, 0.33], anchor="x"),
+                                **({"yaxis4": _log_axis("noise scale / global batch", overlaying="y3", side="right",
+                                                        anchor="x")} if noise_x else {})))
     return json.loads(fig.to_json())
 
 
@@ -250,10 +264,16 @@ def sweep_figure(report: dict[str, Any], trials: dict[str, Any] | None) -> dict[
     return json.loads(fig.to_json())
 
 
-def importance_figure(importances: dict[str, float] | None) -> dict[str, Any] | None:
+def importance_trials_needed(importances: dict[str, float] | None) -> int:
+    """Completed trials below which fANOVA's shares say nothing (with two, every parameter gets an equal share): five,
+    and two per parameter."""
+    return max(5, 2 * len(importances or {}))
+
+
+def importance_figure(importances: dict[str, float] | None, completed: int) -> dict[str, Any] | None:
     import plotly.graph_objects as go
 
-    if not importances:
+    if not importances or completed < importance_trials_needed(importances):
         return None
     ordered = sorted(importances.items(), key=lambda kv: kv[1])
     fig = go.Figure(go.Bar(x=[v for _, v in ordered], y=[k for k, _ in ordered], orientation="h", name="importance",
@@ -410,8 +430,9 @@ def render(report: dict[str, Any], sources: dict[str, Any], generated_at: str | 
     for figure_id, figure, missing in (
             ("fig-training", training_figure(report, sources), "No training stage recorded a history."),
             ("fig-sweep", sweep_figure(report, trials), "No per-trial record (sweep/trials.json) was found."),
-            ("fig-importance", importance_figure(sweep.get("importances")),
-             "Parameter importances need at least two completed trials that differ in their params."),
+            ("fig-importance", importance_figure(sweep.get("importances"), int(sweep.get("n_complete") or 0)),
+             f"Parameter importances need at least {importance_trials_needed(sweep.get('importances'))} completed "
+             f"trials to mean anything; this sweep completed {int(sweep.get('n_complete') or 0)}."),
             ("fig-timeline", timeline_figure(report.get("tasks") or [], generated_at),
              "No task attempt was recorded for this run (timeline/)."),
             ("fig-data", data_figure(report), "No data counts were recorded.")):
@@ -460,8 +481,9 @@ def render(report: dict[str, Any], sources: dict[str, Any], generated_at: str | 
     if "training" in report:
         sections = f"""<section id="training"><h2>Training across stages</h2>
 <p class="note">Each point is one epoch, placed at the optimizer step it ended on, counted across all stages. A dashed line
-marks where a stage began (its global batch, learning rate and world size beside it); a red cross and dotted line mark
-where a retry resumed from a checkpoint.</p>
+marks where a stage began (its name and global batch beside it; hover the label for its learning rate and world size);
+a red cross and dotted line mark where a retry resumed from a checkpoint. The lower panel holds the learning rate and,
+where measured, the gradient noise scale against each stage's global batch, each on a log axis of its own.</p>
 {blocks['fig-training']}<div class="tables">{stages_table}</div></section>
 <section id="sweep"><h2>Sweep</h2>
 <p class="note">Every trial of the study, by outcome; pruned trials at the value of their last report (an epoch, or a round of a row budget), failed ones

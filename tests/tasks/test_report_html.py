@@ -161,8 +161,9 @@ def test_report_step_writes_the_page_beside_report_json(finished_run):
 
 
 def test_training_curve_spans_every_stage_with_marked_boundaries_and_the_resume(finished_run):
-    """One annotation and line per stage at its first global step (global batch, lr, world size in the label), an
-    epoch point per recorded history entry, and a resume marker where the retried stage picked up its checkpoint."""
+    """One annotation and line per stage at its first global step (name and global batch shown, lr and world size on
+    hover), an epoch point per recorded history entry with a gap between stages, the resume marker where the retried
+    stage picked up its checkpoint, and below them the lr and the noise scale on log axes that label every tick."""
     written, out, _, metrics = finished_run
     figure = figures(Path(out, "report.html").read_text())["fig-training"]
     stages = written["training"]
@@ -170,14 +171,18 @@ def test_training_curve_spans_every_stage_with_marked_boundaries_and_the_resume(
     assert [a["name"] for a in labels] == [f"stage:{s['stage']}" for s in stages]
     offsets = [0, metrics["s1"]["history"][-1]["steps"]]
     assert [a["x"] for a in labels] == offsets
+    assert len({a["y"] for a in labels}) == len(labels), "labels of stages that start close together stand apart"
     for label, stage in zip(labels, stages):
-        assert f"global batch {stage['global_batch']}" in label["text"] and f"world size {stage['world_size']}" in label["text"]
-        assert f"lr {stage['lr']:.4g}" in label["text"]
+        assert f"batch {stage['global_batch']}" in label["text"] and label["xshift"] > 0
+        assert f"world size {stage['world_size']}" in label["hovertext"] and f"lr {stage['lr']:.4g}" in label["hovertext"]
     assert "attempt 2" in labels[0]["text"] and "attempt" not in labels[1]["text"]
     loss, objective, resumed = figure["data"][:3]
     epochs = sum(len(m["history"]) for m in metrics.values())
-    assert len(loss["x"]) == len(objective["x"]) == epochs
-    assert loss["x"] == sorted(loss["x"]) and loss["x"][-1] == offsets[1] + metrics["s2"]["history"][-1]["steps"]
+    gap = len(metrics["s1"]["history"])
+    assert loss["x"][gap] is None and loss["y"][gap] is None, "no line from s1's last epoch to s2's first"
+    steps = [x for x in loss["x"] if x is not None]
+    assert len(steps) == len([y for y in objective["y"] if y is not None]) == epochs
+    assert steps == sorted(steps) and steps[-1] == offsets[1] + metrics["s2"]["history"][-1]["steps"]
     assert objective["y"][-1] == pytest.approx(metrics["s2"]["history"][-1]["val_metric"])
     assert "accuracy" in objective["name"] and "higher is better" in figure["layout"]["yaxis2"]["title"]["text"]
     resumes = metrics["s1"]["resumes"]
@@ -185,15 +190,20 @@ def test_training_curve_spans_every_stage_with_marked_boundaries_and_the_resume(
     assert resumed["x"] == [resumes[0]["step"]] and "resumed" in resumed["name"]
     assert not metrics["s2"]["resumes"]
     (lr,) = [trace for trace in figure["data"] if trace["name"].startswith("learning rate")]
-    assert lr["x"] == loss["x"] and lr["yaxis"] == "y3" and figure["layout"]["yaxis3"]["type"] == "log"
-    assert lr["y"] == [entry["lr"] for name in ("s1", "s2") for entry in metrics[name]["history"]]
+    layout = figure["layout"]
+    assert lr["x"] == loss["x"] and lr["yaxis"] == "y3" and layout["yaxis3"]["type"] == "log"
+    assert [y for y in lr["y"] if y is not None] == [entry["lr"] for name in ("s1", "s2") for entry in metrics[name]["history"]]
+    # Two panels: the lr and the noise scale below the loss, never on the loss panel's axes.
+    assert layout["yaxis3"]["domain"][1] < layout["yaxis"]["domain"][0]
     # The gradient noise scale each epoch ended at, beside each stage's global batch, on one log axis.
     (noise,) = [trace for trace in figure["data"] if trace["name"].startswith("gradient noise scale")]
     (batch,) = [trace for trace in figure["data"] if trace["name"].startswith("global batch")]
-    measured = [(x, e["noise_scale"]) for x, e in zip(loss["x"], [e for n in ("s1", "s2") for e in metrics[n]["history"]])
+    measured = [(x, e["noise_scale"]) for x, e in zip(steps, [e for n in ("s1", "s2") for e in metrics[n]["history"]])
                 if e["noise_scale"] is not None]  # epochs whose smoothed estimate was not positive yet have none
-    assert measured and noise["yaxis"] == batch["yaxis"] == "y4"
-    assert noise["x"] == [x for x, _ in measured] and noise["y"] == pytest.approx([value for _, value in measured])
+    assert measured and noise["yaxis"] == batch["yaxis"] == "y4" and layout["yaxis4"]["overlaying"] == "y3"
+    assert [x for x in noise["x"] if x is not None] == [x for x, _ in measured]
+    assert [y for y in noise["y"] if y is not None] == pytest.approx([value for _, value in measured])
+    assert layout["yaxis3"]["tickformat"] and layout["yaxis4"]["tickformat"], "every log tick says its value"
     assert [y for y in batch["y"] if y is not None] == [s["global_batch"] for s in stages for _ in range(2)]
     assert [s["noise_scale"] for s in written["training"]] == pytest.approx(
         [metrics[name]["history"][-1]["noise_scale"] for name in ("s1", "s2")])
@@ -214,8 +224,20 @@ def test_sweep_figure_counts_each_outcome_as_the_summary_does(finished_run):
     assert max(by_state["COMPLETE"]["y"]) == pytest.approx(swept["best_value"])
     for param, value in swept["best_params"].items():
         assert f"<th>{param}</th><td class=num>{value if not isinstance(value, float) else f'{value:.4g}'}</td>" in page
-    importance = found["fig-importance"]["data"][0]
-    assert set(importance["y"]) == set(swept["importances"]) and swept["importances"]
+    # Three completed trials cannot apportion the variance: a sentence says so instead of a chart of equal shares.
+    assert swept["importances"] and "fig-importance" not in found
+    needed = max(5, 2 * len(swept["importances"]))
+    assert f"Parameter importances need at least {needed} completed trials to mean anything; this sweep completed 3." in page
+
+
+def test_the_importance_chart_shows_once_enough_trials_completed():
+    """fANOVA's shares are drawn from five completed trials (two per parameter when there are more parameters)."""
+    from stagewise.reporting.html import importance_figure
+
+    shares = {"lr": 0.7, "momentum": 0.2, "weight_decay": 0.1}
+    assert importance_figure(shares, 5) is None
+    drawn = importance_figure(shares, 6)
+    assert drawn is not None and set(drawn["data"][0]["y"]) == set(shares)
 
 
 def test_timeline_has_a_lane_per_mapped_task_and_a_bar_per_attempt(finished_run):
