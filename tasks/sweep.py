@@ -23,6 +23,7 @@ heartbeat (the journal storage has none) and no grace period.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import logging
 import os
 import signal
@@ -114,10 +115,21 @@ def _finish(study: Any, trial: Any, state: str, value: float | None, error: str 
     study.tell(trial, value if state == "COMPLETE" else None, state=optuna.trial.TrialState[state])
     finished = [t for t in study.get_trials(deepcopy=False) if counts_toward_budget(t)]
     best = best_trial(study)
-    log.info("worker %d: trial %d %s (val_%s %.4f, %s); study %d/%d trials done, best so far %s, %.1fs elapsed",
+    eta = sweep_eta(finished, config.sweep.num_trials, dt.datetime.now())
+    log.info("worker %d: trial %d %s (val_%s %.4f, %s); study %d/%d trials done, best so far %s, %.1fs elapsed, ETA %s",
              worker, trial.number, state.lower(), config.objective.metric, float("nan") if value is None else value,
              suggested, len(finished), config.sweep.num_trials, f"{best.value:.4f}" if best is not None else "n/a",
-             time.monotonic() - started)
+             time.monotonic() - started, "n/a" if eta is None else f"{eta:.0f}s")
+
+
+def sweep_eta(finished: list[Any], num_trials: int, now: dt.datetime) -> float | None:
+    """Seconds until the study's budget is done at the pace since its first finished trial started (every worker
+    together, so parallel workers count once); None before any trial finished."""
+    starts = [trial.datetime_start for trial in finished if trial.datetime_start is not None]
+    if not starts:
+        return None
+    pace = max((now - min(starts)).total_seconds(), 0.0) / len(finished)
+    return pace * max(num_trials - len(finished), 0)
 
 
 @dataclass(frozen=True, kw_only=True)

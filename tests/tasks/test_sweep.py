@@ -224,3 +224,17 @@ def test_objective_fault_injected_in_the_model_fails_each_trial(digits_run, sing
     with pytest.raises(UserError, match="forced fault"):
         summarize(config, "forced", out)
 
+
+
+def test_the_sweeps_eta_follows_the_pace_of_every_worker_together():
+    """Four of ten trials done 40 s after the first started (two workers at once): 10 s a trial, 60 s to go; none
+    finished yet: no ETA."""
+    import datetime as dt
+    from types import SimpleNamespace
+
+    from stagewise.sweep import sweep_eta
+
+    start = dt.datetime(2026, 1, 1, 12, 0, 0)
+    finished = [SimpleNamespace(datetime_start=start + dt.timedelta(seconds=s)) for s in (0, 1, 20, 21)]
+    assert sweep_eta(finished, 10, start + dt.timedelta(seconds=40)) == pytest.approx(60.0)
+    assert sweep_eta([], 10, start) is None
