@@ -99,4 +99,6 @@ class SageMakerStageOperator(BaseOperator):
         with credentials.exported(credentials.aws_environment(config.storage_conn_id)):
             result = stage_result(config, self.run["out"], self.stage)
         duration = round(time.time() - started, 3) if started is not None else None
-        return {**result, "duration_s": duration, "attempt": context["ti"].try_number}
+        from stagewise.airflow.steps import task_seconds
+
+        return {**result, "duration_s": duration, "attempt": context["ti"].try_number, "task_s": task_seconds(context)}

@@ -30,6 +30,14 @@ def _context() -> Any:
     return get_current_context()
 
 
+def task_seconds(context: Any) -> float | None:
+    """Seconds since Airflow started this attempt: the work and its start-up (process, DAG parse, sub-job launch)."""
+    import datetime as dt
+
+    start = getattr(context["ti"], "start_date", None)
+    return round((dt.datetime.now(dt.UTC) - start).total_seconds(), 3) if start is not None else None
+
+
 @functools.lru_cache(maxsize=8)
 def _cached_config(path: str, storage_conn_id: str = "") -> PipelineConfig:
     with credentials.exported(credentials.aws_environment(storage_conn_id)):  # an s3:// snapshot needs the run's keys
@@ -56,9 +64,10 @@ def _launch(run: dict[str, Any], module: str, args: list[str], profile: str, dis
             **kwargs: Any) -> dict[str, Any]:
     attempt = _context()["ti"].try_number
     config = run_config(run)
-    return launch.run(module, [*args, *_config_args(run)], config.profile(profile), distributed=distributed,
-                      attempt=attempt, extra_env=credentials.task_environment(config),
-                      import_paths=config.model.import_paths or (), **kwargs)
+    result = launch.run(module, [*args, *_config_args(run)], config.profile(profile), distributed=distributed,
+                        attempt=attempt, extra_env=credentials.task_environment(config),
+                        import_paths=config.model.import_paths or (), **kwargs)
+    return {**result, "task_s": task_seconds(_context())} if isinstance(result, dict) else result
 
 
 def _inline(config: PipelineConfig | None, work: Callable[[], Any]) -> Any:
@@ -72,7 +81,8 @@ def _inline(config: PipelineConfig | None, work: Callable[[], Any]) -> Any:
     except UserError as exc:
         raise AirflowFailException(str(exc)) from None
     if isinstance(result, dict):
-        result = {**result, "duration_s": round(time.monotonic() - started, 3), "attempt": _context()["ti"].try_number}
+        result = {**result, "duration_s": round(time.monotonic() - started, 3), "attempt": _context()["ti"].try_number,
+                  "task_s": task_seconds(_context())}
     return result
 
 
@@ -293,7 +303,7 @@ def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], i
         from stagewise.tracking.runs import log_script_stage
 
         _inline(config, lambda: log_script_stage(config, run["out"], values, result))
-    return {**result, "duration_s": round(time.monotonic() - started, 3)}
+    return {**result, "duration_s": round(time.monotonic() - started, 3), "task_s": task_seconds(_context())}
 
 
 def evaluate(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:

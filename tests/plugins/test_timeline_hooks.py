@@ -74,3 +74,15 @@ def test_an_s3_run_records_its_timeline_on_s3_when_this_process_defaults_to_loca
     assert [(r["task_id"], r["state"]) for r in timeline.records(run["out"])] == [("start_run", "success"),
                                                                                   ("train_s1", "failed")]
     assert timeline.records(configured) == [], "nothing of the s3 run went to the process's local storage root"
+
+
+def test_a_tasks_seconds_count_from_airflows_start_of_the_attempt():
+    """A stage's seconds with start-up: from the attempt's start_date (Airflow's) to now; none without one."""
+    import datetime as dt
+    from types import SimpleNamespace
+
+    from stagewise.airflow.steps import task_seconds
+
+    started = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=4.5)
+    assert 4.5 <= task_seconds({"ti": SimpleNamespace(start_date=started)}) < 60
+    assert task_seconds({"ti": SimpleNamespace(start_date=None)}) is None

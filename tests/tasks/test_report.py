@@ -122,3 +122,13 @@ def test_reports_are_listed_newest_first_per_dag_and_a_bad_one_reads_as_an_error
     assert read_report(broken)["_error"].endswith("holds list, not an object")
     storage.write_bytes(broken, b"{not json")
     assert read_report(broken)["_error"].startswith(f"cannot read {broken}")
+
+
+def test_stage_seconds_are_given_with_and_without_the_tasks_start_up():
+    """duration_s sums the sub-jobs' own seconds; task_s sums each task's seconds from Airflow's start, start-up
+    included, and is left out where a task did not give it (no figure that silently misses a part)."""
+    timing = stage_timing({"preprocess": [{"duration_s": 1.0, "task_s": 5.5}, {"duration_s": 2.0, "task_s": 6.0}],
+                           "train_s1": [{"duration_s": 10.0, "attempt": 2}]})
+    assert timing["preprocess"] == {"duration_s": 3.0, "task_s": 11.5, "attempt": 1, "num_tasks": 2}
+    assert timing["train_s1"] == {"duration_s": 10.0, "attempt": 2, "num_tasks": 1}
+
