@@ -87,6 +87,16 @@ $(BENCH_STAMP): bench/requirements.txt $(STAMP)
 bench: airflow-init mlflow-env $(BENCH_STAMP)
 	@$(AIRFLOW_ENV) && python -m bench $(if $(ONLY),--only $(ONLY))
 
+# On a machine with CUDA and a plain python3 that has torch (not this venv): every CUDA test and GPU benchmark, one
+# table, JSON results in $$GPU_CHECK_OUT (default bench/results); installs from .whl/, which gpu-wheels fills beforehand
+# on a machine with the package index (scripts/gpu_check.sh says more; bench/README.md how to run it).
+.PHONY: gpu-check gpu-wheels
+gpu-check:
+	@bash scripts/gpu_check.sh
+
+gpu-wheels:
+	@bash scripts/gpu_check.sh wheels
+
 # Every pipeline of the checkout (pipeline.yaml and examples/) side by side, each with its demo data.
 up: airflow-init
 	@$(AIRFLOW_ENV) && python -m stagewise.data demo --all

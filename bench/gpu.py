@@ -1,12 +1,14 @@
 """GPU benchmarks: our training stage and our scoring on one CUDA device against plain PyTorch loops.
 
-Run: ``python -m bench --only train_throughput_gpu,train_vs_dataloader_gpu,inference_throughput_gpu``
+Run: ``python -m bench --only train_throughput_gpu,train_vs_dataloader_gpu,inference_throughput_gpu``, or every GPU
+benchmark at the GPU check's sizes: ``python -m bench.gpu run --out DIR`` then ``python -m bench.gpu report --out DIR
+[--junit FILE]`` (what ``make gpu-check``, scripts/gpu_check.sh, does after ``pytest -m gpu``).
 
 Where CUDA is absent each raises :class:`bench.harness.BenchmarkSkipped` ('no CUDA') before any work, and the
-harness records the skip, never a number. They need what a training sub-job needs and nothing else: torch,
-pyarrow, numpy, fsspec, pydantic and pyyaml (stagewise.definitions.loading parses the pipeline YAML with them); no Airflow,
-optuna, pandas or services. ``make bench`` runs ``airflow-init`` first, so on a box without Airflow call
-``python -m bench`` as above.
+harness records the skip, never a number. They need what a training sub-job needs and nothing else: torch (with what
+torch itself requires) and :data:`GPU_PACKAGES`; no Airflow, optuna, pandas, croniter or services
+(tests/bench/test_gpu.py runs the sub-jobs with every other package refused). ``make bench`` runs ``airflow-init``
+first, so on a box without Airflow call ``python -m bench`` as above.
 
 Each function returns ``{"ours", "baseline", "unit", "details"}``; the harness turns that into a ratio.
 """
@@ -28,6 +30,15 @@ from stagewise.models.scoring import exact_float32
 # The rows of issue 13's table: (MLP hidden width, batch).
 TRAIN_ROWS = ((1024, 1024), (4096, 1024), (1024, 256))
 TRAIN_FRACTION = 0.65  # pipeline.yaml's split: validation 0.15, test 0.2
+
+# What the GPU sub-jobs (train, infer, evaluate, preprocess) and these benchmarks import besides the standard library,
+# torch and what torch requires: import name -> distribution. scripts/gpu_check.sh brings these as wheels.
+GPU_PACKAGES = {"numpy": "numpy", "pyarrow": "pyarrow", "fsspec": "fsspec", "pydantic": "pydantic",
+                "pydantic_core": "pydantic-core", "annotated_types": "annotated-types",
+                "typing_extensions": "typing-extensions", "typing_inspection": "typing-inspection", "yaml": "PyYAML"}
+# The data size of each GPU benchmark in the GPU check (make gpu-check: tests and benchmarks within 8 minutes on one
+# H100); one not named here runs at its default. Goals are stated at the defaults, so the check's ratios are a reading.
+CHECK_ROWS = {"train_throughput_gpu": 300_000, "train_vs_dataloader_gpu": 300_000, "inference_throughput_gpu": 500_000}
 
 
 def cuda_device() -> Any:
@@ -207,3 +218,168 @@ def inference_throughput_gpu(rows: int = 2_000_000) -> dict[str, Any]:
     """Rows/s of our shard scoring (stagewise.infer.score_shard, cuda profile) / a plain GPU loop over the same rows already
     normalised and resident on the device; MLP hidden 1024, batch 65,536."""
     return measure_inference(rows, cuda_device())
+
+
+# --- the GPU check: every GPU benchmark, then one table with the tests ----------------------------------------------
+
+
+def gpu_benchmarks() -> list[str]:
+    """Every GPU benchmark of the registry (named ``*_gpu``), in its order."""
+    from bench.registry import BENCHMARKS
+
+    return [name for name in BENCHMARKS if name.endswith("_gpu")]
+
+
+def _write_json(path: Path, document: dict[str, Any]) -> None:
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(document, indent=2) + "\n")
+    partial.replace(path)
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
+
+
+def run_check(out: Path, names: list[str]) -> list[dict[str, Any]]:
+    """Run ``names`` at :data:`CHECK_ROWS` sizes; after each, ``out/gpu_benchmarks.json`` holds every entry so far (a
+    run cut short keeps what it measured), and at the end they are merged into ``out/latest.json``."""
+    from bench.harness import machine, merge, run_one, table
+
+    out.mkdir(parents=True, exist_ok=True)
+    entries: list[dict[str, Any]] = []
+    for name in names:
+        print(f"running {name} ...", flush=True)
+        try:
+            entry = run_one(name, rows=CHECK_ROWS.get(name))
+        except KeyboardInterrupt:  # the check's time budget ran out (timeout -s INT): keep what was measured
+            print(f"{name} cut short: the GPU check's time budget ran out", flush=True)
+            break
+        if name in CHECK_ROWS and "details" in entry:
+            entry["details"]["gpu_check_rows"] = CHECK_ROWS[name]
+        entries.append(entry)
+        _write_json(out / "gpu_benchmarks.json", {"machine": {**machine(), "device": device_name()}, "results": entries})
+        print(table([entry]).splitlines()[-1], flush=True)
+        if "error" in entry:
+            print(entry["trace"], flush=True)
+    merge(entries, out / "latest.json")
+    return entries
+
+
+def test_counts(junit: Path | None) -> dict[str, Any]:
+    """passed/failed/skipped/errors and the failed tests' ids from pytest's JUnit XML (``missing`` where there is none)."""
+    import xml.etree.ElementTree as ElementTree
+
+    if junit is None or not junit.exists():
+        return {"missing": f"no JUnit XML at {junit}: pytest did not finish"}
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    failed: list[str] = []
+    skipped: dict[str, int] = {}
+    seconds = 0.0
+    for suite in ElementTree.parse(junit).getroot().iter("testsuite"):
+        seconds += float(suite.get("time") or 0)
+        for case in suite.iter("testcase"):
+            test_id = f"{case.get('classname')}::{case.get('name')}"
+            outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
+            if outcome is None:
+                counts["passed"] += 1
+            elif outcome.tag == "skipped":
+                counts["skipped"] += 1
+                reason = (outcome.get("message") or "").strip()[:100]
+                skipped[reason] = skipped.get(reason, 0) + 1
+            else:
+                counts["failed" if outcome.tag == "failure" else "errors"] += 1
+                message = (outcome.get("message") or outcome.tag).strip().splitlines() or [outcome.tag]
+                failed.append(f"{test_id}: {message[0][:160]}")
+    return {**counts, "failed_tests": failed, "skip_reasons": skipped, "seconds": round(seconds, 1)}
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, (int, float)):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return str(value)
+
+
+def report(out: Path, junit: Path | None, started: float | None = None, tests_cut_short: bool = False) -> str:
+    """The check's one table (the tests' counts, then each GPU benchmark's ours, baseline, ratio and goal); the same
+    as JSON in ``out/gpu_check.json``. ``tests_cut_short``: pytest was interrupted at its time limit (its report counts
+    the test it was in as passed, and the tests after it did not run)."""
+    found = json.loads((out / "gpu_benchmarks.json").read_text()) if (out / "gpu_benchmarks.json").exists() else {}
+    entries = found.get("results", [])
+    ran = {entry["name"] for entry in entries}
+    entries += [{"name": name, "goal": "", "missing": "did not run (the check was cut short)"}
+                for name in gpu_benchmarks() if name not in ran]
+    tests = test_counts(junit)
+    if tests_cut_short:
+        tests["cut_short"] = "pytest was interrupted at the check's time limit: the tests after it did not run"
+    header = f"{'check':28} {'ours':>12} {'baseline':>12} {'ratio':>7}  {'goal':9} {'met':4} unit / note"
+    lines = [header, "-" * 110]
+    if "missing" in tests:
+        lines.append(f"{'pytest -m gpu':28} {'-':>12} {'-':>12} {'-':>7}  {'all pass':9} {'NO':4} {tests['missing']}")
+    else:
+        run = tests["passed"] + tests["failed"] + tests["errors"]
+        ok = tests["failed"] == tests["errors"] == 0 and tests["passed"] > 0 and not tests_cut_short
+        note = (f"passed of run; {tests['failed']} failed, {tests['errors']} errors, {tests['skipped']} skipped, "
+                f"{tests['seconds']} s" + ("; CUT SHORT at the time limit" if tests_cut_short else ""))
+        lines.append(f"{'pytest -m gpu':28} {tests['passed']:>12} {run:>12} {'-':>7}  {'all pass':9} {'yes' if ok else 'NO':4} {note}")
+    for entry in entries:
+        name = entry["name"]
+        if "skipped" in entry or "missing" in entry:
+            lines.append(f"{name:28} {'-':>12} {'-':>12} {'-':>7}  {entry['goal']:9} {'-':4} "
+                         f"{entry.get('skipped') and 'skipped: ' + entry['skipped'] or entry.get('missing')}")
+        elif "error" in entry:
+            lines.append(f"{name:28} {'-':>12} {'-':>12} {'-':>7}  {entry['goal']:9} {'NO':4} ERROR {entry['error'][:60]}")
+        else:
+            rows = entry.get("details", {}).get("gpu_check_rows")
+            lines.append(f"{name:28} {_cell(entry['ours']):>12} {_cell(entry['baseline']):>12} {entry['ratio']:>7.3f}  "
+                         f"{entry['goal']:9} {'yes' if entry['met'] else 'NO':4} {entry['unit']}"
+                         + (f", {rows:,} rows" if rows else "") + f", {entry.get('seconds', '?')} s")
+    for failure in tests.get("failed_tests", []):
+        lines.append(f"  failed: {failure}")
+    for reason, count in tests.get("skip_reasons", {}).items():
+        lines.append(f"  skipped ({count}): {reason}")
+    machine = found.get("machine") or {}
+    title = (f"GPU check: {machine.get('device') or device_name()}, torch {machine.get('torch')}, python "
+             f"{machine.get('python')}" + (f", {time.time() - started:.0f} s in all" if started else ""))
+    text = "\n".join([title, *lines])
+    _write_json(out / "gpu_check.json", {"title": title, "tests": tests, "benchmarks": entries, "check_rows": CHECK_ROWS,
+                                         "machine": machine})
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description="The GPU check's benchmarks and its table.")
+    parser.add_argument("action", choices=["run", "report", "list"])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
+                        help="folder for gpu_benchmarks.json, latest.json and gpu_check.json")
+    parser.add_argument("--only", default="", help="comma-separated GPU benchmarks (default: every *_gpu one)")
+    parser.add_argument("--junit", type=Path, default=None, help="pytest's JUnit XML of the GPU tests (report)")
+    parser.add_argument("--started", type=float, default=None, help="the check's start (epoch seconds; report)")
+    parser.add_argument("--tests-cut-short", action="store_true",
+                        help="pytest was interrupted at the check's time limit (report)")
+    args = parser.parse_args(argv)
+    if args.action == "list":
+        print("\n".join(gpu_benchmarks()))
+        return 0
+    if args.action == "run":
+        names = [name.strip() for name in args.only.split(",") if name.strip()] or gpu_benchmarks()
+        unknown = sorted(set(names) - set(gpu_benchmarks()))
+        if unknown:
+            parser.error(f"not GPU benchmarks: {', '.join(unknown)}")
+        entries = run_check(args.out, names)
+        return 1 if any("error" in entry for entry in entries) else 0
+    print(report(args.out, args.junit, args.started, tests_cut_short=args.tests_cut_short))
+    checked = json.loads((args.out / "gpu_check.json").read_text())
+    tests = checked["tests"]
+    passed = ("missing" not in tests and "cut_short" not in tests and tests["failed"] == tests["errors"] == 0
+              and tests["passed"] > 0)
+    return 0 if passed and not any("error" in entry or "missing" in entry for entry in checked["benchmarks"]) else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

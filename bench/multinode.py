@@ -91,6 +91,7 @@ def noise_scale_overhead(rows: int = 60_000, rounds: int = 6) -> dict[str, Any]:
     sides: dict[tuple[int, bool], list[float]] = {}
     per_round: list[float] = []  # each run's median ms per 1000 samples, 2 processes, measured
     per_round_off: list[float] = []
+    noise = None  # the last measured one-process run's noise scale at its end
     with tempfile.TemporaryDirectory(prefix="bench-noise-") as tmp:
         _, out = _prepare(Path(tmp), rows, features=32, **{
             "model": {"spec": "stagewise.model:MLPClassifier", "args": {}},
@@ -112,11 +113,13 @@ def noise_scale_overhead(rows: int = 60_000, rounds: int = 6) -> dict[str, Any]:
                     if done.returncode != 0:
                         raise RuntimeError(f"stage failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
                     sides.setdefault((processes, measured), []).extend(_training_ms_per_1000(out))
+                    if measured and processes == 1:  # read now: the next run (maybe unmeasured) replaces the history
+                        noise = json.loads(Path(out, "train", "s1", "metrics.json").read_text())["history"][-1].get(
+                            "noise_scale")
                     if measured and processes == 2:
                         per_round.append(round(statistics.median(sides[(2, True)][-3:]), 3))
                     elif processes == 2:
                         per_round_off.append(round(statistics.median(sides[(2, False)][-3:]), 3))
-        noise = json.loads(Path(out, "train", "s1", "metrics.json").read_text())["history"][-1].get("noise_scale")
     median = {key: statistics.median(values) for key, values in sides.items()}
     return {"ours": median[(2, True)], "baseline": median[(2, False)], "unit": "ms per 1000 samples",
             "details": {"rows": rows, "processes": 2, "per_process_batch": 128, "rounds": rounds,

@@ -36,7 +36,7 @@ from stagewise.models.bundle import preprocessing_of, save_bundle
 from stagewise.models.torch_io import load_torch, save_torch
 from stagewise.scripting.entrypoint import LAST_REPORT, contract_environment, entrypoint_args, run_script
 from stagewise.tracking.runs import Tracker
-from stagewise.training.batch_growth import adaptive_batch, previous_noise_scale
+from stagewise.training.batch_growth import adaptive_batch, handed_noise_scale
 from stagewise.training.checkpoint import CheckpointStore, restore_training_state
 from stagewise.training.distributed import distributed_job
 from stagewise.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, stage_lr, start_loop
@@ -176,12 +176,18 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         if init_from and config.train.batch_growth == "adaptive":  # from the stage before's handed-on checkpoint
             handed = load_torch(init_from)
             assert config.train.max_global_batch is not None
-            decision = adaptive_batch(previous_noise_scale(handed), handed["global_batch"], config.train.max_global_batch,
-                                      env.world_size, micro_batch)
+            noise_scale, why = handed_noise_scale(handed)
+            decision = adaptive_batch(noise_scale, handed["global_batch"], config.train.max_global_batch,
+                                      env.world_size, micro_batch, no_measurement=why)
             micro_batch, accumulation, global_batch = (decision.per_process_batch, decision.grad_accum_steps,
                                                        decision.global_batch)
-            if env.master:
-                noise = "none measured" if decision.noise_scale is None else f"{decision.noise_scale:.4g}"
+            if env.master and decision.no_measurement is not None:
+                # Nothing grows: say so where an operator looks, not only in an INFO line.
+                log.warning("stage %s: batch_growth adaptive received no noise scale from the stage before, so it "
+                            "trains at that stage's global batch %d (%d per process x %d x %d accumulation): %s",
+                            stage.name, global_batch, micro_batch, env.world_size, accumulation, decision.no_measurement)
+            elif env.master:
+                noise = f"{decision.noise_scale:.4g}"
                 log.info("stage %s: adaptive global batch %d = %d per process x %d x %d accumulation (noise scale %s at the "
                          "end of the stage before, clamped to [%d, %d])", stage.name, global_batch, micro_batch,
                          env.world_size, accumulation, noise, decision.previous_global_batch, decision.max_global_batch)
@@ -278,7 +284,9 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                                       "stage_lr": lr, "warmup_steps": warmup, "epochs": stage.epochs,
                                       "lr_rule": config.train.lr_rule, "global_step_offset": step_offset,
                                       "batch_growth": config.train.batch_growth,
-                                      **({"noise_scale_before": decision.noise_scale} if decision else {})})
+                                      **({"noise_scale_before": decision.noise_scale} if decision else {}),
+                                      **({"adaptive_no_measurement": decision.no_measurement}
+                                         if decision and decision.no_measurement else {})})
         started, first_epoch, stopped_early = time.monotonic(), loop.position.epoch, False
         while loop.position.epoch < stage.epochs:
             if selection.should_stop([entry["val_metric"] for entry in history]):

@@ -32,23 +32,42 @@ class BatchDecision:
     """The micro-batch on each process, at most the stage's configured per-process batch (its memory bound)."""
     grad_accum_steps: int
     """Micro-batches accumulated per step, so the target is reached when memory bounds the per-process batch."""
+    no_measurement: str | None = None
+    """Why the stage before handed on no noise scale, so the batch stayed (None: it handed one on)."""
 
 
 def previous_noise_scale(state: dict[str, Any]) -> float | None:
     """B_simple kept in a handed-on checkpoint (None when the stage before measured none: a script stage, or
     train.noise_scale off)."""
+    return handed_noise_scale(state)[0]
+
+
+def handed_noise_scale(state: dict[str, Any]) -> tuple[float | None, str | None]:
+    """(B_simple kept in a handed-on checkpoint, None) or (None, why there is none)."""
     saved = state.get("noise_scale") or {}
     if not saved:
-        return None
+        return None, ("its checkpoint holds no noise-scale state (train.noise_scale was off for it, or it was a "
+                      "stage with its own entrypoint)")
     estimator = NoiseScale("cpu")
     estimator.load_state_dict(saved)
-    return (estimator.estimates() or {}).get("noise_scale")
+    estimates = estimator.estimates()
+    if estimates is None and estimator.updates:
+        return None, (f"none of its {estimator.updates} measurements was finite (every measured step's gradients "
+                      "overflowed in fp16)")
+    if estimates is None:
+        return None, "it took no measured step (0 measurements: its steps never split into two batch sizes)"
+    if estimates["noise_scale"] is None:
+        return None, (f"its smoothed estimates were not both positive after {estimator.updates} measurements "
+                      f"(|G|² {estimates['grad_sq']:.3g}, tr(Σ) {estimates['trace_cov']:.3g}): the gradient's mean "
+                      "was lost in its noise; a longer stage measures more steps")
+    return estimates["noise_scale"], None
 
 
 def adaptive_batch(noise_scale: float | None, previous_global_batch: int, max_global_batch: int, world_size: int,
-                   per_process_limit: int) -> BatchDecision:
+                   per_process_limit: int, no_measurement: str | None = None) -> BatchDecision:
     """The global batch the noise scale asks for, clamped to [previous, max], reached with the fewest accumulation
-    steps the per-process limit allows (a batch that does not divide lands just below the target)."""
+    steps the per-process limit allows (a batch that does not divide lands just below the target). Without a noise
+    scale the batch stays the stage before's; ``no_measurement`` (why) is kept in the decision."""
     wanted = previous_global_batch if noise_scale is None else round(noise_scale)
     target = max(previous_global_batch, min(max_global_batch, wanted))
     accumulation = math.ceil(target / (world_size * per_process_limit))
@@ -56,4 +75,5 @@ def adaptive_batch(noise_scale: float | None, previous_global_batch: int, max_gl
     return BatchDecision(noise_scale=noise_scale, previous_global_batch=previous_global_batch,
                          max_global_batch=max_global_batch, target=target,
                          global_batch=per_process * world_size * accumulation, per_process_batch=per_process,
-                         grad_accum_steps=accumulation)
+                         grad_accum_steps=accumulation,
+                         no_measurement=(no_measurement or "the stage before handed on none") if noise_scale is None else None)

@@ -27,7 +27,7 @@ from stagewise.definitions.spec import Average, ModelSpec, batch_of
 from stagewise.models.building import BuiltModel, model_for_run
 from stagewise.training.device_data import DeviceBatches, choose_placement, resident_bytes
 from stagewise.training.distributed import DistEnv, any_rank
-from stagewise.training.noise_scale import MeasuredAllReduce, NoiseScale, epoch_beta
+from stagewise.training.noise_scale import MeasuredAllReduce, NoiseScale, PartNorms, epoch_beta
 
 Batches = ParquetBatches | DeviceBatches
 
@@ -107,6 +107,9 @@ def seed_step(seed: int, device: str) -> None:
 
 # torch.compile modes a stage can ask for ("off": eager).
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
+# The modes whose compiled forward and backward replay CUDA graphs (inductor's cudagraph trees): a replay reuses the
+# memory of the replays before it, so nothing the loop keeps across two forwards may live there (see Loop._backward).
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 # Stands for "no non-finite loss seen yet" in the device-side first-bad-step tracker.
 _NO_STEP = 2**62
@@ -172,7 +175,7 @@ class Loop:
         ``grad_clip_norm``: clip the (all-reduced) gradients to this global L2 norm before each optimizer step.
         ``noise_scale_every``: measure the gradient noise scale on one optimizer step in this many (0: never;
         stagewise.training.noise_scale): across ranks from each rank's gradient before the all-reduce, on one rank
-        from part of the step's batch (its first micro-batch, or half of it) against the whole."""
+        from the parts of the step's batch (its micro-batches, or its two halves) against the whole."""
         self.env = env
         self.module = model.to(env.device)
         self.model: nn.Module = self.module
@@ -189,7 +192,7 @@ class Loop:
             self.noise = NoiseScale(env.device, beta=epoch_beta(measured_per_epoch))
         self._measured_all_reduce = MeasuredAllReduce() if self.noise is not None and self.ddp is not None else None
         self._split_measure = self.noise is not None and self.ddp is None  # one rank: two batch sizes within a step
-        self._small: tuple[torch.Tensor, float] | None = None  # a measured step's small-batch squared norm and size
+        self._parts: PartNorms | None = None  # a measured step's parts so far (one rank)
         self._step_samples = 0
         self.device_type = torch.device(env.device).type
         if precision not in ("fp32", "bf16", "fp16"):
@@ -204,6 +207,12 @@ class Loop:
         if compile_mode != "off":
             # The DDP wrapper is compiled (not the module inside) so DDP's graph breaks at its buckets apply.
             self.model = torch.compile(self.model, mode=None if compile_mode == "default" else compile_mode)
+        # CUDA graphs: each compiled forward starts a new generation of replays (cudagraph_mark_step_begin, where this
+        # torch has it), and gradients that several backwards of one step add up live in buffers made outside the graphs.
+        self._graphs = compile_mode in CUDA_GRAPH_MODES
+        self._mark_step: Callable[[], None] | None = (
+            getattr(torch.compiler, "cudagraph_mark_step_begin", None) if self._graphs else None)
+        self._trainable = [parameter for parameter in self.module.parameters() if parameter.requires_grad]
         self.optimizer = optimizer
         self.train_data, self.validation_data = train, validation
         self.grad_accum_steps = grad_accum_steps
@@ -277,7 +286,7 @@ class Loop:
             sync = self.ddp.no_sync() if (self.ddp is not None and (not boundary or measured)) else contextlib.nullcontext()
             with sync:
                 if self._split_measure and position.step % self.noise_every == 0:
-                    loss = self._measured_backward(inputs, targets, first=index % self.grad_accum_steps == 0)
+                    loss = self._measured_backward(inputs, targets)
                 else:
                     loss = self._backward(inputs, targets, 1.0 / self.grad_accum_steps)
             detached = loss.detach()
@@ -294,7 +303,7 @@ class Loop:
                 # Both measurements read the loss-scaled fp16 gradients and divide the scale out: before unscale_.
                 if measured:
                     self._all_reduce_measured()
-                if self._small is not None:
+                if self._parts is not None:
                     self._fold_split_measurement()
                 self._step_samples = 0
                 if self.grad_clip_norm is not None:
@@ -351,8 +360,19 @@ class Loop:
         self.noise.update(local, averaged, b_small, b_small * self.env.world_size)
 
     def _backward(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float) -> torch.Tensor:
-        """Forward, the spec's loss and the backward of ``weight`` × that loss (scaled for fp16); returns the loss."""
+        """Forward, the spec's loss and the backward of ``weight`` × that loss (scaled for fp16); returns the loss.
+
+        Under CUDA graphs (``compile`` reduce-overhead, max-autotune) each forward first marks a new step: the replays
+        before it may be overwritten from then on. A gradient that a backward creates would be such a replay's output,
+        so where a step runs several backwards (accumulation, the noise scale's parts) the gradients are allocated here
+        first, outside the graphs, and each backward adds into them (PyTorch's advice for accumulation under
+        cudagraph trees); the loss is computed outside the compiled module, so it is no replay's output."""
         features, labels = batch_of(self.spec, inputs, targets)
+        if self._graphs:
+            if self.grad_accum_steps > 1:
+                self._allocate_grads()
+            if self._mark_step is not None:
+                self._mark_step()
         with self._autocast():
             loss = self.spec.loss(self.model(features), labels)
         weighted = loss * weight
@@ -365,29 +385,57 @@ class Loop:
         squared = torch.nn.utils.get_total_norm(grads).double().square()
         return squared / self.scaler._scale.double().square() if self.scaler is not None else squared
 
-    def _measured_backward(self, inputs: torch.Tensor, targets: torch.Tensor, first: bool) -> torch.Tensor:
-        """A measured step on one rank: the gradient's squared norm at a smaller batch, taken on the way to the step's
-        own gradient (the same gradient, as the batch's mean loss is the weighted mean of its parts' mean losses). With
-        gradient accumulation the step's first micro-batch is the smaller batch; without, the micro-batch runs as two
-        halves. Assumes the spec's loss is a mean over the batch, as torch's losses are by default."""
+    def _allocate_grads(self) -> None:
+        """Zeroed gradient buffers for the parameters that have none (eager: outside any CUDA graph)."""
+        for parameter in self._trainable:
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+
+    def _measured_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A measured step on one rank: each part's own squared gradient norm, taken on the way to the step's gradient
+        (the same gradient, as the batch's mean loss is the weighted mean of its parts' mean losses). With gradient
+        accumulation the parts are the step's micro-batches; without, the micro-batch runs as two halves. Assumes the
+        spec's loss is a mean over the batch, as torch's losses are by default."""
         size, accumulation = len(targets), self.grad_accum_steps
-        if accumulation > 1 or size < 2:
-            loss = self._backward(inputs, targets, 1.0 / accumulation)
-            if first and accumulation > 1:
-                self._small = (self._grad_sq() * accumulation**2, float(size))
-            return loss
+        if accumulation > 1:
+            return self._part_backward(inputs, targets, 1.0 / accumulation)
+        if size < 2:
+            return self._backward(inputs, targets, 1.0)
         half = size // 2
-        first_loss = self._backward(inputs[:half], targets[:half], half / size)
-        self._small = (self._grad_sq() * (size / half) ** 2, float(half))
-        second_loss = self._backward(inputs[half:], targets[half:], (size - half) / size)
+        # Detached copy: a value the step keeps past the next forward is never a replay's memory (CUDA graphs).
+        first_loss = self._part_backward(inputs[:half], targets[:half], half / size).detach().clone()
+        second_loss = self._part_backward(inputs[half:], targets[half:], (size - half) / size).detach()
         return (first_loss * half + second_loss * (size - half)) / size
 
+    def _part_backward(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float) -> torch.Tensor:
+        """One part of a measured step: its backward runs into fresh gradients (the step's so far set aside, no copy),
+        its squared norm goes to :class:`PartNorms`, and the set-aside gradients are added back."""
+        if self._parts is None:
+            self._parts = PartNorms()
+        kept = [parameter.grad for parameter in self._trainable]
+        for parameter in self._trainable:
+            parameter.grad = None
+        if self._graphs:
+            self._allocate_grads()
+        loss = self._backward(inputs, targets, weight)
+        self._parts.add(self._grad_sq(), len(targets), weight)
+        into, added = [], []
+        for parameter, grad in zip(self._trainable, kept):
+            if grad is None:
+                continue
+            if parameter.grad is None:  # unused by this part
+                parameter.grad = grad
+            else:
+                into.append(parameter.grad)
+                added.append(grad)
+        if into:
+            torch._foreach_add_(into, added)
+        return loss
+
     def _fold_split_measurement(self) -> None:
-        assert self.noise is not None and self._small is not None
-        small_sq, b_small = self._small
-        self._small = None
-        if self._step_samples > b_small:  # an epoch's last step may hold one micro-batch: no second batch size
-            self.noise.update(small_sq, self._grad_sq(), b_small, float(self._step_samples))
+        assert self.noise is not None and self._parts is not None
+        parts, self._parts = self._parts, None
+        parts.fold(self.noise, self._grad_sq())
 
     def noise_state(self) -> dict[str, Any]:
         """The noise scale's state for a checkpoint (empty when not measured)."""

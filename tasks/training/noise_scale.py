@@ -7,8 +7,12 @@ averaged over B samples, E|g_B|² = |G|² + S/B:
 - several ranks: each rank's own gradient before the all-reduce (B_small = its samples in the step) and the
   averaged gradient after it (B_big = the global batch). On a measured step the gradients are all-reduced here, with
   the local squared norm appended to them, so the ranks' mean comes back with the gradients (no extra collective);
-- one rank: part of the step's batch against the whole: the step's first micro-batch with gradient accumulation, else
-  the micro-batch run as two halves (the same gradient in the end), its squared norm taken after the first half.
+- one rank: the step's parts against the whole: its micro-batches with gradient accumulation, else the micro-batch run
+  as two halves (the same gradient in the end). Each part's backward runs into fresh gradient buffers, so its own
+  squared norm is read before the step's gradient so far is added back (:class:`PartNorms`). Every part's norm counts,
+  as every rank's does above: with two halves the |G|² estimate is the dot product of the halves' gradients, whose
+  noise is far smaller than that of one half's norm against the whole (which left the smoothed |G|² negative, so no
+  noise scale at all, on most one-process stages).
 
 A measurement is a few passes over the gradients, which cost a small model's step several percent, so a stage measures
 one step in ``train.noise_scale_every_steps``; each measurement is one
@@ -76,6 +80,38 @@ class NoiseScale:
         self._ema.copy_(torch.tensor(state["ema"], dtype=torch.float64))
         self._weight.fill_(state["weight"])
         self.updates, self.beta = state["updates"], state["beta"]
+
+
+class PartNorms:
+    """A measured step on one rank, part by part: each part's squared gradient norm (the gradient of its own mean loss),
+    its rows and the weight its loss had in the step. :meth:`fold` turns them and the step's accumulated gradient into one
+    estimator update: B_small is the parts' harmonic mean size, B_big the step's rows; with m equal parts of b rows,
+    |G|² comes out as the mean dot product of distinct parts' gradients and S as b × their spread, both unbiased."""
+
+    def __init__(self) -> None:
+        self.parts = 0
+        self.rows = 0
+        self.weight = 0.0  # the parts' loss weights summed: the accumulated gradient is this times the step's mean one
+        self.inverse_rows = 0.0
+        self.squared: torch.Tensor | None = None  # Σ of the parts' squared norms, on the device
+
+    def add(self, weighted_sq: torch.Tensor, rows: int, weight: float) -> None:
+        """One part whose backward ran ``weight`` × its mean loss: ``weighted_sq`` is that gradient's squared norm."""
+        part_sq = weighted_sq / weight**2
+        self.squared = part_sq if self.squared is None else self.squared + part_sq
+        self.parts += 1
+        self.rows += rows
+        self.weight += weight
+        self.inverse_rows += 1.0 / rows
+
+    def fold(self, noise: NoiseScale, accumulated_sq: torch.Tensor) -> bool:
+        """Update ``noise`` from the parts and the step's accumulated gradient's squared norm; False (nothing folded)
+        with fewer than two parts (an epoch's last step may hold one micro-batch: no second batch size)."""
+        if self.parts < 2 or self.squared is None:
+            return False
+        b_small = self.parts / self.inverse_rows
+        noise.update(self.squared / self.parts, accumulated_sq / self.weight**2, b_small, float(self.rows))
+        return True
 
 
 class MeasuredAllReduce:

@@ -144,22 +144,53 @@ def test_auto_placement_on_the_gpu_keeps_a_small_split_resident(digits_run):
     assert inputs.device.type == labels.device.type == "cuda"
 
 
-@pytest.mark.parametrize("overrides", [{"train.stages.0.data_placement": "resident"},
-                                       {"train.stages.0.data_placement": "streamed"},
-                                       {"train.stages.0.precision": "bf16"},
-                                       {"train.stages.0.precision": "fp16", "train.stages.0.grad_clip_norm": 1.0},
-                                       {"train.stages.0.compile": "reduce-overhead"}])
-def test_gpu_stage_knobs_train_and_checkpoints_load_into_a_plain_model(digits_run, single_process, overrides):
-    """Each placement and overhead knob trains a stage on cuda, and final.pt loads into an uncompiled fp32 model."""
+# Each GPU knob of a stage; every one trains with the noise scale on (the default) and off.
+KNOBS = {
+    "host": {"train.stages.0.data_placement": "host"},
+    "resident": {"train.stages.0.data_placement": "resident"},
+    "streamed": {"train.stages.0.data_placement": "streamed"},
+    "bf16": {"train.stages.0.precision": "bf16"},
+    "fp16": {"train.stages.0.precision": "fp16", "train.stages.0.grad_clip_norm": 1.0},
+    "reduce-overhead": {"train.stages.0.compile": "reduce-overhead"},
+    "reduce-overhead-accumulating": {"train.stages.0.compile": "reduce-overhead", "train.stages.0.grad_accum_steps": 2,
+                                     "train.stages.0.per_process_batch": 16},
+}
+
+
+@pytest.mark.parametrize("noise_scale", [True, False], ids=["noise-scale", "no-noise-scale"])
+@pytest.mark.parametrize("knob", list(KNOBS))
+def test_gpu_stage_knobs_train_and_checkpoints_load_into_a_plain_model(digits_run, single_process, knob, noise_scale):
+    """Each placement, precision and overhead knob trains a stage on cuda, with the noise scale measured (a value at the
+    end) or not, and final.pt loads into an uncompiled fp32 model. compile reduce-overhead replays CUDA graphs: the
+    noise scale's two forwards per step crashed there ('accessing tensor output of CUDAGraphs that has been overwritten
+    by a subsequent run'), as gradient accumulation would."""
     from stagewise.models.building import build
     from stagewise.models.mlp import MLPClassifier
     from stagewise.spec import DataInfo
 
     config_path, out = digits_run
-    config = load_config(config_path, {**ONE_GPU, **overrides})
+    config = load_config(config_path, {**ONE_GPU, **KNOBS[knob], "train.noise_scale": noise_scale,
+                                       "train.noise_scale_every_steps": 2})
     result = train.run_stage(config, "s1", out, PARAMS, None)
     assert result["val_metric"] > 0.9
+    assert (result["noise_scale"] is not None) == noise_scale, result["noise_scale"]
     state = torch.load(result["checkpoint_uri"], weights_only=True)["model"]
     model = build(MLPClassifier(), DataInfo(features=[f"f{i}" for i in range(64)], num_classes=10),
                   {"hidden": PARAMS["hidden"], "dropout": 0.0})
     model.load_state_dict(state, strict=True)
+
+
+def test_adaptive_batch_growth_grows_on_one_gpu(digits_run, single_process, caplog):
+    """s1 on one GPU (device batches resident, as auto picks there) measures the noise scale, and the adaptive s2 trains
+    at it, above s1's batch: before, one process measured none, s2 stayed at s1's batch and nothing warned."""
+    config_path, out = digits_run
+    config = load_config(config_path, {**ONE_GPU, "train.batch_growth": "adaptive", "train.max_global_batch": 512,
+                                       "train.noise_scale_every_steps": 2})
+    first = train.run_stage(config, "s1", out, PARAMS, None)
+    assert first["noise_scale"] is not None
+    with caplog.at_level("WARNING", logger="stagewise.train"):
+        second = train.run_stage(config, "s2", out, PARAMS, first["checkpoint_uri"])
+    decision = second["batch_decision"]
+    assert decision["noise_scale"] == pytest.approx(first["noise_scale"]) and decision["no_measurement"] is None
+    assert second["global_batch"] > first["global_batch"] and second["val_metric"] > 0.5
+    assert "received no noise scale" not in caplog.text

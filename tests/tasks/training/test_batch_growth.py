@@ -13,8 +13,9 @@ import torch
 
 from stagewise.core.errors import UserError
 from stagewise.definitions.loading import load_config
-from stagewise.training.batch_growth import adaptive_batch, previous_noise_scale
+from stagewise.training.batch_growth import adaptive_batch, handed_noise_scale, previous_noise_scale
 from stagewise.training.loop import scaled_lr
+from stagewise.training.noise_scale import NoiseScale
 
 
 @pytest.mark.parametrize(("noise", "expected"), [
@@ -63,6 +64,67 @@ def test_an_adaptive_stage_trains_at_the_batch_the_stage_before_measured(request
         assert history and second["val_metric"] > 0.5
     shutil.rmtree(Path(out, "train", "s2"))
     assert train.run_stage(config, "s2", out, params, first["checkpoint_uri"])["batch_decision"] == decision
+
+
+@pytest.mark.parametrize(("state", "why"), [
+    ({}, "holds no noise-scale state"),
+    ({"noise_scale": NoiseScale("cpu").state_dict()}, "took no measured step (0 measurements"),
+    ({"noise_scale": "negative |G|²"}, "were not both positive after 1 measurements"),
+])
+def test_a_handed_on_checkpoint_without_a_noise_scale_says_why(state, why):
+    if state.get("noise_scale") == "negative |G|²":
+        estimator = NoiseScale("cpu")
+        estimator.update(torch.tensor(1.0), torch.tensor(0.2), 8, 16)  # |G|² = (16·0.2 − 8·1)/8 < 0
+        state = {"noise_scale": estimator.state_dict()}
+    noise_scale, reason = handed_noise_scale(state)
+    assert noise_scale is None and why in reason
+    decision = adaptive_batch(noise_scale, 128, 1024, 2, 64, no_measurement=reason)
+    assert decision.global_batch == 128 and decision.no_measurement == reason
+
+
+def test_an_adaptive_stage_without_a_measurement_warns_and_says_so_in_its_result_and_mlflow(digits_run, monkeypatch,
+                                                                                             caplog):
+    """The stage before handed on no noise scale: the adaptive stage logs a WARNING saying why and at what batch it
+    trains (the stage before's), its result (so report.json's training entry) holds the reason in batch_decision, and
+    its MLflow params name it."""
+    from stagewise import train
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    config_path, out = digits_run
+    config = load_config(config_path, {"train.batch_growth": "adaptive", "train.max_global_batch": 512,
+                                       "train.stages.1.profile": "ddp1", "train.stages.1.epochs": 1})
+    params = {"lr": 0.05}
+    first = train.run_stage(config, "s1", out, params, None)
+    handed = torch.load(first["checkpoint_uri"], weights_only=False)
+    handed["noise_scale"] = NoiseScale("cpu").state_dict()  # as if s1 had taken no measured step
+    torch.save(handed, first["checkpoint_uri"])
+    logged: list[dict] = []
+
+    class Tracked:
+        def nested(self, key, name, tags, values):
+            logged.append(values)
+
+        def log(self, *args, **kwargs):
+            pass
+
+        def end(self, *args):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(train.Tracker, "for_run", classmethod(lambda cls, *args: Tracked()))
+    with caplog.at_level("WARNING", logger="stagewise.train"):
+        second = train.run_stage(config, "s2", out, params, first["checkpoint_uri"])
+    warnings = [record for record in caplog.records if record.levelname == "WARNING" and "adaptive" in record.message]
+    assert len(warnings) == 1, caplog.text
+    message = warnings[0].getMessage()
+    assert "received no noise scale" in message and "took no measured step" in message
+    assert f"global batch {first['global_batch']}" in message
+    assert second["global_batch"] == first["global_batch"]
+    assert "took no measured step" in second["batch_decision"]["no_measurement"]
+    assert "took no measured step" in logged[0]["adaptive_no_measurement"] and logged[0]["noise_scale_before"] is None
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

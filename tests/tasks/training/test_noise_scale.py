@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,120 @@ def test_a_non_finite_step_is_skipped_and_nothing_is_estimated_before_a_step():
     before = estimator.estimates()
     estimator.update(torch.tensor(float("inf")), torch.tensor(1.0), 8, 32)
     assert estimator.estimates() == before
+
+
+# --- one process on every placement; CUDA graphs' replays, emulated on the CPU --------------------------------------
+
+STAGE_PARAMS = {"lr": 0.05, "hidden": 32, "dropout": 0.0}
+
+
+def _one_process(monkeypatch) -> None:
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("placement", ["host", "resident", "streamed"])
+def test_one_process_measures_the_noise_scale_on_every_placement(digits_run, monkeypatch, placement):
+    """Every epoch of a one-process stage ends with a noise scale (what adaptive growth reads), on the host loader and
+    on device batches alike (CPU tensors stand in for the device). Measuring one half of the step's batch against the
+    whole left the smoothed |G|² negative after the first epoch, so adaptive growth on one GPU got none."""
+    from stagewise import train
+    from stagewise.definitions.loading import load_config
+
+    _one_process(monkeypatch)
+    config_path, out = digits_run
+    config = load_config(config_path, {"train.stages.0.data_placement": placement, "train.stages.0.epochs": 3})
+    assert config.train.noise_scale and config.train.noise_scale_every_steps == 8, "the defaults are what is guarded"
+    result = train.run_stage(config, "s1", out, STAGE_PARAMS, None)
+    history = json.loads(Path(out, "train", "s1", "metrics.json").read_text())["history"]
+    found = [entry["noise_scale"] for entry in history]
+    assert all(value is not None and 1 < value < 1e5 for value in found), found
+    assert result["noise_scale"] == found[-1]
+
+
+class ReplayedGraphs(torch.nn.Module):
+    """torch.compile(mode="reduce-overhead") as a GPU runs it, on the CPU: each forward starts a new generation of CUDA
+    graph replays, which overwrite what earlier generations returned: the forward's outputs and every gradient that a
+    backward created rather than added into (NaN here, where a replay would have written other numbers)."""
+
+    def __init__(self, model: torch.nn.Module, marks: list[int]) -> None:
+        super().__init__()
+        self.inner, self.marks, self.forwards = model, marks, 0
+        self._replayed: list = []  # weak references to what the generation so far returned
+        self._created: dict[int, bool] = {}
+        for parameter in model.parameters():
+            parameter.register_hook(lambda grad, p=parameter: self._created.__setitem__(id(p), p.grad is None))
+            parameter.register_post_accumulate_grad_hook(self._after_accumulate)
+
+    def _after_accumulate(self, parameter: torch.Tensor) -> None:
+        if self._created.get(id(parameter)):
+            self._replayed.append(weakref.ref(parameter.grad))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for reference in self._replayed:
+                if (tensor := reference()) is not None:
+                    tensor.fill_(float("nan"))
+        self.forwards += 1
+        outputs = self.inner(inputs)
+        self._replayed = [weakref.ref(outputs)]
+        return outputs
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_measured_step_under_cuda_graph_replays_trains_the_eager_weights(digits_run, monkeypatch, accumulation,
+                                                                            precision):
+    """compile reduce-overhead with the noise scale measured on every step (two halves, or the micro-batches, each a
+    forward of its own): each forward marks a new step for the graphs, and nothing the step keeps is a replay's memory,
+    so the stage ends on the eager stage's weights and noise scale (a crash on a GPU before: 'accessing tensor output of
+    CUDAGraphs that has been overwritten by a subsequent run'). fp16 with its gradient scaler alike."""
+    import shutil
+
+    from stagewise import train
+    from stagewise.definitions.loading import load_config
+
+    _one_process(monkeypatch)
+    marks: list[int] = []
+    compiled: list[ReplayedGraphs] = []
+
+    def fake_compile(model, mode=None, **kwargs):
+        assert mode == "reduce-overhead"
+        compiled.append(ReplayedGraphs(model, marks))
+        return compiled[-1]
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(len(marks)))
+    config_path, out = digits_run
+    weights, results = {}, {}
+    for mode in ("reduce-overhead", "off"):
+        shutil.rmtree(Path(out, "train"), ignore_errors=True)
+        config = load_config(config_path, {
+            "train.noise_scale_every_steps": 1, "train.stages.0.epochs": 2, "train.stages.0.compile": mode,
+            "train.stages.0.grad_accum_steps": accumulation, "train.stages.0.precision": precision})
+        results[mode] = train.run_stage(config, "s1", out, STAGE_PARAMS, None)
+        weights[mode] = torch.load(results[mode]["checkpoint_uri"], weights_only=True)["model"]
+    assert len(compiled) == 1 and compiled[0].forwards > 0 and len(marks) == compiled[0].forwards
+    for name, tensor in weights["off"].items():
+        torch.testing.assert_close(weights["reduce-overhead"][name], tensor)
+    assert results["off"]["noise_scale"] is not None
+    assert results["reduce-overhead"]["noise_scale"] == pytest.approx(results["off"]["noise_scale"])
+
+
+@pytest.mark.torchrun
+def test_two_processes_measure_the_noise_scale_on_every_placement(digits_run, subprocess_env, tmp_path):
+    """A 2-process DDP stage (gloo) ends each epoch with a noise scale on the host loader and on device batches."""
+    import shutil
+
+    from tests.tasks.test_train_ddp import torchrun
+
+    config, out = digits_run
+    for placement in ("host", "resident", "streamed"):
+        run_out = str(tmp_path / placement)
+        shutil.copytree(Path(out) / "preprocess", Path(run_out) / "preprocess")
+        result = torchrun(2, config, "s2", run_out, subprocess_env,
+                          f"--override=train.stages.1.data_placement={placement}").result
+        history = json.loads(Path(run_out, "train", "s2", "metrics.json").read_text())["history"]
+        found = [entry["noise_scale"] for entry in history]
+        assert result["world_size"] == 2 and all(value is not None and 1 < value < 1e5 for value in found), (
+            placement, found)
