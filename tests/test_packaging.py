@@ -15,8 +15,9 @@ from packaging.requirements import Requirement
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
 OURS = {"stagewise", "__future__"}
-# Imported through another declared distribution that requires it (botocore comes with s3fs, FastAPI with Airflow).
-COMES_WITH = {"aiobotocore": "s3fs", "botocore": "s3fs", "fastapi": "apache-airflow"}
+# Imported through another declared distribution that requires it (botocore comes with s3fs; FastAPI, and SQLAlchemy
+# for the pages' queries of Airflow's own DB, with Airflow).
+COMES_WITH = {"aiobotocore": "s3fs", "botocore": "s3fs", "fastapi": "apache-airflow", "sqlalchemy": "apache-airflow"}
 TEST_TOOLS = {"pytest", "pytest-xdist", "pytest-timeout", "ruff", "playwright", "moto", "apache-airflow-client"}
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 from airflow.plugins_manager import AirflowPlugin
 
+from stagewise.airflow.compat import warn_if_unsupported
+
 URL_PREFIX = "/stagewise"  # stagewise.airflow.ui.URL_PREFIX; repeated so this file imports nothing else
 
 
@@ -26,6 +28,9 @@ class LazyStagewiseApp:
 
             self._app = create_app()
         await self._app(scope, receive, send)
+
+
+warn_if_unsupported()  # every Airflow process loads the plugin: one line in its log on an untested Airflow
 
 
 class StagewiseUIPlugin(AirflowPlugin):

@@ -1,6 +1,6 @@
-"""Stagewise as a team adopts it: the wheel pip-installed into their Airflow environment with requirements.txt as
-constraints, one line in their dags folder beside their own DAG and its helper module ``tasks.py``, and their
-pipelines in a folder of their own outside any checkout, each config beside the spec or script it names. The pipelines are the
+"""Stagewise as a team adopts it: the wheel pip-installed into their Airflow environment as the README says (the
+deployment's own versions as constraints), one line in their dags folder beside their own DAG and its helper module
+``tasks.py``, and their pipelines in a folder of their own outside any checkout, each config beside the spec or script it names. The pipelines are the
 shipped examples copied out as a team starts from them, so each example runs end to end through the installed
 package with config changes only."""
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from tests import run_cache
+from tests import airflow_versions, run_cache
 from tests.conftest import TEST_ROWS_PER_SHARD
 from tests.dags.conftest import REPO_ROOT
 
@@ -131,8 +131,8 @@ def _team_pipelines(folder: Path, storage_root: Path, journal: Path) -> None:
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory) -> Deployment:
-    """Build the wheel from the project's files, install it with requirements.txt as constraints into a fresh venv
-    over the team's packages (no index: nothing may be fetched or replaced), and lay out their Airflow home."""
+    """Build the wheel from the project's files, install it with the README's command into a fresh venv over the
+    team's packages (no index: nothing may be fetched or replaced), and lay out their Airflow home."""
     root = tmp_path_factory.mktemp("adoption")
     source = root / "source"
     for name in SOURCES:
@@ -148,10 +148,7 @@ def deployment(tmp_path_factory) -> Deployment:
     site_packages = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                         check=True, capture_output=True, text=True).stdout.strip())
     (site_packages / "team_image.pth").write_text(f"{_image_of_this_environment(root / 'image')}\n")
-    installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index",
-                                "--constraint", str(REPO_ROOT / "requirements.txt"), str(wheel)],
-                               capture_output=True, text=True, timeout=600)
-    assert installed.returncode == 0, installed.stdout[-4000:] + installed.stderr[-4000:]
+    airflow_versions.install_as_readme_says(python, wheel, root)
 
     home, storage_root = root / "airflow", root / "storage"
     deployment = Deployment(python, home, root / "pipelines", storage_root, site_packages)

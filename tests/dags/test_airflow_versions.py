@@ -1,0 +1,191 @@
+"""Stagewise in a team's Airflow of each supported minor (3.2 and 3.3): the README's install adds Stagewise and changes
+no package the deployment has, Airflow least of all; on the older minor a pipeline runs under `airflow dags test` and
+the Stagewise pages serve its run (tests/dags/test_adoption.py runs the examples on the newer one, installed the same
+way).
+
+The deployments are this environment's packages as links (tests/airflow_versions.py): the 3.3 one is this environment
+as it is; the 3.2 one is Airflow 3.2.2 with its dependencies as of its release in front of it, made once per machine
+and kept, so a run of the suite pays only the install and the pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests import airflow_versions, run_cache
+from tests.conftest import base_config
+from tests.dags.conftest import REPO_ROOT
+
+pytestmark = [pytest.mark.airflow, pytest.mark.torchrun]
+
+(OLDER,) = airflow_versions.OLDER_AIRFLOW  # 3.2.2; the newer minor is this environment's (requirements.txt)
+VERSION = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
+DIGITS_ROWS = 1797
+
+
+@dataclass
+class Deployment:
+    """A team's Airflow venv after the README's install: what pip listed before and after, and the venv's own folder."""
+
+    python: Path
+    before: dict[str, str]
+    after: dict[str, str]
+    site_packages: Path
+
+    def env(self, home: Path) -> dict[str, str]:
+        """The team's environment with ``home`` as AIRFLOW_HOME: none of the checkout's paths or settings."""
+        env = {key: value for key, value in os.environ.items()
+               if not key.startswith(("AIRFLOW", "STAGEWISE")) and key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env.update({"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"),
+                    "AIRFLOW__CORE__PLUGINS_FOLDER": str(home / "plugins"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+                    "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+                    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db", "OMP_NUM_THREADS": "1"})
+        return env
+
+    def run(self, home: Path, *args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+        """``python <args>`` in the team's venv from its Airflow home; fails with its output."""
+        done = subprocess.run([str(self.python), *args], env={**self.env(home), **(env or {})}, cwd=home,
+                              capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, f"{args} failed ({done.returncode}):\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}"
+        return done
+
+
+def _install(root: Path, layers, wheel: Path) -> Deployment:
+    """A fresh venv over ``layers`` (the team's packages), and the README's install of ``wheel`` into it."""
+    python = airflow_versions.make_venv(root / "venv", layers)
+    before = airflow_versions.installed(python)
+    airflow_versions.install_as_readme_says(python, wheel, root)
+    return Deployment(python, before, airflow_versions.installed(python), airflow_versions.site_packages(python))
+
+
+def _assert_only_stagewise_was_added(deployment: Deployment) -> None:
+    """pip added stagewise at this version and nothing else; every package the deployment had kept its version, and
+    nothing but stagewise went into the venv itself (no copy shadowing one of the team's)."""
+    assert deployment.after == {**deployment.before, "stagewise": VERSION}, {
+        name: (deployment.before.get(name), deployment.after.get(name))
+        for name in deployment.before.keys() | deployment.after.keys()
+        if deployment.before.get(name) != deployment.after.get(name)}
+    own = sorted(p.name for p in deployment.site_packages.iterdir() if not p.name.startswith(("_", "team_")))
+    assert [name for name in own if not name.startswith("stagewise")] == [], own
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    return airflow_versions.build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+def test_the_readme_install_into_airflow_3_3_adds_stagewise_and_changes_nothing(wheel, tmp_path):
+    """Into this environment's Airflow (3.3, every package requirements.txt pins): only stagewise is new, every
+    other package keeps its version (requirements.txt as constraints moved ten of a team's)."""
+    image = airflow_versions.make_image(tmp_path / "image")
+    deployment = _install(tmp_path, [image], wheel)
+    assert deployment.before["apache-airflow"].startswith("3.3.")
+    _assert_only_stagewise_was_added(deployment)
+
+
+@pytest.fixture(scope="module")
+def layer_3_2() -> airflow_versions.Layer:
+    return airflow_versions.airflow_layer(OLDER)
+
+
+@pytest.fixture(scope="module")
+def airflow_3_2(tmp_path_factory, wheel, layer_3_2) -> Deployment:
+    """Airflow 3.2.2 as a team has it, with Stagewise installed the README's way."""
+    return _install(tmp_path_factory.mktemp("airflow-3.2"), layer_3_2.paths, wheel)
+
+
+def test_the_readme_install_into_airflow_3_2_keeps_its_airflow_and_every_package(airflow_3_2):
+    """Into Airflow 3.2.2 the same command adds stagewise alone: Airflow stays 3.2.2 (no upgrade, no DB migration)."""
+    assert (airflow_3_2.before["apache-airflow"], airflow_3_2.before["apache-airflow-core"]) == (OLDER, OLDER)
+    _assert_only_stagewise_was_added(airflow_3_2)
+
+
+# The smallest pipeline that still runs every kind of task: one raw shard, a one-trial sweep of one epoch on one
+# worker, one one-process stage of one epoch, one inference shard.
+def _smallest_pipeline(folder: Path, storage_root: Path) -> Path:
+    raw = base_config(storage_root)
+    raw["name"] = "team"
+    raw["sweep"].update({"num_trials": 1, "num_workers": 1, "epochs": 1})
+    raw["train"]["stages"] = [{**raw["train"]["stages"][0], "epochs": 1}]
+    raw["inference"]["rows_per_shard"] = DIGITS_ROWS
+    folder.mkdir()
+    path = folder / "team.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@dataclass
+class Run:
+    home: Path
+    report: dict
+    log: str
+
+
+@pytest.fixture(scope="module")
+def run_on_3_2(airflow_3_2, layer_3_2, tmp_path_factory) -> Run:
+    """The team's Airflow 3.2 home (its own migrated DB), the two DAG files the README gives, the pools, the demo data,
+    and one `airflow dags test team_pipeline`."""
+    root = tmp_path_factory.mktemp("team-3.2")
+    home, storage_root = root / "airflow", root / "storage"
+    config = _smallest_pipeline(root / "pipelines", storage_root)
+    (home / "dags").mkdir(parents=True)
+    (home / "plugins").mkdir()
+    (home / "dags" / "stagewise_pipelines.py").write_text(
+        f"from stagewise.airflow.dags import build_pipelines\nbuild_pipelines(globals(), {str(config.parent)!r})\n")
+    (home / "dags" / "stagewise_pipelines_check.py").write_text(
+        f"from stagewise.airflow.dags import check_pipelines\ncheck_pipelines({str(config.parent)!r})\n")
+    (home / "airflow.db").write_bytes(layer_3_2.airflow_db.read_bytes())
+    airflow_3_2.run(home, "-m", "stagewise.airflow.pools", "--config", str(config))
+    run_cache.demo_data(config, num_shards=1)
+    done = airflow_3_2.run(home, "-m", "airflow", "dags", "test", "team_pipeline")
+    (found,) = storage_root.glob("runs/team_pipeline/*/report.json")
+    return Run(home, json.loads(found.read_text()), done.stdout + done.stderr)
+
+
+def test_a_pipeline_runs_end_to_end_on_airflow_3_2(run_on_3_2):
+    """Every kind of task ran under Airflow 3.2's task SDK: the sweep, a torchrun stage, the gate, inference, the
+    report; and the plugin logged no warning about the Airflow it found (3.2 is supported)."""
+    report = run_on_3_2.report
+    assert report["dag_id"] == "team_pipeline"
+    assert report["sweep"]["n_trials"] == 1 and report["sweep"]["n_complete"] == 1
+    (stage,) = report["training"]
+    assert stage["stage"] == "s1" and stage["world_size"] == 1
+    assert report["registry"]["promoted"] and report["predictions"]["rows"] == DIGITS_ROWS
+    assert "Stagewise supports Airflow" not in run_on_3_2.log
+
+
+# The api-server's app as Airflow 3.2 builds it (the plugin mounted from its entry point), every user an admin.
+PAGES_PROBE = """
+import json, sys
+from fastapi.testclient import TestClient
+from airflow.api_fastapi.app import create_app
+
+client = TestClient(create_app("core"))
+print(json.dumps({path: [answer.status_code, answer.text] for path in sys.argv[1:] for answer in [client.get(path)]}))
+"""
+
+
+def test_the_stagewise_pages_serve_the_run_on_airflow_3_2(airflow_3_2, run_on_3_2):
+    """The UI plugin's pages, read through Airflow 3.2's api-server app: the runs list names the run, its page and
+    report.json and the registry answer."""
+    report = run_on_3_2.report
+    run_page = f"/stagewise/runs/team_pipeline/{report['run_id']}"
+    paths = ["/stagewise/", run_page, f"{run_page}/report.json", "/stagewise/registry"]
+    auth = {"AIRFLOW__CORE__AUTH_MANAGER": "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+            "AIRFLOW__API_AUTH__JWT_SECRET": "stagewise-airflow-versions-" + "0" * 48}
+    done = airflow_3_2.run(run_on_3_2.home, "-c", PAGES_PROBE, *paths, env=auth)
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {path: status for path, (status, _) in answers.items()} == dict.fromkeys(paths, 200)
+    assert report["run_id"] in answers["/stagewise/"][1] or report["run_id"].replace("+", "%2B") in answers["/stagewise/"][1]
+    assert json.loads(answers[f"{run_page}/report.json"][1])["run_id"] == report["run_id"]
+    assert report["registry"]["version"] in answers["/stagewise/registry"][1]
+
