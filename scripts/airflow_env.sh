@@ -18,6 +18,18 @@ export AIRFLOW__CORE__EXECUTION_API_SERVER_URL="${AIRFLOW__CORE__EXECUTION_API_S
 export AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT="${AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT:-8793}"
 # One machine: tasks record 127.0.0.1 as their host, so the UI reads running logs from the loopback log server.
 export AIRFLOW__CORE__HOSTNAME_CALLABLE="${AIRFLOW__CORE__HOSTNAME_CALLABLE:-stagewise.airflow.log_server.loopback_hostname}"
+# SQLite takes one writer at a time: each connection waits up to 60 s for the lock, not Python's 5 s (a burst of
+# triggers killed the scheduler); the Stagewise plugin queues the api-server's writes (stagewise.airflow.sqlite).
+case "$AIRFLOW__DATABASE__SQL_ALCHEMY_CONN" in
+  sqlite:*)
+    export AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS:-stagewise.airflow.sqlite.CONNECT_ARGS}"
+    export AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC:-stagewise.airflow.sqlite.CONNECT_ARGS}";;
+esac
+# A run id longer than Airflow's task log path takes (run_id=<id>/: 255 bytes) is refused at trigger with HTTP 400:
+# `python -m stagewise.airflow.run_ids` prints this pattern for the deployment's [logging] log_filename_template.
+_stagewise_run_ids='^[A-Za-z0-9_.~:+-]{1,248}$'
+export AIRFLOW__SCHEDULER__ALLOWED_RUN_ID_PATTERN="${AIRFLOW__SCHEDULER__ALLOWED_RUN_ID_PATTERN:-$_stagewise_run_ids}"
+unset _stagewise_run_ids
 mkdir -p "$AIRFLOW_HOME"
 # The SQLite DB and the generated admin password are secrets: create them empty and private (0600) before
 # Airflow does (it keeps an existing file's mode), and make existing ones private too.

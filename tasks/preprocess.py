@@ -40,6 +40,8 @@ from stagewise.datasets.columns import (
     layout_of,
     processed_schema,
     resolve_columns,
+    schema_types,
+    type_difference,
 )
 from stagewise.datasets.keys import KEY_HASHES_SUFFIX, key_hashes, repeated_hashes, split_of
 from stagewise.datasets.statistics import (
@@ -103,9 +105,10 @@ def _stats_prefix(out: str) -> str:
     return storage.join(out, "preprocess", "stats")
 
 
-def plan(input_uri: str) -> list[str]:
-    """One shard per raw Parquet file, in a deterministic order."""
-    shards = storage.list_parquet(input_uri)
+def plan(input_uri: str, root: str | None = None) -> list[str]:
+    """One shard per raw Parquet file, in a deterministic order (``root``: the storage root; an error lists what a
+    folder under it holds instead of Parquet, never what a folder elsewhere holds)."""
+    shards = storage.list_parquet(input_uri, root)
     log.info("planned %d shard(s) from %s", len(shards), input_uri)
     return shards
 
@@ -123,12 +126,14 @@ def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dic
         hashes.append(key_hashes(batch.kept_keys))
         if batch.typed is not None:
             typed_parts.append(_typed_stats(config, columns, batch))
+    schema = storage.read_schema(shard)  # the footer only; reduce compares every shard's column types
     if columns is None:
         # An empty file still has a schema; validate it so a wrong file fails here, not later.
-        columns = resolve_columns(config.dataset, storage.read_schema(shard), shard)
+        columns = resolve_columns(config.dataset, schema, shard)
         moments = empty_moments(len(columns.features), columns.num_classes)
     assert moments is not None
     moments.update({"shard": shard, "features": columns.features, "columns": columns.raw, "feature_shapes": columns.shapes,
+                    "types": schema_types(schema, [columns.key, columns.label, *columns.raw]),
                     "normalize": columns.normalize or [True] * len(columns.features),
                     "layout": columns.layout.to_dict(), **_merge_typed_stats(typed_parts),
                     "key_hashes_uri": _write_key_hashes(out, index, hashes)})
@@ -271,6 +276,13 @@ def reduce_stats(config: PipelineConfig, out: str, stats_uris: list[str]) -> dic
         difference = feature_difference(part["shard"], part["features"], parts[0]["shard"], features)
         if difference:
             raise DataError(difference)
+    # before any split is written: a key stored as strings in one file and integers in another would hash apart
+    # and slip past the duplicate-key check; a feature's type changing between files is as wrong
+    typed_parts = [part for part in parts if "types" in part]
+    for part in typed_parts[1:]:
+        difference = type_difference(part["shard"], part["types"], typed_parts[0]["shard"], typed_parts[0]["types"])
+        if difference:
+            raise DataError(difference)
     total = empty_moments(len(features), config.dataset.num_classes)
     for part in parts:
         total = merge_moments(total, part)
@@ -347,25 +359,29 @@ def transform_shard(config: PipelineConfig, shard: str, index: int, out: str, st
                 chosen = order[start:stop]
                 arrays = [keys.take(pa.array(chosen)), pa.array(labels[chosen], schema.field(columns.label).type),
                           feature_vectors(normalised[start:stop])]
-                if name not in writers:
-                    fs, path = storage.filesystem(uris[name])
-                    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-                    handle = fs.open(path, "wb")
-                    handles.append(handle)
-                    # Float bytes neither dictionary-encode nor compress well; skipping both reads faster.
-                    dictionary = [columns.label] if columns.num_classes is not None else False
-                    # min/max of the feature bytes would tell a reader nothing: no statistics for that column
-                    writers[name] = pq.ParquetWriter(handle, schema, use_dictionary=dictionary,
-                                                     write_statistics=[columns.key, columns.label],
-                                                     compression={columns.key: "snappy", columns.label: "snappy",
-                                                                  FEATURES_COLUMN: "none"})
-                writers[name].write_batch(pa.record_batch(arrays, schema=schema), row_group_size=PROCESSED_ROW_GROUP_ROWS)
+                with storage.writing(uris[name]):  # a full disk names the split file, not nothing
+                    if name not in writers:
+                        fs, path = storage.filesystem(uris[name])
+                        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+                        handle = fs.open(path, "wb")
+                        handles.append((name, handle))
+                        # Float bytes neither dictionary-encode nor compress well; skipping both reads faster.
+                        dictionary = [columns.label] if columns.num_classes is not None else False
+                        # min/max of the feature bytes would tell a reader nothing: no statistics for that column
+                        writers[name] = pq.ParquetWriter(handle, schema, use_dictionary=dictionary,
+                                                         write_statistics=[columns.key, columns.label],
+                                                         compression={columns.key: "snappy", columns.label: "snappy",
+                                                                      FEATURES_COLUMN: "none"})
+                    writers[name].write_batch(pa.record_batch(arrays, schema=schema),
+                                              row_group_size=PROCESSED_ROW_GROUP_ROWS)
                 rows[name] += count
     finally:
-        for writer in writers.values():
-            writer.close()
-        for handle in handles:
-            handle.close()
+        for name, writer in writers.items():
+            with storage.writing(uris[name]):
+                writer.close()
+        for name, handle in handles:
+            with storage.writing(uris[name]):
+                handle.close()
     elapsed = time.monotonic() - started
     log.info("shard %d: %d rows -> train %d, validation %d, test %d; %.0f rows/s", index, rows_in,
              rows["train"], rows["validation"], rows["test"], rows_in / max(elapsed, 1e-9))
@@ -430,12 +446,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.step == "plan":
             source = storage.resolve(config.storage_root, args.input or config.dataset.uri)
             storage.require_bucket(source, "--input" if args.input else "dataset.uri")
-            return {"shards": plan(source)}
+            return {"shards": plan(source, config.storage_root)}
         out = storage.resolve(config.storage_root, args.out)
         if args.step == "stats":
             return shard_stats(config, args.shard, args.index, out)
         if args.step == "reduce":
-            shards = plan(storage.resolve(config.storage_root, args.input or config.dataset.uri))
+            shards = plan(storage.resolve(config.storage_root, args.input or config.dataset.uri), config.storage_root)
             return reduce_stats(config, out, planned_stats(out, shards))
         if args.step == "transform":
             return transform_shard(config, args.shard, args.index, out, args.stats or storage.join(out, "preprocess", "stats.json"))

@@ -15,12 +15,21 @@ MAX_URI = 1024
 MAX_SWEEP_ROWS = 10**12
 
 
+# Python's JSON (the REST API's) reads NaN and Infinity; every comparison with NaN is false, so NaN passes minimum
+# and maximum, and Airflow then stores it as null, which reads as "not set" (e.g. no objective limit). The schema
+# under "not" is valid for NaN and +-Infinity alone, so they are refused, and the answer quotes its description.
+MAX_FINITE = 1.7976931348623157e308
+FINITE = {"not": {"description": "NaN and Infinity are refused: give a finite number", "type": "number",
+                  "anyOf": [{"exclusiveMinimum": MAX_FINITE}, {"exclusiveMaximum": -MAX_FINITE}]}}
+
+
 def bounded(default: Any, description: str, *, minimum: float, maximum: float, **schema: Any) -> Any:
-    """A number Param whose description states the bounds it is validated against (the form clamps silently)."""
+    """A number Param whose description states the bounds it is validated against (the form clamps silently);
+    NaN and +-Infinity are refused."""
     from airflow.sdk import Param
 
     return Param(default, minimum=minimum, maximum=maximum, description=f"{description} {minimum} to {maximum}.",
-                 **schema)
+                 **schema, **FINITE)
 
 
 def optional_text(value: str | None) -> str:
@@ -62,9 +71,10 @@ def pipeline_params(config: PipelineConfig) -> dict[str, Any]:
                         minimum=0, maximum=2**31 - 1),
         "min_test_accuracy": bounded(config.evaluate.min_test_accuracy, "Fail the run when the test accuracy is lower:",
                                      type="number", minimum=0, maximum=1),
-        "objective_limit": Param(config.evaluate.objective_limit, type=["null", "number"],
+        "objective_limit": Param(config.evaluate.objective_limit, type=["null", "number"], **FINITE,
                                  description="Fail the run when the test objective is worse than this, in the "
-                                             "objective's direction (e.g. a test rmse above it); empty: no limit."),
+                                             "objective's direction (e.g. a test rmse above it), a finite number; "
+                                             "empty: no limit."),
     }
 
 

@@ -590,12 +590,30 @@ def create_app() -> FastAPI:
         return Response(json.dumps(report, indent=2, sort_keys=True, default=str), media_type="application/json")
 
     @router.get("/registry", response_class=HTMLResponse)
-    def registry_page(request: Request) -> HTMLResponse:
+    def registry_page(request: Request, user: User) -> HTMLResponse:
         from stagewise import registry
 
         root = request.scope.get("root_path", "")
         found = pipelines()
         configs = {name: pipeline.config for name, pipeline in found.items()}
+        allowed: dict[str, bool] = {}
+
+        def may_read(dag_ids: Iterable[str]) -> bool:
+            """Whether the user may read one of these DAGs' runs (asked once per DAG and page)."""
+            for dag_id in dag_ids:
+                if dag_id not in allowed:
+                    allowed[dag_id] = can_read_runs(user, dag_id)
+                if allowed[dag_id]:
+                    return True
+            return False
+
+        def writers(root_uri: str, model: str, cards: list[dict[str, Any]]) -> list[str]:
+            """The DAGs that write ``model`` under ``root_uri``: those of the pipelines registering it there; for a model
+            no pipeline registers now (renamed, removed), the DAGs its versions came from."""
+            owners = [dag_id for name, pipeline in found.items() if pipeline.config.storage_root == root_uri
+                      and pipeline.config.registry.model_name == model for dag_id in pipeline.dag_ids]
+            sources = (str(card.get("source_run") or "").partition("/")[0] for card in cards)
+            return owners or [dag_id for dag_id in sources if dag_id]
         body = ("<h1>Model registry</h1><p class='sub'>Versions under each pipeline's <code>models/</code>; the gate "
                 "moves <em>current</em>, batch inference scores with it.</p>")
 
@@ -618,14 +636,19 @@ def create_app() -> FastAPI:
                 continue
             own = {configs[name].registry.model_name: name for name in place.names}  # each pipeline's own model first
             for name, pipeline in [*((n, own[n]) for n in own if n in result), *((n, "") for n in result if n not in own)]:
+                if not may_read(writers(place.root, name, result[name][2])):  # its cards tell what a run of it did
+                    continue
                 if (place.root, name) not in seen:  # two connections to one root list the same models
                     seen.add((place.root, name))
                     models.append((place.root, name, pipeline, result[name]))
         for place, problem in problems:
+            if not may_read(dag_id for name in place.names for dag_id in found[name].dag_ids):
+                continue
             body += (f"<section data-stagewise-storage-error='{esc(', '.join(place.names))}'><h2>"
                      f"{esc(', '.join(configs[name].registry.model_name for name in place.names))}</h2>"
                      f"<p>{storage_error(place, problem)}</p></section>")
-        in_mlflow = {name: config for name, config in configs.items() if config.registry.backend == "mlflow"}
+        in_mlflow = {name: config for name, config in configs.items()
+                     if config.registry.backend == "mlflow" and may_read(found[name].dag_ids)}
         for name, config in sorted(in_mlflow.items()):  # linked, not fetched: this page never waits on another server
             model_url = f"{config.tracking.mlflow_uri}/#/models/{quote(config.registry.model_name, safe='')}"
             body += (f"<section data-stagewise-mlflow-model='{esc(config.registry.model_name)}'><h2>"

@@ -205,13 +205,29 @@ def exists(uri: str) -> bool:
     return fs.exists(path)
 
 
+@contextlib.contextmanager
+def writing(uri: str) -> Iterator[None]:
+    """Re-raise an OSError of the block (a full disk, a quota, a dead mount) as one naming ``uri``, the file being
+    written: Python's own names a temporary file or nothing. It stays an OSError with its errno, so it is retried
+    as the infrastructure fault it is."""
+    try:
+        yield
+    except OSError as exc:
+        if type(exc) is not OSError or exc.filename == uri:
+            raise  # a kind its handlers know (not found, denied, a timeout), or it names the file already
+        if exc.errno is None:  # Arrow's IO errors: a message, no errno
+            raise OSError(f"writing {uri}: {exc}") from exc
+        raise OSError(exc.errno, f"{exc.strerror or exc}, writing", uri) from exc
+
+
 def write_bytes(uri: str, data: bytes) -> None:
     """Write ``data`` so that readers see either nothing or all of it."""
     fs, path = filesystem(uri)
-    if isinstance(fs, LocalFileSystem):
-        _write_local(path, data)
-        return
-    fs.pipe_file(path, data)
+    with writing(uri):
+        if isinstance(fs, LocalFileSystem):
+            _write_local(path, data)
+            return
+        fs.pipe_file(path, data)
 
 
 def _write_local(path: str, data: bytes) -> None:
@@ -340,8 +356,24 @@ def makedirs(uri: str) -> None:
     fs.makedirs(path, exist_ok=True)
 
 
-def list_parquet(uri: str) -> list[str]:
-    """The Parquet files at ``uri`` (one file, or every ``*.parquet`` below a folder), sorted."""
+def under(uri: str, root: str) -> bool:
+    """Whether ``uri`` is ``root`` or lies below it (local paths resolved, so '..' or a symlink cannot leave it)."""
+    fs, path = filesystem(uri)
+    root_fs, root_path = filesystem(root)
+    if type(fs) is not type(root_fs):
+        return False
+    if isinstance(fs, LocalFileSystem):
+        path, root_path = os.path.realpath(path), os.path.realpath(root_path)
+    root_path = root_path.rstrip("/")
+    return path == root_path or path.startswith(root_path + "/")
+
+
+def list_parquet(uri: str, root: str | None = None) -> list[str]:
+    """The Parquet files at ``uri`` (one file, or every ``*.parquet`` below a folder), sorted.
+
+    A folder holding no Parquet is named with what else it holds only when it lies under the storage ``root``: an
+    error about a folder outside it (an input_uri anywhere on the worker) never lists that folder's files.
+    """
     fs, path = filesystem(uri)
     if fs.isfile(path):
         if not path.endswith(".parquet"):  # a .csv or .json given as the data set: refused here, not at every shard
@@ -354,7 +386,7 @@ def list_parquet(uri: str) -> list[str]:
         raise DataError(f"{uri}: no such file or folder")
     found = sorted(fs.glob(path.rstrip("/") + "/**/*.parquet"))
     if not found:
-        others = sorted(p.rsplit("/", 1)[-1] for p in fs.find(path))
+        others = sorted(p.rsplit("/", 1)[-1] for p in fs.find(path)) if root and under(uri, root) else []
         shown = f" (it holds {len(others)} other file(s), e.g. {others[0]}: Stagewise reads Parquet only)" if others else ""
         raise DataError(f"{uri}: folder holds no *.parquet files{shown}")
     return [fs.unstrip_protocol(p) if "://" in uri else p for p in found]

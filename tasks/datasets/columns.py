@@ -217,6 +217,37 @@ def feature_difference(uri: str, features: list[str], reference_uri: str, refere
     return f"{uri}: " + "; ".join(parts) + " (every file must have the same dataset.features columns)"
 
 
+def type_name(kind: pa.DataType) -> str:
+    """A column's logical type, spelled alike whatever the writer chose for its encoding: dictionary-encoded,
+    large_ and plain strings/lists are one type, and a list's element field name does not count."""
+    if pa.types.is_dictionary(kind):
+        return type_name(kind.value_type)
+    if pa.types.is_large_string(kind):
+        return "string"
+    if pa.types.is_large_binary(kind):
+        return "binary"
+    if pa.types.is_fixed_size_list(kind):
+        return f"fixed_size_list<{type_name(kind.value_type)}>[{kind.list_size}]"
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return f"list<{type_name(kind.value_type)}>"
+    return str(kind)
+
+
+def schema_types(schema: pa.Schema, names: list[str]) -> dict[str, str]:
+    """``{column: type_name}`` of the named columns of ``schema``, for comparing shards' schemas."""
+    return {name: type_name(schema.field(name).type) for name in names}
+
+
+def type_difference(uri: str, types: dict[str, str], reference_uri: str, reference: dict[str, str]) -> str | None:
+    """None when every column both files hold has one type; else a message naming the file, the column and both types."""
+    for name, kind in types.items():
+        other = reference.get(name)
+        if other is not None and other != kind:
+            return (f"{uri}: column '{name}' has type {kind} here but {other} in {reference_uri}; every file of the "
+                    f"data set must store each column with one type (cast the column where the files are written)")
+    return None
+
+
 def tensor_block(column: pa.Array, name: str, shape: list[int], uri: str) -> np.ndarray:
     """(rows, prod(shape)) float64 from a list column; a null list or element is NaN (a dirty row), a wrong length fails."""
     size = math.prod(shape)

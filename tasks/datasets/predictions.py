@@ -12,10 +12,11 @@ from stagewise.core import storage
 log = logging.getLogger("stagewise.infer")
 
 
-def plan_inference(input_uri: str, rows_per_shard: int) -> list[dict[str, Any]]:
-    """Deterministic shards: consecutive row groups of each file, about ``rows_per_shard`` rows each."""
+def plan_inference(input_uri: str, rows_per_shard: int, root: str | None = None) -> list[dict[str, Any]]:
+    """Deterministic shards: consecutive row groups of each file, about ``rows_per_shard`` rows each (``root``: the
+    storage root, under which alone an error lists what a folder holds instead of Parquet)."""
     shards: list[dict[str, Any]] = []
-    for uri in storage.list_parquet(input_uri):
+    for uri in storage.list_parquet(input_uri, root):
         with storage.open_parquet(uri) as parquet:
             metadata = parquet.metadata
         group, rows = [], 0

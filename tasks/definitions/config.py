@@ -27,6 +27,15 @@ from stagewise.definitions.spec_source import declared_default_params
 
 # Optuna keeps a study's name in at most 512 characters (its RDB schema).
 MAX_STUDY_NAME = 512
+# Upper bounds of counts no real deployment reaches: a value past one is a typo (1e18 slots, a batch of 10^12), refused
+# naming its key before it reaches Airflow, a loader or an allocation. Each field's description states its bound.
+MAX_BATCH = 1 << 24  # rows in one batch or optimizer step: 16,777,216
+MAX_ROWS = 10**12  # rows of a data set (a sweep's row budget, an inference shard)
+MAX_STEPS = 10**9  # optimizer steps (warmup, checkpoint and measurement intervals)
+MAX_EPOCHS = 10_000
+MAX_TRIALS = 10_000
+MAX_SECONDS = 30 * 86_400  # 30 days: a task, a job or a wait
+MAX_SEED = 2**32 - 1  # numpy's seeds are 32-bit
 # Where the sweep's journal lives under storage_root when sweep.storage is unset (docs/sweeps.md).
 DEFAULT_JOURNAL = "optuna/optuna.journal"
 # What well-known metrics can be: a limit outside can never be met nor missed, so it is a typo.
@@ -40,7 +49,7 @@ class ConfigError(UserError):
 
 class _Strict(BaseModel):
     # Unknown keys are refused so a typo never silently falls back to a default.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # a NaN or inf limit would mean none
 
 
 class SageMakerSettings(_Strict):
@@ -50,10 +59,12 @@ class SageMakerSettings(_Strict):
     image_uri: str = Field(description="The runtime image (docker/runtime.Dockerfile) pushed to ECR.")
     role_arn: str = Field(pattern=r"^arn:aws[\w-]*:iam::\d{12}:role/.+$",
                           description="IAM role the job runs as: reads the run's data, writes checkpoints and models.")
-    volume_size_gb: int = Field(100, ge=1, le=16384, description="EBS volume of each node, in GB.")
-    max_run_s: int = Field(86400, ge=60, description="The job's MaxRuntimeInSeconds.")
+    volume_size_gb: int = Field(100, ge=1, le=16384, description="EBS volume of each node, in GB (at most 16384).")
+    max_run_s: int = Field(86400, ge=60, le=28 * 86_400, description="The job's MaxRuntimeInSeconds (SageMaker's limit: at most 28 days, 2419200).")
     use_spot: bool = Field(False, description="Managed spot training; an interrupted job resumes from its S3 checkpoints.")
-    max_wait_s: int | None = Field(None, ge=60, description="MaxWaitTimeInSeconds with spot, above max_run_s; empty: 2 x max_run_s.")
+    max_wait_s: int | None = Field(None, ge=60, le=MAX_SECONDS, description=(
+        "MaxWaitTimeInSeconds with spot, above max_run_s (at most 30 days, 2592000); empty: 2 x "
+        "max_run_s."))
     spot_fallback_on_last_retry: bool = Field(True, description="The stage's last Airflow try runs on demand instead of spot.")
     region: str = Field("", description="AWS region of the job; empty: the connection's or the environment's.")
     aws_conn_id: str = Field("aws_default", description="Airflow connection for the SageMaker API.")
@@ -76,7 +87,7 @@ class KubernetesSettings(_Strict):
 
     image: str = Field(description="The runtime image (docker/runtime.Dockerfile) the pods run.")
     namespace: str = Field("default", description="Namespace of the Job and its Service.")
-    gpus_per_pod: int = Field(0, ge=0, le=16, description="nvidia.com/gpu limit of each pod (usually processes_per_node).")
+    gpus_per_pod: int = Field(0, ge=0, le=16, description="nvidia.com/gpu limit of each pod (usually processes_per_node); at most 16.")
     cpu: str = Field("", description="CPU request and limit of each pod, e.g. '8'; empty: none.")
     memory: str = Field("", description="Memory request and limit of each pod, e.g. '32Gi'; empty: none.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods must match.")
@@ -84,7 +95,8 @@ class KubernetesSettings(_Strict):
     service_account: str = Field("", description="Service account of the pods (e.g. with IRSA for S3); empty: the namespace's default.")
     kubernetes_conn_id: str = Field("kubernetes_default", description="Airflow connection for the cluster's API.")
     rendezvous_port: int = Field(29400, ge=1024, le=65535, description="Port of the rendezvous store on pod 0 (torchrun's static rendezvous).")
-    join_timeout_s: int = Field(900, ge=60, description="How long torchrun waits for every pod to join (above scheduling time).")
+    join_timeout_s: int = Field(900, ge=60, le=86_400, description=(
+        "How long torchrun waits for every pod to join (above scheduling time); at most a day, 86400."))
 
 
 class Profile(_Strict):
@@ -92,19 +104,20 @@ class Profile(_Strict):
 
     backend: Literal["local", "sagemaker", "kubernetes"] = Field(
         "local", description="Launcher: 'local' runs processes on the worker; 'sagemaker'/'kubernetes' submit a train stage's whole gang as one job.")
-    nodes: int = Field(1, ge=1, le=512, description="Nodes (instances or pods) of a train stage; fixed, so the global batch is too.")
-    processes_per_node: int = Field(1, ge=1, le=64, description="Processes per node (torchrun --nproc-per-node).")
-    threads_per_process: int = Field(1, ge=1, le=256, description="Intra-op threads per process (OMP/torch).")
+    nodes: int = Field(1, ge=1, le=512, description="Nodes (instances or pods) of a train stage, at most 512; fixed, so the global batch is too.")
+    processes_per_node: int = Field(1, ge=1, le=64, description="Processes per node (torchrun --nproc-per-node); at most 64.")
+    threads_per_process: int = Field(1, ge=1, le=256, description="Intra-op threads per process (OMP/torch); at most 256.")
     device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="Device: cpu, cuda, or auto (cuda if present).")
     pool: str = Field("default_pool", description="Airflow pool that bounds concurrent use of this resource.")
-    pool_slots: int = Field(1, ge=1, description="Pool slots one task of this profile takes.")
+    pool_slots: int = Field(1, ge=1, le=100_000, description="Pool slots one task of this profile takes (at most 100000).")
     queue: str = Field("default", description="Executor queue (Celery queue / instance type).")
-    retries: int = Field(1, ge=0, le=20, description="Airflow retries after an infrastructure failure.")
-    retry_delay_s: float = Field(5.0, ge=0, description="Seconds before the first retry.")
-    retry_backoff: float = Field(2.0, ge=1.0, description="Multiplier of the retry delay per further retry.")
-    max_retry_delay_s: float = Field(300.0, ge=0, description="Cap on the retry delay.")
-    execution_timeout_s: float = Field(3600.0, gt=0, description="Seconds after which the task and its processes are killed.")
-    max_restarts: int = Field(0, ge=0, le=10, description="torchrun --max-restarts inside one Airflow try.")
+    retries: int = Field(1, ge=0, le=20, description="Airflow retries after an infrastructure failure (at most 20).")
+    retry_delay_s: float = Field(5.0, ge=0, le=86_400, description="Seconds before the first retry (at most a day, 86400).")
+    retry_backoff: float = Field(2.0, ge=1.0, le=100, description="Multiplier of the retry delay per further retry (at most 100).")
+    max_retry_delay_s: float = Field(300.0, ge=0, le=7 * 86_400, description="Cap on the retry delay (at most a week, 604800).")
+    execution_timeout_s: float = Field(3600.0, gt=0, le=MAX_SECONDS, description=(
+        "Seconds after which the task and its processes are killed (at most 30 days, 2592000)."))
+    max_restarts: int = Field(0, ge=0, le=10, description="torchrun --max-restarts inside one Airflow try (at most 10).")
     sagemaker: SageMakerSettings | None = Field(None, description="The SageMaker job settings (backend 'sagemaker').")
     kubernetes: KubernetesSettings | None = Field(None, description="The Kubernetes Job settings (backend 'kubernetes').")
 
@@ -163,16 +176,18 @@ class FeatureColumn(_Strict):
     dtype: Literal["float32", "int64", "categorical"] = Field(
         "float32", description="float32 (standardised unless normalize: false), int64 (exact integer ids, never "
                                "normalised) or categorical (strings or integers -> ids of the training split's vocabulary).")
-    shape: list[Annotated[int, Field(ge=1)]] | None = Field(
-        None, min_length=1, description="A list column with this fixed per-row tensor shape, e.g. [1, 8, 8]; empty: a scalar.")
+    shape: list[Annotated[int, Field(ge=1, le=1 << 20)]] | None = Field(
+        None, min_length=1, max_length=8, description="A list column with this fixed per-row tensor shape, e.g. [1, 8, 8] (up to 8 "
+                                                      "dimensions of at most 1048576); empty: a scalar.")
     max_length: int | None = Field(
-        None, ge=1, le=65536, description="A variable-length list column of up to this many values a row, padded per batch with a mask.")
+        None, ge=1, le=65536, description="A variable-length list column of up to this many values a row (at most 65536), padded per batch with a mask.")
     truncate: bool = Field(False, description="Keep the first max_length values of a longer row instead of failing on it.")
     normalize: bool | None = Field(
         None, description="float32 fixed-shape columns: standardise with the training data's mean/std (empty: true for a "
                           "tensor column, dataset.normalize for a scalar).")
     max_categories: int = Field(
-        100_000, ge=1, description="categorical: keep the most frequent values of the training split; others get id 0.")
+        100_000, ge=1, le=100_000_000, description="categorical: keep the most frequent values of the training split (at "
+                                                   "most 100000000); others get id 0.")
 
     @model_validator(mode="after")
     def _consistent(self) -> FeatureColumn:
@@ -204,7 +219,9 @@ class Dataset(_Strict):
     label: str = Field(description="Label column: integer classes with num_classes, else a float target (regression).")
     features: list[str | FeatureColumn] | str = Field(
         description="Feature columns: names, or {column, dtype, shape or max_length} typed ones; or a prefix ending in '*' (e.g. 'px_*').")
-    num_classes: int | None = Field(None, ge=2, description="Classes of an integer label in [0, num_classes); null: the label is a float target.")
+    num_classes: int | None = Field(None, ge=2, le=10_000_000, description=(
+        "Classes of an integer label in [0, num_classes) (at most 10000000); null: the label is a float "
+        "target."))
     normalize: bool = Field(True, description="Standardise the plain (scalar) feature columns; false keeps them as they are.")
     demo_data: Literal["digits", "digits-images", "diabetes", "synthetic", "tokens"] = Field(
         "digits", description="What `python -m stagewise.data demo` (make demo) writes into uri when it holds no shards.")
@@ -350,17 +367,17 @@ class Sampler(_Strict):
     type: Literal["tpe", "random", "cmaes", "grid"] = Field("tpe", description="tpe (Bayesian), random, cmaes or grid.")
     multivariate: bool = Field(True, description="TPE: model parameters jointly.")
     constant_liar: bool = Field(True, description="TPE: treat running trials as bad so parallel workers spread out.")
-    n_startup_trials: int = Field(4, ge=0, description="TPE/CMA-ES: random trials before the model takes over.")
+    n_startup_trials: int = Field(4, ge=0, le=MAX_TRIALS, description="TPE/CMA-ES: random trials before the model takes over (at most 10000).")
 
 
 class Pruner(_Strict):
     """How weak trials stop early."""
 
     type: Literal["hyperband", "median", "none"] = Field("hyperband", description="hyperband, median or none.")
-    min_resource: int = Field(1, ge=1, description="Hyperband: epochs before the first decision (budget rows: min_rows).")
-    reduction_factor: int = Field(3, ge=2, description="Hyperband: keep 1/reduction_factor at each rung.")
-    n_startup_trials: int = Field(2, ge=0, description="Median: trials before pruning starts.")
-    n_warmup_steps: int = Field(1, ge=0, description="Median: epochs of a trial before it can be pruned.")
+    min_resource: int = Field(1, ge=1, le=MAX_EPOCHS, description="Hyperband: epochs before the first decision (budget rows: min_rows); at most 10000.")
+    reduction_factor: int = Field(3, ge=2, le=100, description="Hyperband: keep 1/reduction_factor at each rung (at most 100).")
+    n_startup_trials: int = Field(2, ge=0, le=MAX_TRIALS, description="Median: trials before pruning starts (at most 10000).")
+    n_warmup_steps: int = Field(1, ge=0, le=MAX_EPOCHS, description="Median: epochs of a trial before it can be pruned (at most 10000).")
 
 
 class EntryPoint(_Strict):
@@ -382,17 +399,17 @@ class Sweep(_Strict):
     """An Optuna study shared by parallel worker tasks."""
 
     profile: str = Field(description="Instance profile of each worker task (more than one process: DDP trials).")
-    num_trials: int = Field(12, ge=1, le=10000, description="Trial budget of the whole study.")
-    num_workers: int = Field(2, ge=1, le=64, description="Parallel worker tasks sharing the study.")
-    epochs: int = Field(8, ge=1, le=1000, description="Max epochs of one trial (Hyperband's max resource).")
-    batch_size: int = Field(32, ge=1, description="Per-process batch size inside a trial.")
+    num_trials: int = Field(12, ge=1, le=MAX_TRIALS, description="Trial budget of the whole study (at most 10000).")
+    num_workers: int = Field(2, ge=1, le=64, description="Parallel worker tasks sharing the study (at most 64).")
+    epochs: int = Field(8, ge=1, le=1000, description="Max epochs of one trial (Hyperband's max resource); at most 1000.")
+    batch_size: int = Field(32, ge=1, le=MAX_BATCH, description="Per-process batch size inside a trial (at most 16777216).")
     storage: str = Field(
         "",
         description=("Optuna storage: journal://<file> (embedded; a relative file is under storage_root) or "
                      "postgresql://... (multi-node); empty: journal://<storage_root>/optuna/optuna.journal "
                      "(an s3:// storage_root needs one set)."),
     )
-    seed: int = Field(0, description="Sampler seed.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Sampler seed, 0 to 4294967295.")
     sampler: Sampler = Field(default_factory=Sampler, description="The sampler.")
     pruner: Pruner = Field(default_factory=Pruner, description="The pruner.")
     warm_start_from: str = Field("", max_length=MAX_STUDY_NAME,
@@ -403,13 +420,15 @@ class Sweep(_Strict):
     budget: Literal["epochs", "rows"] = Field("epochs", description=(
         "Hyperband's resource: the epochs a trial has trained, or the training rows it has seen (its rounds pass over "
         "growing, nested, key-hashed subsets of the train split, the same for every trial; docs/sweeps.md)."))
-    max_rows: int | None = Field(None, ge=1, description=(
-        "budget rows: the rows a trial that is never pruned sees in all (default: sweep.epochs passes of the split)."))
-    min_rows: int | None = Field(None, ge=1, description=(
+    max_rows: int | None = Field(None, ge=1, le=MAX_ROWS, description=(
+        "budget rows: the rows a trial that is never pruned sees in all (at most 10^12; default: sweep.epochs passes "
+        "of the split)."))
+    min_rows: int | None = Field(None, ge=1, le=MAX_ROWS, description=(
         "budget rows: the fewest rows of a trial's first round, before the first pruning decision; rounds end at "
-        "max_rows / reduction_factor^k (default: max_rows / reduction_factor^3, at least 16 batches)."))
-    validation_rows: int | None = Field(None, ge=1, description=(
-        "Score trials on this many key-hashed validation rows, the same for every trial (default: the whole split)."))
+        "max_rows / reduction_factor^k (at most 10^12; default: max_rows / reduction_factor^3, at least 16 batches)."))
+    validation_rows: int | None = Field(None, ge=1, le=MAX_ROWS, description=(
+        "Score trials on this many key-hashed validation rows, the same for every trial (at most 10^12; default: the "
+        "whole split)."))
     search_space: dict[str, Annotated[SearchParam, Field(discriminator="type")]] = Field(
         description="Tunable hyperparameters by name.")
 
@@ -507,20 +526,20 @@ class LRSchedule(_Strict):
     type: Literal["constant", "cosine", "linear", "step"] = Field(
         "constant", description="constant, cosine or linear decay to the floor, or step decay every step_epochs.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="The floor, as a fraction of the stage's (rescaled) lr.")
-    step_epochs: int = Field(1, ge=1, description="step: epochs between two decays.")
+    step_epochs: int = Field(1, ge=1, le=MAX_EPOCHS, description="step: epochs between two decays (at most 10000).")
     gamma: float = Field(0.1, gt=0, lt=1, description="step: the factor of each decay.")
 
 
 class EarlyStopping(_Strict):
     """Stop a stage whose objective has not improved for a while."""
 
-    patience: int = Field(ge=1, description="Epochs without improvement before the stage stops.")
+    patience: int = Field(ge=1, le=MAX_EPOCHS, description="Epochs without improvement before the stage stops (at most 10000).")
     min_delta: float = Field(0.0, ge=0, description="The least change of the objective that counts as improvement.")
 
 
 # The built-in loop's knobs: a stage that runs the user's own script never gets them, so it may not change their defaults.
 BUILT_IN_LOOP_KNOBS = ("lr_schedule", "grad_clip_norm", "hand_on", "early_stopping", "precision", "data_placement",
-                       "resident_memory_fraction", "shuffle_block_rows", "compile")
+                       "resident_memory_fraction", "shuffle_block_rows", "compile", "tf32", "cuda_graph")
 
 
 class TrainStage(_Strict):
@@ -528,24 +547,33 @@ class TrainStage(_Strict):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_]+$", description="Stage name; used in task ids and paths.")
     profile: str = Field(description="Instance profile (processes_per_node sets the world size).")
-    per_process_batch: int | None = Field(None, ge=1, description="Micro-batch on each process (or give global_batch).")
-    global_batch: int | None = Field(None, ge=1, description="Samples per optimizer step over all processes (or give per_process_batch).")
-    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
-    epochs: int = Field(ge=1, le=10000, description="Epochs of this stage.")
-    warmup_steps: int = Field(0, ge=0, description="Linear LR warmup steps when the global batch grew.")
+    per_process_batch: int | None = Field(None, ge=1, le=MAX_BATCH, description="Micro-batch on each process (or give global_batch); at most 16777216.")
+    global_batch: int | None = Field(None, ge=1, le=MAX_BATCH, description=(
+        "Samples per optimizer step over all processes (or give per_process_batch); at most 16777216."))
+    grad_accum_steps: int = Field(1, ge=1, le=65_536, description="Micro-batches accumulated per optimizer step (at most 65536).")
+    epochs: int = Field(ge=1, le=10000, description="Epochs of this stage (at most 10000).")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Linear LR warmup steps when the global batch grew (at most 10^9).")
     entrypoint: EntryPoint | None = Field(None, description="Run this user script/module instead of stagewise.train.")
     data_placement: Literal["auto", "host", "resident", "streamed"] = Field("auto", description=(
         "Where batches are shuffled and sliced: auto (CUDA: resident if it fits, else streamed; CPU: host), host "
         "(stagewise.datasets.loader, copied per batch), resident (read and moved once) or streamed (chunks copied ahead) on the device."))
     resident_memory_fraction: float = Field(0.5, gt=0, le=1, description=(
         "auto: data is resident when the whole train split (per rank) fits in this fraction of the device's memory."))
-    shuffle_block_rows: int = Field(1, ge=1, description=(
+    shuffle_block_rows: int = Field(1, ge=1, le=MAX_BATCH, description=(
         "Host loader: rows move within a shuffle window in runs of this many stored rows (1: single rows; more is "
-        "coarser and faster, see bench parquet_loading's details); device placements always shuffle single rows."))
+        "coarser and faster, see bench parquet_loading's details; at most 16777216); device placements always "
+        "shuffle single rows."))
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description=(
         "bf16 or fp16: forward and loss under autocast (weights stay fp32); fp16 adds a gradient scaler, checkpointed."))
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = Field("off", description=(
         "torch.compile the model with this mode (reduce-overhead: CUDA graphs); checkpoints stay the plain model's."))
+    tf32: bool = Field(True, description=(
+        "On a GPU with TensorFloat-32 (Ampere and later), float32 matmuls and convolutions use it (several times "
+        "faster, a 10-bit mantissa); false: exact float32. No effect on CPU."))
+    cuda_graph: Literal["auto", "on", "off"] = Field("auto", description=(
+        "Capture the training step (forward, loss, backward, clipping) as a CUDA graph and replay it: auto and on do "
+        "where it is safe (one process on CUDA, a spec with static_shapes, fp32/bf16, no accumulation, compile off; "
+        "otherwise eager, logged why: a WARNING for on); off: always eager."))
     lr_schedule: LRSchedule = Field(default_factory=LRSchedule, description=(
         "The lr after warmup (a spec's lr_schedule() replaces it); the batch rescale and warmup apply on top."))
     grad_clip_norm: float | None = Field(None, gt=0, description=(
@@ -558,6 +586,13 @@ class TrainStage(_Strict):
     def _one_batch_size(self) -> TrainStage:
         if (self.per_process_batch is None) == (self.global_batch is None):
             raise ValueError("give exactly one of per_process_batch and global_batch")
+        return self
+
+    @model_validator(mode="after")
+    def _one_way_to_cuda_graphs(self) -> TrainStage:
+        if self.cuda_graph == "on" and self.compile != "off":
+            raise ValueError(f"cuda_graph: 'on' captures the eager step; compile '{self.compile}' runs the forward through "
+                             "torch.compile instead (reduce-overhead makes its own CUDA graphs): set one of them")
         return self
 
     @model_validator(mode="after")
@@ -585,24 +620,27 @@ class TrainStage(_Strict):
 class Train(_Strict):
     """Sequential DDP stages whose global batch grows."""
 
-    base_batch: int = Field(32, ge=1, description="Global batch at which the swept lr holds.")
+    base_batch: int = Field(32, ge=1, le=MAX_BATCH, description="Global batch at which the swept lr holds (at most 16777216).")
     lr_rule: Literal["linear", "sqrt", "none"] = Field("linear", description="How lr scales with global batch.")
     default_params: dict[str, float | int | str] = Field(
         default_factory=dict, description="Hyperparameters used where the sweep does not set them."
     )
-    seed: int = Field(0, description="Seed of init, shuffling and dropout.")
-    checkpoint_every_steps: int = Field(50, ge=1, description="Rank 0 checkpoints every this many optimizer steps (a retry redoes at most these).")
-    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept per stage (older ones are deleted).")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of init, shuffling and dropout, 0 to 4294967295.")
+    checkpoint_every_steps: int = Field(50, ge=1, le=MAX_STEPS, description=(
+        "Rank 0 checkpoints every this many optimizer steps (a retry redoes at most these; at most "
+        "10^9)."))
+    keep_checkpoints: int = Field(2, ge=1, le=1000, description="Checkpoints kept per stage (older ones are deleted); at most 1000.")
     noise_scale: bool = Field(True, description=(
         "Measure the gradient noise scale B_simple in every stage (epoch log, report, training chart)."))
-    noise_scale_every_steps: int = Field(8, ge=1, description=(
-        "Measure it on one optimizer step in this many: a measurement costs a few passes over the gradients."))
+    noise_scale_every_steps: int = Field(8, ge=1, le=MAX_STEPS, description=(
+        "Measure it on one optimizer step in this many (at most 10^9): a measurement costs a few passes over the "
+        "gradients."))
     batch_growth: Literal["fixed", "adaptive"] = Field("fixed", description=(
         "fixed: the batches the stages give; adaptive: each stage after the first takes the noise scale measured at the "
         "end of the stage before as its global batch, clamped between that stage's batch and max_global_batch (its "
         "per_process_batch is then a memory bound, gradient accumulation reaching beyond it)."))
-    max_global_batch: int | None = Field(None, ge=1, description="adaptive: the largest global batch a stage may take.")
-    stages: list[TrainStage] = Field(min_length=1, description="The stages, run in order.")
+    max_global_batch: int | None = Field(None, ge=1, le=MAX_BATCH, description="adaptive: the largest global batch a stage may take (at most 16777216).")
+    stages: list[TrainStage] = Field(min_length=1, max_length=100, description="The stages, run in order (1 to 100).")
 
     @field_validator("default_params")
     @classmethod
@@ -650,8 +688,8 @@ class Inference(_Strict):
 
     profile: str = Field(description="Instance profile of each shard task.")
     input_uri: str = Field("", description="Raw-schema Parquet to score; empty means the pipeline's dataset.")
-    rows_per_shard: int = Field(500, ge=1, description="Target rows per inference shard.")
-    batch_size: int = Field(1024, ge=1, description="Rows scored per forward pass.")
+    rows_per_shard: int = Field(500, ge=1, le=MAX_ROWS, description="Target rows per inference shard (at most 10^12).")
+    batch_size: int = Field(1024, ge=1, le=MAX_BATCH, description="Rows scored per forward pass (at most 16777216).")
     bad_rows: Literal["quarantine", "fail"] = Field(
         "quarantine", description="Rows that cannot be scored: set aside with a reason, or fail the shard.")
 
@@ -664,7 +702,7 @@ class Inference(_Strict):
 class Pool(_Strict):
     """An Airflow pool: the slots that profiles' pool_slots draw from."""
 
-    slots: int = Field(ge=1, description="Concurrent slots, e.g. the cores or GPUs of a worker.")
+    slots: int = Field(ge=1, le=100_000, description="Concurrent slots, e.g. the cores or GPUs of a worker (at most 100000).")
     description: str = Field("", description="Shown in the Airflow UI.")
 
 
@@ -757,7 +795,7 @@ class Retrain(_Strict):
     """The retrain DAG: on a schedule and when new data lands."""
 
     schedule: str = Field("0 3 * * 0", description="Cron schedule (UTC), besides the data-landed trigger.")
-    num_trials: int = Field(4, ge=1, description="Sweep budget of a retrain (warm-started from the current model).")
+    num_trials: int = Field(4, ge=1, le=MAX_TRIALS, description="Sweep budget of a retrain (warm-started from the current model); at most 10000.")
 
     @field_validator("schedule")
     @classmethod
@@ -820,7 +858,7 @@ class AirflowSettings(_Strict):
 
     owner: str = Field("stagewise", min_length=1, description="Owner of every task (default_args.owner).")
     tags: list[str] = Field(default_factory=list, description="Tags added to each DAG's own (stagewise and its kind).")
-    max_active_runs: int | None = Field(None, ge=1, description="Concurrent runs of each DAG; null: 4, and 1 for retrain.")
+    max_active_runs: int | None = Field(None, ge=1, le=1000, description="Concurrent runs of each DAG (at most 1000); null: 4, and 1 for retrain.")
     start_date: dt.date = Field(dt.date(2026, 1, 1), description="The DAGs' start_date (UTC midnight).")
     catchup: bool = Field(False, description="Whether the scheduled retrain runs the intervals it missed.")
     default_args: dict[str, Any] = Field(

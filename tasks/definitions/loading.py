@@ -17,6 +17,8 @@ from pydantic import ValidationError
 
 from stagewise.core import storage
 from stagewise.definitions.config import ConfigError, PipelineConfig, default_model_name
+from stagewise.definitions.hyperparams import BUILTIN_SPEC
+from stagewise.definitions.spec_source import spec_problem
 
 
 def _checkout_root() -> Path | None:
@@ -39,6 +41,40 @@ SCRATCH_ENV_VAR = "STAGEWISE_SCRATCH_ROOT"
 
 # libyaml's safe loader where PyYAML has it (the same YAML, faster: DAG parsing reads every pipeline's file).
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+MAX_YAML_VALUES = 100_000
+"""Values a config may hold once its YAML aliases are expanded: a pipeline config holds hundreds; an alias bomb
+(each alias naming a list of the last) holds billions, built in microseconds as shared references and exhausting
+memory only where the config is dumped (its snapshot, ``python -m stagewise.config``)."""
+
+MAX_YAML_DEPTH = 64
+"""Levels a config's values may nest (a recursive alias, ``&a [*a]``, nests without end)."""
+
+
+def read_yaml(text: str, source: Path | str) -> Any:
+    """The YAML document in ``text``; ConfigError naming ``source`` when it is not YAML, or when its aliases expand
+    to more than MAX_YAML_VALUES values or MAX_YAML_DEPTH levels."""
+    try:
+        raw = yaml.load(text, Loader=SAFE_LOADER)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    # walk the document as a dump would, each shared reference once per place it is used, and stop at the bound
+    pending, seen = [(raw, 1)], 0
+    while pending:
+        value, depth = pending.pop()
+        seen += 1
+        if seen > MAX_YAML_VALUES or depth > MAX_YAML_DEPTH:
+            what = f"more than {MAX_YAML_VALUES} values" if seen > MAX_YAML_VALUES else f"more than {MAX_YAML_DEPTH} levels deep"
+            raise ConfigError(f"{source}: the YAML expands to {what} (YAML aliases, '*name', that repeat an anchor "
+                              f"'&name' many times over or inside itself?); a pipeline config holds far fewer: write "
+                              f"the repeated values out or drop the aliases")
+        if isinstance(value, dict):
+            pending.extend((item, depth + 1) for item in value.values())
+            seen += len(value)  # the keys
+        elif isinstance(value, list):
+            pending.extend((item, depth + 1) for item in value)
+    return raw
 
 
 def _format_validation_error(path: Path, error: ValidationError, overrides: dict[str, Any]) -> str:
@@ -185,10 +221,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         if isinstance(resolved, str) and not isinstance(exc, FileNotFoundError):
             raise  # a storage fault while reading a run's snapshot: retried, not the user's to fix
         raise ConfigError(f"{resolved}: cannot read pipeline config ({exc.strerror or exc})") from None
-    try:
-        raw = yaml.load(text, Loader=SAFE_LOADER)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{resolved}: not valid YAML: {exc}") from None
+    raw = read_yaml(text, resolved)
     if not isinstance(raw, dict):
         raise ConfigError(f"{resolved}: the top level must be a mapping of keys, got {type(raw).__name__}")
     _fill_model_name(raw)
@@ -224,6 +257,17 @@ def _make_spec_importable(resolved: Path | str, config: PipelineConfig) -> None:
     if not found:
         raise ConfigError(f"{resolved}: model.spec '{config.model.spec}': no module '{module}' in model.import_paths "
                           f"{config.model.import_paths} nor installed; put it beside the config or name its folder there")
+    check_spec_source(resolved, config)
+
+
+def check_spec_source(resolved: Path | str, config: PipelineConfig, may_import: bool = False) -> None:
+    """Refuse a model.spec whose source shows it is no ModelSpec subclass (``os:system``, a function, a plain class),
+    read without running it; ``may_import`` lets the lookup import the spec's parent packages (the CLI's check)."""
+    if config.model.spec == BUILTIN_SPEC:
+        return
+    problem = spec_problem(config.model.spec, config.model.import_paths or (), may_import=may_import)
+    if problem:
+        raise ConfigError(f"{resolved}: model.spec '{config.model.spec}': {problem}")
 
 
 def snapshot(config: PipelineConfig) -> tuple[str, str]:

@@ -14,7 +14,6 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-import yaml
 from pydantic import ValidationError
 
 from stagewise.definitions.config import ConfigError, PipelineConfig
@@ -23,9 +22,9 @@ from stagewise.definitions.loading import (
     CHECKOUT_ROOT,
     CONFIG_ENV_VAR,
     DEFAULT_CONFIG_PATH,
-    SAFE_LOADER,
     load_config,
     read_text,
+    read_yaml,
 )
 
 PIPELINES_ENV_VAR = "STAGEWISE_PIPELINES"
@@ -80,8 +79,8 @@ def name_of(path: Path | str) -> str:
     """The pipeline name of the config at ``path`` (a file or a URI): its ``name`` key, else the file name without
     its suffix. Only the YAML is read (no validation), so a broken config still has a name for its DAGs."""
     try:
-        raw = yaml.load(read_text(path), Loader=SAFE_LOADER)
-    except (OSError, yaml.YAMLError):
+        raw = read_yaml(read_text(path), path)  # bounded: a file's name must not cost the DAG file its memory
+    except (OSError, ConfigError):
         raw = None
     named = raw.get("name") if isinstance(raw, dict) else None
     return named if isinstance(named, str) and named else PurePosixPath(str(path)).stem

@@ -72,6 +72,26 @@ def test_out_of_bounds_params_are_refused(name, value):
         params.validate()
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("name", ["objective_limit", "min_test_accuracy"])
+def test_nan_and_infinity_are_refused_by_every_float_param(name, value):
+    """REST conf is read by Python's JSON, which takes NaN and Infinity; NaN passes any minimum/maximum and Airflow
+    stores it as null ("no limit"), so the schema refuses both, in the task SDK's Params and in the api-server's
+    (SerializedParam: what a REST trigger is validated by), with a message that says why; finite values pass."""
+    from airflow.sdk.definitions.param import ParamsDict
+    from airflow.sdk.exceptions import ParamValidationError
+    from airflow.serialization.definitions.param import SerializedParam
+
+    param = pipeline_params(load_config())[name]
+    params = ParamsDict({name: param})
+    with pytest.raises(ParamValidationError, match=f"param {name}"):
+        params[name] = value
+        params.validate()
+    with pytest.raises(Exception, match="NaN and Infinity are refused"):
+        SerializedParam(value, param.description, **param.schema).resolve(raises=True)
+    assert SerializedParam(0.5, param.description, **param.schema).resolve(raises=True) == 0.5
+
+
 @pytest.mark.parametrize("form,name,value", [
     ("pipeline", "warm_start_study", "x" * 1_000_000), ("pipeline", "input_uri", "raw/" + "d" * 2000),
     ("inference", "input_uri", "s3://b/" + "k" * 1100), ("inference", "model_version", "../other/m-0ther0000001"),

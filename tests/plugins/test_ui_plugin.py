@@ -614,6 +614,43 @@ def test_a_user_without_read_access_to_a_dag_sees_none_of_its_runs(airflow_api, 
         assert client.get(f"/stagewise/runs/ml_pipeline/{path}", headers=bearer).status_code == 403
 
 
+def test_a_user_denied_a_pipelines_dags_sees_no_card_of_its_model(airflow_api, storage_root, tmp_path, monkeypatch):
+    """The registry page shows a model only to users who may read a DAG that writes it: denied every DAG of pipeline
+    ml, a user gets the page without digits' section, versions, cards or storage path; allowed one of them (its
+    retrain DAG), the model is back."""
+    from airflow.api_fastapi.app import get_auth_manager
+
+    first, second = register_two_versions(str(storage_root), tmp_path)
+    client, token = airflow_api(str(storage_root))
+    manager = get_auth_manager()
+    denied: set[str] = {"ml_pipeline", "ml_retrain", "ml_batch_inference", "ml_ingest"}
+    monkeypatch.setattr(manager, "is_authorized_dag", lambda *, method, access_entity=None, details=None, user:
+                        details is None or details.id not in denied)
+    bearer = {"Authorization": f"Bearer {token}"}
+    page = client.get("/stagewise/registry", headers=bearer)
+    assert page.status_code == 200, page.text
+    for hidden in ("data-stagewise-model", first, second, "Card of", str(storage_root)):
+        assert hidden not in page.text
+    denied.discard("ml_retrain")
+    page = client.get("/stagewise/registry", headers=bearer)
+    assert "data-stagewise-model='digits'" in page.text and first in page.text and second in page.text
+
+
+def test_a_model_no_pipeline_registers_shows_only_to_readers_of_the_dags_its_versions_came_from(
+        airflow_api, storage_root, tmp_path, monkeypatch):
+    """A model left by a renamed pipeline has no pipeline's DAGs: its versions' source DAGs decide who sees it."""
+    from airflow.api_fastapi.app import get_auth_manager
+
+    register_two_versions(str(storage_root), tmp_path)
+    client, token = airflow_api(str(storage_root), registry={"model_name": "renamed"})
+    manager = get_auth_manager()
+    bearer = {"Authorization": f"Bearer {token}"}
+    assert "data-stagewise-model='digits'" in client.get("/stagewise/registry", headers=bearer).text
+    monkeypatch.setattr(manager, "is_authorized_dag", lambda *, method, access_entity=None, details=None, user:
+                        details is None or details.id != "ml_pipeline")
+    assert "data-stagewise-model='digits'" not in client.get("/stagewise/registry", headers=bearer).text
+
+
 @pytest.mark.parametrize(("path", "login", "status"), [
     ("/stagewise/", "admin", 200), (f"/stagewise/runs/ml_pipeline/{RUN_ID}", "admin", 200),
     (f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.html", "admin", 200),

@@ -138,6 +138,103 @@ def test_journal_without_a_file_is_refused(write_config, storage_root):
     assert "sweep.storage" in message
 
 
+@pytest.mark.parametrize("section,key,value", [
+    ("pools", "slots", 10**18), ("sweep", "num_trials", 10**9), ("sweep", "batch_size", 10**12),
+    ("inference", "rows_per_shard", 10**15), ("inference", "batch_size", 1e18), ("train", "keep_checkpoints", 10**6),
+    ("train", "seed", 2**40), ("sweep", "seed", -1)])
+def test_absurd_counts_are_config_errors_naming_the_key(write_config, storage_root, section, key, value):
+    """Every count has an upper bound no real deployment reaches (stated in the field's description): a typo such
+    as 1e18 pool slots fails at load naming the key, not later in Airflow, a loader or an allocation."""
+    raw = base_config(storage_root)
+    if section == "pools":
+        raw["pools"] = {"big": {"slots": value}}
+    else:
+        raw[section][key] = value
+    message = _load_error(write_config, raw)
+    assert f"{section}.{'big.' if section == 'pools' else ''}{key}:" in message
+    assert "less than or equal" in message or "greater than or equal" in message
+
+
+@pytest.mark.parametrize("section,key,value", [("evaluate", "objective_limit", float("nan")),
+                                               ("evaluate", "min_test_accuracy", float("nan")),
+                                               ("registry", "margin", float("inf")), ("preprocess", "max_null_fraction", float("nan"))])
+def test_non_finite_limits_are_config_errors_naming_the_key(write_config, storage_root, section, key, value):
+    """YAML's .nan and .inf are refused by every float field: a NaN limit is never exceeded, so it would mean none."""
+    raw = base_config(storage_root)
+    raw[section][key] = value
+    assert f"{section}.{key}: Input should be a finite number" in _load_error(write_config, raw)
+
+
+def test_every_count_of_the_config_has_an_upper_bound_in_its_description():
+    """Each int field of the schema has an upper bound, and its description states it (ports and seeds: a range)."""
+    import typing
+
+    import annotated_types
+    from pydantic import BaseModel
+
+    from stagewise.definitions import config as schema
+
+    missing = []
+    for model in [value for value in vars(schema).values() if isinstance(value, type) and issubclass(value, BaseModel)]:
+        for name, field in model.model_fields.items():
+            if model is schema.IntParam or int not in {field.annotation, *typing.get_args(field.annotation)}:
+                continue  # a search dimension's bounds are values to try, not counts
+            bounded = any(isinstance(item, annotated_types.Le | annotated_types.Lt) for item in field.metadata)
+            described = any(words in (field.description or "") for words in ("at most", " to ", "Port"))
+            if not (bounded and described):
+                missing.append(f"{model.__name__}.{name}")
+    assert not missing, missing
+
+
+SPEC_SOURCES = {
+    "a-function": "def Candidate(**args):\n    return None\n",
+    "a-plain-class": "class Candidate:\n    pass\n",
+    "a-class-of-another-base": "import json\n\n\nclass Candidate(json.JSONDecoder):\n    pass\n",
+    "no-such-class": "X = 1\n",
+}
+
+
+@pytest.mark.parametrize("spec", ["os:system", "json:JSONDecoder", *SPEC_SOURCES])
+def test_a_spec_that_is_no_model_spec_subclass_is_refused_at_load_and_by_the_cli(tmp_path, storage_root, spec):
+    """model.spec must name a ModelSpec subclass: its source (read, never run) shows a function, a plain class or
+    nothing of that name, and load_config and `python -m stagewise.config` refuse it naming model.spec."""
+    from stagewise.config import main
+
+    if spec in SPEC_SOURCES:
+        (tmp_path / "my_spec.py").write_text(SPEC_SOURCES[spec])
+        spec = "my_spec:Candidate"
+    raw = base_config(storage_root)
+    raw["model"] = {"spec": spec, "args": {}}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=rf"model.spec '{spec}': .*(defines no class|is a function|no ModelSpec subclass)"):
+        load_config(path)
+    with pytest.raises(SystemExit, match="model.spec"):
+        main([str(path)])
+
+
+@pytest.mark.parametrize("source", [
+    "from stagewise.spec import Classifier\n\n\nclass Candidate(Classifier):\n    pass\n",
+    "import stagewise.spec as spec\n\n\nclass Base(spec.ModelSpec):\n    pass\n\n\nclass Candidate(Base):\n    pass\n",
+    "from base_spec import Shared as Candidate\n",
+    "from base_spec import make\n\nCandidate = make()\n",
+], ids=["subclass", "through-a-local-base", "re-exported-from-a-module-beside-it", "made-at-run-time"])
+def test_a_model_spec_subclass_passes_the_source_check(tmp_path, storage_root, source, capsys):
+    """ModelSpec subclasses pass, through local bases, aliases and modules beside the config; a name bound at run time
+    passes too (the source cannot tell: the import at the first stage checks it)."""
+    from stagewise.config import main
+
+    (tmp_path / "base_spec.py").write_text("from stagewise.spec import Regressor\n\n\nclass Shared(Regressor):\n    pass\n")
+    (tmp_path / "my_spec.py").write_text(source)
+    raw = base_config(storage_root)
+    raw["model"] = {"spec": "my_spec:Candidate", "args": {}}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert load_config(path).model.spec == "my_spec:Candidate"
+    main([str(path)])
+    assert "my_spec:Candidate" in capsys.readouterr().out
+
+
 def test_invalid_yaml(tmp_path):
     """A file that is not YAML fails as a ConfigError naming the file, not a raw parser exception."""
     path = tmp_path / "broken.yaml"
@@ -145,6 +242,41 @@ def test_invalid_yaml(tmp_path):
     with pytest.raises(ConfigError, match="not valid YAML") as caught:
         load_config(path)
     assert str(path) in str(caught.value)
+
+
+def _alias_bomb(levels: int = 20) -> str:
+    """model.args whose last key, through aliases each naming ten of the one before, holds 10**levels strings."""
+    lines = ["a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def _with_model_args(storage_root: Path, path: Path, args_yaml: str) -> Path:
+    """base_config with ``model.args`` written as the given YAML block (indented under it), as a file at ``path``."""
+    raw = base_config(storage_root)
+    spec = raw.pop("model")["spec"]
+    indented = "\n".join("    " + line for line in args_yaml.splitlines())
+    path.write_text(yaml.safe_dump(raw) + f"model:\n  spec: '{spec}'\n  args:\n{indented}\n")
+    return path
+
+
+@pytest.mark.parametrize("args", [_alias_bomb(), "loop: &loop [*loop]"], ids=["exponential", "recursive"])
+def test_a_yaml_alias_bomb_is_refused_at_load_naming_the_file(tmp_path, storage_root, args):
+    """Aliases expanding to billions of values (or without end) under model.args are refused as a ConfigError (a user
+    error: no retry) naming the file, before anything dumps the config; the name of the file's DAGs still resolves."""
+    from stagewise.definitions.pipelines import name_of
+
+    path = _with_model_args(storage_root, tmp_path / "bomb.yaml", args)
+    with pytest.raises(ConfigError, match="YAML expands to more than") as caught:
+        load_config(path)
+    assert str(caught.value).startswith(f"{path}: ")
+    assert name_of(path) == "bomb"  # 'name: ml' is not read from a file that does not load: the file name stands
+
+
+def test_yaml_aliases_of_a_sane_size_still_load(tmp_path, storage_root):
+    """An anchor reused a few times is plain YAML and loads."""
+    path = _with_model_args(storage_root, tmp_path / "anchors.yaml", "hidden: &width 32\nwidths: [*width, *width]")
+    assert load_config(path).model.args["widths"] == [32, 32]
 
 
 @pytest.mark.parametrize("text,kind", [("- a\n- b\n", "list"), ("just a string\n", "str"), ("", "NoneType")])

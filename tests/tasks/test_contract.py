@@ -18,6 +18,8 @@ INTERNAL = {
     "STAGEWISE_PIPELINES": "the deployment's pipeline configs (stagewise.definitions.pipelines), for the DAG file and the UI",
     "STAGEWISE_FAULT_KILL_AT": "test-only fault injection in stagewise.train",
     "STAGEWISE_FAULT_KILL_TRIAL": "test-only fault injection in stagewise.sweep",
+    "STAGEWISE_STATE_DIR": "where the DAG file keeps each pipeline's last valid version (stagewise.definitions.last_valid)",
+    "STAGEWISE_SCRATCH_ROOT": "CI mode: every loaded pipeline on scratch storage (stagewise.definitions.loading, docs/ci.md)",
 }
 
 

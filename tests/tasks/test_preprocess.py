@@ -276,6 +276,44 @@ def test_a_copy_of_a_shard_under_another_name_fails(synthetic, storage_root):
     assert f"{raw_uri}/part-00001.parquet" in str(caught.value) and f"{raw_uri}/part-00001-copy.parquet" in str(caught.value)
 
 
+@pytest.mark.parametrize("column,change,types", [
+    ("row_id", lambda t: t.set_column(0, "row_id", pa.array([str(k) for k in t.column("row_id").to_pylist()])),
+     ("string", "int64")),
+    ("f_002", lambda t: t.set_column(3, "f_002", pa.array(np.round(t.column("f_002").to_numpy()).astype(np.int64))),
+     ("int64", "double")),
+], ids=["string-key-among-int-keys", "int-feature-among-float"])
+def test_a_column_typed_differently_in_one_shard_fails_reduce_naming_file_column_and_both_types(
+        synthetic, storage_root, column, change, types):
+    """A copy of a shard with its keys stored as strings hashes apart from the int keys and would slip past the
+    duplicate check (training rows among the test rows): reduce refuses any column whose type differs between files,
+    naming the file, the column and both types, before a split is written."""
+    config, raw_uri = synthetic(num_rows=1_000, num_shards=2, dirty_fraction=0.0)
+    odd = str(Path(raw_uri) / "part-00002.parquet")  # a copy of part-00000, sorted after it
+    pq.write_table(change(pq.read_table(Path(raw_uri) / "part-00000.parquet")), odd)
+    out = str(storage_root / "runs" / "t" / "types")
+    with pytest.raises(DataError) as caught:
+        _stats_and_reduce(config, preprocess.plan(raw_uri), out)
+    message = str(caught.value)
+    assert message.startswith(f"{odd}: column '{column}' has type {types[0]} here but {types[1]} in {raw_uri}/part-00000.parquet")
+    assert not storage.exists(str(Path(out) / "preprocess" / "stats.json"))
+
+
+def test_encodings_of_one_type_are_not_a_type_difference(synthetic, storage_root):
+    """Dictionary-encoded, large and plain strings, and a list's element field name, are one type to the comparison."""
+    from stagewise.datasets.columns import type_name
+
+    assert type_name(pa.dictionary(pa.int32(), pa.string())) == type_name(pa.large_string()) == "string"
+    assert type_name(pa.list_(pa.field("element", pa.int64()))) == type_name(pa.large_list(pa.int64()))
+    config, raw_uri = synthetic(num_rows=1_000, num_shards=2, dirty_fraction=0.0, dataset={"uri": "raw/strkeys"})
+    folder = storage_root / "raw" / "strkeys"
+    for index, shard in enumerate(preprocess.plan(raw_uri)):
+        table = pq.read_table(shard)
+        keys = pa.array([f"k{k}" for k in table.column("row_id").to_pylist()], pa.large_string() if index else pa.string())
+        _write_table(folder, f"part-{index:05d}.parquet", table.set_column(0, "row_id", keys))
+    reduced = _stats_and_reduce(config, preprocess.plan(str(folder)), str(storage_root / "runs" / "t" / "encodings"))
+    assert reduced["rows_kept"] == 1_000
+
+
 def test_the_same_shard_listed_twice_fails(synthetic, storage_root):
     """One file listed as two shards, spelled the same or once as a file:// URI, is refused naming it."""
     config, raw_uri = synthetic(num_rows=1_000, num_shards=1, dirty_fraction=0.0)
@@ -494,6 +532,42 @@ def test_retry_yields_the_same_splits_and_removes_stale_attempt_files(synthetic,
     on_disk = {str(p) for name in SPLITS for p in (Path(out) / "preprocess" / name).glob("*")}
     assert on_disk == listed
     assert not listed & {entry["uri"] for files in first["splits"].values() for entry in files}
+
+
+def test_a_full_disk_during_transform_names_the_file_it_was_writing_and_stays_retryable(synthetic, storage_root,
+                                                                                       monkeypatch):
+    """ENOSPC while a split file is written (or while a JSON is) is an infrastructure fault, so it stays an OSError
+    with its errno (retried), but its message names the file, where Python's names none."""
+    import errno
+    import os
+
+    from stagewise.core.errors import UserError
+
+    config, raw_uri = synthetic(num_rows=600, num_shards=1, dirty_fraction=0.0)
+    out = str(storage_root / "runs" / "t" / "full")
+    shard = preprocess.plan(raw_uri)[0]
+    reduced = _stats_and_reduce(config, [shard], out)
+
+    class FullDisk(pq.ParquetWriter):
+        def write_batch(self, *args, **kwargs):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(preprocess.pq, "ParquetWriter", FullDisk)
+    with pytest.raises(OSError) as caught:
+        preprocess.transform_shard(config, shard, 0, out, reduced["stats_uri"])
+    assert not isinstance(caught.value, UserError) and caught.value.errno == errno.ENOSPC
+    assert str(caught.value).startswith("[Errno 28] No space left on device, writing: ")
+    assert caught.value.filename.startswith(f"{out}/preprocess/train/part-00000-") and caught.value.filename.endswith(".parquet")
+    monkeypatch.undo()
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    target = str(Path(out) / "preprocess" / "stats.json")
+    with pytest.raises(OSError, match="No space left on device") as caught:
+        storage.write_json(target, {"a": 1})
+    assert caught.value.filename == target and caught.value.errno == errno.ENOSPC
 
 
 def test_normalised_features_are_standardised(synthetic, storage_root):

@@ -45,8 +45,8 @@ def test_builtin_spec_params_match_the_config_check():
 
 @pytest.mark.parametrize("path,message", [
     ("no_such_module:Spec", "no module 'no_such_module' in model.import_paths"),  # refused as the config loads
-    ("stagewise.model:NotThere", "'NotThere' is not a ModelSpec subclass"),
-    ("stagewise.model:BUNDLE_FORMAT", "is not a ModelSpec subclass"),
+    ("stagewise.model:NotThere", "defines no class 'NotThere'"),  # its source, read as the config loads
+    ("stagewise.model:BUNDLE_FORMAT", "defines no class 'BUNDLE_FORMAT'"),
 ])
 def test_a_spec_that_cannot_be_imported_is_a_user_error_naming_it(digits_run, single_process, path, message):
     """A bad model.spec fails the stage as bad input, naming the path, before anything trains."""

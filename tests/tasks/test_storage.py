@@ -83,10 +83,29 @@ def test_a_csv_given_as_the_data_set_is_refused_at_planning_naming_it(tmp_path):
     with pytest.raises(DataError, match=rf"{csv}: is not a Parquet file \(it starts with b'row_'\)"):
         storage.list_parquet(str(csv))
     with pytest.raises(DataError, match=r"folder holds no \*.parquet files \(it holds 1 other file\(s\), e.g. train.csv"):
-        storage.list_parquet(str(tmp_path))
+        storage.list_parquet(str(tmp_path), root=str(tmp_path))  # under the storage root: what it holds instead
     renamed = tmp_path / "data"  # Parquet without the suffix still lists itself
     _parquet(renamed)
     assert storage.list_parquet(str(renamed)) == [str(renamed)]
+
+
+def test_a_folder_outside_the_storage_root_is_never_listed_in_an_error(tmp_path):
+    """An input_uri can name any folder the worker reads: its error says it holds no Parquet, never which files it
+    holds (a folder of secrets would be named file by file), unless it lies under the storage root; '..' or a
+    symlink out of the root counts as outside."""
+    root, outside = tmp_path / "storage", tmp_path / "elsewhere"
+    for folder in (root / "raw" / "csv", outside):
+        folder.mkdir(parents=True)
+        (folder / "id_rsa").write_text("secret")
+    (root / "raw" / "link").symlink_to(outside)
+    for uri in (str(outside), f"file://{outside}", str(root / "raw" / ".." / ".." / "elsewhere"), str(root / "raw" / "link")):
+        for given in (None, str(root)):
+            with pytest.raises(DataError) as caught:
+                storage.list_parquet(uri, root=given)
+            assert str(caught.value) == f"{uri}: folder holds no *.parquet files"
+    with pytest.raises(DataError, match="e.g. id_rsa"):
+        storage.list_parquet(str(root / "raw" / "csv"), root=str(root))
+    assert storage.under(str(root / "raw"), f"file://{root}") and not storage.under(str(outside), str(root))
 
 
 def test_list_parquet_of_a_folder_is_sorted_recursive_and_parquet_only(tmp_path):
