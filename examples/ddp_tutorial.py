@@ -13,6 +13,8 @@ Run: ``STAGEWISE_CONFIG=examples/ddp_tutorial.yaml make demo``.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -122,4 +124,7 @@ def main(save_every: int = 1) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description="simple distributed training job")
+    # stagewise: the tutorial's total_epochs and batch_size come from the run (spec.context()), not arguments
+    parser.add_argument("--save-every", type=int, default=1, help="How often to save a snapshot (epochs)")
+    main(parser.parse_args().save_every)

@@ -1,7 +1,8 @@
 """Check a pipeline config: ``python -m stagewise.config [pipeline.yaml]`` validates a file and prints it resolved;
 ``python -m stagewise.config --reference`` prints the config reference as Markdown; ``--dag-id KIND`` prints the DAG id
 of the file's KIND DAG (``pipeline``: ``ml_pipeline``); ``--pipelines [DIR]`` checks every pipeline of a folder and lists them
-(a team's CI: exits non-zero naming each broken or clashing file and key); ``--forget NAME`` retires a deleted pipeline's last valid DAGs.
+(a team's CI: exits non-zero naming each broken or clashing file and key); ``--forget NAME`` retires a deleted pipeline's last valid DAGs;
+``--rerun SNAPSHOT --as NAME [--out FILE]`` writes a pipeline config that re-runs a past run (docs/pipelines.md).
 
 The schema lives in ``stagewise.definitions.config``, loading in ``stagewise.definitions.loading``.
 """
@@ -9,14 +10,18 @@ The schema lives in ``stagewise.definitions.config``, loading in ``stagewise.def
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
 from stagewise.definitions import reference
-from stagewise.definitions.config import ConfigError
+from stagewise.definitions.config import ConfigError, PipelineConfig
 from stagewise.definitions.last_valid import LastValid
-from stagewise.definitions.loading import config_path, load_config
-from stagewise.definitions.pipelines import KINDS, PipelineFile, dag_id, name_of, resolve, sources
+from stagewise.definitions.loading import check_spec_source, config_path, load_config
+from stagewise.definitions.pipelines import KINDS, NAME_PATTERN, PipelineFile, dag_id, name_of, resolve, sources
+from stagewise.reporting import lineage
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,11 +35,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--forget", metavar="NAME",
                         help="retire deleted pipeline NAME: its last valid DAGs go at the DAG file's next parse "
                              "(with --pipelines DIR as the DAG file names it)")
+    parser.add_argument("--rerun", metavar="SNAPSHOT",
+                        help="write a pipeline config that re-runs a past run from its snapshot (runs/<dag_id>/<run_id>/"
+                             "config.yaml, a path or URI) under the pipeline name --as, so its DAG ids and registry "
+                             "name clash with no other's; notes what code changed since the run started")
+    parser.add_argument("--as", dest="rerun_name", metavar="NAME", help="--rerun: the new pipeline's name")
+    parser.add_argument("--model-name", help="--rerun: the new pipeline's registry.model_name (default: NAME, a "
+                                             "registry of its own: its gate never moves the original's model)")
+    parser.add_argument("--out", metavar="FILE", help="--rerun: write the config to FILE (NAME.yaml in the "
+                                                      "pipelines folder; never overwritten) instead of stdout")
     args = parser.parse_args(argv)
     if args.reference:
         print(reference.markdown())
         return
+    if args.rerun and not args.rerun_name:
+        parser.error("--rerun needs --as NAME: the re-run's pipeline name, other than the original's")
     try:
+        if args.rerun:
+            _write_rerun(args.rerun, args.rerun_name, args.model_name, args.out)
+            return
         if args.dag_id:
             print(dag_id(name_of(config_path(args.path)), args.dag_id))
             return
@@ -47,8 +66,11 @@ def main(argv: list[str] | None = None) -> None:
             return
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
+    except FileExistsError:
+        raise SystemExit(f"{args.out} exists: give --out a new file") from None
     try:
         config = load_config(args.path)
+        check_spec_source(config_path(args.path), config, may_import=True)  # installed packages' specs too
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
     print(yaml.safe_dump(config.model_dump(), sort_keys=False))
@@ -62,6 +84,68 @@ def check(setting: str | None) -> None:
         print(_pipeline_line(pipeline))
     if resolved.errors:
         raise SystemExit("\n".join(resolved.errors.values()))
+
+
+def rerun(snapshot: str, name: str, model_name: str | None = None) -> tuple[str, list[str]]:
+    """A pipeline config (YAML) that re-runs the run whose config snapshot is ``snapshot``, and notes on what differs.
+
+    The snapshot holds every value the run used (the trigger form's included, paths absolute) and its pipeline's name,
+    so placed in the pipelines folder as it is, it clashes with the pipeline it came from (one name, one registry
+    name). Here it becomes pipeline ``name`` with registry ``model_name`` (default ``name``: a registry of its own,
+    whose gate never judges against nor moves the original's model); storage, data and the rest stay the run's.
+    The snapshot names the user's code by path only: the notes say what changed since the run started (lineage.json).
+    """
+    if not NAME_PATTERN.fullmatch(name):
+        raise ConfigError(f"--as '{name}' cannot name DAGs: a letter, then letters, digits or _ (64 at most)")
+    source = config_path(snapshot)
+    config = load_config(source)
+    if name == config.name:
+        raise ConfigError(f"--as '{name}' is the name of the pipeline the run came from: give the re-run another")
+    values = config.model_dump(mode="json")
+    values["name"] = name
+    values["registry"]["model_name"] = model_name or name
+    try:
+        PipelineConfig.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(f"--model-name: {exc.errors()[0]['msg']}") from None
+    folder = str(Path(source).parent) if isinstance(source, Path) else source.rsplit("/", 1)[0]
+    notes = _code_changes(config, folder)
+    header = [f"# A re-run of {source} as pipeline '{name}' (python -m stagewise.config --rerun): the run's values, its",
+              f"# storage and data; DAGs {', '.join(dag_id(name, kind) for kind in KINDS)}; registry model "
+              f"'{values['registry']['model_name']}'.", *(f"# note: {note}" for note in notes)]
+    return "\n".join(header) + "\n" + yaml.safe_dump(values, sort_keys=False), notes
+
+
+def _write_rerun(snapshot: str, name: str, model_name: str | None, out: str | None) -> None:
+    text, notes = rerun(snapshot, name, model_name)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    if not out:
+        print(text, end="")
+        return
+    with open(out, "x") as handle:  # "x": an existing pipeline is never overwritten
+        handle.write(text)
+    print(f"wrote {out}: pipeline {name}, DAGs {', '.join(dag_id(name, kind) for kind in KINDS)}", file=sys.stderr)
+
+
+def _code_changes(config: PipelineConfig, folder: str) -> list[str]:
+    """What differs between the code the run at ``folder`` started with (its lineage.json) and the code here now."""
+    recorded = lineage.read(folder)
+    if recorded is None:
+        return [f"{folder} records no code (the run began before runs recorded it): the re-run runs the code as it is now"]
+    now = lineage.record(config)
+    notes = []
+    if recorded.get("stagewise_version") != now["stagewise_version"]:
+        notes.append(f"the run started with Stagewise {recorded.get('stagewise_version')}; this is {now['stagewise_version']}")
+    then, current = recorded.get("source_fingerprints") or {}, now["source_fingerprints"]
+    for path in sorted(then.keys() | current.keys()):
+        if path not in current:
+            notes.append(f"{path}: part of the run's code, gone from it now (deleted, moved or no longer imported)")
+        elif path not in then:
+            notes.append(f"{path}: new since the run started")
+        elif then[path] != current[path]:
+            notes.append(f"{path}: changed since the run started")
+    return notes
 
 
 def _pipeline_line(pipeline: PipelineFile) -> str:

@@ -7,7 +7,7 @@ Run: ``python -m stagewise.registry list``            versions, newest first, th
 Each takes ``--model NAME`` (default: the config's ``registry.model_name``).
 
 Layout, one registry per model name: ``models/<name>/<version>/model.pt`` and ``card.json``
-(metrics, params, data fingerprint, code version, source run); ``models/<name>/current.json`` names
+(metrics, params, data fingerprint, the code the run started with, source run); ``models/<name>/current.json`` names
 the current version and keeps the history of promotions. Models of different names never meet: the
 gate compares only within a name and inference resolves only within it. A version id is the hash of
 the model's bytes, so registering the same model again is a no-op. The pointer file is replaced by
@@ -21,7 +21,6 @@ import argparse
 import hashlib
 import logging
 import math
-import subprocess
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -30,8 +29,9 @@ from stagewise.core import storage
 from stagewise.core.cli import common_parser, parse_overrides, setup_logging
 from stagewise.core.errors import DataError, UserError
 from stagewise.definitions.config import PipelineConfig
-from stagewise.definitions.loading import CHECKOUT_ROOT, load_config
+from stagewise.definitions.loading import load_config
 from stagewise.models.versions import judge, version_of
+from stagewise.reporting import lineage
 from stagewise.scripting.entrypoint import card_params
 from stagewise.tracking import registry as mlflow_registry
 from stagewise.tracking.runs import log_gate
@@ -56,19 +56,9 @@ def pointer_uri(storage_root: str, name: str) -> str:
 
 
 def code_version() -> str:
-    """The code that trained the model: the git commit of a checkout, else the installed package's version."""
-    if CHECKOUT_ROOT is None:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            return f"stagewise {version('stagewise')}"
-        except PackageNotFoundError:
-            return "unknown"
-    try:
-        return subprocess.run(["git", "-C", str(CHECKOUT_ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    """This process's code: the git commit of a checkout, else the installed package's version. A card names the code
+    its run started with instead (stagewise.reporting.lineage, recorded by start_run)."""
+    return lineage.code_version()
 
 
 def data_fingerprint(manifest_uri: str) -> str:
@@ -236,14 +226,16 @@ def gate(storage_root: str, name: str, version: str, metric: str, margin: float,
 
 
 def model_card(config: PipelineConfig, *, trained: dict[str, Any], evaluation: dict[str, Any],
-               best_params: dict[str, Any] | None, study: str, source_run: str, manifest_uri: str) -> dict[str, Any]:
+               best_params: dict[str, Any] | None, study: str, source_run: str, manifest_uri: str,
+               run_out: str | None = None) -> dict[str, Any]:
     """What a registered version records: its test metrics, the objective and its validation value, the params
-    it trained with, the data fingerprint, the code version, the study and the run that made it."""
+    it trained with, the data fingerprint, the study and the run that made it, and the code as the run at ``run_out``
+    started with it (Stagewise version, code version, the user's source fingerprints: lineage.json)."""
     metric = config.objective.metric
     return {**{k: v for k, v in evaluation.items() if k.startswith("test_") and k != "test_objective"},
             "objective": metric, "direction": config.objective.direction, f"val_{metric}": trained.get("val_metric"),
             **card_params(trained, best_params), "study": study, "source_run": source_run,
-            "data_fingerprint": data_fingerprint(manifest_uri), "code_version": code_version(), "stages": [trained.get("stage")]}
+            "data_fingerprint": data_fingerprint(manifest_uri), **lineage.for_card(run_out), "stages": [trained.get("stage")]}
 
 
 def gate_new_version(config: PipelineConfig, version: str) -> dict[str, Any]:

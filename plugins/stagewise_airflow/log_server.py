@@ -19,7 +19,12 @@ def loopback_hostname() -> str:
     return LOOPBACK
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    argparse.ArgumentParser(description=(
+        "Serve Airflow's task logs on 127.0.0.1 at [logging] worker_log_server_port, for a single-machine Airflow "
+        "whose [core] hostname_callable is stagewise.airflow.log_server.loopback_hostname.")).parse_args(argv)
     import uvicorn
     from airflow.configuration import conf
 

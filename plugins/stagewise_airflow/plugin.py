@@ -7,11 +7,13 @@ FastAPI) are built on the api-server's first request to /stagewise.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from airflow.plugins_manager import AirflowPlugin
 
-from stagewise.airflow.compat import warn_if_unsupported
+from stagewise.airflow.compat import repoint_stale_distributions, warn_if_unsupported
+from stagewise.airflow.sqlite import WriteQueue
 
 URL_PREFIX = "/stagewise"  # stagewise.airflow.ui.URL_PREFIX; repeated so this file imports nothing else
 
@@ -36,6 +38,8 @@ warn_if_unsupported()  # every Airflow process loads the plugin: one line in its
 class StagewiseUIPlugin(AirflowPlugin):
     name = "stagewise_ui"
     fastapi_apps = [{"app": LazyStagewiseApp(), "url_prefix": URL_PREFIX, "name": "Stagewise"}]
+    # On SQLite, write requests one at a time (stagewise.airflow.sqlite: a burst of triggers deadlocked the DB)
+    fastapi_root_middlewares = [{"middleware": WriteQueue, "name": "Stagewise SQLite write queue"}]
     # hrefs without a leading slash resolve against the UI's <base href>, so a base_url with a path works too.
     external_views = [
         {"name": "Stagewise", "href": "stagewise/", "destination": "nav", "url_route": "stagewise",
@@ -43,3 +47,13 @@ class StagewiseUIPlugin(AirflowPlugin):
         {"name": "Stagewise report", "href": "stagewise/runs/{DAG_ID}/{RUN_ID}", "destination": "dag_run",
          "url_route": "stagewise-report"},
     ]
+
+    def __init__(self) -> None:
+        # Airflow makes the plugin, then reads its distribution (the module may have been imported before an
+        # upgrade, by a parent process): repair a stale one first, so an upgrade under a running scheduler is no
+        # plugin error. Airflow's caches are its own: a change there must never cost the plugin its load.
+        super().__init__()
+        try:
+            repoint_stale_distributions()
+        except Exception as exc:
+            logging.getLogger(__name__).debug("could not check Airflow's entry point cache: %s", exc)

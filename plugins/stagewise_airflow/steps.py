@@ -137,13 +137,15 @@ def timeline_hooks() -> dict[str, Any]:
 def start_run(mode: str = "pipeline", config_file: str | None = None) -> dict[str, Any]:
     """Validate the config with the trigger form's values once, fix the run's storage prefix, and write the run's
     config snapshot (``<run>/config.yaml``, resolved) that every later task and sub-job of the run reads instead of
-    the file: editing the file mid-run changes the next run, never this one.
+    the file: editing the file mid-run changes the next run, never this one. Beside it, ``<run>/lineage.json``: the
+    Stagewise version and the user's source fingerprints as the run starts, which its model card names.
 
     ``mode="retrain"`` warm-starts the sweep from the current model's study with the retrain budget. ``config_file``
     is the DAG's own config (the file its DAG was built from), never this process's default.
     """
     from stagewise.airflow.params import overrides_from_params, unknown_trigger_keys
     from stagewise.core import storage
+    from stagewise.reporting import lineage
     from stagewise.study.studies import study_name
 
     context = _context()
@@ -172,13 +174,13 @@ def start_run(mode: str = "pipeline", config_file: str | None = None) -> dict[st
         text, config_hash = snapshot(config)
         snapshot_uri = storage.join(out, "config.yaml")
         with credentials.exported(credentials.task_environment(config)):
+            code = lineage.write(out, config)  # the code the run starts with, for its model card; the snapshot commits
             storage.write_bytes(snapshot_uri, text.encode())  # written before any task of the run reads it
             if config.tracking.mlflow_uri:  # the parent MLflow run, before any sub-job looks for it
-                from stagewise.registry import code_version
                 from stagewise.tracking.runs import start_parent
 
                 start_parent(config, dag_id=dag_id, run_id=run_id, out=out, config_text=text, config_hash=config_hash,
-                             code_version=code_version())
+                             code_version=code["code_version"], stagewise_version=code["stagewise_version"])
         return {"dag_id": dag_id, "run_id": run_id, "config": snapshot_uri, "config_hash": config_hash,
                 "config_source": path, "storage_conn_id": config.storage_conn_id, "overrides": overrides, "out": out,
                 "study": study_name(dag_id, run_id)}
@@ -202,7 +204,8 @@ def plan_shards(run: dict[str, Any]) -> list[dict[str, Any]]:
     from stagewise.core import storage
 
     config = run_config(run)
-    uris = _inline(config, lambda: preprocess.plan(storage.resolve(config.storage_root, config.dataset.uri)))
+    uris = _inline(config, lambda: preprocess.plan(storage.resolve(config.storage_root, config.dataset.uri),
+                                                   config.storage_root))
     return [{"index": index, "uri": uri} for index, uri in enumerate(uris)]
 
 
@@ -321,7 +324,8 @@ def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dic
     def work() -> dict[str, Any]:
         card = registry.model_card(config, trained=trained, evaluation=evaluation, best_params=swept.get("best_params"),
                                    study=run["study"], source_run=f"{run['dag_id']}/{run['run_id']}",
-                                   manifest_uri=storage.join(run["out"], "preprocess", "manifest.json"))
+                                   manifest_uri=storage.join(run["out"], "preprocess", "manifest.json"),
+                                   run_out=run["out"])  # the code as the run started with it (lineage.json)
         card.update(run_config_reference(run))  # what the model was trained with, after the file has changed
         return registry.register_for(config, run["out"], trained["model_uri"], card, dag_id=run["dag_id"],
                                      run_id=run["run_id"])
@@ -352,7 +356,8 @@ def plan_inference(run: dict[str, Any], model: dict[str, Any]) -> list[dict[str,
 
     config = run_config(run)
     source = storage.resolve(config.storage_root, config.inference.input_uri or config.dataset.uri)
-    return _inline(config, lambda: predictions.plan_inference(source, config.inference.rows_per_shard))
+    return _inline(config, lambda: predictions.plan_inference(source, config.inference.rows_per_shard,
+                                                              config.storage_root))
 
 
 def infer_shard(run: dict[str, Any], model: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:

@@ -17,8 +17,17 @@ import sys
 _PR_SET_PDEATHSIG = 1
 
 
-def main() -> None:
-    agent, command = int(sys.argv[1]), sys.argv[2:]
+def main(argv: list[str] | None = None) -> None:
+    import argparse  # stdlib and light: the rank's start stays cheap
+
+    parser = argparse.ArgumentParser(prog="python -m stagewise.training.rank_guard",
+                                     description="Run COMMAND as a torchrun rank that dies with its agent (Linux).")
+    parser.add_argument("agent", type=int, metavar="AGENT_PID", help="the torchrun agent's pid")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND", help="the rank's command and its args")
+    args = parser.parse_args(argv)
+    agent, command = args.agent, args.command
+    if not command:
+        parser.error("give the rank's COMMAND after AGENT_PID")
     prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
     if prctl is not None:  # Linux; elsewhere the rank runs unguarded
         if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:

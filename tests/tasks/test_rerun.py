@@ -1,0 +1,80 @@
+"""Re-running a past run (issue 34, docs/pipelines.md): its snapshot as it is clashes with the pipeline it came from;
+``python -m stagewise.config --rerun SNAPSHOT --as NAME`` writes it as a pipeline of its own, with the run's values, and
+says what code changed since the run started."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from stagewise import config as config_cli
+from stagewise.core import storage
+from stagewise.definitions.loading import load_config, snapshot
+from stagewise.definitions.pipelines import resolve
+from stagewise.reporting import lineage
+from tests.conftest import base_config
+
+
+@pytest.fixture
+def past_run(tmp_path, storage_root):
+    """A pipelines folder holding ``ml`` (its spec beside it) and a run of it started with num_trials 3 from the
+    trigger form: its snapshot and lineage as start_run writes them; returns (folder, snapshot URI, spec file)."""
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    spec = folder / "team_spec.py"
+    spec.write_text("from stagewise.spec import ModelSpec\n\n\nclass TeamSpec(ModelSpec):\n    default_params = {}\n")
+    raw = base_config(storage_root)
+    raw["model"] = {"spec": "team_spec:TeamSpec"}
+    (folder / "ml.yaml").write_text(yaml.safe_dump(raw))
+    config = load_config(folder / "ml.yaml", {"sweep.num_trials": 3})
+    out = f"file://{storage_root}/runs/ml_pipeline/manual__1"
+    lineage.write(out, config)
+    storage.write_bytes(storage.join(out, "config.yaml"), snapshot(config)[0].encode())
+    return folder, storage.join(out, "config.yaml"), spec.resolve()
+
+
+def test_the_snapshot_as_it_is_clashes_and_the_rerun_config_does_not(past_run, storage_root, capsys):
+    folder, snapshot_uri, _ = past_run
+    (folder / "copied.yaml").write_bytes(storage.read_bytes(snapshot_uri))
+    assert resolve(str(folder)).errors, "the snapshot keeps the original's name: a clash"
+    (folder / "copied.yaml").unlink()
+
+    config_cli.main(["--rerun", snapshot_uri, "--as", "ml_again", "--out", str(folder / "ml_again.yaml")])
+    assert "wrote" in capsys.readouterr().err
+    resolved = resolve(str(folder))
+    assert not resolved.errors and sorted(p.name for p in resolved.configs) == ["ml", "ml_again"]
+    again = load_config(folder / "ml_again.yaml")
+    assert (again.name, again.registry.model_name) == ("ml_again", "ml_again"), "a registry of its own"
+    assert again.sweep.num_trials == 3, "the run's trigger value, now the default"
+    assert again.storage_root == str(storage_root) and again.model.import_paths == [str(folder)]
+
+    config_cli.main(["--rerun", snapshot_uri, "--as", "ml_third", "--model-name", "ml_shadow"])
+    printed = capsys.readouterr().out
+    assert printed.startswith("# A re-run of") and yaml.safe_load(printed)["registry"]["model_name"] == "ml_shadow"
+
+
+def test_the_rerun_says_what_code_changed_since_the_run_started(past_run, monkeypatch, capsys):
+    folder, snapshot_uri, spec = past_run
+    assert config_cli.rerun(snapshot_uri, "ml_again")[1] == [], "nothing changed yet"
+    spec.write_text("from stagewise.spec import ModelSpec\n\n\nclass TeamSpec(ModelSpec):\n    default_params = {'width': 8}\n")
+    monkeypatch.setattr(lineage, "stagewise_version", lambda: "9.9.9")
+    text, notes = config_cli.rerun(snapshot_uri, "ml_again")
+    assert f"{spec}: changed since the run started" in notes and any("this is 9.9.9" in note for note in notes)
+    assert f"# note: {spec}: changed since the run started" in text
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--as", "ml"], "the name of the pipeline the run came from"),
+    (["--as", "9lives"], "cannot name DAGs"),
+    (["--as", "ok", "--model-name", "bad name"], "--model-name"),
+])
+def test_a_rerun_that_would_clash_or_cannot_be_named_is_refused(past_run, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        config_cli.main(["--rerun", past_run[1], *argv])
+
+
+def test_an_existing_file_is_never_overwritten(past_run):
+    folder, snapshot_uri, _ = past_run
+    with pytest.raises(SystemExit, match="exists"):
+        config_cli.main(["--rerun", snapshot_uri, "--as", "ml_again", "--out", str(folder / "ml.yaml")])
+    assert yaml.safe_load((folder / "ml.yaml").read_text())["name"] == "ml"
