@@ -6,8 +6,9 @@ that the official client speaks too. Credentials come from MLflow's own variable
 only: ``MLFLOW_TRACKING_TOKEN`` (bearer) or ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD`` (basic).
 
 Every request has a short timeout and at most one quick retry: tracking must never hold a stage up, so a server
-that is down or slow surfaces as :class:`TrackingUnavailable` and the caller decides (the trackers go on without it;
-the MLflow registry, which serving depends on, fails the task for Airflow to retry).
+that is down or slow surfaces as :class:`TrackingUnavailable` and the caller decides (the trackers keep their calls
+and retry them with backoff in the background, stagewise.tracking.runs; the MLflow registry, which serving depends on,
+fails the task for Airflow to retry).
 """
 
 from __future__ import annotations
@@ -119,11 +120,20 @@ class MlflowApi:
 
     def find_run(self, experiment_id: str, tags: dict[str, str]) -> dict[str, Any] | None:
         """The newest run of the experiment carrying every one of ``tags``, or None."""
-        clauses = " and ".join(f"tags.`{key}` = '{_quoted(value)}'" for key, value in tags.items())
-        found = self.call("POST", "runs/search", {"experiment_ids": [experiment_id], "filter": clauses, "max_results": 1,
-                                                  "order_by": ["attributes.start_time DESC"]})
-        runs = found.get("runs") or []
+        runs = self.search_runs(experiment_id, tags, max_results=1)
         return runs[0] if runs else None
+
+    def search_runs(self, experiment_id: str, tags: dict[str, str], *, status: str | None = None,
+                    max_results: int = 1000) -> list[dict[str, Any]]:
+        """The experiment's runs carrying every one of ``tags`` (and ``status``, when given), newest first."""
+        clauses = [f"tags.`{key}` = '{_quoted(value)}'" for key, value in tags.items()]
+        clauses += [f"attributes.status = '{_quoted(status)}'"] if status else []
+        found = self.call("POST", "runs/search", {"experiment_ids": [experiment_id], "filter": " and ".join(clauses),
+                                                  "max_results": max_results, "order_by": ["attributes.start_time DESC"]})
+        return found.get("runs") or []
+
+    def delete_run(self, run_id: str) -> None:
+        self.call("POST", "runs/delete", {"run_id": run_id})
 
     def log_batch(self, run_id: str, *, metrics: list[dict[str, Any]] = (), params: dict[str, Any] | None = None,
                   tags: dict[str, Any] | None = None) -> None:

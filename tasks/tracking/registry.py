@@ -36,7 +36,8 @@ MODEL_FOLDER = "model"
 DATA_FILE = "model.pt"  # the bundle, as the MLmodel's pyfunc ``data``
 LOADER_MODULE = "stagewise.models.mlflow_pyfunc"  # what mlflow.pyfunc.load_model imports to load the bundle
 REQUIREMENTS = ("stagewise", "torch", "pyarrow", "pandas", "numpy", "pyyaml", "fsspec", "pydantic")
-_CARD_TAGS = ("objective", "direction", "study", "source_run", "data_fingerprint", "code_version", "config_hash")
+_CARD_TAGS = ("objective", "direction", "study", "source_run", "data_fingerprint", "code_version", "config_hash",
+              "stagewise_version", "source_fingerprint")  # source_fingerprints (a path each) outgrow a tag: one hash of them
 
 
 def _api(config: PipelineConfig) -> MlflowApi:
@@ -116,7 +117,7 @@ def register(config: PipelineConfig, out: str, model_uri: str, card: dict[str, A
     def work() -> dict[str, Any]:
         state = parent_state(out) or {}
         run = api.get_run(state["parent_run_id"]) if state.get("parent_run_id") else \
-            ensure_parent(api, config, dag_id=dag_id, run_id=run_id, extra_tags={})
+            ensure_parent(api, config, dag_id=dag_id, run_id=run_id, extra_tags=state.get("pending_parent", {}).get("tags", {}))
         parent, artifacts = run["info"]["run_id"], run["info"]["artifact_uri"]
         api.ensure_registered_model(name, f"Stagewise pipeline '{config.name}' (dataset {config.dataset.uri})")
         for existing in api.model_versions(name, run_id=parent):

@@ -1,11 +1,14 @@
 """MLflow tracking against a real `mlflow server`, read back with MLflow's official client: the parent run, nested
-trial runs with their per-epoch objective and final state, and a server that stops mid-task (the task finishes, one
-warning, the gap recorded). The tracking config refuses credentials."""
+trial runs with their per-epoch objective and final state, and a server killed (SIGKILL) and restarted on its port and
+store mid-task: the task finishes with one warning and the gap recorded, the calls made meanwhile reach the server once
+it is back, runs begun during the outage are made then, and no run is left RUNNING. The tracking config refuses
+credentials. (The buffer's bound, without a server: test_tracking_buffer.py.)"""
 
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +20,9 @@ from stagewise.tracking.runs import (
     TRIAL_STATUS,
     Tracker,
     fail_parent,
+    finish_parent,
     gaps,
+    links,
     log_script_stage,
     parent_state,
     start_parent,
@@ -109,65 +114,160 @@ def test_each_trial_is_a_nested_run_with_its_curve_and_its_optuna_state(digits_r
         assert [tuple(point) for point in run["curve"]] == sorted(trial.intermediate_values.items())
 
 
-def test_a_server_that_stops_mid_task_costs_one_warning_and_a_recorded_gap(digits_run, mlflow_servers, caplog):
-    """The server goes away while a task tracks: its calls never raise or block the task, the log has one warning,
-    and the gap (with the calls dropped) is recorded for the report."""
-    server = mlflow_servers()
-    config = _tracked(digits_run[0], server.uri, "stops-test")  # a crashed server refuses at once: no timeout waited
+def _unstarted_server(folder: Path):
+    """An MLflow server of the test's own, not started yet (the mlflow_servers fixture starts its servers at once)."""
+    from tests.conftest import service_unavailable
+    from tests.mlflow_server import MLFLOW_PYTHON, MlflowServer
+
+    if not MLFLOW_PYTHON.exists():
+        service_unavailable(f"no MLflow environment at {MLFLOW_PYTHON.parent.parent}: run `make mlflow-env`")
+    return MlflowServer(folder)
+
+
+def _start_or_skip(server) -> None:
+    from tests.conftest import service_unavailable
+
+    try:
+        server.start()
+    except RuntimeError as exc:
+        service_unavailable(f"mlflow server did not start: {exc}")
+
+
+def _warnings(caplog, task: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and "MLflow tracking" in r.getMessage() and f" {task} " in r.getMessage()]
+
+
+def _runs(server, experiment: str) -> dict:
+    """Every run of ``experiment`` by name: status, tags, params, the end reason, and each metric's (step, value)s."""
+    return server.client(f"""
+        exp = client.get_experiment_by_name({experiment!r}).experiment_id
+        emit({{r.info.run_name: {{"status": r.info.status, "tags": r.data.tags, "params": r.data.params,
+               "id": r.info.run_id, "artifacts": [a.path for a in client.list_artifacts(r.info.run_id)],
+               "history": {{key: [(m.step, m.value) for m in client.get_metric_history(r.info.run_id, key)]
+                            for key in r.data.metrics}}}}
+              for r in client.search_runs([exp])}})
+    """)
+
+
+def test_runs_begun_while_the_server_is_away_are_made_and_completed_when_it_returns(digits_run, tmp_path, request, caplog):
+    """The server is down from start_run on (SIGKILL), then restarted on its port and store: start_run's parent run,
+    stage s1 (which ends during the outage and leaves its calls for the run's next task) and stage s2 (which starts
+    during it) all appear once it answers, every metric logged meanwhile included, each run ended as its task ended it;
+    logging never waits, and each task warns once and records its gap."""
+    server = _unstarted_server(tmp_path / "mlflow")  # down from the start; started once, mid-task
+    request.addfinalizer(server.stop)
+    config = _tracked(digits_run[0], server.uri, "outage-test")
     out = digits_run[1]
-    _start(config, out, "stops")
-    tracker = Tracker.for_run(config, out, "train_s1")
-    stage = tracker.nested("stage-s1", "train s1", {"stagewise.kind": "stage"}, {"world_size": 1})
-    tracker.log(stage, metrics={"loss": 1.0}, step=1)
-    tracker.flush()  # the first epoch reached the server
-    server.stop(crash=True)
-    caplog.set_level(logging.WARNING, logger="stagewise.tracking")
+    caplog.set_level(logging.INFO, logger="stagewise.tracking")
+    state = _start(config, out, "outage")
+    assert state["parent_run_id"] is None and state["pending_parent"]["run_id"] == "outage"
+
+    first = Tracker.for_run(config, out, "train_s1")
     started = time.monotonic()
-    for epoch in range(2, 12):
-        tracker.log(stage, metrics={"loss": 1.0 / epoch}, step=epoch)
+    s1 = first.nested("stage-s1", "train s1", {"stagewise.kind": "stage"}, {"lr": 0.1})
+    for epoch in range(1, 4):
+        first.log(s1, metrics={"loss": 1.0 / epoch}, step=epoch)
+    first.end(s1, "FINISHED")
     assert time.monotonic() - started < 0.5, "logging only queues: the training loop never waits on the network"
-    tracker.end(stage, "FINISHED")
-    tracker.close()
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "MLflow tracking" in r.getMessage()]
-    assert len(warnings) == 1 and "train_s1" in warnings[0].getMessage()
-    (gap,) = gaps(out)
-    assert gap["task"] == "train_s1" and gap["dropped_calls"] == 10  # 9 epochs and the end; the first failed
+    first.close(timeout_s=1)  # s1's task ends during the outage: its calls are left for the run's next task
+
+    second = Tracker.for_run(config, out, "train_s2")  # s2 starts during the outage
+    s2 = second.nested("stage-s2", "train s2", {"stagewise.kind": "stage"}, {"lr": 0.2})
+    second.log(s2, metrics={"loss": 0.5}, step=10)
+    _start_or_skip(server)  # on the port and with the store it was given
+    second.log(s2, metrics={"loss": 0.25}, step=11)
+    second.end(s2, "FINISHED")
+    second.close()
+
+    runs = _runs(server, "outage-test")
+    assert set(runs) == {"outage", "train s1", "train s2"}
+    parent = runs["outage"]
+    assert parent["status"] == "RUNNING" and "config.yaml" in parent["artifacts"]  # until the report ends it
+    assert (parent["tags"]["stagewise.run_id"], parent["tags"]["stagewise.config_hash"]) == ("outage", "abc123")
+    assert runs["train s1"]["status"] == runs["train s2"]["status"] == "FINISHED"
+    assert runs["train s1"]["history"]["loss"] == [[1, 1.0], [2, 0.5], [3, pytest.approx(1 / 3)]]
+    assert runs["train s2"]["history"]["loss"] == [[10, 0.5], [11, 0.25]]
+    assert {runs[name]["tags"]["mlflow.parentRunId"] for name in ("train s1", "train s2")} == {parent["id"]}
+    assert runs["train s1"]["params"] == {"lr": "0.1"} and runs["train s2"]["tags"]["stagewise.task"] == "train_s2"
+    recorded = parent_state(out)
+    assert recorded["parent_run_id"] == parent["id"] and parent["id"] in recorded["run_url"]
+    assert "pending_parent" not in recorded and not list(Path(out, "tracking", "pending").glob("*.json"))
+    for task in ("start_run", "train_s1", "train_s2"):
+        assert len(_warnings(caplog, task)) == 1, task
+    by_task = {gap["task"]: gap for gap in gaps(out)}
+    assert set(by_task) == {"start_run", "train_s1", "train_s2"}
+    assert by_task["train_s1"]["pending_calls"] == 5 and by_task["train_s1"]["dropped_calls"] == 0
+    assert by_task["train_s2"]["recovered_after_s"] > 0 and by_task["train_s2"]["dropped_calls"] == 0
 
 
 @pytest.mark.torchrun
-def test_a_stage_whose_server_stops_after_its_first_epoch_finishes_with_one_warning(digits_run, mlflow_servers, caplog,
-                                                                                    monkeypatch):
-    """The server stops while stage s1 trains: the stage trains every epoch and hands on its model, its log has one
-    warning naming the task, and the report's tracking section names the gap."""
-    import threading
-    from pathlib import Path
-
+def test_a_server_killed_and_restarted_mid_stage_loses_no_epoch_and_leaves_no_run_running(
+        digits_run, mlflow_servers, caplog, monkeypatch):
+    """SIGKILL of the server after s1's first epoch; s1 ends during the outage, s2 starts during it and the server comes
+    back (same port, same store) after s2's second epoch: both stages train every epoch, both runs end FINISHED with
+    every epoch's metrics, and once the report's task ends the parent, no run is RUNNING."""
     from stagewise import train
-    from stagewise.tracking.runs import links
+    from stagewise.tracking import runs as tracking
 
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     server = mlflow_servers()
-    config = _tracked(digits_run[0], server.uri, "stage-stops", **{"train.stages": [
-        {"name": "s1", "profile": "ddp1", "per_process_batch": 32, "epochs": 4}]})
+    config = _tracked(digits_run[0], server.uri, "stage-outage", **{"train.stages": [
+        {"name": "s1", "profile": "ddp1", "per_process_batch": 32, "epochs": 4},
+        {"name": "s2", "profile": "ddp1", "per_process_batch": 64, "epochs": 4}]})
     out = digits_run[1]
-    _start(config, out, "stage-stops")
-    first_epoch = Path(out, "train", "s1", "metrics.json")
+    _start(config, out, "stage-outage")
+    log_epoch = Tracker.log
 
-    def stop_after_the_first_epoch() -> None:
-        while not first_epoch.exists():
-            time.sleep(0.01)
-        server.stop(crash=True)
+    def log_then_fault(tracker, handle, **values):  # the faults land at a known epoch, in the training thread
+        log_epoch(tracker, handle, **values)
+        epoch = (values.get("metrics") or {}).get("epoch")
+        if (tracker.task, epoch) == ("train_s1", 1):
+            assert tracker.flush(60), "the first epoch reaches the server"
+            server.stop(crash=True)
+        elif (tracker.task, epoch) == ("train_s2", 2):
+            server.start()
 
-    stopper = threading.Thread(target=stop_after_the_first_epoch)
-    stopper.start()
+    monkeypatch.setattr(Tracker, "log", log_then_fault)
     caplog.set_level(logging.WARNING, logger="stagewise.tracking")
-    result = train.run_stage(config, "s1", out, {"lr": 0.05, "hidden": 32}, None)
-    stopper.join()
-    assert result["epochs_run"] == 4 and Path(result["model_uri"]).exists()
-    warnings = [r.getMessage() for r in caplog.records if "MLflow tracking" in r.getMessage()]
-    assert len(warnings) == 1 and "train_s1" in warnings[0]
-    assert [gap["task"] for gap in links(out)["gaps"]] == ["train_s1"]
+    monkeypatch.setattr(tracking, "FLUSH_TIMEOUT_S", 1)  # s1's task ends while the server is down
+    first = train.run_stage(config, "s1", out, {"lr": 0.05, "hidden": 32}, None)
+    monkeypatch.setattr(tracking, "FLUSH_TIMEOUT_S", 120)  # s2's end waits for the restarted server
+    second = train.run_stage(config, "s2", out, {"lr": 0.05, "hidden": 32}, first["checkpoint_uri"])
+    assert first["epochs_run"] == second["epochs_run"] == 4 and Path(second["model_uri"]).exists()
+    tracking.finish_parent(config, out, {})
+
+    runs = _runs(server, "stage-outage")
+    assert {name: run["status"] for name, run in runs.items()} == {
+        "stage-outage": "FINISHED", "train s1": "FINISHED", "train s2": "FINISHED"}
+    for name in ("train s1", "train s2"):
+        assert [value for _, value in runs[name]["history"]["epoch"]] == [1, 2, 3, 4], name
+        assert len(runs[name]["history"]["loss"]) == 4 and "stagewise.end_reason" not in runs[name]["tags"]
+    assert int(runs["train s2"]["params"]["global_batch"]) == second["global_batch"]
+    assert len(_warnings(caplog, "train_s1")) == len(_warnings(caplog, "train_s2")) == 1
+    assert [gap["task"] for gap in links(out)["gaps"]] == ["train_s1", "train_s2"]
+    assert not list(Path(out, "tracking", "pending").glob("*.json"))
+
+
+def test_a_run_still_running_when_the_report_ends_the_parent_is_killed_with_the_reason(digits_run, mlflow_server):
+    """A stage whose process was killed never ended its run: the report's task ends it KILLED, saying why, and a task
+    failing for good ends its own runs FAILED; nothing stays RUNNING."""
+    config = _tracked(digits_run[0], mlflow_server.uri, "orphans")
+    out = digits_run[1]
+    _start(config, out, "orphans")
+    for task in ("train_s1", "train_s2"):
+        tracker = Tracker.for_run(config, out, task)
+        tracker.nested(f"stage-{task[-2:]}", f"train {task[-2:]}", {"stagewise.kind": "stage"}, {})
+        tracker.flush(60)
+        tracker._open.clear()  # as if its process died: nothing ends the run
+        tracker.close()
+    fail_parent(config, out, "train_s2")
+    finish_parent(config, out, {})
+    runs = _runs(mlflow_server, "orphans")
+    assert runs["train s2"]["status"] == "FAILED" and runs["train s2"]["tags"]["stagewise.end_reason"] == "task train_s2 failed"
+    assert runs["train s1"]["status"] == "KILLED" and "report" in runs["train s1"]["tags"]["stagewise.end_reason"]
+    assert runs["orphans"]["status"] == "FINISHED"
 
 
 def test_a_script_stage_is_a_nested_run_with_its_contract_and_its_last_objective(digits_run, mlflow_server):
@@ -191,15 +291,18 @@ def test_a_script_stage_is_a_nested_run_with_its_contract_and_its_last_objective
     assert run["metrics"]["val_accuracy"] == pytest.approx(0.91)
 
 
-def test_an_unreachable_server_at_the_start_leaves_the_run_untracked_with_the_gap_named(digits_run):
-    """Nothing listens at the tracking URI: start_run goes on, the state says why, later tasks do not try again."""
+def test_an_unreachable_server_at_the_start_leaves_the_parent_to_the_first_task_that_reaches_it(digits_run):
+    """Nothing listens at the tracking URI: start_run goes on, the state says why and keeps what the parent run needs,
+    and a later task's tracker is there to make it (its calls wait, then are left for the next task)."""
     config = _tracked(digits_run[0], f"http://127.0.0.1:{free_port()}", "down", **{"tracking.timeout_s": 1})
     out = digits_run[1]
     state = _start(config, out, "down")
     assert state["parent_run_id"] is None and "ConnectionError" in state["error"]
-    assert parent_state(out)["parent_run_id"] is None
-    assert Tracker.for_run(config, out, "train_s1") is None
-    assert [gap["task"] for gap in gaps(out)] == ["start_run"]
+    assert parent_state(out)["pending_parent"]["tags"]["stagewise.code_version"] == "deadbeef"
+    tracker = Tracker.for_run(config, out, "train_s1")
+    assert tracker is not None and tracker.parent_run_id is None
+    tracker.close(timeout_s=0.2)
+    assert [gap["task"] for gap in gaps(out)] == ["start_run", "train_s1"]
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
