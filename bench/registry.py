@@ -44,9 +44,12 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "multinode_overhead": ("multinode:multinode_overhead", "<= 1.3"),
     "mlflow_overhead": ("tracking:mlflow_overhead", "<= 1.03"),
     "noise_scale_overhead": ("multinode:noise_scale_overhead", "<= 1.02"),
-    "train_throughput_gpu": ("gpu:train_throughput_gpu", ">= 0.95"),
+    "train_throughput_gpu": ("gpu:train_throughput_gpu", ">= 0.97"),
     "train_vs_dataloader_gpu": ("gpu:train_vs_dataloader_gpu", ">= 3"),
-    "inference_throughput_gpu": ("gpu:inference_throughput_gpu", ">= 0.9"),
+    "train_launch_bound_gpu": ("gpu:train_launch_bound_gpu", ">= 1.1"),
+    "inference_throughput_gpu": ("gpu:inference_throughput_gpu", ">= 1.0"),
+    "custom_model_throughput_gpu": ("gpu:custom_model_throughput_gpu", ">= 0.95"),
+    "variable_length_throughput_gpu": ("gpu:variable_length_throughput_gpu", ">= 0.95"),
 }
 
 

@@ -32,12 +32,27 @@ def _pack_image_column(folder: Path) -> None:
         pq.write_table(table.drop_columns(names).append_column("image", image), shard)
 
 
+def _float_target(folder: Path) -> None:
+    """Rewrite each synthetic shard's class label as a float target: the class index plus noise (a regression)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for number, shard in enumerate(sorted(folder.glob("*.parquet"))):
+        table = pq.read_table(shard)
+        labels = table.column("label").to_numpy().astype(np.float64)
+        target = labels + np.random.default_rng(number).normal(0.0, 0.5, len(labels))
+        pq.write_table(table.set_column(table.column_names.index("label"), "label", pa.array(target)), shard)
+
+
 def _prepare(workdir: Path, rows: int, features: int = 32, noise_seed: int = 0, noise: float = 1.1,
-             image_shape: list[int] | None = None, tokens: bool = False, **config_changes: Any) -> tuple[Any, str]:
+             image_shape: list[int] | None = None, tokens: bool = False, float_target: bool = False,
+             **config_changes: Any) -> tuple[Any, str]:
     """Synthetic raw data, preprocessed by our own stage into a run prefix; returns (config, out).
 
     ``image_shape``: the features as one declared tensor column ``image`` of that shape instead of f_* columns.
     ``tokens``: the token sequences of examples/token_transformer.yaml (its dataset block) instead.
+    ``float_target``: a float label (a regression, as examples/diabetes.yaml): no num_classes, objective rmse.
     """
     from stagewise import preprocess
     from stagewise.datasets.demo import write_synthetic, write_tokens
@@ -51,6 +66,11 @@ def _prepare(workdir: Path, rows: int, features: int = 32, noise_seed: int = 0, 
     if tokens:
         example = yaml.safe_load((REPO_ROOT / "examples" / "token_transformer.yaml").read_text())
         raw["dataset"] = {**example["dataset"], "uri": "raw/synthetic"}
+    if float_target:
+        raw["dataset"].pop("num_classes", None)
+        raw["objective"] = {"metric": "rmse", "direction": "minimize"}
+        raw["registry"].pop("gate_metric", None)
+        raw["evaluate"].pop("min_test_accuracy", None)
     for dotted, value in config_changes.items():
         node = raw
         *parents, leaf = dotted.split("__")
@@ -67,6 +87,8 @@ def _prepare(workdir: Path, rows: int, features: int = 32, noise_seed: int = 0, 
                         dirty_fraction=0.0, noise=noise)
     if image_shape:
         _pack_image_column(workdir / "raw" / "synthetic")
+    if float_target:
+        _float_target(workdir / "raw" / "synthetic")
     out = str(workdir / "runs" / "bench" / "r1")
     shards = preprocess.plan(str(workdir / "raw" / "synthetic"))
     stats = [preprocess.shard_stats(config, uri, i, out)["stats_uri"] for i, uri in enumerate(shards)]
@@ -88,9 +110,13 @@ def _stage_rates(config: Any, out: str, params: dict[str, Any]) -> tuple[list[fl
 
 def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict[str, Any], params: dict[str, Any],
                          batch: int, image_shape: list[int] | None = None, threads: int = 2, epochs: int = 2,
-                         rounds: int = 6, tokens: bool = False) -> dict[str, Any]:
+                         rounds: int = 6, tokens: bool = False, float_target: bool = False,
+                         device: str = "cpu") -> dict[str, Any]:
     """Samples/s of our stage (stagewise.train.run_stage, Parquet per-rank loader, the spec's batch/loss) and of a
     plain PyTorch loop over in-memory tensors with the same module, optimizer, batch and threads.
+
+    ``device`` cuda: our stage on a cuda profile (its defaults: data resident, TF32, the step a CUDA graph where the
+    spec allows) against the plain loop with the split resident on the GPU and the same TF32 setting.
 
     The sides alternate in ``rounds`` short runs (which goes first alternates too), and each side's rate is the
     median of its epochs after the first (warm-up) of every run: on a shared machine load comes in bursts of
@@ -101,10 +127,13 @@ def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict
 
     from stagewise.datasets.manifest import load_split, read_manifest
     from stagewise.models.building import load_spec, resolve_params
+    from stagewise.training.step_graph import set_tf32
 
+    on = torch.device(device)
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
-        config, out = _prepare(Path(tmp), rows, features=features, image_shape=image_shape, tokens=tokens, **{
-            "model": {"spec": spec, "args": spec_args},
+        config, out = _prepare(Path(tmp), rows, features=features, image_shape=image_shape, tokens=tokens,
+                               float_target=float_target, **{
+            "model": {"spec": spec, "args": spec_args}, "profiles__ddp1__device": on.type,
             "profiles__ddp1__threads_per_process": threads, "train__checkpoint_every_steps": 10_000,
             "train__stages": [{"name": "s1", "profile": "ddp1", "per_process_batch": batch, "epochs": epochs}]})
         manifest = read_manifest(f"{out}/preprocess/manifest.json")
@@ -114,9 +143,10 @@ def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict
 
         def plain_loop() -> list[float]:
             torch.set_num_threads(threads)
+            set_tf32(on, config.stage("s1").tf32)  # the stage's float32 matmul precision (a no-op on the CPU)
             if tokens:
-                return padded_loop(model_spec, manifest, full, x, y, batch, epochs)
-            return resident_loop(model_spec, manifest, full, x, y, batch, epochs, torch.device("cpu"))
+                return padded_loop(model_spec, manifest, full, x, y, batch, epochs, on)
+            return resident_loop(model_spec, manifest, full, x, y, batch, epochs, on)
 
         our_rates, baseline_rates, pairs = [], [], []
         for number in range(rounds):
@@ -132,10 +162,11 @@ def _stage_vs_plain_loop(rows: int, *, features: int, spec: str, spec_args: dict
         ours, baseline = statistics.median(our_rates), statistics.median(baseline_rates)
     return {"ours": ours, "baseline": baseline, "unit": "samples/s",
             "details": {"rows": rows, "train_rows": int(len(y)), "spec": spec, "spec_args": spec_args,
-                        "params": params, "batch": batch, "threads": threads,
+                        "params": params, "batch": batch, "threads": threads, "device": on.type,
                         "baseline_step_ms": round(1000 * batch / baseline, 2), "rounds": rounds,
                         "epochs_measured_per_round": epochs - 1, "ratio_per_round": pairs,
-                        f"ours_val_{config.objective.metric}": result["val_metric"]}}
+                        f"ours_val_{config.objective.metric}": result["val_metric"],
+                        "step_graph": result.get("step_graph")}}
 
 
 def sync(device: Any) -> None:
@@ -184,7 +215,7 @@ class _PaddedBatch:
         import torch
 
         self.columns, self.dense, self.lengths = columns, dense, lengths
-        self._mask = torch.arange(columns["tokens"].shape[1]) < lengths[:, None]
+        self._mask = torch.arange(columns["tokens"].shape[1], device=lengths.device) < lengths[:, None]
 
     def __getitem__(self, name: str) -> Any:
         return self.columns[name]
@@ -193,24 +224,29 @@ class _PaddedBatch:
         return self._mask
 
 
-def padded_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any, batch: int, epochs: int) -> list[float]:
-    """The plain loop over variable-length tokens: plain in-memory tensors (ids padded to max_length, lengths, the
-    channel ids and the hour), a seeded ``randperm`` per epoch, each batch cut to its longest row with a mask."""
+def padded_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any, batch: int, epochs: int,
+                device: Any = None) -> list[float]:
+    """The plain loop over variable-length tokens: plain tensors resident on ``device`` (the CPU by default: ids padded
+    to max_length, lengths, the channel ids and the hour), a seeded ``randperm`` per epoch, each batch cut to its
+    longest row (read on the host) with a mask."""
     import torch
 
     from stagewise.models.building import build, data_info
     from stagewise.training.loop import make_optimizer
 
+    device = torch.device(device or "cpu")
     data = data_info(manifest)
     decoded = data.layout.decode(x)  # once, before timing: the baseline starts from plain tensors
-    tokens = decoded["tokens"].clone()
-    lengths, channel, hour = decoded.lengths("tokens").clone(), decoded["channel"].clone(), decoded.dense.clone()
+    tokens = decoded["tokens"].to(device, copy=True)
+    lengths, channel = decoded.lengths("tokens").to(device, copy=True), decoded["channel"].to(device, copy=True)
+    hour, y = decoded.dense.to(device, copy=True), y.to(device)
     torch.manual_seed(0)
-    model = build(model_spec, data, full)
+    model = build(model_spec, data, full).to(device)
     optimizer = make_optimizer(model, full, model_spec)
     steps, rates = len(y) // batch, []
     for epoch in range(epochs):
-        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
+        order = torch.randperm(len(y), device=device, generator=torch.Generator(device).manual_seed(epoch))
+        sync(device)
         started = time.perf_counter()
         for step in range(steps):
             index = order[step * batch : (step + 1) * batch]
@@ -221,6 +257,7 @@ def padded_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any, bat
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+        sync(device)
         rates.append(steps * batch / (time.perf_counter() - started))
     return rates[1:]
 

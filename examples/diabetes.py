@@ -20,6 +20,7 @@ class DiabetesMLP(Regressor):
     """One hidden ReLU layer over the (standardised) features, one output: the standardised target (Regressor)."""
 
     default_params = {"hidden": 32, "dropout": 0.0}
+    static_shapes = True  # fixed-size rows in, one output per row: a GPU stage may capture its step as a CUDA graph
 
     def build(self, data: DataInfo, params: dict[str, Any]) -> nn.Module:
         hidden = int(params["hidden"])

@@ -21,6 +21,7 @@ class DigitsCNN(Classifier):
     (loss, accuracy and predictions: Classifier)."""
 
     default_params = {"dropout": 0.0}
+    static_shapes = True  # fixed-size rows in, one output per row: a GPU stage may capture its step as a CUDA graph
 
     def __init__(self, channels: int = 16, column: str = "image") -> None:
         super().__init__(channels=channels, column=column)

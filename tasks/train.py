@@ -203,7 +203,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         built, loop = start_loop(config, manifest, env, swept, train, validation, seed=data_seed,
                                  grad_accum_steps=accumulation, check_every_steps=config.train.checkpoint_every_steps,
                                  precision=stage.precision, compile_mode=stage.compile,
-                                 grad_clip_norm=stage.grad_clip_norm,
+                                 grad_clip_norm=stage.grad_clip_norm, tf32=stage.tf32, cuda_graph=stage.cuda_graph,
                                  noise_scale_every=config.train.noise_scale_every_steps if config.train.noise_scale else 0)
         params, model, optimizer = built.params, loop.module, loop.optimizer
         digest = config_hash({**stage.model_dump(), **({"adaptive": asdict(decision)} if decision else {})}, params,
@@ -341,7 +341,10 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                        "epochs_run": len(history), "stopped_early": stopped_early,
                        "lr_schedule": stage.lr_schedule.model_dump(), "grad_clip_norm": stage.grad_clip_norm,
                        "noise_scale": history[-1].get("noise_scale") if history else None,
-                       "batch_decision": asdict(decision) if decision else None, "params": params}
+                       "batch_decision": asdict(decision) if decision else None, "params": params,
+                       "step_graph": {"captured": bool(loop.step_graph and loop.step_graph.captured),
+                                      "replays": loop.step_graph.replays if loop.step_graph else 0,
+                                      "why": loop.graph_reason}}
         if env.master:
             if loop.position.step != resumed_from:
                 checkpoints.save(loop.position.step, state_now())  # a re-run of a finished stage retrains nothing

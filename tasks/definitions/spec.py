@@ -91,6 +91,11 @@ class ModelSpec:
 
     default_params: dict[str, Any] = {}
     """The hyperparameters :meth:`build` reads, with their defaults (the sweep may search any of them)."""
+    static_shapes: bool = False
+    """True when every training batch of one size gives the module and the loss tensors of the same shapes, and the
+    step reads nothing back on the host (no ``.item()``, no data-dependent shapes): then a stage on one GPU captures
+    the step as a CUDA graph and replays it (stage key ``cuda_graph``, docs/stages.md). A data set with
+    variable-length columns never has static shapes, whatever the spec says."""
     _row_layout: RowLayout | None = None  # set by the framework's build: how a stored batch decodes for batch()
 
     def __init__(self, **args: Any) -> None:

@@ -15,6 +15,7 @@ class MLPClassifier(Classifier):
     """Two hidden ReLU layers over the feature vector; cross-entropy, accuracy, class and probabilities (Classifier)."""
 
     default_params = defaults(BUILTIN_SPEC_PARAMS)
+    static_shapes = True  # a (batch, features) matrix in, (batch, classes) out: its step can be a CUDA graph
 
     def build(self, data: DataInfo, params: dict[str, Any]) -> nn.Module:
         if data.num_classes is None:

@@ -5,6 +5,8 @@
 - :mod:`stagewise.training.selection`: the epoch a stage hands on (its best on the objective) and early stopping;
 - :mod:`stagewise.training.device_data`: batches shuffled and sliced on the device, the data resident or streamed
   through pinned memory and a side CUDA stream (chosen per stage, automatically on CUDA);
+- :mod:`stagewise.training.step_graph`: the training step captured once as a CUDA graph and replayed (one process,
+  static shapes), and the stage's TF32 switch;
 - :mod:`stagewise.training.checkpoint`: checkpoints written by rank 0, exact resume, restoring model and optimizer state;
 - :mod:`stagewise.training.distributed`: the torchrun environment, read once;
 - :mod:`stagewise.training.local_torchrun` and :mod:`stagewise.training.rank_guard`: torchrun on one machine with the

@@ -28,6 +28,7 @@ from stagewise.models.building import BuiltModel, model_for_run
 from stagewise.training.device_data import DeviceBatches, choose_placement, resident_bytes
 from stagewise.training.distributed import DistEnv, any_rank
 from stagewise.training.noise_scale import MeasuredAllReduce, NoiseScale, PartNorms, epoch_beta
+from stagewise.training.step_graph import WARMUP_STEPS, CaptureFailed, StepGraph, StepOutputs, graph_plan, set_tf32
 
 Batches = ParquetBatches | DeviceBatches
 
@@ -111,7 +112,7 @@ COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 # memory of the replays before it, so nothing the loop keeps across two forwards may live there (see Loop._backward).
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
-# Stands for "no non-finite loss seen yet" in the device-side first-bad-step tracker.
+# Stands for "no non-finite loss seen" in the divergence verdict.
 _NO_STEP = 2**62
 
 
@@ -166,7 +167,7 @@ class Loop:
                  train: Batches, validation: Batches, spec: ModelSpec, objective: str = "accuracy",
                  grad_accum_steps: int = 1, seed: int = 0, check_every_steps: int | None = None,
                  precision: str = "fp32", compile_mode: str = "off", grad_clip_norm: float | None = None,
-                 noise_scale_every: int = 0) -> None:
+                 noise_scale_every: int = 0, tf32: bool = True, cuda_graph: str = "off") -> None:
         """``check_every_steps``: also check for divergence after every this many optimizer steps (besides each
         epoch's end); give the checkpoint interval so no checkpoint is ever written from NaN weights.
         ``precision`` fp32, bf16 or fp16 (autocast around forward and loss; fp16 adds a gradient scaler, whose state
@@ -175,7 +176,10 @@ class Loop:
         ``grad_clip_norm``: clip the (all-reduced) gradients to this global L2 norm before each optimizer step.
         ``noise_scale_every``: measure the gradient noise scale on one optimizer step in this many (0: never;
         stagewise.training.noise_scale): across ranks from each rank's gradient before the all-reduce, on one rank
-        from the parts of the step's batch (its micro-batches, or its two halves) against the whole."""
+        from the parts of the step's batch (its micro-batches, or its two halves) against the whole.
+        ``tf32``: TensorFloat-32 float32 matmuls and convolutions on a CUDA device (process-wide; nothing on CPU).
+        ``cuda_graph`` auto, on or off: capture the step as a CUDA graph where stagewise.training.step_graph.graph_plan
+        allows it (the reason is logged once, a WARNING when ``on`` cannot)."""
         self.env = env
         self.module = model.to(env.device)
         self.model: nn.Module = self.module
@@ -224,12 +228,30 @@ class Loop:
         self._spec_checked = False
         # What to add when the first batch indexes out of range (e.g. ids that were standardised): records -> text.
         self.index_hint: Callable[[torch.Tensor], str] | None = None
-        # Kept on the device and read only at checks, so a step never waits for the GPU.
+        # Kept on the device and read only at checks, so a step never waits for the GPU: the losses summed (weighted by
+        # rows), and how many micro-steps in a row the sum stayed finite (a NaN/inf never leaves it, so that count
+        # finds the first bad micro-step). Checks fall on optimizer-step boundaries, so micro-step k after a check
+        # belongs to optimizer step (the step then) + k // accumulation steps.
         self._pending_loss = torch.zeros((), dtype=torch.float64, device=env.device)
-        self._first_bad_step = torch.full((), _NO_STEP, dtype=torch.int64, device=env.device)
+        self._finite_micro = torch.zeros((), dtype=torch.int64, device=env.device)
+        self._micro_since_check = 0
+        self._step_at_check = 0
         self.grad_clip_norm = grad_clip_norm
         self._pending_norm = torch.zeros((), dtype=torch.float64, device=env.device)
         self._pending_norm_steps = 0
+        set_tf32(env.device, tf32)  # process-wide: each stage and trial sets its own
+        self.tf32 = tf32
+        capture, self.graph_reason = graph_plan(cuda_graph, device=env.device, world_size=env.world_size, spec=spec,
+                                                grad_accum_steps=grad_accum_steps, precision=precision,
+                                                compile_mode=compile_mode)
+        self.step_graph = StepGraph(self._graph_body, self._trainable, env.device) if capture else None
+        if env.master and cuda_graph != "off":
+            if capture:
+                log.info("training step: a CUDA graph, captured after %d eager steps (%s)", WARMUP_STEPS,
+                         self.graph_reason)
+            else:
+                (log.warning if cuda_graph == "on" else log.info)("training step: eager, no CUDA graph (%s)",
+                                                                 self.graph_reason)
 
     def scaler_state(self) -> dict[str, Any]:
         """The fp16 gradient scaler's state for a checkpoint (empty without one)."""
@@ -244,9 +266,11 @@ class Loop:
     def global_batch(self) -> int:
         return self.train_data.batch_size * self.env.world_size * self.grad_accum_steps
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def _autocast(self, cache: bool = True) -> contextlib.AbstractContextManager:
+        # A captured step casts its weights inside the graph each replay: no cache held across the capture's end.
         if self.precision in ("bf16", "fp16"):
-            return torch.autocast(self.device_type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
+            return torch.autocast(self.device_type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16,
+                                  cache_enabled=None if cache else False)
         return contextlib.nullcontext()
 
     def steps_per_epoch(self, epoch: int) -> int:
@@ -283,16 +307,28 @@ class Loop:
             seed_step(hash((self.seed, position.epoch, index, self.env.rank)) & 0x7FFFFFFF, self.env.device)
             # A measured step's boundary runs without DDP's all-reduce too: _all_reduce_measured makes it, norms included.
             measured = (boundary and self._measured_all_reduce is not None and position.step % self.noise_every == 0)
-            sync = self.ddp.no_sync() if (self.ddp is not None and (not boundary or measured)) else contextlib.nullcontext()
-            with sync:
-                if self._split_measure and position.step % self.noise_every == 0:
-                    loss = self._measured_backward(inputs, targets)
-                else:
-                    loss = self._backward(inputs, targets, 1.0 / self.grad_accum_steps)
-            detached = loss.detach()
-            self._pending_loss += detached.double() * len(targets)
-            self._first_bad_step = torch.where(torch.isfinite(detached), self._first_bad_step,
-                                               torch.clamp(self._first_bad_step, max=position.step))
+            split_measured = self._split_measure and position.step % self.noise_every == 0
+            graph = self.step_graph
+            # The captured step (one micro-batch per step there); a measured step or a batch of other shapes runs eagerly.
+            outputs = self._graph_step(inputs, targets) if (
+                graph is not None and not split_measured and graph.fits(inputs, targets)) else None
+            if outputs is not None:
+                loss, graph_norm = outputs
+            else:
+                if graph is not None:
+                    graph.release_grads()
+                sync = self.ddp.no_sync() if (self.ddp is not None and (not boundary or measured)) else contextlib.nullcontext()
+                with sync:
+                    if split_measured:
+                        loss = self._measured_backward(inputs, targets)
+                    else:
+                        loss = self._backward(inputs, targets, 1.0 / self.grad_accum_steps)
+            # Device ops only (no host sync): the row-weighted loss, and whether the sum is still finite.
+            self._pending_loss.add_(loss.detach(), alpha=len(targets))
+            self._finite_micro.add_(torch.isfinite(self._pending_loss))
+            if self._micro_since_check == 0:
+                self._step_at_check = position.step
+            self._micro_since_check += 1
             position.seen += len(targets)
             position.micro_step += 1
             self._step_samples += len(targets)
@@ -306,18 +342,29 @@ class Loop:
                 if self._parts is not None:
                     self._fold_split_measurement()
                 self._step_samples = 0
-                if self.grad_clip_norm is not None:
-                    if self.scaler is not None:
-                        self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-                    # After DDP's all-reduce every rank holds the same gradients, so the same norm and the same clip.
-                    self._pending_norm += nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip_norm).double()
-                    self._pending_norm_steps += 1
-                if self.scaler is not None:
-                    self.scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
-                    self.scaler.update()
-                else:
+                if outputs is not None:  # the graph clipped (in the graph) and keeps its gradients for the next replay
+                    if graph_norm is not None:
+                        self._pending_norm.add_(graph_norm)
+                        self._pending_norm_steps += 1
                     self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                    if graph is not None and not graph.captured:  # a warm-up step: the next makes its own gradients
+                        self.optimizer.zero_grad(set_to_none=True)
+                else:
+                    if self.grad_clip_norm is not None:
+                        if self.scaler is not None:
+                            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+                        # After DDP's all-reduce every rank holds the same gradients, so the same norm and the same clip.
+                        self._pending_norm.add_(nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip_norm))
+                        self._pending_norm_steps += 1
+                    if self.scaler is not None:
+                        # Reads the overflow flag on the host (found_inf.item()): fp16's one sync per step, by design.
+                        self.scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
+                        self.scaler.update()
+                    else:
+                        self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    if graph is not None:
+                        graph.restore_grads()
                 position.step += 1
                 if self.check_every_steps and position.step % self.check_every_steps == 0:
                     self.check_finite(lr_at)
@@ -359,6 +406,30 @@ class Loop:
         b_small = float(self._step_samples)
         self.noise.update(local, averaged, b_small, b_small * self.env.world_size)
 
+    def _graph_body(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutputs:
+        """What the step graph warms up and captures: forward, the spec's loss, backward into fresh gradients and, when the
+        stage clips, the clip (a device op: the norm is the graph's output, read after each replay)."""
+        features, labels = batch_of(self.spec, inputs, targets)
+        with self._autocast(cache=False):
+            loss = self.spec.loss(self.model(features), labels)
+        loss.backward()
+        norm = (nn.utils.clip_grad_norm_(self._trainable, self.grad_clip_norm)
+                if self.grad_clip_norm is not None else None)
+        return loss.detach(), norm
+
+    def _graph_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutputs | None:
+        """The step through the step graph; None (and the graph dropped, with a WARNING) when its capture failed."""
+        assert self.step_graph is not None
+        try:
+            return self.step_graph.step(inputs, targets)
+        except CaptureFailed as failure:
+            if self.env.master:
+                log.warning("training step: the CUDA graph capture failed, so the stage steps eagerly from here (%s); "
+                            "a spec whose step reads values on the host should not declare static_shapes", failure)
+            self.step_graph = None
+            self.graph_reason = f"the capture failed: {failure}"
+            return None
+
     def _backward(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float) -> torch.Tensor:
         """Forward, the spec's loss and the backward of ``weight`` × that loss (scaled for fp16); returns the loss.
 
@@ -375,7 +446,7 @@ class Loop:
                 self._mark_step()
         with self._autocast():
             loss = self.spec.loss(self.model(features), labels)
-        weighted = loss * weight
+        weighted = loss * weight if weight != 1.0 else loss  # one kernel launch less per step
         (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
         return loss
 
@@ -456,15 +527,24 @@ class Loop:
         """Fold the losses since the last check into the position; raise :class:`Diverged` when a loss or a
         weight is NaN/inf on any rank (every rank reaches the same verdict, so none is left waiting)."""
         weights_bad = torch.stack([~torch.isfinite(p).all() for p in self.module.parameters()]).any()
-        verdict = torch.stack([-self._first_bad_step.double(), weights_bad.double()])
+        loss_sum, norm_sum, finite, weights_bad_here = torch.stack([
+            self._pending_loss, self._pending_norm, self._finite_micro.double(), weights_bad.double()]).tolist()
+        finite = int(finite)
+        first_bad_here = (self._step_at_check + finite // self.grad_accum_steps if finite < self._micro_since_check
+                          else _NO_STEP)
+        self._micro_since_check = 0
+        self._finite_micro.zero_()
+        verdict = [-float(first_bad_here), weights_bad_here]
         if self.env.distributed:
             import torch.distributed as dist
 
-            dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-        negated_first_bad, any_weights_bad = verdict.tolist()
-        self.position.loss_sum += float(self._pending_loss)
+            reduced = torch.tensor(verdict, dtype=torch.float64, device=self.env.device)
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+            verdict = reduced.tolist()
+        negated_first_bad, any_weights_bad = verdict
+        self.position.loss_sum += loss_sum
         self._pending_loss.zero_()
-        self.position.grad_norm_sum += float(self._pending_norm)
+        self.position.grad_norm_sum += norm_sum
         self.position.norm_steps += self._pending_norm_steps
         self._pending_norm.zero_()
         self._pending_norm_steps = 0
@@ -597,7 +677,7 @@ def rank_batches(manifest: dict[str, Any], env: DistEnv, *, batch_size: int, see
 def start_loop(config: Any, manifest: dict[str, Any], env: DistEnv, swept: dict[str, Any], train: Batches,
                validation: Batches, *, seed: int, grad_accum_steps: int = 1, check_every_steps: int | None = None,
                precision: str = "fp32", compile_mode: str = "off", grad_clip_norm: float | None = None,
-               noise_scale_every: int = 0) -> tuple[BuiltModel, Loop]:
+               noise_scale_every: int = 0, tf32: bool = True, cuda_graph: str = "off") -> tuple[BuiltModel, Loop]:
     """The one setup of a sweep trial and a training stage: the config's model built with these hyperparameters, on the
     rank's device, its optimizer, and the loop over the rank's batches (seed the RNG first for a reproducible init)."""
     built = model_for_run(config, manifest, swept)
@@ -605,7 +685,7 @@ def start_loop(config: Any, manifest: dict[str, Any], env: DistEnv, swept: dict[
     loop = Loop(model=model, optimizer=make_optimizer(model, built.params, built.spec), env=env, train=train, validation=validation,
                 spec=built.spec, objective=config.objective.metric, grad_accum_steps=grad_accum_steps, seed=seed,
                 check_every_steps=check_every_steps, precision=precision, compile_mode=compile_mode,
-                grad_clip_norm=grad_clip_norm, noise_scale_every=noise_scale_every)
+                grad_clip_norm=grad_clip_norm, noise_scale_every=noise_scale_every, tf32=tf32, cuda_graph=cuda_graph)
     loop.index_hint = lambda records: index_error_hint(manifest, records.detach().cpu().numpy())
     return built, loop
 

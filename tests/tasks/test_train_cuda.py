@@ -54,6 +54,7 @@ def _torchrun(config: Path, out: str, env: dict, result_name: str) -> subprocess
     command = [sys.executable, "-m", "stagewise.training.local_torchrun", "--nproc-per-node=1", "-m", "stagewise.train",  # as the launcher runs it
                "--config", str(config), "--stage", "s1", "--out", out, "--params", json.dumps(PARAMS),
                "--override=train.checkpoint_every_steps=10", "--override=train.stages.0.epochs=3", *overrides,
+               "--override=train.stages.0.tf32=false",  # resume is tested, not precision: exact float32 matmuls
                "--result-file", str(Path(out) / result_name)]
     return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -174,6 +175,8 @@ def test_gpu_stage_knobs_train_and_checkpoints_load_into_a_plain_model(digits_ru
     result = train.run_stage(config, "s1", out, PARAMS, None)
     assert result["val_metric"] > 0.9
     assert (result["noise_scale"] is not None) == noise_scale, result["noise_scale"]
+    # cuda_graph auto: the step is captured and replayed on every placement in fp32 and bf16, eager otherwise.
+    assert result["step_graph"]["captured"] == (knob in ("host", "resident", "streamed", "bf16")), result["step_graph"]
     state = torch.load(result["checkpoint_uri"], weights_only=True)["model"]
     model = build(MLPClassifier(), DataInfo(features=[f"f{i}" for i in range(64)], num_classes=10),
                   {"hidden": PARAMS["hidden"], "dropout": 0.0})
@@ -194,3 +197,169 @@ def test_adaptive_batch_growth_grows_on_one_gpu(digits_run, single_process, capl
     assert decision["noise_scale"] == pytest.approx(first["noise_scale"]) and decision["no_measurement"] is None
     assert second["global_batch"] > first["global_batch"] and second["val_metric"] > 0.5
     assert "received no noise scale" not in caplog.text
+
+
+# --- the captured step (stagewise.training.step_graph) and TF32 ---------------------------------------------------------
+
+
+def _cuda_loop(digits_run, **knobs):
+    """A one-process loop on cuda:0 over the digits, resident, built as a stage builds it (seeded: the same init)."""
+    from stagewise.core import storage
+    from stagewise.datasets.manifest import read_manifest
+    from stagewise.training.distributed import DistEnv
+    from stagewise.training.loop import rank_batches, start_loop
+
+    config_path, out = digits_run
+    config = load_config(config_path, ONE_GPU)
+    manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
+    env = DistEnv(rank=0, local_rank=0, world_size=1, device="cuda:0")
+    train_data, validation = rank_batches(manifest, env, batch_size=32, seed=0, too_few_rows=str, placement="resident")
+    torch.manual_seed(0)
+    return start_loop(config, manifest, env, PARAMS, train_data, validation, seed=0, **knobs)[1]
+
+
+@pytest.fixture
+def tf32_switches():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.parametrize(("clip", "noise_every"), [(None, 0), (1.0, 4)], ids=["plain", "clipped-noise-scale"])
+def test_the_captured_step_trains_along_the_eager_steps_trajectory(digits_run, tf32_switches, clip, noise_every):
+    """Three epochs with the step captured and replayed (after 3 warm-up steps; clipping in the graph; noise-scale
+    measured steps eager between replays) follow the eager loop's losses, validation and weights: the same kernels in
+    another launch, so equal up to float32 summation order (TF32 off, dropout 0, the same seed and batches)."""
+    knobs = {"tf32": False, "grad_clip_norm": clip, "noise_scale_every": noise_every}
+    eager = _cuda_loop(digits_run, cuda_graph="off", **knobs)
+    eager_results = [eager.train_epoch(lambda step: 0.05) for _ in range(3)]
+    graphed = _cuda_loop(digits_run, cuda_graph="on", **knobs)
+    assert graphed.step_graph is not None, graphed.graph_reason
+    results = [graphed.train_epoch(lambda step: 0.05) for _ in range(3)]
+    assert graphed.step_graph is not None and graphed.step_graph.captured
+    assert graphed.step_graph.replays > results[-1].steps // 2
+    for ours, theirs in zip(results, eager_results):
+        assert ours.train_loss == pytest.approx(theirs.train_loss, rel=1e-3)
+        assert ours.val_metric == pytest.approx(theirs.val_metric, abs=0.02)
+        if clip is not None:
+            assert ours.grad_norm == pytest.approx(theirs.grad_norm, rel=1e-3)
+    assert results[-1].val_metric > 0.9 and (results[-1].noise_scale is not None) == bool(noise_every)
+    theirs = eager.module.state_dict()
+    for name, tensor in graphed.module.state_dict().items():
+        torch.testing.assert_close(tensor, theirs[name], rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("cuda_graph", ["on", "off"])
+def test_no_step_waits_for_the_gpu_between_checks(digits_run, monkeypatch, cuda_graph):
+    """After the warm-up and the capture, steps with clipping and noise-scale measurements run under
+    torch.cuda.set_sync_debug_mode('error') until the epoch's check: no step reads a device value on the host, on the
+    captured path and on the eager one (tests/tasks/training/test_step_graph.py counts host reads on the CPU)."""
+    from stagewise.training.loop import Loop
+
+    loop = _cuda_loop(digits_run, cuda_graph=cuda_graph, grad_clip_norm=1.0, noise_scale_every=3)
+
+    def quiet(function):
+        def run(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode(0)
+            return function(*args, **kwargs)
+        return run
+
+    for name in ("check_finite", "validation_sums"):
+        monkeypatch.setattr(Loop, name, quiet(getattr(Loop, name)))
+    watched: list[int] = []
+
+    def on_step(current):
+        if current.position.step == 10:
+            assert cuda_graph == "off" or current.step_graph.captured
+            torch.cuda.set_sync_debug_mode("error")
+        if torch.cuda.get_sync_debug_mode():
+            watched.append(current.position.step)
+
+    try:
+        result = loop.train_epoch(lambda step: 0.05, on_step=on_step)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(watched) >= 15 and result.steps == watched[-1] and result.grad_norm is not None
+
+
+def test_tf32_follows_the_stage_knob(digits_run, tf32_switches):
+    """tf32 true (the default) turns TensorFloat-32 on for float32 matmuls and cuDNN, false turns it off; on a GPU that
+    has it (compute capability 8+) a float32 matmul then rounds like TF32 (errors ~1e-3) or like float32 (~1e-6)."""
+    errors = {}
+    a, b = torch.randn(1024, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda")
+    exact = (a.double() @ b.double()).float()
+    for enabled in (False, True):
+        _cuda_loop(digits_run, tf32=enabled)
+        assert torch.backends.cuda.matmul.allow_tf32 is enabled and torch.backends.cudnn.allow_tf32 is enabled
+        assert torch.get_float32_matmul_precision() == ("high" if enabled else "highest")
+        errors[enabled] = float((a @ b - exact).abs().max())
+    if torch.cuda.get_device_capability()[0] >= 8:
+        assert errors[True] > 10 * errors[False], errors
+
+
+@pytest.mark.parametrize(("knobs", "why"), [
+    ({"precision": "fp16"}, "fp16's gradient scaler"),
+    ({"grad_accum_steps": 2}, "2 gradient accumulation steps"),
+    ({"compile_mode": "default"}, "compile default runs the forward through torch.compile"),
+    ({"cuda_graph": "off"}, "cuda_graph off"),
+])
+def test_a_gpu_stage_steps_eagerly_where_capture_is_not_safe_and_says_why(digits_run, caplog, knobs, why):
+    with caplog.at_level("INFO", logger="stagewise.train"):
+        loop = _cuda_loop(digits_run, **{"cuda_graph": "auto", **knobs})
+    assert loop.step_graph is None and why in loop.graph_reason
+    said = [r.getMessage() for r in caplog.records if "training step" in r.getMessage()]
+    assert said == ([] if knobs.get("cuda_graph") == "off" else [f"training step: eager, no CUDA graph ({loop.graph_reason})"])
+
+
+_CAPTURE_FAILS = r"""
+import json, logging, sys
+
+import torch
+
+from stagewise.core import storage
+from stagewise.datasets.manifest import read_manifest
+from stagewise.models.building import build, data_info
+from stagewise.models.mlp import MLPClassifier
+from stagewise.training.distributed import DistEnv
+from stagewise.training.loop import Loop, make_optimizer, rank_batches
+
+logging.basicConfig(level=logging.INFO)
+
+
+class ReadsTheLoss(MLPClassifier):
+    static_shapes = True  # wrongly: its loss reads a value on the host, which a capture cannot
+
+    def loss(self, outputs, targets):
+        loss = super().loss(outputs, targets)
+        assert loss.item() >= 0
+        return loss
+
+
+manifest = read_manifest(storage.join(sys.argv[1], "preprocess", "manifest.json"))
+env = DistEnv(rank=0, local_rank=0, world_size=1, device="cuda:0")
+train, validation = rank_batches(manifest, env, batch_size=32, seed=0, too_few_rows=str, placement="resident")
+params = {"lr": 0.05, "hidden": 64, "dropout": 0.0, "momentum": 0.9, "weight_decay": 0.0}
+spec = ReadsTheLoss()
+torch.manual_seed(0)
+model = build(spec, data_info(manifest), params).to(env.device)
+loop = Loop(model=model, optimizer=make_optimizer(model, params), env=env, train=train, validation=validation, spec=spec,
+            seed=0, cuda_graph="on", noise_scale_every=8)
+assert loop.step_graph is not None, loop.graph_reason
+results = [loop.train_epoch(lambda step: 0.05) for _ in range(2)]
+torch.cuda.synchronize()
+print(json.dumps({"graph": loop.step_graph is not None, "reason": loop.graph_reason, "val": results[-1].val_metric,
+                  "steps": results[-1].steps}))
+"""
+
+
+def test_a_step_that_cannot_be_captured_falls_back_to_eager_and_trains(digits_run, subprocess_env):
+    """A spec that declares static_shapes but reads its loss on the host (.item()) fails its capture: the stage warns
+    once, steps eagerly from then on and trains to the end on the same CUDA context (in its own process, so a broken
+    context could not spill into the other tests)."""
+    done = subprocess.run([sys.executable, "-c", _CAPTURE_FAILS, digits_run[1]], cwd=REPO_ROOT, env=subprocess_env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not outcome["graph"] and outcome["reason"].startswith("the capture failed"), outcome
+    assert outcome["val"] > 0.9 and outcome["steps"] > 0
+    assert done.stderr.count("the CUDA graph capture failed") == 1, done.stderr[-3000:]
