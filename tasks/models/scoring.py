@@ -1,12 +1,22 @@
-"""The device a scoring sub-job (evaluation, batch inference) runs on, exact float32 there, and overlapped copies to it."""
+"""The device a scoring sub-job (evaluation, batch inference) runs on, exact float32 there, overlapped copies to it,
+and the threads that overlap a shard's reading, host preparation and writing with the model (:func:`read_ahead`,
+:func:`ordered_map`, :class:`SerialWriter`)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
-from typing import Any
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from stagewise.core.errors import UserError
+
+T = TypeVar("T")
+R = TypeVar("R")
+_POLL_S = 0.05  # how soon a reader thread notices that its consumer has gone
 
 
 def scoring_device(requested: str) -> Any:
@@ -81,3 +91,95 @@ def prefetch(chunks: Iterable[tuple[Any, Any]], device: Any) -> Iterator[tuple[A
         yield meta, each(moved, hand_over)
 
 
+def read_ahead(items: Iterable[T], depth: int, name: str = "scoring-read") -> Iterator[T]:
+    """``items`` in order, pulled by a background thread at most ``depth`` ahead of the consumer (so a Parquet read,
+    which releases the GIL, overlaps the consumer's work). An error of ``items`` is raised here, in its place in the
+    order; when the consumer stops early (an error, ``close()``), the thread stops at its next item and is joined."""
+    slots: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=max(1, depth))
+    stop = threading.Event()
+
+    def offer(entry: tuple[bool, Any]) -> bool:
+        while not stop.is_set():
+            try:
+                slots.put(entry, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def pull() -> None:
+        source = iter(items)
+        try:
+            for item in source:
+                if not offer((False, item)):
+                    return
+            offer((True, None))
+        except BaseException as exc:  # handed to the consumer, raised there
+            offer((True, exc))
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+
+    thread = threading.Thread(target=pull, name=name, daemon=True)
+    thread.start()
+    try:
+        while True:
+            last, value = slots.get()
+            if last:
+                if value is not None:
+                    raise value
+                return
+            yield value
+    finally:
+        stop.set()
+        thread.join()
+
+
+def ordered_map(function: Callable[[T], R], items: Iterable[T], workers: int, depth: int | None = None,
+                name: str = "scoring-prepare") -> Iterator[R]:
+    """``function(item)`` for each of ``items``, computed by ``workers`` threads (numpy and pyarrow release the GIL)
+    at most ``depth`` (default ``workers + 2``) items ahead, and yielded in the order of ``items``: the result does
+    not depend on the threads' timing. An error is raised in its item's place; on early exit the work not yet
+    started is cancelled and the threads are joined."""
+    depth = max(1, depth if depth is not None else workers + 2)
+    pending: deque[Future[R]] = deque()
+    pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix=name)
+    try:
+        for item in items:
+            pending.append(pool.submit(function, item))
+            if len(pending) >= depth:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        close = getattr(items, "close", None)
+        if close is not None:  # e.g. a read_ahead: its thread stops too
+            close()
+
+
+class SerialWriter:
+    """One background thread that runs submitted calls in order (a shard's output writes), at most ``depth``
+    outstanding: :meth:`submit` blocks beyond that, so memory stays bounded. A call's error is raised by the next
+    :meth:`submit` or by :meth:`finish`; :meth:`close` (always, e.g. in ``finally``) drops what has not started and
+    joins the thread, so nothing writes to a file after its owner has moved on."""
+
+    def __init__(self, depth: int = 4, name: str = "scoring-write") -> None:
+        self._depth = max(1, depth)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._pending: deque[Future[Any]] = deque()
+
+    def submit(self, function: Callable[..., Any], *args: Any) -> None:
+        while self._pending and (len(self._pending) >= self._depth or self._pending[0].done()):
+            self._pending.popleft().result()  # raises the error of a failed write
+        self._pending.append(self._pool.submit(function, *args))
+
+    def finish(self) -> None:
+        """Wait for every submitted call; raise the first error."""
+        while self._pending:
+            self._pending.popleft().result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pending.clear()

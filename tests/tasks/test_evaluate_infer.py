@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ from stagewise.evaluate import evaluate
 from stagewise.models.building import build, data_info
 from stagewise.models.bundle import load_bundle, preprocessing_of, save_bundle
 from stagewise.models.mlp import MLPClassifier
-from stagewise.models.scoring import exact_float32, prefetch, scoring_device
+from stagewise.models.scoring import SerialWriter, exact_float32, ordered_map, prefetch, read_ahead, scoring_device
 from stagewise.models.versions import version_of
 from stagewise.spec import DataInfo, SpecRef
 from tests.bad_parquet import BAD_KINDS, EXPECTED_WORDING, write_bad_file
@@ -396,6 +397,258 @@ def test_device_path_on_the_cpu_gives_todays_predictions_exactly(trained, tmp_pa
     assert np.array_equal(scored.column("prediction").to_numpy(), expected["prediction"])
     probabilities = np.stack(scored.column("probabilities").to_numpy(zero_copy_only=False))
     assert probabilities.dtype == expected["probabilities"].dtype and np.array_equal(probabilities, expected["probabilities"])
+
+
+# --- the pipeline: reading, preparation, the model and writing overlap in threads --------------------------------
+
+
+def _scattered_dirty_input(config, tmp_path) -> str:
+    """The digits as one file of 300-row row groups, with unscorable rows in several groups: NaN or inf features
+    (the first and last row, across a group boundary) and a null key."""
+    source = pa.concat_tables([pq.read_table(uri) for uri in
+                               storage.list_parquet(storage.resolve(config.storage_root, config.dataset.uri))])
+    px = source.column("px_10").to_numpy().copy()
+    px[[0, 299, 300, 301, 950, source.num_rows - 1]] = [np.nan, np.nan, np.inf, np.nan, -np.inf, np.nan]
+    keys = source.column("row_id").to_numpy()
+    dirty = source.set_column(source.column_names.index("px_10"), "px_10", pa.array(px))
+    dirty = dirty.set_column(dirty.column_names.index("row_id"), "row_id",
+                             pa.array(keys, mask=np.arange(len(keys)) == 600))
+    path = tmp_path / "scattered" / "part-00000.parquet"
+    path.parent.mkdir()
+    pq.write_table(dirty, path, row_group_size=300)
+    return str(path)
+
+
+def one_chunk_after_another(config, model_uri: str, shard: dict) -> tuple[list, dict[str, np.ndarray], list[dict]]:
+    """Straightforward scoring of a shard in one thread, batch after batch (the rows' checks, the bundle's
+    normalisation in float64 rounded to float32, the model, its prediction columns); returns (keys, prediction
+    columns) of the scorable rows and the quarantine rows {key, reason, source_uri, source_row}."""
+    from stagewise.datasets.columns import flatten_features
+    from stagewise.infer import _row_problems
+
+    bundle = load_bundle(model_uri)
+    prep = bundle.preprocessing
+    mean, std = np.asarray(prep["mean"]), np.asarray(prep["std"])
+    keys, outputs, quarantined, offset = [], {}, [], 0
+    with storage.open_parquet(shard["uri"]) as parquet:
+        for batch in storage.iter_batches(parquet, [prep["key"], *prep["features"]], config.inference.batch_size,
+                                          shard["row_groups"], uri=shard["uri"]):
+            matrix = flatten_features(batch, prep["features"], {}, shard["uri"])
+            reasons = _row_problems(batch, prep["key"], prep["features"], matrix)
+            batch_keys = batch.column(prep["key"]).to_pylist()
+            for row in np.flatnonzero(reasons != ""):
+                quarantined.append({"row_id": batch_keys[row], "reason": reasons[row], "source_uri": shard["uri"],
+                                    "source_row": offset + int(row)})
+            valid = reasons == ""
+            with torch.no_grad():
+                scaled = torch.from_numpy(((matrix[valid] - mean) / std).astype(np.float32))
+                predicted = bundle.spec.predict(bundle.module(scaled))
+            keys += [k for k, ok in zip(batch_keys, valid) if ok]
+            for name, tensor in predicted.items():
+                outputs.setdefault(name, []).append(tensor.numpy())
+            offset += batch.num_rows
+    return keys, {name: np.concatenate(parts) for name, parts in outputs.items()}, quarantined
+
+
+@pytest.mark.parametrize("threads,batch_size,group_rows", [(1, 128, 65_536), (3, 128, 500), (2, 1000, 700)])
+def test_pipelined_scoring_writes_what_one_chunk_after_another_writes(trained, tmp_path, monkeypatch, threads,
+                                                                      batch_size, group_rows):
+    """The pipeline (reader thread, `threads` preparing threads, writer thread; chunks that straddle row groups;
+    output row groups coalesced) writes the same rows in the same order, bit for bit the same classes and
+    probabilities, the same version and the same quarantine (rows, reasons, shard rows) as straightforward scoring
+    in one thread, for a whole file and for a shard of some of its row groups; a re-run writes the same bytes."""
+    config_path, _, model_uri = trained
+    config = load_config(config_path, {"inference.batch_size": batch_size, "profiles.small.threads_per_process": threads})
+    monkeypatch.setattr(infer, "OUTPUT_ROW_GROUP_ROWS", group_rows)
+    path = _scattered_dirty_input(config, tmp_path)
+    whole = plan_inference(path, rows_per_shard=10_000)[0]
+    assert len(whole["row_groups"]) == 6
+    for shard in (whole, {"index": 1, "uri": path, "row_groups": [1, 2, 3]}):
+        result = infer.score_shard(config, model_uri, shard, str(tmp_path / "scored"))
+        keys, expected, quarantined = one_chunk_after_another(config, model_uri, shard)
+        scored = pq.read_table(result["uri"])
+        assert result["rows"] == scored.num_rows == len(keys) > 0
+        assert scored.column("row_id").to_pylist() == keys
+        assert np.array_equal(scored.column("prediction").to_numpy(), expected["prediction"])
+        probabilities = np.stack(scored.column("probabilities").to_numpy(zero_copy_only=False))
+        assert probabilities.dtype == np.float32 and np.array_equal(probabilities, expected["probabilities"])
+        assert set(scored.column("model_version").to_pylist()) == {load_bundle(model_uri).version}
+        assert result["rows_quarantined"] == len(quarantined) > 0
+        assert pq.read_table(result["quarantine_uri"]).to_pylist() == quarantined
+        groups = [pq.ParquetFile(result["uri"]).metadata.row_group(g).num_rows
+                  for g in range(pq.ParquetFile(result["uri"]).metadata.num_row_groups)]
+        assert sum(groups) == len(keys) and all(rows >= group_rows for rows in groups[:-1]), groups
+        again = infer.score_shard(config, model_uri, shard, str(tmp_path / "again"))
+        assert Path(again["uri"]).read_bytes() == Path(result["uri"]).read_bytes()
+    reasons = {row["reason"] for row in one_chunk_after_another(config, model_uri, whole)[2]}
+    assert reasons == {"null key", "null or non-finite feature 'px_10'"}
+
+
+def _pipeline_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("infer-")]
+
+
+def test_a_failing_write_fails_the_shard_and_stops_every_pipeline_thread(trained, tmp_path, monkeypatch):
+    """An error in the writer thread (a full disk) is raised by score_shard as it was; the reader, preparing and
+    writer threads are gone afterwards, and the shard is not committed."""
+    config_path, _, model_uri = trained
+    config = load_config(config_path, {"inference.batch_size": 64, "profiles.small.threads_per_process": 2})
+    monkeypatch.setattr(infer, "OUTPUT_ROW_GROUP_ROWS", 128)
+    real_write = pq.ParquetWriter.write_table
+    calls = {"n": 0}
+
+    def full_disk(self, table, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise OSError(28, "No space left on device")
+        return real_write(self, table, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", full_disk)
+    shard = plan_inference(storage.resolve(config.storage_root, config.dataset.uri), rows_per_shard=10_000)[0]
+    with pytest.raises(OSError, match="No space left"):
+        infer.score_shard(config, model_uri, shard, str(tmp_path / "full"))
+    assert _pipeline_threads() == []
+    assert not (tmp_path / "full" / "predictions" / "manifest.json").exists()
+
+
+def test_a_failing_model_stops_every_pipeline_thread(trained, tmp_path, monkeypatch):
+    """An error of the model (in the calling thread) mid-shard leaves no reader, preparing or writer thread behind,
+    also when the reader is far ahead (small batches, many row groups)."""
+    config_path, _, model_uri = trained
+    config = load_config(config_path, {"inference.batch_size": 16, "profiles.small.threads_per_process": 2})
+    real_softmax, calls = torch.softmax, {"n": 0}
+
+    def dying_softmax(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("the model broke")
+        return real_softmax(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "softmax", dying_softmax)
+    shard = plan_inference(storage.resolve(config.storage_root, config.dataset.uri), rows_per_shard=10_000)[0]
+    with pytest.raises(RuntimeError, match="the model broke"):
+        infer.score_shard(config, model_uri, shard, str(tmp_path / "broken_model"))
+    assert _pipeline_threads() == []
+
+
+def test_bad_rows_fail_names_the_first_bad_row_of_the_shard_with_several_preparing_threads(trained, tmp_path,
+                                                                                          monkeypatch):
+    """With inference.bad_rows=fail and chunks prepared in parallel, the error names the shard's first bad row even
+    when a later chunk with bad rows is prepared first (the order decides, not the threads' timing), and no
+    pipeline thread is left."""
+    config_path, _, model_uri = trained
+    config = load_config(config_path, {"inference.bad_rows": "fail", "inference.batch_size": 100,
+                                       "profiles.small.threads_per_process": 4})
+    path = _scattered_dirty_input(config, tmp_path)
+    real_flatten = infer.flatten_features
+
+    def slow_first_chunk(batch, *args):
+        if batch.column("row_id")[0].as_py() == 300:
+            time.sleep(0.3)  # the chunks after it, the null key at shard row 300 among them, finish first
+        return real_flatten(batch, *args)
+
+    monkeypatch.setattr(infer, "flatten_features", slow_first_chunk)
+    shard = {"index": 0, "uri": path, "row_groups": [1, 2, 3, 4, 5]}
+    with pytest.raises(UserError, match=r"2 row\(s\) cannot be scored, first at row 0 \(key 300\): null or "
+                                        r"non-finite feature 'px_10' \(inference.bad_rows=fail\)"):
+        infer.score_shard(config, model_uri, shard, str(tmp_path / "fatal"))
+    assert _pipeline_threads() == []
+
+
+def test_read_ahead_keeps_order_reads_at_most_depth_ahead_raises_in_place_and_stops_on_close():
+    """Items come in order; the thread is never more than depth (+ the one it holds) ahead of the consumer; an
+    error of the source comes after the items before it; closing early stops and joins the thread."""
+    import threading
+
+    pulled = []
+
+    def source(n, fail_at=None):
+        for index in range(n):
+            if index == fail_at:
+                raise ValueError(f"bad item {index}")
+            pulled.append(index)
+            yield index
+
+    seen = []
+    for item in read_ahead(source(20), depth=2):
+        time.sleep(0.002)
+        assert pulled[-1] - item <= 3
+        seen.append(item)
+    assert seen == list(range(20))
+    got = []
+    with pytest.raises(ValueError, match="bad item 5"):
+        for item in read_ahead(source(10, fail_at=5), depth=2):
+            got.append(item)
+    assert got == [0, 1, 2, 3, 4]
+    before = threading.active_count()
+    reader = read_ahead(source(1000), depth=2, name="test-read")
+    assert next(reader) == 0
+    reader.close()
+    assert threading.active_count() <= before and not [t for t in threading.enumerate() if t.name == "test-read"]
+
+
+def test_ordered_map_yields_in_input_order_whatever_finishes_first_and_raises_in_place():
+    """Results follow the input order though later items finish first; at most depth items are in flight; an
+    error is raised at its item, after the results before it; the threads are joined."""
+    import random
+    import threading
+
+    rng = random.Random(0)
+    delays = [rng.uniform(0, 0.004) for _ in range(40)]
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def work(index):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(delays[index])
+        with lock:
+            running[0] -= 1
+        if index == 33:
+            raise KeyError("item 33")
+        return index * index
+
+    got = []
+    with pytest.raises(KeyError, match="item 33"):
+        for value in ordered_map(work, range(40), workers=4, depth=6, name="test-map"):
+            got.append(value)
+    assert got == [i * i for i in range(33)]
+    assert most[0] <= 4
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-map")]
+
+
+def test_serial_writer_runs_calls_in_order_bounds_what_waits_and_surfaces_an_error():
+    """Calls run one at a time in submission order; submit blocks beyond depth outstanding; a failed call's error
+    is raised by a later submit or by finish; close joins the thread."""
+    import threading
+
+    done, outstanding = [], []
+    writer = SerialWriter(depth=2, name="test-write")
+    try:
+        for index in range(10):
+            writer.submit(lambda i=index: (time.sleep(0.001), done.append(i)))
+            outstanding.append(len(writer._pending))
+        writer.finish()
+    finally:
+        writer.close()
+    assert done == list(range(10)) and max(outstanding) <= 2
+    failing = SerialWriter(depth=2, name="test-write")
+
+    def boom():
+        raise OSError("disk full")
+
+    try:
+        failing.submit(boom)
+        with pytest.raises(OSError, match="disk full"):
+            for _ in range(5):
+                failing.submit(lambda: None)
+            failing.finish()
+    finally:
+        failing.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-write")]
 
 
 def test_prefetch_on_the_cpu_hands_over_every_chunk_in_order_and_reads_ahead_by_at_most_one():

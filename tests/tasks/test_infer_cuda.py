@@ -73,3 +73,35 @@ def test_evaluate_on_the_gpu_reports_the_cpus_metrics(trained, tmp_path):
     assert on_gpu["test_rows"] == on_cpu["test_rows"]
     assert on_gpu["test_accuracy"] == pytest.approx(on_cpu["test_accuracy"], abs=2 / on_cpu["test_rows"])
     assert on_gpu["test_loss"] == pytest.approx(on_cpu["test_loss"], rel=1e-4)
+
+
+def test_the_gpu_pipeline_scores_a_dirty_shard_of_many_row_groups_as_the_cpu(trained, tmp_path, monkeypatch):
+    """The full pipeline on the GPU (reader thread, three preparing threads writing pinned chunks, side-stream copies,
+    the writer thread waiting on each chunk's event, coalesced row groups) against one thread on the CPU: the same
+    keys in the same order and the same quarantine (rows, reasons, shard rows); probabilities within 1e-5, classes
+    equal but for near-ties; no pipeline thread left behind."""
+    import threading
+
+    from tests.tasks.test_evaluate_infer import _scattered_dirty_input
+
+    config_path, _, model_uri = trained
+    path = _scattered_dirty_input(load_config(config_path), tmp_path)
+    shard = plan_inference(path, rows_per_shard=10_000)[0]
+    on_cpu = infer.score_shard(load_config(config_path, {"inference.batch_size": 1024}), model_uri, shard,
+                               str(tmp_path / "cpu"))
+    monkeypatch.setattr(infer, "OUTPUT_ROW_GROUP_ROWS", 200)
+    gpu_config = load_config(config_path, {"profiles.small.device": "cuda", "inference.batch_size": 96,
+                                           "profiles.small.threads_per_process": 3})
+    on_gpu = infer.score_shard(gpu_config, model_uri, shard, str(tmp_path / "gpu"))
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("infer-")]
+    assert on_gpu["rows"] == on_cpu["rows"] and on_gpu["rows_quarantined"] == on_cpu["rows_quarantined"] > 0
+    assert pq.read_table(on_gpu["quarantine_uri"]).equals(pq.read_table(on_cpu["quarantine_uri"]))
+    cpu, gpu = pq.read_table(on_cpu["uri"]), pq.read_table(on_gpu["uri"])
+    assert cpu.schema == gpu.schema and pq.ParquetFile(on_gpu["uri"]).metadata.num_row_groups > 1
+    assert cpu.column("row_id").to_pylist() == gpu.column("row_id").to_pylist()
+    p_cpu = np.stack(cpu.column("probabilities").to_numpy(zero_copy_only=False))
+    p_gpu = np.stack(gpu.column("probabilities").to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(p_gpu, p_cpu, rtol=0, atol=PROBABILITY_ATOL)
+    top2 = np.sort(p_cpu, axis=1)[:, -2:]
+    decided = (top2[:, 1] - top2[:, 0]) > NEAR_TIE
+    assert np.array_equal(cpu.column("prediction").to_numpy()[decided], gpu.column("prediction").to_numpy()[decided])
