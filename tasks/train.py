@@ -141,6 +141,13 @@ def byo_result(config: PipelineConfig, stage_name: str, out: str, contract: dict
     return {**result, "params": params, "params_source": "script"}
 
 
+def _step_range(loop: Any, epochs: int) -> str:
+    """The optimizer steps per epoch as the epochs will run them: ranks take whole row groups, so an epoch's count
+    follows its shuffle of them (e.g. ``332-351``)."""
+    counts = [loop.steps_per_epoch(epoch) for epoch in range(epochs)]
+    return f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
+
+
 def previous_global_batch(config: PipelineConfig, stage_name: str) -> int:
     """The global batch of the stage before ``stage_name`` (0 for the first): a script stage warms up when it grew,
     as the built-in loop does."""
@@ -177,20 +184,20 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             handed = load_torch(init_from)
             assert config.train.max_global_batch is not None
             noise_scale, why = handed_noise_scale(handed)
-            decision = adaptive_batch(noise_scale, handed["global_batch"], config.train.max_global_batch,
+            decision = adaptive_batch(noise_scale, global_batch, config.train.max_global_batch,
                                       env.world_size, micro_batch, no_measurement=why)
             micro_batch, accumulation, global_batch = (decision.per_process_batch, decision.grad_accum_steps,
                                                        decision.global_batch)
             if env.master and decision.no_measurement is not None:
                 # Nothing grows: say so where an operator looks, not only in an INFO line.
                 log.warning("stage %s: batch_growth adaptive received no noise scale from the stage before, so it "
-                            "trains at that stage's global batch %d (%d per process x %d x %d accumulation): %s",
+                            "trains at its configured global batch %d (%d per process x %d x %d accumulation): %s",
                             stage.name, global_batch, micro_batch, env.world_size, accumulation, decision.no_measurement)
             elif env.master:
                 noise = f"{decision.noise_scale:.4g}"
                 log.info("stage %s: adaptive global batch %d = %d per process x %d x %d accumulation (noise scale %s at the "
                          "end of the stage before, clamped to [%d, %d])", stage.name, global_batch, micro_batch,
-                         env.world_size, accumulation, noise, decision.previous_global_batch, decision.max_global_batch)
+                         env.world_size, accumulation, noise, decision.min_global_batch, decision.max_global_batch)
         data_seed = config.train.seed + 7919 * (config.train.stages.index(stage) + 1)
         train, validation = rank_batches(
             manifest, env, batch_size=micro_batch, seed=data_seed,
@@ -269,12 +276,12 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
 
         schedule = stage.lr_schedule
         log.info("stage %s: world size %d, global batch %d (%d per process x %d x %d accumulation), lr %.4g "
-                 "(%s rule, base batch %d), warmup %d steps, schedule %s, %d epochs of %d steps, %d train rows",
+                 "(%s rule, base batch %d), warmup %d steps, schedule %s, %d epochs of %s steps (%d in all), %d train rows",
                  stage.name, env.world_size, global_batch, micro_batch, env.world_size, accumulation, lr,
                  config.train.lr_rule, config.train.base_batch, warmup,
                  "the spec's own" if built.spec.lr_schedule(0, total_steps) is not None else
                  schedule.type if schedule.type == "constant" else f"{schedule.type} to {schedule.min_lr_ratio:g} x lr",
-                 stage.epochs, loop.steps_per_epoch(0), train.num_rows)
+                 stage.epochs, _step_range(loop, stage.epochs), total_steps, train.num_rows)
         tracker = Tracker.for_run(config, out, f"train_{stage.name}") if env.master else None
         if tracker is not None:
             tracked = tracker.nested(f"stage-{stage.name}", f"train {stage.name}",

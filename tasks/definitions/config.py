@@ -637,7 +637,7 @@ class Train(_Strict):
         "gradients."))
     batch_growth: Literal["fixed", "adaptive"] = Field("fixed", description=(
         "fixed: the batches the stages give; adaptive: each stage after the first takes the noise scale measured at the "
-        "end of the stage before as its global batch, clamped between that stage's batch and max_global_batch (its "
+        "end of the stage before as its global batch, clamped between its own configured global batch and max_global_batch (its "
         "per_process_batch is then a memory bound, gradient accumulation reaching beyond it)."))
     max_global_batch: int | None = Field(None, ge=1, le=MAX_BATCH, description="adaptive: the largest global batch a stage may take (at most 16777216).")
     stages: list[TrainStage] = Field(min_length=1, max_length=100, description="The stages, run in order (1 to 100).")

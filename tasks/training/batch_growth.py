@@ -20,8 +20,9 @@ class BatchDecision:
 
     noise_scale: float | None
     """B_simple at the end of the stage before (None: it measured none, and the batch stays)."""
-    previous_global_batch: int
-    """The global batch of the stage before: the smallest this stage may take."""
+    min_global_batch: int
+    """This stage's own configured global batch (per_process_batch × world size × grad_accum_steps): the smallest it
+    may take, and what it trains at without a measurement."""
     max_global_batch: int
     """train.max_global_batch: the largest."""
     target: int
@@ -63,16 +64,16 @@ def handed_noise_scale(state: dict[str, Any]) -> tuple[float | None, str | None]
     return estimates["noise_scale"], None
 
 
-def adaptive_batch(noise_scale: float | None, previous_global_batch: int, max_global_batch: int, world_size: int,
+def adaptive_batch(noise_scale: float | None, min_global_batch: int, max_global_batch: int, world_size: int,
                    per_process_limit: int, no_measurement: str | None = None) -> BatchDecision:
-    """The global batch the noise scale asks for, clamped to [previous, max], reached with the fewest accumulation
-    steps the per-process limit allows (a batch that does not divide lands just below the target). Without a noise
-    scale the batch stays the stage before's; ``no_measurement`` (why) is kept in the decision."""
-    wanted = previous_global_batch if noise_scale is None else round(noise_scale)
-    target = max(previous_global_batch, min(max_global_batch, wanted))
+    """The global batch the noise scale asks for, clamped to [this stage's configured global batch, max], reached with
+    the fewest accumulation steps the per-process limit allows (a batch that does not divide lands just below the
+    target). Without a noise scale the stage trains at its configured batch; ``no_measurement`` (why) is kept."""
+    wanted = min_global_batch if noise_scale is None else round(noise_scale)
+    target = max(min_global_batch, min(max_global_batch, wanted))
     accumulation = math.ceil(target / (world_size * per_process_limit))
     per_process = max(1, min(per_process_limit, target // (world_size * accumulation)))
-    return BatchDecision(noise_scale=noise_scale, previous_global_batch=previous_global_batch,
+    return BatchDecision(noise_scale=noise_scale, min_global_batch=min_global_batch,
                          max_global_batch=max_global_batch, target=target,
                          global_batch=per_process * world_size * accumulation, per_process_batch=per_process,
                          grad_accum_steps=accumulation,

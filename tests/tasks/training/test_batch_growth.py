@@ -20,12 +20,12 @@ from stagewise.training.noise_scale import NoiseScale
 
 @pytest.mark.parametrize(("noise", "expected"), [
     (612.4, (612, 5, 61, 610)),  # 612 over 2 processes of at most 64: 5 accumulation steps of 61
-    (50.0, (128, 1, 64, 128)),  # below the stage before's batch: the batch never shrinks
+    (50.0, (128, 1, 64, 128)),  # below this stage's configured batch: never below it
     (5000.0, (1024, 8, 64, 1024)),  # above the ceiling: max_global_batch
-    (None, (128, 1, 64, 128)),  # nothing measured: the batch stays
+    (None, (128, 1, 64, 128)),  # nothing measured: the configured batch
 ])
 def test_the_decision_clamps_the_noise_scale_and_reaches_it_with_accumulation(noise, expected):
-    decision = adaptive_batch(noise, previous_global_batch=128, max_global_batch=1024, world_size=2, per_process_limit=64)
+    decision = adaptive_batch(noise, min_global_batch=128, max_global_batch=1024, world_size=2, per_process_limit=64)
     assert (decision.target, decision.grad_accum_steps, decision.per_process_batch, decision.global_batch) == expected
     assert decision.global_batch <= decision.target and decision.per_process_batch <= 64
 
@@ -51,10 +51,10 @@ def test_an_adaptive_stage_trains_at_the_batch_the_stage_before_measured(request
     assert measured == pytest.approx(first["noise_scale"])
     second = train.run_stage(config, "s2", out, params, first["checkpoint_uri"])
     decision = second["batch_decision"]
-    expected = adaptive_batch(measured, first["global_batch"], 512, 1, 64)
+    expected = adaptive_batch(measured, 64, 512, 1, 64)  # clamped from s2's own configured batch, as docs/stages.md says
     assert (second["global_batch"], second["per_process_batch"], second["grad_accum_steps"]) == (
         expected.global_batch, expected.per_process_batch, expected.grad_accum_steps)
-    assert decision["noise_scale"] == pytest.approx(measured) and decision["previous_global_batch"] == 32
+    assert decision["noise_scale"] == pytest.approx(measured) and decision["min_global_batch"] == 64
     assert second["lr"] == pytest.approx(scaled_lr(params["lr"], second["global_batch"], config.train.base_batch,
                                                    config.train.lr_rule))
     history = json.loads(Path(out, "train", "s2", "metrics.json").read_text())["history"]
@@ -121,8 +121,9 @@ def test_an_adaptive_stage_without_a_measurement_warns_and_says_so_in_its_result
     assert len(warnings) == 1, caplog.text
     message = warnings[0].getMessage()
     assert "received no noise scale" in message and "took no measured step" in message
-    assert f"global batch {first['global_batch']}" in message
-    assert second["global_batch"] == first["global_batch"]
+    configured = config.train.stages[1].global_batch_for(1)  # s2's own batch, as docs/stages.md says
+    assert f"configured global batch {configured}" in message and configured != first["global_batch"]
+    assert second["global_batch"] == configured
     assert "took no measured step" in second["batch_decision"]["no_measurement"]
     assert "took no measured step" in logged[0]["adaptive_no_measurement"] and logged[0]["noise_scale_before"] is None
 
@@ -134,3 +135,21 @@ def test_an_adaptive_stage_without_a_measurement_warns_and_says_so_in_its_result
 def test_adaptive_growth_needs_a_ceiling_and_the_noise_scale(write_config, overrides, message):
     with pytest.raises(UserError, match=message):
         load_config(write_config(), overrides)
+
+
+def test_a_stage_announces_the_steps_it_then_runs(digits_run, monkeypatch, caplog):
+    """The stage's first line gives its steps per epoch as the epochs run them (ranks take whole row groups, so the
+    count can differ by epoch) and their total, which is the number of optimizer steps the stage then takes."""
+    import re
+
+    from stagewise import train
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    config_path, out = digits_run
+    config = load_config(config_path, {"train.stages.0.epochs": 3})
+    with caplog.at_level("INFO", logger="stagewise.train"):
+        result = train.run_stage(config, "s1", out, {"lr": 0.05}, None)
+    (line,) = [r.getMessage() for r in caplog.records if re.search(r"epochs of [\d-]+ steps \(\d+ in all\)", r.getMessage())]
+    announced = int(re.search(r"\((\d+) in all\)", line).group(1))
+    assert announced == result["steps"] > 0
