@@ -45,7 +45,7 @@ def _stage(tmp_path, root: str, attempt: int = 1):
     run = {**RUN, "run_id": run_id, "config": args["config_file"], "overrides": {}, "out": out}
     operator = SageMakerStageOperator(task_id="train_s2", run=run, stage="s2", swept={"best_params": PARAMS},
                                       previous={"checkpoint_uri": args["init_from"]})
-    return config, args, operator, {"ti": types.SimpleNamespace(try_number=attempt)}
+    return config, args, operator, {"ti": types.SimpleNamespace(try_number=attempt, start_date=None)}
 
 
 @pytest.mark.service
@@ -102,7 +102,7 @@ def test_a_success_event_returns_the_stages_result_and_failures_map_as_the_backe
                "history": [{"epoch": 0}], "complete": True}
     s3fs.S3FileSystem().pipe(f"{out}/train/s2/metrics.json".removeprefix("s3://"), json.dumps(metrics).encode())
     result = operator.execute_complete(context, {"status": "success", "job_name": name}, started=time.time() - 5)
-    assert {k: v for k, v in result.items() if k not in ("duration_s", "attempt")} == stage_result(config, out, "s2")
+    assert {k: v for k, v in result.items() if k not in ("duration_s", "attempt", "task_s")} == stage_result(config, out, "s2")
     assert result["model_uri"] == f"{out}/train/s2/model.pt" and result["attempt"] == 1 and result["duration_s"] >= 5
 
     # The trigger gave up (timeout) or lost the API: retryable, and nothing is left running unwatched.
