@@ -35,6 +35,7 @@ from stagewise.reporting import lineage
 from stagewise.scripting.entrypoint import card_params
 from stagewise.tracking import registry as mlflow_registry
 from stagewise.tracking.runs import log_gate
+from stagewise.training.recipe import ran_params
 
 log = logging.getLogger("stagewise.registry")
 POINTER_SWAP_ATTEMPTS = 20  # each lost attempt means another writer moved the pointer; 20 in a row is a stampede
@@ -232,9 +233,14 @@ def model_card(config: PipelineConfig, *, trained: dict[str, Any], evaluation: d
     it trained with, the data fingerprint, the study and the run that made it, and the code as the run at ``run_out``
     started with it (Stagewise version, code version, the user's source fingerprints: lineage.json)."""
     metric = config.objective.metric
+    params = card_params(trained, best_params)
+    if isinstance(params["params"], dict):  # beside a spec's own optimizer the framework's choice of one says nothing
+        params["params"] = ran_params(params["params"], trained)
+    # What trained it, read off the live optimizer and schedule (stagewise.training.recipe); a user's script reports none.
+    recipe = {key: trained[key] for key in ("optimizer", "lr_schedule") if trained.get(key) is not None}
     return {**{k: v for k, v in evaluation.items() if k.startswith("test_") and k != "test_objective"},
             "objective": metric, "direction": config.objective.direction, f"val_{metric}": trained.get("val_metric"),
-            **card_params(trained, best_params), "study": study, "source_run": source_run,
+            **params, **recipe, "study": study, "source_run": source_run,
             "data_fingerprint": data_fingerprint(manifest_uri), **lineage.for_card(run_out), "stages": [trained.get("stage")]}
 
 

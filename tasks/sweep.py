@@ -35,10 +35,12 @@ from stagewise.core import contract as env_contract
 from stagewise.core import storage
 from stagewise.core.cli import common_parser, parse_overrides, run_subjob
 from stagewise.core.errors import UserError
+from stagewise.datasets.loader import split_batches
 from stagewise.datasets.manifest import read_manifest
 from stagewise.datasets.subsets import Round, pass_splits, resolve_budget, subsets_uri, write_subsets
-from stagewise.definitions.config import PipelineConfig, Sweep
+from stagewise.definitions.config import LRSchedule, PipelineConfig, Sweep
 from stagewise.definitions.loading import config_path, load_config
+from stagewise.definitions.spec import user_hook
 from stagewise.models.building import resolve_params
 from stagewise.scripting.entrypoint import contract_environment, entrypoint_args, run_script
 from stagewise.study.studies import (
@@ -54,7 +56,8 @@ from stagewise.study.studies import (
 from stagewise.study.summary import summarize
 from stagewise.tracking.runs import Tracker, finish_trial, trial_tags
 from stagewise.training.distributed import distributed_job
-from stagewise.training.loop import rank_batches, start_loop
+from stagewise.training.loop import rank_batches, stage_lr, start_loop
+from stagewise.training.recipe import ran_params, recipe_params, schedule_label, training_recipe
 
 log = logging.getLogger("stagewise.sweep")
 
@@ -204,6 +207,7 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
                                            f"or raise {setting}"))
 
         train, validation = batches(reports[0].passes[0], quiet=False)
+        total_steps = trial_steps(reports, manifest, env, sweep.batch_size, sweep.seed)
         resource = (reports[0].step, reports[-1].step) if sweep.budget == "rows" else None
         study, remaining = _worker_study(sweep, name, worker, resource) if env.master else (None, 0)
         remaining = _broadcast(env, remaining)
@@ -221,29 +225,50 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
                     error = f"suggesting params failed: {type(exc).__name__}: {exc}"[:500]
             suggested, error = _broadcast(env, (suggested, error))
             value, state, steps, rows_seen, passes = float("nan"), "FAIL" if error else "COMPLETE", 0, 0, 0
-            tracked = None
-            if tracker is not None:
-                tracked = tracker.nested(f"trial-{trial.number}", f"trial {trial.number}", trial_tags(name, trial.number, worker),
-                                         {**(suggested or {}), "batch_size": sweep.batch_size, "world_size": env.world_size,
-                                          "budget": sweep.budget})
+            tracked, lrs = None, []
+            trial_params = {**(suggested or {}), "batch_size": sweep.batch_size, "world_size": env.world_size,
+                            "budget": sweep.budget}
             if not error:
                 try:
                     torch.manual_seed(sweep.seed + (trial.number if trial else 0))
                     built, loop = start_loop(config, manifest, env, suggested, train, validation, seed=sweep.seed)
                     params, trial_started, reading = built.params, time.monotonic(), reports[0].passes[0]
+                    # The spec's own schedule over the trial's own steps, as a stage runs it over its own (no warmup: a
+                    # trial's batch never grew); without one, the trial's lr stays constant.
+                    lr_at = stage_lr(params["lr"], warmup_steps=0, schedule=TRIAL_SCHEDULE, spec=built.spec,
+                                     total_steps=total_steps, steps_per_epoch=loop.steps_per_epoch(0))
+                    recipe = training_recipe(loop.optimizer, built.spec, TRIAL_SCHEDULE, warmup_steps=0,
+                                             total_steps=total_steps)
+                    trial_params = {**ran_params(trial_params, recipe), **recipe_params(recipe)}
+                    if env.master:
+                        log.info("trial %d: optimizer %s (%s, %d group(s)), schedule %s over its %d steps",
+                                 trial.number, recipe["optimizer"]["type"], recipe["optimizer"]["source"],
+                                 len(recipe["optimizer"]["groups"]), schedule_label(recipe["lr_schedule"]), total_steps)
+                    if trial is not None:
+                        trial.set_user_attr("optimizer", recipe["optimizer"])
+                        trial.set_user_attr("lr_schedule", recipe["lr_schedule"])
+                    if tracker is not None:
+                        tracked = tracker.nested(f"trial-{trial.number}", f"trial {trial.number}",
+                                                 trial_tags(name, trial.number, worker), trial_params)
+                    # A user's hook that raises names itself (spec, hook, file:line): the trial fails with that.
+                    guard = user_hook(built.spec, module=loop.module)
                     for index, report in enumerate(reports):
                         for splits in report.passes:
                             if splits != reading:  # the next subset of a row budget
                                 loop.train_data, reading = batches(splits)[0], splits
                             before = loop.position.step
-                            value = loop.train_epoch(lambda _step: params["lr"]).val_metric  # identical on every rank
+                            with guard:
+                                epoch = loop.train_epoch(lr_at)
+                            value = epoch.val_metric  # identical on every rank
+                            lrs.append(epoch.lr)
                             steps = loop.position.step
                             rows_seen += (steps - before) * sweep.batch_size * env.world_size
                             passes += 1
                         epochs_run += len(report.passes)
                         prune = False
                         if tracked is not None:
-                            tracker.log(tracked, metrics={f"val_{config.objective.metric}": value}, step=report.step)
+                            tracker.log(tracked, metrics={f"val_{config.objective.metric}": value, "lr": lrs[-1]},
+                                        step=report.step)
                         if env.master:
                             _progress(trial.number, index, len(reports), report, value, rows_seen, config,
                                       time.monotonic() - trial_started)
@@ -257,9 +282,13 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
                     if steps == 0:  # a random init's accuracy is no result
                         state, error = "FAIL", f"took 0 optimizer steps (sweep.batch_size {sweep.batch_size})"
                 except Exception as exc:  # a failing or diverging objective is recorded and the sweep goes on
-                    state, error = "FAIL", f"{type(exc).__name__}: {exc}"[:500]
+                    state, error = "FAIL", failure(exc)
+            if tracker is not None and tracked is None:  # failed before its recipe was known
+                tracked = tracker.nested(f"trial-{trial.number}", f"trial {trial.number}",
+                                         trial_tags(name, trial.number, worker), trial_params)
             rows_run += rows_seen
             if env.master:
+                trial.set_user_attr("lr_curve", lrs)
                 trial.set_user_attr("epochs", passes)
                 trial.set_user_attr("rows_seen", rows_seen)
                 trial.set_user_attr("steps", steps)
@@ -270,6 +299,29 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
             tracker.close()
         return {"worker": worker, "trials_run": remaining, "epochs_run": epochs_run, "rows_run": rows_run,
                 "world_size": env.world_size}
+
+
+# A trial's schedule when its spec has none of its own: the constant lr the sweep suggested.
+TRIAL_SCHEDULE = LRSchedule()
+
+
+def failure(exc: BaseException) -> str:
+    """Why a trial failed, as its record says it: a user error's own message (it names the spec, hook, file and line),
+    else the exception's type and message."""
+    return (str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}")[:1000]
+
+
+def trial_steps(reports: list[Report], manifest: dict[str, Any], env: Any, batch_size: int, seed: int) -> int:
+    """The optimizer steps of a trial that is never pruned: each pass of each report over its train files, as this
+    rank's batches will take them (the schedule spans them, as a stage's spans its epochs)."""
+    total, counted = 0, {}
+    for number, splits in enumerate(splits for report in reports for splits in report.passes):
+        key = repr(splits)
+        if key not in counted:
+            counted[key] = split_batches({**manifest, "splits": splits}, "train", rank=env.rank,
+                                         world_size=env.world_size, batch_size=batch_size, seed=seed)
+        total += counted[key].steps_per_epoch(number)
+    return max(total, 1)
 
 
 def _progress(number: int, index: int, total: int, report: Report, value: float, rows_seen: int,
@@ -366,7 +418,7 @@ def run_script_trials(config: PipelineConfig, name: str, worker: int, out: str, 
             suggested = suggest(trial, sweep)
             state, value, error, epochs = script_trial(config, config_file, name, trial, suggested, out, overrides)
         except Exception as exc:  # e.g. a space edited since the study began: this trial fails, the sweep goes on
-            state, value, error = "FAIL", None, f"{type(exc).__name__}: {exc}"[:500]
+            state, value, error = "FAIL", None, failure(exc)
         epochs_run += epochs
         _finish(study, trial, state, value, error, config, worker, suggested, started)
         if tracker is not None:  # the script reported each epoch to the study: its curve goes to the trial's run

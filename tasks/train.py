@@ -31,6 +31,7 @@ from stagewise.core.errors import UserError
 from stagewise.datasets.manifest import read_manifest
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.loading import config_path, load_config
+from stagewise.definitions.spec import user_hook
 from stagewise.models.building import resolve_params
 from stagewise.models.bundle import preprocessing_of, save_bundle
 from stagewise.models.torch_io import load_torch, save_torch
@@ -40,6 +41,7 @@ from stagewise.training.batch_growth import adaptive_batch, handed_noise_scale
 from stagewise.training.checkpoint import CheckpointStore, restore_training_state
 from stagewise.training.distributed import distributed_job
 from stagewise.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, stage_lr, start_loop
+from stagewise.training.recipe import ran_params, recipe_params, schedule_label, training_recipe
 from stagewise.training.selection import EpochSelection, cpu_copy
 
 log = logging.getLogger("stagewise.train")
@@ -170,12 +172,56 @@ def _fault_step(rank: int) -> int | None:
     return fault_step if fault_rank == rank else None
 
 
+# What a checkpoint records as its stage's start when no --init-from was given.
+SCRATCH = "scratch"
+
+
+def init_source(init_from: str | None) -> str:
+    """Where a stage starts, as its checkpoints record it: the --init-from URI (a local path made absolute) or "scratch"."""
+    if not init_from:
+        return SCRATCH
+    return init_from if "://" in init_from else os.path.abspath(init_from)
+
+
+def warn_if_scratch(config: PipelineConfig, stage_name: str, out: str, init_from: str | None) -> None:
+    """A stage after the first run without --init-from starts from a random init: say so where an operator looks,
+    naming the stage before and where its final checkpoint is (or would be)."""
+    index = config.train.stages.index(config.stage(stage_name))
+    if init_from or index == 0:
+        return
+    previous = config.train.stages[index - 1]
+    final = storage.join(storage.stage_prefix(out, previous.name), "final.pt")
+    there = "is there" if storage.exists(final) else "is not there yet"
+    log.warning("stage %s STARTS FROM SCRATCH (a random init, not stage %s's model): no --init-from was given though "
+                "stage %s comes before it in train.stages; its final checkpoint %s %s; pass --init-from %s to continue "
+                "from it", stage_name, previous.name, previous.name, final, there, final)
+
+
+def refuse_other_start(stage_name: str, uri: str, state: dict[str, Any], source: str) -> None:
+    """A checkpoint resumes only the start it was made from: one trained from scratch never continues as a stage that
+    starts from --init-from (or from another checkpoint), nor the other way round."""
+    recorded = state.get("init_source")
+    if recorded is None or recorded == source:  # older checkpoints recorded no start
+        return
+
+    def named(start: str) -> str:
+        return "scratch (no --init-from)" if start == SCRATCH else f"--init-from {start}"
+
+    raise UserError(f"stage {stage_name}: checkpoint {uri} was trained starting from {named(recorded)}, but this attempt "
+                    f"starts from {named(source)}; resuming it would continue another run. Run the stage as it was "
+                    f"started ({named(recorded)}) to resume it, or remove {uri.rsplit('/', 1)[0]} to train this stage "
+                    f"again from {named(source)}")
+
+
 def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str, Any], init_from: str | None) -> dict[str, Any]:
     import torch
 
     stage = config.stage(stage_name)
     profile = config.profile(stage.profile)
+    start = init_source(init_from)
     with distributed_job(profile.device, profile.threads_per_process) as env:
+        if env.master:
+            warn_if_scratch(config, stage_name, out, init_from)
         manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
         micro_batch, accumulation = stage.micro_batch(env.world_size), stage.grad_accum_steps
         global_batch = stage.global_batch_for(env.world_size)
@@ -225,6 +271,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         found = checkpoints.latest()
         if found and found[1]["config_hash"] == digest:
             uri, state = found
+            refuse_other_start(stage.name, uri, state, start)
             restore_training_state(model, optimizer, state, env.device)
             position = Position(**json.loads(state["position"]))
             history, previous_batch = json.loads(state["history"]), state["previous_global_batch"]
@@ -254,6 +301,8 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
         total_steps = sum(loop.steps_per_epoch(epoch) for epoch in range(stage.epochs))
         lr_at = stage_lr(lr, warmup_steps=warmup, schedule=stage.lr_schedule, spec=built.spec, total_steps=total_steps,
                          steps_per_epoch=loop.steps_per_epoch(0))
+        # What trains, read off the live optimizer (after any restore) and the schedule lr_at follows: every record keeps it.
+        recipe = training_recipe(optimizer, built.spec, stage.lr_schedule, warmup_steps=warmup, total_steps=total_steps)
         stopping = stage.early_stopping
         selection = EpochSelection(config.objective.direction, stopping.min_delta if stopping else 0.0,
                                    stopping.patience if stopping else None)
@@ -266,7 +315,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                     "global_batch": global_batch, "previous_global_batch": previous_batch, "config_hash": digest,
                     "params": json.dumps(params), "rng_cpu": torch.get_rng_state(), "resumes": json.dumps(resumes),
                     "best_epoch_state": best_state or {}, "grad_scaler": loop.scaler_state(),
-                    "global_step_offset": step_offset, "noise_scale": loop.noise_state()}
+                    "global_step_offset": step_offset, "noise_scale": loop.noise_state(), "init_source": start}
 
         def on_step(current: Loop) -> None:
             if fault_step is not None and current.position.step == fault_step:
@@ -274,38 +323,42 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
             if env.master and current.position.step % config.train.checkpoint_every_steps == 0:
                 checkpoints.save(current.position.step, state_now())
 
-        schedule = stage.lr_schedule
         log.info("stage %s: world size %d, global batch %d (%d per process x %d x %d accumulation), lr %.4g "
-                 "(%s rule, base batch %d), warmup %d steps, schedule %s, %d epochs of %s steps (%d in all), %d train rows",
+                 "(%s rule, base batch %d), warmup %d steps, schedule %s, optimizer %s (%s, %d group(s)), %d epochs of "
+                 "%s steps (%d in all), %d train rows",
                  stage.name, env.world_size, global_batch, micro_batch, env.world_size, accumulation, lr,
-                 config.train.lr_rule, config.train.base_batch, warmup,
-                 "the spec's own" if built.spec.lr_schedule(0, total_steps) is not None else
-                 schedule.type if schedule.type == "constant" else f"{schedule.type} to {schedule.min_lr_ratio:g} x lr",
+                 config.train.lr_rule, config.train.base_batch, warmup, schedule_label(recipe["lr_schedule"]),
+                 recipe["optimizer"]["type"], recipe["optimizer"]["source"], len(recipe["optimizer"]["groups"]),
                  stage.epochs, _step_range(loop, stage.epochs), total_steps, train.num_rows)
         tracker = Tracker.for_run(config, out, f"train_{stage.name}") if env.master else None
         if tracker is not None:
             tracked = tracker.nested(f"stage-{stage.name}", f"train {stage.name}",
                                      {"stagewise.kind": "stage", "stagewise.stage": stage.name},
-                                     {**params, "world_size": env.world_size, "global_batch": global_batch,
+                                     {**ran_params(params, recipe), "world_size": env.world_size, "global_batch": global_batch,
                                       "per_process_batch": micro_batch, "grad_accum_steps": accumulation,
                                       "stage_lr": lr, "warmup_steps": warmup, "epochs": stage.epochs,
                                       "lr_rule": config.train.lr_rule, "global_step_offset": step_offset,
                                       "batch_growth": config.train.batch_growth,
                                       **({"noise_scale_before": decision.noise_scale} if decision else {}),
                                       **({"adaptive_no_measurement": decision.no_measurement}
-                                         if decision and decision.no_measurement else {})})
+                                         if decision and decision.no_measurement else {}),
+                                      "init_from": start, **recipe_params(recipe)})
         started, first_epoch, stopped_early = time.monotonic(), loop.position.epoch, False
+        guard = user_hook(built.spec, module=loop.module)
         while loop.position.epoch < stage.epochs:
             if selection.should_stop([entry["val_metric"] for entry in history]):
                 stopped_early = True
                 break
             try:
-                result = loop.train_epoch(lr_at, on_step=on_step)
-            except Diverged as exc:
+                with guard:  # a user's hook that raises is named (spec, hook, file:line) as a user error: no retry
+                    result = loop.train_epoch(lr_at, on_step=on_step)
+            except UserError as exc:
                 if tracker is not None:
                     tracker.end(tracked, "FAILED")
                     tracker.close()
-                raise UserError(f"stage {stage.name}: {exc}") from None
+                if isinstance(exc, Diverged):
+                    raise UserError(f"stage {stage.name}: {exc}") from None
+                raise
             history.append(asdict(result))
             improved = selection.best_index([entry["val_metric"] for entry in history]) == len(history) - 1
             if env.master and stage.hand_on == "best" and improved:
@@ -319,7 +372,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                          " (best so far)" if improved else "", result.samples_per_s, result.lr, clipped, noise,
                          result.steps, eta_s(done - first_epoch, stage.epochs - first_epoch, time.monotonic() - started))
                 storage.write_json(storage.join(prefix, "metrics.json"), {"stage": stage.name, "history": history, "resumes": resumes,
-                                                                          "complete": False})
+                                                                          **recipe, "complete": False})
                 if tracker is not None:  # queued: the next epoch starts while a background thread sends it
                     tracker.log(tracked, step=step_offset + result.steps, metrics={
                         "loss": result.train_loss, f"val_{config.objective.metric}": result.val_metric,
@@ -346,7 +399,7 @@ def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str
                        "steps": loop.position.step, "resumed_from_step": resumed_from, "checkpoint_uri": final_uri,
                        "hand_on": stage.hand_on, "handed_epoch": handed + 1 if history else None,
                        "epochs_run": len(history), "stopped_early": stopped_early,
-                       "lr_schedule": stage.lr_schedule.model_dump(), "grad_clip_norm": stage.grad_clip_norm,
+                       **recipe, "init_from": start, "grad_clip_norm": stage.grad_clip_norm,
                        "noise_scale": history[-1].get("noise_scale") if history else None,
                        "batch_decision": asdict(decision) if decision else None, "params": params,
                        "step_graph": {"captured": bool(loop.step_graph and loop.step_graph.captured),
@@ -384,6 +437,7 @@ def run_script_stage(config: PipelineConfig, config_file: str, stage_name: str, 
     stage = config.stage(stage_name)
     entry = stage.entrypoint
     assert entry is not None
+    warn_if_scratch(config, stage_name, out, init_from)
     values = byo_contract(config, config_file, stage_name, out, swept, init_from)
     env = contract_environment(config, values, overrides)
     profile = config.profile(stage.profile)

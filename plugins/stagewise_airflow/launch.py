@@ -276,8 +276,9 @@ def run(module: str, args: list[str], profile: Profile, *, distributed: bool = F
         if stopped.is_set():
             raise RuntimeError(f"{name} was stopped: the task got SIGTERM (killed, marked failed or timed out)")
         if os.path.exists(error_file):
-            with open(error_file) as handle:
-                raise AirflowFailException(f"{name}: {handle.read().strip()}")
+            with open(error_file) as handle:  # every rank that hit the user's error wrote it: named once
+                named = dict.fromkeys(line.strip() for line in handle if line.strip())
+            raise AirflowFailException(f"{name}: {' | '.join(named)}")
         if code != 0:
             raise RuntimeError(f"{name} exited with code {code}; retrying if retries are left")
         result = {}

@@ -23,8 +23,15 @@ the spec, builds the module and loads the state dict with ``torch.load(weights_o
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import os
+import sysconfig
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import CodeType, FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -213,3 +220,217 @@ class SpecRef:
             return cls(**self.args)
         except TypeError as exc:
             raise UserError(f"model.spec '{self.path}': bad model.args {self.args}: {exc}") from None
+
+
+# --- a user's error, named once ----------------------------------------------------------------------------------------
+
+HOOKS = ("prepare", "build", "optimizer", "lr_schedule", "batch", "loss", "metrics", "predict")
+"""The spec's methods the framework calls; ``forward`` (the built module's call) is the one hook that is not a method."""
+
+
+class HookError(UserError):
+    """An exception raised inside a user's hook: a user error (no retry) naming the spec class, the hook and the user's
+    file and line; the user's exception is its ``__cause__``."""
+
+    def __init__(self, message: str, *, spec: str, hook: str, location: str | None) -> None:
+        super().__init__(message)
+        self.spec, self.hook, self.location = spec, hook, location
+
+
+class user_hook:  # noqa: N801 - used as a context manager, like contextlib's
+    """``with user_hook(spec, "loss"): spec.loss(outputs, targets)``: any exception the user's code raises there becomes
+    a :class:`HookError` "DigitsCNN.loss (examples/digits_cnn.py:42): KeyError: 'beta2'", chained from it.
+
+    ``hook`` None guards a stretch of framework code that calls several hooks (a training epoch): the hook is the
+    outermost frame of the traceback that runs one of the spec's hook methods or ``module``'s ``forward``, and an
+    exception raised outside every hook passes through as it is (a crash, retried). ``shapes`` (label -> value, or a
+    callable giving them; :func:`hook_inputs`) say where a hook's inputs came from and their shapes ("the forward
+    returned shape (64, 3)"); for a guard they are read from the hook's own arguments. ``context`` says when it failed ("on a first batch of 64 rows"),
+    ``hint(exc)`` adds a sentence. A :class:`UserError`, an out-of-memory error and a failed collective pass through:
+    the first is named already, the others are no fault of the user's code. Costs nothing until something raises."""
+
+    __slots__ = ("spec", "hook", "module", "shapes", "context", "hint")
+
+    def __init__(self, spec: Any, hook: str | None = None, *, module: Any = None,
+                 shapes: dict[str, Any] | Callable[[], dict[str, Any]] | None = None, context: str | None = None,
+                 hint: Callable[[BaseException], str] | None = None) -> None:
+        self.spec, self.hook, self.module, self.shapes, self.context, self.hint = spec, hook, module, shapes, context, hint
+
+    def __enter__(self) -> user_hook:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        if exc is None or not isinstance(exc, Exception) or isinstance(exc, UserError) or not_the_users(exc):
+            return False
+        error = hook_error(self.spec, exc, self.hook, module=self.module, shapes=self.shapes, context=self.context,
+                           hint=self.hint)
+        if error is None:
+            return False
+        raise error from exc
+
+
+def not_the_users(exc: BaseException) -> bool:
+    """Out of memory and failed collectives (a peer died) are the machine's, wherever they surface: retried."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    import torch.distributed as dist
+
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(word in text for word in _MACHINE_FAULTS)
+
+
+# What a RuntimeError says when the machine or a peer failed under the user's code: left to Airflow's retry.
+_MACHINE_FAULTS = ("nccl", "gloo", "connection reset", "connection closed", "broken pipe", "ecc error",
+                   "cuda error: unspecified launch failure", "cuda error: an illegal memory access")
+
+
+def hook_error(spec: Any, exc: BaseException, hook: str | None = None, *, module: Any = None,
+               shapes: dict[str, Any] | Callable[[], dict[str, Any]] | None = None, context: str | None = None,
+               hint: Callable[[BaseException], str] | None = None) -> HookError | None:
+    """The :class:`HookError` naming where ``exc`` was raised in the user's code (see :class:`user_hook`); None when
+    ``hook`` is None and no hook's frame is in its traceback."""
+    frames = [(frame, line) for frame, line in traceback.walk_tb(exc.__traceback__)]
+    start = 1  # frames[0] holds the with-block: the framework's call of the hook
+    if hook is None:
+        found = _hook_frame(spec, module, frames)
+        if found is None:
+            return None
+        start, hook = found
+        if shapes is None:
+            shapes = _argument_shapes(spec, hook, frames[start][0], module)
+    name = type(spec).__name__
+    location = _user_location(spec, module, frames[start:])
+    where = ", ".join(part for part in (f"module {type(module).__name__}" if hook == "forward" and module is not None
+                                        else None, location) if part)
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    message = f"{name}.{hook}{f' ({where})' if where else ''}{f' failed {context}' if context else ''}: " \
+              f"{type(exc).__name__}{f': {text}' if text else ''}"[:1500]
+    given = shapes() if callable(shapes) else shapes
+    if given:
+        message += "; " + ", ".join(label.format(describe_value(value)) if "{}" in label else
+                                    f"{label} {describe_value(value)}" for label, value in given.items())
+    if hint is not None:
+        message += hint(exc)
+    return HookError(message, spec=name, hook=hook, location=location)
+
+
+def describe_value(value: Any) -> str:
+    """A hook's argument as a message shows it: a tensor's shape, a sequence's or mapping's tensors' shapes."""
+    if isinstance(value, torch.Tensor):
+        return f"shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)) and value:
+        return "(" + ", ".join(describe_value(item) for item in value[:4]) + (", ..." if len(value) > 4 else "") + ")"
+    if isinstance(value, dict) and value:
+        return "{" + ", ".join(f"{key}: {describe_value(item)}" for key, item in list(value.items())[:4]) + "}"
+    if hasattr(value, "__dataclass_fields__"):  # e.g. Features: its tensors by field
+        fields = {key: getattr(value, key) for key in value.__dataclass_fields__}
+        return type(value).__name__ + " " + describe_value({k: v for k, v in fields.items() if v is not None})
+    return type(value).__name__
+
+
+def _codes(cls: type, name: str) -> set[CodeType]:
+    """The code of ``name`` on every class of ``cls``'s MRO that defines it (a super() call runs them in turn)."""
+    codes = set()
+    for klass in cls.__mro__:
+        function = inspect.unwrap(klass.__dict__.get(name)) if callable(klass.__dict__.get(name)) else None
+        code = getattr(function, "__code__", None)
+        if code is not None:
+            codes.add(code)
+    return codes
+
+
+def _hook_frame(spec: Any, module: Any, frames: list[tuple[FrameType, int]]) -> tuple[int, str] | None:
+    """(index, hook) of the outermost traceback frame that runs one of the spec's hooks or the module's forward."""
+    owners: dict[CodeType, str] = {}
+    for hook in HOOKS:
+        owners.update(dict.fromkeys(_codes(type(spec), hook), hook))
+    if module is not None:
+        owners.update(dict.fromkeys(_codes(type(module), "forward"), "forward"))
+    for index, (frame, _) in enumerate(frames):
+        if frame.f_code in owners:
+            return index, owners[frame.f_code]
+    return None
+
+
+def _argument_shapes(spec: Any, hook: str, frame: FrameType, module: Any) -> dict[str, Any] | None:
+    """What a guarded hook was called with, read from its frame: outputs and targets of loss and metrics, the
+    forward's input."""
+    try:
+        arguments = inspect.getargvalues(frame)
+    except (TypeError, ValueError):
+        return None
+    values = [arguments.locals.get(name) for name in arguments.args[1:]]  # after self
+    if hook in ("loss", "metrics") and len(values) >= 2:
+        return hook_inputs(spec, hook, module, values[0], values[1])
+    if hook == "forward" and values:
+        return hook_inputs(spec, hook, module, values[0])
+    return None
+
+
+def hook_inputs(spec: Any, hook: str, module: Any, first: Any, targets: Any = None) -> dict[str, Any]:
+    """Where a hook's inputs came from, for its error message: the forward's input from ``batch``; the outputs of
+    ``loss``, ``metrics`` and ``predict`` from the forward, their targets from ``batch``."""
+    name = type(spec).__name__
+    if hook == "forward":
+        return {f"its input from {name}.batch has {{}}": first}
+    forward = f"the forward ({type(module).__name__})" if module is not None else "the forward"
+    labels = {f"{forward} returned {{}}": first}
+    if targets is not None:
+        labels[f"{name}.batch gave targets of {{}}"] = targets
+    return labels
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    """Folders of code that is not the user's: torch, Stagewise's own (not its examples), the standard library and
+    installed packages."""
+    roots = {os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    paths = sysconfig.get_paths()
+    roots.update(paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths)
+    return tuple(os.path.join(os.path.realpath(root), "") for root in roots)
+
+
+@functools.cache
+def _is_library(filename: str) -> bool:
+    if filename.startswith("<"):
+        return True
+    path = os.path.realpath(filename)
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "examples", "")
+    return path.startswith(_library_roots()) and not path.startswith(examples)
+
+
+def _class_files(*objects: Any) -> set[str]:
+    files = set()
+    for value in objects:
+        if value is None:
+            continue
+        try:
+            files.add(os.path.realpath(inspect.getfile(type(value))))
+        except (TypeError, OSError):
+            continue
+    return files
+
+
+def _user_location(spec: Any, module: Any, frames: list[tuple[FrameType, int]]) -> str | None:
+    """``file:line`` of the innermost frame in the user's code (the spec's or the module's file, or any file outside
+    torch, Stagewise and installed packages); else of the innermost Stagewise frame (a built-in spec's own hook)."""
+    own = _class_files(spec, module)
+    user = [(frame, line) for frame, line in frames
+            if os.path.realpath(frame.f_code.co_filename) in own or not _is_library(frame.f_code.co_filename)]
+    stagewise_root = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "")
+    chosen = user or [(frame, line) for frame, line in frames
+                      if os.path.realpath(frame.f_code.co_filename).startswith(stagewise_root)]
+    if not chosen:
+        return None
+    frame, line = chosen[-1]
+    return f"{_shown_path(frame.f_code.co_filename)}:{line}"
+
+
+def _shown_path(filename: str) -> str:
+    """A path relative to the working directory when it lies under it (as a user reads it), else as it is."""
+    path = os.path.abspath(filename)
+    cwd = os.path.join(os.getcwd(), "")
+    return os.path.relpath(path) if path.startswith(cwd) else path

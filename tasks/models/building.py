@@ -15,7 +15,7 @@ from stagewise.core.errors import UserError
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.hyperparams import FRAMEWORK_DEFAULTS, hyperparameter_problem, typed
 from stagewise.definitions.rows import RowLayout
-from stagewise.definitions.spec import DataInfo, ModelSpec, SpecRef
+from stagewise.definitions.spec import DataInfo, ModelSpec, SpecRef, user_hook
 
 
 def data_info(manifest: dict[str, Any]) -> DataInfo:
@@ -35,9 +35,11 @@ def spec_params(spec: ModelSpec, params: dict[str, Any]) -> dict[str, Any]:
 
 def build(spec: ModelSpec, data: DataInfo, params: dict[str, Any]) -> nn.Module:
     """The one way a module comes to be: the spec is prepared for the data and builds it; a spec that returns no module is named."""
-    spec.prepare(data)
+    with user_hook(spec, "prepare"):
+        spec.prepare(data)
     spec._row_layout = data.layout if data.typed else None
-    module = spec.build(data, spec_params(spec, params))
+    with user_hook(spec, "build"):
+        module = spec.build(data, spec_params(spec, params))
     if not isinstance(module, nn.Module):
         raise UserError(f"{type(spec).__name__}.build returned {type(module).__name__}, not a torch.nn.Module")
     return module

@@ -47,7 +47,9 @@ def trial_records(study: Any) -> list[dict[str, Any]]:
     return [{"number": t.number, "state": outcome(t), "value": t.value, "intermediate": {str(k): v for k, v in
              sorted(t.intermediate_values.items())}, "params": t.params, "worker": t.user_attrs.get("worker"),
              "counted": counts_toward_budget(t), "error": t.user_attrs.get("error"), "start": when(t.datetime_start),
-             "complete": when(t.datetime_complete)} for t in study.get_trials(deepcopy=False)]
+             "complete": when(t.datetime_complete), "lr_curve": t.user_attrs.get("lr_curve"),
+             "optimizer": t.user_attrs.get("optimizer"), "lr_schedule": t.user_attrs.get("lr_schedule")}
+            for t in study.get_trials(deepcopy=False)]
 
 
 def param_importances(study: Any) -> dict[str, float]:

@@ -23,11 +23,12 @@ from torch import nn
 from stagewise.core.errors import UserError
 from stagewise.datasets.loader import ParquetBatches, split_batches
 from stagewise.datasets.typed import index_error_hint
-from stagewise.definitions.spec import Average, ModelSpec, batch_of
+from stagewise.definitions.spec import Average, ModelSpec, batch_of, hook_error, hook_inputs, user_hook
 from stagewise.models.building import BuiltModel, model_for_run
 from stagewise.training.device_data import DeviceBatches, choose_placement, resident_bytes
 from stagewise.training.distributed import DistEnv, any_rank
 from stagewise.training.noise_scale import MeasuredAllReduce, NoiseScale, PartNorms, epoch_beta
+from stagewise.training.recipe import mark_source
 from stagewise.training.step_graph import WARMUP_STEPS, CaptureFailed, StepGraph, StepOutputs, graph_plan, set_tf32
 
 Batches = ParquetBatches | DeviceBatches
@@ -69,7 +70,12 @@ def stage_lr(lr: float, *, warmup_steps: int, schedule: Any, spec: ModelSpec, to
     gives one) else the config's schedule."""
 
     def lr_at(step: int) -> float:
-        own = spec.lr_schedule(step, total_steps)
+        try:  # costs nothing per step until the user's schedule raises
+            own = spec.lr_schedule(step, total_steps)
+        except Exception as exc:
+            if isinstance(exc, UserError):
+                raise
+            raise hook_error(spec, exc, "lr_schedule", context=f"at step {step} of {total_steps}") from exc
         factor = schedule_factor(schedule, step, warmup_steps=warmup_steps, total_steps=total_steps,
                                  steps_per_epoch=steps_per_epoch) if own is None else float(own)
         if not math.isfinite(factor) or factor < 0:
@@ -595,24 +601,21 @@ def check_spec(spec: ModelSpec, module: nn.Module, features: torch.Tensor, label
     scalar would otherwise fail deep inside the first step as a bare RuntimeError that Airflow retries.
     """
     name, rows = type(spec).__name__, len(labels)
-    where, inputs, targets, outputs = "batch", None, None, None
-    try:
+    # Each hook on its own: a shape error is named in the hook that raised it, with where its inputs came from.
+    first = f"on a first batch of {rows} rows"
+
+    def hint(exc: BaseException) -> str:
+        return index_hint(features) if index_hint is not None and "index out of range" in str(exc) else ""
+
+    with user_hook(spec, "batch", context=first, shapes={"features": features, "labels": labels}, hint=hint):
         inputs, targets = batch_of(spec, features, labels)
-        where = "build's module"
+    with user_hook(spec, "forward", module=module, context=first, hint=hint,
+                   shapes=hook_inputs(spec, "forward", module, inputs)):
         outputs = module(inputs)
-        where = "loss"
+    with user_hook(spec, "loss", context=first, hint=hint, shapes=hook_inputs(spec, "loss", module, outputs, targets)):
         loss = spec.loss(outputs, targets)
-        where = "predict"
+    with user_hook(spec, "predict", context=first, shapes=hook_inputs(spec, "predict", module, outputs)):
         predictions = spec.predict(outputs.detach())
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except (RuntimeError, IndexError, ValueError, TypeError, KeyError) as exc:
-        shapes = ", ".join(f"{label} {_shape(value)}" for label, value in
-                           (("features", features), ("labels", labels), ("inputs", inputs), ("targets", targets),
-                            ("outputs", outputs)) if value is not None)
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        hint = index_hint(features) if index_hint is not None and "index out of range" in str(exc) else ""
-        raise UserError(f"{name}.{where} failed on a first batch of {rows} rows ({shapes}): {first_line}{hint}") from None
     if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
         raise UserError(f"{name}.loss must return a scalar tensor with a gradient (the batch mean), got {_shape(loss)}"
                         f"{'' if not isinstance(loss, torch.Tensor) or loss.requires_grad else ' without a gradient'}")
@@ -628,22 +631,24 @@ def accumulate_metrics(spec: ModelSpec, module: nn.Module, batches: Iterable[tup
     """Sum a spec's metrics (and its loss) over batches: name -> (total, count, root). Shared by validation and test;
     ``on_outputs(outputs, targets)`` sees each batch's outputs too, so a caller needs no second forward pass."""
     totals: dict[str, list[Any]] = {}
-    for features, labels in batches:
-        inputs, targets = batch_of(spec, features.to(device), labels.to(device))
-        outputs = module(inputs)
-        if on_outputs is not None:
-            on_outputs(outputs, targets)
-        reported = spec.metrics(outputs, targets)
-        if not isinstance(reported, dict):
-            raise UserError(f"{type(spec).__name__}.metrics must return a dict of name -> Average, got {type(reported).__name__}")
-        rows = len(targets)
-        for name, value in {**reported, "loss": Average(spec.loss(outputs, targets).detach() * rows, rows)}.items():
-            if not isinstance(value, Average):
-                raise UserError(f"{type(spec).__name__}.metrics()['{name}'] is a {type(value).__name__}, not an "
-                                f"Average(total, count): per-batch means cannot be reduced across batches and ranks")
-            entry = totals.setdefault(name, [0.0, 0.0, value.root])
-            entry[0] = entry[0] + value.total  # stays on the device until the end: no sync per batch
-            entry[1] = entry[1] + value.count
+    with user_hook(spec, module=module):  # batch, forward, metrics, loss (and predict in on_outputs) name themselves
+        for features, labels in batches:
+            inputs, targets = batch_of(spec, features.to(device), labels.to(device))
+            outputs = module(inputs)
+            if on_outputs is not None:
+                on_outputs(outputs, targets)
+            reported = spec.metrics(outputs, targets)
+            if not isinstance(reported, dict):
+                raise UserError(f"{type(spec).__name__}.metrics must return a dict of name -> Average, got "
+                                f"{type(reported).__name__}")
+            rows = len(targets)
+            for name, value in {**reported, "loss": Average(spec.loss(outputs, targets).detach() * rows, rows)}.items():
+                if not isinstance(value, Average):
+                    raise UserError(f"{type(spec).__name__}.metrics()['{name}'] is a {type(value).__name__}, not an "
+                                    f"Average(total, count): per-batch means cannot be reduced across batches and ranks")
+                entry = totals.setdefault(name, [0.0, 0.0, value.root])
+                entry[0] = entry[0] + value.total  # stays on the device until the end: no sync per batch
+                entry[1] = entry[1] + value.count
     return {name: (float(total), float(count), root) for name, (total, count, root) in totals.items()}
 
 
@@ -703,7 +708,10 @@ def make_optimizer(model: nn.Module, params: dict, spec: ModelSpec | None = None
     """The spec's own optimizer (``ModelSpec.optimizer``) when it builds one, else SGD with Nesterov momentum (what
     the linear scaling rule was shown on) or AdamW over :func:`decay_groups`. Each group keeps its lr as a multiple of
     ``params["lr"]`` (``lr_scale``), so the stage's rescaled, warmed-up, scheduled lr keeps per-group ratios."""
-    optimizer = spec.optimizer(model, params) if spec is not None else None
+    optimizer = None
+    if spec is not None:
+        with user_hook(spec, "optimizer"):
+            optimizer = spec.optimizer(model, params)
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UserError(f"{type(spec).__name__}.optimizer() returned {type(optimizer).__name__}, not a "
@@ -712,6 +720,7 @@ def make_optimizer(model: nn.Module, params: dict, spec: ModelSpec | None = None
         missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
         if missing:
             raise UserError(f"{type(spec).__name__}.optimizer() leaves trainable parameters out: {missing[:5]}")
+        mark_source(optimizer, "spec")
     elif params.get("optimizer", "sgd") == "adamw":
         optimizer = torch.optim.AdamW(decay_groups(model, params["weight_decay"]), lr=params["lr"])
     else:

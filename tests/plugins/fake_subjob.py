@@ -1,30 +1,35 @@
 """A sub-job that fails, hangs or logs at every level on purpose, to test the launcher.
 
-Run: ``python -m tests.plugins.fake_subjob ok|user-error|crash|hang|noisy --result-file F [--pid-file P]``
+Run: ``python -m tests.plugins.fake_subjob ok|user-error|user-error-every-rank|crash|hang|noisy --result-file F [--pid-file P]``
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 import time
 
+from stagewise.core import contract
 from stagewise.core.cli import run_subjob
 from stagewise.core.errors import DataError
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["ok", "user-error", "crash", "hang", "noisy"])
+    parser.add_argument("mode", choices=["ok", "user-error", "user-error-every-rank", "crash", "hang", "noisy"])
     parser.add_argument("--result-file")
     parser.add_argument("--pid-file")
     args = parser.parse_args()
 
     def work() -> dict:
         print("fake sub-job started", flush=True)
-        if args.mode == "user-error":
+        if args.mode == "user-error-every-rank":  # as a second rank that hit the same error would have left it
+            with open(os.environ[contract.ERROR_FILE], "a") as handle:
+                handle.write("raw/x.parquet: column 'label' is missing\n")
+        if args.mode.startswith("user-error"):
             raise DataError("raw/x.parquet: column 'label' is missing")
         if args.mode == "crash":
             sys.exit(7)

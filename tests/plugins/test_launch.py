@@ -34,6 +34,13 @@ def test_user_error_fails_without_retry_and_names_the_problem():
         launch.run("tests.plugins.fake_subjob", ["user-error"], Profile())
 
 
+def test_a_user_error_every_rank_hit_is_named_once():
+    """Each rank that hits the user's error writes it to the error file; the task's failure names it once."""
+    with pytest.raises(AirflowFailException) as caught:
+        launch.run("tests.plugins.fake_subjob", ["user-error-every-rank"], Profile())
+    assert str(caught.value).count("column 'label' is missing") == 1
+
+
 def test_crash_is_retryable():
     """Any other non-zero exit is an ordinary exception, which Airflow retries with backoff."""
     with pytest.raises(RuntimeError, match="exited with code 7"):
