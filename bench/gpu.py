@@ -218,7 +218,7 @@ def measure_inference(rows: int, device: Any, hidden: int = 1024, batch: int = 6
     import pyarrow.parquet as pq
     import torch
 
-    from bench.inference import _raw_file, io_pass_once, plain_script_once
+    from bench.inference import _raw_file, io_pass_once, plain_script_once, scored_output
     from bench.training import _prepare
     from stagewise import infer
     from stagewise.definitions.loading import load_config
@@ -243,7 +243,7 @@ def measure_inference(rows: int, device: Any, hidden: int = 1024, batch: int = 6
             result = infer.score_shard(on, model_uri, shard, str(workdir / "out"))
             return result["rows"] / (time.perf_counter() - started)
 
-        output = pq.read_table(infer.score_shard(config, model_uri, shard, str(workdir / "out"))["uri"])  # warm-up too
+        output = scored_output(infer.score_shard(config, model_uri, shard, str(workdir / "out")))  # warm-up too
         bundle = load_bundle(model_uri)
         prep = bundle.preprocessing
         bundle.module.to(device).eval()

@@ -6,16 +6,25 @@ Run:  ``python -m stagewise.infer plan --input raw/digits``
 
 Each shard streams its row groups in batches, so memory is bounded by the batch size (times a few chunks in
 flight). Scoring is a pipeline of threads, so the model waits on neither storage nor the host: a reader thread
-fetches the next row groups (:func:`read_ahead`), ``threads_per_process`` threads prepare chunks of rows
+fetches the next row groups (:func:`read_ahead`), preparing threads turn them into chunks of rows
 (:func:`ordered_map`; numpy and pyarrow release the GIL), the model scores on the profile's device in the calling
-thread, and one writer thread converts and writes the outputs (:class:`SerialWriter`), coalesced into row groups of
-at least 65,536 rows and dictionary-encoded only where values repeat. Every stage keeps the order of the rows, so
-the output (rows, order, predictions, quarantine) is the same as scoring one chunk after another, and a re-run
-writes the same bytes. Raw rows become
+thread, and a writer thread converts and writes the outputs (:class:`SerialWriter`), coalesced into row groups of
+at least 65,536 rows and dictionary-encoded only where values repeat.
+
+One writer thread is the bound of a large shard (Parquet encoding is one thread per file), so a shard of at least
+2 x ``OUTPUT_FILE_ROWS`` rows is cut at row-group boundaries into up to ``max(2, threads_per_process)`` (at most 8)
+contiguous parts of about equal rows (:func:`output_parts`), each with its own reader, preparing threads, writer
+thread and output file; the model takes a chunk of each part in turn (:func:`interleave`). A smaller shard keeps one
+file. The parts depend only on the shard and the profile, never on the machine or the threads' timing, and every
+stage keeps the order of the rows, so the shard's files, read in the order its result (and the manifest) lists
+them, hold the same rows in the same order, with the same predictions and quarantine, as scoring one chunk after
+another; a re-run writes the same bytes. Raw rows become
 the model's inputs as in preprocessing (tensor columns flattened by the same function, the bundle's
 normalisation). Output rows carry the key, the spec's prediction columns (e.g. the class and its
 probabilities, or a regressor's float value) and the model version. Shard files
-are attempt-unique; only ``predictions/manifest.json``, written last, makes them visible.
+are attempt-unique; only ``predictions/manifest.json``, written last, makes them visible, all of a shard's files
+together (a shard's result lists them under ``files`` and its quarantine files under ``quarantine_files``; ``uri``
+and ``quarantine_uri`` name the first of each, as before).
 
 The inference profile's ``device`` picks where the model runs (cpu; cuda; auto = cuda when present).
 On CUDA each chunk of rows is normalised straight into pinned host memory and copied on a side stream
@@ -42,6 +51,7 @@ from stagewise.datasets.typed import fill_categories, typed_block, write_typed_s
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.loading import load_config
 from stagewise.definitions.spec import batch_of
+from stagewise.models import scoring
 from stagewise.models.bundle import load_bundle
 from stagewise.models.scoring import SerialWriter, exact_float32, ordered_map, prefetch, read_ahead, scoring_device
 
@@ -51,7 +61,11 @@ log = logging.getLogger("stagewise.infer")
 # slower to write and to read; the rows and their order are unchanged.
 OUTPUT_ROW_GROUP_ROWS = 65_536
 READ_AHEAD_BATCHES = 4  # batches the reader thread keeps ready (a row group is read whole, then cut)
-WRITES_IN_FLIGHT = 4  # scored chunks waiting for the writer thread before the model waits
+WRITES_IN_FLIGHT = 4  # scored chunks waiting for a writer thread before the model waits
+# A shard is split into several output files (written in parallel) only from twice this many rows, and into no more
+# files than leaves each about this many: no tiny files.
+OUTPUT_FILE_ROWS = 262_144
+MAX_OUTPUT_FILES = 8
 
 
 def _row_problems(batch: Any, key: str, features: list[str], matrix: Any) -> Any:
@@ -108,9 +122,9 @@ def _to_arrow(tensor: Any, kind: Any) -> Any:
     return pa.array(values, kind)
 
 
-def _numbered(batches: Iterable[Any]) -> Iterator[tuple[Any, int]]:
-    """Each batch with the shard row of its first row (quarantine and errors name rows by it)."""
-    offset = 0
+def _numbered(batches: Iterable[Any], offset: int = 0) -> Iterator[tuple[Any, int]]:
+    """Each batch with the shard row of its first row (quarantine and errors name rows by it); ``offset``: the shard
+    row of the first batch's first row."""
     for batch in batches:
         yield batch, offset
         offset += batch.num_rows
@@ -170,12 +184,83 @@ def _host_chunk(item: tuple[Any, int], key: str, layout: Any, prep: dict[str, An
     return (keys, batch.num_rows), scaled, bad
 
 
-def _quarantining(prepared: Iterable[tuple[Any, Any, Any]], quarantine: Callable[[Any], None]) -> Iterator[tuple[Any, Any]]:
-    """The chunks of ``prepared`` as (meta, records), their unscorable rows handed to ``quarantine`` in order."""
-    for meta, scaled, bad in prepared:
+def _quarantining(prepared: Iterable[tuple[int, tuple[Any, Any, Any]]],
+                  quarantine: Callable[[int, Any], None]) -> Iterator[tuple[tuple[int, Any], Any]]:
+    """The chunks of ``prepared`` (each with its part ``k``) as ((k, meta), records), their unscorable rows handed
+    to ``quarantine(k, rows)`` in each part's order."""
+    for k, (meta, scaled, bad) in prepared:
         if bad is not None:
-            quarantine(bad)
-        yield meta, scaled
+            quarantine(k, bad)
+        yield (k, meta), scaled
+
+
+def output_parts(group_rows: list[int], writers: int) -> list[range]:
+    """The shard's row groups (positions in its list) cut into contiguous parts, one output file each, in order:
+    one part below 2 x ``OUTPUT_FILE_ROWS`` rows, else at most ``writers`` parts of about equal rows, about
+    ``OUTPUT_FILE_ROWS`` or more each (cut at row-group boundaries; a row group is never split)."""
+    total = sum(group_rows)
+    count = min(writers, total // OUTPUT_FILE_ROWS, len(group_rows)) if total >= 2 * OUTPUT_FILE_ROWS else 1
+    if count <= 1:
+        return [range(len(group_rows))]
+    parts, start, seen = [], 0, 0
+    for position, rows in enumerate(group_rows):
+        seen += rows
+        if len(parts) < count - 1 and seen * count >= total * (len(parts) + 1):
+            parts.append(range(start, position + 1))
+            start = position + 1
+    parts.append(range(start, len(group_rows)))
+    return [part for part in parts if len(part)]
+
+
+class _PartOutput:
+    """One output file of a shard (a contiguous run of its row groups) and, once a row is unscorable, its quarantine
+    file. Scored tables are coalesced and written by the part's own writer thread; the quarantine is written by the
+    model's thread."""
+
+    def __init__(self, uri: str, quarantine_uri: str, schema: Any, name: str) -> None:
+        self.uri, self.quarantine_uri, self.schema = uri, quarantine_uri, schema
+        self.rows = self.quarantined = 0
+        self.buffered: list[Any] = []  # scored tables not yet written: the writer thread's, then (after finish) ours
+        self.output = SerialWriter(WRITES_IN_FLIGHT, name=name)
+        self.sink = self.writer = self.quarantine_handle = self.quarantine_writer = None
+
+    def open(self) -> None:
+        import pyarrow.parquet as pq
+
+        fs, path = storage.filesystem(self.uri)
+        self.sink = fs.open(path, "wb")
+        self.writer = pq.ParquetWriter(self.sink, self.schema, use_dictionary=_dictionary_columns(self.schema))
+
+    def quarantine(self, bad: Any) -> None:
+        import pyarrow.parquet as pq
+
+        if self.quarantine_writer is None:
+            fs, path = storage.filesystem(self.quarantine_uri)
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            self.quarantine_handle = fs.open(path, "wb")
+            self.quarantine_writer = pq.ParquetWriter(self.quarantine_handle, bad.schema)
+        self.quarantine_writer.write_table(bad)
+        self.quarantined += len(bad)
+
+    def add(self, table: Any) -> None:  # in the writer thread, in order
+        self.buffered.append(table)
+        if sum(len(t) for t in self.buffered) >= OUTPUT_ROW_GROUP_ROWS:
+            self.flush()
+        self.rows += len(table)
+
+    def flush(self) -> None:
+        import pyarrow as pa
+
+        if self.buffered:
+            self.writer.write_table(pa.concat_tables(self.buffered))
+            self.buffered.clear()
+
+    def close(self) -> None:
+        """Join the writer thread first (nothing writes to the files afterwards), then close them; always."""
+        self.output.close()
+        for closing in (self.writer, self.sink, self.quarantine_writer, self.quarantine_handle):
+            if closing is not None:
+                closing.close()
 
 
 def _dictionary_columns(schema: Any) -> list[str]:
@@ -189,11 +274,23 @@ def _dictionary_columns(schema: Any) -> list[str]:
                                                  and (pa.types.is_integer(field.type) or pa.types.is_boolean(field.type)))]
 
 
+def _close_all(parts: list[_PartOutput]) -> None:
+    """Close every part, even when one fails to; then raise the first error."""
+    errors = []
+    for part in parts:
+        try:
+            part.close()
+        except Exception as exc:  # noqa: BLE001 - the others still close; raised below
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
 def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], out: str) -> dict[str, Any]:
-    """Score one shard into an attempt-unique Parquet file on the inference profile's device; bad rows fail or
-    go to quarantine with a reason. Reading, host preparation, the model and writing overlap (module docstring)."""
+    """Score one shard into attempt-unique Parquet file(s) on the inference profile's device; bad rows fail or go to
+    quarantine with a reason. Reading, host preparation, the model and writing overlap, and a large shard is written
+    as several files in parallel (module docstring)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
     import torch
 
     profile = config.profile(config.inference.profile)
@@ -206,31 +303,11 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
     # Bundles from before tensor columns list only plain feature columns.
     columns, shapes = prep.get("columns") or prep["features"], prep.get("feature_shapes") or {}
     token = storage.unique_token()
-    uri = storage.join(out, "predictions", f"part-{shard['index']:05d}-{token}.parquet")
-    quarantine_uri = storage.join(out, "predictions", "quarantine", f"part-{shard['index']:05d}-{token}.parquet")
-    counts = {"rows": 0, "quarantined": 0}
     started = time.monotonic()
-    fs_out, path_out = storage.filesystem(uri)
-    fs_out.makedirs(path_out.rsplit("/", 1)[0], exist_ok=True)
-    writer = None
-    quarantined: dict[str, Any] = {}
-    buffered: list[Any] = []  # scored tables not yet written: the writer thread's, then (after finish) this thread's
+    parts: list[_PartOutput] = []
 
-    def quarantine(bad: Any) -> None:
-        if "writer" not in quarantined:
-            fs_q, path_q = storage.filesystem(quarantine_uri)
-            fs_q.makedirs(path_q.rsplit("/", 1)[0], exist_ok=True)
-            quarantined["handle"] = fs_q.open(path_q, "wb")
-            quarantined["writer"] = pq.ParquetWriter(quarantined["handle"], bad.schema)
-        quarantined["writer"].write_table(bad)
-        counts["quarantined"] += len(bad)
-
-    def flush() -> None:
-        if buffered:
-            writer.write_table(pa.concat_tables(buffered))
-            buffered.clear()
-
-    def write(meta: tuple[Any, int], predicted: dict[str, Any], ready: Any) -> None:  # in the writer thread, in order
+    def write(part: _PartOutput, meta: tuple[Any, int], predicted: dict[str, Any], ready: Any) -> None:
+        # In the part's writer thread, in the part's order.
         if ready is not None:
             ready.synchronize()  # this chunk's outputs have reached host memory
         keys = meta[0]
@@ -240,14 +317,13 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
                 if field.name in predicted:
                     scored[field.name] = _to_arrow(predicted[field.name], field.type)
         scored["model_version"] = pa.repeat(pa.scalar(version, pa.string()), len(keys))
-        buffered.append(pa.table(scored, schema=output_schema))
-        if sum(len(table) for table in buffered) >= OUTPUT_ROW_GROUP_ROWS:
-            flush()
-        counts["rows"] += len(keys)
-        log.info("shard %d: %d rows scored, %d quarantined, %.0f rows/s", shard["index"], counts["rows"],
-                 counts["quarantined"], counts["rows"] / max(time.monotonic() - started, 1e-9))
+        part.add(pa.table(scored, schema=output_schema))
+        rows = sum(p.rows for p in parts)
+        log.info("shard %d: %d rows scored, %d quarantined, %.0f rows/s", shard["index"], rows,
+                 sum(p.quarantined for p in parts), rows / max(time.monotonic() - started, 1e-9))
 
-    with storage.open_parquet(shard["uri"]) as parquet, fs_out.open(path_out, "wb") as sink:
+    with contextlib.ExitStack() as stack:
+        parquet = stack.enter_context(storage.open_parquet(shard["uri"]))
         names = parquet.schema_arrow.names
         missing = [c for c in [key, *columns] if c not in names]
         if missing:
@@ -257,39 +333,61 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
             check_typed_types(parquet.schema_arrow, layout, shard["uri"])
         output_schema = prediction_columns(bundle, parquet.schema_arrow.field(key))  # probed on the CPU, before the move
         model = bundle.module.to(device).eval()
-        writer = pq.ParquetWriter(sink, output_schema, use_dictionary=_dictionary_columns(output_schema))
-        output = SerialWriter(WRITES_IN_FLIGHT, name=f"infer-write-{shard['index']}")
-        try:
-            batches = read_ahead(_numbered(storage.iter_batches(parquet, [key, *columns], config.inference.batch_size,
-                                                                shard["row_groups"], uri=shard["uri"])),
-                                 READ_AHEAD_BATCHES, name=f"infer-read-{shard['index']}")
-            prepare = functools.partial(_host_chunk, key=key, layout=layout, prep=prep, pin=device.type == "cuda",
-                                        source=shard["uri"], bad_rows=config.inference.bad_rows)
-            prepared = ordered_map(prepare, batches, profile.threads_per_process, name=f"infer-prepare-{shard['index']}")
-            with contextlib.closing(prepared), exact_float32(device), torch.inference_mode():
-                for meta, inputs in prefetch(_quarantining(prepared, quarantine), device):
-                    labels = torch.zeros(len(inputs), dtype=torch.int64, device=device)
-                    predicted = bundle.spec.predict(model(batch_of(bundle.spec, inputs, labels)[0]))
-                    # One copy back per column and chunk; on CUDA it is queued, and the writer thread waits for it.
-                    host = {name: tensor.to("cpu", non_blocking=True) for name, tensor in predicted.items()}
-                    ready = None
-                    if device.type == "cuda":
-                        ready = torch.cuda.Event()
-                        ready.record()
-                    output.submit(write, meta, host, ready)
-            output.finish()
-            flush()
-        finally:
-            output.close()  # joined before the file closes: nothing writes to it afterwards
-            writer.close()
-            if "writer" in quarantined:
-                quarantined["writer"].close()
-                quarantined["handle"].close()
-    rows, bad = counts["rows"], counts["quarantined"]
-    result = {"index": shard["index"], "uri": uri, "rows": rows, "rows_quarantined": bad}
+        groups = list(shard["row_groups"])
+        group_rows = [parquet.metadata.row_group(g).num_rows for g in groups]
+        cuts = output_parts(group_rows, max(2, min(MAX_OUTPUT_FILES, profile.threads_per_process)))
+        file_names = ([f"part-{shard['index']:05d}-{token}.parquet"] if len(cuts) == 1 else
+                      [f"part-{shard['index']:05d}-{token}-{k:02d}.parquet" for k in range(len(cuts))])
+        for k, file_name in enumerate(file_names):
+            suffix = f"{shard['index']}" if len(cuts) == 1 else f"{shard['index']}.{k}"
+            parts.append(_PartOutput(storage.join(out, "predictions", file_name),
+                                     storage.join(out, "predictions", "quarantine", file_name),
+                                     output_schema, name=f"infer-write-{suffix}"))
+        stack.callback(_close_all, parts)  # each part's writer thread joined before its files close
+        fs_out, path_out = storage.filesystem(parts[0].uri)
+        fs_out.makedirs(path_out.rsplit("/", 1)[0], exist_ok=True)
+        for part in parts:
+            part.open()
+        prepare = functools.partial(_host_chunk, key=key, layout=layout, prep=prep, pin=device.type == "cuda",
+                                    source=shard["uri"], bad_rows=config.inference.bad_rows)
+        workers = max(1, profile.threads_per_process // len(cuts))  # the preparing threads, shared out among parts
+        streams = []
+        for k, cut in enumerate(cuts):
+            suffix = f"{shard['index']}" if len(cuts) == 1 else f"{shard['index']}.{k}"
+            # Each part reads through its own handle: a ParquetFile is not shared between reader threads.
+            source = parquet if k == 0 else stack.enter_context(storage.open_parquet(shard["uri"]))
+            batches = read_ahead(_numbered(storage.iter_batches(source, [key, *columns], config.inference.batch_size,
+                                                                [groups[i] for i in cut], uri=shard["uri"]),
+                                           sum(group_rows[: cut.start])),
+                                 READ_AHEAD_BATCHES, name=f"infer-read-{suffix}")
+            streams.append(ordered_map(prepare, batches, workers, name=f"infer-prepare-{suffix}"))
+            stack.callback(streams[-1].close)  # on any exit: its threads stop and are joined (before the writers')
+
+        def quarantine(k: int, bad: Any) -> None:
+            parts[k].quarantine(bad)
+
+        with exact_float32(device), torch.inference_mode():
+            for (k, meta), inputs in prefetch(_quarantining(scoring.interleave(streams), quarantine), device):
+                labels = torch.zeros(len(inputs), dtype=torch.int64, device=device)
+                predicted = bundle.spec.predict(model(batch_of(bundle.spec, inputs, labels)[0]))
+                # One copy back per column and chunk; on CUDA it is queued, and the writer thread waits for it.
+                host = {name: tensor.to("cpu", non_blocking=True) for name, tensor in predicted.items()}
+                ready = None
+                if device.type == "cuda":
+                    ready = torch.cuda.Event()
+                    ready.record()
+                parts[k].output.submit(write, parts[k], meta, host, ready)
+        for part in parts:
+            part.output.finish()
+            part.flush()
+    rows, bad = sum(part.rows for part in parts), sum(part.quarantined for part in parts)
+    result = {"index": shard["index"], "uri": parts[0].uri, "rows": rows, "rows_quarantined": bad,
+              "files": [{"uri": part.uri, "rows": part.rows} for part in parts]}
     if bad:
-        log.warning("shard %d: %d row(s) quarantined with reasons in %s", shard["index"], bad, quarantine_uri)
-        result["quarantine_uri"] = quarantine_uri
+        quarantined = [{"uri": part.quarantine_uri, "rows": part.quarantined} for part in parts if part.quarantined]
+        log.warning("shard %d: %d row(s) quarantined with reasons in %s", shard["index"], bad,
+                    ", ".join(q["uri"] for q in quarantined))
+        result["quarantine_uri"], result["quarantine_files"] = quarantined[0]["uri"], quarantined
     return result
 
 

@@ -32,18 +32,36 @@ def plan_inference(input_uri: str, rows_per_shard: int, root: str | None = None)
     return shards
 
 
+def shard_files(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """A shard result's prediction files in order, as ``{"uri", "rows"}``: its ``files`` (a large shard is written as
+    several, in parallel), or the one ``uri`` of a result from before them."""
+    return [{"uri": f["uri"], "rows": f["rows"]} for f in result["files"]] if result.get("files") else [
+        {"uri": result["uri"], "rows": result["rows"]}]
+
+
+def shard_quarantine(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """A shard result's quarantine files in order (none when no row was quarantined), as ``{"uri", "rows"}``."""
+    if result.get("quarantine_files"):
+        return [{"uri": f["uri"], "rows": f["rows"]} for f in result["quarantine_files"]]
+    return [{"uri": result["quarantine_uri"], "rows": result["rows_quarantined"]}] if result.get("quarantine_uri") else []
+
+
 def commit_predictions(out: str, model_uri: str, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Write ``predictions/manifest.json`` listing exactly the shards' files; drop unlisted leftovers."""
+    """Write ``predictions/manifest.json`` listing exactly the shards' files; drop unlisted leftovers.
+
+    ``files`` (and ``quarantine``) list every file of every shard, by shard index, then in each shard's own order, so
+    reading them in the listed order gives the rows in input order; each entry names its ``shard``. One manifest,
+    written last, commits all of a shard's files together."""
     ordered = sorted(results, key=lambda r: r["index"])
-    manifest = {"kind": "predictions", "model_uri": model_uri,
-                "files": [{"uri": r["uri"], "rows": r["rows"]} for r in ordered],
-                "quarantine": [{"uri": r["quarantine_uri"], "rows": r["rows_quarantined"]} for r in ordered if r.get("quarantine_uri")],
+    files = [{**f, "shard": r["index"]} for r in ordered for f in shard_files(r)]
+    quarantine = [{**q, "shard": r["index"]} for r in ordered for q in shard_quarantine(r)]
+    manifest = {"kind": "predictions", "model_uri": model_uri, "files": files, "quarantine": quarantine,
                 "rows": sum(r["rows"] for r in ordered), "rows_quarantined": sum(r.get("rows_quarantined", 0) for r in ordered)}
     prefix = storage.join(out, "predictions")
     uri = storage.join(prefix, "manifest.json")
     storage.write_json(uri, manifest)
-    listed = {r["uri"] for r in ordered} | {q["uri"] for q in manifest["quarantine"]}
+    listed = {f["uri"] for f in files} | {q["uri"] for q in quarantine}
     removed = storage.remove_unlisted(prefix, listed)
-    log.info("committed %s: %d rows in %d file(s), %d quarantined, %d stale file(s) removed", uri, manifest["rows"],
-             len(ordered), manifest["rows_quarantined"], removed)
+    log.info("committed %s: %d rows in %d file(s) of %d shard(s), %d quarantined, %d stale file(s) removed", uri,
+             manifest["rows"], len(files), len(ordered), manifest["rows_quarantined"], removed)
     return {"uri": uri, "rows": manifest["rows"], "rows_quarantined": manifest["rows_quarantined"]}

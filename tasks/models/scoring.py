@@ -1,6 +1,6 @@
 """The device a scoring sub-job (evaluation, batch inference) runs on, exact float32 there, overlapped copies to it,
 and the threads that overlap a shard's reading, host preparation and writing with the model (:func:`read_ahead`,
-:func:`ordered_map`, :class:`SerialWriter`)."""
+:func:`ordered_map`, :class:`SerialWriter`, and :func:`interleave` for a shard scored as several parts)."""
 
 from __future__ import annotations
 
@@ -157,6 +157,35 @@ def ordered_map(function: Callable[[T], R], items: Iterable[T], workers: int, de
         close = getattr(items, "close", None)
         if close is not None:  # e.g. a read_ahead: its thread stops too
             close()
+
+
+def interleave(streams: list[Iterator[T]]) -> Iterator[tuple[int, T]]:
+    """``(k, item)`` taking one item of each of ``streams`` in turn (a shard's parts, each read and prepared by its own
+    threads, scored by one model): each stream's items stay in their order. An error of a stream is raised in its
+    place in the streams' order, not the threads' timing: after stream ``k`` fails, the streams before it are still
+    drained (their items not yielded: the shard fails anyway) and the first failed stream's error is raised, so an
+    error that a single stream over the same items would raise first is the one raised. The caller closes the streams
+    (e.g. on its own error)."""
+    live = list(range(len(streams)))
+    failed: tuple[int, BaseException] | None = None
+    while live:
+        for k in list(live):
+            if failed is not None and k > failed[0]:
+                live.remove(k)  # after the first failed stream: never reached by a single stream
+                continue
+            try:
+                item = next(streams[k])
+            except StopIteration:
+                live.remove(k)
+                continue
+            except Exception as exc:  # noqa: BLE001 - raised below, in its place in the order
+                failed = (k, exc) if failed is None or k < failed[0] else failed
+                live.remove(k)
+                continue
+            if failed is None:
+                yield k, item
+    if failed is not None:
+        raise failed[1]
 
 
 class SerialWriter:

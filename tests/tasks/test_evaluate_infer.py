@@ -450,38 +450,119 @@ def one_chunk_after_another(config, model_uri: str, shard: dict) -> tuple[list, 
     return keys, {name: np.concatenate(parts) for name, parts in outputs.items()}, quarantined
 
 
-@pytest.mark.parametrize("threads,batch_size,group_rows", [(1, 128, 65_536), (3, 128, 500), (2, 1000, 700)])
+def _scored_files(result: dict) -> pa.Table:
+    """A shard's predictions: its files read in the order its result lists them."""
+    assert [f["uri"] for f in result["files"]][0] == result["uri"]
+    return pa.concat_tables([pq.read_table(f["uri"]) for f in result["files"]])
+
+
+def _quarantined_files(result: dict) -> list[dict]:
+    return [row for f in result.get("quarantine_files", []) for row in pq.read_table(f["uri"]).to_pylist()]
+
+
+@pytest.mark.parametrize("threads,batch_size,group_rows,file_rows,files",
+                         [(1, 128, 65_536, 262_144, [1, 1]), (3, 128, 500, 262_144, [1, 1]),
+                          (2, 1000, 700, 262_144, [1, 1]),
+                          # several output files per shard, written by as many threads (a file per 300 rows at most)
+                          (1, 128, 200, 300, [2, 2]), (3, 100, 65_536, 300, [3, 3]), (4, 1000, 250, 300, [4, 3])])
 def test_pipelined_scoring_writes_what_one_chunk_after_another_writes(trained, tmp_path, monkeypatch, threads,
-                                                                      batch_size, group_rows):
-    """The pipeline (reader thread, `threads` preparing threads, writer thread; chunks that straddle row groups;
-    output row groups coalesced) writes the same rows in the same order, bit for bit the same classes and
+                                                                      batch_size, group_rows, file_rows, files):
+    """The pipeline (reader thread, `threads` preparing threads, writer thread; output row groups coalesced; a shard
+    of at least 2 x OUTPUT_FILE_ROWS rows cut into contiguous parts, each with its own threads and file) writes the
+    same rows in the same order (read file after file as the result lists them), bit for bit the same classes and
     probabilities, the same version and the same quarantine (rows, reasons, shard rows) as straightforward scoring
     in one thread, for a whole file and for a shard of some of its row groups; a re-run writes the same bytes."""
     config_path, _, model_uri = trained
     config = load_config(config_path, {"inference.batch_size": batch_size, "profiles.small.threads_per_process": threads})
     monkeypatch.setattr(infer, "OUTPUT_ROW_GROUP_ROWS", group_rows)
+    monkeypatch.setattr(infer, "OUTPUT_FILE_ROWS", file_rows)
     path = _scattered_dirty_input(config, tmp_path)
     whole = plan_inference(path, rows_per_shard=10_000)[0]
     assert len(whole["row_groups"]) == 6
-    for shard in (whole, {"index": 1, "uri": path, "row_groups": [1, 2, 3]}):
+    for shard, count in zip((whole, {"index": 1, "uri": path, "row_groups": [1, 2, 3]}), files):
         result = infer.score_shard(config, model_uri, shard, str(tmp_path / "scored"))
         keys, expected, quarantined = one_chunk_after_another(config, model_uri, shard)
-        scored = pq.read_table(result["uri"])
-        assert result["rows"] == scored.num_rows == len(keys) > 0
+        assert len(result["files"]) == count
+        scored = _scored_files(result)
+        assert result["rows"] == scored.num_rows == sum(f["rows"] for f in result["files"]) == len(keys) > 0
         assert scored.column("row_id").to_pylist() == keys
         assert np.array_equal(scored.column("prediction").to_numpy(), expected["prediction"])
         probabilities = np.stack(scored.column("probabilities").to_numpy(zero_copy_only=False))
         assert probabilities.dtype == np.float32 and np.array_equal(probabilities, expected["probabilities"])
         assert set(scored.column("model_version").to_pylist()) == {load_bundle(model_uri).version}
         assert result["rows_quarantined"] == len(quarantined) > 0
-        assert pq.read_table(result["quarantine_uri"]).to_pylist() == quarantined
-        groups = [pq.ParquetFile(result["uri"]).metadata.row_group(g).num_rows
-                  for g in range(pq.ParquetFile(result["uri"]).metadata.num_row_groups)]
-        assert sum(groups) == len(keys) and all(rows >= group_rows for rows in groups[:-1]), groups
+        assert result["quarantine_uri"] == result["quarantine_files"][0]["uri"]
+        assert sum(f["rows"] for f in result["quarantine_files"]) == result["rows_quarantined"]
+        assert _quarantined_files(result) == quarantined
+        for entry in result["files"]:
+            metadata = pq.ParquetFile(entry["uri"]).metadata
+            groups = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+            assert sum(groups) == entry["rows"] > 0 and all(rows >= group_rows for rows in groups[:-1]), groups
         again = infer.score_shard(config, model_uri, shard, str(tmp_path / "again"))
-        assert Path(again["uri"]).read_bytes() == Path(result["uri"]).read_bytes()
+        assert [Path(f["uri"]).read_bytes() for f in again["files"]] == [Path(f["uri"]).read_bytes() for f in result["files"]]
+        assert [Path(f["uri"]).read_bytes() for f in again["quarantine_files"]] == [
+            Path(f["uri"]).read_bytes() for f in result["quarantine_files"]]
+        assert not {f["uri"] for f in again["files"]} & {f["uri"] for f in result["files"]}, "attempt-unique files"
     reasons = {row["reason"] for row in one_chunk_after_another(config, model_uri, whole)[2]}
     assert reasons == {"null key", "null or non-finite feature 'px_10'"}
+
+
+def test_output_parts_split_only_large_shards_into_contiguous_parts_of_about_equal_rows():
+    """One part (one file) below 2 x OUTPUT_FILE_ROWS rows; above, at most `writers` contiguous runs of whole row
+    groups covering each group once in order, none empty, no more than leaves OUTPUT_FILE_ROWS rows each."""
+    file_rows = infer.OUTPUT_FILE_ROWS
+    assert infer.output_parts([], 4) == [range(0)]
+    assert infer.output_parts([65_536] * 7, 4) == [range(7)], "458,752 rows < 2 x 262,144: one file"
+    assert infer.output_parts([2 * file_rows], 4) == [range(1)], "a row group is never split"
+    assert infer.output_parts([65_536] * 8, 4) == [range(0, 4), range(4, 8)]
+    assert infer.output_parts([65_536] * 31, 4) == [range(0, 8), range(8, 16), range(16, 24), range(24, 31)]
+    assert infer.output_parts([65_536] * 31, 2) == [range(0, 16), range(16, 31)]
+    for sizes in ([65_536] * 31, [300_000, 10, 10, 600_000, 5, 400_000], [1_000_000, 1, 1], [131_072] * 9 + [7]):
+        for writers in (2, 3, 4, 8):
+            parts = infer.output_parts(sizes, writers)
+            assert parts == infer.output_parts(sizes, writers)
+            assert [g for part in parts for g in part] == list(range(len(sizes))) and all(len(part) for part in parts)
+            assert len(parts) <= min(writers, sum(sizes) // file_rows)
+
+
+def test_a_multi_file_shard_commits_all_its_files_in_order_and_a_retry_leaves_no_duplicate(trained, tmp_path,
+                                                                                          monkeypatch):
+    """Shards written as several files: the manifest lists every file (and quarantine file) of every shard, by shard
+    then part, so reading them in the listed order gives the rows of the single-file scoring in the same order; a
+    retried shard's commit lists only the retry's files, none of the first attempt's stay, no row twice."""
+    config_path, _, model_uri = trained
+    config = load_config(config_path, {"inference.batch_size": 128, "profiles.small.threads_per_process": 3})
+    path = _scattered_dirty_input(config, tmp_path)
+    shards = [{"index": 0, "uri": path, "row_groups": [0, 1, 2]}, {"index": 1, "uri": path, "row_groups": [3, 4, 5]}]
+    single = _read(storage.read_json(commit_predictions(str(tmp_path / "single"), model_uri, _score_all(
+        config, model_uri, shards, str(tmp_path / "single")))["uri"]))
+    monkeypatch.setattr(infer, "OUTPUT_FILE_ROWS", 300)
+    prefix = str(tmp_path / "multi")
+    results = _score_all(config, model_uri, shards, prefix)
+    assert [len(r["files"]) for r in results] == [3, 2], "900 rows: 3 files of 300; 897 rows: 2 files"
+    first = storage.read_json(commit_predictions(prefix, model_uri, results)["uri"])
+    assert [(f["uri"], f["rows"]) for f in first["files"]] == [(f["uri"], f["rows"]) for r in results for f in r["files"]]
+    assert [f["shard"] for f in first["files"]] == [0, 0, 0, 1, 1]
+    assert [q["uri"] for q in first["quarantine"]] == [q["uri"] for r in results for q in r["quarantine_files"]]
+    assert sum(q["rows"] for q in first["quarantine"]) == first["rows_quarantined"] == 7
+    assert _read(first).equals(single)
+    results[1] = infer.score_shard(config, model_uri, shards[1], prefix)  # the retry of shard 1
+    second = storage.read_json(commit_predictions(prefix, model_uri, results)["uri"])
+    assert _read(second).equals(single) and second["rows"] == first["rows"] == single.num_rows
+    listed = {f["uri"] for f in second["files"]} | {q["uri"] for q in second["quarantine"]}
+    on_disk = {str(p) for p in (Path(prefix) / "predictions").rglob("*.parquet")}
+    assert on_disk == listed and len(listed) == len(second["files"]) + len(second["quarantine"])
+
+
+def test_commit_takes_a_shard_result_from_before_multi_file_shards():
+    """A shard result with only `uri` (and `quarantine_uri`) commits as one file, as before."""
+    old = {"index": 0, "uri": "/x/predictions/part-00000-a.parquet", "rows": 5, "rows_quarantined": 1,
+           "quarantine_uri": "/x/predictions/quarantine/part-00000-a.parquet"}
+    from stagewise.datasets.predictions import shard_files, shard_quarantine
+
+    assert shard_files(old) == [{"uri": old["uri"], "rows": 5}]
+    assert shard_quarantine(old) == [{"uri": old["quarantine_uri"], "rows": 1}]
+    assert shard_quarantine({"index": 1, "uri": "u", "rows": 2, "rows_quarantined": 0}) == []
 
 
 def _pipeline_threads() -> list[str]:
@@ -490,12 +571,15 @@ def _pipeline_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("infer-")]
 
 
-def test_a_failing_write_fails_the_shard_and_stops_every_pipeline_thread(trained, tmp_path, monkeypatch):
-    """An error in the writer thread (a full disk) is raised by score_shard as it was; the reader, preparing and
-    writer threads are gone afterwards, and the shard is not committed."""
+@pytest.mark.parametrize("file_rows", [262_144, 300])
+def test_a_failing_write_fails_the_shard_and_stops_every_pipeline_thread(trained, tmp_path, monkeypatch, file_rows):
+    """An error in a writer thread (a full disk) is raised by score_shard as it was; the reader, preparing and
+    writer threads (of every part, where the shard is written as several files) are gone afterwards, and the shard
+    is not committed."""
     config_path, _, model_uri = trained
     config = load_config(config_path, {"inference.batch_size": 64, "profiles.small.threads_per_process": 2})
     monkeypatch.setattr(infer, "OUTPUT_ROW_GROUP_ROWS", 128)
+    monkeypatch.setattr(infer, "OUTPUT_FILE_ROWS", file_rows)
     real_write = pq.ParquetWriter.write_table
     calls = {"n": 0}
 
@@ -533,14 +617,16 @@ def test_a_failing_model_stops_every_pipeline_thread(trained, tmp_path, monkeypa
     assert _pipeline_threads() == []
 
 
+@pytest.mark.parametrize("file_rows", [262_144, 300])
 def test_bad_rows_fail_names_the_first_bad_row_of_the_shard_with_several_preparing_threads(trained, tmp_path,
-                                                                                          monkeypatch):
-    """With inference.bad_rows=fail and chunks prepared in parallel, the error names the shard's first bad row even
-    when a later chunk with bad rows is prepared first (the order decides, not the threads' timing), and no
-    pipeline thread is left."""
+                                                                                          monkeypatch, file_rows):
+    """With inference.bad_rows=fail and chunks prepared in parallel (in one part, or in four parts of the shard
+    with their own threads), the error names the shard's first bad row even when a later chunk with bad rows is
+    prepared first (the order decides, not the threads' timing), and no pipeline thread is left."""
     config_path, _, model_uri = trained
     config = load_config(config_path, {"inference.bad_rows": "fail", "inference.batch_size": 100,
                                        "profiles.small.threads_per_process": 4})
+    monkeypatch.setattr(infer, "OUTPUT_FILE_ROWS", file_rows)
     path = _scattered_dirty_input(config, tmp_path)
     real_flatten = infer.flatten_features
 
@@ -587,6 +673,35 @@ def test_read_ahead_keeps_order_reads_at_most_depth_ahead_raises_in_place_and_st
     assert next(reader) == 0
     reader.close()
     assert threading.active_count() <= before and not [t for t in threading.enumerate() if t.name == "test-read"]
+
+
+def test_interleave_takes_each_stream_in_turn_and_raises_the_first_streams_error_whatever_fails_first():
+    """Items of each stream in order, one of each stream in turn; when a later stream fails before an earlier one,
+    the earlier streams are drained (nothing more yielded) and the earliest stream's error is raised, as one stream
+    over the same items in order would; a stream after the failed one is not read further."""
+    from stagewise.models.scoring import interleave
+
+    streams = [iter([1, 2, 3]), iter([10]), iter([]), iter([20, 21])]
+    assert list(interleave(streams)) == [(0, 1), (1, 10), (3, 20), (0, 2), (3, 21), (0, 3)]
+
+    pulled = []
+
+    def stream(name, values, fail_at=None):
+        for index, value in enumerate(values):
+            if index == fail_at:
+                raise ValueError(name)
+            pulled.append((name, value))
+            yield value
+
+    seen = []
+    with pytest.raises(ValueError, match="^first$"):
+        for item in interleave([stream("first", [1, 2, 3], fail_at=2), stream("second", [4, 5], fail_at=0),
+                                stream("third", [6, 7, 8])]):
+            seen.append(item)
+    assert seen == [(0, 1)], "nothing after the second stream failed"
+    assert ("first", 2) in pulled and ("third", 7) not in pulled
+    with pytest.raises(ValueError, match="^second$"):
+        list(interleave([stream("first", [1]), stream("second", [2, 3], fail_at=1), stream("third", [4], fail_at=0)]))
 
 
 def test_ordered_map_yields_in_input_order_whatever_finishes_first_and_raises_in_place():

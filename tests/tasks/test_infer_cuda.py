@@ -40,7 +40,7 @@ def _score(config_path, model_uri: str, device: str, out: str, batch_size: int) 
     config = load_config(config_path, {"profiles.small.device": device, "inference.batch_size": batch_size})
     source = storage.resolve(config.storage_root, config.dataset.uri)
     shards = plan_inference(source, rows_per_shard=700)
-    return [pq.read_table(infer.score_shard(config, model_uri, shard, out)["uri"]) for shard in shards]
+    return [pq.read_table(infer.score_shard(config, model_uri, shard, out)["uri"]) for shard in shards]  # 700 rows: one file
 
 
 @pytest.mark.parametrize("batch_size", [1024, 96])
@@ -76,11 +76,14 @@ def test_evaluate_on_the_gpu_reports_the_cpus_metrics(trained, tmp_path):
 
 
 def test_the_gpu_pipeline_scores_a_dirty_shard_of_many_row_groups_as_the_cpu(trained, tmp_path, monkeypatch):
-    """The full pipeline on the GPU (reader thread, three preparing threads writing pinned chunks, side-stream copies,
-    the writer thread waiting on each chunk's event, coalesced row groups) against one thread on the CPU: the same
-    keys in the same order and the same quarantine (rows, reasons, shard rows); probabilities within 1e-5, classes
-    equal but for near-ties; no pipeline thread left behind."""
+    """The full pipeline on the GPU (the shard cut into three parts, each with a reader thread, a preparing thread
+    writing pinned chunks and a writer thread waiting on each chunk's event, its own output file; side-stream copies;
+    coalesced row groups) against one thread and one file on the CPU: the same keys in the same order (the GPU's
+    files read as its result lists them) and the same quarantine (rows, reasons, shard rows); probabilities within
+    1e-5, classes equal but for near-ties; no pipeline thread left behind."""
     import threading
+
+    import pyarrow as pa
 
     from tests.tasks.test_evaluate_infer import _scattered_dirty_input
 
@@ -90,14 +93,19 @@ def test_the_gpu_pipeline_scores_a_dirty_shard_of_many_row_groups_as_the_cpu(tra
     on_cpu = infer.score_shard(load_config(config_path, {"inference.batch_size": 1024}), model_uri, shard,
                                str(tmp_path / "cpu"))
     monkeypatch.setattr(infer, "OUTPUT_ROW_GROUP_ROWS", 200)
+    monkeypatch.setattr(infer, "OUTPUT_FILE_ROWS", 300)
     gpu_config = load_config(config_path, {"profiles.small.device": "cuda", "inference.batch_size": 96,
                                            "profiles.small.threads_per_process": 3})
     on_gpu = infer.score_shard(gpu_config, model_uri, shard, str(tmp_path / "gpu"))
     assert not [t.name for t in threading.enumerate() if t.name.startswith("infer-")]
+    assert len(on_cpu["files"]) == 1 and len(on_gpu["files"]) == 3
     assert on_gpu["rows"] == on_cpu["rows"] and on_gpu["rows_quarantined"] == on_cpu["rows_quarantined"] > 0
-    assert pq.read_table(on_gpu["quarantine_uri"]).equals(pq.read_table(on_cpu["quarantine_uri"]))
-    cpu, gpu = pq.read_table(on_cpu["uri"]), pq.read_table(on_gpu["uri"])
-    assert cpu.schema == gpu.schema and pq.ParquetFile(on_gpu["uri"]).metadata.num_row_groups > 1
+    quarantined = pa.concat_tables([pq.read_table(f["uri"]) for f in on_gpu["quarantine_files"]])
+    assert quarantined.equals(pq.read_table(on_cpu["quarantine_uri"]))
+    cpu = pq.read_table(on_cpu["uri"])
+    gpu = pa.concat_tables([pq.read_table(f["uri"]) for f in on_gpu["files"]])
+    assert cpu.schema == gpu.schema
+    assert all(pq.ParquetFile(f["uri"]).metadata.num_row_groups > 1 for f in on_gpu["files"])
     assert cpu.column("row_id").to_pylist() == gpu.column("row_id").to_pylist()
     p_cpu = np.stack(cpu.column("probabilities").to_numpy(zero_copy_only=False))
     p_gpu = np.stack(gpu.column("probabilities").to_numpy(zero_copy_only=False))
