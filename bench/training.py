@@ -262,12 +262,13 @@ def padded_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any, bat
     return rates[1:]
 
 
-def variable_length_throughput(rows: int = 40_000) -> dict[str, Any]:
+def variable_length_throughput(rows: int = 40_000, rounds: int = 6) -> dict[str, Any]:
     """A user's transformer over variable-length int64 token rows (examples/token_transformer.py, dim 32, one layer;
     2..16 tokens a row, each batch padded to its longest row), batch 256, 2 threads: our stage vs a plain loop with
-    the same padding, model and optimizer."""
+    the same padding, model and optimizer. Quick: ``python -m bench --only variable_length_throughput --rows 20000``,
+    or ``rounds=2`` from Python."""
     return _stage_vs_plain_loop(rows, features=0, tokens=True, spec="stagewise.examples.token_transformer:TokenTransformer",
-                                spec_args={}, params={"lr": 0.003}, batch=256)
+                                spec_args={}, params={"lr": 0.003}, batch=256, rounds=rounds)
 
 
 def train_throughput(rows: int = 120_000) -> dict[str, Any]:

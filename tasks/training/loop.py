@@ -27,7 +27,14 @@ from stagewise.definitions.spec import Average, ModelSpec, batch_of, hook_error,
 from stagewise.models.building import BuiltModel, model_for_run
 from stagewise.training.device_data import DeviceBatches, choose_placement, resident_bytes
 from stagewise.training.distributed import DistEnv, any_rank
-from stagewise.training.noise_scale import MeasuredAllReduce, NoiseScale, PartNorms, epoch_beta
+from stagewise.training.noise_scale import (
+    SPLIT_SPACING,
+    MeasuredAllReduce,
+    NoiseScale,
+    PartNorms,
+    epoch_beta,
+    split_interval,
+)
 from stagewise.training.recipe import mark_source
 from stagewise.training.step_graph import WARMUP_STEPS, CaptureFailed, StepGraph, StepOutputs, graph_plan, set_tf32
 
@@ -120,6 +127,8 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 # Stands for "no non-finite loss seen" in the divergence verdict.
 _NO_STEP = 2**62
+# Micro-steps whose losses wait on the device between two folds (a check, or a full buffer): one slot each.
+LOSS_SLOTS = 1024
 
 
 @dataclass(kw_only=True)
@@ -182,7 +191,8 @@ class Loop:
         ``grad_clip_norm``: clip the (all-reduced) gradients to this global L2 norm before each optimizer step.
         ``noise_scale_every``: measure the gradient noise scale on one optimizer step in this many (0: never;
         stagewise.training.noise_scale): across ranks from each rank's gradient before the all-reduce, on one rank
-        from the parts of the step's batch (its micro-batches, or its two halves) against the whole.
+        from the parts of the step's batch (its micro-batches, or its two halves) against the whole; the two halves, a
+        second forward and backward, are spaced out to ``SPLIT_SPACING`` x this after the first 10 measurements.
         ``tf32``: TensorFloat-32 float32 matmuls and convolutions on a CUDA device (process-wide; nothing on CPU).
         ``cuda_graph`` auto, on or off: capture the step as a CUDA graph where stagewise.training.step_graph.graph_plan
         allows it (the reason is logged once, a WARNING when ``on`` cannot)."""
@@ -197,8 +207,11 @@ class Loop:
             self.model = self.ddp
         self.noise_every = noise_scale_every
         self.noise: NoiseScale | None = None
+        # One rank without accumulation measures with a second forward and backward: spaced out once the EMA is filled.
+        self._halves_spaced = noise_scale_every > 0 and self.ddp is None and grad_accum_steps == 1
         if noise_scale_every > 0:
-            measured_per_epoch = math.ceil(train.steps_per_epoch(0) / grad_accum_steps) / noise_scale_every
+            interval = noise_scale_every * (SPLIT_SPACING if self._halves_spaced else 1)
+            measured_per_epoch = math.ceil(train.steps_per_epoch(0) / grad_accum_steps) / interval
             self.noise = NoiseScale(env.device, beta=epoch_beta(measured_per_epoch))
         self._measured_all_reduce = MeasuredAllReduce() if self.noise is not None and self.ddp is not None else None
         self._split_measure = self.noise is not None and self.ddp is None  # one rank: two batch sizes within a step
@@ -234,12 +247,15 @@ class Loop:
         self._spec_checked = False
         # What to add when the first batch indexes out of range (e.g. ids that were standardised): records -> text.
         self.index_hint: Callable[[torch.Tensor], str] | None = None
-        # Kept on the device and read only at checks, so a step never waits for the GPU: the losses summed (weighted by
-        # rows), and how many micro-steps in a row the sum stayed finite (a NaN/inf never leaves it, so that count
-        # finds the first bad micro-step). Checks fall on optimizer-step boundaries, so micro-step k after a check
-        # belongs to optimizer step (the step then) + k // accumulation steps.
+        # Kept on the device and read only at checks, so a step never waits for the GPU: each micro-step writes its
+        # row-weighted loss into a slot (one kernel, where a running sum and a finite count took three), and a fold (at
+        # a check, or when the slots run out) adds the slots to the loss sum and keeps the first micro-step since the
+        # check whose loss was NaN/inf. Checks fall on optimizer-step boundaries, so micro-step k after a check belongs
+        # to optimizer step (the step then) + k // accumulation steps.
+        self._losses = torch.zeros(LOSS_SLOTS, dtype=torch.float64, device=env.device)
+        self._filled = 0
         self._pending_loss = torch.zeros((), dtype=torch.float64, device=env.device)
-        self._finite_micro = torch.zeros((), dtype=torch.int64, device=env.device)
+        self._first_bad_micro = torch.full((), _NO_STEP, dtype=torch.int64, device=env.device)
         self._micro_since_check = 0
         self._step_at_check = 0
         self.grad_clip_norm = grad_clip_norm
@@ -313,7 +329,7 @@ class Loop:
             seed_step(hash((self.seed, position.epoch, index, self.env.rank)) & 0x7FFFFFFF, self.env.device)
             # A measured step's boundary runs without DDP's all-reduce too: _all_reduce_measured makes it, norms included.
             measured = (boundary and self._measured_all_reduce is not None and position.step % self.noise_every == 0)
-            split_measured = self._split_measure and position.step % self.noise_every == 0
+            split_measured = self._split_measure and position.step % self._split_every() == 0
             graph = self.step_graph
             # The captured step (one micro-batch per step there); a measured step or a batch of other shapes runs eagerly.
             outputs = self._graph_step(inputs, targets) if (
@@ -329,15 +345,18 @@ class Loop:
                         loss = self._measured_backward(inputs, targets)
                     else:
                         loss = self._backward(inputs, targets, 1.0 / self.grad_accum_steps)
-            # Device ops only (no host sync): the row-weighted loss, and whether the sum is still finite.
-            self._pending_loss.add_(loss.detach(), alpha=len(targets))
-            self._finite_micro.add_(torch.isfinite(self._pending_loss))
+            rows = targets.shape[0]  # a host value (Tensor.__len__ is a Python call: several per step added up)
+            # One device op (no host sync): the row-weighted loss into this micro-step's slot.
+            if self._filled == self._losses.shape[0]:
+                self._fold_losses()
+            torch.mul(loss.detach(), rows, out=self._losses[self._filled])
+            self._filled += 1
             if self._micro_since_check == 0:
                 self._step_at_check = position.step
             self._micro_since_check += 1
-            position.seen += len(targets)
+            position.seen += rows
             position.micro_step += 1
-            self._step_samples += len(targets)
+            self._step_samples += rows
             if boundary:
                 lr = lr_at(position.step)
                 for group in self.optimizer.param_groups:
@@ -509,6 +528,11 @@ class Loop:
             torch._foreach_add_(into, added)
         return loss
 
+    def _split_every(self) -> int:
+        """Optimizer steps between one rank's measured steps (stagewise.training.noise_scale.split_interval)."""
+        assert self.noise is not None
+        return split_interval(self.noise_every, self.noise.updates) if self._halves_spaced else self.noise_every
+
     def _fold_split_measurement(self) -> None:
         assert self.noise is not None and self._parts is not None
         parts, self._parts = self._parts, None
@@ -529,17 +553,31 @@ class Loop:
         return self.noise.estimates() or {}
 
     @torch.no_grad()
+    def _fold_losses(self) -> None:
+        """The filled loss slots into the loss sum and the first non-finite micro-step since the check (device ops)."""
+        if not self._filled:
+            return
+        filled = self._losses[: self._filled]
+        self._pending_loss.add_(filled.sum())
+        bad = ~torch.isfinite(filled)
+        offset = self._micro_since_check - self._filled  # the micro-step of slot 0, counted from the check
+        first = torch.where(bad.any(), bad.to(torch.int64).argmax() + offset, _NO_STEP)  # argmax: the first True
+        torch.minimum(self._first_bad_micro, first, out=self._first_bad_micro)
+        self._filled = 0
+
+    @torch.no_grad()
     def check_finite(self, lr_at: Callable[[int], float]) -> None:
         """Fold the losses since the last check into the position; raise :class:`Diverged` when a loss or a
         weight is NaN/inf on any rank (every rank reaches the same verdict, so none is left waiting)."""
+        self._fold_losses()
         weights_bad = torch.stack([~torch.isfinite(p).all() for p in self.module.parameters()]).any()
-        loss_sum, norm_sum, finite, weights_bad_here = torch.stack([
-            self._pending_loss, self._pending_norm, self._finite_micro.double(), weights_bad.double()]).tolist()
-        finite = int(finite)
-        first_bad_here = (self._step_at_check + finite // self.grad_accum_steps if finite < self._micro_since_check
-                          else _NO_STEP)
+        loss_sum, norm_sum, first_micro, weights_bad_here = torch.stack([
+            self._pending_loss, self._pending_norm, self._first_bad_micro.double(), weights_bad.double()]).tolist()
+        first_micro = int(first_micro)  # 2**62 and every micro-step count are exact in float64
+        first_bad_here = (self._step_at_check + first_micro // self.grad_accum_steps
+                          if first_micro < self._micro_since_check else _NO_STEP)
         self._micro_since_check = 0
-        self._finite_micro.zero_()
+        self._first_bad_micro.fill_(_NO_STEP)
         verdict = [-float(first_bad_here), weights_bad_here]
         if self.env.distributed:
             import torch.distributed as dist

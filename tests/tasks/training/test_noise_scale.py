@@ -113,6 +113,73 @@ def test_a_non_finite_step_is_skipped_and_nothing_is_estimated_before_a_step():
     assert estimator.estimates() == before
 
 
+def test_the_interval_fills_the_memory_at_the_configured_rate_then_spaces_out():
+    """The halves' interval: the configured one for the first MIN_MEMORY measurements, SPLIT_SPACING times it after."""
+    from stagewise.training.noise_scale import MIN_MEMORY, SPLIT_SPACING, split_interval
+
+    assert [split_interval(8, updates) for updates in (0, MIN_MEMORY - 1, MIN_MEMORY, 500)] == [8, 8, 8 * SPLIT_SPACING,
+                                                                                                8 * SPLIT_SPACING]
+
+
+def _measuring_loop(tmp_path: Path, grad_accum_steps: int, every: int):
+    """A one-process loop over 4 blobs (37 steps an epoch) and the optimizer steps its measured backwards ran in."""
+    from stagewise.datasets.loader import ParquetBatches
+    from stagewise.models.building import build
+    from stagewise.models.mlp import MLPClassifier
+    from stagewise.spec import DataInfo
+    from stagewise.training.distributed import DistEnv
+    from stagewise.training.loop import Loop
+    from tests.tasks.training.test_loop import _blobs
+
+    torch.manual_seed(0)
+    model = build(MLPClassifier(), DataInfo(features=["x0", "x1"], num_classes=4), {"hidden": 16, "dropout": 0.0})
+    train = ParquetBatches([_blobs(tmp_path, "train", 600, 1)], ["x0", "x1"], "label", rank=0, world_size=1,
+                           batch_size=16, seed=0)
+    validation = ParquetBatches([_blobs(tmp_path, "validation", 200, 2)], ["x0", "x1"], "label", rank=0, world_size=1,
+                                batch_size=64, seed=0, shuffle=False)
+    loop = Loop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), train=train, validation=validation,
+                env=DistEnv(rank=0, local_rank=0, world_size=1, device="cpu"), spec=MLPClassifier(),
+                grad_accum_steps=grad_accum_steps, noise_scale_every=every)
+    measured: list[int] = []
+    inner = loop._measured_backward
+    loop._measured_backward = lambda inputs, targets: measured.append(loop.position.step) or inner(inputs, targets)
+    return loop, measured
+
+
+def test_one_process_spaces_out_the_halves_after_the_first_measurements_and_a_resume_measures_the_same_steps(tmp_path):
+    """One process, no accumulation: a measurement runs the batch as two halves (a second forward and backward), so
+    after its first MIN_MEMORY measurements at the configured interval the stage measures SPLIT_SPACING times less
+    often; the rule reads the estimator's state, so a loop resumed from it measures the steps an uninterrupted one
+    does. With accumulation (the micro-batches are the parts: no extra pass) every configured step stays measured."""
+    from stagewise.training.loop import Position
+    from stagewise.training.noise_scale import MIN_MEMORY, SPLIT_SPACING
+
+    every, epochs = 2, 3
+    loop, measured = _measuring_loop(tmp_path, 1, every)
+    for _ in range(epochs):
+        loop.train_epoch(lambda _step: 0.05)
+    expected: list[int] = []
+    for step in range(loop.position.step):
+        if step % (every if len(expected) < MIN_MEMORY else every * SPLIT_SPACING) == 0:
+            expected.append(step)
+    assert measured == expected and len(expected) > MIN_MEMORY + 2
+    assert loop.noise.updates == len(expected) and loop.noise_estimates()["noise_scale"] is not None
+
+    first, first_measured = _measuring_loop(tmp_path, 1, every)
+    first.train_epoch(lambda _step: 0.05)
+    resumed, resumed_measured = _measuring_loop(tmp_path, 1, every)
+    resumed.position = Position(epoch=1, step=first.position.step)
+    resumed.load_noise_state(first.noise_state())
+    for _ in range(epochs - 1):
+        resumed.train_epoch(lambda _step: 0.05)
+    assert first_measured + resumed_measured == expected
+
+    accumulated, parts = _measuring_loop(tmp_path, 2, every)
+    for _ in range(epochs):
+        accumulated.train_epoch(lambda _step: 0.05)
+    assert sorted(set(parts)) == list(range(0, accumulated.position.step, every))
+
+
 # --- one process on every placement; CUDA graphs' replays, emulated on the CPU --------------------------------------
 
 STAGE_PARAMS = {"lr": 0.05, "hidden": 32, "dropout": 0.0}

@@ -25,6 +25,7 @@ from stagewise.training import loop as loop_module
 from stagewise.training.device_data import DeviceBatches
 from stagewise.training.distributed import DistEnv
 from stagewise.training.loop import Loop
+from stagewise.training.noise_scale import split_interval
 from stagewise.training.step_graph import WARMUP_STEPS, StepGraph, graph_plan, set_tf32, static_shapes
 from tests.tasks.training.test_loop import _blobs
 
@@ -229,7 +230,9 @@ def test_the_graph_path_trains_exactly_as_the_eager_step(tmp_path, placement, cl
     graph = loop.step_graph = _CpuGraph(loop._graph_body, loop._trainable)
     results, weights = _train(loop)
     assert graph.warmed == WARMUP_STEPS and graph.captured
-    measured = sum(1 for step in range(results[-1].steps) if noise_every and step % noise_every == 0)
+    measured = 0  # one process without accumulation: spaced out after the first measurements (split_interval)
+    for step in range(results[-1].steps):
+        measured += bool(noise_every) and step % split_interval(noise_every, measured) == 0
     assert graph.replays == results[-1].steps - measured - WARMUP_STEPS
     for ours, theirs in zip(results, eager_results):
         assert (ours.train_loss, ours.grad_norm, ours.noise_scale, ours.val_metrics) == (
@@ -340,11 +343,26 @@ def test_no_step_reads_a_device_value_on_the_host_between_checks(tmp_path, monke
     assert result.steps > 7 and reads == []
 
 
+def test_loss_slots_folded_when_they_run_out_give_the_same_epoch_loss(tmp_path, monkeypatch):
+    """A check interval longer than the loss slots folds them on the device as they fill: the epoch's training loss
+    is the one a single fold at the check gives."""
+    losses = {}
+    for slots in (loop_module.LOSS_SLOTS, 3):
+        monkeypatch.setattr(loop_module, "LOSS_SLOTS", slots)
+        loop = _make_loop(tmp_path)
+        loop.check_every_steps = 10
+        losses[slots] = [result.train_loss for result in _train(loop)[0]]
+    assert losses[3] == pytest.approx(losses[loop_module.LOSS_SLOTS], rel=1e-12)
+
+
+@pytest.mark.parametrize("slots", [loop_module.LOSS_SLOTS, 2])
 @pytest.mark.parametrize(("accumulation", "bad_micro_step", "bad_step"), [(1, 5, 5), (3, 7, 2), (3, 12, 4)])
 def test_the_first_bad_step_is_found_from_the_device_count_between_checks(tmp_path, monkeypatch, accumulation,
-                                                                          bad_micro_step, bad_step):
-    """The loss sum stays on the device with a count of micro-steps it stayed finite; a check turns that count into the
-    optimizer step (steps count from 1 in the message) where the loss first turned NaN, gradient accumulation included."""
+                                                                          bad_micro_step, bad_step, slots):
+    """Each micro-step's loss stays on the device in a slot; a fold (at a check, or when the slots run out: 2 here)
+    keeps the first non-finite micro-step since the check, and the check turns it into the optimizer step (steps count
+    from 1 in the message) where the loss first turned NaN, gradient accumulation included."""
+    monkeypatch.setattr(loop_module, "LOSS_SLOTS", slots)
     loop = _make_loop(tmp_path, accumulation=accumulation)
     loop.check_every_steps = 2
     original, seen = Loop._backward, [0]
