@@ -418,3 +418,20 @@ def mlflow_servers(tmp_path):
     finally:
         for server in started:
             server.stop()
+
+
+@pytest.fixture
+def no_aws_credentials(monkeypatch, tmp_path):
+    """This process finds no AWS credentials anywhere (variables, files, instance metadata), and boto's cached session
+    is dropped before and after: an S3 storage it reads fails as it would on a host without them."""
+    from stagewise.core import storage
+
+    for variable in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL",
+                     "AWS_ENDPOINT_URL_S3", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(variable, raising=False)
+    for variable in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(variable, str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    storage._s3_session.cache_clear()  # no credentials another test's session found
+    yield
+    storage._s3_session.cache_clear()

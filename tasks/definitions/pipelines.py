@@ -89,20 +89,10 @@ def name_of(path: Path | str) -> str:
 def discover(setting: str | None = None) -> list[PipelineFile]:
     """Every pipeline of the deployment, in a stable order; a missing source, a name that cannot be a DAG id, or
     two configs with one name raise :class:`ConfigError` naming the files."""
-    found: list[PipelineFile] = []
-    for source in sources(setting):
-        if source.is_dir():
-            files = sorted(path for pattern in ("*.yaml", "*.yml") for path in source.glob(pattern))
-        elif source.is_file():
-            files = [source]
-        else:
-            raise ConfigError(f"{source}: no such pipelines folder or config file (${PIPELINES_ENV_VAR})")
-        for path in files:
-            name = name_of(path)
-            if not NAME_PATTERN.fullmatch(name):
-                raise ConfigError(f"{path}: pipeline name '{name}' cannot name DAGs: a letter, then letters, digits "
-                                  "or _ (64 at most); set the config's name key")
-            found.append(PipelineFile(name, path))
+    errors: dict[str, str] = {}
+    found = _scan(setting, errors)
+    if errors:
+        raise ConfigError("; ".join(errors.values()))
     by_name: dict[str, list[Path]] = {}
     for pipeline in found:
         by_name.setdefault(pipeline.name, []).append(pipeline.path)
@@ -152,7 +142,7 @@ def _scan(setting: str | None, errors: dict[str, str]) -> list[PipelineFile]:
         elif source.is_file():
             files = [source]
         else:
-            errors[str(source)] = f"{source}: no such pipelines folder or config file"
+            errors[str(source)] = f"{source}: no such pipelines folder or config file (${PIPELINES_ENV_VAR})"
             continue
         for path in files:
             name = name_of(path)

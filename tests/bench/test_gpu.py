@@ -59,11 +59,9 @@ def test_skipped_entries_show_in_the_table_and_count_neither_met_nor_missed(no_c
 # CPU, device batches resident, the noise scale on), the GPU benchmarks (skipped: CUDA hidden) and the preprocessing
 # their data comes from, with every import refused that is neither the standard library, nor torch or a package torch
 # requires (what a GPU machine's torch brings), nor bench.gpu.GPU_PACKAGES, nor this project. Prints what was imported.
-_IMPORT_PROBE = r"""
-import importlib.abc, importlib.machinery, importlib.metadata as metadata, json, re, sys, tempfile
-from pathlib import Path
-
-import torch
+# Both probes' own helpers: a distribution's name as PEP 503 normalises it, and every distribution it requires.
+_DISTRIBUTIONS = r"""
+import importlib.metadata as metadata, re
 
 
 def normal(name):
@@ -82,6 +80,13 @@ def requirements(dist, seen):
             except metadata.PackageNotFoundError:
                 pass
     return seen
+"""
+
+_IMPORT_PROBE = _DISTRIBUTIONS + r"""
+import importlib.abc, importlib.machinery, json, sys, tempfile
+from pathlib import Path
+
+import torch
 
 
 LISTED = set(json.loads(sys.argv[1]))
@@ -173,26 +178,8 @@ def test_the_gpu_sub_jobs_import_only_what_a_gpu_machine_has_and_the_listed_pack
     assert beyond <= set(gpu.GPU_PACKAGES), (beyond, probe["refused"])
 
 
-_COLLECTION_PROBE = r"""
-import importlib.abc, importlib.machinery, importlib.metadata as metadata, json, re, sys
-
-
-def normal(name):
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def requirements(dist, seen):
-    for line in metadata.requires(dist) or []:
-        if "extra ==" in line:
-            continue
-        name = normal(re.split(r"[\s;<>=!~\[(]", line.strip(), maxsplit=1)[0])
-        if name not in seen:
-            seen.add(name)
-            try:
-                requirements(name, seen)
-            except metadata.PackageNotFoundError:
-                pass
-    return seen
+_COLLECTION_PROBE = _DISTRIBUTIONS + r"""
+import importlib.abc, importlib.machinery, json, sys
 
 
 THERE = set()

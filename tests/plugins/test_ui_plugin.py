@@ -343,25 +343,15 @@ def assert_degraded_in_place(client, token, error: str, *hidden: str) -> None:
             assert value not in answer.text, value
 
 
-def test_an_s3_pipeline_without_credentials_degrades_only_its_own_rows(airflow_api, tmp_path, monkeypatch):
+def test_an_s3_pipeline_without_credentials_degrades_only_its_own_rows(airflow_api, tmp_path, no_aws_credentials):
     """No connection and no AWS credentials in the api-server (as docs/services.md sets S3 up, for the workers):
     the runs and registry pages show "pipeline lake: storage unreachable: NoCredentialsError" where lake's rows
     would be, and ml's rows as usual; a connection that does not exist is named the same way."""
-    for variable in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL",
-                     "AWS_ENDPOINT_URL_S3", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
-        monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    storage._s3_session.cache_clear()  # no credentials another test's session found
-    try:
-        two_pipelines(tmp_path, {"storage_root": LAKE_ROOT})
-        client, token = airflow_api(None)
-        assert_degraded_in_place(client, token, "pipeline lake: storage unreachable: NoCredentialsError")
-        two_pipelines(tmp_path, {"storage_root": LAKE_ROOT, "storage_conn_id": "lake_gone"})
-        assert_degraded_in_place(client, token, "pipeline lake: storage connection 'lake_gone' does not exist")
-    finally:
-        storage._s3_session.cache_clear()
+    two_pipelines(tmp_path, {"storage_root": LAKE_ROOT})
+    client, token = airflow_api(None)
+    assert_degraded_in_place(client, token, "pipeline lake: storage unreachable: NoCredentialsError")
+    two_pipelines(tmp_path, {"storage_root": LAKE_ROOT, "storage_conn_id": "lake_gone"})
+    assert_degraded_in_place(client, token, "pipeline lake: storage connection 'lake_gone' does not exist")
 
 
 class FakeS3:

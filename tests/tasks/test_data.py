@@ -71,12 +71,11 @@ def test_demo_num_shards_splits_the_same_rows_into_that_many_files(write_config,
     assert len(files) == 2 and sum(pq.read_metadata(f).num_rows for f in files) == 1797
 
 
-def test_demo_all_skips_an_s3_pipeline_this_shell_cannot_reach(tmp_path, monkeypatch, capfd):
+def test_demo_all_skips_an_s3_pipeline_this_shell_cannot_reach(tmp_path, monkeypatch, capfd, no_aws_credentials):
     """`make up` runs `stagewise.data demo --all`: a pipeline on S3 with no credentials in the shell (its workers use
     its storage_conn_id) is named and skipped, and the local pipeline still gets its demo data."""
     import yaml
 
-    from stagewise.core import storage
     from tests.conftest import base_config
 
     folder = tmp_path / "pipelines"
@@ -86,16 +85,7 @@ def test_demo_all_skips_an_s3_pipeline_this_shell_cannot_reach(tmp_path, monkeyp
                                                       "storage_root": "s3://stagewise-demo-lake/team",
                                                       "storage_conn_id": "lake_s3"}))
     monkeypatch.setenv("STAGEWISE_PIPELINES", str(folder))
-    for variable in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    storage._s3_session.cache_clear()  # no credentials another test's session found
-    try:
-        main(["demo", "--all", "--num-shards", "1"])
-    finally:
-        storage._s3_session.cache_clear()
+    main(["demo", "--all", "--num-shards", "1"])
     assert len(list((tmp_path / "local_root" / "raw" / "digits").glob("*.parquet"))) == 1
     printed = "".join(capfd.readouterr())  # the CLI logs to the console
     assert "pipeline lake: no demo data written to its s3 storage (NoCredentialsError)" in printed, printed
