@@ -14,11 +14,12 @@ recorded as AdamW even while ``params["optimizer"]`` still says ``sgd``.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the record helpers below (ran_params, recipe_params) serve torch-free Airflow steps
+    import torch
 
-from stagewise.definitions.spec import ModelSpec, user_hook
+    from stagewise.definitions.spec import ModelSpec
 
 # Group keys that are no setting of the run: the tensors themselves, the lr the schedule moves each step (lr_scale
 # records the group's share of it) and torch's implementation switches.
@@ -44,6 +45,8 @@ def _plain(value: Any) -> Any:
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
+    import torch
+
     if isinstance(value, torch.Tensor):
         return _plain(value.item()) if value.numel() == 1 else f"tensor of shape {tuple(value.shape)}"
     if isinstance(value, (tuple, list)):
@@ -68,6 +71,8 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 def describe_schedule(spec: ModelSpec, schedule: Any, *, warmup_steps: int, total_steps: int) -> dict[str, Any]:
     """The schedule in force: the spec's own ``lr_schedule`` when it gives a factor (named by class and method), else
     ``schedule`` (the config's, stagewise.definitions.config.LRSchedule), with the warmup and the steps it spans."""
+    from stagewise.definitions.spec import user_hook
+
     with user_hook(spec, "lr_schedule"):
         own = spec.lr_schedule(0, max(total_steps, 1))
     span = {"warmup_steps": warmup_steps, "total_steps": total_steps}
