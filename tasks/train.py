@@ -21,7 +21,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stagewise.core import contract as env_contract
@@ -38,11 +38,12 @@ from stagewise.models.torch_io import load_torch, save_torch
 from stagewise.scripting.entrypoint import LAST_REPORT, contract_environment, entrypoint_args, run_script
 from stagewise.tracking.runs import Tracker
 from stagewise.training.batch_growth import adaptive_batch, handed_noise_scale
-from stagewise.training.checkpoint import CheckpointStore, restore_training_state
+from stagewise.training.checkpoint import checkpoint_store
 from stagewise.training.distributed import distributed_job
 from stagewise.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, stage_lr, start_loop
 from stagewise.training.recipe import ran_params, recipe_params, schedule_label, training_recipe
-from stagewise.training.selection import EpochSelection, cpu_copy
+from stagewise.training.selection import BestEpoch, EpochSelection
+from stagewise.training.strategy import out_of_memory_named
 
 log = logging.getLogger("stagewise.train")
 
@@ -172,6 +173,16 @@ def _fault_step(rank: int) -> int | None:
     return fault_step if fault_rank == rank else None
 
 
+# Stage keys added after checkpoints already recorded a stage's identity: left out at their defaults, so an upgrade
+# still resumes the checkpoints of a stage that does not use them.
+_LATER_KEYS = {"strategy": "ddp", "activation_checkpointing": False}
+
+
+def stage_identity(stage: Any) -> dict[str, Any]:
+    """The stage's settings as its checkpoints' config hash covers them."""
+    return {key: value for key, value in stage.model_dump().items() if _LATER_KEYS.get(key, object()) != value}
+
+
 # What a checkpoint records as its stage's start when no --init-from was given.
 SCRATCH = "scratch"
 
@@ -213,219 +224,258 @@ def refuse_other_start(stage_name: str, uri: str, state: dict[str, Any], source:
                     f"again from {named(source)}")
 
 
-def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str, Any], init_from: str | None) -> dict[str, Any]:
-    import torch
+def _batch_plan(config: PipelineConfig, stage: Any, env: Any, init_from: str | None) -> tuple[Any, Any, int, int, int]:
+    """(adaptive decision or None, the handed-on state it read or None, per-process batch, accumulation, global batch)."""
+    micro_batch, accumulation = stage.micro_batch(env.world_size), stage.grad_accum_steps
+    global_batch = stage.global_batch_for(env.world_size)
+    if not (init_from and config.train.batch_growth == "adaptive"):
+        return None, None, micro_batch, accumulation, global_batch
+    handed = load_torch(init_from)  # the stage before's handed-on checkpoint
+    assert config.train.max_global_batch is not None
+    noise_scale, why = handed_noise_scale(handed)
+    decision = adaptive_batch(noise_scale, global_batch, config.train.max_global_batch, env.world_size, micro_batch,
+                              no_measurement=why)
+    micro_batch, accumulation, global_batch = decision.per_process_batch, decision.grad_accum_steps, decision.global_batch
+    if env.master and decision.no_measurement is not None:
+        # Nothing grows: say so where an operator looks, not only in an INFO line.
+        log.warning("stage %s: batch_growth adaptive received no noise scale from the stage before, so it "
+                    "trains at its configured global batch %d (%d per process x %d x %d accumulation): %s",
+                    stage.name, global_batch, micro_batch, env.world_size, accumulation, decision.no_measurement)
+    elif env.master:
+        log.info("stage %s: adaptive global batch %d = %d per process x %d x %d accumulation (noise scale %.4g at the "
+                 "end of the stage before, clamped to [%d, %d])", stage.name, global_batch, micro_batch,
+                 env.world_size, accumulation, decision.noise_scale, decision.min_global_batch, decision.max_global_batch)
+    return decision, handed, micro_batch, accumulation, global_batch
 
+
+@dataclass
+class StageStart:
+    """Where a stage's training starts: fresh, resumed from its own checkpoint, or from the stage before's."""
+
+    position: Position = field(default_factory=Position)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    previous_batch: int | None = None
+    """The global batch of the stage before (None: from scratch): warmup when this one is larger."""
+    resumed_from: int | None = None
+    """The step this attempt resumed at (None: not resumed)."""
+    step_offset: int = 0
+    """Optimizer steps of the stages before this one: the tracked curve's x axis runs across stages."""
+    resumes: list[dict[str, Any]] = field(default_factory=list)
+    """Every resume of this stage, for the report's curve (rank 0 writes it)."""
+
+
+def _start(stage: Any, loop: Loop, checkpoints: Any, best: BestEpoch, digest: str, source: str,
+           init_from: str | None, handed: dict[str, Any] | None, global_batch: int) -> StageStart:
+    """Resume from the stage's newest matching checkpoint, else load the stage before's final state, else start fresh."""
+    strategy, model, optimizer = loop.strategy, loop.module, loop.optimizer
+    found = checkpoints.latest(into=lambda: strategy.training_state(model, optimizer),
+                               accept=lambda meta: meta.get("config_hash") == digest)
+    if found and found[1]["config_hash"] == digest:
+        uri, state = found
+        refuse_other_start(stage.name, uri, state, source)
+        strategy.load_training_state(model, optimizer, state)
+        position = Position(**json.loads(state["position"]))
+        best.restore(state.get("best_epoch_state"))
+        loop.load_scaler_state(state.get("grad_scaler") or {})
+        loop.load_noise_state(state.get("noise_scale") or {})  # the noise scale's curve goes on where it left off
+        log.info("stage %s resumes from %s: epoch %d, batch %d, step %d", stage.name, uri, position.epoch + 1,
+                 position.micro_step, position.step)
+        return StageStart(position=position, history=json.loads(state["history"]),
+                          previous_batch=state["previous_global_batch"], resumed_from=position.step,
+                          step_offset=state.get("global_step_offset", 0),
+                          resumes=[*json.loads(state.get("resumes", "[]")),
+                                   {"step": position.step, "epoch": position.epoch, "at": time.time()}])
+    if found:
+        log.warning("ignoring checkpoint %s: written under another config or world size", found[0])
+    if not init_from:
+        return StageStart()
+    state = handed if handed is not None else load_torch(init_from)
+    try:  # a full state, whatever strategy and world size wrote it: this stage's strategy takes its part
+        strategy.load_full_state(model, optimizer, state)
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise UserError(f"{init_from}: the previous stage's model does not fit this stage's: {exc}") from None
+    log.info("stage %s starts from %s (global batch %d -> %d)", stage.name, init_from, state["global_batch"], global_batch)
+    return StageStart(previous_batch=state["global_batch"],
+                      step_offset=state.get("global_step_offset", 0) + json.loads(state.get("position", "{}")).get("step", 0))
+
+
+def _stage_params(params: dict[str, Any], recipe: dict[str, Any], env: Any, config: PipelineConfig, stage: Any,
+                  decision: Any, sizes: dict[str, Any], begun: StageStart, source: str) -> dict[str, Any]:
+    """The stage's params as MLflow records them."""
+    return {**ran_params(params, recipe), "world_size": env.world_size, **sizes, "epochs": stage.epochs,
+            "lr_rule": config.train.lr_rule, "global_step_offset": begun.step_offset,
+            "batch_growth": config.train.batch_growth, "strategy": stage.strategy,
+            **({"noise_scale_before": decision.noise_scale} if decision else {}),
+            **({"adaptive_no_measurement": decision.no_measurement} if decision and decision.no_measurement else {}),
+            "init_from": source, **recipe_params(recipe)}
+
+
+def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str, Any], init_from: str | None) -> dict[str, Any]:
     stage = config.stage(stage_name)
     profile = config.profile(stage.profile)
-    start = init_source(init_from)
-    with distributed_job(profile.device, profile.threads_per_process) as env:
+    with distributed_job(profile.device, profile.threads_per_process) as env, out_of_memory_named(stage, env):
+        return _train_stage(config, stage, env, out, swept, init_from)
+
+
+def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: dict[str, Any],
+                 init_from: str | None) -> dict[str, Any]:
+    import torch
+
+    source = init_source(init_from)
+    if env.master:
+        warn_if_scratch(config, stage.name, out, init_from)
+    manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
+    decision, handed, micro_batch, accumulation, global_batch = _batch_plan(config, stage, env, init_from)
+    data_seed = config.train.seed + 7919 * (config.train.stages.index(stage) + 1)
+    train, validation = rank_batches(
+        manifest, env, batch_size=micro_batch, seed=data_seed,
+        too_few_rows=lambda rows: (f"stage {stage.name}: per-process batch {micro_batch} exceeds the ~{rows} train rows "
+                                   f"each of {env.world_size} rank(s) gets; lower the batch or the process count"),
+        placement=stage.data_placement, memory_fraction=stage.resident_memory_fraction,
+        shuffle_block_rows=stage.shuffle_block_rows)
+    torch.manual_seed(config.train.seed)
+    # Checked at each checkpoint step too, so no checkpoint is ever written from NaN weights.
+    built, loop = start_loop(config, manifest, env, swept, train, validation, seed=data_seed,
+                             grad_accum_steps=accumulation, check_every_steps=config.train.checkpoint_every_steps,
+                             precision=stage.precision, compile_mode=stage.compile,
+                             grad_clip_norm=stage.grad_clip_norm, tf32=stage.tf32, cuda_graph=stage.cuda_graph,
+                             noise_scale_every=config.train.noise_scale_every_steps if config.train.noise_scale else 0,
+                             strategy=stage.strategy, activation_checkpointing=stage.activation_checkpointing)
+    params, model, optimizer, strategy = built.params, loop.module, loop.optimizer, loop.strategy
+    digest = config_hash({**stage_identity(stage), **({"adaptive": asdict(decision)} if decision else {})}, params,
+                         env.world_size, config.train.seed)
+    prefix = storage.stage_prefix(out, stage.name)
+    checkpoints = checkpoint_store(prefix, config.train.keep_checkpoints, sharded=strategy.shards_state,
+                                   master=env.master)
+    best = BestEpoch(strategy, prefix, master=env.master)  # the best epoch's model and optimizer (hand_on best)
+    begun = _start(stage, loop, checkpoints, best, digest, source, init_from, handed, global_batch)
+    history, resumes, step_offset = begun.history, begun.resumes, begun.step_offset
+    lr = scaled_lr(params["lr"], global_batch, config.train.base_batch, config.train.lr_rule)
+    warmup = stage.warmup_steps if (begun.previous_batch is None or global_batch > begun.previous_batch) else 0
+    total_steps = sum(loop.steps_per_epoch(epoch) for epoch in range(stage.epochs))
+    lr_at = stage_lr(lr, warmup_steps=warmup, schedule=stage.lr_schedule, spec=built.spec, total_steps=total_steps,
+                     steps_per_epoch=loop.steps_per_epoch(0))
+    # What trains, read off the live optimizer (after any restore) and the schedule lr_at follows: every record keeps it.
+    recipe = training_recipe(optimizer, built.spec, stage.lr_schedule, warmup_steps=warmup, total_steps=total_steps)
+    stopping = stage.early_stopping
+    selection = EpochSelection(config.objective.direction, stopping.min_delta if stopping else 0.0,
+                               stopping.patience if stopping else None)
+    loop.position = begun.position
+    fault_step = _fault_step(env.rank) if begun.resumed_from is None else None
+    writes_checkpoints = env.master or strategy.shards_state  # sharded: every rank saves its own part
+
+    def state_now() -> dict[str, Any]:
+        return {**strategy.training_state(model, optimizer),
+                "position": json.dumps(asdict(loop.position)), "history": json.dumps(history),
+                "global_batch": global_batch, "previous_global_batch": begun.previous_batch, "config_hash": digest,
+                "params": json.dumps(params), "rng_cpu": torch.get_rng_state(), "resumes": json.dumps(resumes),
+                "best_epoch_state": best.record(), "grad_scaler": loop.scaler_state(),
+                "global_step_offset": step_offset, "noise_scale": loop.noise_state(), "init_source": source}
+
+    def on_step(current: Loop) -> None:
+        if fault_step is not None and current.position.step == fault_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if writes_checkpoints and current.position.step % config.train.checkpoint_every_steps == 0:
+            checkpoints.save(current.position.step, state_now())
+
+    log.info("stage %s: world size %d (%s), global batch %d (%d per process x %d x %d accumulation), lr %.4g "
+             "(%s rule, base batch %d), warmup %d steps, schedule %s, optimizer %s (%s, %d group(s)), %d epochs of "
+             "%s steps (%d in all), %d train rows", stage.name, env.world_size, strategy.describe(), global_batch,
+             micro_batch, env.world_size, accumulation, lr, config.train.lr_rule, config.train.base_batch, warmup,
+             schedule_label(recipe["lr_schedule"]), recipe["optimizer"]["type"], recipe["optimizer"]["source"],
+             len(recipe["optimizer"]["groups"]), stage.epochs, _step_range(loop, stage.epochs), total_steps,
+             train.num_rows)
+    sizes = {"global_batch": global_batch, "per_process_batch": micro_batch, "grad_accum_steps": accumulation,
+             "warmup_steps": warmup}
+    tracker = Tracker.for_run(config, out, f"train_{stage.name}") if env.master else None
+    if tracker is not None:
+        tracked = tracker.nested(f"stage-{stage.name}", f"train {stage.name}",
+                                 {"stagewise.kind": "stage", "stagewise.stage": stage.name},
+                                 _stage_params(params, recipe, env, config, stage, decision, {**sizes, "stage_lr": lr},
+                                               begun, source))
+    started, first_epoch, stopped_early = time.monotonic(), loop.position.epoch, False
+    guard = user_hook(built.spec, module=loop.module)
+    while loop.position.epoch < stage.epochs:
+        if selection.should_stop([entry["val_metric"] for entry in history]):
+            stopped_early = True
+            break
+        try:
+            with guard:  # a user's hook that raises is named (spec, hook, file:line) as a user error: no retry
+                result = loop.train_epoch(lr_at, on_step=on_step)
+        except UserError as exc:
+            if tracker is not None:
+                tracker.end(tracked, "FAILED")
+                tracker.close()
+            if isinstance(exc, Diverged):
+                raise UserError(f"stage {stage.name}: {exc}") from None
+            raise
+        history.append(asdict(result))
+        improved = selection.best_index([entry["val_metric"] for entry in history]) == len(history) - 1
+        if stage.hand_on == "best" and improved:
+            best.keep(result.epoch, model, optimizer)
         if env.master:
-            warn_if_scratch(config, stage_name, out, init_from)
-        manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
-        micro_batch, accumulation = stage.micro_batch(env.world_size), stage.grad_accum_steps
-        global_batch = stage.global_batch_for(env.world_size)
-        decision, handed = None, None
-        if init_from and config.train.batch_growth == "adaptive":  # from the stage before's handed-on checkpoint
-            handed = load_torch(init_from)
-            assert config.train.max_global_batch is not None
-            noise_scale, why = handed_noise_scale(handed)
-            decision = adaptive_batch(noise_scale, global_batch, config.train.max_global_batch,
-                                      env.world_size, micro_batch, no_measurement=why)
-            micro_batch, accumulation, global_batch = (decision.per_process_batch, decision.grad_accum_steps,
-                                                       decision.global_batch)
-            if env.master and decision.no_measurement is not None:
-                # Nothing grows: say so where an operator looks, not only in an INFO line.
-                log.warning("stage %s: batch_growth adaptive received no noise scale from the stage before, so it "
-                            "trains at its configured global batch %d (%d per process x %d x %d accumulation): %s",
-                            stage.name, global_batch, micro_batch, env.world_size, accumulation, decision.no_measurement)
-            elif env.master:
-                noise = f"{decision.noise_scale:.4g}"
-                log.info("stage %s: adaptive global batch %d = %d per process x %d x %d accumulation (noise scale %s at the "
-                         "end of the stage before, clamped to [%d, %d])", stage.name, global_batch, micro_batch,
-                         env.world_size, accumulation, noise, decision.min_global_batch, decision.max_global_batch)
-        data_seed = config.train.seed + 7919 * (config.train.stages.index(stage) + 1)
-        train, validation = rank_batches(
-            manifest, env, batch_size=micro_batch, seed=data_seed,
-            too_few_rows=lambda rows: (f"stage {stage.name}: per-process batch {micro_batch} exceeds the ~{rows} train rows "
-                                       f"each of {env.world_size} rank(s) gets; lower the batch or the process count"),
-            placement=stage.data_placement, memory_fraction=stage.resident_memory_fraction,
-            shuffle_block_rows=stage.shuffle_block_rows)
-        torch.manual_seed(config.train.seed)
-        # Checked at each checkpoint step too, so no checkpoint is ever written from NaN weights.
-        built, loop = start_loop(config, manifest, env, swept, train, validation, seed=data_seed,
-                                 grad_accum_steps=accumulation, check_every_steps=config.train.checkpoint_every_steps,
-                                 precision=stage.precision, compile_mode=stage.compile,
-                                 grad_clip_norm=stage.grad_clip_norm, tf32=stage.tf32, cuda_graph=stage.cuda_graph,
-                                 noise_scale_every=config.train.noise_scale_every_steps if config.train.noise_scale else 0)
-        params, model, optimizer = built.params, loop.module, loop.optimizer
-        digest = config_hash({**stage.model_dump(), **({"adaptive": asdict(decision)} if decision else {})}, params,
-                             env.world_size, config.train.seed)
-        prefix = storage.stage_prefix(out, stage.name)
-        checkpoints = CheckpointStore(prefix, keep_last=config.train.keep_checkpoints)
-
-        position, history, previous_batch, resumed_from = Position(), [], None, None
-        step_offset = 0  # optimizer steps of the stages before this one: the tracked curve's x axis runs across stages
-        best_state: dict[str, Any] | None = None  # rank 0's copy of the best epoch's model and optimizer (hand_on best)
-        resumes: list[dict[str, Any]] = []  # every resume of this stage, for the report's curve (rank 0 writes it)
-        found = checkpoints.latest()
-        if found and found[1]["config_hash"] == digest:
-            uri, state = found
-            refuse_other_start(stage.name, uri, state, start)
-            restore_training_state(model, optimizer, state, env.device)
-            position = Position(**json.loads(state["position"]))
-            history, previous_batch = json.loads(state["history"]), state["previous_global_batch"]
-            step_offset = state.get("global_step_offset", 0)
-            best_state = state.get("best_epoch_state") or None
-            loop.load_scaler_state(state.get("grad_scaler") or {})
-            loop.load_noise_state(state.get("noise_scale") or {})  # the noise scale's curve goes on where it left off
-            resumed_from = position.step
-            resumes = [*json.loads(state.get("resumes", "[]")),
-                       {"step": position.step, "epoch": position.epoch, "at": time.time()}]
-            log.info("stage %s resumes from %s: epoch %d, batch %d, step %d", stage.name, uri, position.epoch + 1,
-                     position.micro_step, position.step)
-        elif found:
-            log.warning("ignoring checkpoint %s: written under another config or world size", found[0])
-        if resumed_from is None and init_from:
-            state = handed if handed is not None else load_torch(init_from)
-            try:
-                restore_training_state(model, optimizer, state, env.device)
-            except (RuntimeError, ValueError) as exc:
-                raise UserError(f"{init_from}: the previous stage's model does not fit this stage's: {exc}") from None
-            previous_batch = state["global_batch"]
-            step_offset = state.get("global_step_offset", 0) + json.loads(state.get("position", "{}")).get("step", 0)
-            log.info("stage %s starts from %s (global batch %d -> %d)", stage.name, init_from, previous_batch, global_batch)
-
-        lr = scaled_lr(params["lr"], global_batch, config.train.base_batch, config.train.lr_rule)
-        warmup = stage.warmup_steps if (previous_batch is None or global_batch > previous_batch) else 0
-        total_steps = sum(loop.steps_per_epoch(epoch) for epoch in range(stage.epochs))
-        lr_at = stage_lr(lr, warmup_steps=warmup, schedule=stage.lr_schedule, spec=built.spec, total_steps=total_steps,
-                         steps_per_epoch=loop.steps_per_epoch(0))
-        # What trains, read off the live optimizer (after any restore) and the schedule lr_at follows: every record keeps it.
-        recipe = training_recipe(optimizer, built.spec, stage.lr_schedule, warmup_steps=warmup, total_steps=total_steps)
-        stopping = stage.early_stopping
-        selection = EpochSelection(config.objective.direction, stopping.min_delta if stopping else 0.0,
-                                   stopping.patience if stopping else None)
-        loop.position = position
-        fault_step = _fault_step(env.rank) if resumed_from is None else None
-
-        def state_now() -> dict[str, Any]:
-            return {"model": loop.module.state_dict(), "optimizer": optimizer.state_dict(),
-                    "position": json.dumps(asdict(loop.position)), "history": json.dumps(history),
-                    "global_batch": global_batch, "previous_global_batch": previous_batch, "config_hash": digest,
-                    "params": json.dumps(params), "rng_cpu": torch.get_rng_state(), "resumes": json.dumps(resumes),
-                    "best_epoch_state": best_state or {}, "grad_scaler": loop.scaler_state(),
-                    "global_step_offset": step_offset, "noise_scale": loop.noise_state(), "init_source": start}
-
-        def on_step(current: Loop) -> None:
-            if fault_step is not None and current.position.step == fault_step:
-                os.kill(os.getpid(), signal.SIGKILL)
-            if env.master and current.position.step % config.train.checkpoint_every_steps == 0:
-                checkpoints.save(current.position.step, state_now())
-
-        log.info("stage %s: world size %d, global batch %d (%d per process x %d x %d accumulation), lr %.4g "
-                 "(%s rule, base batch %d), warmup %d steps, schedule %s, optimizer %s (%s, %d group(s)), %d epochs of "
-                 "%s steps (%d in all), %d train rows",
-                 stage.name, env.world_size, global_batch, micro_batch, env.world_size, accumulation, lr,
-                 config.train.lr_rule, config.train.base_batch, warmup, schedule_label(recipe["lr_schedule"]),
-                 recipe["optimizer"]["type"], recipe["optimizer"]["source"], len(recipe["optimizer"]["groups"]),
-                 stage.epochs, _step_range(loop, stage.epochs), total_steps, train.num_rows)
-        tracker = Tracker.for_run(config, out, f"train_{stage.name}") if env.master else None
-        if tracker is not None:
-            tracked = tracker.nested(f"stage-{stage.name}", f"train {stage.name}",
-                                     {"stagewise.kind": "stage", "stagewise.stage": stage.name},
-                                     {**ran_params(params, recipe), "world_size": env.world_size, "global_batch": global_batch,
-                                      "per_process_batch": micro_batch, "grad_accum_steps": accumulation,
-                                      "stage_lr": lr, "warmup_steps": warmup, "epochs": stage.epochs,
-                                      "lr_rule": config.train.lr_rule, "global_step_offset": step_offset,
-                                      "batch_growth": config.train.batch_growth,
-                                      **({"noise_scale_before": decision.noise_scale} if decision else {}),
-                                      **({"adaptive_no_measurement": decision.no_measurement}
-                                         if decision and decision.no_measurement else {}),
-                                      "init_from": start, **recipe_params(recipe)})
-        started, first_epoch, stopped_early = time.monotonic(), loop.position.epoch, False
-        guard = user_hook(built.spec, module=loop.module)
-        while loop.position.epoch < stage.epochs:
-            if selection.should_stop([entry["val_metric"] for entry in history]):
-                stopped_early = True
-                break
-            try:
-                with guard:  # a user's hook that raises is named (spec, hook, file:line) as a user error: no retry
-                    result = loop.train_epoch(lr_at, on_step=on_step)
-            except UserError as exc:
-                if tracker is not None:
-                    tracker.end(tracked, "FAILED")
-                    tracker.close()
-                if isinstance(exc, Diverged):
-                    raise UserError(f"stage {stage.name}: {exc}") from None
-                raise
-            history.append(asdict(result))
-            improved = selection.best_index([entry["val_metric"] for entry in history]) == len(history) - 1
-            if env.master and stage.hand_on == "best" and improved:
-                best_state = {"model": cpu_copy(loop.module.state_dict()), "optimizer": cpu_copy(optimizer.state_dict())}
-            if env.master:
-                done = result.epoch + 1
-                clipped = "" if result.grad_norm is None else f", grad norm {result.grad_norm:.3g} (clip {stage.grad_clip_norm:g})"
-                noise = "" if result.noise_scale is None else f", noise scale {result.noise_scale:.4g}"
-                log.info("stage %s epoch %d/%d: loss %.4f, val_%s %.4f%s, %.0f samples/s, lr %.4g%s%s, step %d, ETA %.0fs",
-                         stage.name, done, stage.epochs, result.train_loss, config.objective.metric, result.val_metric,
-                         " (best so far)" if improved else "", result.samples_per_s, result.lr, clipped, noise,
-                         result.steps, eta_s(done - first_epoch, stage.epochs - first_epoch, time.monotonic() - started))
-                storage.write_json(storage.join(prefix, "metrics.json"), {"stage": stage.name, "history": history, "resumes": resumes,
-                                                                          **recipe, "complete": False})
-                if tracker is not None:  # queued: the next epoch starts while a background thread sends it
-                    tracker.log(tracked, step=step_offset + result.steps, metrics={
-                        "loss": result.train_loss, f"val_{config.objective.metric}": result.val_metric,
-                        "samples_per_s": result.samples_per_s, "lr": result.lr, "epoch": done,
-                        **({"grad_norm": result.grad_norm} if result.grad_norm is not None else {}),
-                        **({"noise_scale": result.noise_scale} if result.noise_scale is not None else {})})
-        values = [entry["val_metric"] for entry in history]
-        best_index = selection.best_index(values)
-        handed = best_index if stage.hand_on == "best" and best_index is not None else len(history) - 1
-        if env.master and best_state is None:  # resumed from a checkpoint older than the best-epoch copy
-            handed = len(history) - 1
-        if env.master and stopped_early:
-            log.info("stage %s stops early after epoch %d: val_%s has not improved by more than %g for %d epochs",
-                     stage.name, len(history), config.objective.metric, selection.min_delta, selection.patience)
-        if env.master and handed != len(history) - 1:
-            log.info("stage %s hands on epoch %d (val_%s %.4f), its best; the last, epoch %d, had %.4f", stage.name,
-                     handed + 1, config.objective.metric, values[handed], len(history), values[-1])
-        final = history[handed] if history else {"val_metric": float("nan"), "val_metrics": {}}
-        final_uri = storage.join(prefix, "final.pt")
-        result_info = {"stage": stage.name, "world_size": env.world_size, "global_batch": global_batch,
-                       "per_process_batch": micro_batch, "grad_accum_steps": accumulation, "lr": lr,
-                       "warmup_steps": warmup, "epochs": stage.epochs, "val_metric": final["val_metric"],
-                       "val_metrics": final["val_metrics"], "objective": config.objective.metric,
-                       "steps": loop.position.step, "resumed_from_step": resumed_from, "checkpoint_uri": final_uri,
-                       "hand_on": stage.hand_on, "handed_epoch": handed + 1 if history else None,
-                       "epochs_run": len(history), "stopped_early": stopped_early,
-                       **recipe, "init_from": start, "grad_clip_norm": stage.grad_clip_norm,
-                       "noise_scale": history[-1].get("noise_scale") if history else None,
-                       "batch_decision": asdict(decision) if decision else None, "params": params,
-                       "step_graph": {"captured": bool(loop.step_graph and loop.step_graph.captured),
-                                      "replays": loop.step_graph.replays if loop.step_graph else 0,
-                                      "why": loop.graph_reason}}
-        if env.master:
-            if loop.position.step != resumed_from:
-                checkpoints.save(loop.position.step, state_now())  # a re-run of a finished stage retrains nothing
-            handed_state = state_now()
-            if handed != len(history) - 1 and best_state:  # the best epoch's weights and optimizer go on
-                handed_state.update(model=best_state["model"], optimizer=best_state["optimizer"])
-                loop.module.load_state_dict(best_state["model"])
-            save_torch(final_uri, handed_state)
-            model_uri = storage.join(prefix, "model.pt")
-            save_bundle(model_uri, loop.module.cpu(), built.ref, built.data, params, preprocessing_of(manifest),
-                        {"stage": stage.name, "objective": config.objective.metric, "val_metric": final["val_metric"],
-                         "val_metrics": final["val_metrics"]})
-            storage.write_json(storage.join(prefix, "metrics.json"),
-                               {**result_info, "params": params, "history": history, "resumes": resumes, "complete": True})
-            result_info["model_uri"] = model_uri
-        if tracker is not None:
-            tracker.log(tracked, tags={"stagewise.handed_epoch": result_info["handed_epoch"],
-                                       "stagewise.stopped_early": stopped_early, "stagewise.steps": loop.position.step})
-            tracker.end(tracked, "FINISHED")
-            tracker.close()
-        return result_info
+            done = result.epoch + 1
+            clipped = "" if result.grad_norm is None else f", grad norm {result.grad_norm:.3g} (clip {stage.grad_clip_norm:g})"
+            noise = "" if result.noise_scale is None else f", noise scale {result.noise_scale:.4g}"
+            log.info("stage %s epoch %d/%d: loss %.4f, val_%s %.4f%s, %.0f samples/s, lr %.4g%s%s, step %d, ETA %.0fs",
+                     stage.name, done, stage.epochs, result.train_loss, config.objective.metric, result.val_metric,
+                     " (best so far)" if improved else "", result.samples_per_s, result.lr, clipped, noise,
+                     result.steps, eta_s(done - first_epoch, stage.epochs - first_epoch, time.monotonic() - started))
+            storage.write_json(storage.join(prefix, "metrics.json"), {"stage": stage.name, "history": history, "resumes": resumes,
+                                                                      **recipe, "complete": False})
+            if tracker is not None:  # queued: the next epoch starts while a background thread sends it
+                tracker.log(tracked, step=step_offset + result.steps, metrics={
+                    "loss": result.train_loss, f"val_{config.objective.metric}": result.val_metric,
+                    "samples_per_s": result.samples_per_s, "lr": result.lr, "epoch": done,
+                    **({"grad_norm": result.grad_norm} if result.grad_norm is not None else {}),
+                    **({"noise_scale": result.noise_scale} if result.noise_scale is not None else {})})
+    values = [entry["val_metric"] for entry in history]
+    best_index = selection.best_index(values)
+    handed_index = best_index if stage.hand_on == "best" and best_index is not None else len(history) - 1
+    if not best.available:  # resumed from a checkpoint older than the best-epoch copy
+        handed_index = len(history) - 1
+    if env.master and stopped_early:
+        log.info("stage %s stops early after epoch %d: val_%s has not improved by more than %g for %d epochs",
+                 stage.name, len(history), config.objective.metric, selection.min_delta, selection.patience)
+    if env.master and handed_index != len(history) - 1:
+        log.info("stage %s hands on epoch %d (val_%s %.4f), its best; the last, epoch %d, had %.4f", stage.name,
+                 handed_index + 1, config.objective.metric, values[handed_index], len(history), values[-1])
+    final = history[handed_index] if history else {"val_metric": float("nan"), "val_metrics": {}}
+    final_uri = storage.join(prefix, "final.pt")
+    result_info = {"stage": stage.name, "world_size": env.world_size, "strategy": stage.strategy, **sizes,
+                   "lr": lr, "epochs": stage.epochs, "val_metric": final["val_metric"],
+                   "val_metrics": final["val_metrics"], "objective": config.objective.metric,
+                   "steps": loop.position.step, "resumed_from_step": begun.resumed_from, "checkpoint_uri": final_uri,
+                   "hand_on": stage.hand_on, "handed_epoch": handed_index + 1 if history else None,
+                   "epochs_run": len(history), "stopped_early": stopped_early,
+                   **recipe, "init_from": source, "grad_clip_norm": stage.grad_clip_norm,
+                   "noise_scale": history[-1].get("noise_scale") if history else None,
+                   "batch_decision": asdict(decision) if decision else None, "params": params,
+                   "step_graph": {"captured": bool(loop.step_graph and loop.step_graph.captured),
+                                  "replays": loop.step_graph.replays if loop.step_graph else 0,
+                                  "why": loop.graph_reason}}
+    if writes_checkpoints and loop.position.step != begun.resumed_from:
+        checkpoints.save(loop.position.step, state_now())  # a re-run of a finished stage retrains nothing
+    plain = {key: value for key, value in state_now().items() if key not in ("model", "optimizer")}
+    if handed_index != len(history) - 1:  # the best epoch's weights and optimizer go on
+        best.load_into(model, optimizer)
+    handed_state = {**plain, **strategy.full_state(model, optimizer)}  # every rank gathers; rank 0 holds it
+    if env.master:
+        save_torch(final_uri, handed_state)
+        model_uri = storage.join(prefix, "model.pt")
+        save_bundle(model_uri, handed_state["model"], built.ref, built.data, params, preprocessing_of(manifest),
+                    {"stage": stage.name, "objective": config.objective.metric, "val_metric": final["val_metric"],
+                     "val_metrics": final["val_metrics"]})
+        storage.write_json(storage.join(prefix, "metrics.json"),
+                           {**result_info, "params": params, "history": history, "resumes": resumes, "complete": True})
+        result_info["model_uri"] = model_uri
+    if tracker is not None:
+        tracker.log(tracked, tags={"stagewise.handed_epoch": result_info["handed_epoch"],
+                                   "stagewise.stopped_early": stopped_early, "stagewise.steps": loop.position.step})
+        tracker.end(tracked, "FINISHED")
+        tracker.close()
+    strategy.close()
+    return result_info
 
 
 def run_script_stage(config: PipelineConfig, config_file: str, stage_name: str, out: str, swept: dict[str, Any],

@@ -539,7 +539,8 @@ class EarlyStopping(_Strict):
 
 # The built-in loop's knobs: a stage that runs the user's own script never gets them, so it may not change their defaults.
 BUILT_IN_LOOP_KNOBS = ("lr_schedule", "grad_clip_norm", "hand_on", "early_stopping", "precision", "data_placement",
-                       "resident_memory_fraction", "shuffle_block_rows", "compile", "tf32", "cuda_graph")
+                       "resident_memory_fraction", "shuffle_block_rows", "compile", "tf32", "cuda_graph", "strategy",
+                       "activation_checkpointing")
 
 
 class TrainStage(_Strict):
@@ -574,6 +575,11 @@ class TrainStage(_Strict):
         "Capture the training step (forward, loss, backward, clipping) as a CUDA graph and replay it: auto and on do "
         "where it is safe (one process on CUDA, a spec with static_shapes, fp32/bf16, no accumulation, compile off; "
         "otherwise eager, logged why: a WARNING for on); off: always eager."))
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description=(
+        "ddp: a full copy of parameters, gradients and optimizer state per rank; fsdp: all three sharded over the "
+        "stage's ranks (FSDP2, sharded checkpoints), for models that do not fit one device (docs/stages.md)."))
+    activation_checkpointing: bool = Field(False, description=(
+        "fsdp: recompute each unit's activations in its backward instead of keeping them (less memory, ~1/3 more compute)."))
     lr_schedule: LRSchedule = Field(default_factory=LRSchedule, description=(
         "The lr after warmup (a spec's lr_schedule() replaces it); the batch rescale and warmup apply on top."))
     grad_clip_norm: float | None = Field(None, gt=0, description=(
@@ -593,6 +599,17 @@ class TrainStage(_Strict):
         if self.cuda_graph == "on" and self.compile != "off":
             raise ValueError(f"cuda_graph: 'on' captures the eager step; compile '{self.compile}' runs the forward through "
                              "torch.compile instead (reduce-overhead makes its own CUDA graphs): set one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _fsdp_knobs(self) -> TrainStage:
+        if self.strategy == "fsdp" and self.precision == "fp16":
+            raise ValueError("strategy fsdp with precision fp16: the fp16 gradient scaler would decide on each rank's "
+                             "shard alone; use precision bf16 (or fp32)")
+        if self.strategy == "fsdp" and self.compile != "off":
+            raise ValueError(f"strategy fsdp with compile '{self.compile}': fsdp stages run eagerly; set compile: off")
+        if self.activation_checkpointing and self.strategy != "fsdp":
+            raise ValueError("activation_checkpointing checkpoints each fsdp unit: set strategy: fsdp, or drop it")
         return self
 
     @model_validator(mode="after")

@@ -128,6 +128,12 @@ class ModelSpec:
         None (the default): the stage's ``lr_schedule`` from the config."""
         return None
 
+    def shard_units(self, module: nn.Module) -> list[nn.Module] | None:
+        """The sub-modules an ``fsdp`` stage shards as units (e.g. each transformer block): each is all-gathered for its
+        own forward and backward only, so the largest unit bounds what a rank holds unsharded. None (the default): every
+        direct child of ``module`` that holds parameters. The module itself is always the last unit."""
+        return None
+
     def batch(self, features: torch.Tensor | Features, labels: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """(inputs, targets) from a batch of rows: ``features`` is (rows, num_features) float32, or :class:`Features`
         (by column, variable-length ones padded with a mask) when the data declares typed columns; ``labels`` the label column."""
@@ -224,7 +230,7 @@ class SpecRef:
 
 # --- a user's error, named once ----------------------------------------------------------------------------------------
 
-HOOKS = ("prepare", "build", "optimizer", "lr_schedule", "batch", "loss", "metrics", "predict")
+HOOKS = ("prepare", "build", "optimizer", "lr_schedule", "shard_units", "batch", "loss", "metrics", "predict")
 """The spec's methods the framework calls; ``forward`` (the built module's call) is the one hook that is not a method."""
 
 

@@ -43,11 +43,13 @@ class Bundle:
     """The version id of the bytes it was loaded from (a registered model's is checked against its folder's)."""
 
 
-def save_bundle(uri: str, model: nn.Module, ref: SpecRef, data: DataInfo, params: dict[str, Any],
+def save_bundle(uri: str, model: nn.Module | dict[str, Any], ref: SpecRef, data: DataInfo, params: dict[str, Any],
                 preprocessing: dict[str, Any], extra: dict[str, Any]) -> None:
-    """Write the model as its spec reference, hyperparameters, data description, weights and normalisation."""
+    """Write the model (a module, or its full state dict) as its spec reference, hyperparameters, data description,
+    weights and normalisation."""
+    weights = model if isinstance(model, dict) else model.state_dict()
     save_torch(uri, {"format": BUNDLE_FORMAT, "spec": {"path": ref.path, "args": ref.args}, "params": params,
-                     "data": asdict(data), "state_dict": model.state_dict(), "preprocessing": preprocessing,
+                     "data": asdict(data), "state_dict": weights, "preprocessing": preprocessing,
                      "extra": extra})
 
 

@@ -9,6 +9,7 @@ Files hold tensors and plain values only and load with ``torch.load(weights_only
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,8 +52,10 @@ class CheckpointStore:
         for uri in self._listed()[: -self.keep_last]:
             fs.rm_file(storage.filesystem(uri)[1])
 
-    def latest(self) -> tuple[str, dict[str, Any]] | None:
-        """The newest checkpoint that loads: the pointer's, else the newest readable file."""
+    def latest(self, into: Callable[[], dict[str, Any]] | None = None,
+               accept: Callable[[dict[str, Any]], bool] | None = None) -> tuple[str, dict[str, Any]] | None:
+        """The newest checkpoint that loads: the pointer's, else the newest readable file (whole: ``into`` and
+        ``accept`` serve the sharded store)."""
         candidates = []
         if storage.exists(self.pointer):
             try:
@@ -79,3 +82,103 @@ def restore_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, s
     model.to(device)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+
+
+class ShardedCheckpointStore(CheckpointStore):
+    """Checkpoints of a stage whose ranks each hold a shard of the state (strategy fsdp).
+
+    Every rank writes its own shard with torch.distributed.checkpoint into ``checkpoints/step-000000123.dcp/`` (nothing is
+    gathered); DCP's coordinator writes the directory's ``.metadata`` once every shard is in; then rank 0 writes
+    ``meta.pt`` (the plain values: position, history, rng, ...) and last moves ``latest.json``. A directory without
+    ``meta.pt`` is a torn save and is never read. Loading reshards to the loading ranks (DCP's planner).
+    """
+
+    SHARDED_KEYS = ("model", "optimizer")
+    META = "meta.pt"
+
+    def __init__(self, stage_prefix: str, keep_last: int = 2, *, master: bool, folder: str = "checkpoints") -> None:
+        super().__init__(stage_prefix, keep_last)
+        self.prefix = storage.join(stage_prefix, folder)
+        self.pointer = storage.join(self.prefix, "latest.json")
+        self.master = master
+
+    def path_for(self, step: int) -> str:
+        return storage.join(self.prefix, f"step-{step:09d}.dcp")
+
+    def save(self, step: int, state: dict[str, Any]) -> str:
+        """Collective: every rank calls it with its own shards under ``model`` and ``optimizer``."""
+        import torch.distributed.checkpoint as dcp
+
+        uri = self.path_for(step)
+        dcp.save({key: state[key] for key in self.SHARDED_KEYS}, storage_writer=dcp_writer(uri))
+        if self.master:  # dcp.save has returned on rank 0 only after the metadata of every shard is written
+            save_torch(storage.join(uri, self.META), {key: value for key, value in state.items() if key not in self.SHARDED_KEYS})
+            storage.write_json(self.pointer, {"uri": uri, "step": step})
+            self._prune()
+        return uri
+
+    def _listed(self) -> list[str]:
+        fs, path = storage.filesystem(self.prefix)
+        if not fs.isdir(path):
+            return []
+        found = sorted(p for p in fs.glob(path + "/step-*.dcp") if fs.exists(f"{p}/{self.META}"))
+        return [fs.unstrip_protocol(p) if "://" in self.prefix else p for p in found]
+
+    def _prune(self) -> None:
+        fs, _ = storage.filesystem(self.prefix)
+        for uri in self._listed()[: -self.keep_last]:
+            fs.rm(storage.filesystem(uri)[1], recursive=True)
+
+    def latest(self, into: Callable[[], dict[str, Any]] | None = None,
+               accept: Callable[[dict[str, Any]], bool] | None = None) -> tuple[str, dict[str, Any]] | None:
+        """Collective: the newest complete checkpoint, its shards loaded into ``into()``'s state dicts (this rank's
+        ``model`` and ``optimizer``, loaded in place) and its plain values beside them; one whose plain values
+        ``accept`` refuses comes back with those only (nothing loaded)."""
+        import torch.distributed.checkpoint as dcp
+
+        candidates = []
+        if storage.exists(self.pointer):
+            try:
+                candidates.append(storage.read_json(self.pointer)["uri"])
+            except (DataError, KeyError, TypeError) as exc:
+                log.warning("ignoring unreadable checkpoint pointer %s: %s", self.pointer, exc)
+        candidates += [uri for uri in reversed(self._listed()) if uri not in candidates]
+        for uri in candidates:
+            try:
+                meta = load_torch(storage.join(uri, self.META))
+            except Exception as exc:  # a torn save (no meta.pt yet) or a foreign folder: an older one may load
+                log.warning("skipping unreadable checkpoint %s: %s", uri, exc)
+                continue
+            if into is None or (accept is not None and not accept(meta)):
+                return uri, meta
+            shards = into()
+            dcp.load(shards, storage_reader=dcp_reader(uri))
+            return uri, {**meta, **shards}
+        return None
+
+
+def dcp_writer(uri: str) -> Any:
+    if "://" in uri and not uri.startswith("file://"):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # torch's own, not re-exported
+
+        return FsspecWriter(uri, **storage.filesystem(uri)[0].storage_options)
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    return FileSystemWriter(uri.removeprefix("file://"))
+
+
+def dcp_reader(uri: str) -> Any:
+    if "://" in uri and not uri.startswith("file://"):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(uri, **storage.filesystem(uri)[0].storage_options)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(uri.removeprefix("file://"))
+
+
+def checkpoint_store(stage_prefix: str, keep_last: int, *, sharded: bool, master: bool) -> CheckpointStore:
+    """The stage's checkpoint store: whole files from rank 0, or every rank's shard (``sharded``, strategy fsdp)."""
+    if sharded:
+        return ShardedCheckpointStore(stage_prefix, keep_last, master=master)
+    return CheckpointStore(stage_prefix, keep_last)

@@ -37,6 +37,7 @@ from stagewise.training.noise_scale import (
 )
 from stagewise.training.recipe import mark_source
 from stagewise.training.step_graph import WARMUP_STEPS, CaptureFailed, StepGraph, StepOutputs, graph_plan, set_tf32
+from stagewise.training.strategy import DDPStrategy, Strategy, make_strategy
 
 Batches = ParquetBatches | DeviceBatches
 
@@ -182,7 +183,8 @@ class Loop:
                  train: Batches, validation: Batches, spec: ModelSpec, objective: str = "accuracy",
                  grad_accum_steps: int = 1, seed: int = 0, check_every_steps: int | None = None,
                  precision: str = "fp32", compile_mode: str = "off", grad_clip_norm: float | None = None,
-                 noise_scale_every: int = 0, tf32: bool = True, cuda_graph: str = "off") -> None:
+                 noise_scale_every: int = 0, tf32: bool = True, cuda_graph: str = "off",
+                 strategy: Strategy | None = None) -> None:
         """``check_every_steps``: also check for divergence after every this many optimizer steps (besides each
         epoch's end); give the checkpoint interval so no checkpoint is ever written from NaN weights.
         ``precision`` fp32, bf16 or fp16 (autocast around forward and loss; fp16 adds a gradient scaler, whose state
@@ -195,26 +197,25 @@ class Loop:
         second forward and backward, are spaced out to ``SPLIT_SPACING`` x this after the first 10 measurements.
         ``tf32``: TensorFloat-32 float32 matmuls and convolutions on a CUDA device (process-wide; nothing on CPU).
         ``cuda_graph`` auto, on or off: capture the step as a CUDA graph where stagewise.training.step_graph.graph_plan
-        allows it (the reason is logged once, a WARNING when ``on`` cannot)."""
+        allows it (the reason is logged once, a WARNING when ``on`` cannot).
+        ``strategy``: how the model spreads over the ranks (stagewise.training.strategy; None: ddp); an fsdp module
+        comes prepared (sharded) already, as its optimizer must see the sharded parameters."""
         self.env = env
+        self.strategy = strategy if strategy is not None else DDPStrategy(env)
         self.module = model.to(env.device)
-        self.model: nn.Module = self.module
-        self.ddp: nn.Module | None = None
-        if env.distributed:
-            from torch.nn.parallel import DistributedDataParallel
-
-            self.ddp = DistributedDataParallel(self.module, device_ids=[env.local_rank] if env.device != "cpu" else None)
-            self.model = self.ddp
+        self.model: nn.Module = self.strategy.wrap(self.module)
         self.noise_every = noise_scale_every
         self.noise: NoiseScale | None = None
-        # One rank without accumulation measures with a second forward and backward: spaced out once the EMA is filled.
-        self._halves_spaced = noise_scale_every > 0 and self.ddp is None and grad_accum_steps == 1
+        # Measured across ranks where each rank sees its own gradient (DDP's no_sync); else within each rank's batch.
+        across_ranks = self.strategy.local_gradients
+        # Within a batch without accumulation, a second forward and backward: spaced out once the EMA is filled.
+        self._halves_spaced = noise_scale_every > 0 and not across_ranks and grad_accum_steps == 1
         if noise_scale_every > 0:
             interval = noise_scale_every * (SPLIT_SPACING if self._halves_spaced else 1)
             measured_per_epoch = math.ceil(train.steps_per_epoch(0) / grad_accum_steps) / interval
             self.noise = NoiseScale(env.device, beta=epoch_beta(measured_per_epoch))
-        self._measured_all_reduce = MeasuredAllReduce() if self.noise is not None and self.ddp is not None else None
-        self._split_measure = self.noise is not None and self.ddp is None  # one rank: two batch sizes within a step
+        self._measured_all_reduce = MeasuredAllReduce() if self.noise is not None and across_ranks else None
+        self._split_measure = self.noise is not None and not across_ranks  # two batch sizes within a step
         self._parts: PartNorms | None = None  # a measured step's parts so far (one rank)
         self._step_samples = 0
         self.device_type = torch.device(env.device).type
@@ -228,7 +229,7 @@ class Loop:
         if compile_mode not in COMPILE_MODES:
             raise UserError(f"compile '{compile_mode}' is not one of {', '.join(COMPILE_MODES)}")
         if compile_mode != "off":
-            # The DDP wrapper is compiled (not the module inside) so DDP's graph breaks at its buckets apply.
+            # The DDP wrapper is compiled (not the module inside) so DDP's graph breaks at its buckets apply (fsdp refuses compile).
             self.model = torch.compile(self.model, mode=None if compile_mode == "default" else compile_mode)
         # CUDA graphs: each compiled forward starts a new generation of replays (cudagraph_mark_step_begin, where this
         # torch has it), and gradients that several backwards of one step add up live in buffers made outside the graphs.
@@ -265,7 +266,7 @@ class Loop:
         self.tf32 = tf32
         capture, self.graph_reason = graph_plan(cuda_graph, device=env.device, world_size=env.world_size, spec=spec,
                                                 grad_accum_steps=grad_accum_steps, precision=precision,
-                                                compile_mode=compile_mode)
+                                                compile_mode=compile_mode, strategy=self.strategy.name)
         self.step_graph = StepGraph(self._graph_body, self._trainable, env.device) if capture else None
         if env.master and cuda_graph != "off":
             if capture:
@@ -339,7 +340,7 @@ class Loop:
             else:
                 if graph is not None:
                     graph.release_grads()
-                sync = self.ddp.no_sync() if (self.ddp is not None and (not boundary or measured)) else contextlib.nullcontext()
+                sync = self.strategy.no_sync() if (not boundary or measured) else contextlib.nullcontext()
                 with sync:
                     if split_measured:
                         loss = self._measured_backward(inputs, targets)
@@ -378,8 +379,8 @@ class Loop:
                     if self.grad_clip_norm is not None:
                         if self.scaler is not None:
                             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-                        # After DDP's all-reduce every rank holds the same gradients, so the same norm and the same clip.
-                        self._pending_norm.add_(nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip_norm))
+                        # Averaged gradients (or their shards, the norm reduced over them): every rank clips alike.
+                        self._pending_norm.add_(self.strategy.clip(self._trainable, self.grad_clip_norm))
                         self._pending_norm_steps += 1
                     if self.scaler is not None:
                         # Reads the overflow flag on the host (found_inf.item()): fp16's one sync per step, by design.
@@ -478,7 +479,7 @@ class Loop:
     def _grad_sq(self) -> torch.Tensor:
         """Σ |p.grad|² now, unscaled from fp16's loss scale, as a float64 device scalar (no host sync)."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        squared = torch.nn.utils.get_total_norm(grads).double().square()
+        squared = self.strategy.grad_norm(grads).double().square()
         return squared / self.scaler._scale.double().square() if self.scaler is not None else squared
 
     def _allocate_grads(self) -> None:
@@ -514,7 +515,8 @@ class Loop:
         if self._graphs:
             self._allocate_grads()
         loss = self._backward(inputs, targets, weight)
-        self._parts.add(self._grad_sq(), len(targets), weight)
+        # The part's gradient averages the ranks' parts where the strategy reduces each backward (fsdp): that many rows.
+        self._parts.add(self._grad_sq(), len(targets) * self.strategy.gradient_ranks, weight)
         into, added = [], []
         for parameter, grad in zip(self._trainable, kept):
             if grad is None:
@@ -570,7 +572,7 @@ class Loop:
         """Fold the losses since the last check into the position; raise :class:`Diverged` when a loss or a
         weight is NaN/inf on any rank (every rank reaches the same verdict, so none is left waiting)."""
         self._fold_losses()
-        weights_bad = torch.stack([~torch.isfinite(p).all() for p in self.module.parameters()]).any()
+        weights_bad = torch.stack([~torch.isfinite(self.strategy.local(p)).all() for p in self.module.parameters()]).any()
         loss_sum, norm_sum, first_micro, weights_bad_here = torch.stack([
             self._pending_loss, self._pending_norm, self._first_bad_micro.double(), weights_bad.double()]).tolist()
         first_micro = int(first_micro)  # 2**62 and every micro-step count are exact in float64
@@ -610,6 +612,14 @@ class Loop:
         """This rank's (total, count, root) of every validation metric, ``loss`` included."""
         self.module.eval()
         sums = accumulate_metrics(self.spec, self.module, self.validation_data.epoch(0), self.env.device)
+        # A sharded module's forward all-gathers: a rank with fewer validation batches runs as many, on one row.
+        extra = self.strategy.forwards_to_match(self.validation_data.steps_per_epoch(0))
+        if extra:
+            features, labels = next(iter(self.validation_data.epoch(0) if self.validation_data.steps_per_epoch(0)
+                                         else self.train_data.epoch(0)))
+            inputs, _ = batch_of(self.spec, features[:1].to(self.env.device), labels[:1].to(self.env.device))
+            for _ in range(extra):
+                self.module(inputs)
         self.module.train()
         return sums
 
@@ -720,15 +730,21 @@ def rank_batches(manifest: dict[str, Any], env: DistEnv, *, batch_size: int, see
 def start_loop(config: Any, manifest: dict[str, Any], env: DistEnv, swept: dict[str, Any], train: Batches,
                validation: Batches, *, seed: int, grad_accum_steps: int = 1, check_every_steps: int | None = None,
                precision: str = "fp32", compile_mode: str = "off", grad_clip_norm: float | None = None,
-               noise_scale_every: int = 0, tf32: bool = True, cuda_graph: str = "off") -> tuple[BuiltModel, Loop]:
+               noise_scale_every: int = 0, tf32: bool = True, cuda_graph: str = "off", strategy: str = "ddp",
+               activation_checkpointing: bool = False) -> tuple[BuiltModel, Loop]:
     """The one setup of a sweep trial and a training stage: the config's model built with these hyperparameters, on the
-    rank's device, its optimizer, and the loop over the rank's batches (seed the RNG first for a reproducible init)."""
+    rank's device, spread over the ranks by ``strategy`` (ddp, fsdp), its optimizer, and the loop over the rank's
+    batches (seed the RNG first for a reproducible init)."""
     built = model_for_run(config, manifest, swept)
     model = built.module.to(env.device)  # before the optimizer exists or loads state: its buffers follow the params
+    spread = make_strategy(strategy, env, spec=built.spec, precision=precision,
+                           activation_checkpointing=activation_checkpointing)
+    spread.prepare(model)  # fsdp shards in place: the optimizer must see the sharded parameters
     loop = Loop(model=model, optimizer=make_optimizer(model, built.params, built.spec), env=env, train=train, validation=validation,
                 spec=built.spec, objective=config.objective.metric, grad_accum_steps=grad_accum_steps, seed=seed,
                 check_every_steps=check_every_steps, precision=precision, compile_mode=compile_mode,
-                grad_clip_norm=grad_clip_norm, noise_scale_every=noise_scale_every, tf32=tf32, cuda_graph=cuda_graph)
+                grad_clip_norm=grad_clip_norm, noise_scale_every=noise_scale_every, tf32=tf32, cuda_graph=cuda_graph,
+                strategy=spread)
     loop.index_hint = lambda records: index_error_hint(manifest, records.detach().cpu().numpy())
     return built, loop
 

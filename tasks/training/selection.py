@@ -61,3 +61,54 @@ def cpu_copy(state: Any) -> Any:
     if isinstance(state, list | tuple):
         return type(state)(cpu_copy(value) for value in state)
     return state
+
+
+class BestEpoch:
+    """The best epoch's model and optimizer, kept for ``hand_on: best``: a CPU copy on rank 0 where each rank holds the
+    whole state (ddp), a sharded checkpoint of its own under ``best/`` where each holds a shard (fsdp: a full copy
+    would not fit). Its :meth:`record` goes into each checkpoint, so a resume hands on the same epoch."""
+
+    def __init__(self, strategy: Any, stage_prefix: str, *, master: bool) -> None:
+        from stagewise.training.checkpoint import ShardedCheckpointStore
+
+        self.strategy, self.master = strategy, master
+        self.state: dict[str, Any] | None = None
+        self.store = (ShardedCheckpointStore(stage_prefix, keep_last=1, master=master, folder="best")
+                      if strategy.shards_state else None)
+
+    @property
+    def available(self) -> bool:
+        """Whether a best epoch is kept here (False on ranks that keep none, and after a resume from an older format)."""
+        return self.state is not None
+
+    def keep(self, epoch: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """This epoch is the best so far: keep its state (every rank calls it)."""
+        if self.store is not None:
+            self.state = {"uri": self.store.save(epoch, self.strategy.training_state(module, optimizer))}
+        elif self.master:
+            self.state = {"model": cpu_copy(module.state_dict()), "optimizer": cpu_copy(optimizer.state_dict())}
+
+    def record(self) -> dict[str, Any]:
+        return self.state or {}
+
+    def restore(self, recorded: dict[str, Any] | None) -> None:
+        """Take a checkpoint's record back (rank 0's copy, or the sharded checkpoint's URI)."""
+        self.state = recorded or None
+        if self.state is not None and self.store is None and not self.master:
+            self.state = None
+
+    def load_into(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Put the best epoch's weights and optimizer state into the live ones (every rank calls it)."""
+        if self.state is None:
+            return
+        if self.store is not None:
+            import torch.distributed.checkpoint as dcp
+
+            from stagewise.training.checkpoint import dcp_reader
+
+            shards = self.strategy.training_state(module, optimizer)
+            dcp.load(shards, storage_reader=dcp_reader(self.state["uri"]))
+            self.strategy.load_training_state(module, optimizer, shards)
+        else:
+            module.load_state_dict(self.state["model"])
+            optimizer.load_state_dict(self.state["optimizer"])

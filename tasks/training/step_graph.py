@@ -67,7 +67,7 @@ def static_shapes(spec: Any) -> tuple[bool, str]:
 
 
 def graph_plan(setting: str, *, device: Any, world_size: int, spec: Any, grad_accum_steps: int, precision: str,
-               compile_mode: str) -> tuple[bool, str]:
+               compile_mode: str, strategy: str = "ddp") -> tuple[bool, str]:
     """(capture the training step as a CUDA graph?, why) for a stage's ``cuda_graph`` setting: ``auto`` and ``on``
     capture where it is safe, i.e. one process on CUDA, a spec with static shapes, fp32 or bf16, one micro-batch per
     optimizer step and compile off; ``off`` never does. The reason names the first condition that fails."""
@@ -79,6 +79,8 @@ def graph_plan(setting: str, *, device: Any, world_size: int, spec: Any, grad_ac
         return False, f"device {device} is not a CUDA device"
     if compile_mode != "off":
         return False, f"compile {compile_mode} runs the forward through torch.compile instead"
+    if strategy != "ddp":
+        return False, f"strategy {strategy}: each unit's all-gather and reduce-scatter run inside the step"
     if world_size > 1:
         return False, f"{world_size} processes: DDP's all-reduce runs inside the backward, so only one process captures"
     shapes_static, why = static_shapes(spec)
