@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from tests import run_cache
 from tests.conftest import base_config, preprocess_digits
