@@ -459,9 +459,10 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
     plain = {key: value for key, value in state_now().items() if key not in ("model", "optimizer")}
     if handed_index != len(history) - 1:  # the best epoch's weights and optimizer go on
         best.load_into(model, optimizer)
-    handed_state = {**plain, **strategy.full_state(model, optimizer)}  # every rank gathers; rank 0 holds it
+    handed_state = {**plain, **strategy.full_state(model, optimizer, prefix)}  # every rank takes part; rank 0 holds it
     if env.master:
         save_torch(final_uri, handed_state)
+        strategy.committed(prefix, handed_state)
         model_uri = storage.join(prefix, "model.pt")
         save_bundle(model_uri, handed_state["model"], built.ref, built.data, params, preprocessing_of(manifest),
                     {"stage": stage.name, "objective": config.objective.metric, "val_metric": final["val_metric"],

@@ -126,17 +126,28 @@ class DDPStrategy:
         self.load_full_state(module, optimizer, state)
 
     def load_full_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Load a full state (``model`` by name, ``optimizer`` numbered: a stage's final.pt, whatever its strategy)."""
-        restore_training_state(module, optimizer, state, self.env.device)
+        """Load a stage's final.pt, whatever strategy and world size wrote it: ``model`` full by name, ``optimizer``
+        numbered or (after an fsdp stage) a reference to its sharded checkpoint (:func:`sharded_optimizer_uri`)."""
+        uri = sharded_optimizer_uri(state)
+        if uri is None:
+            restore_training_state(module, optimizer, state, self.env.device)
+            return
+        module.to(self.env.device)
+        module.load_state_dict(state["model"])
+        load_sharded_optimizer(module, optimizer, uri)
 
-    def full_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The full model and optimizer state for the next stage and the bundle, on the CPU of rank 0 (every rank must
-        call it; others get an empty dict)."""
+    def full_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, stage_prefix: str) -> dict[str, Any]:
+        """The model and optimizer state for the next stage and the bundle, on the CPU of rank 0 (every rank must call
+        it; others get an empty dict): the model full; the optimizer full, or where it is sharded a reference to a
+        sharded checkpoint of it written under ``stage_prefix``."""
         if not self.env.master:
             return {}
         from stagewise.training.selection import cpu_copy
 
         return cpu_copy(self.training_state(module, optimizer))
+
+    def committed(self, stage_prefix: str, handed: dict[str, Any]) -> None:
+        """Rank 0, once final.pt holding ``handed`` is written: drop what earlier attempts left for it (nothing here)."""
 
     def describe(self) -> str:
         """The strategy in a few words for the stage's first log line."""
@@ -258,22 +269,48 @@ class FSDPStrategy(DDPStrategy):
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     def load_full_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         # Every rank read the file: each keeps its own shard of each tensor (another world size or strategy reshards).
-        set_state_dict(module, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state_by_name(module, optimizer, state["optimizer"]),
-                       options=StateDictOptions(full_state_dict=True))
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(module, state["model"], options=full)
+        uri = sharded_optimizer_uri(state)
+        if uri is not None:
+            load_sharded_optimizer(module, optimizer, uri)
+        else:
+            set_optimizer_state_dict(module, optimizer, state_by_name(module, optimizer, state["optimizer"]), options=full)
 
-    def full_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    def full_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, stage_prefix: str) -> dict[str, Any]:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        # Gathered a tensor at a time into rank 0's CPU memory: never a second full copy on any device.
-        model_state, optimizer_state = get_state_dict(
-            module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        from stagewise.core import storage
+        from stagewise.training.checkpoint import dcp_writer
+
+        # The optimizer state stays sharded (a name of its own each attempt: final.pt, written after it, commits it);
+        # the model is gathered a tensor at a time into rank 0's CPU memory, never a second full copy on a device.
+        names = [f"final-optimizer-{storage.unique_token()}.dcp"]
+        dist.broadcast_object_list(names, src=0)
+        uri = storage.join(stage_prefix, names[0])
+        dcp.save({"optimizer": self.training_state(module, optimizer)["optimizer"]}, storage_writer=dcp_writer(uri))
+        model_state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.env.master:
             return {}
-        return {"model": model_state, "optimizer": state_by_number(module, optimizer, optimizer_state)}
+        return {"model": model_state, "optimizer": {SHARDED_OPTIMIZER: uri}}
+
+    def committed(self, stage_prefix: str, handed: dict[str, Any]) -> None:
+        from stagewise.core import storage
+
+        keep = sharded_optimizer_uri(handed)
+        fs, path = storage.filesystem(stage_prefix)
+        for stale in fs.glob(path + "/final-optimizer-*.dcp"):
+            if keep is None or not keep.rstrip("/").endswith("/" + stale.rstrip("/").rsplit("/", 1)[-1]):
+                fs.rm(stale, recursive=True)
 
     def describe(self) -> str:
         extras = [f"{self.units} units", *(["bf16 parameters, fp32 reduction"] if self.precision == "bf16" else []),
@@ -314,6 +351,29 @@ def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer, strategy: S
     return {"parameters": size(parameters), "gradients": size(p.grad for p in parameters if p.grad is not None),
             "optimizer": size(value for entry in optimizer.state.values() for value in entry.values())}
 
+
+
+# final.pt's ``optimizer`` after an fsdp stage: {SHARDED_OPTIMIZER: the URI of its sharded checkpoint}.
+SHARDED_OPTIMIZER = "sharded_checkpoint"
+
+
+def sharded_optimizer_uri(state: dict[str, Any]) -> str | None:
+    """The sharded checkpoint holding a final.pt's optimizer state (an fsdp stage's), or None (the state is inline)."""
+    optimizer = state.get("optimizer")
+    return optimizer.get(SHARDED_OPTIMIZER) if isinstance(optimizer, dict) else None
+
+
+def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
+    """Load an optimizer state from a sharded checkpoint into ``optimizer`` over ``module`` (plain, DDP's or sharded:
+    DCP reads each rank's part of each tensor, whatever world size wrote it). Every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from stagewise.training.checkpoint import dcp_reader
+
+    target = {"optimizer": get_optimizer_state_dict(module, optimizer)}
+    dcp.load(target, storage_reader=dcp_reader(uri))
+    set_optimizer_state_dict(module, optimizer, target["optimizer"])
 
 
 def out_of_memory(exc: BaseException) -> bool:

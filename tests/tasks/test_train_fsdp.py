@@ -77,8 +77,11 @@ def test_ddp_then_fsdp_on_two_then_four_ranks_hands_on_full_states(sharded_run, 
     plain = dict(bundle.module.state_dict())
     assert set(final["model"]) == set(plain) and all(torch.equal(final["model"][k], plain[k]) for k in plain)
     assert all(isinstance(tensor, torch.Tensor) and type(tensor) is torch.Tensor for tensor in final["model"].values())
-    # The optimizer state is numbered as Optimizer.state_dict() numbers it: a ddp stage's load_state_dict reads it.
-    assert sorted(final["optimizer"]["state"]) == list(range(len(plain)))
+    # The optimizer state is never gathered: final.pt names the sharded checkpoint holding it (one of its own).
+    kept = Path(final["optimizer"]["sharded_checkpoint"])
+    assert kept.parent == stage_dir and kept.name.startswith("final-optimizer-")
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {path.name for path in kept.iterdir()}
+    assert len(list(stage_dir.glob("final-optimizer-*"))) == 1
     assert final["global_batch"] == 128
 
     third = torchrun(4, config, out, subprocess_env, "--stage", "s3", *params, "--init-from", second["checkpoint_uri"],
