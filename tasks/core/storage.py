@@ -17,13 +17,14 @@ import contextvars
 import fcntl
 import functools
 import hashlib
+import io
 import json
 import logging
 import os
 import re
 import uuid
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
 
 import fsspec
 import fsspec.asyn
@@ -230,13 +231,29 @@ def write_bytes(uri: str, data: bytes) -> None:
         fs.pipe_file(path, data)
 
 
-def _write_local(path: str, data: bytes) -> None:
-    """Write a local file beside its target and rename it into place."""
+def write_with(uri: str, write: Callable[[BinaryIO], None]) -> None:
+    """Like write_bytes, with ``write(handle)`` making the bytes: a local file streams them to disk (no copy of them
+    in memory: a large model's state is written as it is serialised); other storages get them in one PUT."""
+    fs, path = filesystem(uri)
+    with writing(uri):
+        if isinstance(fs, LocalFileSystem):
+            _write_local(path, write)
+            return
+        buffer = io.BytesIO()
+        write(buffer)
+        fs.pipe_file(path, buffer.getvalue())
+
+
+def _write_local(path: str, data: bytes | Callable[[BinaryIO], None]) -> None:
+    """Write a local file (``data``, or what ``data(handle)`` writes) beside its target and rename it into place."""
     os.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     tmp = f"{path}.tmp-{unique_token()}"
     try:
         with open(tmp, "wb") as handle:
-            handle.write(data)
+            if callable(data):
+                data(handle)
+            else:
+                handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

@@ -276,8 +276,11 @@ class user_hook:  # noqa: N801 - used as a context manager, like contextlib's
 
 
 def not_the_users(exc: BaseException) -> bool:
-    """Out of memory and failed collectives (a peer died) are the machine's, wherever they surface: retried."""
-    if isinstance(exc, torch.OutOfMemoryError):
+    """Out of memory and failed collectives (a peer died) are the machine's, wherever they surface: not the hook's
+    (a training stage names an allocation that failed itself: stagewise.training.strategy.out_of_memory_named)."""
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return True
+    if isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc):  # the CPU allocator's
         return True
     import torch.distributed as dist
 

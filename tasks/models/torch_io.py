@@ -13,10 +13,9 @@ from stagewise.models.versions import check_registered
 
 
 def save_torch(uri: str, payload: dict[str, Any]) -> None:
-    """Serialise and write atomically: a crash mid-write never leaves a torn file visible."""
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    storage.write_bytes(uri, buffer.getvalue())
+    """Serialise and write atomically: a crash mid-write never leaves a torn file visible (a local file is written
+    as it is serialised, never whole in memory twice)."""
+    storage.write_with(uri, lambda handle: torch.save(payload, handle))
 
 
 def read_checked(uri: str) -> tuple[bytes, str]:

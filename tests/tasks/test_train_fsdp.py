@@ -124,3 +124,53 @@ def test_killed_fsdp_rank_resumes_from_its_sharded_checkpoint_exactly(digits_run
     clean_model = torch.load(Path(reference_out, "train", "s2", "final.pt"), weights_only=True)["model"]
     for name, tensor in clean_model.items():
         torch.testing.assert_close(resumed_model[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+# A 50M-parameter MLP (48 hidden layers of 1024) with AdamW: ~16 bytes a parameter per ddp rank (weights, gradients,
+# two moments, DDP's gradient buckets) against ~8 / world per fsdp rank; measured peaks here: ddp ~1350 MB a rank,
+# fsdp ~850 MB (rank 0, which gathers the full model at the end), both with ~350 MB of torch and gloo.
+MEMORY_CAP_MB = 1100
+BIG_MODEL = ("--params", json.dumps({"lr": 0.0005, "hidden": 1024, "optimizer": "adamw"}),
+             "--override=model.spec=tests.specs:DeepMLP", '--override=model.args={"extra": 48}',
+             "--override=train.stages.1.epochs=1", "--override=train.checkpoint_every_steps=1000000",
+             "--override=train.noise_scale=false")
+
+
+def capped(limit_bytes: int):
+    """A preexec_fn capping the process's (and its children's) data segment: what malloc may map."""
+
+    def cap() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, limit_bytes))
+
+    return cap
+
+
+def test_a_model_that_overflows_a_ddp_rank_trains_sharded_under_the_same_memory_cap(digits_run, subprocess_env, tmp_path):
+    """Under a per-process memory cap, the ddp stage fails at once on every rank with a user error naming memory and
+    strategy fsdp; the same stage with strategy fsdp trains to the end under the same cap."""
+    config, out = digits_run
+    error_file = tmp_path / "errors.txt"
+    # Heap accounting that counts what is used: glibc's fixed mmap threshold and one arena, Arrow on malloc (its
+    # own pools reserve address space they never touch).
+    env = {**subprocess_env, "STAGEWISE_ERROR_FILE": str(error_file), "MALLOC_ARENA_MAX": "1",
+           "MALLOC_MMAP_THRESHOLD_": "65536", "ARROW_DEFAULT_MEMORY_POOL": "system"}
+
+    def stage(strategy: str, result: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                   "stagewise.train", "--config", str(config), "--out", out, "--stage", "s2", *BIG_MODEL,
+                   f"--override=train.stages.1.strategy={strategy}", "--result-file", str(Path(out) / result)]
+        return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+                              preexec_fn=capped(MEMORY_CAP_MB * 2**20))
+
+    replicated = stage("ddp", "ddp.json")
+    assert replicated.returncode != 0
+    messages = error_file.read_text().splitlines()
+    assert messages and all("ran out of memory" in m and "strategy: fsdp" in m for m in messages), messages
+    assert not (Path(out) / "train" / "s2" / "final.pt").exists()
+
+    sharded = stage("fsdp", "fsdp.json")
+    assert sharded.returncode == 0, sharded.stdout[-3000:] + sharded.stderr[-3000:]
+    result = json.loads((Path(out) / "fsdp.json").read_text())
+    assert result["strategy"] == "fsdp" and result["steps"] > 0 and (Path(out) / "train" / "s2" / "model.pt").exists()
