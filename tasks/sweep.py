@@ -225,13 +225,14 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
                     error = f"suggesting params failed: {type(exc).__name__}: {exc}"[:500]
             suggested, error = _broadcast(env, (suggested, error))
             value, state, steps, rows_seen, passes = float("nan"), "FAIL" if error else "COMPLETE", 0, 0, 0
-            tracked, lrs = None, []
+            tracked, lrs, loop = None, [], None
             trial_params = {**(suggested or {}), "batch_size": sweep.batch_size, "world_size": env.world_size,
                             "budget": sweep.budget}
             if not error:
                 try:
                     torch.manual_seed(sweep.seed + (trial.number if trial else 0))
-                    built, loop = start_loop(config, manifest, env, suggested, train, validation, seed=sweep.seed)
+                    built, loop = start_loop(config, manifest, env, suggested, train, validation, seed=sweep.seed,
+                                             strategy=sweep.strategy)
                     params, trial_started, reading = built.params, time.monotonic(), reports[0].passes[0]
                     # The spec's own schedule over the trial's own steps, as a stage runs it over its own (no warmup: a
                     # trial's batch never grew); without one, the trial's lr stays constant.
@@ -283,6 +284,9 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
                         state, error = "FAIL", f"took 0 optimizer steps (sweep.batch_size {sweep.batch_size})"
                 except Exception as exc:  # a failing or diverging objective is recorded and the sweep goes on
                     state, error = "FAIL", failure(exc)
+                finally:
+                    if loop is not None:  # an fsdp trial in one process releases its group of one
+                        loop.strategy.close()
             if tracker is not None and tracked is None:  # failed before its recipe was known
                 tracked = tracker.nested(f"trial-{trial.number}", f"trial {trial.number}",
                                          trial_tags(name, trial.number, worker), trial_params)

@@ -403,6 +403,8 @@ class Sweep(_Strict):
     num_workers: int = Field(2, ge=1, le=64, description="Parallel worker tasks sharing the study (at most 64).")
     epochs: int = Field(8, ge=1, le=1000, description="Max epochs of one trial (Hyperband's max resource); at most 1000.")
     batch_size: int = Field(32, ge=1, le=MAX_BATCH, description="Per-process batch size inside a trial (at most 16777216).")
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description=(
+        "How a trial spreads its model over the profile's processes: ddp (a copy each) or fsdp (sharded, as a stage's)."))
     storage: str = Field(
         "",
         description=("Optuna storage: journal://<file> (embedded; a relative file is under storage_root) or "

@@ -140,7 +140,8 @@ def test_every_trigger_form_opens_with_only_truly_required_fields_empty():
     source_uri (no sensible default) must be filled."""
     flagged = {(dag_id, name) for dag_id, params in _dag_params().items()
                for name in params if _form_flags_as_missing(params.get_param(name))}
-    assert flagged == {(f"{name}_ingest", "source_uri") for name in ("ml", "digits_cnn", "diabetes", "ddp_tutorial", "token_transformer")}
+    assert flagged == {(f"{name}_ingest", "source_uri") for name in ("ml", "digits_cnn", "diabetes", "ddp_tutorial", "token_transformer",
+                                                                              "decoder")}
 
 
 def test_number_params_state_their_bounds_in_the_description():

@@ -174,3 +174,29 @@ def test_a_model_that_overflows_a_ddp_rank_trains_sharded_under_the_same_memory_
     assert sharded.returncode == 0, sharded.stdout[-3000:] + sharded.stderr[-3000:]
     result = json.loads((Path(out) / "fsdp.json").read_text())
     assert result["strategy"] == "fsdp" and result["steps"] > 0 and (Path(out) / "train" / "s2" / "model.pt").exists()
+
+
+def test_the_decoder_example_trains_sharded_after_a_replicated_stage(storage_root, subprocess_env):
+    """examples/decoder.yaml as shipped (storage moved to the test's): its s1 (ddp, 1 process) hands the decoder to its
+    s2 (fsdp, 2 processes, one unit a block), which trains on from it and leaves a model evaluation loads."""
+    import yaml
+
+    from stagewise.models.bundle import load_bundle
+
+    raw = yaml.safe_load((REPO_ROOT / "examples" / "decoder.yaml").read_text())
+    raw["storage_root"] = str(storage_root)
+    raw["train"]["stages"][0]["epochs"], raw["train"]["stages"][1]["epochs"] = 2, 1
+    config = storage_root.parent / "decoder.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    out = str(storage_root / "runs" / "test" / "decoder")
+    preprocess_digits(config, out)  # writes the config's demo data: here the token sequences
+    params = ("--params", json.dumps({"lr": 0.002}))
+    first = torchrun(1, config, out, subprocess_env, "--stage", "s1", *params, result="s1.json").result
+    second_run = torchrun(2, config, out, subprocess_env, "--stage", "s2", *params, "--init-from",
+                          first["checkpoint_uri"], result="s2.json")
+    second = second_run.result
+    layers = raw["train"]["default_params"]["layers"]
+    assert f"fsdp over 2 rank(s): {layers + 2} units" in second_run.stdout + second_run.stderr, "a unit a block"
+    assert second["strategy"] == "fsdp" and second["val_metric"] >= first["val_metric"] - 0.05
+    bundle = load_bundle(second["model_uri"])
+    assert len(bundle.module.blocks) == layers
