@@ -54,7 +54,9 @@ def worker(strategy_name: str) -> None:
     from stagewise.training.loop import make_optimizer
     from stagewise.training.strategy import make_strategy, state_bytes
 
-    with distributed_job("auto", threads=1) as env:
+    # A GPU a rank where there are enough (one-GPU machines measure on the CPU: the bytes held are the same).
+    device = "cuda" if torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) else "cpu"
+    with distributed_job(device, threads=1) as env:
         torch.manual_seed(0)
         module = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)]).to(env.device)
         strategy = make_strategy(strategy_name, env, spec=ModelSpec())

@@ -653,7 +653,8 @@ class Train(_Strict):
         "Measure the gradient noise scale B_simple in every stage (epoch log, report, training chart)."))
     noise_scale_every_steps: int = Field(8, ge=1, le=MAX_STEPS, description=(
         "Measure it on one optimizer step in this many (at most 10^9): a measurement costs a few passes over the "
-        "gradients."))
+        "gradients; one process without accumulation (a second forward and backward) spaces them 4x as far apart after "
+        "its first 10."))
     batch_growth: Literal["fixed", "adaptive"] = Field("fixed", description=(
         "fixed: the batches the stages give; adaptive: each stage after the first takes the noise scale measured at the "
         "end of the stage before as its global batch, clamped between its own configured global batch and max_global_batch (its "

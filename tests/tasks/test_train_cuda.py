@@ -363,3 +363,23 @@ def test_a_step_that_cannot_be_captured_falls_back_to_eager_and_trains(digits_ru
     assert not outcome["graph"] and outcome["reason"].startswith("the capture failed"), outcome
     assert outcome["val"] > 0.9 and outcome["steps"] > 0
     assert done.stderr.count("the CUDA graph capture failed") == 1, done.stderr[-3000:]
+
+
+def test_a_sharded_bf16_stage_trains_on_one_gpu_and_hands_on_a_full_model(digits_run, single_process):
+    """strategy fsdp on one GPU (NCCL, a group of one), bf16 parameters with fp32 reduction, clipped, from s1's model:
+    trains, checkpoints its shard, hands on a full fp32 model, and its peak device memory is recorded."""
+    from stagewise.models.bundle import load_bundle
+
+    config_path, out = digits_run
+    config = load_config(config_path, ONE_GPU)
+    first = train.run_stage(config, "s1", out, PARAMS, None)
+    sharded = load_config(config_path, {**ONE_GPU, "train.stages.1.strategy": "fsdp", "train.stages.1.precision": "bf16",
+                                        "train.stages.1.grad_clip_norm": 1.0})
+    torch.cuda.reset_peak_memory_stats()
+    second = train.run_stage(sharded, "s2", out, PARAMS, first["checkpoint_uri"])
+    assert second["strategy"] == "fsdp" and second["val_metric"] > 0.9 and second["steps"] > 0
+    bundle = load_bundle(second["model_uri"])
+    assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in bundle.module.state_dict().values())
+    assert Path(out, "train", "s2", "checkpoints", "latest.json").exists()
+    print(f"fsdp bf16 one GPU: {second['val_metric']:.4f} val accuracy, peak "
+          f"{torch.cuda.max_memory_allocated() / 2**20:.1f} MiB allocated")
