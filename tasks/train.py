@@ -346,7 +346,7 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
                          env.world_size, config.train.seed)
     prefix = storage.stage_prefix(out, stage.name)
     checkpoints = checkpoint_store(prefix, config.train.keep_checkpoints, sharded=strategy.shards_state,
-                                   master=env.master)
+                                   master=env.master, background=config.train.async_checkpoints)
     best = BestEpoch(strategy, prefix, master=env.master)  # the best epoch's model and optimizer (hand_on best)
     begun = _start(stage, loop, checkpoints, best, digest, source, init_from, handed, global_batch)
     history, resumes, step_offset = begun.history, begun.resumes, begun.step_offset
@@ -377,6 +377,8 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
             os.kill(os.getpid(), signal.SIGKILL)
         if writes_checkpoints and current.position.step % config.train.checkpoint_every_steps == 0:
             checkpoints.save(current.position.step, state_now())
+        else:
+            checkpoints.poll()  # a background save that has finished commits
 
     log.info("stage %s: world size %d (%s), global batch %d (%d per process x %d x %d accumulation), lr %.4g "
              "(%s rule, base batch %d), warmup %d steps, schedule %s, optimizer %s (%s, %d group(s)), %d epochs of "
@@ -456,6 +458,7 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
                                   "why": loop.graph_reason}}
     if writes_checkpoints and loop.position.step != begun.resumed_from:
         checkpoints.save(loop.position.step, state_now())  # a re-run of a finished stage retrains nothing
+    checkpoints.wait()
     plain = {key: value for key, value in state_now().items() if key not in ("model", "optimizer")}
     if handed_index != len(history) - 1:  # the best epoch's weights and optimizer go on
         best.load_into(model, optimizer)

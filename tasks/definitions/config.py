@@ -649,6 +649,9 @@ class Train(_Strict):
         "Rank 0 checkpoints every this many optimizer steps (a retry redoes at most these; at most "
         "10^9)."))
     keep_checkpoints: int = Field(2, ge=1, le=1000, description="Checkpoints kept per stage (older ones are deleted); at most 1000.")
+    async_checkpoints: bool = Field(False, description=(
+        "fsdp stages: write each sharded checkpoint in a background thread while training goes on (DCP async_save); "
+        "it commits (meta.pt, then latest.json) once every shard is written."))
     noise_scale: bool = Field(True, description=(
         "Measure the gradient noise scale B_simple in every stage (epoch log, report, training chart)."))
     noise_scale_every_steps: int = Field(8, ge=1, le=MAX_STEPS, description=(

@@ -33,6 +33,12 @@ class CheckpointStore:
     def path_for(self, step: int) -> str:
         return storage.join(self.prefix, f"step-{step:09d}.pt")
 
+    def poll(self) -> None:
+        """Commit a save written in the background (none here: rank 0 writes each file before it returns)."""
+
+    def wait(self) -> None:
+        """Wait for a save in flight (none here)."""
+
     def save(self, step: int, state: dict[str, Any]) -> str:
         uri = self.path_for(step)
         save_torch(uri, state)
@@ -96,11 +102,17 @@ class ShardedCheckpointStore(CheckpointStore):
     SHARDED_KEYS = ("model", "optimizer")
     META = "meta.pt"
 
-    def __init__(self, stage_prefix: str, keep_last: int = 2, *, master: bool, folder: str = "checkpoints") -> None:
+    def __init__(self, stage_prefix: str, keep_last: int = 2, *, master: bool, folder: str = "checkpoints",
+                 background: bool = False) -> None:
+        """``background``: each save is staged (copied off the training tensors) and written by a background thread
+        (DCP's async_save, over a gloo group of its own) while training goes on; it commits when written."""
         super().__init__(stage_prefix, keep_last)
         self.prefix = storage.join(stage_prefix, folder)
         self.pointer = storage.join(self.prefix, "latest.json")
         self.master = master
+        self.background = background
+        self._pending: tuple[Any, str, int, dict[str, Any]] | None = None  # (future, uri, step, plain values)
+        self._group: Any = None
 
     def path_for(self, step: int) -> str:
         return storage.join(self.prefix, f"step-{step:09d}.dcp")
@@ -110,12 +122,43 @@ class ShardedCheckpointStore(CheckpointStore):
         import torch.distributed.checkpoint as dcp
 
         uri = self.path_for(step)
-        dcp.save({key: state[key] for key in self.SHARDED_KEYS}, storage_writer=dcp_writer(uri))
-        if self.master:  # dcp.save has returned on rank 0 only after the metadata of every shard is written
-            save_torch(storage.join(uri, self.META), {key: value for key, value in state.items() if key not in self.SHARDED_KEYS})
+        shards = {key: state[key] for key in self.SHARDED_KEYS}
+        plain = {key: value for key, value in state.items() if key not in self.SHARDED_KEYS}
+        if not self.background:
+            dcp.save(shards, storage_writer=dcp_writer(uri))
+            self._commit(uri, step, plain)  # dcp.save returns on rank 0 once the metadata of every shard is written
+            return uri
+        self.wait()  # one save in flight at a time: the one before commits first
+        self._pending = (dcp.async_save(shards, storage_writer=dcp_writer(uri), process_group=self._checkpoint_group()),
+                         uri, step, plain)
+        return uri
+
+    def _checkpoint_group(self) -> Any:
+        import torch.distributed as dist
+
+        if self._group is None and dist.is_initialized():  # the writer's collectives never interleave the training's
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def poll(self) -> None:
+        """Commit a background save that has finished (cheap: call it every step)."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the background save in flight, if any, and commit it (every rank calls it)."""
+        if self._pending is None:
+            return
+        future, uri, step, plain = self._pending
+        self._pending = None
+        future.result()
+        self._commit(uri, step, plain)
+
+    def _commit(self, uri: str, step: int, plain: dict[str, Any]) -> None:
+        if self.master:  # meta.pt marks the folder whole; the pointer moves last
+            save_torch(storage.join(uri, self.META), plain)
             storage.write_json(self.pointer, {"uri": uri, "step": step})
             self._prune()
-        return uri
 
     def _listed(self) -> list[str]:
         fs, path = storage.filesystem(self.prefix)
@@ -177,8 +220,10 @@ def dcp_reader(uri: str) -> Any:
     return FileSystemReader(uri.removeprefix("file://"))
 
 
-def checkpoint_store(stage_prefix: str, keep_last: int, *, sharded: bool, master: bool) -> CheckpointStore:
-    """The stage's checkpoint store: whole files from rank 0, or every rank's shard (``sharded``, strategy fsdp)."""
+def checkpoint_store(stage_prefix: str, keep_last: int, *, sharded: bool, master: bool,
+                     background: bool = False) -> CheckpointStore:
+    """The stage's checkpoint store: whole files from rank 0, or every rank's shard (``sharded``, strategy fsdp; written
+    in the ``background`` where asked)."""
     if sharded:
-        return ShardedCheckpointStore(stage_prefix, keep_last, master=master)
+        return ShardedCheckpointStore(stage_prefix, keep_last, master=master, background=background)
     return CheckpointStore(stage_prefix, keep_last)
