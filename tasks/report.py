@@ -63,7 +63,8 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
         "training": [{key: stage.get(key) for key in ("stage", "world_size", "global_batch", "lr", "epochs", "steps",
                                                       "val_metric", "checkpoint_uri", "handed_epoch", "epochs_run",
                                                       "stopped_early", "lr_schedule", "optimizer", "init_from", "grad_clip_norm", "noise_scale",
-                                                      "batch_decision", "grad_accum_steps", "per_process_batch")}
+                                                      "batch_decision", "grad_accum_steps", "per_process_batch",
+                                                      "strategy")}
                      for stage in training],
         "objective": {"metric": evaluation.get("objective"), "direction": direction, "test": evaluation.get("test_objective")},
         "test_metrics": {k: v for k, v in evaluation.items() if k.startswith("test_") and k != "test_objective"},

@@ -99,8 +99,8 @@ def any_rank(env: DistEnv, flag: bool) -> bool:
 
 
 def destroy_process_group(env: DistEnv) -> None:
-    if env.distributed:
-        import torch.distributed as dist
+    """Leave the job's process group, or the group of one a sharded stage on one process made (even if it failed)."""
+    import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

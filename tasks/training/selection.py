@@ -73,7 +73,8 @@ class BestEpoch:
 
         self.strategy, self.master = strategy, master
         self.state: dict[str, Any] | None = None
-        self.store = (ShardedCheckpointStore(stage_prefix, keep_last=1, master=master, folder="best")
+        # Two kept: a resume from a checkpoint older than the newest best still finds the best it recorded.
+        self.store = (ShardedCheckpointStore(stage_prefix, keep_last=2, master=master, folder="best")
                       if strategy.shards_state else None)
 
     @property
