@@ -443,7 +443,8 @@ def render(report: dict[str, Any], sources: dict[str, Any], generated_at: str | 
     counts = _table("Trials", [(key[2:], sweep.get(key)) for key in ("n_trials", "n_complete", "n_pruned", "n_failed")
                                if sweep.get(key) is not None])
     stage_rows = "".join(
-        f"<tr><th>{html.escape(str(s['stage']))}</th><td>{html.escape(str(s.get('strategy') or 'ddp'))}</td>" + "".join(f"<td class=num>{html.escape(_number(s.get(k)))}</td>" for k in
+        f"<tr><th>{html.escape(str(s['stage']))}</th><td>{html.escape(str(s.get('strategy') or 'ddp'))}</td>"
+        + "".join(f"<td class=num>{html.escape(_number(s.get(k)))}</td>" for k in
                                                                    ("world_size", "global_batch", "lr", "epochs", "steps",
                                                                     "val_metric", "handed_epoch")) + "</tr>"
         for s in report.get("training") or [])
