@@ -29,13 +29,13 @@ from stagewise.core import storage
 from stagewise.core.cli import common_parser, parse_overrides, setup_logging
 from stagewise.core.errors import DataError, UserError
 from stagewise.definitions.config import PipelineConfig
+from stagewise.definitions.hyperparams import ran_params
 from stagewise.definitions.loading import load_config
 from stagewise.models.versions import judge, version_of
 from stagewise.reporting import lineage
 from stagewise.scripting.entrypoint import card_params
 from stagewise.tracking import registry as mlflow_registry
 from stagewise.tracking.runs import log_gate
-from stagewise.training.recipe import ran_params
 
 log = logging.getLogger("stagewise.registry")
 POINTER_SWAP_ATTEMPTS = 20  # each lost attempt means another writer moved the pointer; 20 in a row is a stampede

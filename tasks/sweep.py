@@ -39,6 +39,7 @@ from stagewise.datasets.loader import split_batches
 from stagewise.datasets.manifest import read_manifest
 from stagewise.datasets.subsets import Round, pass_splits, resolve_budget, subsets_uri, write_subsets
 from stagewise.definitions.config import LRSchedule, PipelineConfig, Sweep
+from stagewise.definitions.hyperparams import ran_params
 from stagewise.definitions.loading import config_path, load_config
 from stagewise.definitions.spec import user_hook
 from stagewise.models.building import resolve_params
@@ -57,7 +58,7 @@ from stagewise.study.summary import summarize
 from stagewise.tracking.runs import Tracker, finish_trial, trial_tags
 from stagewise.training.distributed import distributed_job
 from stagewise.training.loop import rank_batches, stage_lr, start_loop
-from stagewise.training.recipe import ran_params, recipe_params, schedule_label, training_recipe
+from stagewise.training.recipe import recipe_params, schedule_label, training_recipe
 
 log = logging.getLogger("stagewise.sweep")
 

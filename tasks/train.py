@@ -30,6 +30,7 @@ from stagewise.core.cli import common_parser, json_arg, parse_overrides, run_sub
 from stagewise.core.errors import UserError
 from stagewise.datasets.manifest import read_manifest
 from stagewise.definitions.config import PipelineConfig
+from stagewise.definitions.hyperparams import ran_params
 from stagewise.definitions.loading import config_path, load_config
 from stagewise.definitions.spec import user_hook
 from stagewise.models.building import resolve_params
@@ -41,7 +42,7 @@ from stagewise.training.batch_growth import adaptive_batch, handed_noise_scale
 from stagewise.training.checkpoint import checkpoint_store
 from stagewise.training.distributed import distributed_job
 from stagewise.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, stage_lr, start_loop
-from stagewise.training.recipe import ran_params, recipe_params, schedule_label, training_recipe
+from stagewise.training.recipe import recipe_params, schedule_label, training_recipe
 from stagewise.training.selection import BestEpoch, EpochSelection
 from stagewise.training.strategy import out_of_memory_named
 

@@ -104,3 +104,16 @@ def hyperparameter_problem(name: str, value: Any, known: tuple[str, ...] | None 
 def typed(params: dict[str, Any]) -> dict[str, Any]:
     """``params`` with each integer hyperparameter as an int (a sweep or JSON may give 64.0)."""
     return {name: int(value) if name in KNOWN and KNOWN[name].integer else value for name, value in params.items()}
+
+
+# The framework's optimizer hyperparameters: they build its SGD/AdamW, so beside a spec's own optimizer they say nothing.
+FRAMEWORK_OPTIMIZER_PARAMS = ("optimizer", "momentum")
+
+
+def ran_params(params: dict[str, Any], recipe: dict[str, Any] | None) -> dict[str, Any]:
+    """The hyperparameters as a record shows them beside ``recipe`` (stagewise.training.recipe): without the
+    framework's optimizer choice and momentum when the spec built its own optimizer (what it built is in the recipe).
+    Plain dicts only: the registry step, which runs in Airflow's task process, imports it without torch."""
+    if not recipe or recipe.get("optimizer", {}).get("source") != "spec":
+        return dict(params)
+    return {key: value for key, value in params.items() if key not in FRAMEWORK_OPTIMIZER_PARAMS}

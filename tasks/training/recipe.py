@@ -14,12 +14,11 @@ recorded as AdamW even while ``params["optimizer"]`` still says ``sgd``.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # the record helpers below (ran_params, recipe_params) serve torch-free Airflow steps
-    import torch
+import torch
 
-    from stagewise.definitions.spec import ModelSpec
+from stagewise.definitions.spec import ModelSpec, user_hook
 
 # Group keys that are no setting of the run: the tensors themselves, the lr the schedule moves each step (lr_scale
 # records the group's share of it) and torch's implementation switches.
@@ -45,8 +44,6 @@ def _plain(value: Any) -> Any:
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
-    import torch
-
     if isinstance(value, torch.Tensor):
         return _plain(value.item()) if value.numel() == 1 else f"tensor of shape {tuple(value.shape)}"
     if isinstance(value, (tuple, list)):
@@ -71,8 +68,6 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 def describe_schedule(spec: ModelSpec, schedule: Any, *, warmup_steps: int, total_steps: int) -> dict[str, Any]:
     """The schedule in force: the spec's own ``lr_schedule`` when it gives a factor (named by class and method), else
     ``schedule`` (the config's, stagewise.definitions.config.LRSchedule), with the warmup and the steps it spans."""
-    from stagewise.definitions.spec import user_hook
-
     with user_hook(spec, "lr_schedule"):
         own = spec.lr_schedule(0, max(total_steps, 1))
     span = {"warmup_steps": warmup_steps, "total_steps": total_steps}
@@ -97,18 +92,6 @@ def schedule_label(described: dict[str, Any]) -> str:
     if described["type"] in ("constant", "step"):
         return described["type"]
     return f"{described['type']} to {described.get('min_lr_ratio', 0.0):g} x lr"
-
-
-# The framework's optimizer hyperparameters: they build its SGD/AdamW, so beside a spec's own optimizer they say nothing.
-FRAMEWORK_OPTIMIZER_PARAMS = ("optimizer", "momentum")
-
-
-def ran_params(params: dict[str, Any], recipe: dict[str, Any] | None) -> dict[str, Any]:
-    """The hyperparameters as a record shows them beside ``recipe``: without the framework's optimizer choice and
-    momentum when the spec built its own optimizer (what it built is in the recipe)."""
-    if not recipe or recipe.get("optimizer", {}).get("source") != "spec":
-        return dict(params)
-    return {key: value for key, value in params.items() if key not in FRAMEWORK_OPTIMIZER_PARAMS}
 
 
 def recipe_params(recipe: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from stagewise.training.checkpoint import ShardedCheckpointStore, dcp_reader
+
 
 @dataclass(frozen=True)
 class EpochSelection:
@@ -69,8 +71,6 @@ class BestEpoch:
     would not fit). Its :meth:`record` goes into each checkpoint, so a resume hands on the same epoch."""
 
     def __init__(self, strategy: Any, stage_prefix: str, *, master: bool) -> None:
-        from stagewise.training.checkpoint import ShardedCheckpointStore
-
         self.strategy, self.master = strategy, master
         self.state: dict[str, Any] | None = None
         # Two kept: a resume from a checkpoint older than the newest best still finds the best it recorded.
@@ -104,8 +104,6 @@ class BestEpoch:
             return
         if self.store is not None:
             import torch.distributed.checkpoint as dcp
-
-            from stagewise.training.checkpoint import dcp_reader
 
             shards = self.strategy.training_state(module, optimizer)
             dcp.load(shards, storage_reader=dcp_reader(self.state["uri"]))

@@ -26,10 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from stagewise.core import storage
 from stagewise.core.errors import UserError
 from stagewise.definitions.spec import ModelSpec, user_hook
-from stagewise.training.checkpoint import restore_training_state
+from stagewise.training.checkpoint import dcp_reader, dcp_writer, restore_training_state
 from stagewise.training.distributed import DistEnv
+from stagewise.training.selection import cpu_copy
 
 log = logging.getLogger("stagewise.train")
 
@@ -142,8 +144,6 @@ class DDPStrategy:
         sharded checkpoint of it written under ``stage_prefix``."""
         if not self.env.master:
             return {}
-        from stagewise.training.selection import cpu_copy
-
         return cpu_copy(self.training_state(module, optimizer))
 
     def committed(self, stage_prefix: str, handed: dict[str, Any]) -> None:
@@ -290,9 +290,6 @@ class FSDPStrategy(DDPStrategy):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from stagewise.core import storage
-        from stagewise.training.checkpoint import dcp_writer
-
         # The optimizer state stays sharded (a name of its own each attempt: final.pt, written after it, commits it);
         # the model is gathered a tensor at a time into rank 0's CPU memory, never a second full copy on a device.
         names = [f"final-optimizer-{storage.unique_token()}.dcp"]
@@ -305,8 +302,6 @@ class FSDPStrategy(DDPStrategy):
         return {"model": model_state, "optimizer": {SHARDED_OPTIMIZER: uri}}
 
     def committed(self, stage_prefix: str, handed: dict[str, Any]) -> None:
-        from stagewise.core import storage
-
         keep = sharded_optimizer_uri(handed)
         fs, path = storage.filesystem(stage_prefix)
         for stale in fs.glob(path + "/final-optimizer-*.dcp"):
@@ -369,8 +364,6 @@ def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, 
     DCP reads each rank's part of each tensor, whatever world size wrote it). Every rank calls it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    from stagewise.training.checkpoint import dcp_reader
 
     target = {"optimizer": get_optimizer_state_dict(module, optimizer)}
     dcp.load(target, storage_reader=dcp_reader(uri))

@@ -13,7 +13,7 @@ import pytest
 from stagewise import registry, train
 from stagewise.core import storage
 from stagewise.definitions.config import LRSchedule
-from stagewise.definitions.hyperparams import FRAMEWORK_DEFAULTS
+from stagewise.definitions.hyperparams import FRAMEWORK_DEFAULTS, ran_params
 from stagewise.definitions.loading import load_config
 from stagewise.definitions.spec import DataInfo
 from stagewise.models.building import build
@@ -22,7 +22,7 @@ from stagewise.report import build_report
 from stagewise.study.studies import create, open_storage
 from stagewise.sweep import run_worker
 from stagewise.training.loop import make_optimizer
-from stagewise.training.recipe import describe_optimizer, ran_params, recipe_params, training_recipe
+from stagewise.training.recipe import describe_optimizer, recipe_params, training_recipe
 from tests.specs import AdamWCosine
 
 PARAMS = {"lr": 0.05, "hidden": 16}
