@@ -146,3 +146,36 @@ def tokens_run(write_config, storage_root):
     out = str(storage_root / "runs" / "test" / "tokens")
     preprocess_digits(config_path, out)
     return config_path, out
+
+
+def test_the_best_epoch_kept_sharded_is_what_a_later_epoch_hands_on(tmp_path):
+    """hand_on best under fsdp: the best epoch's shards are saved as a checkpoint of their own (no full copy kept),
+    and loading them puts that epoch's weights and optimizer state back after later epochs moved both."""
+    from stagewise.spec import Classifier
+    from stagewise.training.selection import BestEpoch
+
+    module, _ = _trained_adamw()
+    strategy = FSDPStrategy(CPU, spec=Classifier(), precision="fp32")
+    try:
+        strategy.prepare(module)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=0.01)
+
+        def step() -> None:
+            module(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step()
+        best = BestEpoch(strategy, str(tmp_path / "s2"), master=True)
+        best.keep(0, module, optimizer)
+        kept = {name: strategy.local(p).detach().clone() for name, p in module.named_parameters()}
+        moments = [strategy.local(state["exp_avg"]).clone() for state in optimizer.state.values()]
+        step()
+        assert any(not torch.equal(strategy.local(p), kept[name]) for name, p in module.named_parameters())
+        assert best.record()["uri"].endswith("best/step-000000000.dcp")
+        best.load_into(module, optimizer)
+        assert all(torch.equal(strategy.local(p), kept[name]) for name, p in module.named_parameters())
+        assert all(torch.equal(strategy.local(state["exp_avg"]), moment)
+                   for state, moment in zip(optimizer.state.values(), moments))
+    finally:
+        strategy.close()
