@@ -338,8 +338,8 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
         cuts = output_parts(group_rows, max(2, min(MAX_OUTPUT_FILES, profile.threads_per_process)))
         file_names = ([f"part-{shard['index']:05d}-{token}.parquet"] if len(cuts) == 1 else
                       [f"part-{shard['index']:05d}-{token}-{k:02d}.parquet" for k in range(len(cuts))])
-        for k, file_name in enumerate(file_names):
-            suffix = f"{shard['index']}" if len(cuts) == 1 else f"{shard['index']}.{k}"
+        suffixes = [f"{shard['index']}"] if len(cuts) == 1 else [f"{shard['index']}.{k}" for k in range(len(cuts))]
+        for file_name, suffix in zip(file_names, suffixes):
             parts.append(_PartOutput(storage.join(out, "predictions", file_name),
                                      storage.join(out, "predictions", "quarantine", file_name),
                                      output_schema, name=f"infer-write-{suffix}"))
@@ -352,8 +352,7 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
                                     source=shard["uri"], bad_rows=config.inference.bad_rows)
         workers = max(1, profile.threads_per_process // len(cuts))  # the preparing threads, shared out among parts
         streams = []
-        for k, cut in enumerate(cuts):
-            suffix = f"{shard['index']}" if len(cuts) == 1 else f"{shard['index']}.{k}"
+        for k, (cut, suffix) in enumerate(zip(cuts, suffixes)):
             # Each part reads through its own handle: a ParquetFile is not shared between reader threads.
             source = parquet if k == 0 else stack.enter_context(storage.open_parquet(shard["uri"]))
             batches = read_ahead(_numbered(storage.iter_batches(source, [key, *columns], config.inference.batch_size,

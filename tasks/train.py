@@ -365,13 +365,15 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
     fault_step = _fault_step(env.rank) if begun.resumed_from is None else None
     writes_checkpoints = env.master or strategy.shards_state  # sharded: every rank saves its own part
 
-    def state_now() -> dict[str, Any]:
-        return {**strategy.training_state(model, optimizer),
-                "position": json.dumps(asdict(loop.position)), "history": json.dumps(history),
+    def plain_state() -> dict[str, Any]:  # what a checkpoint and final.pt hold besides the model and optimizer
+        return {"position": json.dumps(asdict(loop.position)), "history": json.dumps(history),
                 "global_batch": global_batch, "previous_global_batch": begun.previous_batch, "config_hash": digest,
                 "params": json.dumps(params), "rng_cpu": torch.get_rng_state(), "resumes": json.dumps(resumes),
                 "best_epoch_state": best.record(), "grad_scaler": loop.scaler_state(),
                 "global_step_offset": step_offset, "noise_scale": loop.noise_state(), "init_source": source}
+
+    def state_now() -> dict[str, Any]:
+        return {**strategy.training_state(model, optimizer), **plain_state()}
 
     def on_step(current: Loop) -> None:
         if fault_step is not None and current.position.step == fault_step:
@@ -460,7 +462,7 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
     if writes_checkpoints and loop.position.step != begun.resumed_from:
         checkpoints.save(loop.position.step, state_now())  # a re-run of a finished stage retrains nothing
     checkpoints.wait()
-    plain = {key: value for key, value in state_now().items() if key not in ("model", "optimizer")}
+    plain = plain_state()
     if handed_index != len(history) - 1:  # the best epoch's weights and optimizer go on
         best.load_into(model, optimizer)
     handed_state = {**plain, **strategy.full_state(model, optimizer, prefix)}  # every rank takes part; rank 0 holds it

@@ -31,7 +31,7 @@ class CheckpointStore:
         self.keep_last = max(1, keep_last)
 
     def path_for(self, step: int) -> str:
-        return storage.join(self.prefix, f"step-{step:09d}.pt")
+        return storage.join(self.prefix, f"step-{step:09d}{self.SUFFIX}")
 
     def poll(self) -> None:
         """Commit a save written in the background (none here: rank 0 writes each file before it returns)."""
@@ -46,30 +46,39 @@ class CheckpointStore:
         self._prune()
         return uri
 
+    SUFFIX = ".pt"  # a checkpoint's name: step-<step>SUFFIX
+
+    def _complete(self, fs: Any, path: str) -> bool:
+        """Whether a listed checkpoint was written whole (a file is: it is renamed or PUT into place)."""
+        return True
+
     def _listed(self) -> list[str]:
         fs, path = storage.filesystem(self.prefix)
         if not fs.isdir(path):
             return []
-        found = sorted(p for p in fs.glob(path + "/step-*.pt"))
+        found = sorted(p for p in fs.glob(f"{path}/step-*{self.SUFFIX}") if self._complete(fs, p))
         return [fs.unstrip_protocol(p) if "://" in self.prefix else p for p in found]
 
     def _prune(self) -> None:
         fs, _ = storage.filesystem(self.prefix)
         for uri in self._listed()[: -self.keep_last]:
-            fs.rm_file(storage.filesystem(uri)[1])
+            fs.rm(storage.filesystem(uri)[1], recursive=True)
 
-    def latest(self, into: Callable[[], dict[str, Any]] | None = None,
-               accept: Callable[[dict[str, Any]], bool] | None = None) -> tuple[str, dict[str, Any]] | None:
-        """The newest checkpoint that loads: the pointer's, else the newest readable file (whole: ``into`` and
-        ``accept`` serve the sharded store)."""
+    def _candidates(self) -> list[str]:
+        """The pointer's checkpoint first, then the listed ones newest first."""
         candidates = []
         if storage.exists(self.pointer):
             try:
                 candidates.append(storage.read_json(self.pointer)["uri"])
             except (DataError, KeyError, TypeError) as exc:  # a torn or foreign pointer: the step files still say
                 log.warning("ignoring unreadable checkpoint pointer %s: %s", self.pointer, exc)
-        candidates += [uri for uri in reversed(self._listed()) if uri not in candidates]
-        for uri in candidates:
+        return candidates + [uri for uri in reversed(self._listed()) if uri not in candidates]
+
+    def latest(self, into: Callable[[], dict[str, Any]] | None = None,
+               accept: Callable[[dict[str, Any]], bool] | None = None) -> tuple[str, dict[str, Any]] | None:
+        """The newest checkpoint that loads: the pointer's, else the newest readable file (whole: ``into`` and
+        ``accept`` serve the sharded store)."""
+        for uri in self._candidates():
             try:
                 return uri, load_torch(uri)
             except Exception as exc:  # a torn or foreign file: fall back to an older one
@@ -101,6 +110,7 @@ class ShardedCheckpointStore(CheckpointStore):
 
     SHARDED_KEYS = ("model", "optimizer")
     META = "meta.pt"
+    SUFFIX = ".dcp"
 
     def __init__(self, stage_prefix: str, keep_last: int = 2, *, master: bool, folder: str = "checkpoints",
                  background: bool = False) -> None:
@@ -113,9 +123,6 @@ class ShardedCheckpointStore(CheckpointStore):
         self.background = background
         self._pending: tuple[Any, str, int, dict[str, Any]] | None = None  # (future, uri, step, plain values)
         self._group: Any = None
-
-    def path_for(self, step: int) -> str:
-        return storage.join(self.prefix, f"step-{step:09d}.dcp")
 
     def save(self, step: int, state: dict[str, Any]) -> str:
         """Collective: every rank calls it with its own shards under ``model`` and ``optimizer``."""
@@ -160,33 +167,15 @@ class ShardedCheckpointStore(CheckpointStore):
             storage.write_json(self.pointer, {"uri": uri, "step": step})
             self._prune()
 
-    def _listed(self) -> list[str]:
-        fs, path = storage.filesystem(self.prefix)
-        if not fs.isdir(path):
-            return []
-        found = sorted(p for p in fs.glob(path + "/step-*.dcp") if fs.exists(f"{p}/{self.META}"))
-        return [fs.unstrip_protocol(p) if "://" in self.prefix else p for p in found]
-
-    def _prune(self) -> None:
-        fs, _ = storage.filesystem(self.prefix)
-        for uri in self._listed()[: -self.keep_last]:
-            fs.rm(storage.filesystem(uri)[1], recursive=True)
+    def _complete(self, fs: Any, path: str) -> bool:
+        return fs.exists(f"{path}/{self.META}")  # written after every shard
 
     def latest(self, into: Callable[[], dict[str, Any]] | None = None,
                accept: Callable[[dict[str, Any]], bool] | None = None) -> tuple[str, dict[str, Any]] | None:
         """Collective: the newest complete checkpoint, its shards loaded into ``into()``'s state dicts (this rank's
         ``model`` and ``optimizer``, loaded in place) and its plain values beside them; one whose plain values
         ``accept`` refuses comes back with those only (nothing loaded)."""
-        import torch.distributed.checkpoint as dcp
-
-        candidates = []
-        if storage.exists(self.pointer):
-            try:
-                candidates.append(storage.read_json(self.pointer)["uri"])
-            except (DataError, KeyError, TypeError) as exc:
-                log.warning("ignoring unreadable checkpoint pointer %s: %s", self.pointer, exc)
-        candidates += [uri for uri in reversed(self._listed()) if uri not in candidates]
-        for uri in candidates:
+        for uri in self._candidates():
             try:
                 meta = load_torch(storage.join(uri, self.META))
             except Exception as exc:  # a torn save (no meta.pt yet) or a foreign folder: an older one may load
@@ -194,10 +183,16 @@ class ShardedCheckpointStore(CheckpointStore):
                 continue
             if into is None or (accept is not None and not accept(meta)):
                 return uri, meta
-            shards = into()
-            dcp.load(shards, storage_reader=dcp_reader(uri))
-            return uri, {**meta, **shards}
+            return uri, {**meta, **self.load_shards(uri, into())}
         return None
+
+    @staticmethod
+    def load_shards(uri: str, shards: dict[str, Any]) -> dict[str, Any]:
+        """Collective: the checkpoint at ``uri`` read into ``shards`` (this rank's state dicts, in place); returns them."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(shards, storage_reader=dcp_reader(uri))
+        return shards
 
 
 def dcp_writer(uri: str) -> Any:

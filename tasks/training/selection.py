@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from stagewise.training.checkpoint import ShardedCheckpointStore, dcp_reader
+from stagewise.training.checkpoint import ShardedCheckpointStore
 
 
 @dataclass(frozen=True)
@@ -103,10 +103,7 @@ class BestEpoch:
         if self.state is None:
             return
         if self.store is not None:
-            import torch.distributed.checkpoint as dcp
-
-            shards = self.strategy.training_state(module, optimizer)
-            dcp.load(shards, storage_reader=dcp_reader(self.state["uri"]))
+            shards = self.store.load_shards(self.state["uri"], self.strategy.training_state(module, optimizer))
             self.strategy.load_training_state(module, optimizer, shards)
         else:
             module.load_state_dict(self.state["model"])

@@ -170,10 +170,7 @@ class FSDPStrategy(DDPStrategy):
     shards_state = True
 
     def __init__(self, env: DistEnv, *, spec: ModelSpec, precision: str, activation_checkpointing: bool = False) -> None:
-        super().__init__(env)
-        if precision == "fp16":
-            raise UserError("precision fp16 with strategy fsdp: the fp16 gradient scaler would decide on each rank's "
-                            "shard alone; use precision bf16 (or fp32)")
+        super().__init__(env)  # fp16 and compile are refused with fsdp where the config is validated
         self.spec, self.precision, self.activation_checkpointing = spec, precision, activation_checkpointing
         self._own_group = False
         self.units = 0
@@ -329,8 +326,6 @@ def make_strategy(name: str, env: DistEnv, *, spec: ModelSpec, precision: str = 
                   activation_checkpointing: bool = False) -> Strategy:
     """The stage's strategy by name (``ddp`` or ``fsdp``)."""
     if name == "ddp":
-        if activation_checkpointing:
-            raise UserError("activation_checkpointing applies to strategy fsdp only (it checkpoints each FSDP unit)")
         return DDPStrategy(env)
     if name == "fsdp":
         return FSDPStrategy(env, spec=spec, precision=precision, activation_checkpointing=activation_checkpointing)
