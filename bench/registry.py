@@ -51,8 +51,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "train_vs_dataloader_gpu": ("gpu:train_vs_dataloader_gpu", ">= 3"),
     "train_launch_bound_gpu": ("gpu:train_launch_bound_gpu", ">= 1.1"),
     "inference_throughput_gpu": ("gpu:inference_throughput_gpu", ">= 1.0"),
+    "inference_vs_script_gpu": ("gpu:inference_vs_script_gpu", ">= 2.5"),
     "custom_model_throughput_gpu": ("gpu:custom_model_throughput_gpu", ">= 0.95"),
     "variable_length_throughput_gpu": ("gpu:variable_length_throughput_gpu", ">= 0.95"),
+    "fsdp_throughput_gpu": ("gpu:fsdp_throughput_gpu", ">= 0.9"),
 }
 
 

@@ -306,3 +306,15 @@ def test_the_gpu_check_shows_the_tests_and_every_gpu_benchmark_in_one_table(no_c
     assert [entry["name"] for entry in json.loads((tmp_path / "latest.json").read_text())["results"]] == GPU_BENCHMARKS
     assert gpu.main(["report", "--out", str(tmp_path), "--junit", str(junit)]) == 1
     assert "did not finish" in gpu.report(tmp_path, tmp_path / "absent.xml")
+
+
+def test_the_fsdp_gpu_benchmark_measures_each_side_and_what_fsdp_adds_per_step():
+    """fsdp_throughput_gpu's sides run for real (here on the CPU, tiny): ddp at its defaults, ddp eager and fsdp each
+    train and report samples/s, and the ratio and the per-step cost are computed from the two eager sides."""
+    measured = gpu._fsdp_vs_ddp(torch.device("cpu"), rows=4000, hidden=32, batch=128, epochs=2)
+    assert [measured[side]["strategy"] for side in ("ddp_defaults", "ddp", "fsdp")] == ["ddp", "ddp", "fsdp"]
+    assert measured["ddp"]["step_graph"]["why"] == "cuda_graph off"
+    rates = {side: measured[side]["samples_per_s"] for side in ("ddp", "fsdp")}
+    assert all(rate > 0 for rate in rates.values()) and measured["fsdp"]["val_accuracy"] > 0.5
+    assert measured["fsdp_vs_ddp"] == pytest.approx(rates["fsdp"] / rates["ddp"], abs=1e-4)
+    assert measured["fsdp_adds_ms_per_step"] == pytest.approx(128_000 / rates["fsdp"] - 128_000 / rates["ddp"], abs=1e-3)
