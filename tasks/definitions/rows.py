@@ -13,6 +13,7 @@ with a typed column receives :class:`Features`.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
@@ -104,11 +105,15 @@ class RowLayout:
         """float32 elements of fixed-shape float columns: the leading block a spec reads as ``features.dense``."""
         return sum(c.size for c in self.columns if c.is_float and not c.variable)
 
+    @functools.cached_property
+    def _by_name(self) -> dict[str, InputColumn]:
+        return {c.name: c for c in self.columns}
+
     def column(self, name: str) -> InputColumn:
-        for candidate in self.columns:
-            if candidate.name == name:
-                return candidate
-        raise KeyError(f"no input column '{name}'; the data set declares {[c.name for c in self.columns]}")
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no input column '{name}'; the data set declares {[c.name for c in self.columns]}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -163,6 +168,7 @@ class Features(Mapping[str, Any]):
         self.records, self.layout = records, layout
         self._ints = records[:, layout.int_offset:].view(torch.int64) if layout.int_slots else None
         self._longest: dict[str, int] = {}
+        self._masks: dict[str, torch.Tensor] = {}  # a spec may ask twice; on a GPU each is a few kernel launches
 
     def __len__(self) -> int:
         return len(self.layout.columns)
@@ -208,8 +214,10 @@ class Features(Mapping[str, Any]):
         """(rows, L) bool, True where ``features[name]`` holds a real value rather than padding."""
         import torch
 
-        width = self.longest(name)
-        return torch.arange(width, device=self.device) < self.lengths(name)[:, None]
+        if name not in self._masks:
+            width = self.longest(name)
+            self._masks[name] = torch.arange(width, device=self.device) < self.lengths(name)[:, None]
+        return self._masks[name]
 
     def ragged(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, offsets): the rows' values back to back and where each row starts (``nn.EmbeddingBag``'s input)."""

@@ -10,6 +10,7 @@ optimizer step) is what a checkpoint stores to resume at exactly the same batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -116,8 +117,15 @@ def seed_step(seed: int, device: str) -> None:
     """
     torch.default_generator.manual_seed(seed)
     if device != "cpu":
-        with torch.cuda.device(torch.device(device)):
-            torch.cuda.manual_seed(seed)
+        index = torch.device(device).index
+        _cuda_generator(torch.cuda.current_device() if index is None else index).manual_seed(seed)
+
+
+@functools.cache
+def _cuda_generator(index: int) -> torch.Generator:
+    """GPU ``index``'s default generator: what torch.cuda.manual_seed seeds, without its device switch and lock."""
+    torch.cuda.init()
+    return torch.cuda.default_generators[index]
 
 
 # torch.compile modes a stage can ask for ("off": eager).

@@ -81,6 +81,18 @@ def test_each_batch_is_padded_to_its_own_longest_row_with_a_mask(token_run):
     assert len(widths) > 1  # batches differ in width: padding is per batch, not to max_length
 
 
+def test_a_batch_builds_its_mask_once_and_an_unknown_column_is_named(token_run):
+    """A spec that asks for a mask twice gets the same tensor (built once: on a GPU each build is kernel launches);
+    a column the data set does not declare fails naming it and the declared ones."""
+    _, _, _, _, manifest = token_run
+    layout = layout_of(manifest)
+    records, _ = next(iter(split_batches(manifest, "train", rank=0, world_size=1, batch_size=8, seed=0).epoch(0)))
+    features = layout.decode(records)
+    assert features.mask("tokens") is features.mask("tokens")
+    with pytest.raises(KeyError, match="no input column 'words'.*'tokens'"):
+        features["words"]
+
+
 @pytest.mark.parametrize("placement", ["resident", "streamed"])
 def test_device_placements_carry_the_typed_slots_unchanged(token_run, placement):
     """Resident and streamed device data move whole records: every row's ids decode as the raw rows hold them."""
