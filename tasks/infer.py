@@ -50,7 +50,7 @@ from stagewise.datasets.columns import check_feature_types, check_typed_types, f
 from stagewise.datasets.typed import fill_categories, typed_block, write_typed_slots
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.loading import load_config
-from stagewise.definitions.spec import batch_of
+from stagewise.definitions.spec import batch_of, user_hook
 from stagewise.models import scoring
 from stagewise.models.bundle import load_bundle
 from stagewise.models.scoring import SerialWriter, exact_float32, ordered_map, prefetch, read_ahead, scoring_device
@@ -102,7 +102,7 @@ def prediction_columns(bundle: Any, key_field: Any) -> Any:
     import pyarrow as pa
     import torch
 
-    with torch.no_grad():
+    with torch.no_grad(), user_hook(bundle.spec, module=bundle.module, context="on one probe row of zeros"):
         layout = bundle.data.layout
         probe_features = layout.probe(1) if layout is not None else torch.zeros(1, bundle.data.num_features)
         probe = bundle.spec.predict(bundle.module(batch_of(bundle.spec, probe_features, torch.zeros(1, dtype=torch.int64))[0]))
@@ -365,10 +365,13 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
         def quarantine(k: int, bad: Any) -> None:
             parts[k].quarantine(bad)
 
+        # The user's batch, forward and predict raise as a user error naming the hook, file and line (no retry).
+        guard = user_hook(bundle.spec, module=model)
         with exact_float32(device), torch.inference_mode():
             for (k, meta), inputs in prefetch(_quarantining(scoring.interleave(streams), quarantine), device):
                 labels = torch.zeros(len(inputs), dtype=torch.int64, device=device)
-                predicted = bundle.spec.predict(model(batch_of(bundle.spec, inputs, labels)[0]))
+                with guard:
+                    predicted = bundle.spec.predict(model(batch_of(bundle.spec, inputs, labels)[0]))
                 # One copy back per column and chunk; on CUDA it is queued, and the writer thread waits for it.
                 host = {name: tensor.to("cpu", non_blocking=True) for name, tensor in predicted.items()}
                 ready = None

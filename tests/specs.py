@@ -151,3 +151,12 @@ class FailsLater(MLPClassifier):
 
     def build(self, data: DataInfo, params: dict[str, Any]) -> nn.Module:
         return _FailsLater(data.num_features, data.num_classes)
+
+
+class PredictFailsOnBatches(MLPClassifier):
+    """predict() that works on the one-row probe of inference's output columns and raises on every real batch."""
+
+    def predict(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        if len(outputs) > 1:
+            raise KeyError("calibration")
+        return super().predict(outputs)

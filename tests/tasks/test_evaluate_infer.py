@@ -20,6 +20,7 @@ from stagewise.datasets.manifest import load_split, read_manifest
 from stagewise.datasets.predictions import commit_predictions, plan_inference
 from stagewise.definitions.hyperparams import BUILTIN_SPEC
 from stagewise.definitions.loading import load_config
+from stagewise.definitions.spec import HookError
 from stagewise.evaluate import evaluate
 from stagewise.models.building import build, data_info
 from stagewise.models.bundle import load_bundle, preprocessing_of, save_bundle
@@ -327,19 +328,16 @@ def test_crash_between_shard_writes_leaves_nothing_half_visible(trained, tmp_pat
     shards = plan_inference(source, rows_per_shard=200)
     infer.score_shard(config, model_uri, shards[0], prefix)  # one shard done, then the worker dies
 
-    import torch
+    real_prefetch = infer.prefetch
 
-    calls = {"n": 0}
-    real_softmax = torch.softmax
-
-    def dying_softmax(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] > 1:
-            raise OSError("worker lost mid-shard")
-        return real_softmax(*args, **kwargs)
+    def dying_after_one_batch(*args, **kwargs):  # the worker is lost (outside the user's code): a fault, retried
+        for number, item in enumerate(real_prefetch(*args, **kwargs)):
+            if number == 1:
+                raise OSError("worker lost mid-shard")
+            yield item
 
     small = load_config(config_path, {"inference.batch_size": 100})
-    monkeypatch.setattr(torch, "softmax", dying_softmax)
+    monkeypatch.setattr(infer, "prefetch", dying_after_one_batch)
     with pytest.raises(OSError):
         infer.score_shard(small, model_uri, shards[1], prefix)  # torn: one batch written, then the crash
     monkeypatch.undo()
@@ -598,8 +596,8 @@ def test_a_failing_write_fails_the_shard_and_stops_every_pipeline_thread(trained
 
 
 def test_a_failing_model_stops_every_pipeline_thread(trained, tmp_path, monkeypatch):
-    """An error of the model (in the calling thread) mid-shard leaves no reader, preparing or writer thread behind,
-    also when the reader is far ahead (small batches, many row groups)."""
+    """An error of the model (in the calling thread: the spec's predict, so a user error naming it) mid-shard leaves
+    no reader, preparing or writer thread behind, also when the reader is far ahead (small batches, many row groups)."""
     config_path, _, model_uri = trained
     config = load_config(config_path, {"inference.batch_size": 16, "profiles.small.threads_per_process": 2})
     real_softmax, calls = torch.softmax, {"n": 0}
@@ -612,7 +610,7 @@ def test_a_failing_model_stops_every_pipeline_thread(trained, tmp_path, monkeypa
 
     monkeypatch.setattr(torch, "softmax", dying_softmax)
     shard = plan_inference(storage.resolve(config.storage_root, config.dataset.uri), rows_per_shard=10_000)[0]
-    with pytest.raises(RuntimeError, match="the model broke"):
+    with pytest.raises(HookError, match=r"MLPClassifier\.predict .*RuntimeError: the model broke"):
         infer.score_shard(config, model_uri, shard, str(tmp_path / "broken_model"))
     assert _pipeline_threads() == []
 
@@ -948,3 +946,31 @@ def test_inference_of_a_regressor_writes_float_predictions(diabetes, tmp_path):
     manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
     assert table.schema.field("prediction").type == pa.float32() and table.num_rows == shard["rows"]
     np.testing.assert_allclose(table.column("prediction").to_numpy(), manifest["target"]["mean"], rtol=1e-6)
+
+
+def test_a_predict_hook_that_raises_while_scoring_is_a_user_error_naming_it(trained, tmp_path, monkeypatch):
+    """A user's predict() raising on a real batch (the one-row probe passed) ends the shard sub-job with the user-error
+    exit (no retry), its error file naming the spec, the hook, the file and line; nothing is committed (the attempt's
+    own part file is listed by no manifest, and the next commit removes it)."""
+    from stagewise.core import contract
+    from stagewise.core.errors import USER_ERROR_EXIT
+
+    config_path, out, model_uri = trained
+    bundle = load_bundle(model_uri)
+    failing = str(tmp_path / "predict-fails.pt")
+    save_bundle(failing, bundle.module, SpecRef("tests.specs:PredictFailsOnBatches"), bundle.data, bundle.params,
+                bundle.preprocessing, {})
+    config = load_config(config_path)
+    [shard, *_] = plan_inference(storage.resolve(config.storage_root, config.dataset.uri),
+                                 rows_per_shard=config.inference.rows_per_shard)
+    scored_out = str(tmp_path / "run")
+    error_file = tmp_path / "user_error.txt"
+    monkeypatch.setenv(contract.ERROR_FILE, str(error_file))
+    with pytest.raises(SystemExit) as exited:
+        infer.main(["shard", "--config", str(config_path), "--model", failing, "--out", scored_out,
+                    "--shard", json.dumps(shard)])
+    assert exited.value.code == USER_ERROR_EXIT
+    written = error_file.read_text()
+    assert "PredictFailsOnBatches.predict (" in written and "tests/specs.py:" in written
+    assert "KeyError: 'calibration'" in written
+    assert not list(Path(scored_out).rglob("manifest.json"))
