@@ -337,8 +337,8 @@ class Loop:
             # Dropout masks depend only on (seed, epoch, micro-step, rank): a resumed run draws the same ones.
             seed_step(hash((self.seed, position.epoch, index, self.env.rank)) & 0x7FFFFFFF, self.env.device)
             # A measured step's boundary runs without DDP's all-reduce too: _all_reduce_measured makes it, norms included.
-            # Step 1 stands in for step 0: DDP orders its buckets by its first synced backward, and a measured (unsynced)
-            # step 0 left every later step less overlap (noise_scale_overhead 1.06, 0.95-1.00 without it).
+            # Step 1 stands in for step 0, so the first backward is DDP's own: a measured (unsynced) step 0 left the later
+            # steps slower (noise_scale_overhead 1.06-1.10 in 4 runs, 0.96-1.00 in 3 without; why is not known).
             measured = (boundary and self._measured_all_reduce is not None
                         and (position.step % self.noise_every == 0 and position.step > 0 or position.step == 1))
             split_measured = self._split_measure and position.step % self._split_every() == 0

@@ -295,3 +295,54 @@ def test_two_processes_measure_the_noise_scale_on_every_placement(digits_run, su
         found = [entry["noise_scale"] for entry in history]
         assert result["world_size"] == 2 and all(value is not None and 1 < value < 1e5 for value in found), (
             placement, found)
+
+
+def _measuring_rank(rank: int, train_uri: str, validation_uri: str, every: int, epochs: int, folder: str) -> None:
+    """One of two gloo ranks: a DDP loop over the blobs; writes the optimizer steps it measured and its estimate."""
+    import torch.distributed as dist
+
+    from stagewise.datasets.loader import ParquetBatches
+    from stagewise.models.building import build
+    from stagewise.models.mlp import MLPClassifier
+    from stagewise.spec import DataInfo
+    from stagewise.training.distributed import DistEnv
+    from stagewise.training.loop import Loop
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = build(MLPClassifier(), DataInfo(features=["x0", "x1"], num_classes=4), {"hidden": 16, "dropout": 0.0})
+        train = ParquetBatches([train_uri], ["x0", "x1"], "label", rank=rank, world_size=2, batch_size=16, seed=0)
+        validation = ParquetBatches([validation_uri], ["x0", "x1"], "label", rank=rank, world_size=2, batch_size=64,
+                                    seed=0, shuffle=False)
+        loop = Loop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), train=train,
+                    validation=validation, env=DistEnv(rank=rank, local_rank=rank, world_size=2, device="cpu"),
+                    spec=MLPClassifier(), noise_scale_every=every)
+        measured: list[int] = []
+        inner = loop._all_reduce_measured
+        loop._all_reduce_measured = lambda: measured.append(loop.position.step) or inner()
+        for _ in range(epochs):
+            loop.train_epoch(lambda _step: 0.05)
+        Path(folder, f"rank{rank}.json").write_text(json.dumps(
+            {"measured": measured, "steps": loop.position.step, "updates": loop.noise.updates,
+             "noise_scale": loop.noise_estimates()["noise_scale"]}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.torchrun
+def test_several_ranks_measure_step_1_in_place_of_step_0_and_then_every_interval(tmp_path):
+    """Two ranks: a measured step's backward runs unsynced (no_sync), and one at step 0 left the later steps slower
+    (bench noise_scale_overhead), so step 1 is measured in its place (no stage measures less); every other measured
+    step is on the configured interval, on both ranks alike (a rank measuring alone would wait on the other)."""
+    from tests.tasks.training.test_loop import _blobs
+
+    every, epochs = 4, 2
+    uris = (_blobs(tmp_path, "train", 1200, 1), _blobs(tmp_path, "validation", 200, 2))
+    torch.multiprocessing.spawn(_measuring_rank, args=(*uris, every, epochs, str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads(Path(tmp_path, f"rank{rank}.json").read_text()) for rank in range(2)]
+    expected = [step for step in range(ranks[0]["steps"]) if step == 1 or (step > 0 and step % every == 0)]
+    for rank in ranks:
+        assert rank["measured"] == expected and rank["updates"] == len(expected)
+        assert rank["noise_scale"] is not None and rank["noise_scale"] > 0
