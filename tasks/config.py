@@ -20,7 +20,17 @@ from stagewise.definitions import reference
 from stagewise.definitions.config import ConfigError, PipelineConfig
 from stagewise.definitions.last_valid import LastValid
 from stagewise.definitions.loading import check_spec_source, config_path, load_config
-from stagewise.definitions.pipelines import KINDS, NAME_PATTERN, PipelineFile, dag_id, name_of, resolve, sources
+from stagewise.definitions.pipelines import (
+    KINDS,
+    NAME_PATTERN,
+    PipelineFile,
+    dag_id,
+    last_valid,
+    name_of,
+    resolve,
+    sources,
+)
+from stagewise.models import owners
 from stagewise.reporting import lineage
 
 
@@ -77,9 +87,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def check(setting: str | None) -> None:
-    """List the pipelines of ``setting``; any error (each file and key, clashes included) exits 1. Checked as a fresh
-    deployment sees them: with no last valid version, of two clashing files the newer one is refused."""
-    resolved = resolve(setting)
+    """List the pipelines of ``setting``; any error (each file and key, clashes included) exits 1. Judged as the
+    deployment judges them: a contested registry name stays with the pipeline the registry's owner record names
+    (stagewise.models.owners), and on the deployment's host its last valid versions count too (a deleted pipeline, a
+    rename); elsewhere (a team's CI) it is a fresh deployment: of two clashing files the newer one is refused."""
+    resolved = resolve(setting, state=last_valid(setting), owner_of=owners.read)
     for pipeline in resolved.configs:
         print(_pipeline_line(pipeline))
     if resolved.errors:

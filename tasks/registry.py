@@ -31,6 +31,8 @@ from stagewise.core.errors import DataError, UserError
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.hyperparams import ran_params
 from stagewise.definitions.loading import load_config
+from stagewise.definitions.pipelines import pipeline_of
+from stagewise.models import owners
 from stagewise.models.versions import judge, version_of
 from stagewise.reporting import lineage
 from stagewise.scripting.entrypoint import card_params
@@ -95,13 +97,18 @@ def _refuse_nonfinite(card: dict[str, Any], model_uri: str, version: str) -> Non
 
 def register_for(config: PipelineConfig, out: str, model_uri: str, card: dict[str, Any], *, dag_id: str,
                  run_id: str) -> dict[str, Any]:
-    """Register the run's model in the config's registry backend: storage (default) or the MLflow Model Registry."""
+    """Register the run's model in the config's registry backend: storage (default) or the MLflow Model Registry.
+    Either way the storage root records which pipeline holds the model name (stagewise.models.owners)."""
     if config.registry.backend == "storage":
-        return register(config.storage_root, config.registry.model_name, model_uri, card)
-
-    version = version_of(storage.read_bytes(model_uri))
-    _refuse_nonfinite(card, model_uri, version)
-    return mlflow_registry.register(config, out, model_uri, card, dag_id=dag_id, run_id=run_id, version=version)
+        registered = register(config.storage_root, config.registry.model_name, model_uri, card)
+    else:
+        version = version_of(storage.read_bytes(model_uri))
+        _refuse_nonfinite(card, model_uri, version)
+        registered = mlflow_registry.register(config, out, model_uri, card, dag_id=dag_id, run_id=run_id, version=version)
+    # After the version exists: a retry registers again (a no-op) and claims again, so a lost claim is never final.
+    pipeline = pipeline_of(dag_id) or config.name  # a config without a name key takes its file's: the DAG id has it
+    owners.claim(config.storage_root, config.registry.model_name, pipeline, card.get("config_source"), f"{dag_id}/{run_id}")
+    return registered
 
 
 def gate_registered(config: PipelineConfig, registered: dict[str, Any], out: str) -> dict[str, Any]:

@@ -33,8 +33,8 @@ from stagewise.airflow import steps, wiring
 from stagewise.airflow.params import inference_params, pipeline_params
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.last_valid import LastValid
-from stagewise.definitions.loading import scratch_root
-from stagewise.definitions.pipelines import PipelineFile, Resolved, resolve, sources
+from stagewise.definitions.pipelines import PipelineFile, Resolved, last_valid, resolve
+from stagewise.models import owners
 
 log = logging.getLogger(__name__)
 
@@ -84,24 +84,36 @@ def _training(config: PipelineConfig, config_file: str, mode: str, refusal: str 
     wiring.report(config, run, data, swept, trained, gated, wiring.inference_chain(config, run, gated["gated"]))
 
 
-def training_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | None = None) -> DAG:
+def _doc(text: str, retired: str | None) -> str:
+    """A DAG's doc; a retired pipeline's says so first (the UI shows it above the DAG)."""
+    if retired is None:
+        return text
+    return (f"**{retired}.** No schedule: its running runs finish, a new run fails. `python -m stagewise.config "
+            f"--forget NAME` drops these DAGs (their runs stay in Airflow, their reports and models in the registry).\n\n"
+            + text)
+
+
+def training_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | None = None,
+                 retired: str | None = None) -> DAG:
     dag_id, path = pipeline.dag_id("pipeline"), str(pipeline.path)
 
     @dag(dag_id=dag_id, auto_register=False, schedule=None,
-         doc_md=TRAINING_DOC.format(path=path, dag_id=dag_id), **wiring.dag_settings(config, pipeline.name))
+         doc_md=_doc(TRAINING_DOC.format(path=path, dag_id=dag_id), retired), **wiring.dag_settings(config, pipeline.name))
     def training() -> None:
         _training(config, path, "pipeline", refusal)
 
     return _with_params(training(), pipeline_params(config))
 
 
-def retrain_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | None = None) -> DAG:
+def retrain_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | None = None,
+                retired: str | None = None) -> DAG:
     dag_id, path, asset = pipeline.dag_id("retrain"), str(pipeline.path), wiring.raw_data_asset(config)
-    schedule = AssetOrTimeSchedule(timetable=CronTriggerTimetable(config.retrain.schedule, timezone="UTC"),
-                                   assets=[asset])
+    # A retired pipeline's schedule stops: every interval or data event would only start a run that fails.
+    schedule = None if retired else AssetOrTimeSchedule(
+        timetable=CronTriggerTimetable(config.retrain.schedule, timezone="UTC"), assets=[asset])
 
     @dag(dag_id=dag_id, auto_register=False, schedule=schedule,
-         doc_md=RETRAIN_DOC.format(name=pipeline.name, asset=asset.name, path=path),
+         doc_md=_doc(RETRAIN_DOC.format(name=pipeline.name, asset=asset.name, path=path), retired),
          **wiring.dag_settings(config, pipeline.name, "retrain", max_active_runs=1))
     def retrain() -> None:
         _training(config, path, "retrain", refusal)
@@ -109,11 +121,12 @@ def retrain_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | N
     return _with_params(retrain(), pipeline_params(config))
 
 
-def batch_inference_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | None = None) -> DAG:
+def batch_inference_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | None = None,
+                        retired: str | None = None) -> DAG:
     dag_id, path = pipeline.dag_id("batch_inference"), str(pipeline.path)
 
     @dag(dag_id=dag_id, auto_register=False, schedule=None,
-         doc_md=INFERENCE_DOC.format(name=pipeline.name, dag_id=dag_id, path=path),
+         doc_md=_doc(INFERENCE_DOC.format(name=pipeline.name, dag_id=dag_id, path=path), retired),
          **wiring.dag_settings(config, pipeline.name, "inference"))
     def batch_inference() -> None:
         run = _start(config, path, "inference", refusal)
@@ -126,10 +139,12 @@ def batch_inference_dag(pipeline: PipelineFile, config: PipelineConfig, refusal:
     return _with_params(batch_inference(), inference_params(config))
 
 
-def ingest_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | None = None) -> DAG:
+def ingest_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | None = None,
+               retired: str | None = None) -> DAG:
     dag_id, path, asset = pipeline.dag_id("ingest"), str(pipeline.path), wiring.raw_data_asset(config)
 
-    @dag(dag_id=dag_id, auto_register=False, schedule=None, doc_md=INGEST_DOC.format(name=pipeline.name, asset=asset.name, path=path),
+    @dag(dag_id=dag_id, auto_register=False, schedule=None,
+         doc_md=_doc(INGEST_DOC.format(name=pipeline.name, asset=asset.name, path=path), retired),
          **wiring.dag_settings(config, pipeline.name, "data"))
     def ingest() -> None:
         knobs = wiring.knobs(config, config.preprocess.profile)
@@ -144,7 +159,7 @@ def ingest_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | No
 
 # Every DAG here has auto_register=False: a builder that fails half-way must leave no DAG behind to shadow its
 # placeholder; the DAGs reach Airflow through the DAG file's globals (build_pipelines).
-FAMILY: dict[str, Callable[[PipelineFile, PipelineConfig, str | None], DAG]] = {
+FAMILY: dict[str, Callable[[PipelineFile, PipelineConfig, str | None, str | None], DAG]] = {
     "pipeline": training_dag, "retrain": retrain_dag, "batch_inference": batch_inference_dag, "ingest": ingest_dag}
 """The DAG builder of each kind in stagewise.definitions.pipelines.KINDS."""
 
@@ -177,9 +192,9 @@ def _start(config: PipelineConfig, config_file: str, mode: str, refusal: str | N
 
 
 def pipeline_state(setting: str | None) -> LastValid | None:
-    """Where the last valid versions of ``setting``'s pipelines are kept (:mod:`stagewise.definitions.last_valid`);
-    none in CI mode ($STAGEWISE_SCRATCH_ROOT): a scratch config must never stand in for production's, nor the reverse."""
-    return None if scratch_root() else LastValid(sources(setting))
+    """Where the last valid versions of ``setting``'s pipelines are kept (:mod:`stagewise.definitions.last_valid`):
+    by the pipelines folder as configured, so a git-sync revision keeps them; none in CI mode."""
+    return last_valid(setting)
 
 
 def build_pipelines(namespace: dict[str, Any], setting: str | None = None) -> list[str]:
@@ -196,8 +211,9 @@ def build_pipelines(namespace: dict[str, Any], setting: str | None = None) -> li
     wanted = context.dag_id
     # A run's first task checks the clashes again (a new run of a refused pipeline fails); other tasks skip loading
     # every other pipeline.
-    resolved = resolve(setting, wanted=wanted, check_clashes=wanted is None or context.task_id in (None, "start_run"),
-                       state=pipeline_state(setting), remember=True)
+    first_task = context.task_id in (None, "start_run", "ingest")
+    resolved = resolve(setting, wanted=wanted, check_clashes=wanted is None or first_task,
+                       state=pipeline_state(setting), remember=True, owner_of=owners.read)
     added = _families(resolved, wanted)
     for error in resolved.errors.values():
         log.error("%s", error)
@@ -212,8 +228,11 @@ def _families(resolved: Resolved, wanted: str | None) -> dict[str, DAG]:
     for pipeline, config in resolved.configs.items():
         kinds = {kind: dag_id for kind, dag_id in pipeline.dag_ids().items() if wanted in (None, dag_id)}
         try:
-            refusal = resolved.refused.get(pipeline)
-            added.update({dag_id: FAMILY[kind](pipeline, config, refusal) for kind, dag_id in kinds.items()})
+            refusal, retired = resolved.refused.get(pipeline), resolved.retired.get(pipeline)
+            built = {dag_id: FAMILY[kind](pipeline, config, refusal, retired) for kind, dag_id in kinds.items()}
+            for retired_dag in built.values() if retired else ():
+                retired_dag.tags.add("retired")  # the DAG list's filter finds what --forget may drop
+            added.update(built)
         except Exception as exc:
             resolved.broken[pipeline] = resolved.errors[str(pipeline.path)] = f"{pipeline.path}: {type(exc).__name__}: {exc}"
     for pipeline, error in resolved.broken.items():
@@ -237,7 +256,7 @@ def check_pipelines(setting: str | None = None) -> None:
 
     if get_parsing_context().dag_id is not None:
         return  # a task's process: not this file's concern
-    resolved = resolve(setting, state=pipeline_state(setting))
+    resolved = resolve(setting, state=pipeline_state(setting), owner_of=owners.read)
     _families(resolved, None)  # what only building the DAGs finds (a team callback that does not import)
     if resolved.errors:
         raise PipelineConfigErrors(f"{len(resolved.errors)} Stagewise pipeline config(s) in error; other pipelines "
