@@ -88,7 +88,7 @@ def run_at(rows: int, workdir: Path) -> dict[str, Any]:
     config_path = home / "pipeline.yaml"
     config_path.write_text(yaml.safe_dump(scale_config(storage_root, workdir)))
     env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
-           "STAGEWISE_CONFIG": str(config_path)}
+           "STAGEWISE_CONFIG": str(config_path), "STAGEWISE_TEST_RUNS_WRITE": "ml"}  # the report read below
     migrated_sqlite_db(home / "airflow.db", pools_of=config_path)
     started = time.perf_counter()
     airflow(env, "dags", "test", "ml_pipeline", timeout=7200)

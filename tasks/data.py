@@ -109,7 +109,9 @@ def ingest(config: Any, source_uri: str, target_uri: str) -> dict[str, Any]:
 
 def write_demo(num_shards: int | None = None, config_file: str | None = None) -> str:
     """Write the data set the pipeline config asks for (dataset.demo_data) where its dataset.uri points, once,
-    in ``num_shards`` files (default: that data set's own)."""
+    in ``num_shards`` files (default: that data set's own), never fewer than its widest training stage's processes."""
+    import inspect
+
     config = load_config(config_file)
     target = storage.resolve(config.storage_root, config.dataset.uri)
     fs, path = storage.filesystem(target)
@@ -117,10 +119,13 @@ def write_demo(num_shards: int | None = None, config_file: str | None = None) ->
         log.info("demo data already at %s", target)
     else:
         writer = DEMO_WRITERS[config.dataset.demo_data]
-        if num_shards is None:
-            writer(target)
-        else:
-            writer(target, num_shards=num_shards)
+        asked = num_shards if num_shards is not None else inspect.signature(writer).parameters["num_shards"].default
+        widest = max(config.train.stages, key=lambda stage: config.profiles[stage.profile].world_size)
+        processes = config.profiles[widest.profile].world_size
+        if asked < processes:  # every rank of a stage reads its own files: fewer fail the stage, not the data step
+            log.warning("%d shard(s) are fewer than stage %s's %d processes: writing %d", asked, widest.name, processes,
+                        processes)
+        writer(target, num_shards=max(asked, processes))
     return target
 
 
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
         bundled.add_argument("out_uri")
         bundled.add_argument("--num-shards", type=int, default=shards)
     demo = sub.add_parser("demo", help="dataset.demo_data into the pipeline config's dataset.uri unless it already holds shards")
-    demo.add_argument("--num-shards", type=int, default=None, help="files to split it into (default: the data set's own)")
+    demo.add_argument("--num-shards", type=int, default=None, help="files to split it into (default: the data set's own); "
+                      "never fewer than the widest training stage's processes")
     demo.add_argument("--all", action="store_true", help="for every pipeline of the deployment ($STAGEWISE_PIPELINES)")
     synth = sub.add_parser("synthetic", help="a learnable synthetic classification set")
     synth.add_argument("out_uri")

@@ -110,6 +110,8 @@ def _record_attempt(context: Any, state: str, ended: bool, result: Any = None) -
     try:
         if run := _started_run(context, result):
             config, out = run_config(run), run["out"]
+        elif started_by_test(context.get("dag_run")):
+            return  # a test run that never started has no scratch root yet, and production's is not its to write
         else:
             config = _cached_config(str(config_path()))
             out = storage.run_prefix(config.storage_root, context["dag"].dag_id, context["run_id"])
@@ -134,6 +136,41 @@ def timeline_hooks() -> dict[str, Any]:
             "on_failure_callback": lambda context: _record_attempt(context, "failed", ended=True)}
 
 
+def started_by_test(dag_run: Any) -> bool:
+    """Whether ``airflow dags test`` (``DAG.test()``) started this run: Airflow records it as triggered by a test."""
+    triggered_by = getattr(dag_run, "triggered_by", None)
+    if triggered_by is not None:
+        return str(getattr(triggered_by, "value", triggered_by)).lower() == "test"
+    # The task SDK's dag run (3.2, 3.3) has no triggered_by; DAG.test() alone names its run's user "dag_test".
+    return getattr(dag_run, "triggering_user_name", None) == "dag_test"
+
+
+def _test_run_scratch(dag_run: Any, path: str) -> str | None:
+    """A test run's own scratch root (stagewise.definitions.loading.scratch_for_test_run), None for any other run;
+    says where a test run writes as the run's first log line."""
+    import logging
+
+    from stagewise.definitions import loading
+    from stagewise.definitions.pipelines import name_of
+
+    if not started_by_test(dag_run):
+        return None
+    log, name = logging.getLogger("stagewise.start_run"), name_of(path)
+    scratch = loading.scratch_for_test_run(name)
+    if scratch:
+        log.warning("test run (airflow dags test): pipeline %s runs in scratch under %s, never in its storage_root: "
+                    "no production file, pointer (current model, MLflow alias) or study is written; its input is read "
+                    "where the config says. To let %s's test runs write production, set $%s=%s (docs/ci.md)",
+                    name, scratch, name, loading.TEST_RUNS_WRITE_ENV_VAR, name)
+    elif explicit := loading.scratch_root():
+        log.warning("test run (airflow dags test): pipeline %s runs in CI mode under $%s=%s (docs/ci.md)",
+                    name, loading.SCRATCH_ENV_VAR, explicit)
+    else:
+        log.warning("test run (airflow dags test): pipeline %s writes its production storage_root: $%s names it",
+                    name, loading.TEST_RUNS_WRITE_ENV_VAR)
+    return scratch
+
+
 def start_run(mode: str = "pipeline", config_file: str | None = None) -> dict[str, Any]:
     """Validate the config with the trigger form's values once, fix the run's storage prefix, and write the run's
     config snapshot (``<run>/config.yaml``, resolved) that every later task and sub-job of the run reads instead of
@@ -141,7 +178,8 @@ def start_run(mode: str = "pipeline", config_file: str | None = None) -> dict[st
     Stagewise version and the user's source fingerprints as the run starts, which its model card names.
 
     ``mode="retrain"`` warm-starts the sweep from the current model's study with the retrain budget. ``config_file``
-    is the DAG's own config (the file its DAG was built from), never this process's default.
+    is the DAG's own config (the file its DAG was built from), never this process's default. A run started by
+    ``airflow dags test`` runs in scratch (docs/ci.md) unless $STAGEWISE_TEST_RUNS_WRITE names its pipeline.
     """
     from stagewise.airflow.params import overrides_from_params, unknown_trigger_keys
     from stagewise.core import storage
@@ -153,7 +191,8 @@ def start_run(mode: str = "pipeline", config_file: str | None = None) -> dict[st
     path = str(config_path(config_file))
 
     def work() -> dict[str, Any]:
-        base = load_config(path)
+        scratch = _test_run_scratch(context["dag_run"], path)  # first: a retrain reads the scratch registry too
+        base = load_config(path, test_scratch=scratch)
         if unknown := unknown_trigger_keys(context["dag_run"].conf, context["dag"].params):
             raise ConfigError(f"trigger conf: unknown key(s) {unknown}; {dag_id} takes {sorted(context['dag'].params)}")
         try:
@@ -169,7 +208,7 @@ def start_run(mode: str = "pipeline", config_file: str | None = None) -> dict[st
 
             with credentials.exported(credentials.task_environment(base)):
                 overrides.update(registry.retrain_overrides(base))
-        config = load_config(path, overrides)
+        config = load_config(path, overrides, test_scratch=scratch)
         out = storage.run_prefix(config.storage_root, dag_id, run_id)
         text, config_hash = snapshot(config)
         snapshot_uri = storage.join(out, "config.yaml")

@@ -1,5 +1,5 @@
-"""Loading a pipeline config file: read the YAML, apply dotted overrides (and $STAGEWISE_SCRATCH_ROOT's CI mode),
-resolve relative paths, validate once.
+"""Loading a pipeline config file: read the YAML, apply dotted overrides (and CI mode: $STAGEWISE_SCRATCH_ROOT, or a
+test run's own scratch root), resolve relative paths, validate once.
 
 Every sub-job and the DAG load the same file through :func:`load_config`; an invalid file raises
 :class:`ConfigError` naming the file, the key path and the reason (and the override that caused it).
@@ -38,6 +38,16 @@ CONFIG_ENV_VAR = "STAGEWISE_CONFIG"
 
 SCRATCH_ENV_VAR = "STAGEWISE_SCRATCH_ROOT"
 """CI mode (docs/ci.md): every pipeline's storage under this local folder, no outside registry, a report-only gate."""
+
+TEST_RUNS_WRITE_ENV_VAR = "STAGEWISE_TEST_RUNS_WRITE"
+"""The pipelines (names, comma-separated) whose runs started by ``airflow dags test`` may write production storage;
+every other pipeline's test run goes into scratch (docs/ci.md)."""
+
+TEST_SCRATCH_FOLDER = "stagewise-scratch"
+"""A test run's own scratch root under $AIRFLOW_HOME, when $STAGEWISE_SCRATCH_ROOT does not name one."""
+
+PIPELINE_NAME = r"[A-Za-z][A-Za-z0-9_]{0,63}"
+"""What a pipeline's name may be (PipelineConfig.name): it starts its DAG ids."""
 
 # libyaml's safe loader where PyYAML has it (the same YAML, faster: DAG parsing reads every pipeline's file).
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -162,15 +172,54 @@ def scratch_root() -> str | None:
     return os.path.abspath(os.path.expanduser(chosen.removeprefix("file://")))
 
 
-def _apply_scratch(raw: dict[str, Any], resolved: Path | str, scratch: str) -> None:
+def opted_in_test_runs() -> frozenset[str]:
+    """The pipelines $STAGEWISE_TEST_RUNS_WRITE names; ConfigError on an entry that is no pipeline name (``*`` too:
+    a deployment opts each pipeline in by its name, so no new pipeline's test runs reach production unasked)."""
+    value = os.environ.get(TEST_RUNS_WRITE_ENV_VAR, "")
+    names = [entry.strip() for entry in value.split(",") if entry.strip()]
+    if wrong := [name for name in names if not re.fullmatch(PIPELINE_NAME, name)]:
+        raise ConfigError(f"${TEST_RUNS_WRITE_ENV_VAR}={value!r}: {', '.join(map(repr, wrong))} is no pipeline name; "
+                          f"name each pipeline whose `airflow dags test` runs may write its production storage, "
+                          f"comma-separated (e.g. ml,diabetes), or leave it unset")
+    return frozenset(names)
+
+
+def scratch_for_test_run(name: str) -> str | None:
+    """The scratch root of a run of pipeline ``name`` started by ``airflow dags test``: ``$AIRFLOW_HOME/stagewise-scratch``
+    (``~/airflow`` without AIRFLOW_HOME); None when $STAGEWISE_SCRATCH_ROOT already puts every config in scratch, or
+    when $STAGEWISE_TEST_RUNS_WRITE names the pipeline (its test runs write production)."""
+    if scratch_root() or name in opted_in_test_runs():
+        return None
+    home = os.environ.get("AIRFLOW_HOME", "").strip() or "~/airflow"  # Airflow's own default, as last_valid reads it
+    return os.path.join(os.path.abspath(os.path.expanduser(home)), TEST_SCRATCH_FOLDER)
+
+
+def _read_input_in_place(raw: dict[str, Any], resolved: Path | str) -> None:
+    """A relative dataset.uri or inference.input_uri becomes absolute under the config's own storage root, so a test
+    run in scratch still reads the input production reads (the pipeline DAG never writes its input)."""
+    root = raw.get("storage_root")
+    if not isinstance(root, str) or not root:
+        return  # validation names the missing root
+    if "://" not in root and not os.path.isabs(root) and isinstance(resolved, Path):
+        root = str((resolved.parent / root).resolve())
+    for section, key in (("dataset", "uri"), ("inference", "input_uri")):
+        block = raw.get(section)
+        if isinstance(block, dict) and isinstance(block.get(key), str) and block[key]:
+            block[key] = storage.resolve(root, block[key])
+
+
+def _apply_scratch(raw: dict[str, Any], resolved: Path | str, scratch: str, keep_input: bool = False) -> None:
     """CI mode: storage_root becomes ``<scratch>/<pipeline name>``, read with the CI's own environment; the sweep
     journal follows it; MLflow tracking is off; the registry is the scratch root's, its gate report-only.
+    ``keep_input`` (a test run's own scratch) reads the input where the config says rather than under the scratch root.
 
     Idempotent, so a run's snapshot (written in this mode, naming its pipeline) loads back unchanged.
     """
+    if keep_input:
+        _read_input_in_place(raw, resolved)
     named = raw.get("name")
     name = named if isinstance(named, str) and named else PurePosixPath(str(resolved)).stem
-    if re.fullmatch(r"[A-Za-z][A-Za-z0-9_]{0,63}", name):
+    if re.fullmatch(PIPELINE_NAME, name):
         raw["name"] = name  # the snapshot keeps it: a snapshot's file stem ('config') must not pick another folder
     raw["storage_root"] = os.path.join(scratch, storage.safe_name(name))
     raw["storage_conn_id"] = ""
@@ -212,8 +261,10 @@ def _entrypoints(raw: dict[str, Any]) -> list[dict[str, Any]]:
     return [entry for entry in found if isinstance(entry, dict)]
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
-    """Read, override (dotted keys such as ``sweep.num_trials``) and validate the pipeline config."""
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None,
+                test_scratch: str | None = None) -> PipelineConfig:
+    """Read, override (dotted keys such as ``sweep.num_trials``) and validate the pipeline config; ``test_scratch``
+    (:func:`scratch_for_test_run`) puts it in CI mode under that root, its input still read where the file says."""
     resolved = config_path(path)
     try:
         text = read_text(resolved)
@@ -231,6 +282,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         raise ConfigError(f"{resolved}: cannot apply {exc}") from None
     if scratch := scratch_root():  # after the overrides: no trigger value moves storage out of the scratch root
         _apply_scratch(raw, resolved, scratch)
+    elif test_scratch:
+        _apply_scratch(raw, resolved, test_scratch, keep_input=True)
     if isinstance(resolved, Path):  # a snapshot (a URI) holds absolute paths only
         _resolve_relative_paths(raw, resolved)
     try:

@@ -35,8 +35,10 @@ def make_airflow_env(home: Path, storage_root: str, journal_dir: Path, extra: di
     config_path = home / "pipeline.yaml"
     config_path.write_text(yaml.safe_dump(raw))
     env = dict(os.environ)
+    # ``storage_root`` is this test's production: its `airflow dags test` runs write there, opted in by name.
     env.update({"AIRFLOW_HOME": str(home), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
-                "STAGEWISE_CONFIG": str(config_path), "STAGEWISE_TEST_STORAGE": storage_root, **(extra or {})})
+                "STAGEWISE_CONFIG": str(config_path), "STAGEWISE_TEST_STORAGE": storage_root,
+                "STAGEWISE_TEST_RUNS_WRITE": raw.get("name") or config_path.stem, **(extra or {})})
     db_url = env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
     if db_url.startswith("sqlite:///"):
         run_cache.migrated_sqlite_db(db_url.removeprefix("sqlite:///"), pools_of=config_path)

@@ -85,6 +85,7 @@ class Deployment:
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home}/airflow.db",
+            "STAGEWISE_TEST_RUNS_WRITE": ",".join(EXAMPLES),  # their `airflow dags test` runs write the storage root
         })
         return env
 

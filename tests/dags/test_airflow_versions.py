@@ -145,7 +145,8 @@ def run_on_3_2(airflow_3_2, layer_3_2, tmp_path_factory) -> Run:
     (home / "airflow.db").write_bytes(layer_3_2.airflow_db.read_bytes())
     airflow_3_2.run(home, "-m", "stagewise.airflow.pools", "--config", str(config))
     run_cache.demo_data(config, num_shards=1)
-    done = airflow_3_2.run(home, "-m", "airflow", "dags", "test", "team_pipeline")
+    done = airflow_3_2.run(home, "-m", "airflow", "dags", "test", "team_pipeline",
+                           env={"STAGEWISE_TEST_RUNS_WRITE": "team"})  # the run writes the storage root
     (found,) = storage_root.glob("runs/team_pipeline/*/report.json")
     return Run(home, json.loads(found.read_text()), done.stdout + done.stderr)
 

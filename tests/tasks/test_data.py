@@ -71,6 +71,16 @@ def test_demo_num_shards_splits_the_same_rows_into_that_many_files(write_config,
     assert len(files) == 2 and sum(pq.read_metadata(f).num_rows for f in files) == 1797
 
 
+def test_demo_writes_a_shard_for_each_process_of_the_widest_stage(write_config, storage_root, monkeypatch, capfd):
+    """`--num-shards 1` for a pipeline whose stage s2 runs 2 processes (pipeline.yaml's) writes 2 files and says why:
+    every rank reads files of its own, so 1 would fail the stage long after the data step (docs/ci.md's recipe)."""
+    monkeypatch.setenv("STAGEWISE_CONFIG", str(write_config()))
+    main(["demo", "--num-shards", "1"])
+    files = sorted((storage_root / "raw" / "digits").glob("*.parquet"))
+    assert len(files) == 2 and sum(pq.read_metadata(f).num_rows for f in files) == 1797
+    assert "1 shard(s) are fewer than stage s2's 2 processes: writing 2" in capfd.readouterr().out
+
+
 def test_demo_all_skips_an_s3_pipeline_this_shell_cannot_reach(tmp_path, monkeypatch, capfd, no_aws_credentials):
     """`make up` runs `stagewise.data demo --all`: a pipeline on S3 with no credentials in the shell (its workers use
     its storage_conn_id) is named and skipped, and the local pipeline still gets its demo data."""
@@ -86,7 +96,7 @@ def test_demo_all_skips_an_s3_pipeline_this_shell_cannot_reach(tmp_path, monkeyp
                                                       "storage_conn_id": "lake_s3"}))
     monkeypatch.setenv("STAGEWISE_PIPELINES", str(folder))
     main(["demo", "--all", "--num-shards", "1"])
-    assert len(list((tmp_path / "local_root" / "raw" / "digits").glob("*.parquet"))) == 1
+    assert len(list((tmp_path / "local_root" / "raw" / "digits").glob("*.parquet"))) == 2  # one per process of s2
     printed = "".join(capfd.readouterr())  # the CLI logs to the console
     assert "pipeline lake: no demo data written to its s3 storage (NoCredentialsError)" in printed, printed
 

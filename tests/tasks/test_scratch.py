@@ -106,3 +106,32 @@ def test_report_only_with_the_mlflow_registry_is_a_config_error(write_config, st
     raw["registry"]["report_only"] = True
     with pytest.raises(ConfigError, match="registry: .*report_only"):
         load_config(write_config(raw))
+
+
+def test_a_test_runs_scratch_reads_the_input_where_production_has_it(write_config, storage_root, tmp_path, monkeypatch):
+    """load_config(test_scratch=...) (a test run's own scratch root): CI mode under it, but a relative dataset.uri and
+    inference.input_uri stay production's, made absolute against the file's own (relative) storage root; its snapshot
+    loads back unchanged; $STAGEWISE_TEST_RUNS_WRITE naming the pipeline, or the CI variable, leaves no scratch to give."""
+    from stagewise.definitions.loading import TEST_RUNS_WRITE_ENV_VAR, scratch_for_test_run
+
+    monkeypatch.delenv(SCRATCH_ENV_VAR, raising=False)
+    monkeypatch.delenv(TEST_RUNS_WRITE_ENV_VAR, raising=False)
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path / "home"))
+    raw = _production(storage_root)
+    raw.update(storage_root="storage")  # relative to the config's folder: tmp_path / "storage"
+    raw["inference"]["input_uri"] = "incoming/today"
+    scratch = scratch_for_test_run("ml")
+    assert scratch == str(tmp_path / "home" / "stagewise-scratch")
+    config = load_config(write_config(raw), test_scratch=scratch)
+    assert config.storage_root == str(tmp_path / "home" / "stagewise-scratch" / "ml")
+    assert (config.registry.backend, config.registry.report_only, config.tracking.mlflow_uri) == ("storage", True, "")
+    assert config.dataset.uri == str(storage_root / "raw" / "digits")
+    assert config.inference.input_uri == str(storage_root / "incoming" / "today")
+    copy = tmp_path / "snapshot.yaml"
+    copy.write_text(snapshot(config)[0])
+    assert load_config(copy, test_scratch=scratch) == config == load_config(copy)
+
+    monkeypatch.setenv(TEST_RUNS_WRITE_ENV_VAR, "diabetes,ml")
+    assert scratch_for_test_run("ml") is None and scratch_for_test_run("team") == scratch
+    monkeypatch.setenv(SCRATCH_ENV_VAR, str(tmp_path / "ci"))
+    assert scratch_for_test_run("team") is None, "the CI variable already puts every config in scratch"
