@@ -18,7 +18,10 @@ last valid version (:mod:`stagewise.definitions.last_valid`), so its running run
 with, while a new run fails at its first task naming the file and key; the other pipelines' DAGs are untouched. The
 errors are an import error of a second DAG file that defines no DAG (``check_pipelines``): an import error marks every
 DAG of its file stale, and Airflow never schedules a stale DAG's running runs again. A config that never loaded gets
-DAGs whose only task fails naming the file and key.
+DAGs whose only task fails naming the file and key. A deleted pipeline, or the old name of one renamed in place,
+retires: its DAGs stay for their running runs on no schedule (tag ``retired``) until ``python -m stagewise.config
+--forget NAME``. A contested registry name stays with the pipeline the registry's owner record names
+(:mod:`stagewise.models.owners`), as the CLI check decides it.
 """
 
 from __future__ import annotations

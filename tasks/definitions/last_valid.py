@@ -6,7 +6,8 @@ its resolved config here, and a parse that cannot load it builds the DAGs from t
 error as an import error, :func:`stagewise.airflow.dags.check_pipelines`).
 
 Where: ``$STAGEWISE_STATE_DIR``, else ``$AIRFLOW_HOME/stagewise`` (``~/airflow/stagewise`` without it); one folder
-per pipelines setting (its hash), one JSON file per pipeline name. Workers on other hosts need the same folder
+per pipelines setting (the hash of its sources as configured: made absolute, never resolved through a symlink, so a
+git-sync revision swap keeps the records), one JSON file per pipeline name. Workers on other hosts need the same folder
 (a shared volume) to run a broken pipeline's in-flight tasks; without it they fail that task naming the config error.
 """
 
@@ -45,7 +46,7 @@ class Record:
 
 
 class LastValid:
-    """The records of one pipelines setting (the folders and files a DAG file names)."""
+    """The records of one pipelines setting (the folders and files a DAG file names, as it names them)."""
 
     def __init__(self, sources: list[Path], root: Path | None = None):
         key = hashlib.sha256(os.pathsep.join(str(source) for source in sources).encode()).hexdigest()[:16]

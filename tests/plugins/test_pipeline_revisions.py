@@ -87,6 +87,8 @@ def test_a_git_sync_swap_through_revisions_keeps_each_pipelines_last_valid_versi
     third = _build(link, monkeypatch)
     assert not _first_task_fails(third["fraud_pipeline"]) and "train_s1" in third["fraud_pipeline"].task_ids
     assert third["copycat_pipeline"].task_ids == ["config_error"]
+    # a run's first task judges the clash as the full parse does, though it builds only its own DAG
+    assert _build(link, monkeypatch, task=("copycat_pipeline", "start_run"))["copycat_pipeline"].task_ids == ["config_error"]
     assert all(_retired(third[f"churn_{kind}"]) for kind in KINDS)
     assert third["churn_pipeline"].task_ids == first["churn_pipeline"].task_ids  # churn's running runs finish
     assert not _retired(third["fraud_retrain"]) and third["fraud_retrain"].timetable.__class__.__name__ != "NullTimetable"
