@@ -1,6 +1,6 @@
 """docs/ci.md's recipe, run as written: `airflow dags test` of a pipeline under $STAGEWISE_SCRATCH_ROOT keeps the run,
 its sweep journal and its registry in scratch, leaves production's storage root and registry as they were, and the
-report says what the gate would have decided."""
+report says what the gate would have decided. Without the variable, a test run is in a scratch root of its own."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from stagewise import registry
+from tests import run_cache
 from tests.conftest import base_config
 from tests.dags.conftest import REPO_ROOT
 
@@ -44,10 +45,9 @@ def _files(folder: Path) -> dict[str, str]:
             for path in sorted(folder.rglob("*")) if path.is_file()}
 
 
-def test_the_ci_recipe_runs_in_scratch_and_promotes_nothing(tmp_path):
-    """The recipe runs as written; the run's files are under the scratch root; nothing under the production storage
-    root (whose registry has a current model) nor beside the config changed; the report names the gate's would-be
-    decision and promoted nothing."""
+def _team(tmp_path: Path) -> tuple[Path, Path, str]:
+    """The team's repository (dags/, pipelines/digits.yaml) and production's storage root, whose registry has a current
+    model: (repository, production storage root, the live version)."""
     production = tmp_path / "prod-storage"
     repo = tmp_path / "team"
     (repo / "dags").mkdir(parents=True)
@@ -65,11 +65,26 @@ def test_the_ci_recipe_runs_in_scratch_and_promotes_nothing(tmp_path):
     model.write_bytes(b"production model")
     live = registry.register(str(production), "digits", str(model), {"test_accuracy": 0.99})["version"]
     registry.promote(str(production), "digits", live)
+    return repo, production, live
+
+
+def _team_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The CI's environment: none of the checkout's Airflow or Stagewise settings (no scratch root, no opt-in)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("AIRFLOW", "STAGEWISE"))}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", TMPDIR=str(tmp_path), OMP_NUM_THREADS="1",
+               **extra)
+    return env
+
+
+def test_the_ci_recipe_runs_in_scratch_and_promotes_nothing(tmp_path):
+    """The recipe runs as written (it names the extra its demo data needs); the run's files are under the scratch root;
+    nothing under the production storage root (whose registry has a current model) nor beside the config changed; the
+    report names the gate's would-be decision and promoted nothing."""
+    assert '"stagewise[demo]"' in _recipe() and "scikit-learn" in (REPO_ROOT / "pyproject.toml").read_text()
+    repo, production, live = _team(tmp_path)
     before, pipelines_before = _files(production), _files(repo / "pipelines")
 
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("AIRFLOW", "STAGEWISE"))}
-    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", TMPDIR=str(tmp_path),
-               DAGS="dags", PIPELINES="pipelines", PIPELINE="digits", OMP_NUM_THREADS="1")
+    env = _team_env(tmp_path, DAGS="dags", PIPELINES="pipelines", PIPELINE="digits")
     result = subprocess.run(["bash", "-c", _recipe()], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"the recipe failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
 
@@ -95,3 +110,37 @@ def test_the_ci_recipe_runs_in_scratch_and_promotes_nothing(tmp_path):
         "the gate_model task's log says what it would do"
     assert f"registry (report only, nothing promoted): {gate['decision']}" in result.stdout
     assert result.stdout.rstrip().splitlines()[-1] == f"REPORT {report_file}"
+
+
+def test_dags_test_without_the_variable_leaves_production_byte_identical(tmp_path):
+    """`airflow dags test` of a production pipeline, no $STAGEWISE_SCRATCH_ROOT, no opt-in: the run reads production's
+    input and lands under $AIRFLOW_HOME/stagewise-scratch/<name> (report-only gate, scratch journal), its first
+    start_run line says so, and every file under the production storage root (data, registry, pointer) is byte for
+    byte what it was."""
+    repo, production, live = _team(tmp_path)
+    config = repo / "pipelines" / "digits.yaml"
+    run_cache.demo_data(config, num_shards=1)  # production's input, one file: the pipeline's one stage runs 1 process
+    home = tmp_path / "airflow"
+    run_cache.migrated_sqlite_db(home / "airflow.db", pools_of=config)
+    before = _files(production)
+
+    env = _team_env(tmp_path, AIRFLOW_HOME=str(home), AIRFLOW__CORE__DAGS_FOLDER=str(repo / "dags"),
+                    AIRFLOW__CORE__LOAD_EXAMPLES="False", AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{home}/airflow.db")
+    command = ["airflow", "dags", "test", "digits_pipeline", "-c", json.dumps({"num_trials": 1, "num_sweep_workers": 1})]
+    result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"the run failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
+
+    assert _files(production) == before, "nothing under the production storage root changed"
+    assert registry.current(str(production), "digits")["version"] == live
+    scratch = home / "stagewise-scratch" / "digits"
+    [report_file] = scratch.glob("runs/digits_pipeline/*/report.json")
+    report = json.loads(report_file.read_text())
+    assert report["run_prefix"].startswith(str(scratch)) and report["model_uri"].startswith(str(scratch))
+    assert (scratch / "optuna" / "optuna.journal").is_file(), "the sweep's journal is in scratch"
+    snapshot = yaml.safe_load(Path(report["config"]["config_uri"].removeprefix("file://")).read_text())
+    assert snapshot["storage_root"] == str(scratch) and snapshot["dataset"]["uri"] == str(production / "raw" / "digits")
+    gate = report["registry"]
+    assert gate["report_only"] and not gate["promoted"]
+    said = f"test run (airflow dags test): pipeline digits runs in scratch under {home / 'stagewise-scratch'}"
+    assert said in output, output[-6000:]  # start_run's first line (tests/plugins/test_test_runs.py checks it is first)
