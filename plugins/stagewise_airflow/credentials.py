@@ -2,7 +2,9 @@
 
 The pipeline config's ``storage_conn_id`` names a connection of type ``aws``, the same shape the
 Amazon provider reads: login = access key id, password = secret access key, and in its extra
-``endpoint_url`` (an S3-compatible store), ``region_name`` and ``aws_session_token``. Sub-jobs stay
+``endpoint_url`` (an S3-compatible store), ``region_name`` and ``aws_session_token``. The provider is not needed:
+without it ``airflow connections add --conn-type aws`` stores the connection as ``generic`` (Airflow knows no
+``aws`` type then), and a ``generic`` connection is read the same way (its fields, never its hook). Sub-jobs stay
 free of Airflow: they get ``AWS_*`` variables, which every AWS SDK (and s3fs) reads. Airflow masks
 the connection's password in task logs; nothing here logs or stores a value. The api-server's Stagewise pages read
 each pipeline's storage with the same connection, as s3fs arguments (``storage_options``), never exported.
@@ -18,6 +20,10 @@ import contextlib
 import os
 from collections.abc import Iterator
 from typing import Any
+
+# The storage connection's types: the Amazon provider's ``aws`` (``s3``: its old name), and ``generic``, what Airflow
+# stores `airflow connections add --conn-type aws` as where the provider is not installed (docs/services.md).
+STORAGE_CONN_TYPES = ("aws", "s3", "generic")
 
 # connection extra key -> environment variable; the S3-only endpoint leaves other AWS services alone.
 _EXTRA_TO_ENV = {"endpoint_url": "AWS_ENDPOINT_URL_S3", "region_name": "AWS_DEFAULT_REGION",
@@ -54,9 +60,9 @@ def aws_environment(conn_id: str) -> dict[str, str]:
     except AirflowNotFoundException:
         raise AirflowFailException(f"storage_conn_id: Airflow connection '{conn_id}' does not exist; create it "
                                    f"(type aws) or empty the key to use the worker's AWS environment") from None
-    if connection.conn_type not in ("aws", "s3"):
+    if connection.conn_type not in STORAGE_CONN_TYPES:
         raise AirflowFailException(f"storage_conn_id: connection '{conn_id}' has type '{connection.conn_type}', "
-                                   f"expected 'aws'")
+                                   f"expected 'aws' (or 'generic')")
     try:
         return environment_from(connection.login, connection.password, connection.extra_dejson)
     except ValueError as exc:
@@ -88,8 +94,9 @@ def storage_options(conn_id: str) -> dict[str, Any]:
         connection = Connection.get_connection_from_secrets(conn_id)
     except AirflowNotFoundException:
         raise StorageConnectionError(f"storage connection '{conn_id}' does not exist") from None
-    if connection.conn_type not in ("aws", "s3"):
-        raise StorageConnectionError(f"storage connection '{conn_id}' has type '{connection.conn_type}', expected 'aws'")
+    if connection.conn_type not in STORAGE_CONN_TYPES:
+        raise StorageConnectionError(f"storage connection '{conn_id}' has type '{connection.conn_type}', "
+                                     f"expected 'aws' (or 'generic')")
     try:
         env = environment_from(connection.login, connection.password, connection.extra_dejson)
     except ValueError as exc:

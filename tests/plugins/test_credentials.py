@@ -54,6 +54,20 @@ def test_connection_from_airflow_secrets_and_clear_errors(monkeypatch):
         credentials.aws_environment("stagewise_test_pg")
 
 
+def test_a_generic_connection_is_read_like_an_aws_one(monkeypatch):
+    """Without the Amazon provider, `airflow connections add --conn-type aws` stores a generic connection: its
+    login, password and extra are the same credentials, for the tasks and for the api-server's pages alike."""
+    monkeypatch.setenv("AIRFLOW_CONN_STAGEWISE_TEST_GENERIC", json.dumps(
+        {"conn_type": "generic", "login": "AKIAGEN", "password": "generic-secret",
+         "extra": {"endpoint_url": "http://e:2", "region_name": "eu-west-1"}}))
+    assert credentials.aws_environment("stagewise_test_generic") == {
+        "AWS_ACCESS_KEY_ID": "AKIAGEN", "AWS_SECRET_ACCESS_KEY": "generic-secret", "AWS_ENDPOINT_URL_S3": "http://e:2",
+        "AWS_DEFAULT_REGION": "eu-west-1"}
+    assert credentials.storage_options("stagewise_test_generic") == {
+        "key": "AKIAGEN", "secret": "generic-secret", "endpoint_url": "http://e:2",
+        "client_kwargs": {"region_name": "eu-west-1"}}
+
+
 def test_exported_restores_the_environment(monkeypatch):
     """Variables are set only inside the block: earlier values come back and new ones go away."""
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
