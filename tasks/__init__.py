@@ -15,6 +15,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("study", ("stagewise.study",)),
     ("training", ("stagewise.training",)),
     ("reporting", ("stagewise.reporting",)),
+    ("reuse", ("stagewise.reuse",)),
     ("tracking", ("stagewise.tracking",)),
     ("runtime helper", ("stagewise.scripting",)),
     ("facades", ("stagewise.spec", "stagewise.model")),

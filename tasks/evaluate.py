@@ -24,10 +24,11 @@ from stagewise.training.loop import accumulate_metrics
 log = logging.getLogger("stagewise.evaluate")
 
 
-def evaluate(config: PipelineConfig, model_uri: str, out: str) -> dict[str, Any]:
+def evaluate(config: PipelineConfig, model_uri: str, out: str, fingerprint: str | None = None) -> dict[str, Any]:
     """Every metric of the model's spec on the test split (``test_<name>``; per class too when it predicts classes;
     ``test_baseline_rmse`` of predicting the mean target for a float target); fails below
-    ``evaluate.min_test_accuracy`` or when the objective is worse than ``evaluate.objective_limit``."""
+    ``evaluate.min_test_accuracy`` or when the objective is worse than ``evaluate.objective_limit``. ``fingerprint``:
+    the model's and data's (stagewise.reuse), recorded with the metrics."""
     import numpy as np
     import torch
 
@@ -55,7 +56,7 @@ def evaluate(config: PipelineConfig, model_uri: str, out: str) -> dict[str, Any]
     values = {name: (total / max(count, 1e-12)) ** (0.5 if root else 1) for name, (total, count, root) in sums.items()}
     metrics: dict[str, Any] = {f"test_{name}": float(value) for name, value in values.items()}
     metrics.update({"test_rows": int(len(labels)), "model_uri": model_uri, "spec": bundle.ref.path,
-                    "objective": config.objective.metric})
+                    "objective": config.objective.metric, "fingerprint": fingerprint})
     if all(p is not None for p in predicted) and bundle.data.num_classes:
         correct = torch.cat(predicted).cpu().numpy() == labels
         metrics["per_class_accuracy"] = {str(c): float(correct[labels == c].mean()) for c in np.unique(labels)}
@@ -80,18 +81,20 @@ def evaluate(config: PipelineConfig, model_uri: str, out: str) -> dict[str, Any]
         raise UserError(f"{objective} {metrics[objective]:.4f} is worse than evaluate.objective_limit={limit} "
                         f"(objective.direction: {direction})")
     return {**{k: v for k, v in metrics.items() if k.startswith("test_")}, "test_objective": metrics[objective],
-            "objective": config.objective.metric, "metrics_uri": uri}
+            "objective": config.objective.metric, "metrics_uri": uri, "fingerprint": fingerprint}
+
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Evaluate a model on the test split.", parents=[common_parser()])
     parser.add_argument("--model", required=True, help="model bundle URI (a train stage's model.pt)")
     parser.add_argument("--out", required=True, help="the run prefix")
+    parser.add_argument("--inputs-fingerprint", default=None, help="the model's and data's fingerprint (stagewise.reuse) to record")
     args = parser.parse_args(argv)
 
     def work() -> dict[str, Any]:
         config = load_config(args.config, parse_overrides(args.override))
-        return evaluate(config, args.model, storage.resolve(config.storage_root, args.out))
+        return evaluate(config, args.model, storage.resolve(config.storage_root, args.out), args.inputs_fingerprint)
 
     run_subjob("evaluate", work, args.result_file)
 

@@ -63,6 +63,8 @@ from stagewise.datasets.typed import (
 )
 from stagewise.definitions.config import Dataset, PipelineConfig
 from stagewise.definitions.loading import load_config
+from stagewise.reuse import cache
+from stagewise.reuse.fingerprints import code_identity, content_ids, preprocess_inputs
 
 log = logging.getLogger("stagewise.preprocess")
 
@@ -111,6 +113,37 @@ def plan(input_uri: str, root: str | None = None) -> list[str]:
     shards = storage.list_parquet(input_uri, root)
     log.info("planned %d shard(s) from %s", len(shards), input_uri)
     return shards
+
+
+def plan_run(config: PipelineConfig, input_uri: str, out: str, this_run: str) -> dict[str, Any]:
+    """Plan the shards and fingerprint what preprocess reads (the shards' bytes, the data set and split rules, the
+    code); ``reused_from`` names the run whose committed manifest stands for these inputs (this run's own after a
+    clear with unchanged data, or with ``cache.preprocess`` another run's, copied here), else None: preprocess again."""
+    shards = plan(input_uri, config.storage_root)
+    fingerprint = preprocess_inputs(config, content_ids(shards), code_identity(config))
+    manifest_uri = storage.join(out, "preprocess", "manifest.json")
+    if storage.exists(manifest_uri):
+        manifest = storage.read_json(manifest_uri)
+        if (why := cache.manifest_problem(manifest_uri, fingerprint)) is None:
+            reused = manifest.get("reused_from") or this_run
+            log.info("preprocess: inputs unchanged (fingerprint %s): this run's committed %s stands; nothing to redo",
+                     fingerprint, manifest_uri)
+            return {"shards": shards, "fingerprint": fingerprint, "reused_from": reused}
+        log.info("preprocess: the committed %s no longer stands (%s); preprocessing %d shard(s) again under inputs %s",
+                 manifest_uri, why, len(shards), fingerprint)
+    hit = cache.lookup(config, "preprocess", fingerprint, this_run,
+                       lambda result: cache.manifest_problem(result.get("manifest_uri"), fingerprint))
+    if hit is not None:
+        storage.write_json(manifest_uri, {**storage.read_json(hit["manifest_uri"]), "reused_from": hit["reused_from"]})
+        return {"shards": shards, "fingerprint": fingerprint, "reused_from": hit["reused_from"]}
+    return {"shards": shards, "fingerprint": fingerprint, "reused_from": None}
+
+
+def committed_result(manifest_uri: str) -> dict[str, Any]:
+    """A committed manifest as commit returns it (what a reused preprocess hands on)."""
+    manifest = storage.read_json(manifest_uri)
+    return {"manifest_uri": manifest_uri, "rows": manifest["rows"], "rows_dropped": manifest["rows_dropped"],
+            "fingerprint": manifest.get("fingerprint"), "reused_from": manifest.get("reused_from")}
 
 
 def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dict[str, Any]:
@@ -388,8 +421,11 @@ def transform_shard(config: PipelineConfig, shard: str, index: int, out: str, st
     return {"index": index, "files": {name: {"uri": uris[name], "rows": rows[name]} for name in SPLITS if rows[name]}}
 
 
-def commit(config: PipelineConfig, out: str, stats_uri: str, shard_results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Publish the manifest (the commit point) and delete files of attempts it does not list."""
+def commit(config: PipelineConfig, out: str, stats_uri: str, shard_results: list[dict[str, Any]],
+           fingerprint: str | None = None) -> dict[str, Any]:
+    """Publish the manifest (the commit point), recording the inputs' ``fingerprint`` (stagewise.reuse.fingerprints)
+    that every later reuse and the model card's data fingerprint are keyed by, and delete files of attempts it does
+    not list."""
     stats = storage.read_json(stats_uri)
     ordered = sorted(shard_results, key=lambda result: result["index"])
     splits = {name: [r["files"][name] for r in ordered if name in r["files"]] for name in SPLITS}
@@ -410,6 +446,7 @@ def commit(config: PipelineConfig, out: str, stats_uri: str, shard_results: list
         "splits": splits,
         "rows": {name: sum(f["rows"] for f in files) for name, files in splits.items()},
         "rows_dropped": stats["rows_dropped"],
+        "fingerprint": fingerprint,
     }
     uri = storage.join(out, "preprocess", "manifest.json")
     storage.write_json(uri, manifest)
@@ -417,7 +454,7 @@ def commit(config: PipelineConfig, out: str, stats_uri: str, shard_results: list
     removed = sum(storage.remove_unlisted(storage.join(out, "preprocess", name), listed) for name in SPLITS)
     removed += storage.remove_unlisted(_stats_prefix(out), set(stats.get("key_hashes", [])))
     log.info("committed %s: rows %s, %d stale file(s) removed", uri, manifest["rows"], removed)
-    return {"manifest_uri": uri, "rows": manifest["rows"], "rows_dropped": stats["rows_dropped"]}
+    return {"manifest_uri": uri, "rows": manifest["rows"], "rows_dropped": stats["rows_dropped"], "fingerprint": fingerprint}
 
 
 def main(argv: list[str] | None = None) -> None:

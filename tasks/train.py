@@ -36,6 +36,7 @@ from stagewise.definitions.spec import user_hook
 from stagewise.models.building import resolve_params
 from stagewise.models.bundle import preprocessing_of, save_bundle
 from stagewise.models.torch_io import load_torch, save_torch
+from stagewise.reuse.fingerprints import code_identity, manifest_fingerprint, stage_inputs
 from stagewise.scripting.entrypoint import LAST_REPORT, contract_environment, entrypoint_args, run_script
 from stagewise.tracking.runs import Tracker
 from stagewise.training.batch_growth import adaptive_batch, handed_noise_scale
@@ -273,21 +274,23 @@ def _start(stage: Any, loop: Loop, checkpoints: Any, best: BestEpoch, digest: st
                                accept=lambda meta: meta.get("config_hash") == digest)
     if found and found[1]["config_hash"] == digest:
         uri, state = found
-        refuse_other_start(stage.name, uri, state, source)
+        if state.get("inputs_fingerprint") is None:  # written before checkpoints were keyed by their inputs
+            refuse_other_start(stage.name, uri, state, source)
         strategy.load_training_state(model, optimizer, state)
         position = Position(**json.loads(state["position"]))
         best.restore(state.get("best_epoch_state"))
         loop.load_scaler_state(state.get("grad_scaler") or {})
         loop.load_noise_state(state.get("noise_scale") or {})  # the noise scale's curve goes on where it left off
-        log.info("stage %s resumes from %s: epoch %d, batch %d, step %d", stage.name, uri, position.epoch + 1,
-                 position.micro_step, position.step)
+        log.info("stage %s resumes from %s (made from the same inputs): epoch %d, batch %d, step %d", stage.name, uri,
+                 position.epoch + 1, position.micro_step, position.step)
         return StageStart(position=position, history=json.loads(state["history"]),
                           previous_batch=state["previous_global_batch"], resumed_from=position.step,
                           step_offset=state.get("global_step_offset", 0),
                           resumes=[*json.loads(state.get("resumes", "[]")),
                                    {"step": position.step, "epoch": position.epoch, "at": time.time()}])
     if found:
-        log.warning("ignoring checkpoint %s: written under another config or world size", found[0])
+        log.warning("stage %s starts over: its checkpoint %s was written from other inputs (data, params, the stage "
+                    "before, code), another config or world size", stage.name, found[0])
     if not init_from:
         return StageStart()
     state = handed if handed is not None else load_torch(init_from)
@@ -311,21 +314,35 @@ def _stage_params(params: dict[str, Any], recipe: dict[str, Any], env: Any, conf
             "init_from": source, **recipe_params(recipe)}
 
 
-def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str, Any], init_from: str | None) -> dict[str, Any]:
+def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str, Any], init_from: str | None,
+              inputs: str | None = None, data: str | None = None) -> dict[str, Any]:
+    """Train one stage; ``inputs`` and ``data`` are its inputs' and its data's fingerprints (stagewise.reuse), derived
+    here from what it reads when not given."""
     stage = config.stage(stage_name)
     profile = config.profile(stage.profile)
     with distributed_job(profile.device, profile.threads_per_process) as env, out_of_memory_named(stage, env):
-        return _train_stage(config, stage, env, out, swept, init_from)
+        return _train_stage(config, stage, env, out, swept, init_from, inputs, data)
+
+
+def stage_fingerprints(config: PipelineConfig, stage: str, manifest_uri: str, swept: dict[str, Any],
+                       init_from: str | None) -> tuple[str, str]:
+    """(inputs, data) fingerprints of a stage run alone: the manifest's, and the hand-off's bytes for the stage before."""
+    data = manifest_fingerprint(storage.read_json(manifest_uri)) or storage.sha256_of(manifest_uri)[:24]
+    upstream = f"sha256:{storage.sha256_of(init_from)}" if init_from else None
+    return stage_inputs(config, stage, data, swept, upstream, code_identity(config)), data
 
 
 def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: dict[str, Any],
-                 init_from: str | None) -> dict[str, Any]:
+                 init_from: str | None, inputs: str | None, data: str | None) -> dict[str, Any]:
     import torch
 
     source = init_source(init_from)
     if env.master:
         warn_if_scratch(config, stage.name, out, init_from)
-    manifest = read_manifest(storage.join(out, "preprocess", "manifest.json"))
+    manifest_uri = storage.join(out, "preprocess", "manifest.json")
+    manifest = read_manifest(manifest_uri)
+    if inputs is None or data is None:
+        inputs, data = stage_fingerprints(config, stage.name, manifest_uri, swept, init_from)
     decision, handed, micro_batch, accumulation, global_batch = _batch_plan(config, stage, env, init_from)
     data_seed = config.train.seed + 7919 * (config.train.stages.index(stage) + 1)
     train, validation = rank_batches(
@@ -343,8 +360,9 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
                              noise_scale_every=config.train.noise_scale_every_steps if config.train.noise_scale else 0,
                              strategy=stage.strategy, activation_checkpointing=stage.activation_checkpointing)
     params, model, optimizer, strategy = built.params, loop.module, loop.optimizer, loop.strategy
-    digest = config_hash({**stage_identity(stage), **({"adaptive": asdict(decision)} if decision else {})}, params,
-                         env.world_size, config.train.seed)
+    # The inputs' fingerprint too: a try resumes only checkpoints made from the same data, params and stage before.
+    digest = config_hash({**stage_identity(stage), **({"adaptive": asdict(decision)} if decision else {}),
+                          "inputs": inputs}, params, env.world_size, config.train.seed)
     prefix = storage.stage_prefix(out, stage.name)
     checkpoints = checkpoint_store(prefix, config.train.keep_checkpoints, sharded=strategy.shards_state,
                                    master=env.master, background=config.train.async_checkpoints)
@@ -370,7 +388,8 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
                 "global_batch": global_batch, "previous_global_batch": begun.previous_batch, "config_hash": digest,
                 "params": json.dumps(params), "rng_cpu": torch.get_rng_state(), "resumes": json.dumps(resumes),
                 "best_epoch_state": best.record(), "grad_scaler": loop.scaler_state(),
-                "global_step_offset": step_offset, "noise_scale": loop.noise_state(), "init_source": source}
+                "global_step_offset": step_offset, "noise_scale": loop.noise_state(), "init_source": source,
+                "inputs_fingerprint": inputs}
 
     def state_now() -> dict[str, Any]:
         return {**strategy.training_state(model, optimizer), **plain_state()}
@@ -456,6 +475,7 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
                    **recipe, "init_from": source, "grad_clip_norm": stage.grad_clip_norm,
                    "noise_scale": history[-1].get("noise_scale") if history else None,
                    "batch_decision": asdict(decision) if decision else None, "params": params,
+                   "fingerprint": inputs, "data_fingerprint": data,
                    "step_graph": {"captured": bool(loop.step_graph and loop.step_graph.captured),
                                   "replays": loop.step_graph.replays if loop.step_graph else 0,
                                   "why": loop.graph_reason}}
@@ -518,6 +538,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="the run prefix (holds preprocess/manifest.json)")
     parser.add_argument("--params", type=json_arg, default={}, help="hyperparameters (JSON or @file), e.g. the sweep's best")
     parser.add_argument("--init-from", default=None, help="final checkpoint of the previous stage")
+    parser.add_argument("--inputs-fingerprint", default=None, help="the stage's inputs' fingerprint (default: derived)")
+    parser.add_argument("--data-fingerprint", default=None, help="the committed data's fingerprint (default: derived)")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
 
@@ -526,7 +548,8 @@ def main(argv: list[str] | None = None) -> None:
         config = load_config(args.config, overrides)
         out = storage.resolve(config.storage_root, args.out)
         if config.stage(args.stage).entrypoint is None:
-            return run_stage(config, args.stage, out, args.params, args.init_from)
+            return run_stage(config, args.stage, out, args.params, args.init_from, args.inputs_fingerprint,
+                             args.data_fingerprint)
         if "RANK" in os.environ:
             raise UserError(f"stage {args.stage} runs its own entrypoint, which this launches under torchrun: run "
                             "`python -m stagewise.train` plainly, not under torchrun")

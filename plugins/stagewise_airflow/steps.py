@@ -238,86 +238,216 @@ def ingest(config_file: str | None = None) -> dict[str, Any]:
     return _inline(config, lambda: ingest_files(config, source, target))
 
 
+def _run_ref(run: dict[str, Any]) -> str:
+    """The run as reuse records name it: ``<dag_id>/<run_id>``."""
+    return f"{run['dag_id']}/{run['run_id']}"
+
+
+def _reused(*results: Any) -> str | None:
+    """The run whose committed work stands in for this step (its upstream's plan or result says so), else None."""
+    found = [result.get("reused_from") for result in results if isinstance(result, dict)]
+    return found[0] if found and all(found) else None
+
+
 def plan_shards(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """One mapped shard per raw file, each carrying the inputs' fingerprint and, when committed work already stands
+    for them (stagewise.preprocess.plan_run), the run it comes from: then every preprocess task returns at once."""
     from stagewise import preprocess
     from stagewise.core import storage
 
     config = run_config(run)
-    uris = _inline(config, lambda: preprocess.plan(storage.resolve(config.storage_root, config.dataset.uri),
-                                                   config.storage_root))
-    return [{"index": index, "uri": uri} for index, uri in enumerate(uris)]
+    planned = _inline(config, lambda: preprocess.plan_run(config, storage.resolve(config.storage_root, config.dataset.uri),
+                                                          run["out"], _run_ref(run)))
+    return [{"index": index, "uri": uri, "fingerprint": planned["fingerprint"], "reused_from": planned["reused_from"]}
+            for index, uri in enumerate(planned["shards"])]
 
 
 def preprocess_stats(run: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
-    return _launch(run, "stagewise.preprocess", ["stats", "--shard", shard["uri"], "--index", str(shard["index"]),
-                                             "--out", run["out"]], run_config(run).preprocess.profile)
+    if reused := _reused(shard):
+        return {"reused_from": reused, "fingerprint": shard.get("fingerprint")}
+    result = _launch(run, "stagewise.preprocess", ["stats", "--shard", shard["uri"], "--index", str(shard["index"]),
+                                                   "--out", run["out"]], run_config(run).preprocess.profile)
+    return {**result, "fingerprint": shard.get("fingerprint")}
 
 
 def reduce_stats(run: dict[str, Any], stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     from stagewise import preprocess
 
     config = run_config(run)
-    return _inline(config, lambda: preprocess.reduce_stats(config, run["out"], [s["stats_uri"] for s in _all(stats)]))
+    parts = _all(stats)
+    fingerprint = parts[0].get("fingerprint") if parts else None
+    if reused := _reused(*parts):
+        return {"reused_from": reused, "fingerprint": fingerprint}
+    reduced = _inline(config, lambda: preprocess.reduce_stats(config, run["out"], [s["stats_uri"] for s in parts]))
+    return {**reduced, "fingerprint": fingerprint}
 
 
 def preprocess_transform(run: dict[str, Any], reduced: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
+    if reused := _reused(reduced):
+        return {"reused_from": reused}
     return _launch(run, "stagewise.preprocess", ["transform", "--shard", shard["uri"], "--index", str(shard["index"]),
                                              "--out", run["out"], "--stats", reduced["stats_uri"]],
                    run_config(run).preprocess.profile)
 
 
 def commit_preprocess(run: dict[str, Any], reduced: dict[str, Any], transformed: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Commit the manifest under the inputs' fingerprint (and remember it for the cache), or hand on the committed
+    manifest that stands for these inputs."""
     from stagewise import preprocess
+    from stagewise.core import storage
+    from stagewise.reuse import cache
 
     config = run_config(run)
-    return _inline(config, lambda: preprocess.commit(config, run["out"], reduced["stats_uri"], _all(transformed)))
+    if _reused(reduced):
+        return _inline(config, lambda: preprocess.committed_result(storage.join(run["out"], "preprocess", "manifest.json")))
+
+    def work() -> dict[str, Any]:
+        committed = preprocess.commit(config, run["out"], reduced["stats_uri"], _all(transformed), reduced.get("fingerprint"))
+        if committed["fingerprint"]:
+            cache.remember(config, "preprocess", committed["fingerprint"], _run_ref(run), committed)
+        return committed
+
+    return _inline(config, work)
 
 
-def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[int]:
-    """Create (or find again) the run's study, and write the data subsets of a row budget (a sub-job: it reads the
-    whole train split once); return the worker indices to map over."""
+def _data_fingerprint(prepared: dict[str, Any]) -> str:
+    """The fingerprint of the data preprocess committed (a manifest from before fingerprints: its bytes' hash)."""
+    from stagewise.registry import data_fingerprint
+
+    return prepared.get("fingerprint") or data_fingerprint(prepared["manifest_uri"])
+
+
+def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[dict[str, Any]]:
+    """Create (or find again) the study of the sweep's inputs, and write the data subsets of a row budget (a sub-job:
+    it reads the whole train split once); return one entry per worker to map over.
+
+    The study is named by the run and its inputs' fingerprint (data, model, search, code): a cleared run whose data
+    changed sweeps a new study, one whose inputs are unchanged finds its finished trials. With ``cache.sweep`` a study
+    another run finished for the same inputs stands in, and every worker returns at once.
+    """
+    from stagewise.reuse import cache
+    from stagewise.reuse.fingerprints import code_identity, sweep_inputs
     from stagewise.study.studies import create
 
     config = run_config(run)
-    _inline(config, lambda: create(config, run["study"]))
-    if config.sweep.needs_subsets:
+
+    def work() -> dict[str, Any]:
+        fingerprint = sweep_inputs(config, _data_fingerprint(prepared), code_identity(config))
+        hit = cache.lookup(config, "sweep", fingerprint, _run_ref(run), lambda result: cache.record_problem(result.get("summary_uri"), fingerprint))
+        if hit is not None:
+            from stagewise.core import storage
+
+            storage.write_json(storage.join(run["out"], "sweep", "summary.json"), hit)
+            return {"study": hit["study_name"], "fingerprint": fingerprint, "reused_from": hit["reused_from"]}
+        name = f"{run['study']}__{fingerprint[:12]}"
+        create(config, name)
+        return {"study": name, "fingerprint": fingerprint, "reused_from": None}
+
+    planned = _inline(config, work)
+    if planned["reused_from"] is None and config.sweep.needs_subsets:
         _launch(run, "stagewise.sweep", ["subsets", "--out", run["out"]], config.preprocess.profile)
-    return list(range(config.sweep.num_workers))
+    keys = ("study", "fingerprint", "reused_from")
+    return [{"worker": worker, **{key: planned[key] for key in keys}} for worker in range(config.sweep.num_workers)]
 
 
-def sweep_worker(run: dict[str, Any], worker: int) -> dict[str, Any]:
+def sweep_worker(run: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
     """One worker of the shared study; a multi-process trial profile makes every trial a torchrun DDP job.
 
     With ``sweep.entrypoint`` the worker is one process that drives the user's script as each of its trials,
     under torchrun with the profile's processes (stagewise.sweep.run_script_trials).
     """
+    planned = {key: worker.get(key) for key in ("study", "fingerprint", "reused_from")}
+    if planned["reused_from"]:
+        return planned
     config = run_config(run)
     profile = config.sweep.profile
     ddp_trials = config.profile(profile).processes_per_node > 1 and config.sweep.entrypoint is None
-    return _launch(run, "stagewise.sweep", ["worker", "--study", run["study"], "--worker", str(worker), "--out", run["out"]],
-                   profile, distributed=ddp_trials)
+    result = _launch(run, "stagewise.sweep", ["worker", "--study", worker["study"], "--worker", str(worker["worker"]),
+                                              "--out", run["out"]], profile, distributed=ddp_trials)
+    return {**result, **planned}
 
 
 def sweep_summary(run: dict[str, Any], workers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    from stagewise.core import storage
+    from stagewise.reuse import cache
     from stagewise.study.summary import summarize
 
     config = run_config(run)
-    return _inline(config, lambda: summarize(config, run["study"], run["out"]))
+    first = _all(workers)[0]
+    if first.get("reused_from"):
+        return _inline(config, lambda: storage.read_json(storage.join(run["out"], "sweep", "summary.json")))
+
+    def work() -> dict[str, Any]:
+        summary = summarize(config, first["study"], run["out"], fingerprint=first["fingerprint"])
+        cache.remember(config, "sweep", first["fingerprint"], _run_ref(run), summary)
+        return summary
+
+    return _inline(config, work)
+
+
+def _stage_inputs(config: PipelineConfig, run: dict[str, Any], stage: str, swept: dict[str, Any],
+                  previous: dict[str, Any] | None) -> dict[str, Any]:
+    """The fingerprint of a stage's inputs: the run's committed data, the params, the stage before's output, the
+    config and the code (stagewise.reuse.fingerprints.stage_inputs), with the data's own fingerprint."""
+    from stagewise.core import storage
+    from stagewise.reuse.fingerprints import code_identity, stage_inputs
+
+    manifest_uri = storage.join(run["out"], "preprocess", "manifest.json")
+    data = _data_fingerprint({**storage.read_json(manifest_uri), "manifest_uri": manifest_uri})
+    upstream = previous.get("fingerprint") if previous else None
+    return {"fingerprint": stage_inputs(config, stage, data, swept["best_params"], upstream, code_identity(config)),
+            "data_fingerprint": data}
 
 
 def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
-    """Launch one stage under torchrun (stagewise.train, or the user's own entrypoint), or submit it as its backend's job."""
+    """Launch one stage under torchrun (stagewise.train, or the user's own entrypoint), or submit it as its backend's job.
+
+    A stage of the built-in loop is keyed by its inputs' fingerprint: its checkpoints resume only a try with the same
+    inputs, and with ``cache.stage`` a stage another run trained from the same inputs stands in.
+    """
+    from stagewise.reuse import cache
+
     config = run_config(run)
+    if stage not in {spec.name for spec in config.train.stages}:
+        return _not_in_snapshot(run, stage, previous)
     spec = config.stage(stage)
     init_from = previous["checkpoint_uri"] if previous else None
     if config.profile(spec.profile).backend != "local":  # the whole gang as one SageMaker or Kubernetes job
         from stagewise.airflow.backends import submit_stage
 
         return submit_stage(config, run, stage, swept["best_params"], init_from, attempt=_context()["ti"].try_number)
-    if spec.entrypoint is None:
-        args = ["--stage", stage, "--out", run["out"], "--params", json.dumps(swept["best_params"])]
-        return _launch(run, "stagewise.train", args + (["--init-from", init_from] if init_from else []), spec.profile, distributed=True)
-    return launch_entrypoint(run, stage, swept["best_params"], init_from)
+    if spec.entrypoint is not None:
+        return launch_entrypoint(run, stage, swept["best_params"], init_from)
+    inputs = _inline(config, lambda: _stage_inputs(config, run, stage, swept, previous))
+    fingerprint = inputs["fingerprint"]
+    hit = _inline(config, lambda: cache.lookup(config, "stage", fingerprint, _run_ref(run),
+                                               lambda result: cache.stage_problem(result, fingerprint)))
+    if hit is not None:
+        return {**hit, "task_s": task_seconds(_context())}
+    args = ["--stage", stage, "--out", run["out"], "--params", json.dumps(swept["best_params"]),
+            "--inputs-fingerprint", fingerprint, "--data-fingerprint", inputs["data_fingerprint"]]
+    result = _launch(run, "stagewise.train", args + (["--init-from", init_from] if init_from else []), spec.profile,
+                     distributed=True)
+    _inline(config, lambda: cache.remember(config, "stage", fingerprint, _run_ref(run), result))
+    return result
+
+
+def _not_in_snapshot(run: dict[str, Any], stage: str, previous: dict[str, Any] | None) -> dict[str, Any]:
+    """A stage added to the config after this run started: the run keeps the shape it started with, so this task
+    trains nothing and hands the stage before's result through to the tasks after it (marked, so the report leaves
+    it out)."""
+    import logging
+
+    logging.getLogger("stagewise.train").warning(
+        "train stage '%s' was added to the config after this run started (its snapshot %s has no such stage): "
+        "nothing to train in this run; the stage before's model goes on unchanged, and the next run trains it",
+        stage, run["config"])
+    if previous is None:
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException(f"train stage '{stage}' is not in this run's snapshot {run['config']} and no stage "
+                                   "of the run comes before it to hand on")
+    return {**previous, "handed_through": stage}
 
 
 def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], init_from: str | None) -> dict[str, Any]:
@@ -349,8 +479,26 @@ def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], i
 
 
 def evaluate(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
-    return _launch(run, "stagewise.evaluate", ["--model", trained["model_uri"], "--out", run["out"]],
-                   run_config(run).evaluate.profile)
+    """Test the model; keyed by the trained stage's and the data's fingerprints, so with ``cache.evaluate`` the same
+    model on the same test split is not scored twice."""
+    from stagewise.reuse import cache
+    from stagewise.reuse.fingerprints import code_identity, evaluation_inputs
+
+    config = run_config(run)
+    fingerprint = None
+    if trained.get("fingerprint") and trained.get("data_fingerprint"):
+        fingerprint = _inline(config, lambda: evaluation_inputs(config, trained["fingerprint"], trained["data_fingerprint"],
+                                                                code_identity(config)))
+        hit = _inline(config, lambda: cache.lookup(config, "evaluate", fingerprint, _run_ref(run),
+                                                   lambda result: cache.record_problem(result.get("metrics_uri"), fingerprint)))
+        if hit is not None:
+            return {**hit, "task_s": task_seconds(_context())}
+    result = _launch(run, "stagewise.evaluate", ["--model", trained["model_uri"], "--out", run["out"],
+                                                 *(["--inputs-fingerprint", fingerprint] if fingerprint else [])],
+                     config.evaluate.profile)
+    if fingerprint:
+        _inline(config, lambda: cache.remember(config, "evaluate", fingerprint, _run_ref(run), result))
+    return result
 
 
 def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dict[str, Any], swept: dict[str, Any]) -> dict[str, Any]:
@@ -362,14 +510,24 @@ def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dic
 
     def work() -> dict[str, Any]:
         card = registry.model_card(config, trained=trained, evaluation=evaluation, best_params=swept.get("best_params"),
-                                   study=run["study"], source_run=f"{run['dag_id']}/{run['run_id']}",
+                                   study=swept.get("study_name", run["study"]), source_run=f"{run['dag_id']}/{run['run_id']}",
                                    manifest_uri=storage.join(run["out"], "preprocess", "manifest.json"),
                                    run_out=run["out"])  # the code as the run started with it (lineage.json)
         card.update(run_config_reference(run))  # what the model was trained with, after the file has changed
+        if trained.get("data_fingerprint"):  # the data these weights trained on, whatever the run's folder holds now
+            card["data_fingerprint"] = trained["data_fingerprint"]
+        card["inputs_fingerprint"] = trained.get("fingerprint")
+        card["reused"] = reused_work(trained=trained, evaluation=evaluation, swept=swept)
         return registry.register_for(config, run["out"], trained["model_uri"], card, dag_id=run["dag_id"],
                                      run_id=run["run_id"])
 
     return _inline(config, work)
+
+
+def reused_work(**results: Any) -> dict[str, str]:
+    """Which results stand in for work another run did: ``{step: "<dag_id>/<run_id>"}``."""
+    return {name: result["reused_from"] for name, result in results.items()
+            if isinstance(result, dict) and result.get("reused_from")}
 
 
 def gate_model(run: dict[str, Any], registered: dict[str, Any]) -> dict[str, Any]:
@@ -390,25 +548,46 @@ def resolve_model(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def plan_inference(run: dict[str, Any], model: dict[str, Any]) -> list[dict[str, Any]]:
+    """The shards to score, each carrying the inputs' fingerprint (model version, input bytes, settings, code) and,
+    with ``cache.inference`` and another run's committed predictions for them, that run: then every shard returns
+    at once."""
     from stagewise.core import storage
-    from stagewise.datasets import predictions
+    from stagewise.reuse.planning import inference_plan
 
     config = run_config(run)
     source = storage.resolve(config.storage_root, config.inference.input_uri or config.dataset.uri)
-    return _inline(config, lambda: predictions.plan_inference(source, config.inference.rows_per_shard,
-                                                              config.storage_root))
+    planned = _inline(config, lambda: inference_plan(config, source, model.get("current"), run["out"], _run_ref(run)))
+    return [{**shard, "fingerprint": planned["fingerprint"], "reused_from": planned["reused_from"]}
+            for shard in planned["shards"]]
 
 
 def infer_shard(run: dict[str, Any], model: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
-    return _launch(run, "stagewise.infer", ["shard", "--model", model["model_uri"], "--shard", json.dumps(shard),
-                                        "--out", run["out"]], run_config(run).inference.profile)
+    if reused := _reused(shard):
+        return {"index": shard["index"], "reused_from": reused, "fingerprint": shard.get("fingerprint")}
+    result = _launch(run, "stagewise.infer", ["shard", "--model", model["model_uri"], "--shard", json.dumps(shard),
+                                              "--out", run["out"]], run_config(run).inference.profile)
+    return {**result, "fingerprint": shard.get("fingerprint")} if isinstance(result, dict) else result
 
 
 def commit_predictions(run: dict[str, Any], model: dict[str, Any], scored: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    from stagewise.core import storage
     from stagewise.datasets import predictions
+    from stagewise.reuse import cache
 
-    return _inline(run_config(run), lambda: {**predictions.commit_predictions(run["out"], model["model_uri"], _all(scored)),
-                                             "model_version": model["current"]})
+    config = run_config(run)
+    results = _all(scored)
+    fingerprint = results[0].get("fingerprint") if results else None
+
+    def work() -> dict[str, Any]:
+        if reused := _reused(*results):
+            committed = predictions.committed_result(storage.join(run["out"], "predictions", "manifest.json"))
+            return {**committed, "reused_from": reused, "model_version": model["current"]}
+        committed = predictions.commit_predictions(run["out"], model["model_uri"], results, fingerprint)
+        if fingerprint:
+            cache.remember(config, "inference", fingerprint, _run_ref(run), committed)
+        return {**committed, "model_version": model["current"]}
+
+    return _inline(config, work)
 
 
 def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, transformed: Sequence[dict], prepared: dict,

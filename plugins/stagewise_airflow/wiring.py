@@ -16,7 +16,7 @@ from stagewise.definitions.config import PipelineConfig
 
 # Names of mapped task instances in the grid (Jinja over the task's expanded kwargs; rendered before the body runs).
 SHARD_FILE_NAME = "{{ task.op_kwargs['shard']['uri'].rstrip('/').split('/')[-1] }}"
-SWEEP_WORKER_NAME = "worker {{ task.op_kwargs['worker'] }}"
+SWEEP_WORKER_NAME = "worker {{ task.op_kwargs['worker']['worker'] }}"
 INFERENCE_SHARD_NAME = ("{% set shard = task.op_kwargs['shard'] %}{% set groups = shard['row_groups'] %}"
                         "{{ shard['uri'].rstrip('/').split('/')[-1] }}, row group{% if groups | length > 1 %}s "
                         "{{ groups[0] }}-{{ groups[-1] }}{% else %} {{ groups[0] }}{% endif %}, {{ shard['rows'] }} rows")

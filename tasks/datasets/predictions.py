@@ -32,6 +32,13 @@ def plan_inference(input_uri: str, rows_per_shard: int, root: str | None = None)
     return shards
 
 
+def committed_result(uri: str) -> dict[str, Any]:
+    """A committed predictions manifest as commit_predictions returns it."""
+    manifest = storage.read_json(uri)
+    return {"uri": uri, "rows": manifest["rows"], "rows_quarantined": manifest["rows_quarantined"],
+            "fingerprint": manifest.get("fingerprint")}
+
+
 def shard_files(result: dict[str, Any]) -> list[dict[str, Any]]:
     """A shard result's prediction files in order, as ``{"uri", "rows"}``: its ``files`` (a large shard is written as
     several, in parallel), or the one ``uri`` of a result from before them."""
@@ -46,7 +53,7 @@ def shard_quarantine(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"uri": result["quarantine_uri"], "rows": result["rows_quarantined"]}] if result.get("quarantine_uri") else []
 
 
-def commit_predictions(out: str, model_uri: str, results: list[dict[str, Any]]) -> dict[str, Any]:
+def commit_predictions(out: str, model_uri: str, results: list[dict[str, Any]], fingerprint: str | None = None) -> dict[str, Any]:
     """Write ``predictions/manifest.json`` listing exactly the shards' files; drop unlisted leftovers.
 
     ``files`` (and ``quarantine``) list every file of every shard, by shard index, then in each shard's own order, so
@@ -56,7 +63,8 @@ def commit_predictions(out: str, model_uri: str, results: list[dict[str, Any]]) 
     files = [{**f, "shard": r["index"]} for r in ordered for f in shard_files(r)]
     quarantine = [{**q, "shard": r["index"]} for r in ordered for q in shard_quarantine(r)]
     manifest = {"kind": "predictions", "model_uri": model_uri, "files": files, "quarantine": quarantine,
-                "rows": sum(r["rows"] for r in ordered), "rows_quarantined": sum(r.get("rows_quarantined", 0) for r in ordered)}
+                "rows": sum(r["rows"] for r in ordered), "rows_quarantined": sum(r.get("rows_quarantined", 0) for r in ordered),
+                "fingerprint": fingerprint}
     prefix = storage.join(out, "predictions")
     uri = storage.join(prefix, "manifest.json")
     storage.write_json(uri, manifest)
@@ -64,4 +72,4 @@ def commit_predictions(out: str, model_uri: str, results: list[dict[str, Any]]) 
     removed = storage.remove_unlisted(prefix, listed)
     log.info("committed %s: %d rows in %d file(s) of %d shard(s), %d quarantined, %d stale file(s) removed", uri,
              manifest["rows"], len(files), len(ordered), manifest["rows_quarantined"], removed)
-    return {"uri": uri, "rows": manifest["rows"], "rows_quarantined": manifest["rows_quarantined"]}
+    return {"uri": uri, "rows": manifest["rows"], "rows_quarantined": manifest["rows_quarantined"], "fingerprint": fingerprint}

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from stagewise.core.contract import STAGE_VALUES
 from stagewise.core.errors import UserError
+from stagewise.definitions.caching import Cache
 from stagewise.definitions.hyperparams import (
     BUILTIN_SPEC,
     KNOWN,
@@ -923,6 +924,7 @@ class PipelineConfig(_Strict):
     tracking: Tracking = Field(default_factory=Tracking, description="MLflow tracking of runs, trials and stages (off by default).")
     retrain: Retrain = Field(default_factory=Retrain, description="Scheduled and data-triggered retraining.")
     airflow: AirflowSettings = Field(default_factory=AirflowSettings, description="How the DAGs fit the team's Airflow.")
+    cache: Cache = Field(default_factory=Cache, description="Step caching across runs (off by default): `true`, or per kind.")
 
     @field_validator("storage_root")
     @classmethod

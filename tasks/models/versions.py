@@ -40,7 +40,7 @@ def judge(candidate: dict[str, Any], incumbent_version: str | None, incumbent: d
     if incumbent_version is None:
         return {"promoted": True, "reason": "no current model"}
     if incumbent_version == candidate["version"] or incumbent is None:
-        return {"promoted": False, "reason": "already current"}
+        return {"promoted": False, "reason": "nothing changed; current model kept (this version is already current)"}
     if metric not in incumbent:
         raise UserError(f"current model {incumbent_version} has no metric '{metric}' to compare with: it was trained "
                         f"for another objective; promote explicitly ({promote_hint})")

@@ -63,9 +63,10 @@ def param_importances(study: Any) -> dict[str, float]:
         return {}
 
 
-def summarize(config: PipelineConfig, name: str, out: str) -> dict[str, Any]:
+def summarize(config: PipelineConfig, name: str, out: str, fingerprint: str | None = None) -> dict[str, Any]:
     """Counts by state and the best trial into ``sweep/summary.json``, every trial into ``sweep/trials.json`` and plots
-    beside it. Fails when nothing completed."""
+    beside it, with the sweep inputs' ``fingerprint`` (stagewise.reuse) the study was made under. Fails when nothing
+    completed."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -79,7 +80,8 @@ def summarize(config: PipelineConfig, name: str, out: str) -> dict[str, Any]:
         "n_failed": counts["FAIL"], "n_abandoned": sum(1 for t in trials if t.user_attrs.get("abandoned")),
         "n_stale_recovered": stale, "epochs_consumed": sum(int(t.user_attrs.get("epochs", 0)) for t in trials),
         "rows_consumed": sum(int(t.user_attrs.get("rows_seen", 0)) for t in trials), "budget": config.sweep.budget,
-        "storage_kind": config.sweep.storage.split("://")[0],
+        "storage_kind": config.sweep.storage.split("://")[0], "fingerprint": fingerprint,
+        "summary_uri": storage.join(out, "sweep", "summary.json"),
     }
     if counts["COMPLETE"] == 0:
         reasons: dict[str, int] = {}

@@ -20,6 +20,7 @@ INTERNAL = {
     "STAGEWISE_FAULT_KILL_TRIAL": "test-only fault injection in stagewise.sweep",
     "STAGEWISE_STATE_DIR": "where the DAG file keeps each pipeline's last valid version (stagewise.definitions.last_valid)",
     "STAGEWISE_SCRATCH_ROOT": "CI mode: every loaded pipeline on scratch storage (stagewise.definitions.loading, docs/ci.md)",
+    "STAGEWISE_TEST_RUNS_WRITE": "the pipelines whose `airflow dags test` runs may write production (docs/ci.md)",
 }
 
 

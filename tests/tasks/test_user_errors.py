@@ -147,28 +147,23 @@ def test_a_stage_run_alone_without_init_from_says_loudly_it_starts_from_scratch(
     assert not [r for r in caplog.records if "FROM SCRATCH" in r.getMessage()]
 
 
-def test_a_checkpoint_made_from_another_start_is_refused_not_resumed(digits_run, single_process):
-    """s2 trained from scratch leaves checkpoints; s2 then run with --init-from s1 must not resume them: a user error
-    naming both starts (and the other way round). The same start resumes as before."""
+def test_a_checkpoint_made_from_another_start_is_never_resumed(digits_run, single_process, caplog):
+    """s2 trained from scratch leaves checkpoints; s2 then run with --init-from s1 must not resume them: its inputs
+    (the stage before) differ, so it starts over from s1 and says why. The same start resumes as before, and a
+    start from scratch again does not resume the checkpoints made from s1."""
     config_path, out = digits_run
     config = _config(config_path, "stagewise.model:MLPClassifier")
     first = train.run_stage(config, "s1", out, PARAMS, None)
     scratch = train.run_stage(config, "s2", out, PARAMS, None)
     state = torch.load(scratch["checkpoint_uri"], weights_only=True)
-    assert state["init_source"] == "scratch"
-    with pytest.raises(UserError) as caught:
-        train.run_stage(config, "s2", out, PARAMS, first["checkpoint_uri"])
-    message = str(caught.value)
-    assert "trained starting from scratch (no --init-from)" in message
-    assert f"this attempt starts from --init-from {first['checkpoint_uri']}" in message
-    assert not isinstance(caught.value, HookError)
-
-    storage_prefix = storage.join(storage.stage_prefix(out, "s2"), "checkpoints")
-    storage.filesystem(storage_prefix)[0].rm(storage.filesystem(storage_prefix)[1], recursive=True)
-    continued = train.run_stage(config, "s2", out, PARAMS, first["checkpoint_uri"])
+    assert state["init_source"] == "scratch" and state["inputs_fingerprint"] == scratch["fingerprint"]
+    with caplog.at_level(logging.WARNING, logger="stagewise.train"):
+        continued = train.run_stage(config, "s2", out, PARAMS, first["checkpoint_uri"])
     assert continued["init_from"] == first["checkpoint_uri"] and continued["resumed_from_step"] is None
+    assert continued["fingerprint"] != scratch["fingerprint"]
+    assert "stage s2 starts over: its checkpoint" in caplog.text and "other inputs" in caplog.text
     again = train.run_stage(config, "s2", out, PARAMS, first["checkpoint_uri"])  # the same start: resumed as before
-    assert again["resumed_from_step"] == continued["steps"]
-    with pytest.raises(UserError, match=r"trained starting from --init-from .*but this attempt starts from scratch"):
-        train.run_stage(config, "s2", out, PARAMS, None)
+    assert again["resumed_from_step"] == continued["steps"] and again["fingerprint"] == continued["fingerprint"]
+    fresh = train.run_stage(config, "s2", out, PARAMS, None)
+    assert fresh["resumed_from_step"] is None and fresh["fingerprint"] == scratch["fingerprint"]
 
