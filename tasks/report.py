@@ -42,12 +42,15 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
                  preprocess: dict[str, Any], sweep: dict[str, Any], training: list[dict[str, Any]],
                  evaluation: dict[str, Any], predictions: dict[str, Any], registry: dict[str, Any],
                  direction: str | None = None, tasks: list[dict[str, Any]] | None = None,
-                 config: dict[str, Any] | None = None, tracking: dict[str, Any] | None = None) -> dict[str, Any]:
+                 config: dict[str, Any] | None = None, tracking: dict[str, Any] | None = None,
+                 reused: dict[str, str] | None = None, data_interval: dict[str, Any] | None = None) -> dict[str, Any]:
     """Assemble report.json, write report.html and then report.json (the commit); returns their URIs and headline numbers.
 
     ``direction``: the objective's (minimize or maximize); ``tasks``: the run's task attempts (stagewise.reporting.timeline);
     ``config``: the run's config snapshot (``config_uri``, ``config_hash``, ``config_source``); ``tracking``: the MLflow
-    run's and model version's pages and the tracking gaps (stagewise.tracking.runs.links), when tracking is on.
+    run's and model version's pages and the tracking gaps (stagewise.tracking.runs.links), when tracking is on;
+    ``reused``: ``{step: "<dag_id>/<run_id>"}`` for work another run did (stagewise.reuse); ``data_interval``: the
+    interval the run's input was read for (start, end, logical date), when its dataset.uri names one.
     """
     report = {
         "dag_id": dag_id,
@@ -56,7 +59,9 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
         "config": config or {},
         "stages": stage_timing(stage_results),
         "data": {"rows": preprocess.get("rows"), "rows_dropped": preprocess.get("rows_dropped"),
-                 "manifest_uri": preprocess.get("manifest_uri")},
+                 "manifest_uri": preprocess.get("manifest_uri"), "fingerprint": preprocess.get("fingerprint")},
+        "reused": reused or {},
+        "data_interval": data_interval,
         "sweep": {key: sweep.get(key) for key in ("study_name", "n_trials", "n_complete", "n_pruned", "n_failed",
                                                   "best_value", "best_params", "best_trial", "epochs_consumed", "rows_consumed", "budget",
                                                   "importances", "trials_uri")},
@@ -64,7 +69,7 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
                                                       "val_metric", "checkpoint_uri", "handed_epoch", "epochs_run",
                                                       "stopped_early", "lr_schedule", "optimizer", "init_from", "grad_clip_norm", "noise_scale",
                                                       "batch_decision", "grad_accum_steps", "per_process_batch",
-                                                      "strategy")}
+                                                      "strategy", "fingerprint", "data_fingerprint", "reused_from")}
                      for stage in training],
         "objective": {"metric": evaluation.get("objective"), "direction": direction, "test": evaluation.get("test_objective")},
         "test_metrics": {k: v for k, v in evaluation.items() if k.startswith("test_") and k != "test_objective"},

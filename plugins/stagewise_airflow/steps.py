@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,10 +17,11 @@ from typing import Any
 from stagewise.airflow import credentials, launch
 from stagewise.core.errors import UserError
 from stagewise.definitions.config import ConfigError, PipelineConfig
+from stagewise.definitions.intervals import INTERVAL_FIELDS, fields_in, fill, interval_record
 from stagewise.definitions.loading import config_path, load_config, snapshot
 
 
-def _all(results: Sequence[Any]) -> list[Any]:
+def all_results(results: Sequence[Any]) -> list[Any]:
     """Materialise mapped results in one request (iterating a lazy XCom sequence probes past its end)."""
     return list(results[:])
 
@@ -60,7 +62,7 @@ def _config_args(run: dict[str, Any]) -> list[str]:
     return ["--config", run["config"]]
 
 
-def _launch(run: dict[str, Any], module: str, args: list[str], profile: str, distributed: bool = False,
+def launch_subjob(run: dict[str, Any], module: str, args: list[str], profile: str, distributed: bool = False,
             **kwargs: Any) -> dict[str, Any]:
     attempt = _context()["ti"].try_number
     config = run_config(run)
@@ -70,7 +72,7 @@ def _launch(run: dict[str, Any], module: str, args: list[str], profile: str, dis
     return {**result, "task_s": task_seconds(_context())} if isinstance(result, dict) else result
 
 
-def _inline(config: PipelineConfig | None, work: Callable[[], Any]) -> Any:
+def inline(config: PipelineConfig | None, work: Callable[[], Any]) -> Any:
     """Run bookkeeping in-process with ``config``'s storage credentials; a user error fails the task without retry."""
     from airflow.sdk.exceptions import AirflowFailException
 
@@ -209,6 +211,9 @@ def start_run(mode: str = "pipeline", config_file: str | None = None) -> dict[st
             with credentials.exported(credentials.task_environment(base)):
                 overrides.update(registry.retrain_overrides(base))
         config = load_config(path, overrides, test_scratch=scratch)
+        if filled := _interval_inputs(config, context):  # this run's own data: scheduled, catch-up and backfilled alike
+            overrides.update(filled)
+            config = load_config(path, overrides, test_scratch=scratch)
         out = storage.run_prefix(config.storage_root, dag_id, run_id)
         text, config_hash = snapshot(config)
         snapshot_uri = storage.join(out, "config.yaml")
@@ -222,9 +227,29 @@ def start_run(mode: str = "pipeline", config_file: str | None = None) -> dict[st
                              code_version=code["code_version"], stagewise_version=code["stagewise_version"])
         return {"dag_id": dag_id, "run_id": run_id, "config": snapshot_uri, "config_hash": config_hash,
                 "config_source": path, "storage_conn_id": config.storage_conn_id, "overrides": overrides, "out": out,
-                "study": study_name(dag_id, run_id)}
+                "study": study_name(dag_id, run_id), "data_interval": interval_record(_interval_of(context))}
 
-    return _inline(None, work)  # the config is read inside: a bad one must fail the task without retry
+    return inline(None, work)  # the config is read inside: a bad one must fail the task without retry
+
+
+def _interval_of(context: Any) -> dict[str, Any]:
+    """The run's data interval and logical date (None where Airflow gives the run none)."""
+    return {name: context.get(name) for name in INTERVAL_FIELDS}
+
+
+def _interval_inputs(config: PipelineConfig, context: Any) -> dict[str, str]:
+    """Overrides that fill the run's interval into dataset.uri and inference.input_uri where they name it."""
+    values, filled = _interval_of(context), {}
+    for key, template in (("dataset.uri", config.dataset.uri), ("inference.input_uri", config.inference.input_uri)):
+        if template and fields_in(template, key):
+            try:
+                filled[key] = fill(template, key, values)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+    if filled:
+        logging.getLogger("stagewise.start_run").info("this run reads its interval's data: %s (interval %s)", filled,
+                                                      interval_record(values))
+    return filled
 
 
 def ingest(config_file: str | None = None) -> dict[str, Any]:
@@ -235,79 +260,18 @@ def ingest(config_file: str | None = None) -> dict[str, Any]:
     config = load_config(config_file)
     source = _context()["params"]["source_uri"]
     target = storage.resolve(config.storage_root, config.dataset.uri)
-    return _inline(config, lambda: ingest_files(config, source, target))
+    return inline(config, lambda: ingest_files(config, source, target))
 
 
-def _run_ref(run: dict[str, Any]) -> str:
+def run_ref(run: dict[str, Any]) -> str:
     """The run as reuse records name it: ``<dag_id>/<run_id>``."""
     return f"{run['dag_id']}/{run['run_id']}"
 
 
-def _reused(*results: Any) -> str | None:
+def reused_from(*results: Any) -> str | None:
     """The run whose committed work stands in for this step (its upstream's plan or result says so), else None."""
     found = [result.get("reused_from") for result in results if isinstance(result, dict)]
     return found[0] if found and all(found) else None
-
-
-def plan_shards(run: dict[str, Any]) -> list[dict[str, Any]]:
-    """One mapped shard per raw file, each carrying the inputs' fingerprint and, when committed work already stands
-    for them (stagewise.preprocess.plan_run), the run it comes from: then every preprocess task returns at once."""
-    from stagewise import preprocess
-    from stagewise.core import storage
-
-    config = run_config(run)
-    planned = _inline(config, lambda: preprocess.plan_run(config, storage.resolve(config.storage_root, config.dataset.uri),
-                                                          run["out"], _run_ref(run)))
-    return [{"index": index, "uri": uri, "fingerprint": planned["fingerprint"], "reused_from": planned["reused_from"]}
-            for index, uri in enumerate(planned["shards"])]
-
-
-def preprocess_stats(run: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
-    if reused := _reused(shard):
-        return {"reused_from": reused, "fingerprint": shard.get("fingerprint")}
-    result = _launch(run, "stagewise.preprocess", ["stats", "--shard", shard["uri"], "--index", str(shard["index"]),
-                                                   "--out", run["out"]], run_config(run).preprocess.profile)
-    return {**result, "fingerprint": shard.get("fingerprint")}
-
-
-def reduce_stats(run: dict[str, Any], stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    from stagewise import preprocess
-
-    config = run_config(run)
-    parts = _all(stats)
-    fingerprint = parts[0].get("fingerprint") if parts else None
-    if reused := _reused(*parts):
-        return {"reused_from": reused, "fingerprint": fingerprint}
-    reduced = _inline(config, lambda: preprocess.reduce_stats(config, run["out"], [s["stats_uri"] for s in parts]))
-    return {**reduced, "fingerprint": fingerprint}
-
-
-def preprocess_transform(run: dict[str, Any], reduced: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
-    if reused := _reused(reduced):
-        return {"reused_from": reused}
-    return _launch(run, "stagewise.preprocess", ["transform", "--shard", shard["uri"], "--index", str(shard["index"]),
-                                             "--out", run["out"], "--stats", reduced["stats_uri"]],
-                   run_config(run).preprocess.profile)
-
-
-def commit_preprocess(run: dict[str, Any], reduced: dict[str, Any], transformed: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Commit the manifest under the inputs' fingerprint (and remember it for the cache), or hand on the committed
-    manifest that stands for these inputs."""
-    from stagewise import preprocess
-    from stagewise.core import storage
-    from stagewise.reuse import cache
-
-    config = run_config(run)
-    if _reused(reduced):
-        return _inline(config, lambda: preprocess.committed_result(storage.join(run["out"], "preprocess", "manifest.json")))
-
-    def work() -> dict[str, Any]:
-        committed = preprocess.commit(config, run["out"], reduced["stats_uri"], _all(transformed), reduced.get("fingerprint"))
-        if committed["fingerprint"]:
-            cache.remember(config, "preprocess", committed["fingerprint"], _run_ref(run), committed)
-        return committed
-
-    return _inline(config, work)
 
 
 def _data_fingerprint(prepared: dict[str, Any]) -> str:
@@ -333,7 +297,7 @@ def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[dict[str
 
     def work() -> dict[str, Any]:
         fingerprint = sweep_inputs(config, _data_fingerprint(prepared), code_identity(config))
-        hit = cache.lookup(config, "sweep", fingerprint, _run_ref(run), lambda result: cache.record_problem(result.get("summary_uri"), fingerprint))
+        hit = cache.lookup(config, "sweep", fingerprint, run_ref(run), lambda result: cache.record_problem(result.get("summary_uri"), fingerprint))
         if hit is not None:
             from stagewise.core import storage
 
@@ -343,9 +307,9 @@ def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[dict[str
         create(config, name)
         return {"study": name, "fingerprint": fingerprint, "reused_from": None}
 
-    planned = _inline(config, work)
+    planned = inline(config, work)
     if planned["reused_from"] is None and config.sweep.needs_subsets:
-        _launch(run, "stagewise.sweep", ["subsets", "--out", run["out"]], config.preprocess.profile)
+        launch_subjob(run, "stagewise.sweep", ["subsets", "--out", run["out"]], config.preprocess.profile)
     keys = ("study", "fingerprint", "reused_from")
     return [{"worker": worker, **{key: planned[key] for key in keys}} for worker in range(config.sweep.num_workers)]
 
@@ -362,7 +326,7 @@ def sweep_worker(run: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
     config = run_config(run)
     profile = config.sweep.profile
     ddp_trials = config.profile(profile).processes_per_node > 1 and config.sweep.entrypoint is None
-    result = _launch(run, "stagewise.sweep", ["worker", "--study", worker["study"], "--worker", str(worker["worker"]),
+    result = launch_subjob(run, "stagewise.sweep", ["worker", "--study", worker["study"], "--worker", str(worker["worker"]),
                                               "--out", run["out"]], profile, distributed=ddp_trials)
     return {**result, **planned}
 
@@ -373,16 +337,16 @@ def sweep_summary(run: dict[str, Any], workers: Sequence[dict[str, Any]]) -> dic
     from stagewise.study.summary import summarize
 
     config = run_config(run)
-    first = _all(workers)[0]
+    first = all_results(workers)[0]
     if first.get("reused_from"):
-        return _inline(config, lambda: storage.read_json(storage.join(run["out"], "sweep", "summary.json")))
+        return inline(config, lambda: storage.read_json(storage.join(run["out"], "sweep", "summary.json")))
 
     def work() -> dict[str, Any]:
         summary = summarize(config, first["study"], run["out"], fingerprint=first["fingerprint"])
-        cache.remember(config, "sweep", first["fingerprint"], _run_ref(run), summary)
+        cache.remember(config, "sweep", first["fingerprint"], run_ref(run), summary)
         return summary
 
-    return _inline(config, work)
+    return inline(config, work)
 
 
 def _stage_inputs(config: PipelineConfig, run: dict[str, Any], stage: str, swept: dict[str, Any],
@@ -418,17 +382,17 @@ def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous
         return submit_stage(config, run, stage, swept["best_params"], init_from, attempt=_context()["ti"].try_number)
     if spec.entrypoint is not None:
         return launch_entrypoint(run, stage, swept["best_params"], init_from)
-    inputs = _inline(config, lambda: _stage_inputs(config, run, stage, swept, previous))
+    inputs = inline(config, lambda: _stage_inputs(config, run, stage, swept, previous))
     fingerprint = inputs["fingerprint"]
-    hit = _inline(config, lambda: cache.lookup(config, "stage", fingerprint, _run_ref(run),
+    hit = inline(config, lambda: cache.lookup(config, "stage", fingerprint, run_ref(run),
                                                lambda result: cache.stage_problem(result, fingerprint)))
     if hit is not None:
         return {**hit, "task_s": task_seconds(_context())}
     args = ["--stage", stage, "--out", run["out"], "--params", json.dumps(swept["best_params"]),
             "--inputs-fingerprint", fingerprint, "--data-fingerprint", inputs["data_fingerprint"]]
-    result = _launch(run, "stagewise.train", args + (["--init-from", init_from] if init_from else []), spec.profile,
+    result = launch_subjob(run, "stagewise.train", args + (["--init-from", init_from] if init_from else []), spec.profile,
                      distributed=True)
-    _inline(config, lambda: cache.remember(config, "stage", fingerprint, _run_ref(run), result))
+    inline(config, lambda: cache.remember(config, "stage", fingerprint, run_ref(run), result))
     return result
 
 
@@ -464,17 +428,17 @@ def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], i
         env = byo_environment(config, run["config"], stage, run["out"], params, init_from, run["overrides"])
         return values, env, byo_args(config, stage, values)
 
-    values, env, args = _inline(config, contract)  # bad params or args are the user's to fix: no retry
+    values, env, args = inline(config, contract)  # bad params or args are the user's to fix: no retry
     reported = launch.run(entry.module or "", args, config.profile(spec.profile), distributed=True,
                           attempt=_context()["ti"].try_number, script=entry.script,
                           extra_env={**credentials.task_environment(config), **env},
                           result_arg=False, import_paths=config.model.import_paths or ())
     # Missing outputs fail here, without retry, rather than in evaluate three times.
-    result = _inline(config, lambda: byo_result(config, stage, run["out"], values, reported))
+    result = inline(config, lambda: byo_result(config, stage, run["out"], values, reported))
     if config.tracking.mlflow_uri:
         from stagewise.tracking.runs import log_script_stage
 
-        _inline(config, lambda: log_script_stage(config, run["out"], values, result))
+        inline(config, lambda: log_script_stage(config, run["out"], values, result))
     return {**result, "duration_s": round(time.monotonic() - started, 3), "task_s": task_seconds(_context())}
 
 
@@ -487,17 +451,17 @@ def evaluate(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
     config = run_config(run)
     fingerprint = None
     if trained.get("fingerprint") and trained.get("data_fingerprint"):
-        fingerprint = _inline(config, lambda: evaluation_inputs(config, trained["fingerprint"], trained["data_fingerprint"],
+        fingerprint = inline(config, lambda: evaluation_inputs(config, trained["fingerprint"], trained["data_fingerprint"],
                                                                 code_identity(config)))
-        hit = _inline(config, lambda: cache.lookup(config, "evaluate", fingerprint, _run_ref(run),
+        hit = inline(config, lambda: cache.lookup(config, "evaluate", fingerprint, run_ref(run),
                                                    lambda result: cache.record_problem(result.get("metrics_uri"), fingerprint)))
         if hit is not None:
             return {**hit, "task_s": task_seconds(_context())}
-    result = _launch(run, "stagewise.evaluate", ["--model", trained["model_uri"], "--out", run["out"],
+    result = launch_subjob(run, "stagewise.evaluate", ["--model", trained["model_uri"], "--out", run["out"],
                                                  *(["--inputs-fingerprint", fingerprint] if fingerprint else [])],
                      config.evaluate.profile)
     if fingerprint:
-        _inline(config, lambda: cache.remember(config, "evaluate", fingerprint, _run_ref(run), result))
+        inline(config, lambda: cache.remember(config, "evaluate", fingerprint, run_ref(run), result))
     return result
 
 
@@ -518,10 +482,11 @@ def register_model(run: dict[str, Any], trained: dict[str, Any], evaluation: dic
             card["data_fingerprint"] = trained["data_fingerprint"]
         card["inputs_fingerprint"] = trained.get("fingerprint")
         card["reused"] = reused_work(trained=trained, evaluation=evaluation, swept=swept)
+        card["data_interval"] = run.get("data_interval")
         return registry.register_for(config, run["out"], trained["model_uri"], card, dag_id=run["dag_id"],
                                      run_id=run["run_id"])
 
-    return _inline(config, work)
+    return inline(config, work)
 
 
 def reused_work(**results: Any) -> dict[str, str]:
@@ -535,7 +500,7 @@ def gate_model(run: dict[str, Any], registered: dict[str, Any]) -> dict[str, Any
     from stagewise import registry
 
     config = run_config(run)
-    return _inline(config, lambda: registry.gate_registered(config, registered, run["out"]))
+    return inline(config, lambda: registry.gate_registered(config, registered, run["out"]))
 
 
 def resolve_model(run: dict[str, Any]) -> dict[str, Any]:
@@ -544,50 +509,7 @@ def resolve_model(run: dict[str, Any]) -> dict[str, Any]:
 
     config = run_config(run)
     version = _context()["params"].get("model_version") or None
-    return _inline(config, lambda: registry.serving_model(config, version, run["out"]))
-
-
-def plan_inference(run: dict[str, Any], model: dict[str, Any]) -> list[dict[str, Any]]:
-    """The shards to score, each carrying the inputs' fingerprint (model version, input bytes, settings, code) and,
-    with ``cache.inference`` and another run's committed predictions for them, that run: then every shard returns
-    at once."""
-    from stagewise.core import storage
-    from stagewise.reuse.planning import inference_plan
-
-    config = run_config(run)
-    source = storage.resolve(config.storage_root, config.inference.input_uri or config.dataset.uri)
-    planned = _inline(config, lambda: inference_plan(config, source, model.get("current"), run["out"], _run_ref(run)))
-    return [{**shard, "fingerprint": planned["fingerprint"], "reused_from": planned["reused_from"]}
-            for shard in planned["shards"]]
-
-
-def infer_shard(run: dict[str, Any], model: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
-    if reused := _reused(shard):
-        return {"index": shard["index"], "reused_from": reused, "fingerprint": shard.get("fingerprint")}
-    result = _launch(run, "stagewise.infer", ["shard", "--model", model["model_uri"], "--shard", json.dumps(shard),
-                                              "--out", run["out"]], run_config(run).inference.profile)
-    return {**result, "fingerprint": shard.get("fingerprint")} if isinstance(result, dict) else result
-
-
-def commit_predictions(run: dict[str, Any], model: dict[str, Any], scored: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    from stagewise.core import storage
-    from stagewise.datasets import predictions
-    from stagewise.reuse import cache
-
-    config = run_config(run)
-    results = _all(scored)
-    fingerprint = results[0].get("fingerprint") if results else None
-
-    def work() -> dict[str, Any]:
-        if reused := _reused(*results):
-            committed = predictions.committed_result(storage.join(run["out"], "predictions", "manifest.json"))
-            return {**committed, "reused_from": reused, "model_version": model["current"]}
-        committed = predictions.commit_predictions(run["out"], model["model_uri"], results, fingerprint)
-        if fingerprint:
-            cache.remember(config, "inference", fingerprint, _run_ref(run), committed)
-        return {**committed, "model_version": model["current"]}
-
-    return _inline(config, work)
+    return inline(config, lambda: registry.serving_model(config, version, run["out"]))
 
 
 def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, transformed: Sequence[dict], prepared: dict,
@@ -598,9 +520,10 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
     from stagewise.tracking import runs as tracking
 
     config = run_config(run)
-    stage_results = {"preprocess": [*_all(stats), reduced, *_all(transformed), prepared], "sweep": [*_all(workers), swept]}
+    trained = [result for result in trained if not result.get("handed_through")]  # stages added after the run began
+    stage_results = {"preprocess": [*all_results(stats), reduced, *all_results(transformed), prepared], "sweep": [*all_results(workers), swept]}
     stage_results.update({f"train_{result['stage']}": [result] for result in trained})
-    stage_results.update({"evaluate": [evaluation], "registry": [registered, gated], "inference": [*_all(scored), predictions]})
+    stage_results.update({"evaluate": [evaluation], "registry": [registered, gated], "inference": [*all_results(scored), predictions]})
     gate_keys = ("model_name", "promoted", "reason", "current", "previous", "metric", "direction", "margin",
                  "candidate_value", "incumbent_value")
     # Only a report-only gate (CI, docs/ci.md) says what it would have done.
@@ -613,12 +536,14 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
             sweep=swept, training=list(trained), evaluation=evaluation, predictions=predictions,
             registry={**{key: gated.get(key) for key in gate_keys}, "version": registered["version"]},
             direction=config.objective.direction, tasks=timeline.records(run["out"]), config=run_config_reference(run),
-            tracking=links)
+            tracking=links, reused=reused_work(preprocess=prepared, sweep=swept, evaluate=evaluation, inference=predictions,
+                                               **{f"train_{result['stage']}": result for result in trained}),
+            data_interval=run.get("data_interval"))
         if links is not None:
             tracking.finish_parent(config, run["out"], written)
         return written
 
-    return _inline(config, work)
+    return inline(config, work)
 
 
 def write_inference_report(run: dict[str, Any], model: dict[str, Any], scored: Sequence[dict], predictions: dict) -> dict[str, Any]:
@@ -632,10 +557,10 @@ def write_inference_report(run: dict[str, Any], model: dict[str, Any], scored: S
         links = tracking.links(run["out"], model)
         written = report.build_inference_report(
             dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], model=model,
-            stage_results={"inference": [*_all(scored), predictions]}, predictions=predictions,
+            stage_results={"inference": [*all_results(scored), predictions]}, predictions=predictions,
             tasks=timeline.records(run["out"]), config=run_config_reference(run), tracking=links)
         if links is not None:
             tracking.finish_parent(config, run["out"], written)
         return written
 
-    return _inline(config, work)
+    return inline(config, work)

@@ -10,7 +10,7 @@ from typing import Any
 
 from airflow.sdk import Asset, task
 
-from stagewise.airflow import steps
+from stagewise.airflow import shard_steps, steps
 from stagewise.airflow.profiles import task_kwargs
 from stagewise.definitions.config import PipelineConfig
 
@@ -76,8 +76,9 @@ def raw_data_asset(config: PipelineConfig) -> Asset:
     import hashlib
 
     from stagewise.core.storage import resolve
+    from stagewise.definitions.intervals import static_prefix
 
-    location = resolve(config.storage_root, config.dataset.uri)
+    location = resolve(config.storage_root, static_prefix(config.dataset.uri))  # an interval's data: its folder
     uri = location if "://" in location else f"file://{location}"
     return Asset(uri=uri, name=f"{RAW_DATA_ASSET_PREFIX}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}")
 
@@ -92,15 +93,15 @@ def start(config: PipelineConfig, config_file: str, mode: str = "pipeline") -> A
 def preprocess(config: PipelineConfig, run: Any) -> dict[str, Any]:
     """plan_shards -> preprocess_stats[shard] -> reduce_stats -> preprocess_transform[shard] -> commit_preprocess."""
     bookkeeping = knobs(config, config.preprocess.profile)
-    shards = task(steps.plan_shards, task_id="plan_shards", **bookkeeping)(run)
-    stats = task(steps.preprocess_stats, task_id="preprocess_stats", map_index_template=SHARD_FILE_NAME,
+    shards = task(shard_steps.plan_shards, task_id="plan_shards", **bookkeeping)(run)
+    stats = task(shard_steps.preprocess_stats, task_id="preprocess_stats", map_index_template=SHARD_FILE_NAME,
                  **knobs(config, config.preprocess.profile)).partial(
         run=run).expand(shard=shards)
-    reduced = task(steps.reduce_stats, task_id="reduce_stats", **bookkeeping)(run, stats)
-    transformed = task(steps.preprocess_transform, task_id="preprocess_transform",
+    reduced = task(shard_steps.reduce_stats, task_id="reduce_stats", **bookkeeping)(run, stats)
+    transformed = task(shard_steps.preprocess_transform, task_id="preprocess_transform",
                        map_index_template=SHARD_FILE_NAME, **knobs(config, config.preprocess.profile)).partial(
         run=run, reduced=reduced).expand(shard=shards)
-    prepared = task(steps.commit_preprocess, task_id="commit_preprocess", **bookkeeping)(run, reduced, transformed)
+    prepared = task(shard_steps.commit_preprocess, task_id="commit_preprocess", **bookkeeping)(run, reduced, transformed)
     return {"stats": stats, "reduced": reduced, "transformed": transformed, "prepared": prepared}
 
 
@@ -149,11 +150,11 @@ def evaluate_and_gate(config: PipelineConfig, run: Any, swept: dict[str, Any], t
 def inference_chain(config: PipelineConfig, run: Any, model: Any) -> dict[str, Any]:
     """plan -> infer_shard[*] -> commit, scoring with ``model`` (a dict holding model_uri and version)."""
     bookkeeping = knobs(config, config.preprocess.profile)
-    shards = task(steps.plan_inference, task_id="plan_inference", **bookkeeping)(run, model)
-    scored = task(steps.infer_shard, task_id="infer_shard", map_index_template=INFERENCE_SHARD_NAME,
+    shards = task(shard_steps.plan_inference, task_id="plan_inference", **bookkeeping)(run, model)
+    scored = task(shard_steps.infer_shard, task_id="infer_shard", map_index_template=INFERENCE_SHARD_NAME,
                   **knobs(config, config.inference.profile)).partial(
         run=run, model=model).expand(shard=shards)
-    predictions = task(steps.commit_predictions, task_id="commit_predictions", **bookkeeping)(run, model, scored)
+    predictions = task(shard_steps.commit_predictions, task_id="commit_predictions", **bookkeeping)(run, model, scored)
     return {"scored": scored, "predictions": predictions}
 
 

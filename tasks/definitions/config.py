@@ -24,6 +24,7 @@ from stagewise.definitions.hyperparams import (
     TUNABLE,
     hyperparameter_problem,
 )
+from stagewise.definitions.intervals import fields_in, static_prefix
 from stagewise.definitions.spec_source import declared_default_params
 
 # Optuna keeps a study's name in at most 512 characters (its RDB schema).
@@ -226,6 +227,12 @@ class Dataset(_Strict):
     normalize: bool = Field(True, description="Standardise the plain (scalar) feature columns; false keeps them as they are.")
     demo_data: Literal["digits", "digits-images", "diabetes", "synthetic", "tokens"] = Field(
         "digits", description="What `python -m stagewise.data demo` (make demo) writes into uri when it holds no shards.")
+
+    @field_validator("uri")
+    @classmethod
+    def _interval_placeholders(cls, value: str) -> str:
+        fields_in(value, "dataset.uri")  # a run's first task fills them (stagewise.definitions.intervals)
+        return value
 
     @field_validator("features", mode="before")
     @classmethod
@@ -734,8 +741,9 @@ MODEL_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
 
 
 def default_model_name(dataset_uri: str) -> str:
-    """The registry name a config gets when it names none: the data set's last path component (raw/digits -> digits)."""
-    last = dataset_uri.rstrip("/").rsplit("/", 1)[-1].removesuffix(".parquet")
+    """The registry name a config gets when it names none: the data set's last path component (raw/digits -> digits),
+    before any interval placeholder (every interval's data trains one model)."""
+    last = static_prefix(dataset_uri).rstrip("/").rsplit("/", 1)[-1].removesuffix(".parquet")
     return re.sub(r"[^A-Za-z0-9_.-]", "_", last).lstrip(".-") or "default"
 
 

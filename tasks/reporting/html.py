@@ -380,6 +380,15 @@ def config_line(config: dict[str, Any]) -> str:
             f'{html.escape(str(config["config_hash"]))}</b> (config.yaml, from {html.escape(str(config.get("config_source")))})')
 
 
+def reuse_line(report: dict[str, Any]) -> str:
+    """The header's word on work this run reused from earlier runs (stagewise.reuse), and the interval it read."""
+    parts = [f"{html.escape(step)} reused from {html.escape(str(source))}"
+             for step, source in sorted((report.get("reused") or {}).items())]
+    if (interval := report.get("data_interval") or {}).get("start"):
+        parts.insert(0, f"data interval {html.escape(str(interval.get('start')))} to {html.escape(str(interval.get('end')))}")
+    return f'<div class="reused">{" · ".join(parts)}</div>' if parts else ""
+
+
 def tracking_line(tracking: dict[str, Any] | None) -> str:
     """Links to the MLflow run and model version, and what tracking missed (empty when the run was not tracked)."""
     if not tracking:
@@ -509,7 +518,7 @@ on the axis' worst edge.</p>
 <header><h1>Stagewise run {html.escape(title)}</h1>
 <div class="meta">dag_id <b>{html.escape(str(report.get('dag_id')))}</b> · run_id <b>{html.escape(str(report.get('run_id')))}</b>
 {objective} · {config_line(report.get('config') or {})} · report generated {html.escape(generated_at[:19])} UTC</div>
-<div class="outcome">{outcome_line(report, metric)}</div>{tracking_line(report.get('tracking'))}</header>
+<div class="outcome">{outcome_line(report, metric)}</div>{tracking_line(report.get('tracking'))}{reuse_line(report)}</header>
 <main>
 {sections}
 </main>

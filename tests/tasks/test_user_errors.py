@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stagewise import train
-from stagewise.core import contract, storage
+from stagewise.core import contract
 from stagewise.core.errors import USER_ERROR_EXIT, UserError
 from stagewise.definitions.hyperparams import FRAMEWORK_DEFAULTS
 from stagewise.definitions.loading import load_config

@@ -1,0 +1,55 @@
+"""Fingerprints depend on what a sub-job reads (bytes, the config it uses, upstream, code), never on names or runs."""
+
+from __future__ import annotations
+
+import shutil
+
+from stagewise.definitions.loading import load_config
+from stagewise.reuse import fingerprints
+from tests.conftest import base_config
+
+CODE = {"stagewise_version": "1", "stagewise_source": "abc", "source_fingerprint": None}
+
+
+def test_content_id_follows_the_bytes_not_the_name(tmp_path):
+    """Two files with the same bytes share an id; one changed byte changes it."""
+    first, second = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    first.write_bytes(b"PAR1 rows PAR1")
+    shutil.copy(first, second)
+    assert fingerprints.content_id(str(first)) == fingerprints.content_id(str(second))
+    second.write_bytes(b"PAR1 rowz PAR1")
+    assert fingerprints.content_id(str(first)) != fingerprints.content_id(str(second))
+
+
+def test_preprocess_inputs_change_with_data_and_rules_not_with_placement(write_config, storage_root):
+    """Other shard bytes or another split changes the fingerprint; another profile for the same work does not."""
+    raw = base_config(storage_root)
+    config = load_config(write_config(raw))
+    same = fingerprints.preprocess_inputs(config, ["sha256:1", "sha256:2"], CODE)
+    assert same == fingerprints.preprocess_inputs(config, ["sha256:1", "sha256:2"], CODE)
+    assert same != fingerprints.preprocess_inputs(config, ["sha256:1", "sha256:3"], CODE)
+    assert same != fingerprints.preprocess_inputs(config, ["sha256:1", "sha256:2"], {**CODE, "stagewise_source": "x"})
+    raw["preprocess"]["split"]["salt"] = "other"
+    assert same != fingerprints.preprocess_inputs(load_config(write_config(raw)), ["sha256:1", "sha256:2"], CODE)
+    raw = base_config(storage_root)
+    raw["profiles"]["placed"] = dict(raw["profiles"]["small"], pool_slots=1, retries=5)
+    raw["preprocess"]["profile"] = "placed"
+    assert same == fingerprints.preprocess_inputs(load_config(write_config(raw)), ["sha256:1", "sha256:2"], CODE)
+
+
+def test_stage_inputs_chain_the_stage_before_and_the_data(write_config):
+    """A stage's fingerprint moves with its data, its params, the stage before's fingerprint and its own settings."""
+    config = load_config(write_config())
+    key = fingerprints.stage_inputs(config, "s2", "data1", {"lr": 0.1}, "s1-fp", CODE)
+    assert key == fingerprints.stage_inputs(config, "s2", "data1", {"lr": 0.1}, "s1-fp", CODE)
+    for other in (fingerprints.stage_inputs(config, "s2", "data2", {"lr": 0.1}, "s1-fp", CODE),
+                  fingerprints.stage_inputs(config, "s2", "data1", {"lr": 0.2}, "s1-fp", CODE),
+                  fingerprints.stage_inputs(config, "s2", "data1", {"lr": 0.1}, "s1-other", CODE),
+                  fingerprints.stage_inputs(config, "s1", "data1", {"lr": 0.1}, "s1-fp", CODE)):
+        assert other != key
+
+
+def test_package_fingerprint_is_stable_in_a_process():
+    """Stagewise's own source hashes the same twice (a cached value, not a timestamp)."""
+    assert fingerprints.package_fingerprint() == fingerprints.package_fingerprint()
+    assert len(fingerprints.package_fingerprint()) == fingerprints.FINGERPRINT_CHARS
