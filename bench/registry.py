@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sweep_data_budget_quality": ("sweep:sweep_data_budget_quality", ">= 0.99"),
     "pipeline_scale_linearity": ("scale:pipeline_scale_linearity", "<= 1.0"),
     "pipeline_scale_sweep_share": ("scale:pipeline_scale_sweep_share", "<= 0.333"),
+    "cache_rerun": ("caching:cache_rerun", "<= 0.25"),
     "inference_throughput": ("inference:inference_throughput", ">= 0.9"),
     "inference_parallel_speedup": ("inference:inference_parallel_speedup", ">= 1.6"),
     "inference_memory_growth": ("inference:inference_memory_growth", "<= 1.5"),

@@ -17,7 +17,7 @@ from typing import Any
 from stagewise.airflow import credentials, launch
 from stagewise.core.errors import UserError
 from stagewise.definitions.config import ConfigError, PipelineConfig
-from stagewise.definitions.intervals import INTERVAL_FIELDS, fields_in, fill, interval_record
+from stagewise.definitions.intervals import INTERVAL_FIELDS, fields_in, fill, interval_record, static_prefix
 from stagewise.definitions.loading import config_path, load_config, snapshot
 
 
@@ -257,9 +257,17 @@ def ingest(config_file: str | None = None) -> dict[str, Any]:
     from stagewise.core import storage
     from stagewise.data import ingest as ingest_files
 
+    context = _context()
+    path = str(config_path(config_file))
+    if _test_run_scratch(context["dag_run"], path) is not None:  # its target is production's data set: never written
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException(f"a test run (airflow dags test) of the ingest DAG would copy into {path}'s dataset.uri, "
+                                   "production's data set; it writes nothing. Opt the pipeline in by name with "
+                                   "$STAGEWISE_TEST_RUNS_WRITE to test ingest against its real storage (docs/ci.md)")
     config = load_config(config_file)
-    source = _context()["params"]["source_uri"]
-    target = storage.resolve(config.storage_root, config.dataset.uri)
+    source = context["params"]["source_uri"]
+    target = storage.resolve(config.storage_root, static_prefix(config.dataset.uri))
     return inline(config, lambda: ingest_files(config, source, target))
 
 

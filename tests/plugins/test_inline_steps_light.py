@@ -11,7 +11,9 @@ import sys
 # What steps.py imports inside its inline steps (a launched sub-job imports its job module in its own process).
 INLINE_MODULES = ("stagewise.core.storage", "stagewise.definitions.loading", "stagewise.study.studies", "stagewise.study.summary",
                   "stagewise.datasets.predictions", "stagewise.preprocess", "stagewise.registry", "stagewise.report",
-                  "stagewise.reporting.timeline", "stagewise.airflow.steps", "stagewise.airflow.backends")
+                  "stagewise.reporting.timeline", "stagewise.airflow.steps", "stagewise.airflow.backends",
+                  "stagewise.airflow.shard_steps", "stagewise.reuse.cache", "stagewise.reuse.fingerprints",
+                  "stagewise.reuse.planning")
 
 
 def test_inline_step_modules_import_without_torch():

@@ -89,3 +89,19 @@ def test_an_s3_snapshot_is_read_with_the_runs_connection_when_the_worker_has_no_
     steps._cached_config.cache_clear()
     s3fs.S3FileSystem.clear_instance_cache()
     assert steps.run_config(run).storage_conn_id == "stagewise_run_s3"
+
+
+def test_a_stage_added_after_the_run_started_hands_the_stage_before_through(write_config, storage_root, caplog):
+    """The file gains a stage s3 mid-run (the next parse gives the running run a train_s3 task): that task trains
+    nothing, says why, and passes s2's result on, marked, so evaluate tests s2's model and the report leaves s3 out."""
+    path = write_config()
+    run = _start(path, {})
+    edited = yaml.safe_load(path.read_text())
+    edited["train"]["stages"].append({"name": "s3", "profile": "ddp1", "per_process_batch": 32, "epochs": 1})
+    path.write_text(yaml.safe_dump(edited))
+    steps._cached_config.cache_clear()
+    s2 = {"stage": "s2", "checkpoint_uri": "x/final.pt", "model_uri": "x/model.pt", "fingerprint": "f2"}
+    with caplog.at_level("WARNING", logger="stagewise.train"):
+        handed = steps.train_stage(run, "s3", {"best_params": {"lr": 0.1}}, s2)
+    assert handed == {**s2, "handed_through": "s3"}
+    assert "train stage 's3' was added to the config after this run started" in caplog.text

@@ -115,3 +115,16 @@ def test_the_opt_in_takes_pipeline_names_only(production, monkeypatch):
         from stagewise.definitions.loading import opted_in_test_runs
 
         opted_in_test_runs()
+
+
+def test_a_test_run_of_ingest_writes_nothing_into_production(production, storage_root, tmp_path):
+    """`airflow dags test <name>_ingest` would copy into production's data set: it fails naming the opt-in, and no
+    byte under the production storage root changed."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    before = _files(storage_root)
+    context = {"ti": SimpleNamespace(try_number=1), "run_id": "manual__1", "params": {"source_uri": str(tmp_path)},
+               "dag": SimpleNamespace(dag_id="ml_ingest", params={}), "dag_run": SimpleNamespace(conf={}, **BY_TEST)}
+    with set_current_context(context), pytest.raises(AirflowFailException, match=TEST_RUNS_WRITE_ENV_VAR):
+        steps.ingest(str(production))
+    assert _files(storage_root) == before
