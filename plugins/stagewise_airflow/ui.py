@@ -62,6 +62,8 @@ class Pipeline:
     name: str
     config: PipelineConfig
     dag_ids: tuple[str, ...]
+    retired: bool = False
+    """Every DAG of it is stale (its file deleted, or forgotten): its runs and models stay readable, marked retired."""
 
 
 # (dag_id, dag_hash) -> (pipeline name, config) the serialized DAG carries, None for none: validated once per version
@@ -70,9 +72,10 @@ _carried_lock = threading.Lock()  # pages are served from a thread pool
 
 
 def pipelines() -> dict[str, Pipeline]:
-    """Every pipeline whose DAGs Airflow holds now, by name: the latest serialized version of each DAG tagged
-    ``stagewise`` that is not stale carries its pipeline's name and config in default_args (PIPELINE_DEFAULT_ARG, set
-    by stagewise.airflow.wiring.dag_settings), so the api-server needs neither the pipelines folder nor a variable.
+    """Every pipeline whose DAGs Airflow holds, by name: the latest serialized version of each DAG tagged
+    ``stagewise`` (a stale one too: its pipeline is retired, its runs and models still shown) carries its pipeline's
+    name and config in default_args (PIPELINE_DEFAULT_ARG, set by stagewise.airflow.wiring.dag_settings), so the
+    api-server needs neither the pipelines folder nor a variable.
     A DAG carrying none (a config that never loaded) or one that does not validate here is left out, and named in the
     api-server's log."""
     from airflow.models.dag import DagModel, DagTag
@@ -85,19 +88,21 @@ def pipelines() -> dict[str, Pipeline]:
     latest = (select(DagVersion.dag_id, func.max(DagVersion.version_number).label("number"))
               .join(SerializedDagModel, SerializedDagModel.dag_version_id == DagVersion.id)
               .group_by(DagVersion.dag_id).subquery())
-    query = (select(SerializedDagModel.id, SerializedDagModel.dag_id, SerializedDagModel.dag_hash)
+    query = (select(SerializedDagModel.id, SerializedDagModel.dag_id, SerializedDagModel.dag_hash, DagModel.is_stale)
              .join(DagVersion, SerializedDagModel.dag_version_id == DagVersion.id)
              .join(latest, (DagVersion.dag_id == latest.c.dag_id) & (DagVersion.version_number == latest.c.number))
              .join(DagModel, DagModel.dag_id == SerializedDagModel.dag_id)
-             .where(~DagModel.is_stale, DagModel.dag_id.in_(select(DagTag.dag_id).where(DagTag.name == "stagewise")))
+             .where(DagModel.dag_id.in_(select(DagTag.dag_id).where(DagTag.name == "stagewise")))
              .order_by(SerializedDagModel.dag_id))
     try:
         with create_session() as session:
             rows = session.execute(query).all()
             with _carried_lock:
-                known = {(dag_id, dag_hash): _carried[(dag_id, dag_hash)] for _, dag_id, dag_hash in rows
+                known = {(dag_id, dag_hash): _carried[(dag_id, dag_hash)] for _, dag_id, dag_hash, _ in rows
                          if (dag_id, dag_hash) in _carried}
-            for row_id, dag_id, dag_hash in rows:  # a new version's data only: it is the large column
+            stale = {dag_id for _, dag_id, _, is_stale in rows if is_stale}  # gone from the file, or forgotten
+            stale |= set(session.scalars(select(DagTag.dag_id).where(DagTag.name == "retired")))  # deleted, kept
+            for row_id, dag_id, dag_hash, _ in rows:  # a new version's data only: it is the large column
                 if (dag_id, dag_hash) not in known:
                     known[(dag_id, dag_hash)] = _pipeline_of(dag_id, session.get(SerializedDagModel, row_id).data)
     except SQLAlchemyError as exc:
@@ -111,8 +116,8 @@ def pipelines() -> dict[str, Pipeline]:
         if (carried := known[key]) is not None:
             name, config = carried
             earlier = found.get(name)
-            found[name] = Pipeline(name, earlier.config if earlier else config,
-                                   (*(earlier.dag_ids if earlier else ()), key[0]))
+            dag_ids = (*(earlier.dag_ids if earlier else ()), key[0])
+            found[name] = Pipeline(name, earlier.config if earlier else config, dag_ids, stale.issuperset(dag_ids))
     return found
 
 
@@ -511,8 +516,9 @@ def create_app() -> FastAPI:
                              f'unreadable</span> {esc(report["_error"])}'])
                 continue
             best = (report.get("sweep") or {}).get("best_value") if isinstance(report.get("sweep"), dict) else None
-            rows.append([esc(dag_id), _link(href, run_id), esc(when), esc(metric), fmt(value), fmt(best),
-                         gate_badge(report.get("registry"))])
+            retired = any(dag_id in pipeline.dag_ids and pipeline.retired for pipeline in found.values())
+            rows.append([esc(dag_id) + (' <span class="badge">retired</span>' if retired else ""), _link(href, run_id),
+                         esc(when), esc(metric), fmt(value), fmt(best), gate_badge(report.get("registry"))])
         roots: dict[str, list[str]] = {}
         for place in places:
             roots.setdefault(place.root, []).extend(place.names)

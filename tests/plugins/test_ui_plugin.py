@@ -17,6 +17,7 @@ import yaml
 
 from stagewise import registry, report
 from stagewise.core import storage
+from stagewise.definitions.loading import load_config
 from tests.conftest import base_config
 
 PASSWORD = "stagewise-test-password"
@@ -138,18 +139,30 @@ def pipeline_dags(name: str, config) -> list:
     return dags
 
 
-def publish(dags) -> None:
-    """These DAGs, and no others, active in the DB: serialized and written as the dag-processor writes them."""
+def publish(dags, keep_stale: bool = False) -> None:
+    """These DAGs, and no others, in the DB: serialized and written as the dag-processor writes them; the DAGs held
+    before are deleted (``airflow dags delete``), or with ``keep_stale`` left stale, as a deleted file leaves them."""
+    from airflow.api.common.delete_dag import delete_dag
     from airflow.dag_processing.collection import update_dag_parsing_results_in_db
     from airflow.models.dag import DagModel
     from airflow.serialization.serialized_objects import LazyDeserializedDAG
     from airflow.utils.session import create_session
-    from sqlalchemy import update
+    from sqlalchemy import select, update
 
     with create_session() as session:
-        session.execute(update(DagModel).values(is_stale=True))
+        if keep_stale:
+            session.execute(update(DagModel).values(is_stale=True))
+        else:
+            for dag_id in session.scalars(select(DagModel.dag_id)).all():
+                delete_dag(dag_id, session=session)
         update_dag_parsing_results_in_db(BUNDLE, None, [LazyDeserializedDAG.from_dag(dag) for dag in dags], {}, None,
                                          set(), session=session)
+
+
+def write_yaml(path: Path, raw: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw))
+    return path
 
 
 def publish_pipelines(tmp_path: Path, raws: dict[str, dict]) -> None:
@@ -261,6 +274,23 @@ def test_runs_list_and_run_page_for_a_logged_in_user(airflow_api, storage_root):
     assert client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.json", headers=bearer).json()["run_id"] == RUN_ID
     assert client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}/report.html", headers=bearer).status_code == 404
     assert client.get("/stagewise/runs/ml_pipeline/no_such_run", headers=bearer).status_code == 404
+
+
+def test_a_retired_pipelines_runs_stay_readable_marked_retired(airflow_api, storage_root, tmp_path):
+    """After its file is deleted and it is forgotten, Airflow holds its DAGs stale: the runs list still shows its runs
+    (marked retired) and its run pages open; a live pipeline's runs carry no mark."""
+    write_run(str(storage_root), RUN_ID, test_accuracy=0.9123)
+    client, token = airflow_api(str(storage_root))
+    bearer = {"Authorization": f"Bearer {token}"}
+    assert '<span class="badge">retired</span>' not in client.get("/stagewise/", headers=bearer).text
+    raw = base_config(tmp_path / "other")
+    raw["storage_root"] = str(tmp_path / "other")
+    publish(pipeline_dags("other", load_config(write_yaml(tmp_path / "other.yaml", {**raw, "name": "other"}))),
+            keep_stale=True)  # ml's file deleted and forgotten: its DAGs stale, another pipeline live
+    listing = client.get("/stagewise/", headers=bearer)
+    assert listing.status_code == 200 and RUN_ID in listing.text and "0.9123" in listing.text
+    assert 'ml_pipeline <span class="badge">retired</span>' in listing.text
+    assert client.get(f"/stagewise/runs/ml_pipeline/{RUN_ID}", headers=bearer).status_code == 200
 
 
 def test_runs_and_registry_of_every_pipeline_the_dag_file_builds(airflow_api, tmp_path):
