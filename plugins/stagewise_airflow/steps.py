@@ -297,6 +297,7 @@ def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[dict[str
     changed sweeps a new study, one whose inputs are unchanged finds its finished trials. With ``cache.sweep`` a study
     another run finished for the same inputs stands in, and every worker returns at once.
     """
+    from stagewise.core import storage
     from stagewise.reuse import cache
     from stagewise.reuse.fingerprints import code_identity, sweep_inputs
     from stagewise.study.studies import create
@@ -305,10 +306,9 @@ def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[dict[str
 
     def work() -> dict[str, Any]:
         fingerprint = sweep_inputs(config, _data_fingerprint(prepared), code_identity(config))
-        hit = cache.lookup(config, "sweep", fingerprint, run_ref(run), lambda result: cache.record_problem(result.get("summary_uri"), fingerprint))
-        if hit is not None:
-            from stagewise.core import storage
-
+        hit = cache.lookup(config, "sweep", fingerprint, run_ref(run),
+                           lambda result: cache.record_problem(result.get("summary_uri"), fingerprint))
+        if hit is not None:  # this run's summary is the study that stands in
             storage.write_json(storage.join(run["out"], "sweep", "summary.json"), hit)
             return {"study": hit["study_name"], "fingerprint": fingerprint, "reused_from": hit["reused_from"]}
         name = f"{run['study']}__{fingerprint[:12]}"
