@@ -113,13 +113,19 @@ def _same_branch(location: tuple, dotted: str) -> bool:
 def config_path(path: str | os.PathLike | None = None) -> Path | str:
     """The config file: the argument, else $STAGEWISE_CONFIG, else the checkout's pipeline.yaml.
 
-    A URI (``s3://``, ``file://``: a run's config snapshot) stays as it is; a local path is made absolute.
+    A URI (``s3://``, ``file://``: a run's config snapshot) stays as it is; a local path is made absolute without
+    following symlinks, so a pipelines folder that git-sync swaps to each new revision is named as configured.
     """
     chosen = path or os.environ.get(CONFIG_ENV_VAR) or DEFAULT_CONFIG_PATH
     if not chosen:
         raise ConfigError(f"no pipeline config: pass --config or set ${CONFIG_ENV_VAR} (an installed Stagewise has "
                           "no pipeline.yaml of its own)")
-    return str(chosen) if "://" in str(chosen) else Path(chosen).resolve()
+    return str(chosen) if "://" in str(chosen) else Path(_through_links(Path.cwd(), os.path.expanduser(str(chosen))))
+
+
+def _through_links(folder: Path, path: str) -> str:
+    """``path`` made absolute against ``folder`` by its text alone: a link stays in it (git-sync's revision link)."""
+    return os.path.normpath(os.path.join(folder, path))
 
 
 def read_text(resolved: Path | str) -> str:
@@ -237,10 +243,10 @@ def _resolve_relative_paths(raw: dict[str, Any], path: Path) -> None:
     folder = path.parent
     for entrypoint in _entrypoints(raw):
         if isinstance(entrypoint.get("script"), str) and not os.path.isabs(entrypoint["script"]):
-            entrypoint["script"] = str((folder / entrypoint["script"]).resolve())
+            entrypoint["script"] = _through_links(folder, entrypoint["script"])
     model = raw.get("model")
     if isinstance(model, dict) and isinstance(model.get("import_paths", []), list | None):
-        model["import_paths"] = [str((folder / path).resolve()) for path in model.get("import_paths") or ["."]]
+        model["import_paths"] = [_through_links(folder, path) for path in model.get("import_paths") or ["."]]
     root = raw.get("storage_root")
     if isinstance(root, str) and "://" not in root and not os.path.isabs(root):
         absolute = (folder / root).resolve()

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from stagewise.definitions.config import ConfigError
-from stagewise.definitions.loading import load_config
+from stagewise.definitions.loading import config_path, load_config
 from stagewise.definitions.pipelines import dag_id, discover, name_of, resolve, sources
 from tests.conftest import base_config, unnamed
 
@@ -138,3 +138,16 @@ def test_the_ci_check_exits_non_zero_naming_each_broken_or_clashing_file_and_key
     fixed = check()
     assert fixed.returncode == 0, fixed.stderr
     assert [line.split("\t")[0] for line in fixed.stdout.splitlines()] == ["churn", "fraud"]
+
+
+def test_a_config_read_through_a_revision_link_keeps_the_link(tmp_path, storage_root):
+    """git-sync swaps a link to each new revision: the config's path, its spec folder and its scripts keep the link
+    (a run's snapshot then outlives the revision folder, which git-sync removes), never the revision they resolve to."""
+    revision = tmp_path / "rev-0001"
+    revision.mkdir()
+    (revision / "ml.yaml").write_text(yaml.safe_dump(base_config(storage_root)))
+    link = tmp_path / "current"
+    os.symlink(revision, link)
+    path = config_path(str(link / "ml.yaml"))
+    assert str(path) == str(link / "ml.yaml")
+    assert load_config(path).model.import_paths == [str(link)]
