@@ -16,16 +16,17 @@ from stagewise.airflow.steps import all_results, inline, launch_subjob, reused_f
 
 
 def plan_shards(run: dict[str, Any]) -> list[dict[str, Any]]:
-    """One mapped shard per raw file, each carrying the inputs' fingerprint and, when committed work already stands
-    for them (stagewise.preprocess.plan_run), the run it comes from: then every preprocess task returns at once."""
+    """One mapped shard per raw file, each carrying the inputs' fingerprint; when committed work already stands for
+    them (stagewise.preprocess.plan_run), one shard naming the run it comes from, whose tasks return at once."""
     from stagewise import preprocess
     from stagewise.core import storage
 
     config = run_config(run)
     planned = inline(config, lambda: preprocess.plan_run(config, storage.resolve(config.storage_root, config.dataset.uri),
                                                           run["out"], run_ref(run)))
-    return [{"index": index, "uri": uri, "fingerprint": planned["fingerprint"], "reused_from": planned["reused_from"]}
-            for index, uri in enumerate(planned["shards"])]
+    shards = [{"index": index, "uri": uri, "fingerprint": planned["fingerprint"], "reused_from": planned["reused_from"]}
+              for index, uri in enumerate(planned["shards"])]
+    return shards[:1] if planned["reused_from"] else shards  # nothing to do per shard: one mapped task stands for all
 
 
 def preprocess_stats(run: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
@@ -86,8 +87,9 @@ def plan_inference(run: dict[str, Any], model: dict[str, Any]) -> list[dict[str,
     config = run_config(run)
     source = storage.resolve(config.storage_root, config.inference.input_uri or config.dataset.uri)
     planned = inline(config, lambda: inference_plan(config, source, model.get("current"), run["out"], run_ref(run)))
-    return [{**shard, "fingerprint": planned["fingerprint"], "reused_from": planned["reused_from"]}
-            for shard in planned["shards"]]
+    shards = [{**shard, "fingerprint": planned["fingerprint"], "reused_from": planned["reused_from"]}
+              for shard in planned["shards"]]
+    return shards[:1] if planned["reused_from"] else shards  # nothing to score: one mapped task stands for all
 
 
 def infer_shard(run: dict[str, Any], model: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:

@@ -319,7 +319,8 @@ def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[dict[str
     if planned["reused_from"] is None and config.sweep.needs_subsets:
         launch_subjob(run, "stagewise.sweep", ["subsets", "--out", run["out"]], config.preprocess.profile)
     keys = ("study", "fingerprint", "reused_from")
-    return [{"worker": worker, **{key: planned[key] for key in keys}} for worker in range(config.sweep.num_workers)]
+    workers = range(1 if planned["reused_from"] else config.sweep.num_workers)  # a study that stands in: one returns
+    return [{"worker": worker, **{key: planned[key] for key in keys}} for worker in workers]
 
 
 def sweep_worker(run: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
