@@ -107,3 +107,17 @@ def test_the_import_check_sees_code_and_pages_but_not_strings(tmp_path):
                     "def f():\n    import examples.diabetes\n")
     page.write_text("```python\nfrom stagewise.spec import report\nfrom stagewise_airflow import dags\n```\n")
     assert (_old_imports(code), _old_imports(page)) == ([2, 7], [3])
+
+
+def test_every_package_folder_ships_in_the_wheel():
+    """Each folder of tasks/, plugins/stagewise_airflow/ and examples/ holding Python is a package the wheel lists:
+    a new subpackage left out installs a Stagewise that fails at its first import of it."""
+    setuptools = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    found = set()
+    for package, folder in setuptools["package-dir"].items():
+        for init in (REPO_ROOT / folder).rglob("*.py"):
+            parts = init.parent.relative_to(REPO_ROOT / folder).parts
+            if "__pycache__" not in parts:
+                found.add(".".join((package, *parts)))
+    assert found - listed == set(), f"add to pyproject.toml's packages: {sorted(found - listed)}"
