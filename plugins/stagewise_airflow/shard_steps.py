@@ -33,7 +33,7 @@ def preprocess_stats(run: dict[str, Any], shard: dict[str, Any]) -> dict[str, An
     if reused := reused_from(shard):
         return {"reused_from": reused, "fingerprint": shard.get("fingerprint")}
     result = launch_subjob(run, "stagewise.preprocess", ["stats", "--shard", shard["uri"], "--index", str(shard["index"]),
-                                                   "--out", run["out"]], run_config(run).preprocess.profile)
+                                                         "--out", run["out"]], run_config(run).preprocess.profile)
     return {**result, "fingerprint": shard.get("fingerprint")}
 
 
@@ -53,8 +53,8 @@ def preprocess_transform(run: dict[str, Any], reduced: dict[str, Any], shard: di
     if reused := reused_from(reduced):
         return {"reused_from": reused}
     return launch_subjob(run, "stagewise.preprocess", ["transform", "--shard", shard["uri"], "--index", str(shard["index"]),
-                                             "--out", run["out"], "--stats", reduced["stats_uri"]],
-                   run_config(run).preprocess.profile)
+                                                       "--out", run["out"], "--stats", reduced["stats_uri"]],
+                         run_config(run).preprocess.profile)
 
 
 def commit_preprocess(run: dict[str, Any], reduced: dict[str, Any], transformed: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -96,7 +96,7 @@ def infer_shard(run: dict[str, Any], model: dict[str, Any], shard: dict[str, Any
     if reused := reused_from(shard):
         return {"index": shard["index"], "reused_from": reused, "fingerprint": shard.get("fingerprint")}
     result = launch_subjob(run, "stagewise.infer", ["shard", "--model", model["model_uri"], "--shard", json.dumps(shard),
-                                              "--out", run["out"]], run_config(run).inference.profile)
+                                                    "--out", run["out"]], run_config(run).inference.profile)
     return {**result, "fingerprint": shard.get("fingerprint")} if isinstance(result, dict) else result
 
 

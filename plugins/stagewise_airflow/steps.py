@@ -336,7 +336,7 @@ def sweep_worker(run: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
     profile = config.sweep.profile
     ddp_trials = config.profile(profile).processes_per_node > 1 and config.sweep.entrypoint is None
     result = launch_subjob(run, "stagewise.sweep", ["worker", "--study", worker["study"], "--worker", str(worker["worker"]),
-                                              "--out", run["out"]], profile, distributed=ddp_trials)
+                                                    "--out", run["out"]], profile, distributed=ddp_trials)
     return {**result, **planned}
 
 
@@ -400,7 +400,7 @@ def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous
     args = ["--stage", stage, "--out", run["out"], "--params", json.dumps(swept["best_params"]),
             "--inputs-fingerprint", fingerprint, "--data-fingerprint", inputs["data_fingerprint"]]
     result = launch_subjob(run, "stagewise.train", args + (["--init-from", init_from] if init_from else []), spec.profile,
-                     distributed=True)
+                           distributed=True)
     inline(config, lambda: cache.remember(config, "stage", fingerprint, run_ref(run), result))
     return result
 
@@ -467,8 +467,8 @@ def evaluate(run: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
         if hit is not None:
             return {**hit, "task_s": task_seconds(_context())}
     result = launch_subjob(run, "stagewise.evaluate", ["--model", trained["model_uri"], "--out", run["out"],
-                                                 *(["--inputs-fingerprint", fingerprint] if fingerprint else [])],
-                     config.evaluate.profile)
+                                                       *(["--inputs-fingerprint", fingerprint] if fingerprint else [])],
+                           config.evaluate.profile)
     if fingerprint:
         inline(config, lambda: cache.remember(config, "evaluate", fingerprint, run_ref(run), result))
     return result
