@@ -25,6 +25,7 @@ from stagewise.definitions.hyperparams import (
     hyperparameter_problem,
 )
 from stagewise.definitions.intervals import fields_in, static_prefix
+from stagewise.definitions.sharding import stage_strategy_problem, sweep_strategy_problem
 from stagewise.definitions.spec_source import declared_default_params
 
 # Optuna keeps a study's name in at most 512 characters (its RDB schema).
@@ -469,6 +470,12 @@ class Sweep(_Strict):
         return value
 
     @model_validator(mode="after")
+    def _strategy_fits(self) -> Sweep:
+        if problem := sweep_strategy_problem(self):
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
     def _row_budget_is_coherent(self) -> Sweep:
         if self.entrypoint is not None and self.validation_rows is not None:
             raise ValueError("validation_rows caps the built-in trial loop's validation; a sweep.entrypoint script "
@@ -613,13 +620,8 @@ class TrainStage(_Strict):
 
     @model_validator(mode="after")
     def _fsdp_knobs(self) -> TrainStage:
-        if self.strategy == "fsdp" and self.precision == "fp16":
-            raise ValueError("strategy fsdp with precision fp16: the fp16 gradient scaler would decide on each rank's "
-                             "shard alone; use precision bf16 (or fp32)")
-        if self.strategy == "fsdp" and self.compile != "off":
-            raise ValueError(f"strategy fsdp with compile '{self.compile}': fsdp stages run eagerly; set compile: off")
-        if self.activation_checkpointing and self.strategy != "fsdp":
-            raise ValueError("activation_checkpointing checkpoints each fsdp unit: set strategy: fsdp, or drop it")
+        if problem := stage_strategy_problem(self):
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from stagewise.core import storage
 from stagewise.definitions.config import ConfigError, PipelineConfig, default_model_name
 from stagewise.definitions.hyperparams import BUILTIN_SPEC
+from stagewise.definitions.sharding import warn_unused_sharding_keys
 from stagewise.definitions.spec_source import spec_problem
 
 
@@ -296,6 +297,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         config = PipelineConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(resolved, exc, overrides or {})) from None
+    warn_unused_sharding_keys(config.train, resolved)
     _make_spec_importable(resolved, config)
     return config
 
