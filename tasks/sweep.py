@@ -243,12 +243,15 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
                                              total_steps=total_steps)
                     trial_params = {**ran_params(trial_params, recipe), **recipe_params(recipe)}
                     if env.master:
-                        log.info("trial %d: optimizer %s (%s, %d group(s)), schedule %s over its %d steps",
-                                 trial.number, recipe["optimizer"]["type"], recipe["optimizer"]["source"],
+                        log.info("trial %d: world size %d (%s), optimizer %s (%s, %d group(s)), schedule %s over its "
+                                 "%d steps", trial.number, env.world_size, loop.strategy.describe(),
+                                 recipe["optimizer"]["type"], recipe["optimizer"]["source"],
                                  len(recipe["optimizer"]["groups"]), schedule_label(recipe["lr_schedule"]), total_steps)
                     if trial is not None:
                         trial.set_user_attr("optimizer", recipe["optimizer"])
                         trial.set_user_attr("lr_schedule", recipe["lr_schedule"])
+                        for key, value in spread_attrs(loop.strategy, env.world_size).items():
+                            trial.set_user_attr(key, value)
                     if tracker is not None:
                         tracked = tracker.nested(f"trial-{trial.number}", f"trial {trial.number}",
                                                  trial_tags(name, trial.number, worker), trial_params)
@@ -308,6 +311,13 @@ def run_worker(config: PipelineConfig, name: str, worker: int, out: str, config_
 
 # A trial's schedule when its spec has none of its own: the constant lr the sweep suggested.
 TRIAL_SCHEDULE = LRSchedule()
+
+
+def spread_attrs(strategy: Any, world_size: int) -> dict[str, Any]:
+    """How a trial spread its model, as its study records it: the strategy's name, the world size and (fsdp) the
+    number of units it sharded."""
+    units = getattr(strategy, "units", None)
+    return {"strategy": strategy.name, "world_size": world_size, **({"units": units} if units else {})}
 
 
 def failure(exc: BaseException) -> str:

@@ -39,7 +39,8 @@ def write_plots(study: Any, prefix: str) -> list[str]:
 
 
 def trial_records(study: Any) -> list[dict[str, Any]]:
-    """Every trial as the report draws it: number, outcome, value, per-epoch values, params, worker and times."""
+    """Every trial as the report draws it: number, outcome, value, per-epoch values, params, worker, times and how it
+    spread its model (strategy, world size, fsdp units)."""
 
     def when(moment: Any) -> str | None:
         return moment.isoformat() if moment is not None else None
@@ -48,7 +49,9 @@ def trial_records(study: Any) -> list[dict[str, Any]]:
              sorted(t.intermediate_values.items())}, "params": t.params, "worker": t.user_attrs.get("worker"),
              "counted": counts_toward_budget(t), "error": t.user_attrs.get("error"), "start": when(t.datetime_start),
              "complete": when(t.datetime_complete), "lr_curve": t.user_attrs.get("lr_curve"),
-             "optimizer": t.user_attrs.get("optimizer"), "lr_schedule": t.user_attrs.get("lr_schedule")}
+             "optimizer": t.user_attrs.get("optimizer"), "lr_schedule": t.user_attrs.get("lr_schedule"),
+             "strategy": t.user_attrs.get("strategy"), "world_size": t.user_attrs.get("world_size"),
+             "units": t.user_attrs.get("units")}
             for t in study.get_trials(deepcopy=False)]
 
 
@@ -93,6 +96,9 @@ def summarize(config: PipelineConfig, name: str, out: str, fingerprint: str | No
         raise UserError(f"sweep {name}: none of {len(counted)} trials completed ({counts}); why: {listed}")
     best = best_trial(study)
     summary.update({"best_value": best.value, "best_params": best.params, "best_trial": best.number})
+    # The best trial's spread (units can differ between trials whose params change the model's depth).
+    summary["strategy"] = {"name": config.sweep.strategy, "world_size": best.user_attrs.get("world_size"),
+                           "units": best.user_attrs.get("units")}
     summary["plots"] = write_plots(study, storage.join(out, "sweep", "plots"))
     summary["importances"] = param_importances(study)
     trials_uri = storage.join(out, "sweep", "trials.json")  # before summary.json, which commits the sweep's files

@@ -127,6 +127,33 @@ def test_summary_counts_and_file(digits_run, single_process):
     assert summary["best_value"] == max(t.value for t in complete)
     assert 0.0 <= summary["best_value"] <= 1.0 and "lr" in summary["best_params"]
     assert summary["epochs_consumed"] == sum(t.user_attrs["epochs"] for t in study.trials)
+    assert summary["strategy"] == {"name": "ddp", "world_size": 1, "units": None}
+
+
+def test_a_sharded_trial_logs_and_records_its_strategy_world_size_and_units(digits_run, single_process, caplog):
+    """sweep.strategy fsdp: each trial's log line names its world size and how it sharded (the strategy's own words,
+    with its units), the study records strategy, world_size and units on each trial, and trials.json and the
+    summary carry them."""
+    import logging
+
+    config, out = _fast_config(digits_run, num_trials=2, num_workers=1, epochs=1, strategy="fsdp",
+                               pruner={"type": "none"})
+    create(config, "spread")
+    with caplog.at_level(logging.INFO, logger="stagewise.sweep"):
+        run_worker(config, "spread", 0, out)
+    trials = _load(config, "spread").trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"], [t.user_attrs for t in trials]
+    for trial in trials:
+        attrs = trial.user_attrs
+        assert (attrs["strategy"], attrs["world_size"]) == ("fsdp", 1) and attrs["units"] >= 2, attrs
+        line = f"trial {trial.number}: world size 1 (fsdp over 1 rank(s): {attrs['units']} units)"
+        assert any(record.getMessage().startswith(line) for record in caplog.records), line
+    summary = summarize(config, "spread", out)
+    best = next(t for t in trials if t.number == summary["best_trial"])
+    assert summary["strategy"] == {"name": "fsdp", "world_size": 1, "units": best.user_attrs["units"]}
+    records = storage.read_json(summary["trials_uri"])["trials"]
+    assert [(r["strategy"], r["world_size"], r["units"]) for r in records] == \
+        [("fsdp", 1, t.user_attrs["units"]) for t in trials]
 
 
 def test_all_trials_failing_makes_the_summary_a_user_error(digits_run, single_process):
