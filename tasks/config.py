@@ -1,4 +1,5 @@
-"""Check a pipeline config: ``python -m stagewise.config [pipeline.yaml]`` validates a file and prints it resolved;
+"""Check a pipeline config: ``python -m stagewise.config [pipeline.yaml]`` (or ``--config pipeline.yaml``, with any
+``--override KEY=JSON``, as the other jobs take them) validates a file and prints it resolved;
 ``python -m stagewise.config --reference`` prints the config reference as Markdown; ``--dag-id KIND`` prints the DAG id
 of the file's KIND DAG (``pipeline``: ``ml_pipeline``); ``--pipelines [DIR]`` checks every pipeline of a folder and lists them
 (a team's CI: exits non-zero naming each broken or clashing file and key); ``--forget NAME`` retires a deleted pipeline's last valid DAGs;
@@ -16,6 +17,8 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from stagewise.core.cli import parse_overrides
+from stagewise.core.errors import UserError
 from stagewise.definitions import reference
 from stagewise.definitions.config import ConfigError, PipelineConfig
 from stagewise.definitions.last_valid import LastValid
@@ -37,6 +40,10 @@ from stagewise.reporting import lineage
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Validate a pipeline config and print it resolved.")
     parser.add_argument("path", nargs="?", help="pipeline YAML (default: $STAGEWISE_CONFIG or pipeline.yaml)")
+    # --config and --override as every other sub-job takes them (stagewise.core.cli.common_parser).
+    parser.add_argument("--config", metavar="PATH", help="pipeline YAML, as the other jobs take it (instead of PATH)")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=JSON",
+                        help="override a config key before it is validated, e.g. sweep.num_trials=4 (repeatable)")
     parser.add_argument("--reference", action="store_true", help="print the config reference as Markdown and exit")
     parser.add_argument("--dag-id", choices=KINDS, help="print the DAG id of this config's DAG of that kind and exit")
     parser.add_argument("--pipelines", nargs="?", const="", metavar="DIR",
@@ -55,6 +62,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", metavar="FILE", help="--rerun: write the config to FILE (NAME.yaml in the "
                                                       "pipelines folder; never overwritten) instead of stdout")
     args = parser.parse_args(argv)
+    if args.config and args.path and args.config != args.path:
+        parser.error(f"two configs: {args.path} and --config {args.config}; give one")
+    args.path = args.path or args.config
+    if args.override and (args.reference or args.rerun or args.dag_id or args.forget or args.pipelines is not None):
+        parser.error("--override applies to checking one config (PATH or --config) only")
     if args.reference:
         print(reference.markdown())
         return
@@ -79,9 +91,9 @@ def main(argv: list[str] | None = None) -> None:
     except FileExistsError:
         raise SystemExit(f"{args.out} exists: give --out a new file") from None
     try:
-        config = load_config(args.path)
+        config = load_config(args.path, parse_overrides(args.override))
         check_spec_source(config_path(args.path), config, may_import=True)  # installed packages' specs too
-    except ConfigError as exc:
+    except UserError as exc:  # a ConfigError, or an --override that is no KEY=VALUE
         raise SystemExit(str(exc)) from None
     print(yaml.safe_dump(config.model_dump(), sort_keys=False))
 

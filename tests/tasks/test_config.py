@@ -235,6 +235,26 @@ def test_a_model_spec_subclass_passes_the_source_check(tmp_path, storage_root, s
     assert "my_spec:Candidate" in capsys.readouterr().out
 
 
+def test_the_config_check_takes_config_and_override_as_every_job_does(write_config, storage_root, capsys):
+    """`python -m stagewise.config --config FILE` checks FILE as the positional form does, --override changes a key
+    before the check (a bad one is refused naming it), and two different files are refused."""
+    from stagewise.config import main
+
+    path = write_config(base_config(storage_root))
+    main([str(path)])
+    positional = capsys.readouterr().out
+    main(["--config", str(path)])
+    assert capsys.readouterr().out == positional and "num_trials: 4" in positional
+    main(["--config", str(path), "--override", "sweep.num_trials=7"])
+    assert "num_trials: 7" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="sweep.num_trials"):
+        main(["--config", str(path), "--override", "sweep.num_trials=0"])
+    assert main(["--config", str(path), "--dag-id", "pipeline"]) is None and capsys.readouterr().out == "ml_pipeline\n"
+    with pytest.raises(SystemExit):
+        main([str(path), "--config", str(path.with_name("other.yaml"))])
+    assert "two configs" in capsys.readouterr().err
+
+
 def test_invalid_yaml(tmp_path):
     """A file that is not YAML fails as a ConfigError naming the file, not a raw parser exception."""
     path = tmp_path / "broken.yaml"
