@@ -44,8 +44,23 @@ def _peak_resident_bytes() -> int | None:
     return None
 
 
-def worker(strategy_name: str) -> None:
-    """One rank: build, spread, one AdamW step; print this rank's state bytes (and peaks) as a JSON line."""
+def _write_rank_result(folder: str, rank: int, result: dict[str, Any]) -> None:
+    """This rank's result as a file of its own in ``folder``, moved into place whole: the ranks share one stdout, where
+    their lines can run together."""
+    path = Path(folder, f"rank-{rank}.json")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)
+
+
+def _rank_results(folder: str) -> list[dict[str, Any]]:
+    """What each rank wrote with :func:`_write_rank_result`, by rank."""
+    ranks = [json.loads(path.read_text()) for path in Path(folder).glob("rank-*.json")]
+    return sorted(ranks, key=lambda rank: rank["rank"])
+
+
+def worker(strategy_name: str, results: str) -> None:
+    """One rank: build, spread, one AdamW step; write this rank's state bytes (and peaks) into ``results``."""
     import torch
     from torch import nn
 
@@ -71,15 +86,16 @@ def worker(strategy_name: str) -> None:
             optimizer.zero_grad(set_to_none=True)
         parameters = sum(p.numel() for p in module.parameters()) if strategy_name == "ddp" else None
         peak_device = torch.cuda.max_memory_allocated(env.device) if env.device.startswith("cuda") else None
-        print(json.dumps({"rank": env.rank, "held": held, "total": sum(held.values()), "parameters": parameters,
-                          "peak_device_bytes": peak_device, "peak_resident_bytes": _peak_resident_bytes()}), flush=True)
+        _write_rank_result(results, env.rank, {
+            "rank": env.rank, "held": held, "total": sum(held.values()), "parameters": parameters,
+            "peak_device_bytes": peak_device, "peak_resident_bytes": _peak_resident_bytes()})
         strategy.close()
 
 
-def collectives(elements: int, repeats: int = 20) -> None:
+def collectives(elements: int, results: str, repeats: int = 20) -> None:
     """One rank: ms per call of the collectives each strategy's step runs over ``elements`` float32 values (DDP: one
     all-reduce; fsdp: an all-gather of the shards and a reduce-scatter of the gradients), on this machine's backend;
-    rank 0 prints them as a JSON line."""
+    rank 0 writes them into ``results``."""
     import time
 
     import torch
@@ -105,29 +121,33 @@ def collectives(elements: int, repeats: int = 20) -> None:
             dist.barrier()
             timed[f"{name}_ms"] = round((time.perf_counter() - started) / repeats * 1000, 2)
         if env.master:
-            print(json.dumps({"collectives": timed, "backend": dist.get_backend(), "elements": elements}), flush=True)
+            _write_rank_result(results, env.rank, {"rank": env.rank, "collectives": timed,
+                                                   "backend": dist.get_backend(), "elements": elements})
 
 
 def _collectives(elements: int, processes: int = 2) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-W", "ignore::FutureWarning", "-m", "stagewise.training.local_torchrun",
-                           f"--nproc-per-node={processes}", "-m", "bench.sharding", "collectives", str(elements)],
-                          cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=_TIMEOUT_S)
-    found = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"collectives"')]
+    with tempfile.TemporaryDirectory(prefix="bench-collectives-") as results:
+        done = subprocess.run([sys.executable, "-W", "ignore::FutureWarning", "-m", "stagewise.training.local_torchrun",
+                               f"--nproc-per-node={processes}", "-m", "bench.sharding", "collectives", str(elements),
+                               results], cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=_TIMEOUT_S)
+        found = _rank_results(results)
     if done.returncode != 0 or not found:
         raise RuntimeError(f"the collectives timing failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
     return found[0]
 
 
 def _memory(strategy: str, processes: int) -> list[dict[str, Any]]:
-    done = subprocess.run([sys.executable, "-m", "stagewise.training.local_torchrun", f"--nproc-per-node={processes}",
-                           "-m", "bench.sharding", "worker", strategy],
-                          cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=_TIMEOUT_S)
-    if done.returncode != 0:
-        raise RuntimeError(f"{strategy} x{processes} failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
-    ranks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"rank"')]
-    if len(ranks) != processes:
-        raise RuntimeError(f"{strategy} x{processes}: {len(ranks)} ranks reported: {done.stdout[-2000:]}")
-    return sorted(ranks, key=lambda rank: rank["rank"])
+    with tempfile.TemporaryDirectory(prefix="bench-fsdp-ranks-") as results:
+        done = subprocess.run([sys.executable, "-m", "stagewise.training.local_torchrun",
+                               f"--nproc-per-node={processes}", "-m", "bench.sharding", "worker", strategy, results],
+                              cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{strategy} x{processes} failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+        ranks = _rank_results(results)
+    if [rank["rank"] for rank in ranks] != list(range(processes)):
+        raise RuntimeError(f"{strategy} x{processes}: ranks {[rank['rank'] for rank in ranks]} reported: "
+                           f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return ranks
 
 
 def _memory_ratio(processes: int) -> dict[str, Any]:
@@ -196,9 +216,10 @@ def fsdp_throughput(rows: int = 60_000, rounds: int = 3) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["worker"]:
-        worker(sys.argv[2])
-    elif sys.argv[1:2] == ["collectives"]:
-        collectives(int(sys.argv[2]))
+    if sys.argv[1:2] == ["worker"] and len(sys.argv) == 4:
+        worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1:2] == ["collectives"] and len(sys.argv) == 4:
+        collectives(int(sys.argv[2]), sys.argv[3])
     else:
-        raise SystemExit("usage: python -m bench.sharding worker ddp|fsdp | collectives ELEMENTS (under torchrun)")
+        raise SystemExit("usage: python -m bench.sharding worker ddp|fsdp RESULTS_DIR | collectives ELEMENTS "
+                         "RESULTS_DIR (under torchrun)")
