@@ -35,13 +35,14 @@ from stagewise.definitions.loading import config_path, load_config
 from stagewise.definitions.spec import user_hook
 from stagewise.models.building import resolve_params
 from stagewise.models.bundle import preprocessing_of, save_bundle
-from stagewise.models.torch_io import load_torch, save_torch
+from stagewise.models.torch_io import save_torch
 from stagewise.reuse.fingerprints import code_identity, manifest_fingerprint, stage_inputs
 from stagewise.scripting.entrypoint import LAST_REPORT, contract_environment, entrypoint_args, run_script
 from stagewise.tracking.runs import Tracker
 from stagewise.training.batch_growth import adaptive_batch, handed_noise_scale
 from stagewise.training.checkpoint import checkpoint_store
 from stagewise.training.distributed import distributed_job
+from stagewise.training.handoff import handed_values, read_hand_off, resumed_position
 from stagewise.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, stage_lr, start_loop
 from stagewise.training.recipe import recipe_params, schedule_label, training_recipe
 from stagewise.training.selection import BestEpoch, EpochSelection
@@ -53,8 +54,9 @@ log = logging.getLogger("stagewise.train")
 FAULT_ENV = "STAGEWISE_FAULT_KILL_AT"
 
 
-def config_hash(stage: dict[str, Any], params: dict[str, Any], world_size: int, seed: int) -> str:
-    """Identifies what a checkpoint was trained under; a retry resumes only a matching one."""
+def config_hash(stage: dict[str, Any], params: dict[str, Any], world_size: int | None, seed: int) -> str:
+    """Identifies what a checkpoint was trained under; a retry resumes only a matching one (at any world size: None;
+    checkpoints written before that named theirs)."""
     text = json.dumps({"stage": stage, "params": params, "world_size": world_size, "seed": seed}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -177,7 +179,7 @@ def _fault_step(rank: int) -> int | None:
 
 # Stage keys added after checkpoints already recorded a stage's identity: left out at their defaults, so an upgrade
 # still resumes the checkpoints of a stage that does not use them.
-_LATER_KEYS = {"strategy": "ddp", "activation_checkpointing": False}
+_LATER_KEYS = {"strategy": "ddp", "activation_checkpointing": False, "hand_on_optimizer": True}
 
 
 def stage_identity(stage: Any) -> dict[str, Any]:
@@ -232,7 +234,7 @@ def _batch_plan(config: PipelineConfig, stage: Any, env: Any, init_from: str | N
     global_batch = stage.global_batch_for(env.world_size)
     if not (init_from and config.train.batch_growth == "adaptive"):
         return None, None, micro_batch, accumulation, global_batch
-    handed = load_torch(init_from)  # the stage before's handed-on checkpoint
+    handed = read_hand_off(init_from, env, rank_zero_reads=stage.strategy == "fsdp")  # the stage before's
     assert config.train.max_global_batch is not None
     noise_scale, why = handed_noise_scale(handed)
     decision = adaptive_batch(noise_scale, global_batch, config.train.max_global_batch, env.world_size, micro_batch,
@@ -266,18 +268,21 @@ class StageStart:
     """Every resume of this stage, for the report's curve (rank 0 writes it)."""
 
 
-def _start(stage: Any, loop: Loop, checkpoints: Any, best: BestEpoch, digest: str, source: str,
+def _start(stage: Any, loop: Loop, checkpoints: Any, best: BestEpoch, digests: tuple[str, str], source: str,
            init_from: str | None, handed: dict[str, Any] | None, global_batch: int) -> StageStart:
-    """Resume from the stage's newest matching checkpoint, else load the stage before's final state, else start fresh."""
-    strategy, model, optimizer = loop.strategy, loop.module, loop.optimizer
+    """Resume from the stage's newest matching checkpoint (written at any world size: ``digests`` holds this stage's
+    and the one checkpoints of the same world size recorded before), else load the stage before's final state, else
+    start fresh."""
+    strategy, model, optimizer, env = loop.strategy, loop.module, loop.optimizer, loop.env
     found = checkpoints.latest(into=lambda: strategy.training_state(model, optimizer),
-                               accept=lambda meta: meta.get("config_hash") == digest)
-    if found and found[1]["config_hash"] == digest:
+                               accept=lambda meta: meta.get("config_hash") in digests)
+    if found and found[1]["config_hash"] in digests:
         uri, state = found
+        position = Position(**resumed_position(stage.name, uri, state, env.world_size, global_batch,
+                                               loop.grad_accum_steps))
         if state.get("inputs_fingerprint") is None:  # written before checkpoints were keyed by their inputs
             refuse_other_start(stage.name, uri, state, source)
         strategy.load_training_state(model, optimizer, state)
-        position = Position(**json.loads(state["position"]))
         best.restore(state.get("best_epoch_state"))
         loop.load_scaler_state(state.get("grad_scaler") or {})
         loop.load_noise_state(state.get("noise_scale") or {})  # the noise scale's curve goes on where it left off
@@ -290,10 +295,10 @@ def _start(stage: Any, loop: Loop, checkpoints: Any, best: BestEpoch, digest: st
                                    {"step": position.step, "epoch": position.epoch, "at": time.time()}])
     if found:
         log.warning("stage %s starts over: its checkpoint %s was written from other inputs (data, params, the stage "
-                    "before, code), another config or world size", stage.name, found[0])
+                    "before, code) or another config", stage.name, found[0])
     if not init_from:
         return StageStart()
-    state = handed if handed is not None else load_torch(init_from)
+    state = handed if handed is not None else read_hand_off(init_from, env, rank_zero_reads=strategy.shards_state)
     try:  # a full state, whatever strategy and world size wrote it: this stage's strategy takes its part
         strategy.load_full_state(model, optimizer, state)
     except (RuntimeError, ValueError, KeyError) as exc:
@@ -361,13 +366,17 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
                              strategy=stage.strategy, activation_checkpointing=stage.activation_checkpointing)
     params, model, optimizer, strategy = built.params, loop.module, loop.optimizer, loop.strategy
     # The inputs' fingerprint too: a try resumes only checkpoints made from the same data, params and stage before.
-    digest = config_hash({**stage_identity(stage), **({"adaptive": asdict(decision)} if decision else {}),
-                          "inputs": inputs}, params, env.world_size, config.train.seed)
+    # Without the world size: a retry on more or fewer processes resumes (stagewise.training.handoff).
+    digest = config_hash({**stage_identity(stage), "inputs": inputs, **({"adaptive": {
+        "noise_scale": decision.noise_scale, "max_global_batch": decision.max_global_batch}} if decision else {})},
+        params, None, config.train.seed)
+    same_world = config_hash({**stage_identity(stage), **({"adaptive": asdict(decision)} if decision else {}),
+                              "inputs": inputs}, params, env.world_size, config.train.seed)
     prefix = storage.stage_prefix(out, stage.name)
     checkpoints = checkpoint_store(prefix, config.train.keep_checkpoints, sharded=strategy.shards_state,
                                    master=env.master, background=config.train.async_checkpoints)
     best = BestEpoch(strategy, prefix, master=env.master)  # the best epoch's model and optimizer (hand_on best)
-    begun = _start(stage, loop, checkpoints, best, digest, source, init_from, handed, global_batch)
+    begun = _start(stage, loop, checkpoints, best, (digest, same_world), source, init_from, handed, global_batch)
     history, resumes, step_offset = begun.history, begun.resumes, begun.step_offset
     lr = scaled_lr(params["lr"], global_batch, config.train.base_batch, config.train.lr_rule)
     warmup = stage.warmup_steps if (begun.previous_batch is None or global_batch > begun.previous_batch) else 0
@@ -389,7 +398,7 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
                 "params": json.dumps(params), "rng_cpu": torch.get_rng_state(), "resumes": json.dumps(resumes),
                 "best_epoch_state": best.record(), "grad_scaler": loop.scaler_state(),
                 "global_step_offset": step_offset, "noise_scale": loop.noise_state(), "init_source": source,
-                "inputs_fingerprint": inputs}
+                "inputs_fingerprint": inputs, "world_size": env.world_size, "grad_accum_steps": accumulation}
 
     def state_now() -> dict[str, Any]:
         return {**strategy.training_state(model, optimizer), **plain_state()}
@@ -482,10 +491,11 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
     if writes_checkpoints and loop.position.step != begun.resumed_from:
         checkpoints.save(loop.position.step, state_now())  # a re-run of a finished stage retrains nothing
     checkpoints.wait()
-    plain = plain_state()
+    plain = handed_values(plain_state())
     if handed_index != len(history) - 1:  # the best epoch's weights and optimizer go on
         best.load_into(model, optimizer)
-    handed_state = {**plain, **strategy.full_state(model, optimizer, prefix)}  # every rank takes part; rank 0 holds it
+    # Every rank takes part; rank 0 holds it.
+    handed_state = {**plain, **strategy.full_state(model, optimizer, prefix, stage.hand_on_optimizer)}
     if env.master:
         save_torch(final_uri, handed_state)
         strategy.committed(prefix, handed_state)

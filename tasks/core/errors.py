@@ -14,3 +14,11 @@ class UserError(Exception):
 
 class DataError(UserError):
     """The input data breaks the declared schema or value rules."""
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed (CUDA's OutOfMemoryError, the CPU allocator's, Python's)."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":  # torch's, without importing torch
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())

@@ -555,8 +555,8 @@ class EarlyStopping(_Strict):
 
 
 # The built-in loop's knobs: a stage that runs the user's own script never gets them, so it may not change their defaults.
-BUILT_IN_LOOP_KNOBS = ("lr_schedule", "grad_clip_norm", "hand_on", "early_stopping", "precision", "data_placement",
-                       "resident_memory_fraction", "shuffle_block_rows", "compile", "tf32", "cuda_graph", "strategy",
+BUILT_IN_LOOP_KNOBS = ("lr_schedule", "grad_clip_norm", "hand_on", "hand_on_optimizer", "early_stopping", "precision",
+                       "data_placement", "resident_memory_fraction", "shuffle_block_rows", "compile", "tf32", "cuda_graph", "strategy",
                        "activation_checkpointing")
 
 
@@ -603,6 +603,8 @@ class TrainStage(_Strict):
         "Clip gradients to this global L2 norm before each optimizer step (the pre-clip norm is logged per epoch)."))
     hand_on: Literal["best", "last"] = Field("best", description=(
         "Which epoch's model the stage hands to the next stage, evaluation and the registry: best on the objective, or last."))
+    hand_on_optimizer: bool = Field(True, description=(
+        "Hand the optimizer state on with the model (a sharded checkpoint beside final.pt, ~2x the model with Adam)."))
     early_stopping: EarlyStopping | None = Field(None, description="Stop the stage early when the objective stalls.")
 
     @model_validator(mode="after")

@@ -21,6 +21,11 @@ def version_of(data: bytes) -> str:
     return "m-" + hashlib.sha256(data).hexdigest()[:12]
 
 
+def registered_file(uri: str) -> bool:
+    """Whether ``uri`` names a registered version's model file (its bytes are checked against the version)."""
+    return _REGISTERED_FILE.search(uri) is not None
+
+
 def check_registered(uri: str, data: bytes) -> str:
     """The version of ``data`` read from ``uri``; a DataError when ``uri`` is a registered version's file whose bytes
     no longer hash to that version (cut, corrupted or replaced after it was registered)."""

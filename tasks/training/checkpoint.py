@@ -25,8 +25,8 @@ log = logging.getLogger("stagewise.checkpoint")
 class CheckpointStore:
     """Save, find and prune the checkpoints of one stage."""
 
-    def __init__(self, stage_prefix: str, keep_last: int = 2) -> None:
-        self.prefix = storage.join(stage_prefix, "checkpoints")
+    def __init__(self, stage_prefix: str, keep_last: int = 2, *, folder: str = "checkpoints") -> None:
+        self.prefix = storage.join(stage_prefix, folder)
         self.pointer = storage.join(self.prefix, "latest.json")
         self.keep_last = max(1, keep_last)
 
@@ -116,9 +116,7 @@ class ShardedCheckpointStore(CheckpointStore):
                  background: bool = False) -> None:
         """``background``: each save is staged (copied off the training tensors) and written by a background thread
         (DCP's async_save, over a gloo group of its own) while training goes on; it commits when written."""
-        super().__init__(stage_prefix, keep_last)
-        self.prefix = storage.join(stage_prefix, folder)
-        self.pointer = storage.join(self.prefix, "latest.json")
+        super().__init__(stage_prefix, keep_last, folder=folder)
         self.master = master
         self.background = background
         self._pending: tuple[Any, str, int, dict[str, Any]] | None = None  # (future, uri, step, plain values)

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from stagewise.training.checkpoint import ShardedCheckpointStore
+from stagewise.models.torch_io import load_torch
+from stagewise.training.checkpoint import CheckpointStore, ShardedCheckpointStore
 
 
 @dataclass(frozen=True)
@@ -66,16 +67,17 @@ def cpu_copy(state: Any) -> Any:
 
 
 class BestEpoch:
-    """The best epoch's model and optimizer, kept for ``hand_on: best``: a CPU copy on rank 0 where each rank holds the
-    whole state (ddp), a sharded checkpoint of its own under ``best/`` where each holds a shard (fsdp: a full copy
-    would not fit). Its :meth:`record` goes into each checkpoint, so a resume hands on the same epoch."""
+    """The best epoch's model and optimizer, kept for ``hand_on: best`` in files of their own under ``best/`` (never in
+    memory, never inside final.pt): a whole file from rank 0 where each rank holds the whole state (ddp), a sharded
+    checkpoint where each holds a shard (fsdp). Its :meth:`record` (the file's URI) goes into each checkpoint, so a
+    resume hands on the same epoch."""
 
     def __init__(self, strategy: Any, stage_prefix: str, *, master: bool) -> None:
         self.strategy, self.master = strategy, master
         self.state: dict[str, Any] | None = None
         # Two kept: a resume from a checkpoint older than the newest best still finds the best it recorded.
         self.store = (ShardedCheckpointStore(stage_prefix, keep_last=2, master=master, folder="best")
-                      if strategy.shards_state else None)
+                      if strategy.shards_state else CheckpointStore(stage_prefix, keep_last=2, folder="best"))
 
     @property
     def available(self) -> bool:
@@ -84,27 +86,28 @@ class BestEpoch:
 
     def keep(self, epoch: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """This epoch is the best so far: keep its state (every rank calls it)."""
-        if self.store is not None:
+        if self.strategy.shards_state:
             self.state = {"uri": self.store.save(epoch, self.strategy.training_state(module, optimizer))}
         elif self.master:
-            self.state = {"model": cpu_copy(module.state_dict()), "optimizer": cpu_copy(optimizer.state_dict())}
+            self.state = {"uri": self.store.save(epoch, {"model": module.state_dict(), "optimizer": optimizer.state_dict()})}
 
     def record(self) -> dict[str, Any]:
         return self.state or {}
 
     def restore(self, recorded: dict[str, Any] | None) -> None:
-        """Take a checkpoint's record back (rank 0's copy, or the sharded checkpoint's URI)."""
+        """Take a checkpoint's record back (the best epoch's file; a CPU copy from an older checkpoint)."""
         self.state = recorded or None
-        if self.state is not None and self.store is None and not self.master:
+        if self.state is not None and not self.strategy.shards_state and not self.master:
             self.state = None
 
     def load_into(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Put the best epoch's weights and optimizer state into the live ones (every rank calls it)."""
         if self.state is None:
             return
-        if self.store is not None:
-            shards = self.store.load_shards(self.state["uri"], self.strategy.training_state(module, optimizer))
+        if self.strategy.shards_state:
+            shards = ShardedCheckpointStore.load_shards(self.state["uri"], self.strategy.training_state(module, optimizer))
             self.strategy.load_training_state(module, optimizer, shards)
-        else:
-            module.load_state_dict(self.state["model"])
-            optimizer.load_state_dict(self.state["optimizer"])
+            return
+        state = load_torch(self.state["uri"]) if "uri" in self.state else self.state  # older checkpoints: inline
+        module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from stagewise.core import storage
-from stagewise.core.errors import UserError
+from stagewise.core.errors import UserError, out_of_memory
 from stagewise.definitions.spec import ModelSpec, user_hook
 from stagewise.training.checkpoint import dcp_reader, dcp_writer, restore_training_state
 from stagewise.training.distributed import DistEnv
@@ -72,15 +72,10 @@ class DDPStrategy:
         self.ddp: nn.Module | None = None
 
     @property
-    def local_gradients(self) -> bool:
-        """Whether a rank can see its own gradient before the ranks average it (DDP's no_sync): the noise scale then
-        measures across ranks; otherwise it splits each rank's batch and reads averaged gradients."""
-        return self.env.distributed
-
-    @property
     def gradient_ranks(self) -> int:
-        """How many ranks' rows one backward's gradient averages (the noise scale's batch sizes scale by it)."""
-        return 1
+        """How many ranks' rows one synced backward's gradient averages (the noise scale's batch sizes scale by it):
+        every rank's, under DDP's all-reduce as under fsdp's reduce-scatter, so both measure the same batch sizes."""
+        return self.env.world_size
 
     def prepare(self, module: nn.Module) -> None:
         """Ready ``module`` in place before an optimizer is made over its parameters (nothing for DDP)."""
@@ -129,25 +124,43 @@ class DDPStrategy:
 
     def load_full_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load a stage's final.pt, whatever strategy and world size wrote it: ``model`` full by name, ``optimizer``
-        numbered or (after an fsdp stage) a reference to its sharded checkpoint (:func:`sharded_optimizer_uri`)."""
+        numbered, a reference to a sharded checkpoint of it (:func:`sharded_optimizer_uri`), or absent (a stage that
+        hands on no optimizer: this one starts its own)."""
         uri = sharded_optimizer_uri(state)
-        if uri is None:
+        if uri is None and "optimizer" in state:
             restore_training_state(module, optimizer, state, self.env.device)
             return
         module.to(self.env.device)
         module.load_state_dict(state["model"])
-        load_sharded_optimizer(module, optimizer, uri)
+        if uri is not None:
+            load_sharded_optimizer(module, optimizer, uri)
 
-    def full_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, stage_prefix: str) -> dict[str, Any]:
+    def full_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, stage_prefix: str,
+                   with_optimizer: bool = True) -> dict[str, Any]:
         """The model and optimizer state for the next stage and the bundle, on the CPU of rank 0 (every rank must call
-        it; others get an empty dict): the model full; the optimizer full, or where it is sharded a reference to a
-        sharded checkpoint of it written under ``stage_prefix``."""
+        it; others get an empty dict): the model full; the optimizer (``with_optimizer``) as a reference to a sharded
+        checkpoint of it written under ``stage_prefix``, so no rank of the next stage reads it whole."""
         if not self.env.master:
             return {}
-        return cpu_copy(self.training_state(module, optimizer))
+        handed = {"model": cpu_copy(module.state_dict())}
+        if with_optimizer:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            # Every replica holds the same state: rank 0 writes it alone (no collective), one file.
+            uri = storage.join(stage_prefix, f"final-optimizer-{storage.unique_token()}.dcp")
+            dcp.save({"optimizer": get_optimizer_state_dict(module, optimizer)}, storage_writer=dcp_writer(uri),
+                     no_dist=True)
+            handed["optimizer"] = {SHARDED_OPTIMIZER: uri}
+        return handed
 
     def committed(self, stage_prefix: str, handed: dict[str, Any]) -> None:
-        """Rank 0, once final.pt holding ``handed`` is written: drop what earlier attempts left for it (nothing here)."""
+        """Rank 0, once final.pt holding ``handed`` is written: drop the optimizer checkpoints earlier attempts left."""
+        keep = sharded_optimizer_uri(handed)
+        fs, path = storage.filesystem(stage_prefix)
+        for stale in fs.glob(path + "/final-optimizer-*.dcp"):
+            if keep is None or not keep.rstrip("/").endswith("/" + stale.rstrip("/").rsplit("/", 1)[-1]):
+                fs.rm(stale, recursive=True)
 
     def describe(self) -> str:
         """The strategy in a few words for the stage's first log line."""
@@ -174,14 +187,6 @@ class FSDPStrategy(DDPStrategy):
         self.spec, self.precision, self.activation_checkpointing = spec, precision, activation_checkpointing
         self._own_group = False
         self.units = 0
-
-    @property
-    def local_gradients(self) -> bool:
-        return False
-
-    @property
-    def gradient_ranks(self) -> int:
-        return self.env.world_size
 
     def _mesh(self) -> Any:
         import torch.distributed as dist
@@ -273,37 +278,37 @@ class FSDPStrategy(DDPStrategy):
             set_optimizer_state_dict,
         )
 
-        # Every rank read the file: each keeps its own shard of each tensor (another world size or strategy reshards).
-        full = StateDictOptions(full_state_dict=True)
+        # On several ranks only rank 0 read the file (stagewise.training.handoff): it sends each tensor in turn and
+        # every rank keeps its shard; alone, the one rank keeps the whole.
+        full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.env.distributed)
         set_model_state_dict(module, state["model"], options=full)
         uri = sharded_optimizer_uri(state)
         if uri is not None:
-            load_sharded_optimizer(module, optimizer, uri)
-        else:
-            set_optimizer_state_dict(module, optimizer, state_by_name(module, optimizer, state["optimizer"]), options=full)
+            load_sharded_optimizer(module, optimizer, uri)  # each rank reads its own part
+        elif "optimizer" in state:  # inline (a script's final.pt, an older stage's): rank 0 holds it numbered
+            inline = state["optimizer"]
+            by_name = state_by_name(module, optimizer, inline) if "state" in inline else {}
+            set_optimizer_state_dict(module, optimizer, by_name, options=full)
 
-    def full_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, stage_prefix: str) -> dict[str, Any]:
+    def full_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, stage_prefix: str,
+                   with_optimizer: bool = True) -> dict[str, Any]:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         # The optimizer state stays sharded (a name of its own each attempt: final.pt, written after it, commits it);
         # the model is gathered a tensor at a time into rank 0's CPU memory, never a second full copy on a device.
-        names = [f"final-optimizer-{storage.unique_token()}.dcp"]
-        dist.broadcast_object_list(names, src=0)
-        uri = storage.join(stage_prefix, names[0])
-        dcp.save({"optimizer": self.training_state(module, optimizer)["optimizer"]}, storage_writer=dcp_writer(uri))
+        handed: dict[str, Any] = {}
+        if with_optimizer:
+            names = [f"final-optimizer-{storage.unique_token()}.dcp"]
+            dist.broadcast_object_list(names, src=0)
+            uri = storage.join(stage_prefix, names[0])
+            dcp.save({"optimizer": self.training_state(module, optimizer)["optimizer"]}, storage_writer=dcp_writer(uri))
+            handed["optimizer"] = {SHARDED_OPTIMIZER: uri}
         model_state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.env.master:
             return {}
-        return {"model": model_state, "optimizer": {SHARDED_OPTIMIZER: uri}}
-
-    def committed(self, stage_prefix: str, handed: dict[str, Any]) -> None:
-        keep = sharded_optimizer_uri(handed)
-        fs, path = storage.filesystem(stage_prefix)
-        for stale in fs.glob(path + "/final-optimizer-*.dcp"):
-            if keep is None or not keep.rstrip("/").endswith("/" + stale.rstrip("/").rsplit("/", 1)[-1]):
-                fs.rm(stale, recursive=True)
+        return {"model": model_state, **handed}
 
     def describe(self) -> str:
         extras = [f"{self.units} units", *(["bf16 parameters, fp32 reduction"] if self.precision == "bf16" else []),
@@ -363,14 +368,6 @@ def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, 
     target = {"optimizer": get_optimizer_state_dict(module, optimizer)}
     dcp.load(target, storage_reader=dcp_reader(uri))
     set_optimizer_state_dict(module, optimizer, target["optimizer"])
-
-
-def out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is an allocation that failed (CUDA's OutOfMemoryError, the CPU allocator's, Python's)."""
-    if isinstance(exc, MemoryError | torch.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
 
 
 def memory_advice(strategy: str, world_size: int) -> str:

@@ -10,12 +10,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests import run_cache
 from tests.conftest import base_config, preprocess_digits
+from tests.tasks.test_train_resume import recorded_history
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KILL_AT_STEP = 25
@@ -24,10 +26,11 @@ pytestmark = pytest.mark.torchrun
 
 
 def torchrun(nproc: int, config: Path, out: str, env: dict, *args: str, result: str = "result.json",
-             check: bool = True) -> subprocess.CompletedProcess:
+             check: bool = True, preexec_fn: Any = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
                "stagewise.train", "--config", str(config), "--out", out, "--result-file", str(Path(out) / result), *args]
-    completed = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+                               preexec_fn=preexec_fn)
     if check:
         assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
         completed.result = json.loads((Path(out) / result).read_text())
@@ -100,7 +103,8 @@ def test_ddp_then_fsdp_on_two_then_four_ranks_hands_on_full_states(sharded_run, 
 @pytest.mark.parametrize("background", [False, True], ids=["saved-in-step", "saved-in-background"])
 def test_killed_fsdp_rank_resumes_from_its_sharded_checkpoint_exactly(digits_run, subprocess_env, tmp_path, background):
     """SIGKILL of rank 1 at step 25 of an fsdp stage: the retry loads every rank's shard of the newest committed
-    sharded checkpoint and ends on the weights, noise scale and metric of an uninterrupted fsdp stage (whose
+    sharded checkpoint and ends on the weights, noise scale, metric and recorded history (but for samples/s) of an
+    uninterrupted fsdp stage (whose
     checkpoints were written in the step), also where the killed and the retried attempts wrote theirs in the
     background (train.async_checkpoints)."""
     config, out = digits_run
@@ -126,6 +130,8 @@ def test_killed_fsdp_rank_resumes_from_its_sharded_checkpoint_exactly(digits_run
     assert resumed["steps"] == clean["steps"] and resumed["handed_epoch"] == clean["handed_epoch"]
     assert resumed["val_metric"] == pytest.approx(clean["val_metric"], abs=1e-9)
     assert resumed["noise_scale"] > 0 and resumed["noise_scale"] == pytest.approx(clean["noise_scale"], rel=1e-6)
+    # Every rank saved the loss and samples of all ranks: the epoch resumed in records the clean run's train loss.
+    assert recorded_history(Path(out, "train", "s2")) == recorded_history(Path(reference_out, "train", "s2"))
     resumed_model = torch.load(Path(out, "train", "s2", "final.pt"), weights_only=True)["model"]
     clean_model = torch.load(Path(reference_out, "train", "s2", "final.pt"), weights_only=True)["model"]
     for name, tensor in clean_model.items():

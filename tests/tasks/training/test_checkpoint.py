@@ -83,3 +83,29 @@ def test_checkpoints_load_with_weights_only(tmp_path):
 def test_no_checkpoint_yet_means_none(tmp_path):
     """A fresh stage finds nothing to resume."""
     assert CheckpointStore(str(tmp_path / "fresh")).latest() is None
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "memory-mapped"])
+def test_memory_that_runs_out_while_loading_a_hand_off_is_named_as_memory_not_as_corruption(tmp_path, monkeypatch,
+                                                                                             mapped):
+    """The CPU allocator failing inside torch.load (a fault made on purpose) is a user error naming the file, its size,
+    the rank and what to change; never "cut or corrupt"."""
+    from stagewise.core.errors import DataError, UserError
+    from stagewise.models import torch_io
+
+    uri = str(tmp_path / "s1" / "final.pt")
+    torch_io.save_torch(uri, {"model": {"weight": torch.zeros(1024, 256)}})
+    size_mib = Path(uri).stat().st_size / 2**20
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory: you tried "
+                           "to allocate 1048576 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(torch_io.torch, "load", no_memory)
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(UserError) as raised:
+        torch_io.load_torch(uri, mapped=mapped)
+    message = str(raised.value)
+    assert not isinstance(raised.value, DataError) and "cut or corrupt" not in message
+    assert message.startswith(f"{uri}: rank 2 ran out of memory loading it ({size_mib:.1f} MiB")
+    assert "hand_on_optimizer: false" in message and "strategy fsdp" in message

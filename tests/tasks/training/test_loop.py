@@ -434,9 +434,9 @@ def test_state_is_loaded_only_after_the_model_is_on_its_device(digits_run, singl
             events.append(f"model.to({args[0] if args else kwargs})")
         return original_to(module, *args, **kwargs)
 
-    def recording_load(optimizer, state):
+    def recording_load(optimizer, *args, **kwargs):  # DCP's set_optimizer_state_dict passes state_dict= by name
         events.append("optimizer.load_state_dict")
-        return original_load(optimizer, state)
+        return original_load(optimizer, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.Module, "to", recording_to)
     monkeypatch.setattr(torch.optim.Optimizer, "load_state_dict", recording_load)
@@ -501,8 +501,10 @@ def test_a_scheduled_clipped_stage_stops_early_and_hands_on_its_best_epoch(digit
     assert result["handed_epoch"] == best + 1 and result["val_metric"] == values[best]
     final = torch.load(result["checkpoint_uri"], weights_only=True)
     last = torch.load(Path(stage_prefix(out, "s1")) / "checkpoints" / f"step-{result['steps']:09d}.pt", weights_only=True)
+    assert "best_epoch_state" not in final, "the best epoch lives in its own file, not in the hand-off"
+    kept = torch.load(last["best_epoch_state"]["uri"], weights_only=True)
     for name, tensor in final["model"].items():
-        assert torch.equal(tensor, last["best_epoch_state"]["model"][name])
+        assert torch.equal(tensor, kept["model"][name])
         assert torch.equal(load_bundle(result["model_uri"]).module.state_dict()[name], tensor)
     # A retry after the stage finished decides alike from the checkpoint: no epoch again, the same epoch handed on.
     again = train.run_stage(config, "s1", out, PARAMS, None)

@@ -1,0 +1,129 @@
+"""Hand-offs into sharded stages within fsdp's memory, and sharded stages that resume at another world size, under
+real torchrun on CPU (gloo)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import base_config, preprocess_digits
+from tests.tasks.test_train_fsdp import MEMORY_CAP_MB, capped, torchrun
+
+pytestmark = pytest.mark.torchrun
+
+# The memory-cap test's model (tests/tasks/test_train_fsdp.py): a 50M-parameter MLP whose AdamW state dominates.
+BIG = {"spec": "tests.specs:DeepMLP", "args": {"extra": 48}}
+BIG_PARAMS = ("--params", json.dumps({"lr": 0.0005, "hidden": 1024, "optimizer": "adamw"}))
+# What the memory-cap test sets for the heap accounting to count what is used (see its comment).
+CAPPED_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "ARROW_DEFAULT_MEMORY_POOL": "system"}
+
+
+@pytest.fixture
+def big_chain(storage_root, write_config) -> tuple[Path, str]:
+    """The digits with the big model in three stages: s1 ddp on 1 process (hands on its best epoch), s2 fsdp on 2,
+    s3 fsdp on 3."""
+    raw = base_config(storage_root)
+    raw["model"].update(BIG)
+    raw["profiles"]["ddp3"] = {**raw["profiles"]["ddp2"], "processes_per_node": 3}
+    raw["train"].update({"checkpoint_every_steps": 1000000, "noise_scale": False})
+    raw["train"]["stages"] = [
+        {"name": "s1", "profile": "ddp1", "per_process_batch": 32, "epochs": 1},
+        {"name": "s2", "profile": "ddp2", "per_process_batch": 64, "epochs": 1, "strategy": "fsdp", "hand_on": "last"},
+        {"name": "s3", "profile": "ddp3", "per_process_batch": 64, "epochs": 1, "strategy": "fsdp", "hand_on": "last"}]
+    config = write_config(raw)
+    out = str(storage_root / "runs" / "test" / "big")
+    preprocess_digits(config, out)
+    return config, out
+
+
+def test_fsdp_stages_start_from_a_ddp_hand_off_under_a_cap_only_fsdp_meets(big_chain, subprocess_env, tmp_path):
+    """s1 (ddp, its best epoch handed on) runs uncapped; s2 (fsdp, 2 ranks) and s3 (fsdp, 3 ranks) each start with
+    --init-from the stage before under the per-process cap that a ddp rank overflows: the hand-off holds the model
+    alone (the optimizer state in a sharded checkpoint beside it, the best epoch in its own files), rank 0 reads it and
+    the others receive their shards."""
+    config, out = big_chain
+    first = torchrun(1, config, out, subprocess_env, "--stage", "s1", *BIG_PARAMS, result="s1.json").result
+    s1 = Path(out, "train", "s1")
+    handed = torch.load(s1 / "final.pt", weights_only=True)
+    assert "best_epoch_state" not in handed and set(handed["optimizer"]) == {"sharded_checkpoint"}
+    model_bytes = sum(tensor.numel() * tensor.element_size() for tensor in handed["model"].values())
+    assert (s1 / "final.pt").stat().st_size < 1.05 * model_bytes, "final.pt holds one copy of the model, nothing more"
+    assert list((s1 / "best").glob("step-*.pt")), "the best epoch is kept in its own file"
+
+    env = {**subprocess_env, **CAPPED_ENV, "STAGEWISE_ERROR_FILE": str(tmp_path / "errors.txt")}
+    previous = first["checkpoint_uri"]
+    for stage, ranks in (("s2", 2), ("s3", 3)):
+        done = torchrun(ranks, config, out, env, "--stage", stage, *BIG_PARAMS, "--init-from", previous,
+                        result=f"{stage}.json", check=False, preexec_fn=capped(MEMORY_CAP_MB * 2**20))
+        assert done.returncode == 0, f"{stage} on {ranks} ranks under the cap:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        result = json.loads(Path(out, f"{stage}.json").read_text())
+        assert (result["strategy"], result["world_size"]) == ("fsdp", ranks) and result["steps"] > 0
+        previous = result["checkpoint_uri"]
+
+
+@pytest.fixture
+def resumable(storage_root, write_config) -> tuple[Path, str]:
+    """The digits; s2 fsdp at global batch 96 (48 a rank on 2, 32 on 3), 3 epochs, a checkpoint every 10 steps."""
+    raw = base_config(storage_root)
+    raw["train"]["checkpoint_every_steps"] = 10
+    raw["train"]["stages"][1] = {"name": "s2", "profile": "ddp2", "global_batch": 96, "epochs": 3, "warmup_steps": 5,
+                                 "strategy": "fsdp", "grad_clip_norm": 1.0}
+    config = write_config(raw)
+    out = str(storage_root / "runs" / "test" / "resumable")
+    preprocess_digits(config, out)
+    return config, out
+
+
+STAGE = ("--stage", "s2", "--params", json.dumps({"lr": 0.02, "dropout": 0.1}))
+
+
+@pytest.mark.parametrize(("killed_at", "resumed_at"), [(2, 3), (3, 2)], ids=["2-to-3", "3-to-2"])
+def test_a_killed_sharded_stage_resumes_at_another_world_size(resumable, subprocess_env, tmp_path, killed_at,
+                                                              resumed_at):
+    """A rank killed at step 25 on ``killed_at`` ranks; the retry on ``resumed_at`` ranks resumes from the step-20
+    checkpoint, resharded (no warning, no start over), and ends on the weights and record of a run on ``resumed_at``
+    ranks that starts from a copy of that same checkpoint."""
+    config, out = resumable
+    crashed = torchrun(killed_at, config, out, {**subprocess_env, "STAGEWISE_FAULT_KILL_AT": "1:25"}, *STAGE,
+                       result="crashed.json", check=False)
+    assert crashed.returncode != 0
+    pointer = json.loads(Path(out, "train", "s2", "checkpoints", "latest.json").read_text())
+    assert pointer["step"] == 20
+    reference_out = tmp_path / "reference"
+    shutil.copytree(out, reference_out)
+
+    resumed_run = torchrun(resumed_at, config, out, subprocess_env, *STAGE, result="resumed.json")
+    resumed = resumed_run.result
+    assert resumed["resumed_from_step"] == 20 and resumed["world_size"] == resumed_at
+    assert "starts over" not in resumed_run.stderr + resumed_run.stdout
+    assert f"written by {killed_at} process(es), on {resumed_at}" in resumed_run.stderr + resumed_run.stdout
+    clean = torchrun(resumed_at, config, str(reference_out), subprocess_env, *STAGE, result="clean.json").result
+    assert (resumed["steps"], resumed["val_metric"]) == (clean["steps"], clean["val_metric"])
+    resumed_model = torch.load(Path(out, "train", "s2", "final.pt"), weights_only=True)["model"]
+    clean_model = torch.load(reference_out / "train" / "s2" / "final.pt", weights_only=True)["model"]
+    for name, tensor in clean_model.items():
+        assert torch.equal(resumed_model[name], tensor), name
+
+
+def test_a_stage_whose_global_batch_changes_with_the_world_size_refuses_to_resume_and_keeps_its_checkpoints(
+        digits_run, subprocess_env, tmp_path):
+    """A ddp stage with per_process_batch killed on 2 ranks and retried on 3 (global batch 128 -> 192) fails as a user
+    error naming both world sizes and batches and what to do; its checkpoints stay."""
+    config, out = digits_run
+    args = ("--stage", "s2", "--params", json.dumps({"lr": 0.02}), "--override=train.checkpoint_every_steps=5")
+    crashed = torchrun(2, config, out, {**subprocess_env, "STAGEWISE_FAULT_KILL_AT": "1:7"}, *args,
+                       result="crashed.json", check=False)
+    assert crashed.returncode != 0
+    checkpoints = sorted(path.name for path in Path(out, "train", "s2", "checkpoints").iterdir())
+    error_file = tmp_path / "errors.txt"
+    refused = torchrun(3, config, out, {**subprocess_env, "STAGEWISE_ERROR_FILE": str(error_file)}, *args,
+                       result="refused.json", check=False)
+    assert refused.returncode != 0
+    message = error_file.read_text()
+    assert "written by 2 process(es) at global batch 128" in message and "runs 3, whose global batch is 192" in message
+    assert "global_batch" in message and "checkpoints" in message
+    assert sorted(path.name for path in Path(out, "train", "s2", "checkpoints").iterdir()) == checkpoints
