@@ -41,6 +41,10 @@ from tests import run_cache
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MARKER_ENV = "STAGEWISE_LIVE_AIRFLOW"  # every process we start (and their children) carries this
 FINAL_RUN_STATES = frozenset({"success", "failed"})
+# A REST call's timeout, and how often a timed-out read is asked again: under the full suite on 2 cores the one
+# api-server worker has answered a run-state poll after more than 30 s (CI, 2026-11-28).
+API_TIMEOUT_S = 60.0
+API_READ_ATTEMPTS = 3
 _ADMIN = "admin"
 # Keys every task log record repeats; task_log() leaves them out so the lines stay readable.
 _LOG_CONTEXT_KEYS = frozenset({"event", "timestamp", "level", "logger", "dag_id", "run_id", "task_id", "ti_id",
@@ -244,7 +248,7 @@ class LiveAirflow:
         # The scheduler's own log server binds every interface; this one serves the same app on 127.0.0.1.
         self._spawn("log-server", "-m", "stagewise.airflow.log_server", argv0=[sys.executable])
         self._wait_healthy()
-        self._client = httpx.Client(base_url=self.base_url, timeout=30.0, trust_env=False,
+        self._client = httpx.Client(base_url=self.base_url, timeout=API_TIMEOUT_S, trust_env=False,
                                     headers={"Authorization": f"Bearer {self._token()}"})
 
     def kill(self, name: str) -> int:
@@ -409,10 +413,23 @@ class LiveAirflow:
         return self._client
 
     def api(self, method: str, path: str, expect: tuple[int, ...] = (200,), **kwargs: Any) -> httpx.Response:
-        response = self.client.request(method, path, **kwargs)
+        response = self._request(method, path, **kwargs)
         if response.status_code not in expect:
             raise LiveAirflowError(f"{method} {path}: {response.status_code} {response.text[:2000]}")
         return response
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One REST call; a read (GET) that times out is asked again, since a loaded 2-core machine can hold the
+        api-server's one worker past the client's timeout while the run it polls goes on fine."""
+        attempts = API_READ_ATTEMPTS if method.upper() == "GET" else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                return self.client.request(method, path, **kwargs)
+            except httpx.TimeoutException:
+                if attempt == attempts:
+                    raise
+                self.check_alive()
+        raise AssertionError("unreachable")
 
     def import_errors(self) -> list[dict]:
         return self.api("GET", "/api/v2/importErrors").json()["import_errors"]
@@ -422,7 +439,7 @@ class LiveAirflow:
         def found() -> dict | None:
             if errors := self.import_errors():
                 raise LiveAirflowError(f"DAG import errors: {json.dumps(errors, indent=1)[:4000]}")
-            response = self.client.get(f"/api/v2/dags/{dag_id}/details")
+            response = self._request("GET", f"/api/v2/dags/{dag_id}/details")
             return response.json() if response.status_code == 200 else None
 
         return self.wait_until(found, timeout, f"DAG {dag_id} never got serialized")
