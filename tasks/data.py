@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--num-shards", type=int, default=None, help="files to split it into (default: the data set's own); "
                       "never fewer than the widest training stage's processes")
     demo.add_argument("--all", action="store_true", help="for every pipeline of the deployment ($STAGEWISE_PIPELINES)")
+    demo.add_argument("--config", default=None, help="pipeline YAML (default: $STAGEWISE_CONFIG or pipeline.yaml)")
     synth = sub.add_parser("synthetic", help="a learnable synthetic classification set")
     synth.add_argument("out_uri")
     synth.add_argument("--rows", type=int, required=True)
@@ -172,10 +173,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup_logging()
     if args.kind == "demo":
+        if args.all and args.config:
+            parser.error("demo: give --all (every pipeline) or --config FILE (one), not both")
         if args.all:
             write_all_demos(args.num_shards)
         else:
-            write_demo(args.num_shards)
+            write_demo(args.num_shards, args.config)
     elif args.kind == "synthetic":
         write_synthetic(args.out_uri, args.rows, args.features, args.classes, args.num_shards, args.seed, args.dirty_fraction)
     else:

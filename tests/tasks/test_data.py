@@ -71,6 +71,17 @@ def test_demo_num_shards_splits_the_same_rows_into_that_many_files(write_config,
     assert len(files) == 2 and sum(pq.read_metadata(f).num_rows for f in files) == 1797
 
 
+def test_demo_takes_the_config_as_every_job_does(write_config, storage_root, monkeypatch):
+    """`stagewise.data demo --config FILE` writes FILE's data set, whatever $STAGEWISE_CONFIG names."""
+    from tests.conftest import base_config
+
+    raw = base_config(storage_root)
+    raw["dataset"].update({"uri": "raw/chosen", "demo_data": "diabetes"})
+    monkeypatch.setenv("STAGEWISE_CONFIG", str(write_config(name="other.yaml")))
+    main(["demo", "--config", str(write_config(raw))])
+    assert (storage_root / "raw" / "chosen").is_dir() and not (storage_root / "raw" / "digits").exists()
+
+
 def test_demo_writes_a_shard_for_each_process_of_the_widest_stage(write_config, storage_root, monkeypatch, capfd):
     """`--num-shards 1` for a pipeline whose stage s2 runs 2 processes (pipeline.yaml's) writes 2 files and says why:
     every rank reads files of its own, so 1 would fail the stage long after the data step (docs/ci.md's recipe)."""
