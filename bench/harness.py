@@ -32,8 +32,10 @@ class BenchmarkSkipped(Exception):
     """This machine cannot run the benchmark (the message says why, e.g. 'no CUDA'): recorded as skipped."""
 
 
-def goal_met(ratio: float, goal: str) -> bool:
-    """``goal`` is '>= 0.95' or '<= 1.5'."""
+def goal_met(ratio: float, goal: str) -> bool | None:
+    """``goal`` is '>= 0.95' or '<= 1.5'; 'info' (a figure kept for information, judged elsewhere) meets none: None."""
+    if goal == "info":
+        return None
     sign, value = goal.split()
     return _COMPARE[sign](ratio, float(value))
 
@@ -109,6 +111,10 @@ def _number(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
+def _met(met: bool | None) -> str:
+    return "-" if met is None else "yes" if met else "NO"
+
+
 def table(results: list[dict[str, Any]]) -> str:
     """A fixed-width table: name, ours, baseline, ratio, goal, met, unit."""
     lines = [f"{'benchmark':26} {'ours':>12} {'baseline':>12} {'ratio':>7}  {'goal':8} {'met':4} unit",
@@ -121,5 +127,5 @@ def table(results: list[dict[str, Any]]) -> str:
             lines.append(f"{entry['name']:26} {'skipped: ' + entry['skipped']:>40}  {entry['goal']:8} -")
             continue
         lines.append(f"{entry['name']:26} {_number(entry['ours']):>12} {_number(entry['baseline']):>12} "
-                     f"{entry['ratio']:>7.3f}  {entry['goal']:8} {'yes' if entry['met'] else 'NO':4} {entry['unit']}")
+                     f"{entry['ratio']:>7.3f}  {entry['goal']:8} {_met(entry['met']):4} {entry['unit']}")
     return "\n".join(lines)
