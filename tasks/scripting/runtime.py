@@ -125,6 +125,23 @@ def load_state(uri: str) -> dict[str, Any] | None:
     return load_torch(uri) if storage.exists(uri) else None
 
 
+def load_optimizer(module: Any, optimizer: Any, state: dict[str, Any]) -> bool:
+    """The optimizer state a ``final.pt`` (``state``, from :func:`load_state`) hands on, loaded into ``optimizer`` over
+    ``module`` (plain, not DDP-wrapped): held inline (a script's), or as a sharded checkpoint beside it (a built-in
+    stage's: ``{"sharded_checkpoint": uri}``, read at any world size). Every rank calls it; False when ``state`` holds
+    no optimizer state (the stage before set ``hand_on_optimizer: false``): keep the fresh one."""
+    from stagewise.training.strategy import load_sharded_optimizer, sharded_optimizer_uri
+
+    uri = sharded_optimizer_uri(state)
+    if uri is not None:
+        load_sharded_optimizer(module, optimizer, uri)
+    elif state.get("optimizer") is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    else:
+        return False
+    return True
+
+
 def save_state(uri: str, state: dict[str, Any]) -> None:
     """Rank 0 writes ``state`` (tensors and plain values) atomically to ``uri``; other ranks do nothing."""
     if context().master:

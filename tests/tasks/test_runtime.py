@@ -201,3 +201,34 @@ def test_a_stage_scripts_outputs_are_what_the_next_stage_and_evaluation_accept(d
     contract_values = byo_contract(config, str(config_path), "s1", out, {"lr": 0.02, "hidden": 16}, None)
     last = read_last_report(env[contract.METRICS_FILE])
     assert byo_result(config, "s1", out, contract_values, {LAST_REPORT: last})["val_metric"] == 0.5
+
+
+def test_load_optimizer_reads_a_built_in_stages_sharded_hand_off_and_a_scripts_inline_one(tmp_path):
+    """A script continues the optimizer of the stage before: from a built-in stage's final.pt (the state in a sharded
+    checkpoint beside it) and from a script's (inline) alike, to the same moments; a hand-off without any says so."""
+    import torch
+
+    from stagewise.training.distributed import DistEnv
+    from stagewise.training.strategy import DDPStrategy
+
+    def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        optimizer = torch.optim.AdamW(module.parameters(), lr=0.01)
+        module(torch.randn(8, 4)).square().mean().backward()
+        optimizer.step()
+        return module, optimizer
+
+    module, optimizer = trained()
+    built_in = DDPStrategy(DistEnv(rank=0, local_rank=0, world_size=1, device="cpu"))
+    handed = built_in.full_state(module, optimizer, str(tmp_path / "s1"))
+    assert set(handed["optimizer"]) == {"sharded_checkpoint"}
+    inline = {"model": module.state_dict(), "optimizer": optimizer.state_dict()}
+    expected = optimizer.state_dict()["state"][0]["exp_avg_sq"]
+    for state in (handed, inline):
+        fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        fresh.load_state_dict(state["model"])
+        continued = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+        assert spec.load_optimizer(fresh, continued, state) is True
+        assert torch.equal(continued.state_dict()["state"][0]["exp_avg_sq"], expected)
+    assert spec.load_optimizer(module, optimizer, {"model": inline["model"]}) is False

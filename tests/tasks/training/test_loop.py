@@ -400,6 +400,21 @@ def test_init_from_loads_the_previous_stage(digits_run, single_process):
     assert second["val_metric"] == pytest.approx(first["val_metric"], abs=0.02)
 
 
+def test_a_stage_that_hands_on_no_optimizer_leaves_final_pt_with_the_model_alone(digits_run, single_process):
+    """hand_on_optimizer: false: s1's final.pt holds the model and no optimizer state (none beside it either); s2 starts
+    from that model with a fresh optimizer (the default hand-off is tested in tests/tasks/test_fsdp_handoff.py)."""
+    config_path, out = digits_run
+    config = load_config(config_path, overrides={"train.stages.0.hand_on_optimizer": False})
+    first = train.run_stage(config, "s1", out, PARAMS, None)
+    handed = torch.load(first["checkpoint_uri"], weights_only=True)
+    assert "optimizer" not in handed and "best_epoch_state" not in handed
+    assert not list(Path(stage_prefix(out, "s1")).glob("final-optimizer-*"))
+    second = train.run_stage(config, "s2", out, {**PARAMS, "lr": 1e-12}, first["checkpoint_uri"])
+    for name, tensor in handed["model"].items():
+        torch.testing.assert_close(torch.load(second["checkpoint_uri"], weights_only=True)["model"][name], tensor,
+                                   rtol=0, atol=1e-6)
+
+
 def test_init_from_a_model_of_another_shape_is_a_user_error(digits_run, single_process):
     """Handing a stage a checkpoint whose layers do not fit fails as bad input naming the file."""
     config_path, out = digits_run
