@@ -47,7 +47,7 @@ class Trainer:
 
     def _load_state(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        spec.load_optimizer(self.model, self.optimizer, state)  # stagewise: a script's or a built-in stage's
         for group in self.optimizer.param_groups:  # this stage's lr, not the one saved with the optimizer
             group["lr"] = spec.context().lr  # stagewise:
 
