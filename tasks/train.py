@@ -46,7 +46,7 @@ from stagewise.training.handoff import handed_values, read_hand_off, resumed_pos
 from stagewise.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, stage_lr, start_loop
 from stagewise.training.recipe import recipe_params, schedule_label, training_recipe
 from stagewise.training.selection import BestEpoch, EpochSelection
-from stagewise.training.strategy import out_of_memory_named
+from stagewise.training.strategy import out_of_memory_named, sharded_optimizer_uri
 
 log = logging.getLogger("stagewise.train")
 
@@ -506,6 +506,8 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
         storage.write_json(storage.join(prefix, "metrics.json"),
                            {**result_info, "params": params, "history": history, "resumes": resumes, "complete": True})
         result_info["model_uri"] = model_uri
+        if optimizer_uri := sharded_optimizer_uri(handed_state):  # the cache checks it is still there
+            result_info["optimizer_uri"] = optimizer_uri
     if tracker is not None:
         tracker.log(tracked, tags={"stagewise.handed_epoch": result_info["handed_epoch"],
                                    "stagewise.stopped_early": stopped_early, "stagewise.steps": loop.position.step})

@@ -94,11 +94,14 @@ def record_problem(uri: str | None, fingerprint: str) -> str | None:
 
 
 def stage_problem(result: dict[str, Any], fingerprint: str) -> str | None:
-    """Why a cached stage result cannot stand for ``fingerprint`` (None: it can): its hand-off or model is gone, or
+    """Why a cached stage result cannot stand for ``fingerprint`` (None: it can): its hand-off (with the optimizer
+    checkpoint it names) or model is gone, or
     its stage's record (metrics.json, written last) is unfinished or was re-made from other inputs."""
     for key in ("checkpoint_uri", "model_uri"):
         if not result.get(key) or not storage.exists(result[key]):
             return f"{result.get(key)} ({key}) is gone"
+    if result.get("optimizer_uri") and not storage.exists(storage.join(result["optimizer_uri"], ".metadata")):
+        return f"{result['optimizer_uri']} (the optimizer state final.pt hands on) is gone"
     record_uri = storage.join(result["checkpoint_uri"].rsplit("/", 1)[0], "metrics.json")
     if not storage.exists(record_uri):
         return f"{record_uri} is gone"

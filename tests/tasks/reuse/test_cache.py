@@ -85,3 +85,23 @@ def test_a_manifest_naming_a_lost_file_is_not_served(tmp_path, kind):
     assert "other inputs" in cache.manifest_problem(str(manifest), "f2")
     part.unlink()
     assert "is gone" in cache.manifest_problem(str(manifest), "f1")
+
+
+def test_a_cached_stage_is_not_served_once_its_hand_off_or_the_optimizer_checkpoint_it_names_is_gone(tmp_path):
+    """stage_problem: a finished stage stands for its fingerprint while final.pt, model.pt, metrics.json and the sharded
+    optimizer checkpoint final.pt names are all there; with any gone it names that one."""
+    stage = tmp_path / "train" / "s1"
+    optimizer = stage / "final-optimizer-abc.dcp"
+    optimizer.mkdir(parents=True)
+    (optimizer / ".metadata").write_bytes(b"m")
+    for name in ("final.pt", "model.pt"):
+        (stage / name).write_bytes(b"x")
+    storage.write_json(str(stage / "metrics.json"), {"complete": True, "fingerprint": "f1"})
+    result = {"checkpoint_uri": str(stage / "final.pt"), "model_uri": str(stage / "model.pt"),
+              "optimizer_uri": str(optimizer)}
+    assert cache.stage_problem(result, "f1") is None
+    assert "other inputs" in cache.stage_problem(result, "f2")
+    (optimizer / ".metadata").unlink()
+    assert cache.stage_problem(result, "f1") == f"{optimizer} (the optimizer state final.pt hands on) is gone"
+    (stage / "model.pt").unlink()
+    assert "(model_uri) is gone" in cache.stage_problem(result, "f1")
