@@ -29,6 +29,7 @@ from stagewise.models.bundle import preprocessing_of, save_bundle
 from stagewise.models.torch_io import load_torch, save_torch
 from stagewise.study.studies import make_pruner, open_storage
 from stagewise.training.distributed import read_env
+from stagewise.training.strategy import load_sharded_optimizer, sharded_optimizer_uri
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,8 +131,6 @@ def load_optimizer(module: Any, optimizer: Any, state: dict[str, Any]) -> bool:
     ``module`` (plain, not DDP-wrapped): held inline (a script's), or as a sharded checkpoint beside it (a built-in
     stage's: ``{"sharded_checkpoint": uri}``, read at any world size). Every rank calls it; False when ``state`` holds
     no optimizer state (the stage before set ``hand_on_optimizer: false``): keep the fresh one."""
-    from stagewise.training.strategy import load_sharded_optimizer, sharded_optimizer_uri
-
     uri = sharded_optimizer_uri(state)
     if uri is not None:
         load_sharded_optimizer(module, optimizer, uri)
