@@ -4,11 +4,17 @@ Layout under a stage prefix: ``checkpoints/step-000000123.pt`` files and ``check
 naming the newest complete one. A file is fully written (temp + rename locally, one PUT on S3)
 before the pointer moves to it, so a crash while writing leaves the previous checkpoint in force.
 Files hold tensors and plain values only and load with ``torch.load(weights_only=True)``.
+
+Every checkpoint is verified before it loads: when it commits, the SHA-256 and size of each of its files go into a
+record beside it (``step-…pt.checksums.json``; ``checksums.json`` inside a sharded folder), written before the pointer
+moves, and a file that no longer matches (cut, altered on disk) is named as a data error and skipped for the newest
+intact checkpoint. Leftovers of writes that died (``*.tmp-*``) are removed at the next commit.
 """
 
 from __future__ import annotations
 
 import logging
+import posixpath
 from collections.abc import Callable
 from typing import Any
 
@@ -42,9 +48,42 @@ class CheckpointStore:
     def save(self, step: int, state: dict[str, Any]) -> str:
         uri = self.path_for(step)
         save_torch(uri, state)
+        storage.write_json(self.record_for(uri), {"files": {posixpath.basename(uri): file_digest(uri)}})
         storage.write_json(self.pointer, {"uri": uri, "step": step})
         self._prune()
         return uri
+
+    def require_intact(self, uri: str) -> None:
+        """A DataError naming the file unless the checkpoint at ``uri`` is as it was written (every rank calls it)."""
+        if problem := self._verified(uri):
+            raise DataError(f"checkpoint {uri}: {problem}; run the stage again without it (remove it) to remake it")
+
+    def _verified(self, uri: str) -> str | None:
+        return self.verify(uri)
+
+    def record_for(self, uri: str) -> str:
+        """Where a checkpoint's checksums are kept: beside its file."""
+        return f"{uri}{RECORD_SUFFIX}"
+
+    def verify(self, uri: str) -> str | None:
+        """Why the checkpoint at ``uri`` must not load (a file cut or altered since it committed), or None."""
+        record_uri = self.record_for(uri)
+        if not storage.exists(record_uri):
+            return None  # written before checkpoints recorded checksums: loaded as before
+        try:
+            files = storage.read_json(record_uri)["files"]
+        except (DataError, KeyError, TypeError) as exc:
+            return f"its checksum record {record_uri} is unreadable ({exc})"
+        folder = uri if self.SUFFIX == ".dcp" else posixpath.dirname(uri)
+        for name, expected in files.items():
+            path = storage.join(folder, name)
+            if not storage.exists(path):
+                return f"{path} is missing"
+            found = file_digest(path)
+            if found != expected:
+                return (f"{path} is cut or altered since it was written ({found['bytes']} bytes, sha256 "
+                        f"{found['sha256'][:12]}…; recorded {expected['bytes']} bytes, {expected['sha256'][:12]}…)")
+        return None
 
     SUFFIX = ".pt"  # a checkpoint's name: step-<step>SUFFIX
 
@@ -60,9 +99,14 @@ class CheckpointStore:
         return [fs.unstrip_protocol(p) if "://" in self.prefix else p for p in found]
 
     def _prune(self) -> None:
-        fs, _ = storage.filesystem(self.prefix)
+        """Drop all but the newest ``keep_last`` checkpoints (with their records) and what dead writes left."""
+        fs, path = storage.filesystem(self.prefix)
         for uri in self._listed()[: -self.keep_last]:
             fs.rm(storage.filesystem(uri)[1], recursive=True)
+            if fs.exists(storage.filesystem(self.record_for(uri))[1]):
+                fs.rm(storage.filesystem(self.record_for(uri))[1])
+        for leftover in fs.glob(f"{path}/*.tmp-*"):  # a pointer or file whose writer was killed mid-write
+            fs.rm(leftover, recursive=True)
 
     def _candidates(self) -> list[str]:
         """The pointer's checkpoint first, then the listed ones newest first."""
@@ -79,6 +123,9 @@ class CheckpointStore:
         """The newest checkpoint that loads: the pointer's, else the newest readable file (whole: ``into`` and
         ``accept`` serve the sharded store)."""
         for uri in self._candidates():
+            if problem := self.verify(uri):
+                log.warning("skipping checkpoint %s: %s", uri, DataError(problem))
+                continue
             try:
                 return uri, load_torch(uri)
             except Exception as exc:  # a torn or foreign file: fall back to an older one
@@ -160,10 +207,28 @@ class ShardedCheckpointStore(CheckpointStore):
         self._commit(uri, step, plain)
 
     def _commit(self, uri: str, step: int, plain: dict[str, Any]) -> None:
-        if self.master:  # meta.pt marks the folder whole; the pointer moves last
+        if self.master:  # meta.pt marks the folder whole; its checksums, then the pointer, move last
             save_torch(storage.join(uri, self.META), plain)
+            fs, path = storage.filesystem(uri)
+            files = sorted(posixpath.basename(found) for found in fs.find(path))
+            storage.write_json(self.record_for(uri), {"files": {name: file_digest(storage.join(uri, name))
+                                                                for name in files}})
             storage.write_json(self.pointer, {"uri": uri, "step": step})
             self._prune()
+
+    def record_for(self, uri: str) -> str:
+        return storage.join(uri, RECORD)
+
+    def _verified(self, uri: str) -> str | None:
+        """:meth:`verify` on rank 0, its answer given to every rank (they must all skip the same checkpoints)."""
+        problem = self.verify(uri) if self.master else None
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            holder = [problem]
+            dist.broadcast_object_list(holder, src=0)
+            problem = holder[0]
+        return problem
 
     def _complete(self, fs: Any, path: str) -> bool:
         return fs.exists(f"{path}/{self.META}")  # written after every shard
@@ -174,6 +239,9 @@ class ShardedCheckpointStore(CheckpointStore):
         ``model`` and ``optimizer``, loaded in place) and its plain values beside them; one whose plain values
         ``accept`` refuses comes back with those only (nothing loaded)."""
         for uri in self._candidates():
+            if problem := self._verified(uri):
+                log.warning("skipping checkpoint %s: %s", uri, DataError(problem))
+                continue
             try:
                 meta = load_torch(storage.join(uri, self.META))
             except Exception as exc:  # a torn save (no meta.pt yet) or a foreign folder: an older one may load
@@ -191,6 +259,16 @@ class ShardedCheckpointStore(CheckpointStore):
 
         dcp.load(shards, storage_reader=dcp_reader(uri))
         return shards
+
+
+RECORD = "checksums.json"  # a sharded checkpoint's record, inside its folder
+RECORD_SUFFIX = ".checksums.json"  # a whole file's record, beside it
+
+
+def file_digest(uri: str) -> dict[str, Any]:
+    """A file's size and SHA-256, as a checkpoint's record keeps them."""
+    fs, path = storage.filesystem(uri)
+    return {"bytes": fs.size(path), "sha256": storage.sha256_of(uri)}
 
 
 def dcp_writer(uri: str) -> Any:

@@ -104,6 +104,8 @@ class BestEpoch:
         """Put the best epoch's weights and optimizer state into the live ones (every rank calls it)."""
         if self.state is None:
             return
+        if "uri" in self.state:
+            self.store.require_intact(self.state["uri"])
         if self.strategy.shards_state:
             shards = ShardedCheckpointStore.load_shards(self.state["uri"], self.strategy.training_state(module, optimizer))
             self.strategy.load_training_state(module, optimizer, shards)

@@ -22,7 +22,9 @@ def test_latest_is_the_newest_saved_and_old_ones_are_pruned(tmp_path):
         store.save(step, _state(step))
     uri, state = store.latest()
     assert state["step"] == 30 and uri.endswith("step-000000030.pt")
-    assert sorted(os.listdir(tmp_path / "s1" / "checkpoints")) == ["latest.json", "step-000000020.pt", "step-000000030.pt"]
+    assert sorted(os.listdir(tmp_path / "s1" / "checkpoints")) == [
+        "latest.json", "step-000000020.pt", "step-000000020.pt.checksums.json", "step-000000030.pt",
+        "step-000000030.pt.checksums.json"]
 
 
 def test_crash_before_the_rename_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -109,3 +111,74 @@ def test_memory_that_runs_out_while_loading_a_hand_off_is_named_as_memory_not_as
     assert not isinstance(raised.value, DataError) and "cut or corrupt" not in message
     assert message.startswith(f"{uri}: rank 2 ran out of memory loading it ({size_mib:.1f} MiB")
     assert "hand_on_optimizer: false" in message and "strategy fsdp" in message
+
+
+def _flip(path: Path, count: int, offset_from_end: int = 200) -> None:
+    """Flip ``count`` bytes near the end of ``path`` (inside a torch file's tensor data, before its zip directory)."""
+    data = bytearray(path.read_bytes())
+    start = max(0, len(data) - offset_from_end - count)
+    for index in range(start, start + count):
+        data[index] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["flipped", "cut"])
+def test_a_step_file_altered_after_it_committed_is_skipped_for_the_newest_intact_one(tmp_path, caplog, damage):
+    """Each step file's checksum is recorded when it commits; one whose bytes changed since is named as a data error
+    and never loaded: the checkpoint before it is."""
+    store = CheckpointStore(str(tmp_path / "s1"), keep_last=3)
+    store.save(10, _state(10))
+    newest = Path(store.save(20, _state(20)))
+    if damage == "flipped":
+        _flip(newest, 8)
+    else:
+        newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    uri, state = store.latest()
+    assert state["step"] == 10 and uri.endswith("step-000000010.pt")
+    assert f"skipping checkpoint {newest}: {newest} is cut or altered since it was written" in caplog.text
+
+
+def test_a_cut_shard_of_a_sharded_checkpoint_falls_back_to_the_one_before(tmp_path, caplog):
+    """A DCP shard cut after its checkpoint committed: the checkpoint is skipped (named, never read) for the older one,
+    whose shards load into the live state."""
+    from stagewise.training.checkpoint import ShardedCheckpointStore
+
+    store = ShardedCheckpointStore(str(tmp_path / "s2"), keep_last=3, master=True)
+    for step in (10, 20):
+        store.save(step, {"model": {"w": torch.full((64,), float(step))}, "optimizer": {"m": torch.zeros(4)},
+                          "step": step})
+    shard = next((tmp_path / "s2" / "checkpoints" / "step-000000020.dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-40])
+    target = {"model": {"w": torch.zeros(64)}, "optimizer": {"m": torch.ones(4)}}
+    uri, state = store.latest(into=lambda: target)
+    assert uri.endswith("step-000000010.dcp") and state["step"] == 10
+    assert torch.equal(target["model"]["w"], torch.full((64,), 10.0))
+    assert f"{shard} is cut or altered" in caplog.text
+
+
+def test_a_pointer_left_half_written_is_removed_at_the_next_commit(tmp_path):
+    """A rank killed while writing latest.json leaves latest.json.tmp-*: the next checkpoint's commit removes it."""
+    store = CheckpointStore(str(tmp_path / "s1"))
+    store.save(10, _state(10))
+    leftover = tmp_path / "s1" / "checkpoints" / "latest.json.tmp-0123456789"
+    leftover.write_text('{"uri": ')
+    store.save(20, _state(20))
+    assert not leftover.exists() and store.latest()[1]["step"] == 20
+
+
+def test_a_best_epoch_file_altered_since_it_was_kept_is_a_data_error_naming_it(tmp_path):
+    """hand_on: best never hands on an altered best-epoch file: loading it fails as a data error naming the file."""
+    from stagewise.core.errors import DataError
+    from stagewise.training.distributed import DistEnv
+    from stagewise.training.selection import BestEpoch
+    from stagewise.training.strategy import DDPStrategy
+
+    module = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    best = BestEpoch(DDPStrategy(DistEnv(rank=0, local_rank=0, world_size=1, device="cpu")), str(tmp_path / "s1"),
+                     master=True)
+    best.keep(1, module, optimizer)
+    kept = Path(best.record()["uri"])
+    _flip(kept, 64, offset_from_end=2000)
+    with pytest.raises(DataError, match=rf"checkpoint {kept}: {kept} is cut or altered"):
+        best.load_into(module, optimizer)

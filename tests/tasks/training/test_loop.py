@@ -617,3 +617,20 @@ def test_a_specs_optimizer_that_leaves_parameters_out_is_a_user_error():
     spec = _ForgetfulOptimizer()
     with pytest.raises(UserError, match=r"_ForgetfulOptimizer.optimizer\(\) leaves trainable parameters out"):
         make_optimizer(build(spec, DataInfo(features=["a"], num_classes=2), params), params, spec)
+
+
+def test_a_stage_whose_newest_checkpoint_was_altered_resumes_from_the_one_before(digits_run, single_process, caplog):
+    """A finished stage run again resumes at its last checkpoint; with 64 bytes of that file flipped it resumes from
+    the one before instead (named in the log as cut or altered), never from the altered weights."""
+    config_path, out = digits_run
+    config = load_config(config_path, overrides={"train.checkpoint_every_steps": 5, "train.stages.0.epochs": 1})
+    first = train.run_stage(config, "s1", out, PARAMS, None)
+    folder = Path(stage_prefix(out, "s1")) / "checkpoints"
+    newest = folder / f"step-{first['steps']:09d}.pt"
+    data = bytearray(newest.read_bytes())
+    data[-2064:-2000] = bytes(byte ^ 0xFF for byte in data[-2064:-2000])
+    newest.write_bytes(bytes(data))
+    again = train.run_stage(config, "s1", out, PARAMS, None)
+    older = max(int(path.name[5:14]) for path in folder.glob("step-*.pt") if path != newest)
+    assert again["resumed_from_step"] == older < first["steps"] and again["steps"] == first["steps"]
+    assert f"{newest} is cut or altered since it was written" in caplog.text
