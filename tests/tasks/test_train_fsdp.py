@@ -74,7 +74,8 @@ def test_ddp_then_fsdp_on_two_then_four_ranks_hands_on_full_states(sharded_run, 
     stage_dir = Path(out, "train", "s2")
     pointer = json.loads((stage_dir / "checkpoints" / "latest.json").read_text())
     shards = sorted(path.name for path in Path(pointer["uri"]).iterdir())
-    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"], "each rank wrote its own shard"
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json", "meta.pt"], \
+        "each rank wrote its own shard; the checksums of all of them are recorded"
     final = torch.load(stage_dir / "final.pt", weights_only=True)
     bundle = load_bundle(str(stage_dir / "model.pt"))
     plain = dict(bundle.module.state_dict())
