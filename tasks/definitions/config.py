@@ -25,6 +25,7 @@ from stagewise.definitions.hyperparams import (
     hyperparameter_problem,
 )
 from stagewise.definitions.intervals import fields_in, static_prefix
+from stagewise.definitions.roots import local_root_problem
 from stagewise.definitions.sharding import stage_strategy_problem, sweep_strategy_problem
 from stagewise.definitions.spec_source import declared_default_params
 
@@ -941,6 +942,8 @@ class PipelineConfig(_Strict):
     @field_validator("storage_root")
     @classmethod
     def _root_filesystem(cls, value: str) -> str:
+        if problem := local_root_problem(value):
+            raise ValueError(problem)
         return _check_filesystem(value)
 
     @model_validator(mode="before")

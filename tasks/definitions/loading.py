@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from stagewise.core import storage
 from stagewise.definitions.config import ConfigError, PipelineConfig, default_model_name
 from stagewise.definitions.hyperparams import BUILTIN_SPEC
+from stagewise.definitions.roots import relative_root_problem
 from stagewise.definitions.sharding import warn_unused_sharding_keys
 from stagewise.definitions.spec_source import spec_problem
 
@@ -250,6 +251,8 @@ def _resolve_relative_paths(raw: dict[str, Any], path: Path) -> None:
         model["import_paths"] = [_through_links(folder, path) for path in model.get("import_paths") or ["."]]
     root = raw.get("storage_root")
     if isinstance(root, str) and "://" not in root and not os.path.isabs(root):
+        if problem := relative_root_problem(root, folder):
+            raise ConfigError(f"{path}: {problem}")
         absolute = (folder / root).resolve()
         if {"site-packages", "dist-packages"} & set(absolute.parts):
             raise ConfigError(f"{path}: storage_root '{root}' is relative to the config's folder, which is inside an "

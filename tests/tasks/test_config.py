@@ -717,3 +717,28 @@ def test_a_missing_snapshot_uri_is_a_config_error_naming_it(tmp_path):
     """A run's config.yaml that is not there names the URI (a read fault would be retried instead)."""
     with pytest.raises(ConfigError, match=rf"file://{tmp_path}/gone.yaml: cannot read pipeline config"):
         load_config(f"file://{tmp_path}/gone.yaml")
+
+
+@pytest.mark.parametrize("root", ["/", "file:///", "/etc", "/usr/local/stagewise", "/proc/self", "/home", "/tmp/"])
+def test_a_storage_root_at_the_filesystems_root_or_in_a_system_folder_is_refused(write_config, storage_root, root):
+    """storage_root '/' would write /runs, /models and /raw: refused at load naming the key, as are system folders and
+    shared top-level folders themselves."""
+    raw = base_config(storage_root)
+    raw["storage_root"] = root
+    with pytest.raises(ConfigError, match=r"storage_root: .*storage_root '"):
+        load_config(write_config(raw))
+
+
+def test_a_relative_storage_root_may_climb_one_folder_but_not_more(tmp_path, storage_root):
+    """'../storage' beside a pipelines folder loads (the examples' layout); '../../../..' is refused naming the root,
+    how far it climbs and where it would land."""
+    pipelines = tmp_path / "repo" / "pipelines"
+    pipelines.mkdir(parents=True)
+    raw = base_config(storage_root)
+    raw["storage_root"] = "../storage"
+    (pipelines / "ml.yaml").write_text(yaml.safe_dump(raw))
+    assert load_config(pipelines / "ml.yaml").storage_root == str(tmp_path / "repo" / "storage")
+    raw["storage_root"] = "../../../.."
+    (pipelines / "ml.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"storage_root '\.\./\.\./\.\./\.\.' climbs 4 folders above"):
+        load_config(pipelines / "ml.yaml")
