@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(str(exc)) from None
     except FileExistsError:
         raise SystemExit(f"{args.out} exists: give --out a new file") from None
+    except OSError as exc:  # --out in a folder that is not there, or not writable
+        raise SystemExit(f"--out {args.out}: cannot write it ({exc.strerror or exc}): give a file in a folder that "
+                         f"exists and you may write") from None
     try:
         config = load_config(args.path, parse_overrides(args.override))
         check_spec_source(config_path(args.path), config, may_import=True)  # installed packages' specs too
@@ -136,8 +139,14 @@ def rerun(snapshot: str, name: str, model_name: str | None = None) -> tuple[str,
     notes = _code_changes(config, folder)
     header = [f"# A re-run of {source} as pipeline '{name}' (python -m stagewise.config --rerun): the run's values, its",
               f"# storage and data; DAGs {', '.join(dag_id(name, kind) for kind in KINDS)}; registry model "
-              f"'{values['registry']['model_name']}'.", *(f"# note: {note}" for note in notes)]
+              f"'{values['registry']['model_name']}'.", *(f"# note: {_comment_text(note)}" for note in notes)]
     return "\n".join(header) + "\n" + yaml.safe_dump(values, sort_keys=False), notes
+
+
+def _comment_text(text: str) -> str:
+    """``text`` fit for one YAML comment line: a newline or other control character (a path in a forged lineage.json)
+    is written escaped, never as a line of its own that YAML would read as keys."""
+    return "".join(char if char.isprintable() else char.encode("unicode_escape").decode() for char in text)
 
 
 def _write_rerun(snapshot: str, name: str, model_name: str | None, out: str | None) -> None:

@@ -52,7 +52,27 @@ PIPELINE_NAME = r"[A-Za-z][A-Za-z0-9_]{0,63}"
 """What a pipeline's name may be (PipelineConfig.name): it starts its DAG ids."""
 
 # libyaml's safe loader where PyYAML has it (the same YAML, faster: DAG parsing reads every pipeline's file).
-SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_BASE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class SAFE_LOADER(_BASE_LOADER):  # noqa: N801 - the name callers already use
+    """The safe loader, refusing a key given twice in one mapping: YAML would keep the last silently, so a pasted
+    block or an edit that forgot the first would change the config without a word."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *base': keys given here override the merged ones
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, list | dict):
+                continue  # unhashable: the base constructor names it
+            if key in first:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' is given twice in one mapping (first on line {first[key] + 1}); keep "
+                                "one", key_node.start_mark)
+            first[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 MAX_YAML_VALUES = 100_000

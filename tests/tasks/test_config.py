@@ -742,3 +742,16 @@ def test_a_relative_storage_root_may_climb_one_folder_but_not_more(tmp_path, sto
     (pipelines / "ml.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match=r"storage_root '\.\./\.\./\.\./\.\.' climbs 4 folders above"):
         load_config(pipelines / "ml.yaml")
+
+
+def test_a_key_given_twice_is_refused_naming_it_and_both_lines(write_config, storage_root, tmp_path):
+    """YAML keeps the last of a key given twice; a pipeline config refuses it (naming the key and where), while a
+    merge key ('<<: *base') still lets a mapping override what it merges."""
+    path = tmp_path / "twice.yaml"
+    text = yaml.safe_dump(base_config(storage_root), sort_keys=False)
+    path.write_text(text.replace("sweep:\n", "sweep:\n  num_trials: 7\n", 1))
+    with pytest.raises(ConfigError, match=r"key 'num_trials' is given twice in one mapping \(first on line \d+\)"):
+        load_config(path)
+    from stagewise.definitions.loading import read_yaml
+
+    assert read_yaml("base: &b {x: 1, y: 2}\nuse:\n  <<: *b\n  x: 3\n", "merge.yaml")["use"] == {"x": 3, "y": 2}

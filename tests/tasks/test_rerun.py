@@ -78,3 +78,25 @@ def test_an_existing_file_is_never_overwritten(past_run):
     with pytest.raises(SystemExit, match="exists"):
         config_cli.main(["--rerun", snapshot_uri, "--as", "ml_again", "--out", str(folder / "ml.yaml")])
     assert yaml.safe_load((folder / "ml.yaml").read_text())["name"] == "ml"
+
+
+def test_a_forged_path_in_the_runs_lineage_stays_inside_its_comment(past_run, capsys):
+    """A source path holding newlines (lineage.json edited or forged) is written escaped on its note line: the re-run
+    config loads to the same values, with no key the path tried to plant."""
+    folder, snapshot_uri, _ = past_run
+    out = snapshot_uri.rsplit("/", 1)[0]
+    recorded = lineage.read(out)
+    recorded["source_fingerprints"]["/x\nsweep:\n  num_trials: 99\nplanted: 1"] = "0" * 64
+    storage.write_json(lineage.lineage_uri(out), recorded)
+    text, notes = config_cli.rerun(snapshot_uri, "ml_again")
+    assert any("planted: 1" in note for note in notes)
+    assert "# note: /x\\nsweep:\\n  num_trials: 99\\nplanted: 1: part of the run's code, gone from it now" in text
+    values = yaml.safe_load(text)
+    assert "planted" not in values and values["sweep"]["num_trials"] == 3
+
+
+def test_an_out_file_in_a_missing_folder_is_one_line_naming_it(past_run):
+    """--out into a folder that does not exist: one line naming --out and why, no traceback."""
+    missing = past_run[0] / "nowhere" / "ml_again.yaml"
+    with pytest.raises(SystemExit, match=rf"--out {missing}: cannot write it \(No such file or directory\)"):
+        config_cli.main(["--rerun", past_run[1], "--as", "ml_again", "--out", str(missing)])
