@@ -83,7 +83,10 @@ def register(storage_root: str, name: str, model_uri: str, card: dict[str, Any])
     full_card = {**card, "model_name": name, "version": version, "model_uri": storage.join(folder, "model.pt"),
                  "sha256": hashlib.sha256(data).hexdigest(),
                  "registered_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    storage.write_json(card_uri, full_card)  # the card, written last, is what makes a version exist
+    card_bytes = storage.json_bytes(full_card)
+    # Its checksum first: the gate trusts an incumbent's metric only while the card is as it was registered.
+    storage.write_bytes(storage.join(folder, CARD_CHECKSUM), hashlib.sha256(card_bytes).hexdigest().encode())
+    storage.write_bytes(card_uri, card_bytes)  # the card, written last, is what makes a version exist
     log.info("registered model %s/%s (%s)", name, version, {k: v for k, v in card.items() if k.startswith("test_") or k == "source_run"})
     return full_card
 
@@ -125,9 +128,23 @@ def gate_registered(config: PipelineConfig, registered: dict[str, Any], out: str
     return decision
 
 
+CARD_CHECKSUM = "card.json.sha256"
+"""Beside a registered version's card: the SHA-256 of its bytes as registered (versions registered before have none)."""
+
+
 def _card_at(folder: str) -> dict[str, Any]:
+    """A version's card, checked against the checksum recorded when it was registered."""
+    card_uri, checksum_uri = storage.join(folder, "card.json"), storage.join(folder, CARD_CHECKSUM)
+    data = storage.read_bytes(card_uri)
+    card = storage.parse_json(card_uri, data)  # a torn card is named as such first
+    if storage.exists(checksum_uri):
+        recorded, found = storage.read_bytes(checksum_uri).decode(errors="replace").strip(), hashlib.sha256(data).hexdigest()
+        if found != recorded:
+            raise DataError(f"{card_uri}: the card was changed after its version was registered (sha256 {found[:12]}…, "
+                            f"recorded {recorded[:12]}…): its metrics cannot be trusted; restore the card or register "
+                            f"the model again")
     # The folder, not the stored URI, locates the model: a registry moved as a whole stays usable.
-    return {**storage.read_json(storage.join(folder, "card.json")), "model_uri": storage.join(folder, "model.pt")}
+    return {**card, "model_uri": storage.join(folder, "model.pt")}
 
 
 def _warn_if_unscoped(storage_root: str, name: str) -> None:

@@ -263,12 +263,13 @@ def _write_local(path: str, data: bytes | Callable[[BinaryIO], None]) -> None:
         raise
 
 
-def _json_bytes(obj: Any) -> bytes:
+def json_bytes(obj: Any) -> bytes:
+    """The bytes :func:`write_json` writes for ``obj``."""
     return json.dumps(obj, indent=2, sort_keys=True).encode()
 
 
 def write_json(uri: str, obj: Any) -> None:
-    write_bytes(uri, _json_bytes(obj))
+    write_bytes(uri, json_bytes(obj))
 
 
 def read_bytes(uri: str) -> bytes:
@@ -284,10 +285,11 @@ def read_json(uri: str) -> Any:
         data = read_bytes(uri)
     except FileNotFoundError:
         raise FileNotFoundError(f"{uri} does not exist") from None
-    return _parse_json(uri, data)
+    return parse_json(uri, data)
 
 
-def _parse_json(uri: str, data: bytes) -> Any:
+def parse_json(uri: str, data: bytes) -> Any:
+    """``data`` read from ``uri`` as JSON; bytes that do not parse are a DataError naming ``uri``."""
     try:
         return json.loads(data)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError: the bytes, not the storage, are at fault
@@ -308,15 +310,15 @@ def read_versioned(uri: str) -> tuple[Any, str | None]:
     """The JSON at ``uri`` and a token naming this version of it for write_if_unchanged; (None, None) when absent."""
     fs, path = filesystem(uri)
     data, token = _local_read(path) if isinstance(fs, LocalFileSystem) else _s3_read(fs, path)
-    return (None, None) if data is None else (_parse_json(uri, data), token)
+    return (None, None) if data is None else (parse_json(uri, data), token)
 
 
 def write_if_unchanged(uri: str, obj: Any, token: str | None) -> bool:
     """Write ``obj`` as JSON at ``uri`` only if it is still the version ``token`` names (None: only if absent); else False."""
     fs, path = filesystem(uri)
     if isinstance(fs, LocalFileSystem):
-        return _local_write_if_unchanged(path, _json_bytes(obj), token)
-    return _s3_write_if_unchanged(fs, path, _json_bytes(obj), token)
+        return _local_write_if_unchanged(path, json_bytes(obj), token)
+    return _s3_write_if_unchanged(fs, path, json_bytes(obj), token)
 
 
 def _local_read(path: str) -> tuple[bytes | None, str | None]:

@@ -268,3 +268,18 @@ def test_the_card_records_every_hyperparameter_our_stage_built_and_trained_with(
                                evaluation={"test_accuracy": 0.9}, best_params={"lr": 0.1}, study="st",
                                source_run="ml_pipeline/r1", manifest_uri=str(manifest))
     assert card["params"] == resolved and card["params_source"] == "sweep"
+
+
+def test_the_gate_refuses_to_trust_an_incumbent_card_changed_after_registration(storage_root, tmp_path):
+    """Each card's checksum is recorded when its version registers: an incumbent whose metric was edited down (to let
+    a weaker model through) fails the gate as a data error naming the card; the pointer does not move."""
+    from stagewise.core.errors import DataError
+
+    incumbent = _register(storage_root, tmp_path, "a", 0.95)
+    registry.gate(str(storage_root), NAME, incumbent, "test_accuracy", margin=0.0)
+    weaker = _register(storage_root, tmp_path, "b", 0.5)
+    card_file = storage_root / "models" / NAME / incumbent / "card.json"
+    card_file.write_text(card_file.read_text().replace('"test_accuracy": 0.95', '"test_accuracy": 0.0'))
+    with pytest.raises(DataError, match=rf"{incumbent}/card.json: the card was changed after its version was registered"):
+        registry.gate(str(storage_root), NAME, weaker, "test_accuracy", margin=0.0)
+    assert registry.pointer(str(storage_root), NAME)["version"] == incumbent
