@@ -25,6 +25,12 @@ case "$AIRFLOW__DATABASE__SQL_ALCHEMY_CONN" in
     export AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS:-stagewise.airflow.sqlite.CONNECT_ARGS}"
     export AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC:-stagewise.airflow.sqlite.CONNECT_ARGS}";;
 esac
+# A running task rides out an api-server away for a few minutes (a restart, an upgrade): each execution-API call is
+# tried 10 times, up to 60 s apart, and 6 heartbeats must fail in a row before the task is given up (Airflow's
+# defaults, 5 tries up to 90 s apart and 3 heartbeats, gave up on a task after about 1 to 2 minutes).
+export AIRFLOW__WORKERS__EXECUTION_API_RETRIES="${AIRFLOW__WORKERS__EXECUTION_API_RETRIES:-10}"
+export AIRFLOW__WORKERS__EXECUTION_API_RETRY_WAIT_MAX="${AIRFLOW__WORKERS__EXECUTION_API_RETRY_WAIT_MAX:-60}"
+export AIRFLOW__WORKERS__MAX_FAILED_HEARTBEATS="${AIRFLOW__WORKERS__MAX_FAILED_HEARTBEATS:-6}"
 # A run id longer than Airflow's task log path takes (run_id=<id>/: 255 bytes) is refused at trigger with HTTP 400:
 # `python -m stagewise.airflow.run_ids` prints this pattern for the deployment's [logging] log_filename_template.
 _stagewise_run_ids='^[A-Za-z0-9_.~:+-]{1,248}$'
