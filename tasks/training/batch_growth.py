@@ -28,7 +28,8 @@ class BatchDecision:
     target: int
     """The noise scale clamped between those two."""
     global_batch: int
-    """What the stage trains at: per_process_batch × world size × grad_accum_steps, at most the target."""
+    """What the stage trains at: per_process_batch × world size × grad_accum_steps: the target or just below it, never
+    below min_global_batch (then just above the target where the target does not divide)."""
     per_process_batch: int
     """The micro-batch on each process, at most the stage's configured per-process batch (its memory bound)."""
     grad_accum_steps: int
@@ -68,11 +69,14 @@ def adaptive_batch(noise_scale: float | None, min_global_batch: int, max_global_
                    per_process_limit: int, no_measurement: str | None = None) -> BatchDecision:
     """The global batch the noise scale asks for, clamped to [this stage's configured global batch, max], reached with
     the fewest accumulation steps the per-process limit allows (a batch that does not divide lands just below the
-    target). Without a noise scale the stage trains at its configured batch; ``no_measurement`` (why) is kept."""
+    target, or just above it where below would undercut the configured batch). Without a noise scale the stage trains
+    at its configured batch; ``no_measurement`` (why) is kept."""
     wanted = min_global_batch if noise_scale is None else round(noise_scale)
     target = max(min_global_batch, min(max_global_batch, wanted))
     accumulation = math.ceil(target / (world_size * per_process_limit))
     per_process = max(1, min(per_process_limit, target // (world_size * accumulation)))
+    if per_process * world_size * accumulation < min_global_batch:  # rounding down fell below the floor: round up
+        per_process = min(per_process_limit, math.ceil(min_global_batch / (world_size * accumulation)))
     return BatchDecision(noise_scale=noise_scale, min_global_batch=min_global_batch,
                          max_global_batch=max_global_batch, target=target,
                          global_batch=per_process * world_size * accumulation, per_process_batch=per_process,

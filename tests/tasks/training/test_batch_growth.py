@@ -30,6 +30,16 @@ def test_the_decision_clamps_the_noise_scale_and_reaches_it_with_accumulation(no
     assert decision.global_batch <= decision.target and decision.per_process_batch <= 64
 
 
+@pytest.mark.parametrize(("noise", "world", "limit", "floor"), [(33.8, 2, 8, 32), (130.0, 3, 16, 96), (97.0, 4, 4, 96)])
+def test_an_adaptive_batch_never_falls_below_the_stages_configured_global_batch(noise, world, limit, floor):
+    """A target just above the configured batch that the ranks and accumulation do not divide rounds up, not down:
+    33.8 over 2 ranks of at most 8 took 3 accumulation steps of 5 (30) below the configured 32."""
+    decision = adaptive_batch(noise, min_global_batch=floor, max_global_batch=4096, world_size=world,
+                              per_process_limit=limit)
+    assert floor <= decision.global_batch == decision.per_process_batch * world * decision.grad_accum_steps
+    assert decision.per_process_batch <= limit and decision.global_batch - decision.target < world * decision.grad_accum_steps
+
+
 @pytest.mark.parametrize("data", ["digits_run", "digits_images_run", "diabetes_run"])
 def test_an_adaptive_stage_trains_at_the_batch_the_stage_before_measured(request, monkeypatch, data):
     """s1 measures the noise scale; s2 (adaptive) trains at that batch, clamped, with the lr rescaled for it; the
