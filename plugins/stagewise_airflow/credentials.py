@@ -12,6 +12,10 @@ each pipeline's storage with the same connection, as s3fs arguments (``storage_o
 The config's ``tracking.conn_id`` names any connection (type http or generic) for the MLflow server: login and
 password become ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD`` (basic auth), a password alone
 ``MLFLOW_TRACKING_TOKEN`` (bearer), which MLflow's clients and stagewise.tracking read.
+
+The config's ``sweep.storage_conn_id`` names a connection of type ``postgres`` for the Optuna study: host, port,
+login, password and schema (the database; extra ``driver``, default psycopg2) become one SQLAlchemy URL in
+``STAGEWISE_STUDY_STORAGE``, which stagewise.study reads; the config itself never holds the password.
 """
 
 from __future__ import annotations
@@ -127,9 +131,51 @@ def mlflow_environment(conn_id: str) -> dict[str, str]:
                                f"password for basic auth, or a password alone as a bearer token")
 
 
+# The study connection's types: the Postgres provider's ``postgres`` (a ``postgresql://`` URI is stored as it).
+STUDY_CONN_TYPES = ("postgres", "postgresql")
+
+
+def study_url(login: str | None, password: str | None, host: str | None, port: int | None, schema: str | None,
+              extra: dict[str, Any]) -> str:
+    """The SQLAlchemy URL of a postgres connection's fields, its password escaped (ValueError naming a missing field)."""
+    from sqlalchemy.engine import URL
+
+    if not host or not schema:
+        raise ValueError("needs a host and a schema (the database's name)")
+    driver = str(extra.get("driver") or "psycopg2")
+    url = URL.create(f"postgresql+{driver}", username=login or None, password=password or None, host=host,
+                     port=port or None, database=schema)
+    return url.render_as_string(hide_password=False)
+
+
+def study_environment(conn_id: str) -> dict[str, str]:
+    """``STAGEWISE_STUDY_STORAGE`` from connection ``conn_id`` (empty id: none, sweep.storage applies)."""
+    if not conn_id:
+        return {}
+    from airflow.sdk import Connection
+    from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException
+
+    from stagewise.core.contract import STUDY_STORAGE
+
+    try:
+        connection = Connection.get(conn_id)
+    except AirflowNotFoundException:
+        raise AirflowFailException(f"sweep.storage_conn_id: Airflow connection '{conn_id}' does not exist; create it "
+                                   f"(type postgres: host, port, login, password, schema)") from None
+    if connection.conn_type not in STUDY_CONN_TYPES:
+        raise AirflowFailException(f"sweep.storage_conn_id: connection '{conn_id}' has type '{connection.conn_type}', "
+                                   f"expected 'postgres'")
+    try:
+        return {STUDY_STORAGE: study_url(connection.login, connection.password, connection.host, connection.port,
+                                         connection.schema, connection.extra_dejson)}
+    except ValueError as exc:
+        raise AirflowFailException(f"sweep.storage_conn_id: connection '{conn_id}' {exc}") from None
+
+
 def task_environment(config: Any) -> dict[str, str]:
-    """Everything a task of ``config``'s pipeline hands its sub-jobs: the storage and the tracking credentials."""
-    return {**aws_environment(config.storage_conn_id), **mlflow_environment(config.tracking.conn_id)}
+    """Everything a task of ``config``'s pipeline hands its sub-jobs: the storage, tracking and study credentials."""
+    return {**aws_environment(config.storage_conn_id), **mlflow_environment(config.tracking.conn_id),
+            **study_environment(config.sweep.storage_conn_id)}
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from stagewise.definitions.hyperparams import (
     hyperparameter_problem,
 )
 from stagewise.definitions.intervals import fields_in, static_prefix
+from stagewise.definitions.passwords import password_problem, study_storage_problem
 from stagewise.definitions.roots import local_root_problem
 from stagewise.definitions.sharding import stage_strategy_problem, sweep_strategy_problem
 from stagewise.definitions.spec_source import declared_default_params
@@ -417,10 +418,13 @@ class Sweep(_Strict):
         "How a trial spreads its model over the profile's processes: ddp (a copy each) or fsdp (sharded, as a stage's)."))
     storage: str = Field(
         "",
-        description=("Optuna storage: journal://<file> (embedded; a relative file is under storage_root) or "
-                     "postgresql://... (multi-node); empty: journal://<storage_root>/optuna/optuna.journal "
-                     "(an s3:// storage_root needs one set)."),
+        description=("Optuna storage: journal://<file> (embedded; a relative file is under storage_root) or a "
+                     "password-free postgresql://... (multi-node); empty: sweep.storage_conn_id's database, else "
+                     "journal://<storage_root>/optuna/optuna.journal (an s3:// storage_root needs one set)."),
     )
+    storage_conn_id: str = Field("", description=(
+        "Airflow connection (type postgres: host, port, login, password, schema) of the study's database, resolved "
+        "on the worker at run time; set it and leave storage empty (docs/services.md)."))
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Sampler seed, 0 to 4294967295.")
     sampler: Sampler = Field(default_factory=Sampler, description="The sampler.")
     pruner: Pruner = Field(default_factory=Pruner, description="The pruner.")
@@ -466,9 +470,15 @@ class Sweep(_Strict):
     @field_validator("storage")
     @classmethod
     def _storage_scheme(cls, value: str) -> str:
-        if not re.match(r"^(journal://.+|postgresql(\+\w+)?://.+|sqlite:///.+)$", value):
+        if value and not re.match(r"^(journal://.+|postgresql(\+\w+)?://.+|sqlite:///.+)$", value):
             raise ValueError(f"'{value}' is neither journal://<file> nor postgresql://...")
         return value
+
+    @model_validator(mode="after")
+    def _one_storage(self) -> Sweep:
+        if problem := study_storage_problem(self.storage, self.storage_conn_id):
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _strategy_fits(self) -> Sweep:
@@ -964,6 +974,8 @@ class PipelineConfig(_Strict):
         if not isinstance(raw, dict) or not isinstance(raw.get("sweep"), dict) or not isinstance(raw.get("storage_root"), str):
             return raw
         chosen = raw["sweep"].get("storage", "")
+        if raw["sweep"].get("storage_conn_id") and not chosen:
+            return raw  # the connection's database
         file = chosen.removeprefix("journal://") if isinstance(chosen, str) else ""
         if chosen == "":
             file = DEFAULT_JOURNAL
@@ -972,10 +984,18 @@ class PipelineConfig(_Strict):
         root = raw["storage_root"]
         if "://" in root and not root.startswith("file://"):
             raise ValueError(f"sweep.storage: storage_root '{root}' is not a local folder, so the sweep's journal file "
-                             f"cannot live under it; set sweep.storage to postgresql+psycopg2://... (workers on several "
-                             f"hosts) or journal:///an/absolute/path that every sweep worker shares")
+                             f"cannot live under it; set sweep.storage_conn_id to a connection of a postgresql database "
+                             f"(workers on several hosts) or journal:///an/absolute/path that every sweep worker shares")
         journal = os.path.normpath(os.path.join(root.removeprefix("file://"), file))
         return {**raw, "sweep": {**raw["sweep"], "storage": f"journal://{journal}"}}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_password(cls, raw: Any) -> Any:
+        # Defined last, so it runs first: no other check gets to echo a URL that holds a password.
+        if problem := password_problem(raw):
+            raise ValueError(problem)
+        return raw
 
     @model_validator(mode="after")
     def _params_known_to_the_builtin_spec(self) -> PipelineConfig:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from stagewise.core import storage
 from stagewise.definitions.config import ConfigError, PipelineConfig, default_model_name
 from stagewise.definitions.hyperparams import BUILTIN_SPEC
+from stagewise.definitions.passwords import password_problem
 from stagewise.definitions.roots import relative_root_problem
 from stagewise.definitions.sharding import warn_unused_sharding_keys
 from stagewise.definitions.spec_source import spec_problem
@@ -252,7 +253,7 @@ def _apply_scratch(raw: dict[str, Any], resolved: Path | str, scratch: str, keep
     raw["storage_root"] = os.path.join(scratch, storage.safe_name(name))
     raw["storage_conn_id"] = ""
     if isinstance(raw.get("sweep"), dict):
-        raw["sweep"]["storage"] = ""  # the default: a journal under the (scratch) storage root
+        raw["sweep"].update(storage="", storage_conn_id="")  # the default: a journal under the (scratch) storage root
     if isinstance(raw.get("tracking", {}), dict):
         raw["tracking"] = {**raw.get("tracking", {}), "mlflow_uri": "", "conn_id": ""}
     if isinstance(raw.get("registry"), dict):
@@ -310,6 +311,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         _apply_overrides(raw, overrides or {})
     except ValueError as exc:
         raise ConfigError(f"{resolved}: cannot apply {exc}") from None
+    if problem := password_problem(raw):  # before CI mode drops the keys: the file itself must not hold one
+        raise ConfigError(f"{resolved}: invalid pipeline config\n  {problem}")
     if scratch := scratch_root():  # after the overrides: no trigger value moves storage out of the scratch root
         _apply_scratch(raw, resolved, scratch)
     elif test_scratch:

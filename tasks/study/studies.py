@@ -10,7 +10,7 @@ import logging
 import os
 from typing import Any
 
-from stagewise.core import storage
+from stagewise.core import contract, storage
 from stagewise.core.errors import UserError
 from stagewise.definitions.config import CategoricalParam, FloatParam, PipelineConfig, Sweep
 
@@ -30,6 +30,23 @@ def open_storage(uri: str) -> Any:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         return JournalStorage(JournalFileBackend(path))
     return optuna.storages.RDBStorage(uri)
+
+
+def storage_url(sweep: Sweep) -> str:
+    """The study's storage URI: ``sweep.storage``, or with ``sweep.storage_conn_id`` the URL the Airflow task built from
+    that connection into $STAGEWISE_STUDY_STORAGE (the sub-job's environment: never the config, argv or a log)."""
+    if not sweep.storage_conn_id:
+        return sweep.storage
+    url = os.environ.get(contract.STUDY_STORAGE, "")
+    if not url:
+        raise UserError(f"sweep.storage_conn_id '{sweep.storage_conn_id}': ${contract.STUDY_STORAGE} is not set; an "
+                        f"Airflow task sets it from the connection (outside Airflow, export the database URL there)")
+    return url
+
+
+def storage_kind(sweep: Sweep) -> str:
+    """The storage's scheme (journal, postgresql+psycopg2, ...): what logs and summaries may say about it."""
+    return storage_url(sweep).split("://", 1)[0]
 
 
 def study_name(dag_id: str, run_id: str) -> str:
@@ -118,7 +135,7 @@ def _claim(study: Any, config: PipelineConfig) -> None:
     mine, theirs = _owner(config), study.user_attrs.get("stagewise_owner")
     made_for = theirs or {"direction": study.direction.name.lower()}
     if any(made_for.get(key) != value for key, value in mine.items() if key in made_for):
-        raise UserError(f"study '{study.study_name}' on {config.sweep.storage.split('://')[0]} storage belongs to another "
+        raise UserError(f"study '{study.study_name}' on {storage_kind(config.sweep)} storage belongs to another "
                         f"pipeline or objective ({made_for}); this run's is {mine}: it is not joined. Two pipelines "
                         f"sharing sweep.storage need distinct DAG ids (the study name is <dag_id>__<run_id>)")
     if theirs is None:
@@ -130,7 +147,7 @@ def create(config: PipelineConfig, name: str) -> dict[str, Any]:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    backend = open_storage(config.sweep.storage)
+    backend = open_storage(storage_url(config.sweep))
     study = optuna.create_study(study_name=name, storage=backend, direction=config.objective.direction,
                                 load_if_exists=True)
     _claim(study, config)
@@ -147,8 +164,8 @@ def create(config: PipelineConfig, name: str) -> dict[str, Any]:
         study.set_user_attr("warm_started_from", warm)
         log.info("study %s warm-starts from %s: enqueued its best params %s (value %.4f)", name, warm, params, best.value)
     study.set_user_attr("num_trials", config.sweep.num_trials)
-    log.info("study %s ready (%d trial(s) so far) on %s", name, len(study.trials), config.sweep.storage.split("://")[0])
-    return {"study_name": name, "storage_kind": config.sweep.storage.split("://")[0]}
+    log.info("study %s ready (%d trial(s) so far) on %s", name, len(study.trials), storage_kind(config.sweep))
+    return {"study_name": name, "storage_kind": storage_kind(config.sweep)}
 
 
 def recover_abandoned(study: Any, worker: int | None) -> int:

@@ -10,7 +10,16 @@ from typing import Any
 from stagewise.core import storage
 from stagewise.core.errors import UserError
 from stagewise.definitions.config import PipelineConfig
-from stagewise.study.studies import FINISHED, best_trial, counts_toward_budget, open_storage, outcome, recover_abandoned
+from stagewise.study.studies import (
+    FINISHED,
+    best_trial,
+    counts_toward_budget,
+    open_storage,
+    outcome,
+    recover_abandoned,
+    storage_kind,
+    storage_url,
+)
 
 log = logging.getLogger("stagewise.sweep")
 
@@ -73,7 +82,7 @@ def summarize(config: PipelineConfig, name: str, out: str, fingerprint: str | No
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=name, storage=open_storage(config.sweep.storage))
+    study = optuna.load_study(study_name=name, storage=open_storage(storage_url(config.sweep)))
     stale = recover_abandoned(study, worker=None)  # every worker is done: nothing may stay RUNNING
     trials = study.get_trials(deepcopy=False)
     counted = [t for t in trials if counts_toward_budget(t)]
@@ -83,7 +92,7 @@ def summarize(config: PipelineConfig, name: str, out: str, fingerprint: str | No
         "n_failed": counts["FAIL"], "n_abandoned": sum(1 for t in trials if t.user_attrs.get("abandoned")),
         "n_stale_recovered": stale, "epochs_consumed": sum(int(t.user_attrs.get("epochs", 0)) for t in trials),
         "rows_consumed": sum(int(t.user_attrs.get("rows_seen", 0)) for t in trials), "budget": config.sweep.budget,
-        "storage_kind": config.sweep.storage.split("://")[0], "fingerprint": fingerprint,
+        "storage_kind": storage_kind(config.sweep), "fingerprint": fingerprint,
         "summary_uri": storage.join(out, "sweep", "summary.json"),
     }
     if counts["COMPLETE"] == 0:

@@ -75,3 +75,41 @@ def test_exported_restores_the_environment(monkeypatch):
     with credentials.exported({"AWS_DEFAULT_REGION": "eu-west-1", "AWS_SESSION_TOKEN": "t"}):
         assert os.environ["AWS_DEFAULT_REGION"] == "eu-west-1" and os.environ["AWS_SESSION_TOKEN"] == "t"
     assert os.environ["AWS_DEFAULT_REGION"] == "us-east-1" and "AWS_SESSION_TOKEN" not in os.environ
+
+
+def test_a_postgres_connection_becomes_the_study_url_in_the_sub_job_environment(monkeypatch):
+    """sweep.storage_conn_id: the connection's fields make one SQLAlchemy URL (a password with URL characters
+    escaped) in $STAGEWISE_STUDY_STORAGE; the config never holds it. A missing or wrong connection fails naming it."""
+    from airflow.sdk.exceptions import AirflowFailException
+    from sqlalchemy.engine import make_url
+
+    password = "p@ss:w/rd%"
+    monkeypatch.setenv("AIRFLOW_CONN_STAGEWISE_TEST_OPTUNA", json.dumps(
+        {"conn_type": "postgres", "host": "db.internal", "port": 5433, "login": "optuna", "password": password,
+         "schema": "studies"}))
+    monkeypatch.setenv("AIRFLOW_CONN_STAGEWISE_TEST_NODB", json.dumps({"conn_type": "postgres", "host": "db"}))
+    monkeypatch.setenv("AIRFLOW_CONN_STAGEWISE_TEST_HTTP", json.dumps({"conn_type": "http", "host": "db"}))
+    env = credentials.study_environment("stagewise_test_optuna")
+    url = make_url(env["STAGEWISE_STUDY_STORAGE"])
+    assert (url.drivername, url.username, url.password, url.host, url.port, url.database) == (
+        "postgresql+psycopg2", "optuna", password, "db.internal", 5433, "studies")
+    assert credentials.study_environment("") == {}
+    with pytest.raises(AirflowFailException, match="sweep.storage_conn_id: Airflow connection 'nope' does not exist"):
+        credentials.study_environment("nope")
+    with pytest.raises(AirflowFailException, match="needs a host and a schema"):
+        credentials.study_environment("stagewise_test_nodb")
+    with pytest.raises(AirflowFailException, match="type 'http', expected 'postgres'"):
+        credentials.study_environment("stagewise_test_http")
+
+
+def test_the_task_environment_carries_the_study_url_only_for_a_pipeline_that_names_a_connection(monkeypatch):
+    """Every sub-job of a pipeline with sweep.storage_conn_id gets the study URL; one without gets no such variable."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("AIRFLOW_CONN_STAGEWISE_TEST_OPTUNA", "postgresql://optuna:pw@db:5432/studies")
+    config = SimpleNamespace(storage_conn_id="", tracking=SimpleNamespace(conn_id=""),
+                             sweep=SimpleNamespace(storage_conn_id="stagewise_test_optuna"))
+    assert credentials.task_environment(config) == {
+        "STAGEWISE_STUDY_STORAGE": "postgresql+psycopg2://optuna:pw@db:5432/studies"}
+    config.sweep.storage_conn_id = ""
+    assert credentials.task_environment(config) == {}

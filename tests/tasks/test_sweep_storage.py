@@ -80,3 +80,23 @@ def test_failing_trials_are_recorded_and_an_all_failed_sweep_says_why(digits_run
     assert "model too big" in study.trials[0].user_attrs["error"]
     with pytest.raises(UserError, match=r"none of 3 trials completed.*3 x MemoryError: model too big"):
         summarize(config, "doomed", out)
+
+
+@pytest.mark.service
+def test_a_study_on_a_connection_runs_from_the_environment_url_and_records_only_its_scheme(digits_run, postgres_url,
+                                                                                           monkeypatch):
+    """sweep.storage_conn_id: create, the worker and the summary open the database the task put in
+    $STAGEWISE_STUDY_STORAGE; the summary names the scheme, never the URL with its password."""
+    import json
+    from pathlib import Path
+
+    from stagewise.core import contract
+
+    config_path, out = digits_run
+    config = _config(config_path, storage="", storage_conn_id="optuna_db")
+    url = postgres_url.replace("postgresql://postgres@", "postgresql+psycopg2://postgres:planted-pw-7Hq@")
+    monkeypatch.setenv(contract.STUDY_STORAGE, url)
+    summary = _run_sweep(config, "conn", out)
+    assert summary["n_trials"] == 3 and summary["storage_kind"] == "postgresql+psycopg2"
+    written = json.dumps(summary) + "".join(path.read_text(errors="replace") for path in Path(out).rglob("*.json"))
+    assert "planted-pw-7Hq" not in written
