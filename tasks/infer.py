@@ -1,6 +1,6 @@
 """Sharded batch inference: plan shards by file and row-group ranges, score each, commit a manifest.
 
-Run:  ``python -m stagewise.infer plan --input raw/digits``
+Run:  ``python -m stagewise.infer plan --input raw/digits`` (a shard is a list of files: stagewise.datasets.sharding)
       ``python -m stagewise.infer shard --model M --shard '{"index": 0, "uri": "...", "row_groups": [0]}' --out P``
       ``python -m stagewise.infer commit --out P --model M --results @results.json``
 
@@ -45,7 +45,7 @@ from typing import Any
 from stagewise.core import storage
 from stagewise.core.cli import common_parser, json_arg, parse_overrides, run_subjob
 from stagewise.core.errors import DataError
-from stagewise.datasets import predictions
+from stagewise.datasets import predictions, sharding
 from stagewise.datasets.columns import check_feature_types, check_typed_types, flatten_features, layout_of
 from stagewise.datasets.typed import fill_categories, typed_block, write_typed_slots
 from stagewise.definitions.config import PipelineConfig
@@ -122,17 +122,32 @@ def _to_arrow(tensor: Any, kind: Any) -> Any:
     return pa.array(values, kind)
 
 
-def _numbered(batches: Iterable[Any], offset: int = 0) -> Iterator[tuple[Any, int]]:
-    """Each batch with the shard row of its first row (quarantine and errors name rows by it); ``offset``: the shard
-    row of the first batch's first row."""
+def _numbered(batches: Iterable[Any], offset: int = 0, source: str = "") -> Iterator[tuple[Any, int, str]]:
+    """Each batch with the shard row of its first row in its file (quarantine and errors name rows by it) and that
+    file; ``offset``: the shard row of the first batch's first row."""
     for batch in batches:
-        yield batch, offset
+        yield batch, offset, source
         offset += batch.num_rows
 
 
-def _host_chunk(item: tuple[Any, int], key: str, layout: Any, prep: dict[str, Any], pin: bool, source: str,
-                bad_rows: str) -> tuple[tuple[Any, int], Any, Any]:
-    """One Parquet batch (with its first row's place in the shard) as ((keys of the scorable rows, rows read),
+def _part_batches(uris: list[str], units: list[tuple[int, int]], offsets: list[int], columns: list[str],
+                  batch_size: int) -> Iterator[tuple[Any, int, str]]:
+    """The batches of a part's (file, row group) units in order, each file's consecutive groups read as one run
+    through a handle of its own, closed before the next file opens (a shard may hold thousands of small files)."""
+    start = 0
+    while start < len(units):
+        k = units[start][0]
+        stop = start
+        while stop < len(units) and units[stop][0] == k:
+            stop += 1
+        with storage.open_parquet(uris[k]) as parquet:
+            yield from _numbered(storage.iter_batches(parquet, columns, batch_size, [g for _, g in units[start:stop]],
+                                                      uri=uris[k]), offsets[start], uris[k])
+        start = stop
+
+
+def _host_chunk(item: tuple[Any, int, str], key: str, layout: Any, prep: dict[str, Any], pin: bool, bad_rows: str) -> tuple[tuple[Any, int], Any, Any]:
+    """One Parquet batch (with its first row's place in the shard's part of its file, and that file) as ((keys of the scorable rows, rows read),
     their records: normalised float32 features and the typed columns' slots encoded as preprocessing did,
     a quarantine table of the unscorable rows with a reason, or None).
 
@@ -144,7 +159,7 @@ def _host_chunk(item: tuple[Any, int], key: str, layout: Any, prep: dict[str, An
     import pyarrow as pa
     import torch
 
-    batch, offset = item
+    batch, offset, source = item
     features, shapes = prep["features"], prep.get("feature_shapes") or {}
     mean, std = np.asarray(prep["mean"]), np.asarray(prep["std"])
     dense = [column.name for column in layout.columns if not column.typed]
@@ -322,19 +337,33 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
         log.info("shard %d: %d rows scored, %d quarantined, %.0f rows/s", shard["index"], rows,
                  sum(p.quarantined for p in parts), rows / max(time.monotonic() - started, 1e-9))
 
+    files = sharding.shard_files(shard)
+    for entry in files:  # every file as its plan pinned it, before a row is read: no output mixes two versions
+        sharding.check_pinned(entry)
     with contextlib.ExitStack() as stack:
-        parquet = stack.enter_context(storage.open_parquet(shard["uri"]))
-        names = parquet.schema_arrow.names
-        missing = [c for c in [key, *columns] if c not in names]
-        if missing:
-            raise DataError(f"{shard['uri']}: column(s) {missing} the model needs are missing")
-        check_feature_types(parquet.schema_arrow, [c.name for c in layout.columns if not c.typed], shapes, shard["uri"])
-        if layout.typed:
-            check_typed_types(parquet.schema_arrow, layout, shard["uri"])
-        output_schema = prediction_columns(bundle, parquet.schema_arrow.field(key))  # probed on the CPU, before the move
+        uris, key_fields = [entry["uri"] for entry in files], []
+        # The shard's (file, row group) units in order; offsets: rows before each unit among its file's units here.
+        units, group_rows, offsets = [], [], []
+        for k, (entry, uri) in enumerate(zip(files, uris)):
+            with storage.open_parquet(uri) as parquet:
+                schema, metadata = parquet.schema_arrow, parquet.metadata
+            missing = [c for c in [key, *columns] if c not in schema.names]
+            if missing:
+                raise DataError(f"{uri}: column(s) {missing} the model needs are missing")
+            check_feature_types(schema, [c.name for c in layout.columns if not c.typed], shapes, uri)
+            if layout.typed:
+                check_typed_types(schema, layout, uri)
+            key_fields.append(schema.field(key))
+            if key_fields[-1].type != key_fields[0].type:
+                raise DataError(f"{uri}: key column '{key}' is {key_fields[-1].type}, but {uris[0]} has {key_fields[0].type}")
+            seen = 0
+            for g in (entry["row_groups"] if entry.get("row_groups") is not None else range(metadata.num_row_groups)):
+                units.append((k, g))
+                group_rows.append(metadata.row_group(g).num_rows)
+                offsets.append(seen)
+                seen += group_rows[-1]
+        output_schema = prediction_columns(bundle, key_fields[0])  # probed on the CPU, before the move
         model = bundle.module.to(device).eval()
-        groups = list(shard["row_groups"])
-        group_rows = [parquet.metadata.row_group(g).num_rows for g in groups]
         cuts = output_parts(group_rows, max(2, min(MAX_OUTPUT_FILES, profile.threads_per_process)))
         file_names = ([f"part-{shard['index']:05d}-{token}.parquet"] if len(cuts) == 1 else
                       [f"part-{shard['index']:05d}-{token}-{k:02d}.parquet" for k in range(len(cuts))])
@@ -349,15 +378,13 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
         for part in parts:
             part.open()
         prepare = functools.partial(_host_chunk, key=key, layout=layout, prep=prep, pin=device.type == "cuda",
-                                    source=shard["uri"], bad_rows=config.inference.bad_rows)
+                                    bad_rows=config.inference.bad_rows)
         workers = max(1, profile.threads_per_process // len(cuts))  # the preparing threads, shared out among parts
         streams = []
-        for k, (cut, suffix) in enumerate(zip(cuts, suffixes)):
-            # Each part reads through its own handle: a ParquetFile is not shared between reader threads.
-            source = parquet if k == 0 else stack.enter_context(storage.open_parquet(shard["uri"]))
-            batches = read_ahead(_numbered(storage.iter_batches(source, [key, *columns], config.inference.batch_size,
-                                                                [groups[i] for i in cut], uri=shard["uri"]),
-                                           sum(group_rows[: cut.start])),
+        for cut, suffix in zip(cuts, suffixes):
+            # Each part reads through its own handles: a ParquetFile is not shared between reader threads.
+            batches = read_ahead(_part_batches(uris, [units[i] for i in cut], [offsets[i] for i in cut],
+                                               [key, *columns], config.inference.batch_size),
                                  READ_AHEAD_BATCHES, name=f"infer-read-{suffix}")
             streams.append(ordered_map(prepare, batches, workers, name=f"infer-prepare-{suffix}"))
             stack.callback(streams[-1].close)  # on any exit: its threads stop and are joined (before the writers')

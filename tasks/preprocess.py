@@ -31,6 +31,7 @@ from fsspec.implementations.local import LocalFileSystem
 from stagewise.core import storage
 from stagewise.core.cli import common_parser, json_arg, parse_overrides, run_subjob
 from stagewise.core.errors import DataError
+from stagewise.datasets import sharding
 from stagewise.datasets.columns import (
     FEATURES_COLUMN,
     SPLITS,
@@ -108,19 +109,42 @@ def _stats_prefix(out: str) -> str:
 
 
 def plan(input_uri: str, root: str | None = None) -> list[str]:
-    """One shard per raw Parquet file, in a deterministic order (``root``: the storage root; an error lists what a
-    folder under it holds instead of Parquet, never what a folder elsewhere holds)."""
-    shards = storage.list_parquet(input_uri, root)
+    """The raw Parquet files, in a deterministic order (``root``: the storage root; an error lists what a folder
+    under it holds instead of Parquet, never what a folder elsewhere holds)."""
+    return storage.list_parquet(input_uri, root)
+
+
+def plan_shards(input_uri: str, root: str | None = None) -> list[dict[str, Any]]:
+    """One shard per raw file, each file pinned; beyond sharding.MAX_SHARDS files, whole files packed by bytes and
+    rows into at most that many shards (a file is never split: its statistics and duplicate checks name it)."""
+    shards = sharding.plan_files(input_uri, 1, root, split_files=False, bytes_per_shard=1)
     log.info("planned %d shard(s) from %s", len(shards), input_uri)
     return shards
+
+
+def shard_uris(shard: str | dict[str, Any] | list[Any]) -> list[dict[str, Any]]:
+    """A shard's files as ``{"uri", pin...}``: a planned shard, a list of its files, or one file's URI."""
+    if isinstance(shard, str):
+        return [{"uri": shard}]
+    if isinstance(shard, dict):
+        return sharding.shard_files(shard)
+    return [{"uri": entry} if isinstance(entry, str) else entry for entry in shard]
+
+
+def _checked_files(shard: str | dict[str, Any] | list[Any]) -> list[str]:
+    """The shard's file URIs, after checking each is the version its plan pinned (before a row is read)."""
+    files = shard_uris(shard)
+    for entry in files:
+        sharding.check_pinned(entry)
+    return [entry["uri"] for entry in files]
 
 
 def plan_run(config: PipelineConfig, input_uri: str, out: str, this_run: str) -> dict[str, Any]:
     """Plan the shards and fingerprint what preprocess reads (the shards' bytes, the data set and split rules, the
     code); ``reused_from`` names the run whose committed manifest stands for these inputs (this run's own after a
     clear with unchanged data, or with ``cache.preprocess`` another run's, copied here), else None: preprocess again."""
-    shards = plan(input_uri, config.storage_root)
-    fingerprint = preprocess_inputs(config, content_ids(shards), code_identity(config))
+    shards = plan_shards(input_uri, config.storage_root)
+    fingerprint = preprocess_inputs(config, content_ids(sharding.file_uris(shards)), code_identity(config))
     manifest_uri = storage.join(out, "preprocess", "manifest.json")
     if storage.exists(manifest_uri):
         manifest = storage.read_json(manifest_uri)
@@ -146,35 +170,46 @@ def committed_result(manifest_uri: str) -> dict[str, Any]:
             "fingerprint": manifest.get("fingerprint"), "reused_from": manifest.get("reused_from")}
 
 
-def shard_stats(config: PipelineConfig, shard: str, index: int, out: str) -> dict[str, Any]:
-    """Validate and clean one shard; write its partial statistics and its keys' sorted hashes; return their URI."""
+def shard_stats(config: PipelineConfig, shard: str | dict[str, Any] | list[Any], index: int, out: str) -> dict[str, Any]:
+    """Validate and clean one shard (one file or several); write its partial statistics and its keys' sorted hashes;
+    return their URI."""
     started = time.monotonic()
+    files = _checked_files(shard)
     moments: dict[str, Any] | None = None
-    columns: Columns | None = None
+    first: tuple[Columns, dict[str, Any]] | None = None
     hashes: list[np.ndarray] = []
     typed_parts: list[dict[str, Any]] = []
-    for columns, batch in _iter_checked(shard, config.dataset):
-        part = batch_moments(batch, columns.num_classes)
-        moments = merge_moments(moments or empty_moments(len(columns.features), columns.num_classes), part)
-        hashes.append(key_hashes(batch.kept_keys))
-        if batch.typed is not None:
-            typed_parts.append(_typed_stats(config, columns, batch))
-    schema = storage.read_schema(shard)  # the footer only; reduce compares every shard's column types
-    if columns is None:
-        # An empty file still has a schema; validate it so a wrong file fails here, not later.
-        columns = resolve_columns(config.dataset, schema, shard)
-        moments = empty_moments(len(columns.features), columns.num_classes)
-    assert moments is not None
-    moments.update({"shard": shard, "features": columns.features, "columns": columns.raw, "feature_shapes": columns.shapes,
-                    "types": schema_types(schema, [columns.key, columns.label, *columns.raw]),
+    for uri in files:
+        columns = None
+        for columns, batch in _iter_checked(uri, config.dataset):
+            part = batch_moments(batch, columns.num_classes)
+            moments = merge_moments(moments or empty_moments(len(columns.features), columns.num_classes), part)
+            hashes.append(key_hashes(batch.kept_keys))
+            if batch.typed is not None:
+                typed_parts.append(_typed_stats(config, columns, batch))
+        schema = storage.read_schema(uri)  # the footer only; reduce compares every shard's column types
+        if columns is None:
+            # An empty file still has a schema; validate it so a wrong file fails here, not later.
+            columns = resolve_columns(config.dataset, schema, uri)
+        types = schema_types(schema, [columns.key, columns.label, *columns.raw])
+        if first is None:
+            first = columns, types
+        elif difference := (feature_difference(uri, columns.features, files[0], first[0].features)
+                            or type_difference(uri, types, files[0], first[1])):
+            raise DataError(difference)  # files of one shard merge their moments: they must agree as shards do
+    assert first is not None
+    columns, types = first
+    moments = moments or empty_moments(len(columns.features), columns.num_classes)
+    moments.update({"shard": files[0], "files": files, "features": columns.features, "columns": columns.raw, "feature_shapes": columns.shapes,
+                    "types": types,
                     "normalize": columns.normalize or [True] * len(columns.features),
                     "layout": columns.layout.to_dict(), **_merge_typed_stats(typed_parts),
                     "key_hashes_uri": _write_key_hashes(out, index, hashes)})
     uri = storage.join(_stats_prefix(out), f"shard-{index:05d}.json")
     storage.write_json(uri, moments)  # last: it names this attempt's key hashes
     elapsed = time.monotonic() - started
-    log.info("shard %d: %d rows read, %d kept, %.0f rows/s (%s)", index, moments["rows_in"], moments["count"],
-             moments["rows_in"] / max(elapsed, 1e-9), shard)
+    log.info("shard %d: %d rows read, %d kept, %.0f rows/s (%s%s)", index, moments["rows_in"], moments["count"],
+             moments["rows_in"] / max(elapsed, 1e-9), files[0], f" and {len(files) - 1} more file(s)" if len(files) > 1 else "")
     return {"stats_uri": uri, "rows_in": moments["rows_in"], "rows_kept": moments["count"]}
 
 
@@ -216,7 +251,7 @@ def _write_key_hashes(out: str, index: int, hashes: list[np.ndarray]) -> str:
     return uri
 
 
-def _confirm_duplicates(config: PipelineConfig, shards: list[str], hashes: np.ndarray, owners: np.ndarray) -> None:
+def _confirm_duplicates(config: PipelineConfig, shards: list[list[str]], hashes: np.ndarray, owners: np.ndarray) -> None:
     """Read the kept keys behind ``hashes`` from the shards involved; a real repeat raises DataError naming it.
 
     Every row of an involved file whose hash matches is read, and the first merge round reaching a hash
@@ -225,8 +260,7 @@ def _confirm_duplicates(config: PipelineConfig, shards: list[str], hashes: np.nd
     wanted = np.unique(hashes)
     key = config.dataset.key
     first_file: dict[Any, str] = {}
-    for position in np.unique(owners).tolist():
-        uri = shards[position]
+    for uri in [uri for position in np.unique(owners).tolist() for uri in shards[position]]:
         in_this_file: set[Any] = set()
         for _, batch in _iter_checked(uri, config.dataset):
             keys = batch.kept_keys
@@ -247,7 +281,7 @@ def _confirm_duplicates(config: PipelineConfig, shards: list[str], hashes: np.nd
 
 def check_unique_keys(config: PipelineConfig, parts: list[dict[str, Any]]) -> int:
     """Refuse a data set whose kept rows repeat a key (within a file or across files); returns the hashes merged."""
-    shards = [part["shard"] for part in parts]
+    shards = [_part_files(part) for part in parts]
     sidecars = [part["key_hashes_uri"] for part in parts]
     checked = 0
     for hashes, owners in repeated_hashes(sidecars):
@@ -258,17 +292,24 @@ def check_unique_keys(config: PipelineConfig, parts: list[dict[str, Any]]) -> in
     return sum(part["count"] for part in parts)
 
 
-def planned_stats(out: str, shards: list[str]) -> list[str]:
-    """The stats of every planned shard, in plan order; refuses a missing shard and stats computed for another file."""
+def _part_files(part: dict[str, Any]) -> list[str]:
+    """The files a shard's statistics were computed over (statistics from before multi-file shards name one)."""
+    return list(part.get("files") or [part["shard"]])
+
+
+def planned_stats(out: str, shards: list[Any]) -> list[str]:
+    """The stats of every planned shard, in plan order; refuses a missing shard and stats computed for other files."""
     uris, missing = [], []
     for index, shard in enumerate(shards):
+        planned = [entry["uri"] for entry in shard_uris(shard)]
         uri = storage.join(_stats_prefix(out), f"shard-{index:05d}.json")
         if not storage.exists(uri):
-            missing.append(f"{index} ({shard})")
+            missing.append(f"{index} ({planned[0]}{f' and {len(planned) - 1} more' if len(planned) > 1 else ''})")
             continue
-        recorded = storage.read_json(uri).get("shard", "")
-        if not _same_file(recorded, shard):
-            raise DataError(f"{uri}: statistics of {recorded}, but planned shard {index} is {shard}: stale statistics "
+        recorded = _part_files({"shard": "", **storage.read_json(uri)})
+        if len(recorded) != len(planned) or not all(map(_same_file, recorded, planned)):
+            shown, wanted = " + ".join(recorded), " + ".join(planned)
+            raise DataError(f"{uri}: statistics of {shown}, but planned shard {index} is {wanted}: stale statistics "
                             f"from another input; run `python -m stagewise.preprocess stats --index {index}` for it again")
         uris.append(uri)
     if missing:
@@ -299,11 +340,12 @@ def reduce_stats(config: PipelineConfig, out: str, stats_uris: list[str]) -> dic
     parts = [storage.read_json(uri) for uri in stats_uris]
     if not parts:
         raise DataError("no shard statistics to reduce: the input held no Parquet shards")
-    listed: dict[tuple[str, str], int] = {}
+    listed: dict[tuple[str, str], tuple[int, str]] = {}
     for position, part in enumerate(parts):
-        twin = listed.setdefault(_file_identity(part["shard"]), position)
-        if twin != position:
-            raise DataError(f"{part['shard']} is listed twice (shards {twin} and {position}): every row would be duplicated")
+        for name in _part_files(part):
+            twin = listed.setdefault(_file_identity(name), (position, name))
+            if twin != (position, name):
+                raise DataError(f"{name} is listed twice (shards {twin[0]} and {position}): every row would be duplicated")
     features = parts[0]["features"]
     for part in parts[1:]:
         difference = feature_difference(part["shard"], part["features"], parts[0]["shard"], features)
@@ -356,9 +398,12 @@ def reduce_stats(config: PipelineConfig, out: str, stats_uris: list[str]) -> dic
     return {"stats_uri": uri, "rows_kept": total["count"], "rows_dropped": dropped}
 
 
-def transform_shard(config: PipelineConfig, shard: str, index: int, out: str, stats_uri: str) -> dict[str, Any]:
-    """Clean, normalise and split one shard into attempt-unique train/validation/test files."""
+def transform_shard(config: PipelineConfig, shard: str | dict[str, Any] | list[Any], index: int, out: str,
+                    stats_uri: str) -> dict[str, Any]:
+    """Clean, normalise and split one shard (one file or several, in order) into attempt-unique train/validation/test
+    files."""
     started = time.monotonic()
+    files = _checked_files(shard)
     stats = storage.read_json(stats_uri)
     mean, std = np.asarray(stats["mean"]), np.asarray(stats["std"])
     layout = layout_of(stats)
@@ -369,8 +414,8 @@ def transform_shard(config: PipelineConfig, shard: str, index: int, out: str, st
     uris = {name: storage.join(out, "preprocess", name, f"part-{index:05d}-{token}.parquet") for name in SPLITS}
     rows_in = 0
     try:
-        for columns, batch in _iter_checked(shard, config.dataset):
-            difference = feature_difference(shard, columns.features, stats.get("features_from", stats_uri), stats["features"])
+        for source, (columns, batch) in ((name, item) for name in files for item in _iter_checked(name, config.dataset)):
+            difference = feature_difference(source, columns.features, stats.get("features_from", stats_uri), stats["features"])
             if difference:
                 raise DataError(difference)
             rows_in += len(batch.keep)
@@ -457,6 +502,11 @@ def commit(config: PipelineConfig, out: str, stats_uri: str, shard_results: list
     return {"manifest_uri": uri, "rows": manifest["rows"], "rows_dropped": stats["rows_dropped"], "fingerprint": fingerprint}
 
 
+def _shard_arg(text: str) -> Any:
+    """One file's URI, or a shard's files as JSON (inline or @file) as plan returns them."""
+    return json_arg(text) if text[:1] in "[{@" else text
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Sharded preprocessing steps.")
     common = common_parser()
@@ -465,7 +515,8 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--input", default=None, help="raw data URI (default: dataset.uri)")
     for name in ("stats", "transform"):
         step = sub.add_parser(name, parents=[common], help=f"{name} of one shard")
-        step.add_argument("--shard", required=True, help="raw shard URI")
+        step.add_argument("--shard", required=True, type=_shard_arg,
+                          help="raw file URI, or a planned shard's files as JSON (or @file)")
         step.add_argument("--index", type=int, required=True, help="shard number (names outputs)")
         step.add_argument("--out", required=True, help="the run prefix")
     sub.choices["transform"].add_argument("--stats", default=None, help="reduced stats URI (default: under --out)")
@@ -483,12 +534,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.step == "plan":
             source = storage.resolve(config.storage_root, args.input or config.dataset.uri)
             storage.require_bucket(source, "--input" if args.input else "dataset.uri")
-            return {"shards": plan(source, config.storage_root)}
+            return {"shards": plan_shards(source, config.storage_root)}
         out = storage.resolve(config.storage_root, args.out)
         if args.step == "stats":
             return shard_stats(config, args.shard, args.index, out)
         if args.step == "reduce":
-            shards = plan(storage.resolve(config.storage_root, args.input or config.dataset.uri), config.storage_root)
+            shards = plan_shards(storage.resolve(config.storage_root, args.input or config.dataset.uri), config.storage_root)
             return reduce_stats(config, out, planned_stats(out, shards))
         if args.step == "transform":
             return transform_shard(config, args.shard, args.index, out, args.stats or storage.join(out, "preprocess", "stats.json"))

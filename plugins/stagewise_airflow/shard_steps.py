@@ -16,23 +16,29 @@ from stagewise.airflow.steps import all_results, inline, launch_subjob, reused_f
 
 
 def plan_shards(run: dict[str, Any]) -> list[dict[str, Any]]:
-    """One mapped shard per raw file, each carrying the inputs' fingerprint; when committed work already stands for
-    them (stagewise.preprocess.plan_run), one shard naming the run it comes from, whose tasks return at once."""
+    """One mapped shard per raw file (past sharding.MAX_SHARDS files, several files each), each carrying the inputs'
+    fingerprint; when committed work already stands for them (stagewise.preprocess.plan_run), one shard naming the
+    run it comes from, whose tasks return at once."""
     from stagewise import preprocess
     from stagewise.core import storage
 
     config = run_config(run)
     planned = inline(config, lambda: preprocess.plan_run(config, storage.resolve(config.storage_root, config.dataset.uri),
                                                           run["out"], run_ref(run)))
-    shards = [{"index": index, "uri": uri, "fingerprint": planned["fingerprint"], "reused_from": planned["reused_from"]}
-              for index, uri in enumerate(planned["shards"])]
+    shards = [{**shard, "fingerprint": planned["fingerprint"], "reused_from": planned["reused_from"]}
+              for shard in planned["shards"]]
     return shards[:1] if planned["reused_from"] else shards  # nothing to do per shard: one mapped task stands for all
+
+
+def _files_arg(shard: dict[str, Any]) -> str:
+    """A preprocess shard for the sub-job's --shard: its pinned files as JSON (a shard planned before pins: its URI)."""
+    return json.dumps(shard["files"]) if shard.get("files") else shard["uri"]
 
 
 def preprocess_stats(run: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
     if reused := reused_from(shard):
         return {"reused_from": reused, "fingerprint": shard.get("fingerprint")}
-    result = launch_subjob(run, "stagewise.preprocess", ["stats", "--shard", shard["uri"], "--index", str(shard["index"]),
+    result = launch_subjob(run, "stagewise.preprocess", ["stats", "--shard", _files_arg(shard), "--index", str(shard["index"]),
                                                          "--out", run["out"]], run_config(run).preprocess.profile)
     return {**result, "fingerprint": shard.get("fingerprint")}
 
@@ -52,7 +58,7 @@ def reduce_stats(run: dict[str, Any], stats: Sequence[dict[str, Any]]) -> dict[s
 def preprocess_transform(run: dict[str, Any], reduced: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
     if reused := reused_from(reduced):
         return {"reused_from": reused}
-    return launch_subjob(run, "stagewise.preprocess", ["transform", "--shard", shard["uri"], "--index", str(shard["index"]),
+    return launch_subjob(run, "stagewise.preprocess", ["transform", "--shard", _files_arg(shard), "--index", str(shard["index"]),
                                                        "--out", run["out"], "--stats", reduced["stats_uri"]],
                          run_config(run).preprocess.profile)
 

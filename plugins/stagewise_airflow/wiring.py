@@ -15,11 +15,16 @@ from stagewise.airflow.profiles import task_kwargs
 from stagewise.definitions.config import PipelineConfig
 
 # Names of mapped task instances in the grid (Jinja over the task's expanded kwargs; rendered before the body runs).
-SHARD_FILE_NAME = "{{ task.op_kwargs['shard']['uri'].rstrip('/').split('/')[-1] }}"
+# A shard of several files is named by its first and how many more (stagewise.datasets.sharding).
+SHARD_FILE_NAME = ("{% set shard = task.op_kwargs['shard'] %}{% set files = shard.get('files') or [shard] %}"
+                   "{{ files[0]['uri'].rstrip('/').split('/')[-1] }}"
+                   "{% if files | length > 1 %} + {{ files | length - 1 }} more file(s){% endif %}")
 SWEEP_WORKER_NAME = "worker {{ task.op_kwargs['worker']['worker'] }}"
-INFERENCE_SHARD_NAME = ("{% set shard = task.op_kwargs['shard'] %}{% set groups = shard['row_groups'] %}"
-                        "{{ shard['uri'].rstrip('/').split('/')[-1] }}, row group{% if groups | length > 1 %}s "
-                        "{{ groups[0] }}-{{ groups[-1] }}{% else %} {{ groups[0] }}{% endif %}, {{ shard['rows'] }} rows")
+INFERENCE_SHARD_NAME = ("{% set shard = task.op_kwargs['shard'] %}{% set files = shard.get('files') or [shard] %}"
+                        "{% set groups = files[0]['row_groups'] %}{{ files[0]['uri'].rstrip('/').split('/')[-1] }}"
+                        "{% if files | length > 1 %} + {{ files | length - 1 }} more file(s)"
+                        "{% elif groups | length > 1 %}, row groups {{ groups[0] }}-{{ groups[-1] }}"
+                        "{% else %}, row group {{ groups[0] }}{% endif %}, {{ shard['rows'] }} rows")
 
 
 def knobs(config: PipelineConfig, profile: str) -> dict[str, Any]:

@@ -8,26 +8,16 @@ import logging
 from typing import Any
 
 from stagewise.core import storage
+from stagewise.datasets import sharding
 
 log = logging.getLogger("stagewise.infer")
 
 
 def plan_inference(input_uri: str, rows_per_shard: int, root: str | None = None) -> list[dict[str, Any]]:
-    """Deterministic shards: consecutive row groups of each file, about ``rows_per_shard`` rows each (``root``: the
-    storage root, under which alone an error lists what a folder holds instead of Parquet)."""
-    shards: list[dict[str, Any]] = []
-    for uri in storage.list_parquet(input_uri, root):
-        with storage.open_parquet(uri) as parquet:
-            metadata = parquet.metadata
-        group, rows = [], 0
-        for index in range(metadata.num_row_groups):
-            group.append(index)
-            rows += metadata.row_group(index).num_rows
-            if rows >= rows_per_shard:
-                shards.append({"index": len(shards), "uri": uri, "row_groups": group, "rows": rows})
-                group, rows = [], 0
-        if group:
-            shards.append({"index": len(shards), "uri": uri, "row_groups": group, "rows": rows})
+    """Deterministic shards of about ``rows_per_shard`` rows: consecutive row groups of a large file, or several small
+    files together, each file pinned (stagewise.datasets.sharding); ``root``: the storage root, under which alone an
+    error lists what a folder holds instead of Parquet."""
+    shards = sharding.plan_files(input_uri, rows_per_shard, root)
     log.info("planned %d inference shard(s) over %s", len(shards), input_uri)
     return shards
 

@@ -1,0 +1,134 @@
+"""How input files become shards, and the pin that ties a shard to the files its plan saw.
+
+Nothing to run: stagewise.infer and stagewise.preprocess plan with these, and each shard job checks its files.
+
+A shard is a list of files (inference: each with a range of its row groups). Files at least a shard's size are cut
+into shards of their own; smaller ones are packed together until a shard reaches the target rows or bytes, so 10,000
+small files plan a few shards while 100 large ones still spread over 100 or more. However many files an input has,
+a plan never exceeds :data:`MAX_SHARDS`: when it would, the targets double until it fits (shards grow).
+
+Every file is pinned at plan: its size, its row count (the Parquet footer), and its S3 ETag, or elsewhere its
+modification time. Hashing the bytes would cost a full read of every file at plan and again in every try; size,
+rows and ETag/mtime change whenever the file is rewritten, which is what a pin has to catch. A try that finds a file
+other than pinned fails as a DataError naming it, before reading any row: nothing committed mixes two versions.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from stagewise.core import storage
+from stagewise.core.errors import DataError
+
+log = logging.getLogger("stagewise.sharding")
+
+# Airflow's [core] max_map_length defaults to 1,024 mapped tasks: half of it leaves room for a lowered setting.
+MAX_SHARDS = 512
+# Small files are packed until a shard holds this many Parquet bytes (or its target rows): per-file overhead amortised.
+SHARD_BYTES = 256 * 2**20
+PIN_KEYS = ("size", "file_rows", "etag", "mtime")
+
+
+def pin(uri: str, fresh: bool = False) -> dict[str, Any]:
+    """What identifies a file's current version cheaply: its size, its rows, and its ETag (S3) or mtime (``fresh``:
+    asked of the store itself, never of a listing this process cached)."""
+    fs, path = storage.filesystem(uri)
+    if fresh:
+        fs.invalidate_cache(path)
+    info = fs.info(path)
+    with storage.open_parquet(uri) as parquet:
+        metadata = parquet.metadata
+    found: dict[str, Any] = {"uri": uri, "size": info.get("size"), "file_rows": metadata.num_rows,
+                             "group_rows": [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]}
+    if etag := str(info.get("ETag") or info.get("etag") or "").strip('"'):
+        found["etag"] = etag
+    elif (mtime := info.get("mtime")) is not None:
+        found["mtime"] = mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime)
+    return found
+
+
+def check_pinned(entry: dict[str, Any]) -> None:
+    """Raise DataError naming the file when it is no longer the version its plan pinned (a shard from before pins,
+    without them, is not checked)."""
+    pinned = {key: entry[key] for key in PIN_KEYS if key in entry}
+    if not pinned:
+        return
+    now = pin(entry["uri"], fresh=True)
+    found = {key: now.get(key) for key in pinned}
+    if found != pinned:
+        changed = ", ".join(f"{key} {pinned[key]!r} -> {found[key]!r}" for key in pinned if pinned[key] != found[key])
+        raise DataError(f"{entry['uri']}: changed since the plan ({changed}): planned {pinned}, found {found}; a shard "
+                        f"reads only the version its plan pinned, so no output mixes two versions of an input: clear "
+                        f"the plan task to plan the input as it is now")
+
+
+def _pack(pins: list[dict[str, Any]], rows_target: int, bytes_target: int, split_files: bool) -> list[list[dict[str, Any]]]:
+    """Shards as lists of ``{pin..., "row_groups", "rows"}``: a file at a target or above cut into its own (at row
+    groups when ``split_files``), smaller ones packed in order until a shard reaches either target."""
+    shards: list[list[dict[str, Any]]] = []
+    packed: list[dict[str, Any]] = []
+    packed_rows = packed_bytes = 0
+    for entry in pins:
+        groups, size = entry["group_rows"], entry["size"] or 0
+        base = {key: value for key, value in entry.items() if key != "group_rows"}
+        if entry["file_rows"] >= rows_target or size >= bytes_target:
+            if not split_files:
+                shards.append([{**base, "row_groups": list(range(len(groups))), "rows": entry["file_rows"]}])
+                continue
+            per_row = size / max(entry["file_rows"], 1)
+            chosen: list[int] = []
+            rows = 0
+            for index, count in enumerate(groups):
+                chosen.append(index)
+                rows += count
+                if rows >= rows_target or rows * per_row >= bytes_target:
+                    shards.append([{**base, "row_groups": chosen, "rows": rows}])
+                    chosen, rows = [], 0
+            if chosen:
+                shards.append([{**base, "row_groups": chosen, "rows": rows}])
+            continue
+        packed.append({**base, "row_groups": list(range(len(groups))), "rows": entry["file_rows"]})
+        packed_rows += entry["file_rows"]
+        packed_bytes += size
+        if packed_rows >= rows_target or packed_bytes >= bytes_target:
+            shards.append(packed)
+            packed, packed_rows, packed_bytes = [], 0, 0
+    if packed:
+        shards.append(packed)
+    return shards
+
+
+def plan_files(input_uri: str, rows_per_shard: int, root: str | None = None, *, split_files: bool = True,
+               bytes_per_shard: int = SHARD_BYTES, max_shards: int | None = None) -> list[dict[str, Any]]:
+    """Deterministic shards ``{"index", "rows", "files": [{"uri", "row_groups", "rows", pin...}]}`` covering every
+    row group of every file once, in file order; at most ``max_shards`` (default MAX_SHARDS; targets doubled until
+    they fit). A shard
+    of one file also carries that file's ``uri`` and ``row_groups`` at the top, its shape before multi-file shards."""
+    max_shards = max_shards or MAX_SHARDS
+    pins = [pin(uri) for uri in storage.list_parquet(input_uri, root)]
+    rows_target, bytes_target = rows_per_shard, bytes_per_shard
+    while len(packed := _pack(pins, rows_target, bytes_target, split_files)) > max_shards:
+        rows_target, bytes_target = max(rows_target * 2, 1), max(bytes_target * 2, 1)
+    if rows_target != rows_per_shard:
+        log.info("%d file(s) would plan over %d shards: targets grown to %d rows / %d bytes per shard", len(pins),
+                 max_shards, rows_target, bytes_target)
+    shards = []
+    for index, files in enumerate(packed):
+        shard: dict[str, Any] = {"index": index, "rows": sum(f["rows"] for f in files), "files": files}
+        if len(files) == 1:
+            shard.update(uri=files[0]["uri"], row_groups=files[0]["row_groups"])
+        shards.append(shard)
+    return shards
+
+
+def shard_files(shard: dict[str, Any]) -> list[dict[str, Any]]:
+    """A shard's files as ``{"uri", "row_groups", pin...}``; a shard from before multi-file shards is its one file."""
+    if shard.get("files"):
+        return list(shard["files"])
+    return [{"uri": shard["uri"], "row_groups": shard.get("row_groups")}]
+
+
+def file_uris(shards: list[dict[str, Any]]) -> list[str]:
+    """Every file of ``shards`` once, in plan order."""
+    return list(dict.fromkeys(f["uri"] for shard in shards for f in shard_files(shard)))
