@@ -28,14 +28,7 @@ from stagewise.definitions.spec import Average, ModelSpec, batch_of, hook_error,
 from stagewise.models.building import BuiltModel, model_for_run
 from stagewise.training.device_data import DeviceBatches, choose_placement, resident_bytes
 from stagewise.training.distributed import DistEnv, any_rank
-from stagewise.training.noise_scale import (
-    SPLIT_SPACING,
-    MeasuredAllReduce,
-    NoiseScale,
-    PartNorms,
-    epoch_beta,
-    split_interval,
-)
+from stagewise.training.noise_scale import SPLIT_SPACING, NoiseScale, PartNorms, epoch_beta, split_interval
 from stagewise.training.recipe import mark_source
 from stagewise.training.step_graph import WARMUP_STEPS, CaptureFailed, StepGraph, StepOutputs, graph_plan, set_tf32
 from stagewise.training.strategy import DDPStrategy, Strategy, make_strategy
@@ -200,9 +193,9 @@ class Loop:
         only the training forward runs compiled, ``module`` stays the plain model (checkpoints, validation).
         ``grad_clip_norm``: clip the (all-reduced) gradients to this global L2 norm before each optimizer step.
         ``noise_scale_every``: measure the gradient noise scale on one optimizer step in this many (0: never;
-        stagewise.training.noise_scale): across ranks from each rank's gradient before the all-reduce, on one rank
-        from the parts of the step's batch (its micro-batches, or its two halves) against the whole; the two halves, a
-        second forward and backward, are spaced out to ``SPLIT_SPACING`` x this after the first 10 measurements.
+        stagewise.training.noise_scale) from the parts of the step's batch (its micro-batches, or its two halves, each
+        averaged over the ranks) against the whole, alike for every strategy; the two halves, a second forward and
+        backward, are spaced out to ``SPLIT_SPACING`` x this after the first 10 measurements.
         ``tf32``: TensorFloat-32 float32 matmuls and convolutions on a CUDA device (process-wide; nothing on CPU).
         ``cuda_graph`` auto, on or off: capture the step as a CUDA graph where stagewise.training.step_graph.graph_plan
         allows it (the reason is logged once, a WARNING when ``on`` cannot).
@@ -214,18 +207,13 @@ class Loop:
         self.model: nn.Module = self.strategy.wrap(self.module)
         self.noise_every = noise_scale_every
         self.noise: NoiseScale | None = None
-        # Measured across ranks where each rank sees its own gradient (DDP's no_sync); else within each rank's batch.
-        across_ranks = self.strategy.local_gradients
-        # Within a batch without accumulation, a second forward and backward: spaced out once the EMA is filled.
-        self._halves_spaced = noise_scale_every > 0 and not across_ranks and grad_accum_steps == 1
+        # Without accumulation the parts are two halves, a second forward and backward: spaced out once the EMA is filled.
+        self._halves_spaced = noise_scale_every > 0 and grad_accum_steps == 1
         if noise_scale_every > 0:
             interval = noise_scale_every * (SPLIT_SPACING if self._halves_spaced else 1)
             measured_per_epoch = math.ceil(train.steps_per_epoch(0) / grad_accum_steps) / interval
             self.noise = NoiseScale(env.device, beta=epoch_beta(measured_per_epoch))
-        self._measured_all_reduce = MeasuredAllReduce() if self.noise is not None and across_ranks else None
-        self._split_measure = self.noise is not None and not across_ranks  # two batch sizes within a step
-        self._parts: PartNorms | None = None  # a measured step's parts so far (one rank)
-        self._step_samples = 0
+        self._parts: PartNorms | None = None  # a measured step's parts so far
         self.device_type = torch.device(env.device).type
         if precision not in ("fp32", "bf16", "fp16"):
             raise UserError(f"precision '{precision}' is not one of fp32, bf16, fp16")
@@ -336,12 +324,7 @@ class Loop:
             boundary = (index + 1) % self.grad_accum_steps == 0 or index + 1 == micro_total
             # Dropout masks depend only on (seed, epoch, micro-step, rank): a resumed run draws the same ones.
             seed_step(hash((self.seed, position.epoch, index, self.env.rank)) & 0x7FFFFFFF, self.env.device)
-            # A measured step's boundary runs without DDP's all-reduce too: _all_reduce_measured makes it, norms included.
-            # Step 1 stands in for step 0, so the first backward is DDP's own: a measured (unsynced) step 0 left the later
-            # steps slower (noise_scale_overhead 1.06-1.10 in 4 runs, 0.96-1.00 in 3 without; why is not known).
-            measured = (boundary and self._measured_all_reduce is not None
-                        and (position.step % self.noise_every == 0 and position.step > 0 or position.step == 1))
-            split_measured = self._split_measure and position.step % self._split_every() == 0
+            split_measured = self.noise is not None and position.step % self._split_every() == 0
             graph = self.step_graph
             # The captured step (one micro-batch per step there); a measured step or a batch of other shapes runs eagerly.
             outputs = self._graph_step(inputs, targets) if (
@@ -351,7 +334,8 @@ class Loop:
             else:
                 if graph is not None:
                     graph.release_grads()
-                sync = self.strategy.no_sync() if (not boundary or measured) else contextlib.nullcontext()
+                # A measured step's parts are each averaged over the ranks (as fsdp's every backward is): none unsynced.
+                sync = self.strategy.no_sync() if not boundary and not split_measured else contextlib.nullcontext()
                 with sync:
                     if split_measured:
                         loss = self._measured_backward(inputs, targets)
@@ -368,17 +352,13 @@ class Loop:
             self._micro_since_check += 1
             position.seen += rows
             position.micro_step += 1
-            self._step_samples += rows
             if boundary:
                 lr = lr_at(position.step)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr * group.get("lr_scale", 1.0)
-                # Both measurements read the loss-scaled fp16 gradients and divide the scale out: before unscale_.
-                if measured:
-                    self._all_reduce_measured()
+                # The measurement reads the loss-scaled fp16 gradients and divides the scale out: before unscale_.
                 if self._parts is not None:
                     self._fold_split_measurement()
-                self._step_samples = 0
                 if outputs is not None:  # the graph clipped (in the graph) and keeps its gradients for the next replay
                     if graph_norm is not None:
                         self._pending_norm.add_(graph_norm)
@@ -429,19 +409,6 @@ class Loop:
                              grad_norm=grad_norm, noise_scale=self.noise_estimates().get("noise_scale"))
         self.position = Position(epoch=position.epoch + 1, step=position.step)
         return result
-
-    @torch.no_grad()
-    def _all_reduce_measured(self) -> None:
-        """A measured step on several ranks: the gradients all-reduced with the ranks' local squared norm riding along
-        (stagewise.training.noise_scale.MeasuredAllReduce), both squared norms into the estimator (on the device)."""
-        assert self.noise is not None and self._measured_all_reduce is not None
-        local, averaged = self._measured_all_reduce([p for p in self.module.parameters() if p.requires_grad],
-                                                    self.env.world_size)
-        if self.scaler is not None:  # the loss-scaled gradients; _scale is the device tensor (no host sync)
-            scale = self.scaler._scale.double().square()
-            local, averaged = local / scale, averaged / scale
-        b_small = float(self._step_samples)
-        self.noise.update(local, averaged, b_small, b_small * self.env.world_size)
 
     def _graph_body(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutputs:
         """What the step graph warms up and captures: forward, the spec's loss, backward into fresh gradients and, when the
@@ -500,10 +467,10 @@ class Loop:
                 parameter.grad = torch.zeros_like(parameter)
 
     def _measured_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """A measured step on one rank: each part's own squared gradient norm, taken on the way to the step's gradient
-        (the same gradient, as the batch's mean loss is the weighted mean of its parts' mean losses). With gradient
-        accumulation the parts are the step's micro-batches; without, the micro-batch runs as two halves. Assumes the
-        spec's loss is a mean over the batch, as torch's losses are by default."""
+        """A measured step: each part's own squared gradient norm (averaged over the ranks), taken on the way to the
+        step's gradient (the same gradient, as the batch's mean loss is the weighted mean of its parts' mean losses). With
+        gradient accumulation the parts are the step's micro-batches; without, the micro-batch runs as two halves. Assumes
+        the spec's loss is a mean over the batch, as torch's losses are by default."""
         size, accumulation = len(targets), self.grad_accum_steps
         if accumulation > 1:
             return self._part_backward(inputs, targets, 1.0 / accumulation)
@@ -526,7 +493,7 @@ class Loop:
         if self._graphs:
             self._allocate_grads()
         loss = self._backward(inputs, targets, weight)
-        # The part's gradient averages the ranks' parts where the strategy reduces each backward (fsdp): that many rows.
+        # The part's gradient averages the ranks' parts (DDP's all-reduce, fsdp's reduce-scatter): that many rows.
         self._parts.add(self._grad_sq(), len(targets) * self.strategy.gradient_ranks, weight)
         into, added = [], []
         for parameter, grad in zip(self._trainable, kept):

@@ -1,22 +1,23 @@
 """The gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish et al. 2018, "An Empirical Model of Large-Batch
-Training"), measured as a stage trains: the batch size beyond which a larger batch stops paying.
+Training", Appendix A), measured as a stage trains: an estimate of the critical batch, beyond which a larger batch stops
+paying. It approximates it twice over: the paper's B_crit ≈ B_noise = tr(HΣ)/(GᵀHG), which B_simple equals only when
+the Hessian H is a multiple of the identity.
 
 Two gradient norms at two batch sizes give unbiased estimates of |G|² and S = tr(Σ), because for a gradient
-averaged over B samples, E|g_B|² = |G|² + S/B:
-
-- several ranks: each rank's own gradient before the all-reduce (B_small = its samples in the step) and the
-  averaged gradient after it (B_big = the global batch). On a measured step the gradients are all-reduced here, with
-  the local squared norm appended to them, so the ranks' mean comes back with the gradients (no extra collective);
-- one rank: the step's parts against the whole: its micro-batches with gradient accumulation, else the micro-batch run
-  as two halves (the same gradient in the end). Each part's backward runs into fresh gradient buffers, so its own
-  squared norm is read before the step's gradient so far is added back (:class:`PartNorms`). Every part's norm counts,
-  as every rank's does above: with two halves the |G|² estimate is the dot product of the halves' gradients, whose
-  noise is far smaller than that of one half's norm against the whole (which left the smoothed |G|² negative, so no
-  noise scale at all, on most one-process stages).
+averaged over B samples, E|g_B|² = |G|² + S/B. A measured step is split into parts, one way for every strategy and world
+size: its micro-batches with gradient accumulation, else each rank's micro-batch run as two halves. Each part's backward
+is synced, so its gradient averages that part of every rank's batch (B_small = the part's rows x world size: DDP's
+all-reduce and fsdp's reduce-scatter alike, as fsdp never shows a rank its own whole gradient) and the parts add up to the
+step's gradient (B_big = the global batch). Each part's backward runs into fresh gradient buffers, so its own squared
+norm is read before the step's gradient so far is added back (:class:`PartNorms`). Every part's norm counts: with two
+halves the |G|² estimate is the dot product of the halves' gradients, whose noise is far smaller than that of one half's
+norm against the whole (which left the smoothed |G|² negative, so no noise scale at all, on most one-process stages).
+(ddp on several ranks once measured each rank's own gradient against the average: as unbiased, but on other rows and
+other steps, so a stage ended on another value by strategy, 2.3x apart on the digits, and grew another next batch.)
 
 A measurement is a few passes over the gradients, which cost a small model's step several percent, so a stage measures
-one step in ``train.noise_scale_every_steps``. On one rank without accumulation a measurement also runs a second forward
-and backward (the two halves): for a launch-bound model about one more step, so after its first ``MIN_MEMORY``
+one step in ``train.noise_scale_every_steps``. Without accumulation a measurement also runs a second forward and backward
+(the two halves): for a launch-bound model about one more step, so after its first ``MIN_MEMORY``
 measurements (the EMA's least memory, filled at the configured rate so the first epochs have a value) such a stage
 measures ``SPLIT_SPACING`` times less often (:func:`split_interval`): fewer measurements, each as unbiased. Each
 measurement is one
@@ -36,13 +37,13 @@ EMA_BETA = 0.9  # per measurement: about 10 measurements of memory, so the curve
 MIN_MEMORY, MAX_MEMORY = 10, 1000
 
 
-# One rank without accumulation, past its first MIN_MEMORY measurements, measures one step in this many times the
+# A stage without accumulation, past its first MIN_MEMORY measurements, measures one step in this many times the
 # configured interval: a measurement there is a second forward and backward (at 8, +1/8 of a launch-bound step's time).
 SPLIT_SPACING = 4
 
 
 def split_interval(every: int, updates: int) -> int:
-    """The measuring interval, in optimizer steps, of a one-rank stage whose measurement runs the batch as two halves:
+    """The measuring interval, in optimizer steps, of a stage whose measurement runs each rank's batch as two halves:
     ``every`` until ``updates`` (measurements so far, restored with a checkpoint) fills the EMA's least memory, then
     ``SPLIT_SPACING`` x ``every``. A function of the estimator's state, so a resumed stage measures the same steps."""
     return every if updates < MIN_MEMORY else every * SPLIT_SPACING
@@ -99,7 +100,7 @@ class NoiseScale:
 
 
 class PartNorms:
-    """A measured step on one rank, part by part: each part's squared gradient norm (the gradient of its own mean loss),
+    """A measured step on this rank, part by part: each part's squared gradient norm (the gradient of its own mean loss),
     its rows and the weight its loss had in the step. :meth:`fold` turns them and the step's accumulated gradient into one
     estimator update: B_small is the parts' harmonic mean size, B_big the step's rows; with m equal parts of b rows,
     |G|² comes out as the mean dot product of distinct parts' gradients and S as b × their spread, both unbiased."""
@@ -128,38 +129,3 @@ class PartNorms:
         b_small = self.parts / self.inverse_rows
         noise.update(self.squared / self.parts, accumulated_sq / self.weight**2, b_small, float(self.rows))
         return True
-
-
-class MeasuredAllReduce:
-    """The all-reduce of a measured step, made here instead of by DDP: the step's backward ran under ``no_sync`` (each
-    rank's gradient is its own), so this rank's squared norm is taken, appended to the flattened gradients, and one
-    all-reduce of that buffer averages both; the averaged gradient's squared norm follows. The buffer is made once.
-    Every other step keeps DDP's own all-reduce, overlapped with the backward (a Python comm hook on every step costs
-    a small model's step several percent)."""
-
-    def __init__(self) -> None:
-        self._flat: torch.Tensor | None = None
-
-    def __call__(self, parameters: list[torch.Tensor], world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the ranks' mean squared norm of their local gradients, the averaged gradient's), with every parameter's
-        gradient replaced by the average, as DDP would have left it."""
-        import torch.distributed as dist
-
-        grads = []
-        for parameter in parameters:
-            if parameter.grad is None:  # unused this step on this rank: DDP would all-reduce zeros for it too
-                parameter.grad = torch.zeros_like(parameter)
-            grads.append(parameter.grad)
-        size = sum(g.numel() for g in grads)
-        if self._flat is None or self._flat.numel() != size + 1 or self._flat.dtype != grads[0].dtype:
-            self._flat = grads[0].new_empty(size + 1)
-        flat, body = self._flat, self._flat[:-1]
-        torch.cat([g.reshape(-1) for g in grads], out=body)
-        flat[-1] = torch.linalg.vector_norm(body).square()
-        flat.div_(world_size)
-        dist.all_reduce(flat)
-        offset = 0
-        for grad in grads:
-            grad.copy_(body[offset: offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-        return flat[-1].double(), torch.linalg.vector_norm(body).double().square()

@@ -40,15 +40,15 @@ def test_two_stages_grow_the_batch_and_hand_off_the_checkpoint(digits_run, subpr
     # Only rank 0 logs epochs: each epoch line appears once, not once per rank.
     epoch_lines = [line for line in second_run.stdout.splitlines() if "stage s2 epoch" in line]
     assert len(epoch_lines) == 2
-    # The gradient noise scale is measured in both stages (one rank: consecutive steps; two: each rank's gradient
-    # before the all-reduce against the averaged one) and logged with each epoch line.
+    # The gradient noise scale is measured in both stages (each rank's batch in two halves, each half's gradient
+    # averaged over the ranks, against the whole) and logged with each epoch line.
     for stage in ("s1", "s2"):
         history = json.loads((Path(out) / "train" / stage / "metrics.json").read_text())["history"]
         values = [entry["noise_scale"] for entry in history]  # None while the smoothed estimates are not positive yet
         assert all(value is None or 0 < value < 1e7 for value in values) and values[-1] is not None, history
     assert "noise scale" in epoch_lines[-1]
-    # A measured step all-reduces the gradients itself (with the local norms appended): the same average DDP makes, so
-    # s2 measuring every step ends on exactly the weights of s2 never measuring.
+    # A measured step's halves are each all-reduced and added up: the same average DDP makes of the whole batch, so
+    # s2 measuring ends on the weights of s2 never measuring.
     measuring = torch.load(second["checkpoint_uri"], weights_only=True)["model"]
     shutil.rmtree(Path(out) / "train" / "s2")
     torchrun(2, config, "s2", out, subprocess_env, "--init-from", first["checkpoint_uri"], "--override=train.noise_scale=false")

@@ -34,8 +34,8 @@ def _averaged(estimator: NoiseScale, steps: int, record) -> dict[str, float]:
     return {key: sum(e[key] for e in seen) / len(seen) for key in seen[0]}
 
 
-def test_across_ranks_the_two_batch_sizes_recover_g_s_and_the_noise_scale():
-    """4 ranks of 16 samples: each rank's squared norm (B_small = 16) against the averaged gradient's (B_big = 64)."""
+def test_parts_of_a_batch_recover_g_s_and_the_noise_scale():
+    """4 parts of 16 samples: each part's squared norm (B_small = 16) against their average's (B_big = 64)."""
     generator = torch.Generator().manual_seed(0)
     estimator = NoiseScale("cpu", beta=0.9)
     ranks, per_rank = 4, 16
@@ -320,8 +320,8 @@ def _measuring_rank(rank: int, train_uri: str, validation_uri: str, every: int, 
                     validation=validation, env=DistEnv(rank=rank, local_rank=rank, world_size=2, device="cpu"),
                     spec=MLPClassifier(), noise_scale_every=every)
         measured: list[int] = []
-        inner = loop._all_reduce_measured
-        loop._all_reduce_measured = lambda: measured.append(loop.position.step) or inner()
+        inner = loop._measured_backward
+        loop._measured_backward = lambda inputs, targets: measured.append(loop.position.step) or inner(inputs, targets)
         for _ in range(epochs):
             loop.train_epoch(lambda _step: 0.05)
         Path(folder, f"rank{rank}.json").write_text(json.dumps(
@@ -332,17 +332,22 @@ def _measuring_rank(rank: int, train_uri: str, validation_uri: str, every: int, 
 
 
 @pytest.mark.torchrun
-def test_several_ranks_measure_step_1_in_place_of_step_0_and_then_every_interval(tmp_path):
-    """Two ranks: a measured step's backward runs unsynced (no_sync), and one at step 0 left the later steps slower
-    (bench noise_scale_overhead), so step 1 is measured in its place (no stage measures less); every other measured
-    step is on the configured interval, on both ranks alike (a rank measuring alone would wait on the other)."""
+def test_several_ranks_measure_the_steps_one_process_measures(tmp_path):
+    """Two DDP ranks measure as one process and fsdp do (each rank's batch in two halves, each half all-reduced): the
+    configured interval until the EMA's least memory is filled, SPLIT_SPACING times it after, on both ranks alike (a
+    rank measuring alone would wait on the other's all-reduce)."""
+    from stagewise.training.noise_scale import MIN_MEMORY, SPLIT_SPACING
     from tests.tasks.training.test_loop import _blobs
 
-    every, epochs = 4, 2
+    every, epochs = 2, 2
     uris = (_blobs(tmp_path, "train", 1200, 1), _blobs(tmp_path, "validation", 200, 2))
     torch.multiprocessing.spawn(_measuring_rank, args=(*uris, every, epochs, str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads(Path(tmp_path, f"rank{rank}.json").read_text()) for rank in range(2)]
-    expected = [step for step in range(ranks[0]["steps"]) if step == 1 or (step > 0 and step % every == 0)]
+    expected: list[int] = []
+    for step in range(ranks[0]["steps"]):
+        if step % (every if len(expected) < MIN_MEMORY else every * SPLIT_SPACING) == 0:
+            expected.append(step)
+    assert len(expected) > MIN_MEMORY
     for rank in ranks:
         assert rank["measured"] == expected and rank["updates"] == len(expected)
         assert rank["noise_scale"] is not None and rank["noise_scale"] > 0
