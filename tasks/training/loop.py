@@ -168,9 +168,9 @@ class Position:
     step: int = 0
     """Optimizer steps taken in this stage."""
     loss_sum: float = 0.0
-    """This rank's summed loss over the epoch so far."""
+    """Every rank's summed loss over the epoch up to the last check (rank 0's position is what a checkpoint keeps)."""
     seen: int = 0
-    """This rank's samples over the epoch so far."""
+    """Every rank's samples over the epoch up to the last check."""
     grad_norm_sum: float = 0.0
     """Pre-clip gradient norms of the epoch's steps so far, summed (every rank holds the same)."""
     norm_steps: int = 0
@@ -258,6 +258,7 @@ class Loop:
         self.grad_clip_norm = grad_clip_norm
         self._pending_norm = torch.zeros((), dtype=torch.float64, device=env.device)
         self._pending_norm_steps = 0
+        self._pending_seen = 0  # this rank's samples since the last check, which adds every rank's into the position
         set_tf32(env.device, tf32)  # process-wide: each stage and trial sets its own
         self.tf32 = tf32
         capture, self.graph_reason = graph_plan(cuda_graph, device=env.device, world_size=env.world_size, spec=spec,
@@ -350,7 +351,7 @@ class Loop:
             if self._micro_since_check == 0:
                 self._step_at_check = position.step
             self._micro_since_check += 1
-            position.seen += rows
+            self._pending_seen += rows
             position.micro_step += 1
             if boundary:
                 lr = lr_at(position.step)
@@ -393,12 +394,12 @@ class Loop:
         names = self._agreed_metric_names(sums)
         totals = [float(sums[name][0]) if name in sums else 0.0 for name in names]
         counts = [float(sums[name][1]) if name in sums else 0.0 for name in names]
-        reduced = self._all_reduce([position.loss_sum, position.seen, position.seen - samples_before, *totals, *counts])
-        loss_sum, seen, new_samples = reduced[:3]
+        reduced = self._all_reduce([*totals, *counts])
+        loss_sum, seen, new_samples = position.loss_sum, position.seen, position.seen - samples_before
         roots = {name: bool(sums[name][2]) for name in sums}
         metrics = {}
         for index, name in enumerate(names):
-            mean = reduced[3 + index] / max(reduced[3 + len(names) + index], 1e-12)
+            mean = reduced[index] / max(reduced[len(names) + index], 1e-12)
             metrics[name] = math.sqrt(mean) if roots.get(name) else mean
         if self.objective not in metrics:
             raise UserError(f"objective.metric '{self.objective}' is not among the validation metrics "
@@ -547,8 +548,9 @@ class Loop:
 
     @torch.no_grad()
     def check_finite(self, lr_at: Callable[[int], float]) -> None:
-        """Fold the losses since the last check into the position; raise :class:`Diverged` when a loss or a
-        weight is NaN/inf on any rank (every rank reaches the same verdict, so none is left waiting)."""
+        """Fold every rank's losses and samples since the last check into the position (so rank 0's, which a checkpoint
+        keeps, resumes the epoch's whole record); raise :class:`Diverged` when a loss or a weight is NaN/inf on any rank
+        (every rank reaches the same verdict, so none is left waiting)."""
         self._fold_losses()
         weights_bad = torch.stack([~torch.isfinite(self.strategy.local(p)).all() for p in self.module.parameters()]).any()
         loss_sum, norm_sum, first_micro, weights_bad_here = torch.stack([
@@ -558,15 +560,19 @@ class Loop:
                           if first_micro < self._micro_since_check else _NO_STEP)
         self._micro_since_check = 0
         self._first_bad_micro.fill_(_NO_STEP)
-        verdict = [-float(first_bad_here), weights_bad_here]
+        ranks = [[loss_sum, float(self._pending_seen), -float(first_bad_here), weights_bad_here]]
         if self.env.distributed:
             import torch.distributed as dist
 
-            reduced = torch.tensor(verdict, dtype=torch.float64, device=self.env.device)
-            dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
-            verdict = reduced.tolist()
-        negated_first_bad, any_weights_bad = verdict
-        self.position.loss_sum += loss_sum
+            # One collective for sums and verdict: every rank adds the gathered rows in rank order, so all hold the same.
+            mine = torch.tensor(ranks[0], dtype=torch.float64, device=self.env.device)
+            gathered = [torch.empty_like(mine) for _ in range(self.env.world_size)]
+            dist.all_gather(gathered, mine)
+            ranks = torch.stack(gathered).tolist()
+        negated_first_bad, any_weights_bad = max(row[2] for row in ranks), max(row[3] for row in ranks)
+        self.position.loss_sum += sum(row[0] for row in ranks)
+        self.position.seen += int(sum(row[1] for row in ranks))
+        self._pending_seen = 0
         self._pending_loss.zero_()
         self.position.grad_norm_sum += norm_sum
         self.position.norm_steps += self._pending_norm_steps
