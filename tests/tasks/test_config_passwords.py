@@ -86,3 +86,10 @@ def test_storage_and_its_connection_together_are_refused(write_config):
     """Two sources for one database would disagree some day: the config gives one."""
     with pytest.raises(UserError, match="both name the study's storage"):
         load_config(write_config(), {"sweep.storage": "postgresql://db/optuna", "sweep.storage_conn_id": "optuna_db"})
+
+
+def test_ci_mode_moves_a_study_on_a_connection_to_the_scratch_journal(write_config, tmp_path, monkeypatch):
+    """CI has no production connections: the study goes to a journal under the scratch root, like the rest."""
+    monkeypatch.setenv("STAGEWISE_SCRATCH_ROOT", str(tmp_path / "scratch"))
+    config = load_config(write_config(), {"sweep.storage": "", "sweep.storage_conn_id": "optuna_db"})
+    assert config.sweep.storage_conn_id == "" and config.sweep.storage.startswith(f"journal://{tmp_path / 'scratch'}")
