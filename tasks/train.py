@@ -42,8 +42,18 @@ from stagewise.tracking.runs import Tracker
 from stagewise.training.batch_growth import adaptive_batch, handed_noise_scale
 from stagewise.training.checkpoint import checkpoint_store
 from stagewise.training.distributed import distributed_job
-from stagewise.training.handoff import handed_values, read_hand_off, resumed_position
-from stagewise.training.loop import Diverged, Loop, Position, eta_s, rank_batches, scaled_lr, stage_lr, start_loop
+from stagewise.training.handoff import handed_lr, handed_values, read_hand_off, resumed_position
+from stagewise.training.loop import (
+    MAX_WARMUP_FRACTION,
+    Diverged,
+    Loop,
+    Position,
+    eta_s,
+    rank_batches,
+    scaled_lr,
+    stage_lr,
+    start_loop,
+)
 from stagewise.training.recipe import recipe_params, schedule_label, training_recipe
 from stagewise.training.selection import BestEpoch, EpochSelection
 from stagewise.training.strategy import out_of_memory_named, sharded_optimizer_uri
@@ -260,6 +270,8 @@ class StageStart:
     history: list[dict[str, Any]] = field(default_factory=list)
     previous_batch: int | None = None
     """The global batch of the stage before (None: from scratch): warmup when this one is larger."""
+    previous_lr: float | None = None
+    """The lr the stage before ended at (None: from scratch, or it recorded none): where the warmup starts."""
     resumed_from: int | None = None
     """The step this attempt resumed at (None: not resumed)."""
     step_offset: int = 0
@@ -290,6 +302,7 @@ def _start(stage: Any, loop: Loop, checkpoints: Any, best: BestEpoch, digests: t
                  position.epoch + 1, position.micro_step, position.step)
         return StageStart(position=position, history=json.loads(state["history"]),
                           previous_batch=state["previous_global_batch"], resumed_from=position.step,
+                          previous_lr=state.get("previous_lr"),
                           step_offset=state.get("global_step_offset", 0),
                           resumes=[*json.loads(state.get("resumes", "[]")),
                                    {"step": position.step, "epoch": position.epoch, "at": time.time()}])
@@ -304,7 +317,7 @@ def _start(stage: Any, loop: Loop, checkpoints: Any, best: BestEpoch, digests: t
     except (RuntimeError, ValueError, KeyError) as exc:
         raise UserError(f"{init_from}: the previous stage's model does not fit this stage's: {exc}") from None
     log.info("stage %s starts from %s (global batch %d -> %d)", stage.name, init_from, state["global_batch"], global_batch)
-    return StageStart(previous_batch=state["global_batch"],
+    return StageStart(previous_batch=state["global_batch"], previous_lr=handed_lr(state),
                       step_offset=state.get("global_step_offset", 0) + json.loads(state.get("position", "{}")).get("step", 0))
 
 
@@ -379,10 +392,11 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
     begun = _start(stage, loop, checkpoints, best, (digest, same_world), source, init_from, handed, global_batch)
     history, resumes, step_offset = begun.history, begun.resumes, begun.step_offset
     lr = scaled_lr(params["lr"], global_batch, config.train.base_batch, config.train.lr_rule)
-    warmup = stage.warmup_steps if (begun.previous_batch is None or global_batch > begun.previous_batch) else 0
     total_steps = sum(loop.steps_per_epoch(epoch) for epoch in range(stage.epochs))
+    warmup = min(stage.warmup_steps, int(MAX_WARMUP_FRACTION * total_steps)) if (
+        begun.previous_batch is None or global_batch > begun.previous_batch) else 0
     lr_at = stage_lr(lr, warmup_steps=warmup, schedule=stage.lr_schedule, spec=built.spec, total_steps=total_steps,
-                     steps_per_epoch=loop.steps_per_epoch(0))
+                     steps_per_epoch=loop.steps_per_epoch(0), warmup_from=begun.previous_lr)
     # What trains, read off the live optimizer (after any restore) and the schedule lr_at follows: every record keeps it.
     recipe = training_recipe(optimizer, built.spec, stage.lr_schedule, warmup_steps=warmup, total_steps=total_steps)
     stopping = stage.early_stopping
@@ -395,6 +409,7 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
     def plain_state() -> dict[str, Any]:  # what a checkpoint and final.pt hold besides the model and optimizer
         return {"position": json.dumps(asdict(loop.position)), "history": json.dumps(history),
                 "global_batch": global_batch, "previous_global_batch": begun.previous_batch, "config_hash": digest,
+                "previous_lr": begun.previous_lr,
                 "params": json.dumps(params), "rng_cpu": torch.get_rng_state(), "resumes": json.dumps(resumes),
                 "best_epoch_state": best.record(), "grad_scaler": loop.scaler_state(),
                 "global_step_offset": step_offset, "noise_scale": loop.noise_state(), "init_source": source,
@@ -419,7 +434,7 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
              len(recipe["optimizer"]["groups"]), stage.epochs, _step_range(loop, stage.epochs), total_steps,
              train.num_rows)
     sizes = {"global_batch": global_batch, "per_process_batch": micro_batch, "grad_accum_steps": accumulation,
-             "warmup_steps": warmup}
+             "warmup_steps": warmup, "warmup_from_lr": begun.previous_lr if warmup else None}
     tracker = Tracker.for_run(config, out, f"train_{stage.name}") if env.master else None
     if tracker is not None:
         tracked = tracker.nested(f"stage-{stage.name}", f"train {stage.name}",

@@ -36,6 +36,16 @@ def handed_values(plain: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in plain.items() if key not in CHECKPOINT_ONLY}
 
 
+def handed_lr(state: dict[str, Any]) -> float | None:
+    """The lr a hand-off's stage ended at (its last epoch's), where its final.pt records a history (a script's has
+    none): the next stage's warmup starts there."""
+    try:
+        history = json.loads(state.get("history") or "[]")
+        return float(history[-1]["lr"]) if history and history[-1].get("lr") is not None else None
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return None
+
+
 def _plain_part(state: dict[str, Any]) -> dict[str, Any]:
     """What the ranks that do not read a hand-off get of it: everything but the model and an inline optimizer."""
     plain = {key: value for key, value in state.items() if key not in ("model", "optimizer")}

@@ -67,9 +67,10 @@ def schedule_factor(schedule: Any, step: int, *, warmup_steps: int, total_steps:
 
 
 def stage_lr(lr: float, *, warmup_steps: int, schedule: Any, spec: ModelSpec, total_steps: int,
-             steps_per_epoch: int) -> Callable[[int], float]:
-    """A stage's lr at each optimizer step: the rescaled ``lr`` x warmup x the spec's own ``lr_schedule`` (when it
-    gives one) else the config's schedule."""
+             steps_per_epoch: int, warmup_from: float | None = None) -> Callable[[int], float]:
+    """A stage's lr at each optimizer step: the rescaled ``lr`` x warmup (from ``warmup_from``, the stage before's
+    last lr, where there is one) x the spec's own ``lr_schedule`` (when it gives one) else the config's schedule."""
+    start = None if warmup_from is None or lr <= 0 else min(1.0, max(0.0, warmup_from / lr))
 
     def lr_at(step: int) -> float:
         try:  # costs nothing per step until the user's schedule raises
@@ -82,16 +83,23 @@ def stage_lr(lr: float, *, warmup_steps: int, schedule: Any, spec: ModelSpec, to
                                  steps_per_epoch=steps_per_epoch) if own is None else float(own)
         if not math.isfinite(factor) or factor < 0:
             raise UserError(f"{type(spec).__name__}.lr_schedule({step}, {total_steps}) gave {factor}: a factor >= 0")
-        return lr * warmup_factor(step, warmup_steps) * factor
+        return lr * warmup_factor(step, warmup_steps, start) * factor
 
     return lr_at
 
 
-def warmup_factor(step: int, warmup_steps: int) -> float:
-    """Gradual warmup: ramp linearly from 1/warmup_steps to 1 over the first ``warmup_steps`` steps."""
+def warmup_factor(step: int, warmup_steps: int, start: float | None = None) -> float:
+    """Gradual warmup (Goyal et al. 2017): ramp linearly over the first ``warmup_steps`` steps from ``start`` (the
+    stage before's lr as a fraction of this one's: no drop at the hand-off) to 1; from scratch, from 1/warmup_steps."""
     if warmup_steps <= 0 or step >= warmup_steps:
         return 1.0
-    return (step + 1) / warmup_steps
+    if start is None:
+        return (step + 1) / warmup_steps
+    return start + (1.0 - start) * (step + 1) / warmup_steps
+
+
+MAX_WARMUP_FRACTION = 0.25
+"""The most of a stage's steps its warmup may take: a short stage still trains mostly at its own lr."""
 
 
 class Diverged(UserError):

@@ -20,6 +20,7 @@ from stagewise.datasets.loader import ParquetBatches
 from stagewise.definitions.config import LRSchedule
 from stagewise.definitions.hyperparams import FRAMEWORK_DEFAULTS
 from stagewise.definitions.loading import load_config
+from stagewise.definitions.spec import ModelSpec
 from stagewise.models.building import build, resolve_params
 from stagewise.models.bundle import load_bundle
 from stagewise.models.mlp import MLPClassifier
@@ -56,6 +57,29 @@ def test_warmup_ramps_linearly_and_reaches_one(warmup_steps):
     assert all(a < b for a, b in zip(factors[:warmup_steps], factors[1:warmup_steps]))
     assert factors[warmup_steps - 1] == 1.0
     assert all(f == 1.0 for f in factors[warmup_steps:])
+
+
+def test_a_stages_warmup_starts_at_the_lr_the_stage_before_ended_at():
+    """Goyal et al.'s gradual warmup across a hand-off: the first step trains at about the stage before's lr (never
+    below it), rising linearly to this stage's own lr by the end of the warmup; a stage before at a higher lr than this
+    one's means no warmup at all."""
+    lr_at = stage_lr(0.4, warmup_steps=10, schedule=LRSchedule(), spec=ModelSpec(), total_steps=100,
+                     steps_per_epoch=10, warmup_from=0.1)
+    ramp = [lr_at(step) for step in range(12)]
+    assert ramp[0] == pytest.approx(0.1 + 0.3 / 10) and ramp[9] == ramp[10] == pytest.approx(0.4)
+    assert all(0.1 <= a < b for a, b in zip(ramp[:9], ramp[1:10]))
+    assert warmup_factor(0, 10, start=1.0) == 1.0
+
+
+def test_a_grown_stage_warms_up_from_the_stage_before_within_a_quarter_of_its_steps(digits_run, single_process):
+    """s2 (a bigger batch) after s1: its warmup starts at s1's last lr, recorded in its result, and takes at most a
+    quarter of s2's steps however many warmup_steps the stage asks for."""
+    config_path, out = digits_run
+    config = load_config(config_path, overrides={"train.stages.1.warmup_steps": 100000})
+    first = train.run_stage(config, "s1", out, PARAMS, None)
+    second = train.run_stage(config, "s2", out, PARAMS, first["checkpoint_uri"])
+    s1_history = storage.read_json(storage.join(stage_prefix(out, "s1"), "metrics.json"))["history"]
+    assert second["warmup_from_lr"] == s1_history[-1]["lr"] and 0 < second["warmup_steps"] <= second["steps"] // 4
 
 
 def test_no_warmup_means_full_lr_from_the_first_step():
@@ -394,7 +418,8 @@ def test_init_from_loads_the_previous_stage(digits_run, single_process):
     end = torch.load(second["checkpoint_uri"], weights_only=True)
     assert end["previous_global_batch"] == first["global_batch"]
     assert second["global_batch"] > first["global_batch"]
-    assert second["warmup_steps"] == config.stage("s2").warmup_steps, "warmup applies when the batch grew"
+    assert second["warmup_steps"] == min(config.stage("s2").warmup_steps, second["steps"] // 4), \
+        "warmup applies when the batch grew, over at most a quarter of the stage"
     for name, tensor in start["model"].items():
         torch.testing.assert_close(end["model"][name], tensor, rtol=0, atol=1e-6)
     assert second["val_metric"] == pytest.approx(first["val_metric"], abs=0.02)
