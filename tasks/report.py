@@ -69,7 +69,8 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
                                                       "val_metric", "checkpoint_uri", "handed_epoch", "epochs_run",
                                                       "stopped_early", "lr_schedule", "optimizer", "init_from", "grad_clip_norm", "noise_scale",
                                                       "batch_decision", "grad_accum_steps", "per_process_batch",
-                                                      "strategy", "fingerprint", "data_fingerprint", "reused_from")}
+                                                      "strategy", "fingerprint", "data_fingerprint", "reused_from",
+                                                      "rows_per_epoch")}
                      for stage in training],
         "objective": {"metric": evaluation.get("objective"), "direction": direction, "test": evaluation.get("test_objective")},
         "test_metrics": {k: v for k, v in evaluation.items() if k.startswith("test_") and k != "test_objective"},
@@ -124,6 +125,14 @@ def build_inference_report(*, dag_id: str, run_id: str, out: str, model: dict[st
     return {"report_uri": uri, "rows": report["predictions"]["rows"]}
 
 
+def _rows_left_out(rows: dict[str, int] | None) -> str:
+    """How many training rows an epoch of the stage left out (the ranks' last partial batches), where any were."""
+    if not rows or rows["trained"] >= rows["train"]:
+        return ""
+    left = rows["train"] - rows["trained"]
+    return f", {left} of {rows['train']} train rows left out per epoch ({left / rows['train']:.1%})"
+
+
 def summary_lines(report: dict[str, Any]) -> list[str]:
     sweep, stages = report["sweep"], report["stages"]
     metric = (report.get("objective") or {}).get("metric") or "accuracy"
@@ -135,7 +144,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"  train {stage['stage']}: world size {stage['world_size']}, global batch {stage['global_batch']}, "
                      f"lr {stage['lr']:.4g}, {stage['epochs']} epochs, val {metric} {stage['val_metric']:.4f}"
                      + (f" (epoch {stage['handed_epoch']} handed on)" if stage.get("handed_epoch") else "")
-                     + (f", stopped early after {stage['epochs_run']}" if stage.get("stopped_early") else ""))
+                     + (f", stopped early after {stage['epochs_run']}" if stage.get("stopped_early") else "")
+                     + _rows_left_out(stage.get("rows_per_epoch")))
     test = (report.get("objective") or {}).get("test")
     lines.append(f"  test {metric}: {test if test is not None else report['test_accuracy']:.4f}")
     baseline = report.get("baseline")

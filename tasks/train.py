@@ -496,6 +496,8 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
                    "steps": loop.position.step, "resumed_from_step": begun.resumed_from, "checkpoint_uri": final_uri,
                    "hand_on": stage.hand_on, "handed_epoch": handed_index + 1 if history else None,
                    "epochs_run": len(history), "stopped_early": stopped_early,
+                   "rows_per_epoch": {"trained": train.steps_per_epoch(0) * micro_batch * env.world_size,
+                                      "train": train.num_rows},
                    **recipe, "init_from": source, "grad_clip_norm": stage.grad_clip_norm,
                    "noise_scale": history[-1].get("noise_scale") if history else None,
                    "batch_decision": asdict(decision) if decision else None, "params": params,

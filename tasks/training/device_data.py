@@ -148,7 +148,7 @@ class DeviceBatches:
         """(x, y, order, base): the chunk's rows are ``x[order]`` (``x[base:base + n]`` when order is None)."""
         assert self._x is not None and self._y is not None
         permutation = self._permutation(epoch, chunk)
-        spans = [(self._offsets[(g.uri, g.index)], g.num_rows) for g in chunk.groups]
+        spans = [(self._offsets[(g.uri, g.index)] + g.start, g.num_rows) for g in chunk.groups]
         contiguous = all(spans[i][0] + spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
         if permutation is None and contiguous:
             return self._x, self._y, None, spans[0][0]

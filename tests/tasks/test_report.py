@@ -132,3 +132,15 @@ def test_stage_seconds_are_given_with_and_without_the_tasks_start_up():
     assert timing["preprocess"] == {"duration_s": 3.0, "task_s": 11.5, "attempt": 1, "num_tasks": 2}
     assert timing["train_s1"] == {"duration_s": 10.0, "attempt": 2, "num_tasks": 1}
 
+
+
+def test_the_report_says_how_many_train_rows_an_epoch_left_out(tmp_path):
+    """A stage whose epoch left rows out (the ranks' last partial batches) says how many in report.json and the
+    summary; one that trained every row says nothing."""
+    inputs = _inputs(str(tmp_path))
+    inputs["training"][0]["rows_per_epoch"] = {"trained": 1120, "train": 1120}
+    inputs["training"][1]["rows_per_epoch"] = {"trained": 1024, "train": 1120}
+    report = storage.read_json(build_report(**inputs)["report_uri"])
+    assert report["training"][1]["rows_per_epoch"] == {"trained": 1024, "train": 1120}
+    s1, s2 = [line for line in summary_lines(report) if line.startswith("  train ")]
+    assert "left out" not in s1 and s2.endswith(", 96 of 1120 train rows left out per epoch (8.6%)")

@@ -80,6 +80,8 @@ def test_a_grown_stage_warms_up_from_the_stage_before_within_a_quarter_of_its_st
     second = train.run_stage(config, "s2", out, PARAMS, first["checkpoint_uri"])
     s1_history = storage.read_json(storage.join(stage_prefix(out, "s1"), "metrics.json"))["history"]
     assert second["warmup_from_lr"] == s1_history[-1]["lr"] and 0 < second["warmup_steps"] <= second["steps"] // 4
+    rows = second["rows_per_epoch"]
+    assert rows["train"] - second["per_process_batch"] < rows["trained"] <= rows["train"], "less than a batch left out"
 
 
 def test_no_warmup_means_full_lr_from_the_first_step():
