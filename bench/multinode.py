@@ -83,7 +83,7 @@ def noise_scale_overhead(rows: int = 60_000, rounds: int = 6) -> dict[str, Any]:
     """Step time of a 2-process DDP stage (built-in MLP, hidden 256, 128 rows per process, 4 epochs, 1 thread per
     process, stagewise.training.local_torchrun) with the gradient noise scale measured (train.noise_scale: a measured
     step runs each rank's batch as two halves, each all-reduced, as fsdp and one process do; spaced out to one step in
-    4 x noise_scale_every_steps after the first 10, stagewise.training.noise_scale) ÷ without it.
+    8 x noise_scale_every_steps after the first 10, stagewise.training.noise_scale) ÷ without it.
 
     ours / baseline = median ms per 1000 training samples over the epochs after the first, the sides alternated over
     ``rounds`` runs; details add the same ratio for one process (the consecutive-steps estimator)."""
