@@ -52,21 +52,30 @@ def environment_from(login: str | None, password: str | None, extra: dict[str, A
     return env
 
 
-def aws_environment(conn_id: str) -> dict[str, str]:
-    """The AWS variables of connection ``conn_id`` (empty id: none, the worker's own AWS setup applies)."""
-    if not conn_id:
-        return {}
+def _connection(setting: str, conn_id: str, create: str, types: tuple[str, ...] = (), expected: str = "") -> Any:
+    """Airflow connection ``conn_id`` that config key ``setting`` names; a missing one (``create``: how to make it) or
+    one of a type not in ``types`` (when given; ``expected`` says which) fails the task without retry."""
     from airflow.sdk import Connection
     from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException
 
     try:
         connection = Connection.get(conn_id)
     except AirflowNotFoundException:
-        raise AirflowFailException(f"storage_conn_id: Airflow connection '{conn_id}' does not exist; create it "
-                                   f"(type aws) or empty the key to use the worker's AWS environment") from None
-    if connection.conn_type not in STORAGE_CONN_TYPES:
-        raise AirflowFailException(f"storage_conn_id: connection '{conn_id}' has type '{connection.conn_type}', "
-                                   f"expected 'aws' (or 'generic')")
+        raise AirflowFailException(f"{setting}: Airflow connection '{conn_id}' does not exist; {create}") from None
+    if types and connection.conn_type not in types:
+        raise AirflowFailException(f"{setting}: connection '{conn_id}' has type '{connection.conn_type}', "
+                                   f"expected {expected}")
+    return connection
+
+
+def aws_environment(conn_id: str) -> dict[str, str]:
+    """The AWS variables of connection ``conn_id`` (empty id: none, the worker's own AWS setup applies)."""
+    if not conn_id:
+        return {}
+    from airflow.sdk.exceptions import AirflowFailException
+
+    connection = _connection("storage_conn_id", conn_id, "create it (type aws) or empty the key to use the worker's "
+                             "AWS environment", STORAGE_CONN_TYPES, "'aws' (or 'generic')")
     try:
         return environment_from(connection.login, connection.password, connection.extra_dejson)
     except ValueError as exc:
@@ -115,14 +124,10 @@ def mlflow_environment(conn_id: str) -> dict[str, str]:
     """The MLFLOW_TRACKING_* variables of connection ``conn_id`` (empty id: none, the worker's own apply)."""
     if not conn_id:
         return {}
-    from airflow.sdk import Connection
-    from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException
+    from airflow.sdk.exceptions import AirflowFailException
 
-    try:
-        connection = Connection.get(conn_id)
-    except AirflowNotFoundException:
-        raise AirflowFailException(f"tracking.conn_id: Airflow connection '{conn_id}' does not exist; create it (login "
-                                   f"and password, or a password alone as a token) or empty the key") from None
+    connection = _connection("tracking.conn_id", conn_id, "create it (login and password, or a password alone as a "
+                             "token) or empty the key")
     if connection.login and connection.password:
         return {"MLFLOW_TRACKING_USERNAME": str(connection.login), "MLFLOW_TRACKING_PASSWORD": str(connection.password)}
     if connection.password:
@@ -152,19 +157,12 @@ def study_environment(conn_id: str) -> dict[str, str]:
     """``STAGEWISE_STUDY_STORAGE`` from connection ``conn_id`` (empty id: none, sweep.storage applies)."""
     if not conn_id:
         return {}
-    from airflow.sdk import Connection
-    from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException
+    from airflow.sdk.exceptions import AirflowFailException
 
     from stagewise.core.contract import STUDY_STORAGE
 
-    try:
-        connection = Connection.get(conn_id)
-    except AirflowNotFoundException:
-        raise AirflowFailException(f"sweep.storage_conn_id: Airflow connection '{conn_id}' does not exist; create it "
-                                   f"(type postgres: host, port, login, password, schema)") from None
-    if connection.conn_type not in STUDY_CONN_TYPES:
-        raise AirflowFailException(f"sweep.storage_conn_id: connection '{conn_id}' has type '{connection.conn_type}', "
-                                   f"expected 'postgres'")
+    connection = _connection("sweep.storage_conn_id", conn_id, "create it (type postgres: host, port, login, password, "
+                             "schema)", STUDY_CONN_TYPES, "'postgres'")
     try:
         return {STUDY_STORAGE: study_url(connection.login, connection.password, connection.host, connection.port,
                                          connection.schema, connection.extra_dejson)}
