@@ -81,8 +81,7 @@ class CheckpointStore:
                 return f"{path} is missing"
             found = file_digest(path)
             if found != expected:
-                return (f"{path} is cut or altered since it was written ({found['bytes']} bytes, sha256 "
-                        f"{found['sha256'][:12]}…; recorded {expected['bytes']} bytes, {expected['sha256'][:12]}…)")
+                return f"{path} is cut or altered since it was written ({_described(found)}; recorded {_described(expected)})"
         return None
 
     SUFFIX = ".pt"  # a checkpoint's name: step-<step>SUFFIX
@@ -266,9 +265,19 @@ RECORD_SUFFIX = ".checksums.json"  # a whole file's record, beside it
 
 
 def file_digest(uri: str) -> dict[str, Any]:
-    """A file's size and SHA-256, as a checkpoint's record keeps them."""
+    """A file's size and content id, as a checkpoint's record keeps them: its SHA-256, or on S3 its ETag (a HEAD, no
+    download: an object's bytes change only with a new upload, which gets a new ETag)."""
     fs, path = storage.filesystem(uri)
-    return {"bytes": fs.size(path), "sha256": storage.sha256_of(uri)}
+    info = fs.info(path)
+    etag = info.get("ETag") or info.get("etag")
+    if etag and "://" in uri and not uri.startswith("file://"):
+        return {"bytes": info["size"], "etag": str(etag).strip('"')}
+    return {"bytes": info["size"], "sha256": storage.sha256_of(uri)}
+
+
+def _described(digest: dict[str, Any]) -> str:
+    content = f"sha256 {digest['sha256'][:12]}…" if "sha256" in digest else f"ETag {digest.get('etag')}"
+    return f"{digest['bytes']} bytes, {content}"
 
 
 def dcp_writer(uri: str) -> Any:

@@ -182,3 +182,20 @@ def test_a_best_epoch_file_altered_since_it_was_kept_is_a_data_error_naming_it(t
     _flip(kept, 64, offset_from_end=2000)
     with pytest.raises(DataError, match=rf"checkpoint {kept}: {kept} is cut or altered"):
         best.load_into(module, optimizer)
+
+
+@pytest.mark.service
+def test_on_s3_a_checkpoint_is_verified_by_its_etag_and_an_object_replaced_since_is_skipped(s3_bucket, caplog):
+    """On S3 the record keeps each object's ETag and size (a HEAD at load, no download); an object uploaded again
+    with other bytes since it committed is named and its checkpoint skipped for the one before."""
+    from stagewise.core import storage
+
+    store = CheckpointStore(f"{s3_bucket}/runs/x/train/s1", keep_last=3)
+    store.save(10, _state(10))
+    newest = store.save(20, _state(20))
+    record = storage.read_json(store.record_for(newest))["files"]["step-000000020.pt"]
+    assert set(record) == {"bytes", "etag"}
+    storage.write_bytes(newest, storage.read_bytes(store.path_for(10)))  # another upload: other bytes, a new ETag
+    uri, state = store.latest()
+    assert state["step"] == 10 and uri.endswith("step-000000010.pt")
+    assert f"{newest} is cut or altered since it was written" in caplog.text
