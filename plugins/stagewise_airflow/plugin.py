@@ -14,6 +14,7 @@ from airflow.plugins_manager import AirflowPlugin
 
 from stagewise.airflow.compat import repoint_stale_distributions, warn_if_unsupported
 from stagewise.airflow.sqlite import WriteQueue
+from stagewise.airflow.trigger_check import TriggerConfCheck
 
 URL_PREFIX = "/stagewise"  # stagewise.airflow.ui.URL_PREFIX; repeated so this file imports nothing else
 
@@ -39,7 +40,9 @@ class StagewiseUIPlugin(AirflowPlugin):
     name = "stagewise_ui"
     fastapi_apps = [{"app": LazyStagewiseApp(), "url_prefix": URL_PREFIX, "name": "Stagewise"}]
     # On SQLite, write requests one at a time (stagewise.airflow.sqlite: a burst of triggers deadlocked the DB)
-    fastapi_root_middlewares = [{"middleware": WriteQueue, "name": "Stagewise SQLite write queue"}]
+    fastapi_root_middlewares = [{"middleware": WriteQueue, "name": "Stagewise SQLite write queue"},
+                                # a trigger conf with a key the DAG has no Param for never reaches the metadata DB
+                                {"middleware": TriggerConfCheck, "name": "Stagewise trigger conf check"}]
     # hrefs without a leading slash resolve against the UI's <base href>, so a base_url with a path works too.
     external_views = [
         {"name": "Stagewise", "href": "stagewise/", "destination": "nav", "url_route": "stagewise",

@@ -43,10 +43,29 @@ def test_rest_trigger_refuses_out_of_bounds_conf_and_runs_a_valid_one(stack, tmp
     assert len(added) == 1 and Path(added[0]).parent == storage_root / "raw" / "digits"
 
 
-def test_unknown_trigger_key_fails_the_run_at_start_run_without_retry(stack):
-    """A conf key that is no Param (num_trails) fails start_run once, naming it and the known keys; nothing else runs."""
+def test_unknown_trigger_key_is_refused_at_the_trigger_and_again_at_start_run(stack):
+    """A conf key that is no Param (num_trails): the REST trigger (the UI's) answers 400 naming it and the known keys,
+    and stores no run; a run made without the api-server (`airflow dags trigger`) fails start_run once, naming it;
+    nothing else runs."""
+    import json
+    import subprocess
+    import sys
+
     live, _, _ = stack
-    run_id = live.trigger("ml_pipeline", {"num_trails": 3})  # Airflow accepts extra keys at trigger time
+
+    def stored() -> int:
+        return live.api("GET", "/api/v2/dags/ml_pipeline/dagRuns", params={"limit": 1}).json()["total_entries"]
+
+    before = stored()
+    refused = live.api("POST", "/api/v2/dags/ml_pipeline/dagRuns", expect=(400,),
+                       json={"logical_date": None, "conf": {"num_trails": 3}})
+    assert "unknown key(s) ['num_trails']" in refused.text and "'num_trials'" in refused.text, refused.text
+    assert stored() == before, "the refused trigger stored no run"
+
+    run_id = "cli_unknown_key"
+    subprocess.run([sys.executable, "-m", "airflow", "dags", "trigger", "ml_pipeline", "--run-id", run_id, "--conf",
+                    json.dumps({"num_trails": 3})], env=live.env, cwd=live.tmp_dir, check=True, capture_output=True,
+                   timeout=180)
     assert live.wait_for_run("ml_pipeline", run_id, timeout=180) == "failed", live.logs_tail()
     instances = {ti["task_id"]: ti for ti in live.task_instances("ml_pipeline", run_id) if ti["map_index"] == -1}
     assert (instances["start_run"]["state"], instances["start_run"]["try_number"]) == ("failed", 1)

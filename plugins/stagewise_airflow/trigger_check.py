@@ -1,0 +1,92 @@
+"""A root middleware of the api-server: a trigger of a Stagewise DAG whose conf names a key the DAG has no Param for
+(a typo such as ``num_trails``), or whose body passes MAX_TRIGGER_BYTES, is refused with HTTP 400 before Airflow
+stores the run; start_run refuses the same keys again for a run made another way (``airflow dags trigger``, a test).
+Triggers of other DAGs, and every other request, pass untouched."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+TRIGGER_PATH = re.compile(r"/api/v2/dags/(?P<dag_id>[^/]+)/dagRuns/?$")
+MAX_TRIGGER_BYTES = 1 << 20
+"""The largest trigger body a Stagewise DAG takes: its form's values are a few hundred bytes; a conf megabytes long
+would sit in the metadata DB (and every task's context) before the run's first task could refuse it."""
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+
+def stagewise_params(dag_id: str) -> set[str] | None:
+    """The Param names of ``dag_id``'s latest serialized version where it is a Stagewise DAG (tagged stagewise), else
+    None."""
+    from airflow.models.serialized_dag import SerializedDagModel
+
+    dag = SerializedDagModel.get_dag(dag_id)
+    if dag is None or "stagewise" not in set(dag.tags or ()):
+        return None
+    return set(dag.params)
+
+
+def trigger_problem(dag_id: str, body: bytes) -> str | None:
+    """Why a trigger of ``dag_id`` with ``body`` is refused (None: Airflow takes it, and answers any other fault)."""
+    from stagewise.airflow.params import unknown_trigger_keys  # here: every Airflow process loads the plugin
+
+    known = stagewise_params(dag_id)
+    if known is None:
+        return None
+    if len(body) > MAX_TRIGGER_BYTES:
+        return (f"trigger of {dag_id}: the request is {len(body)} bytes, more than a Stagewise run's trigger takes "
+                f"({MAX_TRIGGER_BYTES}); its conf holds the trigger form's values only")
+    try:
+        conf = json.loads(body or b"{}").get("conf")
+    except (ValueError, AttributeError):
+        return None  # not a JSON object: Airflow's own validation names it
+    if not isinstance(conf, dict):
+        return None
+    if unknown := unknown_trigger_keys(conf, known):
+        return f"trigger conf: unknown key(s) {unknown}; {dag_id} takes {sorted(known)}"
+    return None
+
+
+class TriggerConfCheck:
+    """The ASGI middleware: reads a trigger's body, checks it (in a worker thread: a metadata DB read), then refuses it
+    or hands the same body on."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Any) -> None:
+        match = TRIGGER_PATH.search(scope.get("path", "")) if scope["type"] == "http" else None
+        if match is None or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        from anyio import to_thread
+
+        problem = await to_thread.run_sync(trigger_problem, match.group("dag_id"), body)
+        if problem is not None:
+            payload = json.dumps({"detail": problem}).encode()
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(payload)).encode())]})
+            await send({"type": "http.response.body", "body": payload})
+            return
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

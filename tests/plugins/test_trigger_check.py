@@ -1,0 +1,79 @@
+"""The api-server's trigger check: a Stagewise DAG's trigger whose conf names an unknown key, or that is too large, is
+refused with 400 before Airflow stores anything; everything else reaches Airflow with its body whole."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from stagewise.airflow import trigger_check
+
+PARAMS = {"num_trials": 5, "input_uri": "raw/digits"}
+
+
+def _call(path: str, body: bytes, method: str = "POST", chunk: int = 7) -> tuple[list[dict], list[bytes]]:
+    """The middleware over an app that records the body it received; returns what was sent back and what the app got."""
+    got: list[bytes] = []
+
+    async def app(scope, receive, send):
+        parts, more = [], True
+        while more:
+            message = await receive()
+            parts.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        got.append(b"".join(parts))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    pieces = [body[i:i + chunk] for i in range(0, len(body), chunk)] or [b""]
+    messages = [{"type": "http.request", "body": piece, "more_body": i < len(pieces) - 1} for i, piece in enumerate(pieces)]
+    sent: list[dict] = []
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path}
+    asyncio.run(trigger_check.TriggerConfCheck(app)(scope, receive, send))
+    return sent, got
+
+
+@pytest.fixture(autouse=True)
+def dags(monkeypatch):
+    """ml_pipeline is a Stagewise DAG with PARAMS; any other DAG is not."""
+    monkeypatch.setattr(trigger_check, "stagewise_params", lambda dag_id: set(PARAMS) if dag_id == "ml_pipeline" else None)
+
+
+def test_an_unknown_conf_key_is_refused_naming_it_and_nothing_reaches_airflow():
+    body = json.dumps({"logical_date": None, "conf": {"num_trails": 3}}).encode()
+    sent, got = _call("/api/v2/dags/ml_pipeline/dagRuns", body)
+    assert sent[0]["status"] == 400 and not got
+    detail = json.loads(sent[1]["body"])["detail"]
+    assert detail == "trigger conf: unknown key(s) ['num_trails']; ml_pipeline takes ['input_uri', 'num_trials']"
+
+
+def test_a_trigger_larger_than_a_form_is_refused():
+    body = json.dumps({"conf": {"num_trials": 3, "notes": "x" * trigger_check.MAX_TRIGGER_BYTES}}).encode()
+    sent, got = _call("/api/v2/dags/ml_pipeline/dagRuns", body, chunk=65536)
+    assert sent[0]["status"] == 400 and not got and "more than a Stagewise run's trigger takes" in sent[1]["body"].decode()
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/api/v2/dags/ml_pipeline/dagRuns", {"logical_date": None, "conf": {"num_trials": 3}}),  # known keys
+    ("/api/v2/dags/other_dag/dagRuns", {"conf": {"anything": 1}}),  # not a Stagewise DAG
+    ("/airflow/api/v2/dags/ml_pipeline/dagRuns", {"conf": {}}),  # under a base_url path
+])
+def test_a_valid_trigger_or_another_dags_reaches_airflow_with_its_body_whole(path, body):
+    raw = json.dumps(body).encode()
+    sent, got = _call(path, raw)
+    assert sent[0]["status"] == 200 and got == [raw]
+
+
+def test_other_requests_pass_untouched():
+    raw = b'{"conf": {"num_trails": 3}}'
+    assert _call("/api/v2/dags/ml_pipeline/dagRuns", raw, method="GET")[1] == [raw]
+    assert _call("/api/v2/dags/ml_pipeline/dagRuns/r1/clear", raw)[1] == [raw]
