@@ -390,6 +390,7 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
                                    master=env.master, background=config.train.async_checkpoints)
     best = BestEpoch(strategy, prefix, master=env.master)  # the best epoch's model and optimizer (hand_on best)
     begun = _start(stage, loop, checkpoints, best, (digest, same_world), source, init_from, handed, global_batch)
+    handed = None  # loaded into the model: its tensors (rank 0's whole model under fsdp) go now, not at the stage's end
     history, resumes, step_offset = begun.history, begun.resumes, begun.step_offset
     lr = scaled_lr(params["lr"], global_batch, config.train.base_batch, config.train.lr_rule)
     total_steps = sum(loop.steps_per_epoch(epoch) for epoch in range(stage.epochs))
