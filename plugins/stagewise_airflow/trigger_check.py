@@ -5,6 +5,7 @@ Triggers of other DAGs, and every other request, pass untouched."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Awaitable, Callable
@@ -70,9 +71,7 @@ class TriggerConfCheck:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        from anyio import to_thread
-
-        problem = await to_thread.run_sync(trigger_problem, match.group("dag_id"), body)
+        problem = await asyncio.to_thread(trigger_problem, match.group("dag_id"), body)
         if problem is not None:
             payload = json.dumps({"detail": problem}).encode()
             await send({"type": "http.response.start", "status": 400,

@@ -3,7 +3,7 @@
 Nothing to run: stagewise.infer and stagewise.preprocess plan with these, and each shard job checks its files.
 
 A shard is a list of files (inference: each with a range of its row groups). Files at least a shard's size are cut
-into shards of their own; smaller ones are packed together until a shard reaches the target rows or bytes, so 10,000
+into shards of their own; smaller ones are packed together while a shard stays within the target rows and bytes, so 10,000
 small files plan a few shards while 100 large ones still spread over 100 or more. However many files an input has,
 a plan never exceeds :data:`MAX_SHARDS`: when it would, the targets double until it fits (shards grow).
 
@@ -65,7 +65,7 @@ def check_pinned(entry: dict[str, Any]) -> None:
 
 def _pack(pins: list[dict[str, Any]], rows_target: int, bytes_target: int, split_files: bool) -> list[list[dict[str, Any]]]:
     """Shards as lists of ``{pin..., "row_groups", "rows"}``: a file at a target or above cut into its own (at row
-    groups when ``split_files``), smaller ones packed in order until a shard reaches either target."""
+    groups when ``split_files``), smaller ones packed in order while the shard stays within both targets."""
     shards: list[list[dict[str, Any]]] = []
     packed: list[dict[str, Any]] = []
     packed_rows = packed_bytes = 0
@@ -88,6 +88,9 @@ def _pack(pins: list[dict[str, Any]], rows_target: int, bytes_target: int, split
             if chosen:
                 shards.append([{**base, "row_groups": chosen, "rows": rows}])
             continue
+        if packed and (packed_rows + entry["file_rows"] > rows_target or packed_bytes + size > bytes_target):
+            shards.append(packed)  # this file would carry the shard past a target: it starts the next one
+            packed, packed_rows, packed_bytes = [], 0, 0
         packed.append({**base, "row_groups": list(range(len(groups))), "rows": entry["file_rows"]})
         packed_rows += entry["file_rows"]
         packed_bytes += size

@@ -83,4 +83,4 @@ def test_the_plugin_installs_the_queue_on_the_whole_api_server():
     """A root middleware: it wraps the execution API and the public API alike."""
     from stagewise.airflow.plugin import StagewiseUIPlugin
 
-    assert [entry["middleware"] for entry in StagewiseUIPlugin.fastapi_root_middlewares] == [WriteQueue]
+    assert WriteQueue in [entry["middleware"] for entry in StagewiseUIPlugin.fastapi_root_middlewares]

@@ -77,3 +77,10 @@ def test_other_requests_pass_untouched():
     raw = b'{"conf": {"num_trails": 3}}'
     assert _call("/api/v2/dags/ml_pipeline/dagRuns", raw, method="GET")[1] == [raw]
     assert _call("/api/v2/dags/ml_pipeline/dagRuns/r1/clear", raw)[1] == [raw]
+
+
+def test_the_plugin_installs_the_check_on_the_whole_api_server():
+    """A root middleware, so it sees the public API's trigger route (the UI's and the official client's)."""
+    from stagewise.airflow.plugin import StagewiseUIPlugin
+
+    assert trigger_check.TriggerConfCheck in [entry["middleware"] for entry in StagewiseUIPlugin.fastapi_root_middlewares]

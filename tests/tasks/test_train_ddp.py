@@ -58,7 +58,9 @@ def test_two_stages_grow_the_batch_and_hand_off_the_checkpoint(digits_run, subpr
     checkpoint = torch.load(second["checkpoint_uri"], weights_only=True)
     assert checkpoint["global_batch"] == 128 and checkpoint["previous_global_batch"] == 32
     files = sorted(p.name for p in (Path(out) / "train" / "s2").iterdir())
-    assert set(files) - {"checkpoints"} == {"final.pt", "metrics.json", "model.pt"}
+    handed = [name for name in files if name.startswith("final-optimizer-")]  # the optimizer, beside final.pt
+    assert len(handed) == 1 and checkpoint["optimizer"]["sharded_checkpoint"].endswith(handed[0])
+    assert set(files) - {"checkpoints", "best", *handed} == {"final.pt", "metrics.json", "model.pt"}
 
 
 def test_diverging_ddp_stage_fails_on_every_rank_as_a_user_error(digits_run, subprocess_env, tmp_path):
