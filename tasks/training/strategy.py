@@ -149,8 +149,9 @@ class DDPStrategy:
 
             # Every replica holds the same state: rank 0 writes it alone (no collective), one file.
             uri = storage.join(stage_prefix, f"final-optimizer-{storage.unique_token()}.dcp")
-            dcp.save({"optimizer": get_optimizer_state_dict(module, optimizer)}, storage_writer=dcp_writer(uri),
-                     no_dist=True)
+            with one_process_dcp():
+                dcp.save({"optimizer": get_optimizer_state_dict(module, optimizer)}, storage_writer=dcp_writer(uri),
+                         no_dist=True)
             handed["optimizer"] = {SHARDED_OPTIMIZER: uri}
         return handed
 
@@ -359,6 +360,17 @@ def sharded_optimizer_uri(state: dict[str, Any]) -> str | None:
     return optimizer.get(SHARDED_OPTIMIZER) if isinstance(optimizer, dict) else None
 
 
+@contextlib.contextmanager
+def one_process_dcp() -> Iterator[None]:
+    """DCP used by one process on purpose (a ddp stage's rank 0, a one-process stage): without this its UserWarning
+    "torch.distributed is disabled ... assuming the intent is to ... in a single process" lands in every task log."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
     """Load an optimizer state from a sharded checkpoint into ``optimizer`` over ``module`` (plain, DDP's or sharded:
     DCP reads each rank's part of each tensor, whatever world size wrote it). Every rank calls it."""
@@ -366,7 +378,8 @@ def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, 
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     target = {"optimizer": get_optimizer_state_dict(module, optimizer)}
-    dcp.load(target, storage_reader=dcp_reader(uri))
+    with one_process_dcp():
+        dcp.load(target, storage_reader=dcp_reader(uri))
     set_optimizer_state_dict(module, optimizer, target["optimizer"])
 
 
