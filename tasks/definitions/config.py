@@ -26,6 +26,7 @@ from stagewise.definitions.hyperparams import (
 )
 from stagewise.definitions.intervals import fields_in, static_prefix
 from stagewise.definitions.passwords import password_problem, study_storage_problem
+from stagewise.definitions.retention import Retention
 from stagewise.definitions.roots import local_root_problem
 from stagewise.definitions.sharding import stage_strategy_problem, sweep_strategy_problem
 from stagewise.definitions.spec_source import declared_default_params
@@ -948,6 +949,7 @@ class PipelineConfig(_Strict):
     retrain: Retrain = Field(default_factory=Retrain, description="Scheduled and data-triggered retraining.")
     airflow: AirflowSettings = Field(default_factory=AirflowSettings, description="How the DAGs fit the team's Airflow.")
     cache: Cache = Field(default_factory=Cache, description="Step caching across runs (off by default): `true`, or per kind.")
+    retention: Retention = Field(default_factory=Retention, description="What the maintenance DAG and stagewise.retention remove, and when.")
 
     @field_validator("storage_root")
     @classmethod
