@@ -167,6 +167,7 @@ class Tracker:
         self._outage: dict[str, Any] | None = None  # the outage going on: since when, its gap record's token
         self._open: dict[str, RunHandle] = {}  # nested runs begun and not yet ended, ended FAILED if the process exits
         self._wake = threading.Condition()
+        self._gap_lock = threading.Lock()  # taken before _wake: an outage's gap record is written once, then updated
         self._sending = self._closing = self._closed = self._abandoned = self._nudged = False
         if self._parent.run_id is None:  # start_run could not make it: the first call that reaches the server does
             self._buffer.put(Call(kind="parent", handle=self._parent, body=dict(state["pending_parent"])))
@@ -426,12 +427,12 @@ class Tracker:
             if self._outage is not None:  # the same outage: warned and recorded already
                 self.failure = exc
                 return
-            self.failure, self._outage = exc, {"since": time.monotonic(), "token": None}
+            outage = {"since": time.monotonic(), "token": storage.unique_token()}
+            self.failure, self._outage = exc, outage
         _warn(self.task, self.api.uri, exc)
-        token = record_gap(self.out, self.task, str(exc))
-        with self._wake:
-            if self._outage is not None:
-                self._outage["token"] = token
+        with self._gap_lock:  # close() may have written this outage's record meanwhile: one record per outage
+            if self._outage is outage:
+                record_gap(self.out, self.task, str(exc), token=outage["token"])
 
     def _back(self) -> None:
         with self._wake:
@@ -443,7 +444,9 @@ class Tracker:
         seconds = time.monotonic() - outage["since"]
         log.info("MLflow tracking at %s answers %s again after %.0fs: the calls held meanwhile are sent (%d dropped)",
                  self.api.uri, self.task, seconds, dropped)
-        record_gap(self.out, self.task, str(self.failure), dropped, outage["token"], recovered_after_s=round(seconds, 1))
+        with self._gap_lock:
+            record_gap(self.out, self.task, str(self.failure), dropped, outage["token"],
+                       recovered_after_s=round(seconds, 1))
 
     def _refuse(self, batch: list[Call], exc: BaseException) -> None:
         with self._wake:
@@ -464,12 +467,13 @@ class Tracker:
             return 0
 
     def _close_gap(self, pending_calls: int, unsent: int) -> None:
-        with self._wake:
-            outage, self._outage = self._outage, None
-            dropped, self._recorded = self.dropped - self._recorded, self.dropped
-        if outage is not None or dropped or unsent:
-            record_gap(self.out, self.task, str(self.failure or "the buffer was full"), dropped,
-                       outage["token"] if outage else None, pending_calls=pending_calls)
+        with self._gap_lock:
+            with self._wake:
+                outage, self._outage = self._outage, None
+                dropped, self._recorded = self.dropped - self._recorded, self.dropped
+            if outage is not None or dropped or unsent:
+                record_gap(self.out, self.task, str(self.failure or "the buffer was full"), dropped,
+                           outage["token"] if outage else None, pending_calls=pending_calls)
 
     def _at_exit(self) -> None:
         """The process exits with runs of this task still open (an error ended it): they end FAILED, saying so."""
