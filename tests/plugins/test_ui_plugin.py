@@ -201,10 +201,10 @@ def airflow_api(monkeypatch, tmp_path, airflow_db):
         monkeypatch.delenv(variable, raising=False)
     plugin = load_plugin()
     monkeypatch.setattr(plugins_manager, "get_fastapi_plugins", lambda: (plugin.fastapi_apps, []))
-    from stagewise.airflow import ui
+    from stagewise.airflow.ui import storage_access
 
     # A loaded CI machine can take seconds to import s3fs and sign a request: only the deadline test races the deadline.
-    monkeypatch.setattr(ui, "STORAGE_DEADLINE_S", 60.0)
+    monkeypatch.setattr(storage_access, "STORAGE_DEADLINE_S", 60.0)
     clients = []
 
     def start(storage_root: str | None, **sections):
@@ -463,9 +463,9 @@ def test_a_slow_storage_is_cut_at_the_deadline(airflow_api, tmp_path, monkeypatc
     import threading
     import time
 
-    from stagewise.airflow import ui
+    from stagewise.airflow.ui import storage_access
 
-    monkeypatch.setattr(ui, "STORAGE_DEADLINE_S", 0.5)
+    monkeypatch.setattr(storage_access, "STORAGE_DEADLINE_S", 0.5)
     endpoint = FakeS3(stall=True)
     monkeypatch.setenv("AIRFLOW_CONN_LAKE_S3", json.dumps({"conn_type": "aws", "login": "AKIASTALL", "password": "s",
                                                            "extra": {"endpoint_url": endpoint.url}}))
