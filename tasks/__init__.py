@@ -17,10 +17,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reporting", ("stagewise.reporting",)),
     ("reuse", ("stagewise.reuse",)),
     ("tracking", ("stagewise.tracking",)),
+    ("upkeep", ("stagewise.upkeep",)),
     ("runtime helper", ("stagewise.scripting",)),
     ("facades", ("stagewise.spec", "stagewise.model")),
     ("jobs", ("stagewise.config", "stagewise.contract", "stagewise.data", "stagewise.preprocess", "stagewise.sweep", "stagewise.train",
-              "stagewise.evaluate", "stagewise.infer", "stagewise.registry", "stagewise.report")),
+              "stagewise.evaluate", "stagewise.infer", "stagewise.registry", "stagewise.report",
+              "stagewise.retention")),
 )
 """Lowest first: (layer, the modules and packages in it). A module imports its own package and lower layers only;
 jobs never import each other, and nothing inside ``tasks/`` imports a facade."""

@@ -1,0 +1,108 @@
+"""python -m stagewise.retention on a storage root holding finished, failed and running runs, a current, a rollback
+target and a pinned model (tests/retention_root.py): what the default policy names goes, nothing needed does, and a
+dry run changes nothing while counting exactly the bytes the real run frees."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+from stagewise import retention
+from tests import retention_root
+from tests.conftest import base_config
+
+RUNS = f"runs/{retention_root.PIPELINE_DAG}"
+
+
+def _config(storage_root, write_config):
+    raw = base_config(storage_root)
+    raw["retention"] = {"pinned_versions": [retention_root.version(3)]}
+    return write_config(raw)
+
+
+def _job(config, tmp_path, *args):
+    result = tmp_path / "result.json"
+    retention.main(["--config", str(config), "--result-file", str(result), *args])
+    return json.loads(result.read_text())
+
+
+def test_dry_run_changes_nothing_and_counts_what_the_real_run_frees(storage_root, write_config, tmp_path):
+    """The dry run lists removals but leaves every file as it was; the real run removes exactly the files whose
+    bytes the dry run counted (report.json of a run that lost files grows by its note, and is not counted)."""
+    retention_root.build(storage_root, dt.datetime.now(dt.UTC))
+    config = _config(storage_root, write_config)
+    before = retention_root.snapshot(storage_root)
+    planned = _job(config, tmp_path, "--dry-run", "--running", f"{retention_root.PIPELINE_DAG}/running_quiet")
+    assert planned["dry_run"] and planned["total_bytes"] > 0
+    assert retention_root.snapshot(storage_root) == before
+    done = _job(config, tmp_path, "--running", f"{retention_root.PIPELINE_DAG}/running_quiet")
+    after = retention_root.snapshot(storage_root)
+    gone = set(before) - set(after)
+    assert sum(before[path][0] for path in gone) == planned["total_bytes"] == done["total_bytes"]
+    assert len(gone) == planned["total_files"]
+    assert {path.split("/")[0] for path in set(after) - set(before)} <= {"assets"}  # the reports' shared plotly.js
+
+
+def test_policy_removes_what_it_names_and_nothing_needed(storage_root, write_config, tmp_path):
+    """Default policy: a run past keep_records_days goes whole; one past keep_runs_days keeps only its record; a
+    3-day-old run loses its checkpoints (model.pt and metrics.json stay) and its old pending tracking record, and its
+    report says so; a fresh run, running runs (one only Airflow knows runs) and raw/ are untouched; a failed run keeps
+    its record only; of 14 model versions only the one past keep_model_versions that is neither current, rollback
+    target nor pinned goes."""
+    versions = retention_root.build(storage_root, dt.datetime.now(dt.UTC))
+    config = _config(storage_root, write_config)
+    before = retention_root.snapshot(storage_root)
+    _job(config, tmp_path, "--running", f"{retention_root.PIPELINE_DAG}/running_quiet")
+    after = retention_root.snapshot(storage_root)
+
+    def files(run):
+        return {path.split("/", 3)[3] for path in after if path.startswith(f"{RUNS}/{run}/")}
+
+    assert not (storage_root / RUNS / "ancient").exists()
+    assert files("month_old") == set(retention_root.RECORD)
+    assert files("failed") == {"config.yaml", "lineage.json"}
+    assert files("three_days") == set(retention_root.RECORD) | set(retention_root.WORK) - {
+        "train/s1/final.pt", "train/s1/checkpoints/step-000000010.pt", "train/s1/best/step-1/model.distcp"}
+    for kept in ("fresh", "running_quiet", "running_busy"):
+        assert {p: v for p, v in after.items() if f"/{kept}/" in p} == {p: v for p, v in before.items() if f"/{kept}/" in p}
+    report = json.loads((storage_root / RUNS / "three_days" / "report.json").read_text())
+    assert {entry["removed"] for entry in report["retention"]} == {"checkpoints", "pending tracking"}
+    assert all(entry["bytes"] > 0 and entry["at"] for entry in report["retention"])
+    assert "raw/digits/part-0.parquet" in after
+    models = {path.split("/")[2] for path in after if path.startswith("models/digits/m-")}
+    assert versions["unprotected"] not in models
+    assert {versions["current"], versions["rollback"], versions["pinned"]} <= models
+    assert len(models) == retention_root.NUM_VERSIONS - 1
+
+
+def test_a_second_pass_finds_nothing_more(storage_root, write_config, tmp_path):
+    """Retention is idempotent: right after a real run, the next dry run lists nothing (the rewritten reports keep
+    their runs' ages, which count from the config snapshot)."""
+    retention_root.build(storage_root, dt.datetime.now(dt.UTC))
+    config = _config(storage_root, write_config)
+    _job(config, tmp_path)
+    assert _job(config, tmp_path, "--dry-run")["removals"] == []
+
+
+def test_old_studies_leave_the_journal_but_not_a_kept_ones(storage_root, write_config, tmp_path):
+    """Studies of the pipeline's DAGs with no trial for studies_days are deleted; a study a registered version's card
+    names (a retrain warm-starts from it) and a running run's study stay, and so does another pipeline's."""
+    import optuna
+
+    from stagewise.study.studies import open_storage
+
+    retention_root.build(storage_root, dt.datetime.now(dt.UTC))
+    config = _config(storage_root, write_config)
+    url = f"journal://{storage_root}/optuna.journal"
+    card = storage_root / "models/digits" / retention_root.version(14) / "card.json"
+    card.write_text(json.dumps({"version": retention_root.version(14), "study": "ml_pipeline__kept"}))
+    names = ["ml_pipeline__old", "ml_pipeline__kept", "ml_pipeline__running_busy", "other_pipeline__old"]
+    for name in names:
+        study = optuna.create_study(study_name=name, storage=open_storage(url))
+        study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=1)
+    later = (dt.datetime.now(dt.UTC) + dt.timedelta(days=91)).isoformat()
+    planned = _job(config, tmp_path, "--dry-run", "--now", later, "--running", "ml_pipeline/running_busy")
+    assert [r["target"] for r in planned["removals"] if r["what"] == "study"] == ["ml_pipeline__old"]
+    _job(config, tmp_path, "--now", later, "--running", "ml_pipeline/running_busy")
+    left = {s.study_name for s in optuna.get_all_study_summaries(storage=open_storage(url))}
+    assert left == set(names) - {"ml_pipeline__old"}
