@@ -7,7 +7,8 @@ Four sections: the training curve across all stages on one global step axis (los
 stage's boundary marked with its global batch, learning rate and world size, and where a retry resumed); the sweep
 (objective per trial over time by outcome, the best params, parameter importances); the timeline of the run's task
 attempts (mapped tasks as lanes); the data counts, the test metrics and the gate's decision against the current model.
-plotly.js is embedded once; each figure is a JSON block that one inline script draws, so nothing leaves the page.
+plotly.js is the storage root's one copy (``assets/``, linked by a relative path, so the page opens offline from the
+root's folder tree: stagewise.reporting.assets); each figure is a JSON block that one inline script draws.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ header h1 { margin: 0 0 4px; font-size: 22px; font-weight: 600; }
 header .meta { color: #ced4da; font-size: 14px; }
 header .outcome { margin-top: 8px; font-size: 16px; }
 header .tracking { margin-top: 6px; font-size: 14px; }
+header .dropped { margin-top: 6px; font-size: 13px; color: #ced4da; }
 header .tracking a { color: #9ecbff; }
 .promoted { color: #8ce99a; } .refused { color: #ffc078; }
 main { max-width: 1240px; margin: 0 auto; padding: 8px 24px 40px; }
@@ -389,6 +391,21 @@ def reuse_line(report: dict[str, Any]) -> str:
     return f'<div class="reused">{" · ".join(parts)}</div>' if parts else ""
 
 
+def dropped_line(report: dict[str, Any]) -> str:
+    """The header's word on the optimizer-carrying files the finished stages dropped once the run succeeded, and on
+    what stayed and why (stagewise.training.leftovers)."""
+    dropped = report.get("dropped")
+    if not isinstance(dropped, dict):
+        return ""
+    files = [entry for entry in dropped.get("files") or [] if isinstance(entry, dict)]
+    listed = "".join(f"<li>{html.escape(str(entry.get('file')))}: {int(entry.get('bytes') or 0):,} bytes</li>"
+                     for entry in files)
+    kept = f" · {html.escape(str(dropped['kept']))}" if dropped.get("kept") else ""
+    return (f'<div class="dropped"><details><summary>{len(files)} optimizer-carrying file(s) of the finished stages '
+            f'dropped after the run succeeded, {int(dropped.get("bytes") or 0):,} bytes{kept}</summary><ul>{listed}</ul>'
+            f'</details></div>')
+
+
 def tracking_line(tracking: dict[str, Any] | None) -> str:
     """Links to the MLflow run and model version, and what tracking missed (empty when the run was not tracked)."""
     if not tracking:
@@ -426,10 +443,15 @@ def outcome_line(report: dict[str, Any], metric: str) -> str:
     return " · ".join(parts) or "no model was registered"
 
 
-def render(report: dict[str, Any], sources: dict[str, Any], generated_at: str | None = None) -> str:
+def render(report: dict[str, Any], sources: dict[str, Any], generated_at: str | None = None,
+           plotly_script: str | None = None) -> str:
     """The whole page as one string: header, the sections (four for a pipeline run; scoring and the timeline for a
-    batch_inference run), plotly.js once, each figure's JSON and one draw script."""
-    from plotly.offline import get_plotlyjs
+    batch_inference run), plotly.js once (``plotly_script``, the tag that loads it; default: inline), each figure's
+    JSON and one draw script."""
+    from stagewise.reporting import assets
+
+    if plotly_script is None:
+        plotly_script = f'<script type="text/javascript">{assets.plotly_js()[1].decode()}</script>'
 
     generated_at = generated_at or dt.datetime.now(dt.UTC).isoformat()
     trials = sources.get("trials")
@@ -513,12 +535,12 @@ on the axis' worst edge.</p>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>Stagewise run {html.escape(title)}</title>
 <style>{CSS}</style>
-<script type="text/javascript">{get_plotlyjs()}</script>
+{plotly_script}
 </head><body>
 <header><h1>Stagewise run {html.escape(title)}</h1>
 <div class="meta">dag_id <b>{html.escape(str(report.get('dag_id')))}</b> · run_id <b>{html.escape(str(report.get('run_id')))}</b>
 {objective} · {config_line(report.get('config') or {})} · report generated {html.escape(generated_at[:19])} UTC</div>
-<div class="outcome">{outcome_line(report, metric)}</div>{tracking_line(report.get('tracking'))}{reuse_line(report)}</header>
+<div class="outcome">{outcome_line(report, metric)}</div>{tracking_line(report.get('tracking'))}{reuse_line(report)}{dropped_line(report)}</header>
 <main>
 {sections}
 </main>
@@ -529,8 +551,12 @@ on the axis' worst edge.</p>
 
 
 def write(report: dict[str, Any], out: str) -> str:
-    """Render the run's page and put it at ``<out>/report.html`` in one write; returns its URI."""
+    """Render the run's page and put it at ``<out>/report.html`` in one write, linking the storage root's plotly.js;
+    returns its URI."""
+    from stagewise.reporting import assets
+
     uri = storage.join(out, "report.html")
-    storage.write_bytes(uri, render(report, load_sources(report, out)).encode())
+    page = render(report, load_sources(report, out), plotly_script=assets.plotly_script(out, out))
+    storage.write_bytes(uri, page.encode())
     log.info("report page written to %s", uri)
     return uri

@@ -154,10 +154,11 @@ def finished_run(tmp_path_factory):
 
 
 def test_report_step_writes_the_page_beside_report_json(finished_run):
-    """report.html sits at runs/<dag_id>/<run_id>/report.html and report.json points at it."""
+    """report.html sits at runs/<dag_id>/<run_id>/report.html and report.json points at it; it links the storage
+    root's plotly.js instead of carrying its 4.8 MB."""
     written, out, _, _ = finished_run
     assert written["html_uri"] == storage.join(out, "report.html")
-    assert Path(written["html_uri"]).stat().st_size > 1_000_000, "plotly.js must be embedded, not linked"
+    assert Path(written["html_uri"]).stat().st_size < 500_000, "plotly.js must be linked, not embedded"
 
 
 def test_training_curve_spans_every_stage_with_marked_boundaries_and_the_resume(finished_run):
@@ -271,13 +272,16 @@ def test_data_counts_test_metrics_and_the_gate_against_the_current_model(finishe
 
 
 def test_page_fetches_nothing_from_outside(finished_run):
-    """No src/href/url() to another host and no <link>: plotly.js is inline, once, and so are the figures."""
+    """No src/href/url() to another host and no <link>: plotly.js is the storage root's own copy, linked once by a
+    relative path that resolves to it, and the figures and drawer are inline."""
     _, out, _, _ = finished_run
     page = Path(out, "report.html").read_text()
     assert outside_references(page) == []
     assert page.count("<script") == page.count("</script>")
     assert len(re.findall(r"Plotly\.newPlot", page)) >= 1
-    assert sum(1 for _ in re.finditer(r"<script type=\"text/javascript\">", page)) == 2, "plotly.js once, the drawer once"
+    assert sum(1 for _ in re.finditer(r"<script type=\"text/javascript\">", page)) == 1, "the drawer once"
+    (src,) = re.findall(r'<script type="text/javascript" data-stagewise-asset="[^"]+" src="([^"]+)"></script>', page)
+    assert not src.startswith("/") and (Path(out) / src).resolve().is_file(), "plotly.js linked relatively, once"
     assert outside_references('<link rel="stylesheet" href="https://cdn.example.org/x.css">'), "the check must bite"
     assert outside_references('<script src="//cdn.example.org/plotly.js"></script>')
 
