@@ -98,7 +98,7 @@ def _worker_study(sweep: Sweep, name: str, worker: int, resource: tuple[int, int
     None for epochs) and how many trials of its quota are left to run."""
     import optuna
 
-    study = optuna.load_study(study_name=name, storage=open_storage(storage_url(sweep)),
+    study = optuna.load_study(study_name=name, storage=open_storage(storage_url(sweep, name)),
                               sampler=make_sampler(sweep, worker), pruner=make_pruner(sweep, resource))
     recovered = recover_abandoned(study, worker)
     done = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("worker") == worker and counts_toward_budget(t)]
@@ -378,7 +378,7 @@ def trial_environment(config: PipelineConfig, name: str, trial: Any, values: dic
             env_contract.RESULT_FILE: os.path.join(workdir, "result.json"),
             env_contract.ERROR_FILE: os.path.join(workdir, "user_error.txt"),
             env_contract.METRICS_FILE: os.path.join(workdir, "metrics.json"),
-            env_contract.STUDY_STORAGE: absolute_storage(storage_url(config.sweep)), env_contract.STUDY_NAME: name,
+            env_contract.STUDY_STORAGE: absolute_storage(storage_url(config.sweep, name)), env_contract.STUDY_NAME: name,
             env_contract.TRIAL_ID: str(trial._trial_id), env_contract.TRIAL_NUMBER: str(trial.number)}
 
 

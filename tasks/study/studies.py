@@ -12,7 +12,14 @@ from typing import Any
 
 from stagewise.core import contract, storage
 from stagewise.core.errors import UserError
-from stagewise.definitions.config import CategoricalParam, FloatParam, PipelineConfig, Sweep
+from stagewise.definitions.config import (
+    LEGACY_JOURNAL,
+    STUDY_PLACEHOLDER,
+    CategoricalParam,
+    FloatParam,
+    PipelineConfig,
+    Sweep,
+)
 
 log = logging.getLogger("stagewise.sweep")
 
@@ -27,14 +34,16 @@ def open_storage(uri: str) -> Any:
         from optuna.storages.journal import JournalFileBackend, JournalStorage
 
         path = uri[len("journal://"):]
+        if STUDY_PLACEHOLDER in path:
+            raise ValueError(f"{uri} names a journal file per study: storage_url(sweep, study) fills in the study")
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         return JournalStorage(JournalFileBackend(path))
     return optuna.storages.RDBStorage(uri)
 
 
-def storage_url(sweep: Sweep) -> str:
-    """The study's storage URI: ``sweep.storage``, or with ``sweep.storage_conn_id`` the URL the Airflow task built from
-    that connection into $STAGEWISE_STUDY_STORAGE (the sub-job's environment: never the config, argv or a log)."""
+def _configured_url(sweep: Sweep) -> str:
+    """``sweep.storage``, or with ``sweep.storage_conn_id`` the URL the Airflow task built from that connection into
+    $STAGEWISE_STUDY_STORAGE (the sub-job's environment: never the config, argv or a log)."""
     if not sweep.storage_conn_id:
         return sweep.storage
     url = os.environ.get(contract.STUDY_STORAGE, "")
@@ -44,9 +53,55 @@ def storage_url(sweep: Sweep) -> str:
     return url
 
 
+def storage_url(sweep: Sweep, study: str = "") -> str:
+    """The storage URI of study ``study``: the configured one, with a per-study journal's ``{study}`` filled in (the
+    study's name made safe for a file name; needed only there)."""
+    url = _configured_url(sweep)
+    if STUDY_PLACEHOLDER not in url:
+        return url
+    if not study:
+        raise ValueError(f"sweep.storage {url} holds a journal file per study: name the study")
+    return url.replace(STUDY_PLACEHOLDER, storage.safe_name(study))
+
+
+def journal_file(sweep: Sweep, study: str) -> str | None:
+    """The local file holding study ``study`` when the storage is a journal (None for a database)."""
+    url = storage_url(sweep, study)
+    return url[len("journal://"):] if url.startswith("journal://") else None
+
+
+def legacy_journal(config: PipelineConfig) -> str | None:
+    """The one shared journal earlier releases kept every study of a storage root in, when the storage is now a file
+    per study and that old file is still there: studies made before the move are read from it, never written."""
+    if STUDY_PLACEHOLDER not in config.sweep.storage or "://" in config.storage_root.removeprefix("file://"):
+        return None
+    path = os.path.join(config.storage_root.removeprefix("file://"), LEGACY_JOURNAL)
+    return path if os.path.isfile(path) else None
+
+
+def load_earlier(config: PipelineConfig, name: str) -> Any:
+    """An existing study to read (a warm start's source): from its own storage, else from the legacy shared journal.
+
+    A journal file that does not exist is skipped rather than opened, which would create it empty. KeyError when no
+    storage holds the study."""
+    import optuna
+
+    own, places = journal_file(config.sweep, name), []
+    if own is None or os.path.isfile(own):
+        places.append(storage_url(config.sweep, name))
+    if (old := legacy_journal(config)) is not None:
+        places.append(f"journal://{old}")
+    for uri in places:
+        try:
+            return optuna.load_study(study_name=name, storage=open_storage(uri))
+        except KeyError:
+            continue
+    raise KeyError(f"Record does not exist: no study named {name!r} in {storage_kind(config.sweep)} storage")
+
+
 def storage_kind(sweep: Sweep) -> str:
     """The storage's scheme (journal, postgresql+psycopg2, ...): what logs and summaries may say about it."""
-    return storage_url(sweep).split("://", 1)[0]
+    return _configured_url(sweep).split("://", 1)[0]
 
 
 def study_name(dag_id: str, run_id: str) -> str:
@@ -147,14 +202,13 @@ def create(config: PipelineConfig, name: str) -> dict[str, Any]:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    backend = open_storage(storage_url(config.sweep))
-    study = optuna.create_study(study_name=name, storage=backend, direction=config.objective.direction,
-                                load_if_exists=True)
+    study = optuna.create_study(study_name=name, storage=open_storage(storage_url(config.sweep, name)),
+                                direction=config.objective.direction, load_if_exists=True)
     _claim(study, config)
     warm = config.sweep.warm_start_from
     if warm and not study.trials and not study.user_attrs.get("warm_started_from"):
         try:
-            best = best_trial(optuna.load_study(study_name=warm, storage=backend))
+            best = best_trial(load_earlier(config, warm))
         except KeyError as exc:
             raise UserError(f"sweep.warm_start_from: study '{warm}' has no completed trial to start from ({exc})") from None
         if best is None:

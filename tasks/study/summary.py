@@ -82,7 +82,7 @@ def summarize(config: PipelineConfig, name: str, out: str, fingerprint: str | No
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=name, storage=open_storage(storage_url(config.sweep)))
+    study = optuna.load_study(study_name=name, storage=open_storage(storage_url(config.sweep, name)))
     stale = recover_abandoned(study, worker=None)  # every worker is done: nothing may stay RUNNING
     trials = study.get_trials(deepcopy=False)
     counted = [t for t in trials if counts_toward_budget(t)]

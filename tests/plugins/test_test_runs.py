@@ -67,7 +67,7 @@ def test_a_test_run_retrains_in_its_own_scratch_and_says_so_first(production, st
     config = steps.run_config(run)
     assert config.storage_root == str(scratch) and config.storage_conn_id == ""
     assert (config.registry.backend, config.registry.report_only, config.tracking.mlflow_uri) == ("storage", True, "")
-    assert config.sweep.storage == f"journal://{scratch / 'optuna' / 'optuna.journal'}"
+    assert config.sweep.storage == f"journal://{scratch / 'optuna' / 'studies' / '{study}.journal'}"
     assert config.sweep.warm_start_from == "" and run["overrides"]["sweep.warm_start_from"] == ""
     assert config.dataset.uri == str(storage_root / "raw" / "digits"), "the input is read where production reads it"
     assert _files(storage_root) == before, "nothing under the production storage root changed"

@@ -380,13 +380,13 @@ def test_relative_storage_root_resolves_against_the_config_file(tmp_path, storag
 
 @pytest.mark.parametrize("root", ["local", "file"])
 def test_the_sweep_journal_defaults_to_a_file_under_the_storage_root(write_config, storage_root, root):
-    """Unset sweep.storage: the journal is <storage_root>/optuna/optuna.journal (a plain local path for a file:// root),
-    never beside the config file nor in the worker's cwd."""
+    """Unset sweep.storage: a journal file per study, <storage_root>/optuna/studies/{study}.journal (a plain local path
+    for a file:// root), never beside the config file nor in the worker's cwd."""
     raw = base_config(storage_root)
     del raw["sweep"]["storage"]
     raw["storage_root"] = str(storage_root) if root == "local" else f"file://{storage_root}"
     config = load_config(write_config(raw))
-    assert config.sweep.storage == f"journal://{storage_root / 'optuna' / 'optuna.journal'}"
+    assert config.sweep.storage == f"journal://{storage_root / 'optuna' / 'studies' / '{study}.journal'}"
 
 
 def test_an_s3_storage_root_needs_sweep_storage_set(write_config, storage_root):

@@ -31,7 +31,7 @@ def test_the_scratch_root_takes_storage_journal_tracking_and_registry(write_conf
     config = load_config(write_config(_production(storage_root)), {"storage_root": str(storage_root),
                                                                    "registry.report_only": False})
     assert config.storage_root == str(scratch / "ml") and config.storage_conn_id == ""
-    assert config.sweep.storage == f"journal://{scratch / 'ml' / 'optuna' / 'optuna.journal'}"
+    assert config.sweep.storage == f"journal://{scratch / 'ml' / 'optuna' / 'studies' / '{study}.journal'}"
     assert (config.tracking.mlflow_uri, config.tracking.conn_id) == ("", "")
     assert (config.registry.backend, config.registry.report_only) == ("storage", True)
 
