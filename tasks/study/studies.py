@@ -79,6 +79,22 @@ def legacy_journal(config: PipelineConfig) -> str | None:
     return path if os.path.isfile(path) else None
 
 
+def journal_files(config: PipelineConfig) -> list[str]:
+    """Every local journal file that holds studies of this config's storage, sorted: each study's own file under a
+    per-study layout, the legacy shared one while it is there; the one file otherwise; [] for a database."""
+    import glob
+
+    url = _configured_url(config.sweep)
+    if not url.startswith("journal://"):
+        return []
+    path = url[len("journal://"):]
+    if STUDY_PLACEHOLDER not in path:
+        return [path] if os.path.isfile(path) else []
+    head, tail = path.split(STUDY_PLACEHOLDER, 1)
+    found = glob.glob(glob.escape(head) + "*" + glob.escape(tail))
+    return sorted(found) + [old for old in [legacy_journal(config)] if old is not None]
+
+
 def load_earlier(config: PipelineConfig, name: str) -> Any:
     """An existing study to read (a warm start's source): from its own storage, else from the legacy shared journal.
 

@@ -9,7 +9,7 @@ import pytest
 
 from stagewise.definitions.config import ConfigError
 from stagewise.definitions.loading import load_config
-from stagewise.study.studies import create, journal_file, open_storage, storage_url
+from stagewise.study.studies import create, journal_file, journal_files, open_storage, storage_url
 from tests.conftest import base_config
 
 
@@ -115,3 +115,18 @@ def test_a_template_is_never_opened_as_a_file(write_config, storage_root):
         open_storage(config.sweep.storage)
     with pytest.raises(ValueError, match="name the study"):
         storage_url(config.sweep)
+
+
+def test_journal_files_lists_each_study_s_file_and_the_old_one(write_config, storage_root):
+    """What a tool that walks every study (retention) opens: each study's own file, the old shared journal while it
+    exists; a config naming one file lists that file alone."""
+    legacy = storage_root / "optuna" / "optuna.journal"
+    legacy.parent.mkdir(parents=True)
+    _finished_study(f"journal://{legacy}", "old", lr=0.1)
+    config = _default_storage_config(write_config, storage_root)
+    create(config, "a")
+    create(config, "b")
+    assert journal_files(config) == [journal_file(config.sweep, "a"), journal_file(config.sweep, "b"), str(legacy)]
+    shared = load_config(write_config())
+    create(shared, "c")
+    assert journal_files(shared) == [str(storage_root / "optuna.journal")]
