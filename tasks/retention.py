@@ -94,12 +94,17 @@ def kept_studies(config: PipelineConfig, runs: list[Run], models: Models) -> set
     return keep
 
 
-def plan(config: PipelineConfig, now: dt.datetime, running: list[str] = (), dag_ids: list[str] | None = None) -> tuple[
+def run_dags(config: PipelineConfig) -> list[str]:
+    """The pipeline's DAGs that write run folders."""
+    return [dag_id(pipeline_name(config), kind) for kind in RUN_KINDS]
+
+
+def plan(config: PipelineConfig, now: dt.datetime, running: list[str] = (), quiet_dags: list[str] = ()) -> tuple[
         list[policy.Removal], Any]:
     """Everything the config's retention policy removes now, and the study deleter; nothing is touched."""
     rules = config.retention
-    dag_ids = dag_ids or [dag_id(pipeline_name(config), kind) for kind in RUN_KINDS]
-    runs = inventory.list_runs(config.storage_root, dag_ids, now, rules.idle_hours, running)
+    dag_ids = run_dags(config)
+    runs = inventory.list_runs(config.storage_root, dag_ids, now, rules.idle_hours, running, quiet_dags)
     protect(config, runs)
     for run in runs:
         if run.protected:
@@ -126,10 +131,12 @@ def _study_url(config: PipelineConfig) -> str:
         return ""
 
 
-def run(config: PipelineConfig, dry_run: bool, running: list[str] = (), now: dt.datetime | None = None) -> dict[str, Any]:
-    """Plan and (unless ``dry_run``) remove; returns the job's result (each removal, totals)."""
+def run(config: PipelineConfig, dry_run: bool, running: list[str] = (), now: dt.datetime | None = None,
+        quiet_dags: list[str] = ()) -> dict[str, Any]:
+    """Plan and (unless ``dry_run``) remove; returns the job's result (each removal, totals). ``running`` and
+    ``quiet_dags``: what Airflow says (stagewise.upkeep.inventory.list_runs)."""
     now = now or dt.datetime.now(dt.UTC)
-    removals, delete = plan(config, now, running)
+    removals, delete = plan(config, now, running, quiet_dags)
     result = removal.apply(removals, dry_run, now, delete)
     verb = "would free" if dry_run else "freed"
     for kind, totals in result["by_kind"].items():
@@ -145,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="list what would go, why and its bytes; remove nothing")
     parser.add_argument("--running", action="append", default=[], metavar="DAG_ID/RUN_ID",
                         help="a run Airflow reports running: nothing of it goes (repeatable)")
+    parser.add_argument("--no-runs-in", action="append", default=[], metavar="DAG_ID",
+                        help="Airflow has no queued or running run of this DAG: its unfinished runs failed (repeatable)")
     parser.add_argument("--now", default=None, help="judge ages as of this ISO time (default: now; for what-ifs)")
     args = parser.parse_args(argv)
 
@@ -155,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         now = dt.datetime.fromisoformat(args.now) if args.now else None
         if now is not None and now.tzinfo is None:
             now = now.replace(tzinfo=dt.UTC)
-        return run(config, args.dry_run, args.running, now)
+        return run(config, args.dry_run, args.running, now, args.no_runs_in)
 
     run_subjob("retention", work, args.result_file)
 

@@ -1,9 +1,9 @@
 """Many pipelines in one deployment: which config files are pipelines, what each is called, and its DAG ids.
 
 One rule names everything: a pipeline's name is its config's ``name`` key, else the file name without ``.yaml``;
-its DAGs are ``<name>_pipeline``, ``<name>_retrain``, ``<name>_batch_inference`` and ``<name>_ingest``. Run
-prefixes (``runs/<dag id>/``) and study names (from the DAG id) follow from the DAG ids, so two pipelines never
-share them; their registry names are checked apart by :func:`resolve`, which also keeps a broken pipeline at its
+its DAGs are ``<name>_pipeline``, ``<name>_retrain``, ``<name>_batch_inference``, ``<name>_ingest`` and
+``<name>_maintenance``. Run prefixes (``runs/<dag id>/``) and study names (from the DAG id) follow from the DAG ids,
+so two pipelines never share them; their registry names are checked apart by :func:`resolve`, which also keeps a broken pipeline at its
 last valid version.
 """
 
@@ -37,8 +37,8 @@ DEFAULT_PIPELINES = (DEFAULT_CONFIG_PATH, CHECKOUT_ROOT / "examples") if CHECKOU
 """Without the setting, in a checkout: its own pipeline.yaml and the shipped examples, side by side. An installed
 Stagewise has none: the DAG file or $STAGEWISE_PIPELINES names the team's pipelines."""
 
-KINDS = ("pipeline", "retrain", "batch_inference", "ingest")
-"""The family of DAGs every pipeline gets, in the order they are built."""
+KINDS = ("pipeline", "retrain", "batch_inference", "ingest", "maintenance")
+"""The family of DAGs every pipeline gets, in the order they are built (maintenance: its retention policy)."""
 
 NAME_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
 

@@ -34,6 +34,8 @@ class Retention(BaseModel):
         "A failed run's leftovers (preprocess/ copy, checkpoints, sweep, predictions) go after this many idle days."))
     checkpoints_days: int | None = Field(2, ge=0, le=MAX_DAYS, description=(
         "Checkpoints of a finished run's stages (all but model.pt and metrics.json) go after this many days."))
+    drop_optimizer_files: bool = Field(True, description=(
+        "A succeeded run's report step drops its stages' checkpoints, best/ and optimizer hand-off at once (model.pt stays)."))
     predictions_days: int | None = Field(30, ge=0, le=MAX_DAYS, description=(
         "Prediction shards of finished runs (training and batch inference) go after this many days."))
     keep_model_versions: int | None = Field(10, ge=1, le=MAX_COUNT, description=(
@@ -50,11 +52,9 @@ class Retention(BaseModel):
     @field_validator("schedule")
     @classmethod
     def _cron(cls, value: str) -> str:
-        # Imported here: the config module imports this one, so a top-level import would be a circle.
-        from stagewise.definitions.config import cron_shape_problem
-
-        if (problem := cron_shape_problem(value)) is not None:
-            raise ValueError(f"'{value}' is not a cron expression ({problem}): give 5 fields or a preset such as @daily")
+        if (problem := cron_problem(value)) is not None:
+            raise ValueError(f"'{value}' is not a cron expression ({problem}): give 5 fields, minute hour day-of-month "
+                             f"month day-of-week (e.g. '0 4 * * *'), or a preset such as @daily")
         return value
 
     @field_validator("pinned_versions")
@@ -64,3 +64,18 @@ class Retention(BaseModel):
         if bad:
             raise ValueError(f"{bad} are not model versions (m- and 12 hex digits, as `python -m stagewise.registry list` shows)")
         return value
+
+
+def cron_problem(value: str) -> str | None:
+    """Why ``value`` is no cron expression (None: it is one), by Airflow's own parser where installed, else by its
+    shape (a preset or 5 fields): a sub-job's host need not have croniter."""
+    try:
+        from croniter import croniter
+    except ImportError:
+        presets = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
+        return None if value.strip().lower() in presets or len(value.split()) == 5 else f"{len(value.split())} fields"
+    try:
+        croniter(value)
+    except (ValueError, KeyError) as exc:
+        return str(exc)
+    return None

@@ -21,6 +21,8 @@ log = logging.getLogger("stagewise.retention")
 FINISHED, RUNNING, FAILED = "finished", "running", "failed"
 REPORT = "report.json"
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+# A run that started between Airflow's answer and the listing must not look failed: quiet DAGs still get this long.
+QUIET_GRACE = dt.timedelta(hours=1)
 
 
 @dataclass(frozen=True)
@@ -104,11 +106,12 @@ def _entries(prefix: str) -> dict[str, list[Entry]]:
 
 
 def list_runs(storage_root: str, dag_ids: Iterable[str], now: dt.datetime, idle_hours: float,
-              running: Iterable[str] = ()) -> list[Run]:
+              running: Iterable[str] = (), quiet_dags: Iterable[str] = ()) -> list[Run]:
     """The run folders of ``dag_ids`` under the root, each with its state. ``running``: ``<dag_id>/<run_id>`` of runs
-    Airflow reports running (the DAG passes them); a run with recent activity counts as running either way."""
+    Airflow reports running; ``quiet_dags``: DAGs Airflow reports no queued or running run of (the maintenance DAG
+    asks), whose unfinished runs are failed once idle for QUIET_GRACE rather than ``idle_hours``."""
     told = {"/".join(storage.safe_name(part) for part in ref.split("/", 1)) for ref in running if "/" in ref}
-    idle = dt.timedelta(hours=idle_hours)
+    quiet = {storage.safe_name(dag) for dag in quiet_dags}
     runs = []
     for dag_id in dag_ids:
         folder = storage.safe_name(dag_id)
@@ -120,6 +123,7 @@ def list_runs(storage_root: str, dag_ids: Iterable[str], now: dt.datetime, idle_
             elif any(entry.path == REPORT for entry in files):
                 run.state = FINISHED
             else:
+                idle = QUIET_GRACE if folder in quiet else dt.timedelta(hours=idle_hours)
                 run.state = RUNNING if now - run.last_change < idle else FAILED
             runs.append(run)
     return runs

@@ -30,7 +30,8 @@ def test_every_yaml_of_a_folder_is_a_pipeline_named_by_its_name_key_else_its_fil
     found = discover()
     assert [(p.name, p.path.name) for p in found] == [("churn", "a.yml"), ("b_fraud", "b_fraud.yaml")]
     assert found[0].dag_ids() == {"pipeline": "churn_pipeline", "retrain": "churn_retrain",
-                                  "batch_inference": "churn_batch_inference", "ingest": "churn_ingest"}
+                                  "batch_inference": "churn_batch_inference", "ingest": "churn_ingest",
+                                  "maintenance": "churn_maintenance"}
     with pytest.raises(ValueError, match="unknown DAG kind 'train'"):
         dag_id("churn", "train")
 
