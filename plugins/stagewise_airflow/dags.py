@@ -57,6 +57,12 @@ INFERENCE_DOC = """Score any Parquet data set with a model registered by ``{name
 Params: ``input_uri`` (raw-schema Parquet file or folder) and ``model_version`` (empty: the current model).
 Output: ``runs/{dag_id}/<run_id>/predictions/`` with a manifest, and report.json. Config: ``{path}``.
 """
+MAINTENANCE_DOC = """Apply ``{name}``'s retention policy (``retention:`` in ``{path}``) to its storage root on ``{schedule}``.
+
+One task runs ``python -m stagewise.retention``: old runs, checkpoints, predictions, model versions and studies go as
+the policy says; never the current model, a pinned version, what a running run or an MLflow version needs, nor raw/.
+Airflow's own metadata and task logs are the deployment's to trim (docs/operations.md).
+"""
 INGEST_DOC = """Copy new raw Parquet shards into ``{name}``'s data set and announce them (the Asset).
 
 A finished run emits an event on the raw-data asset (``{asset}``), which triggers ``{name}_retrain`` (and the
@@ -160,10 +166,32 @@ def ingest_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | No
                                                        description="New raw Parquet file or folder to add.")})
 
 
+def maintenance_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | None = None,
+                    retired: str | None = None) -> DAG:
+    dag_id, path = pipeline.dag_id("maintenance"), str(pipeline.path)
+    from stagewise.airflow import maintenance
+
+    # A broken or retired pipeline removes nothing: its last valid policy may no longer be what its team wants.
+    schedule = None if refusal or retired else CronTriggerTimetable(config.retention.schedule, timezone="UTC")
+
+    @dag(dag_id=dag_id, auto_register=False, schedule=schedule,
+         doc_md=_doc(MAINTENANCE_DOC.format(name=pipeline.name, path=path, schedule=config.retention.schedule), retired),
+         **wiring.dag_settings(config, pipeline.name, "maintenance", max_active_runs=1))
+    def maintenance_run() -> None:
+        knobs = {**wiring.knobs(config, config.preprocess.profile), "retries": 0}  # the next scheduled run is the retry
+        if refusal is None:
+            task(maintenance.apply_retention, task_id="apply_retention", **knobs)(path)
+        else:
+            task(_fail_with, task_id="apply_retention", **knobs)(refusal)
+
+    return maintenance_run()
+
+
 # Every DAG here has auto_register=False: a builder that fails half-way must leave no DAG behind to shadow its
 # placeholder; the DAGs reach Airflow through the DAG file's globals (build_pipelines).
 FAMILY: dict[str, Callable[[PipelineFile, PipelineConfig, str | None, str | None], DAG]] = {
-    "pipeline": training_dag, "retrain": retrain_dag, "batch_inference": batch_inference_dag, "ingest": ingest_dag}
+    "pipeline": training_dag, "retrain": retrain_dag, "batch_inference": batch_inference_dag, "ingest": ingest_dag,
+    "maintenance": maintenance_dag}
 """The DAG builder of each kind in stagewise.definitions.pipelines.KINDS."""
 
 
