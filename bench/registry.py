@@ -50,6 +50,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "fsdp_throughput": ("sharding:fsdp_throughput", "info"),  # gloo on 2 cores: the goal is fsdp_throughput_gpu's
     "fsdp_handoff_memory": ("handoff:fsdp_handoff_memory", "<= 1.1"),
     "epoch_row_coverage": ("coverage:epoch_row_coverage", ">= 0.99"),
+    "study_open_500": ("studies:study_open_500", "<= 0.2"),
     "train_throughput_gpu": ("gpu:train_throughput_gpu", ">= 0.97"),
     "train_vs_dataloader_gpu": ("gpu:train_vs_dataloader_gpu", ">= 3"),
     "train_launch_bound_gpu": ("gpu:train_launch_bound_gpu", ">= 1.1"),
