@@ -34,7 +34,7 @@ from stagewise.definitions.loading import load_config
 from stagewise.definitions.pipelines import pipeline_of
 from stagewise.models import owners
 from stagewise.models.versions import judge, version_of
-from stagewise.reporting import lineage
+from stagewise.reporting import lineage, listing
 from stagewise.scripting.entrypoint import card_params
 from stagewise.tracking import registry as mlflow_registry
 from stagewise.tracking.runs import log_gate
@@ -332,13 +332,9 @@ def rollback(storage_root: str, name: str) -> dict[str, Any]:
 
 
 def versions(storage_root: str, name: str) -> list[dict[str, Any]]:
-    """Model ``name``'s registered versions, newest first."""
-    fs, path = storage.filesystem(models_prefix(storage_root, name))
-    if not fs.isdir(path):
-        return []
-    folders = [p.rsplit("/", 1)[0] for p in fs.glob(path + "/*/card.json")]
-    cards = [_listed_card(fs.unstrip_protocol(f) if "://" in storage_root else f) for f in folders]
-    return sorted(cards, key=lambda c: c["registered_at"], reverse=True)
+    """Model ``name``'s registered versions, newest first (each card read once per version of its file)."""
+    listed = _CARDS.read(models_prefix(storage_root, name), 1, "card.json")
+    return sorted((dict(card) for _, card in listed), key=lambda c: c["registered_at"], reverse=True)
 
 
 def _listed_card(folder: str) -> dict[str, Any]:
@@ -350,15 +346,15 @@ def _listed_card(folder: str) -> dict[str, Any]:
         return {"version": folder.rsplit("/", 1)[1], "registered_at": "", "card_error": str(exc)}
 
 
+# A model's cards, each read again only when its file changed: the registry page lists 1,000 versions on each request.
+_CARDS = listing.Index(lambda item: _listed_card(item.uri.rsplit("/", 1)[0]))
+
+
 def model_names(storage_root: str) -> list[str]:
     """The registry's model names: folders under models/ holding a current.json or a version's card."""
-    fs, models = storage.filesystem(storage.join(storage_root, "models"))
-    if not fs.isdir(models):
-        return []
-    base = models.rstrip("/")
-    names = {p[len(base) + 1:].split("/", 1)[0] for pattern in ("/*/current.json", "/*/*/card.json")
-             for p in fs.glob(base + pattern)}
-    return sorted(names)
+    models = storage.join(storage_root, "models")
+    found = [*listing.scan(models, 1, "current.json"), *listing.scan(models, 2, "card.json")]
+    return sorted({item.parts[0] for item in found})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,7 @@ import json
 import math
 from collections.abc import Iterable
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from fastapi import Request
 from fastapi.responses import HTMLResponse
@@ -51,11 +51,17 @@ details.card-of table { max-width: 900px; } details.card-of td:first-child { wid
 .empty { color: var(--muted); padding: 20px 0; }
 /* a fixed height, the report scrolling inside: sizing the frame to its content would grow charts sized to it */
 iframe.report { width: 100%; height: calc(100vh - 150px); min-height: 480px; border: 1px solid var(--line); display: block; }
+form.filters { display: flex; flex-wrap: wrap; gap: 8px 14px; align-items: end; margin: 4px 0 10px; }
+form.filters label { display: flex; flex-direction: column; font-size: 12px; color: var(--muted); gap: 2px; }
+form.filters select, form.filters input, form.filters button { font: inherit; padding: 3px 6px; }
+.pager { display: flex; gap: 14px; align-items: baseline; color: var(--muted); margin: 6px 0; }
+.pager .count { color: var(--ink); font-weight: 600; }
 """
 
-# A page runs no script: it needs its one inline <style> (allowed by its hash) and the report's frame.
-PAGE_CSP = csp(BASE_CSP, f"style-src 'sha256-{base64.b64encode(hashlib.sha256(STYLE.encode()).digest()).decode()}'",
-               "frame-src 'self'")
+# A page runs no script: it needs its one inline <style> (allowed by its hash), the report's frame, and its filter
+# form, which sends a GET to the page itself.
+PAGE_CSP = csp(BASE_CSP.replace("form-action 'none'", "form-action 'self'"),
+               f"style-src 'sha256-{base64.b64encode(hashlib.sha256(STYLE.encode()).digest()).decode()}'", "frame-src 'self'")
 
 
 def esc(value: Any) -> str:
@@ -114,13 +120,24 @@ def gate_badge(registry: dict[str, Any] | None) -> str:
     return f'<span class="badge no">kept current</span> <span class="mono">{esc(registry.get("current"))}</span>'
 
 
-def objective_of(report: dict[str, Any]) -> tuple[str, Any]:
-    """The run's objective metric name and its test value (older reports: test_accuracy)."""
-    objective = report.get("objective") if isinstance(report.get("objective"), dict) else {}
-    metric = objective.get("metric") or ("accuracy" if "test_accuracy" in report else None)
-    value = objective.get("test") if objective.get("test") is not None else report.get(f"test_{metric}")
-    return metric or "", value
-
-
 def run_href(root: str, dag_id: str, run_id: str) -> str:
     return f"{root}/runs/{quote(dag_id, safe='')}/{quote(run_id, safe='')}"
+
+
+def pager(href: str, params: dict[str, str], number: int, per_page: int, total: int, noun: str, note: str = "") -> str:
+    """"<noun> 51–100 of 10,000" (and ``note``) with first/previous/next/last links to ``href``, the other ``params``
+    (filters) kept in each link; page ``number`` counts from 1."""
+    last = max(1, -(-total // per_page))
+    first_shown, last_shown = (number - 1) * per_page + 1, min(total, number * per_page)
+    count = f"{noun} {first_shown:,}–{last_shown:,} of {total:,}" if total else f"no {noun}"
+
+    def to(target: int, label: str, rel: str) -> str:
+        if target == number or not 1 <= target <= last:
+            return f"<span>{esc(label)}</span>"
+        query = urlencode({**params, "page": str(target)})
+        return f'<a href="{esc(href + "?" + query)}" rel="{rel}" data-stagewise-page="{target}">{esc(label)}</a>'
+
+    return (f"<div class='pager' data-stagewise-pager='{esc(noun)}' data-stagewise-total='{total}'>"
+            f"<span class='count'>{count}</span>{esc(note)}{to(1, '« first', 'first')}{to(number - 1, '‹ previous', 'prev')}"
+            f"<span>page {number:,} of {last:,}</span>{to(number + 1, 'next ›', 'next')}{to(last, 'last »', 'last')}"
+            "</div>")

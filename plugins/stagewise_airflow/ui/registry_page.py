@@ -1,18 +1,22 @@
-"""The model registry page (``/registry``): each model name's versions, the current one, its history and every card.
+"""The model registry page (``/registry``): each model name's versions, the current one, its history and the cards.
 
 Run: ``register(router, User)`` adds its route (``stagewise.airflow.ui.create_app``). A model shows to whoever may read
 the runs of one DAG that writes it (docs/airflow-ui.md).
+
+A model's versions show VERSIONS_PER_PAGE at a time, newest first, with their cards; ``?model=<name>&page=N`` pages
+that model ("versions 51–100 of 1,000"). Cards come through stagewise.registry.versions, which reads a card again
+only when its file changed.
 """
 
 from collections.abc import Iterable
 from typing import Any
 from urllib.parse import quote
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse
 
 from stagewise.airflow.ui.access import can_read_runs
-from stagewise.airflow.ui.layout import esc, fmt, link, page, params_text, run_href, table
+from stagewise.airflow.ui.layout import esc, fmt, link, page, pager, params_text, run_href, table
 from stagewise.airflow.ui.pipelines import pipelines
 from stagewise.airflow.ui.storage_access import (
     Storage,
@@ -25,12 +29,16 @@ from stagewise.airflow.ui.storage_access import (
 from stagewise.core.errors import DataError
 from stagewise.registry import model_names
 
+VERSIONS_PER_PAGE = 50
+HISTORY_SHOWN = 20  # the promotion history's latest versions; the line says how many earlier ones it leaves out
+
 
 def register(router: APIRouter, User: Any) -> None:  # noqa: N803 - the request's user, as FastAPI resolves it
     """Add the registry page to ``router``."""
 
     @router.get("/registry", response_class=HTMLResponse)
-    def registry_page(request: Request, user: User) -> HTMLResponse:
+    def registry_page(request: Request, user: User, model: str = "",
+                      number: int = Query(1, alias="page", ge=1)) -> HTMLResponse:
         from stagewise import registry
 
         root = request.scope.get("root_path", "")
@@ -107,10 +115,16 @@ def register(router: APIRouter, User: Any) -> None:  # noqa: N803 - the request'
                      f" · {esc(pointer.get('reason'))}</p>" if current else "<p class='sub'>No current version.</p>")
             chain = [*pointer.get("history", []), *([current] if current else [])]
             if chain:
+                earlier = len(chain) - HISTORY_SHOWN
                 body += ("<p class='sub'>Promotion history (oldest first): "
-                         + " → ".join(f"<span class='mono'>{esc(v)}</span>" for v in chain) + "</p>")
+                         + (f"{earlier:,} earlier versions → " if earlier > 0 else "")
+                         + " → ".join(f"<span class='mono'>{esc(v)}</span>" for v in chain[-HISTORY_SHOWN:]) + "</p>")
+            last = max(1, -(-len(cards) // VERSIONS_PER_PAGE))
+            shown_page = min(number, last) if name == model else 1  # the other models stay on their first page
+            cards_shown = cards[(shown_page - 1) * VERSIONS_PER_PAGE:shown_page * VERSIONS_PER_PAGE]
+            bar = pager(root + "/registry", {"model": name}, shown_page, VERSIONS_PER_PAGE, len(cards), "versions")
             rows = []
-            for card in cards:
+            for card in cards_shown:
                 objective = card.get("objective") or "accuracy"
                 source = str(card.get("source_run") or "")  # "<dag_id>/<run_id>"
                 source_dag, _, source_run = source.partition("/")
@@ -125,9 +139,9 @@ def register(router: APIRouter, User: Any) -> None:  # noqa: N803 - the request'
                              esc(card.get("registered_at")), esc(objective), fmt(card.get(f"test_{objective}")),
                              fmt(card.get(f"val_{objective}")), source_cell,
                              f"<a href='#card-{esc(name)}-{esc(version)}'>card</a>"])
-            body += table(["version", "registered", "objective", "test", "validation", "source run", "card"], rows,
-                          numeric=(3, 4), wide=True) if rows else "<p class='sub'>No version cards.</p>"
-            for card in cards:  # each version's card in full; the current one open
+            body += bar + table(["version", "registered", "objective", "test", "validation", "source run", "card"], rows,
+                                numeric=(3, 4), wide=True) + bar if rows else "<p class='sub'>No version cards.</p>"
+            for card in cards_shown:  # each listed version's card in full; the current one open
                 version = card.get("version")
                 details = table(["field", "value"], ([esc(k), params_text(v) if isinstance(v, dict) else fmt(v)]
                                                      for k, v in sorted(card.items())))

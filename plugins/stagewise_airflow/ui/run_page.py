@@ -13,12 +13,13 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
 
 from stagewise.airflow.ui.access import REPORT_CSP, REPORT_SANDBOX, can_read_runs
-from stagewise.airflow.ui.layout import esc, fmt, gate_badge, link, objective_of, page, params_text, run_href, table
+from stagewise.airflow.ui.layout import esc, fmt, gate_badge, link, page, params_text, run_href, table
 from stagewise.airflow.ui.pipelines import pipelines
 from stagewise.airflow.ui.storage_access import Storage, StorageProblem, path_segment, read_each, storages
 from stagewise.core import storage
 from stagewise.report import read_report
 from stagewise.reporting import assets
+from stagewise.reporting.listing import objective_of
 
 
 def mlflow_links(report: dict[str, Any]) -> str:

@@ -1,73 +1,169 @@
-"""The runs page (``/``): every run with a report under each pipeline's storage root, newest first.
+"""The runs page (``/``): every run with a report under each pipeline's storage root, newest first, a page at a time.
 
 Run: ``register(router, User)`` adds its route (``stagewise.airflow.ui.create_app``).
+
+``?pipeline=<name>&state=<state>&from=YYYY-MM-DD&to=YYYY-MM-DD&page=N&per_page=N``: filters by pipeline, by the
+state the report records (stagewise.reporting.listing.STATES) and by the UTC day the report was written (both ends
+included); the page says which runs of how many it shows ("runs 51–100 of 10,000") and its links keep the filters.
+The rows come from stagewise.reporting.listing, which reads a report again only when its file changed, so a page over
+10,000 reports costs their listing, not 10,000 reads. Counts are of the runs this user may read.
 """
 
+import datetime as dt
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse
 
 from stagewise.airflow.ui.access import can_read_runs
-from stagewise.airflow.ui.layout import esc, fmt, gate_badge, link, objective_of, page, run_href, table
-from stagewise.airflow.ui.pipelines import pipelines
+from stagewise.airflow.ui.layout import esc, fmt, gate_badge, link, page, pager, run_href, table
+from stagewise.airflow.ui.pipelines import Pipeline, pipelines
 from stagewise.airflow.ui.storage_access import StorageProblem, read_each, storage_error, storages
-from stagewise.report import list_reports, read_report
+from stagewise.reporting.listing import STATES, RunRow, run_rows
+
+PER_PAGE = 50
+MAX_PER_PAGE = 500
+
+
+@dataclass(frozen=True)
+class Filters:
+    """What the user asked to see; empty: everything."""
+
+    pipeline: str = ""
+    state: str = ""
+    start: dt.date | None = None
+    end: dt.date | None = None
+    per_page: int = PER_PAGE
+
+    def params(self) -> dict[str, str]:
+        """The filters as the query of a link (only those set), so paging keeps them."""
+        params = {"pipeline": self.pipeline, "state": self.state, "from": self.start.isoformat() if self.start else "",
+                  "to": self.end.isoformat() if self.end else "",
+                  "per_page": str(self.per_page) if self.per_page != PER_PAGE else ""}
+        return {key: value for key, value in params.items() if value}
+
+    def keeps(self, row: RunRow, dag_ids: frozenset[str] | None) -> bool:
+        if dag_ids is not None and row.dag_id not in dag_ids:
+            return False
+        if self.state and row.state != self.state:
+            return False
+        if self.start or self.end:
+            day = row.modified.date() if row.modified else None
+            if day is None or (self.start and day < self.start) or (self.end and day > self.end):
+                return False
+        return True
+
+
+def _day(value: str, name: str) -> dt.date | None:
+    if not value:  # the form sends an empty field for "any"
+        return None
+    try:
+        return dt.date.fromisoformat(value)
+    except ValueError:
+        raise HTTPException(400, f"{name}: {value!r} is not a day (YYYY-MM-DD)") from None
+
+
+def filters_of(pipeline: str, state: str, start: str, end: str, per_page: int) -> Filters:
+    if state and state not in STATES:
+        raise HTTPException(400, f"state: {state!r} is none of {', '.join(STATES)}")
+    return Filters(pipeline, state, _day(start, "from"), _day(end, "to"), per_page)
+
+
+def filter_form(root: str, chosen: Filters, names: list[str]) -> str:
+    """A GET form back to this page (no script): pipeline, state and the days, with a link that clears them."""
+
+    def options(values: list[str], current: str, blank: str) -> str:
+        return f"<option value=''>{esc(blank)}</option>" + "".join(
+            f"<option value='{esc(v)}'{' selected' if v == current else ''}>{esc(v)}</option>" for v in values)
+
+    per_page = f"<input type='hidden' name='per_page' value='{chosen.per_page}'>" if chosen.per_page != PER_PAGE else ""
+    return (f"<form class='filters' method='get' action='{esc(root + '/')}' data-stagewise-filters>"
+            f"<label>pipeline<select name='pipeline'>{options(names, chosen.pipeline, 'all')}</select></label>"
+            f"<label>state<select name='state'>{options(list(STATES), chosen.state, 'any')}</select></label>"
+            f"<label>reported from<input type='date' name='from' value='{esc(chosen.start or '')}'></label>"
+            f"<label>to<input type='date' name='to' value='{esc(chosen.end or '')}'></label>{per_page}"
+            f"<button type='submit'>Filter</button>"
+            + (f"<a href='{esc(root + '/')}'>clear filters</a>" if chosen.params() else "") + "</form>")
+
+
+def row_cells(root: str, row: RunRow, retired: bool) -> list[str]:
+    href = run_href(root, row.dag_folder, row.run_folder)
+    when = row.modified.strftime("%Y-%m-%d %H:%M UTC") if row.modified else ""
+    if row.error:
+        return [esc(row.dag_id), link(href, row.run_id), esc(when), "", "", "",
+                f'<span class="badge err">unreadable</span> {esc(row.error)}']
+    return [esc(row.dag_id) + (' <span class="badge">retired</span>' if retired else ""), link(href, row.run_id),
+            esc(when), esc(row.metric), fmt(row.value), fmt(row.sweep_best), gate_badge(row.registry)]
 
 
 def register(router: APIRouter, User: Any) -> None:  # noqa: N803 - the request's user, as FastAPI resolves it
     """Add the runs page to ``router``."""
 
     @router.get("/", response_class=HTMLResponse)
-    def runs(request: Request, user: User) -> HTMLResponse:
+    def runs(request: Request, user: User, pipeline: str = "", state: str = "",
+             start: str = Query("", alias="from"), end: str = Query("", alias="to"),
+             number: int = Query(1, alias="page", ge=1),
+             per_page: int = Query(PER_PAGE, ge=1, le=MAX_PER_PAGE)) -> HTMLResponse:
+        chosen = filters_of(pipeline, state, start, end, per_page)
         found = pipelines()
+        if chosen.pipeline and chosen.pipeline not in found:
+            raise HTTPException(400, f"pipeline: no pipeline named {chosen.pipeline!r}")
         places = storages(found)
         root = request.scope.get("root_path", "")
         allowed: dict[str, bool] = {}
 
-        def may_read(dag_id: str) -> bool:
+        def may_read(dag_id: str) -> bool:  # asked once per DAG and page: a handful, whatever the number of runs
             if dag_id not in allowed:
                 allowed[dag_id] = can_read_runs(user, dag_id)
             return allowed[dag_id]
 
-        listed = read_each(places, lambda place: [(entry, read_report(entry["uri"], entry["modified"]))
-                                                  for entry in list_reports(place.root)])
-        rows, entries, seen = [], [], set()
-        for place, result in listed.items():
+        def readable(of: Pipeline) -> bool:
+            return any(may_read(dag_id) for dag_id in of.dag_ids)
+
+        wanted = frozenset(found[chosen.pipeline].dag_ids) if chosen.pipeline else None
+        if chosen.pipeline:  # only the chosen pipeline's storage is read
+            places = [place for place in places if chosen.pipeline in place.names]
+        problems, rows, seen = [], [], set()
+        for place, result in read_each(places, lambda place: run_rows(place.root)).items():
             if isinstance(result, StorageProblem):  # in place of its runs, for whoever may read one of its DAGs
-                if any(may_read(dag_id) for name in place.names for dag_id in found[name].dag_ids):
-                    rows.append([esc(", ".join(place.names)), "", "", "", "", "", storage_error(place, result)])
+                if any(readable(found[name]) for name in place.names):
+                    problems.append(f"<p class='storage-problem'>{storage_error(place, result)}</p>")
                 continue
-            for entry, report in result:  # two connections to one root list the same runs
-                if entry["uri"] not in seen:
-                    seen.add(entry["uri"])
-                    entries.append((entry, report))
-        entries.sort(key=lambda pair: pair[0]["modified"].timestamp() if pair[0]["modified"] else 0.0, reverse=True)
-        for entry, report in entries:
-            dag_id = str(report.get("dag_id") or entry["dag_folder"])
-            if not may_read(dag_id):
-                continue
-            run_id = str(report.get("run_id") or entry["run_folder"])
-            href = run_href(root, entry["dag_folder"], entry["run_folder"])
-            metric, value = objective_of(report)
-            when = entry["modified"].strftime("%Y-%m-%d %H:%M UTC") if entry["modified"] else ""
-            if "_error" in report:
-                rows.append([esc(dag_id), link(href, run_id), esc(when), "", "", "", f'<span class="badge err">'
-                             f'unreadable</span> {esc(report["_error"])}'])
-                continue
-            best = (report.get("sweep") or {}).get("best_value") if isinstance(report.get("sweep"), dict) else None
-            retired = any(dag_id in pipeline.dag_ids and pipeline.retired for pipeline in found.values())
-            rows.append([esc(dag_id) + (' <span class="badge">retired</span>' if retired else ""), link(href, run_id),
-                         esc(when), esc(metric), fmt(value), fmt(best), gate_badge(report.get("registry"))])
+            for row in result:  # two connections to one root list the same runs
+                if row.uri not in seen:
+                    seen.add(row.uri)
+                    rows.append(row)
+        if len(places) > 1:  # each root's rows are newest first already
+            rows.sort(key=lambda row: row.modified.timestamp() if row.modified else 0.0, reverse=True)
+        visible = [row for row in rows if may_read(row.dag_id)]
+        shown = [row for row in visible if chosen.keeps(row, wanted)]
+        last = max(1, -(-len(shown) // chosen.per_page))
+        number = min(number, last)  # a page past the end (runs went away since the link was made): the last one
+        retired = {dag_id for of in found.values() if of.retired for dag_id in of.dag_ids}
+        cells = [row_cells(root, row, row.dag_id in retired)
+                 for row in shown[(number - 1) * chosen.per_page:number * chosen.per_page]]
+
         roots: dict[str, list[str]] = {}
-        for place in places:
+        for place in storages(found):
             roots.setdefault(place.root, []).extend(place.names)
         where = ", ".join(f"<code>{esc(storage_root)}/runs/</code> ({esc(', '.join(names))})"
                           for storage_root, names in roots.items())
+        if not where:
+            body = "<h1>Stagewise runs</h1><p class='sub'>Airflow holds no Stagewise pipeline's DAGs yet.</p>"
+            return page(request, "Runs", body, "runs", "runs")
         body = (f"<h1>Stagewise runs</h1><p class='sub'>Every run with a report under {where}, newest first. "
-                f"Open a run for its report.</p>" if where else
-                "<h1>Stagewise runs</h1><p class='sub'>Airflow holds no Stagewise pipeline's DAGs yet.</p>")
-        body += table(["DAG", "run", "reported", "objective", "test value", "sweep best", "gate"], rows, numeric=(4, 5),
-                      wide=True) \
-            if rows else "<p class='empty'>No run has written a report yet: trigger a pipeline's <code>&lt;name&gt;_pipeline</code> DAG.</p>"
+                f"Open a run for its report.</p>")
+        body += filter_form(root, chosen, sorted(name for name, of in found.items() if readable(of)))
+        body += "".join(problems)
+        bar = pager(root + "/", chosen.params(), number, chosen.per_page, len(shown), "runs",
+                    f"filtered from {len(visible):,}" if len(shown) != len(visible) else "")
+        if cells:
+            body += bar + table(["DAG", "run", "reported", "objective", "test value", "sweep best", "gate"], cells,
+                                numeric=(4, 5), wide=True) + bar
+        elif visible:
+            body += bar + "<p class='empty'>No run matches these filters.</p>"
+        else:
+            body += ("<p class='empty'>No run has written a report yet: trigger a pipeline's "
+                     "<code>&lt;name&gt;_pipeline</code> DAG.</p>")
         return page(request, "Runs", body, "runs", "runs")
