@@ -112,7 +112,7 @@ def sweep_parallel_speedup(rows: int = 0) -> dict[str, Any]:
         spans = {}
         with LiveAirflow(Path(tmp, "airflow"), REPO_ROOT / "dags", env=env) as live:
             for name, pool in config.pools.items():
-                live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": name, "slots": pool.slots,
+                live.api("POST", "/api/v2/pools", expect=(200, 201, 409), json={"name": name, "slots": pool.slots,
                                                                          "description": pool.description})
             live.wait_for_dag("ml_pipeline")
             live.unpause("ml_pipeline")

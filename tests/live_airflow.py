@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import pytest
 
+from stagewise.definitions.bookkeeping import BOOKKEEPING_POOL, DEFAULT_POOL
 from tests import run_cache
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -250,6 +251,8 @@ class LiveAirflow:
         self._wait_healthy()
         self._client = httpx.Client(base_url=self.base_url, timeout=API_TIMEOUT_S, trust_env=False,
                                     headers={"Authorization": f"Bearer {self._token()}"})
+        # As `make airflow-init` does for every pipeline: without it the light tasks would never be scheduled.
+        self.ensure_pool(BOOKKEEPING_POOL, DEFAULT_POOL["slots"])
 
     def kill(self, name: str) -> int:
         """SIGKILL one component's main process (not its children), as a crash would; returns its pid."""
@@ -411,6 +414,10 @@ class LiveAirflow:
         if self._client is None:
             raise LiveAirflowError("LiveAirflow is not started")
         return self._client
+
+    def ensure_pool(self, name: str, slots: int) -> None:
+        """Create pool ``name`` with ``slots`` unless it exists (then it keeps its slots)."""
+        self.api("POST", "/api/v2/pools", expect=(200, 201, 409), json={"name": name, "slots": slots})
 
     def api(self, method: str, path: str, expect: tuple[int, ...] = (200,), **kwargs: Any) -> httpx.Response:
         response = self._request(method, path, **kwargs)

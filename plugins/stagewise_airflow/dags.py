@@ -34,6 +34,7 @@ from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, Param, d
 
 from stagewise.airflow import steps, wiring
 from stagewise.airflow.params import inference_params, pipeline_params
+from stagewise.definitions.bookkeeping import BOOKKEEPING
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.last_valid import LastValid
 from stagewise.definitions.pipelines import PipelineFile, Resolved, last_valid, resolve
@@ -140,9 +141,9 @@ def batch_inference_dag(pipeline: PipelineFile, config: PipelineConfig, refusal:
     def batch_inference() -> None:
         run = _start(config, path, "inference", refusal)
         model = task(steps.resolve_model, task_id="resolve_model",
-                     **{**wiring.knobs(config, config.preprocess.profile), "retries": 0})(run)
+                     **{**wiring.knobs(config, BOOKKEEPING), "retries": 0})(run)
         inferred = wiring.inference_chain(config, run, model)
-        task(steps.write_inference_report, task_id="report", **wiring.knobs(config, config.preprocess.profile))(
+        task(steps.write_inference_report, task_id="report", **wiring.knobs(config, BOOKKEEPING))(
             run, model, inferred["scored"], inferred["predictions"])
 
     return _with_params(batch_inference(), inference_params(config))
@@ -156,7 +157,7 @@ def ingest_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str | No
          doc_md=_doc(INGEST_DOC.format(name=pipeline.name, asset=asset.name, path=path), retired),
          **wiring.dag_settings(config, pipeline.name, "data"))
     def ingest() -> None:
-        knobs = wiring.knobs(config, config.preprocess.profile)
+        knobs = wiring.knobs(config, BOOKKEEPING)
         if refusal is None:
             task(steps.ingest, task_id="ingest", outlets=[asset], **knobs)(path)
         else:
@@ -218,7 +219,7 @@ def _start(config: PipelineConfig, config_file: str, mode: str, refusal: str | N
     last valid shape, so running runs finish, and a new run's first task fails naming the file and key, no retry."""
     if refusal is None:
         return wiring.start(config, config_file, mode=mode)
-    return task(_fail_with, task_id="start_run", **{**wiring.knobs(config, config.preprocess.profile), "retries": 0})(
+    return task(_fail_with, task_id="start_run", **{**wiring.knobs(config, BOOKKEEPING), "retries": 0})(
         refusal)
 
 

@@ -12,6 +12,7 @@ from airflow.sdk import Asset, task
 
 from stagewise.airflow import shard_steps, steps
 from stagewise.airflow.profiles import task_kwargs
+from stagewise.definitions.bookkeeping import BOOKKEEPING
 from stagewise.definitions.config import PipelineConfig
 
 # Names of mapped task instances in the grid (Jinja over the task's expanded kwargs; rendered before the body runs).
@@ -90,14 +91,14 @@ def raw_data_asset(config: PipelineConfig) -> Asset:
 
 def start(config: PipelineConfig, config_file: str, mode: str = "pipeline") -> Any:
     """Validates the conf against the DAG's own ``config_file``: a bad one is the user's to fix, so no retry; it runs
-    where bookkeeping runs."""
+    with the bookkeeping profile, as every light task does (stagewise.definitions.bookkeeping)."""
     return task(steps.start_run, task_id="start_run",
-                **{**knobs(config, config.preprocess.profile), "retries": 0})(mode, config_file)
+                **{**knobs(config, BOOKKEEPING), "retries": 0})(mode, config_file)
 
 
 def preprocess(config: PipelineConfig, run: Any) -> dict[str, Any]:
     """plan_shards -> preprocess_stats[shard] -> reduce_stats -> preprocess_transform[shard] -> commit_preprocess."""
-    bookkeeping = knobs(config, config.preprocess.profile)
+    bookkeeping = knobs(config, BOOKKEEPING)
     shards = task(shard_steps.plan_shards, task_id="plan_shards", **bookkeeping)(run)
     stats = task(shard_steps.preprocess_stats, task_id="preprocess_stats", map_index_template=SHARD_FILE_NAME,
                  **knobs(config, config.preprocess.profile)).partial(
@@ -112,8 +113,10 @@ def preprocess(config: PipelineConfig, run: Any) -> dict[str, Any]:
 
 def sweep(config: PipelineConfig, run: Any, data: dict[str, Any]) -> dict[str, Any]:
     """create_study -> sweep_worker[i] (trials in parallel on one shared study) -> sweep_summary (the best params)."""
-    bookkeeping = knobs(config, config.preprocess.profile)
-    worker_ids = task(steps.create_study, task_id="create_study", **bookkeeping)(run, data["prepared"])
+    bookkeeping = knobs(config, BOOKKEEPING)
+    # Drawing the sweep's data subsets is a sub-job over the data: then create_study is work, in the compute pool.
+    creating = knobs(config, config.preprocess.profile) if config.sweep.needs_subsets else bookkeeping
+    worker_ids = task(steps.create_study, task_id="create_study", **creating)(run, data["prepared"])
     workers = task(steps.sweep_worker, task_id="sweep_worker", map_index_template=SWEEP_WORKER_NAME,
                    **knobs(config, config.sweep.profile)).partial(
         run=run).expand(worker=worker_ids)
@@ -144,7 +147,7 @@ def train_stages(config: PipelineConfig, run: Any, swept: dict[str, Any]) -> dic
 
 def evaluate_and_gate(config: PipelineConfig, run: Any, swept: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
     """evaluate -> register_model -> gate_model: the last stage's model on the test split, registered, promoted if better."""
-    bookkeeping = knobs(config, config.preprocess.profile)
+    bookkeeping = knobs(config, BOOKKEEPING)
     final = trained["trained"][-1]
     evaluation = task(steps.evaluate, task_id="evaluate", **knobs(config, config.evaluate.profile))(run, final)
     registered = task(steps.register_model, task_id="register_model", **bookkeeping)(run, final, evaluation, swept["swept"])
@@ -154,7 +157,7 @@ def evaluate_and_gate(config: PipelineConfig, run: Any, swept: dict[str, Any], t
 
 def inference_chain(config: PipelineConfig, run: Any, model: Any) -> dict[str, Any]:
     """plan -> infer_shard[*] -> commit, scoring with ``model`` (a dict holding model_uri and version)."""
-    bookkeeping = knobs(config, config.preprocess.profile)
+    bookkeeping = knobs(config, BOOKKEEPING)
     shards = task(shard_steps.plan_inference, task_id="plan_inference", **bookkeeping)(run, model)
     scored = task(shard_steps.infer_shard, task_id="infer_shard", map_index_template=INFERENCE_SHARD_NAME,
                   **knobs(config, config.inference.profile)).partial(
@@ -166,4 +169,4 @@ def inference_chain(config: PipelineConfig, run: Any, model: Any) -> dict[str, A
 def report(config: PipelineConfig, run: Any, *phases: dict[str, Any]) -> Any:
     """The run's report.json from every phase's results (see stagewise.report)."""
     results = {name: value for phase in phases for name, value in phase.items()}
-    return task(steps.write_report, task_id="report", **knobs(config, config.preprocess.profile))(run, **results)
+    return task(steps.write_report, task_id="report", **knobs(config, BOOKKEEPING))(run, **results)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from stagewise.core.contract import STAGE_VALUES
 from stagewise.core.errors import UserError
+from stagewise.definitions.bookkeeping import BOOKKEEPING, with_bookkeeping
 from stagewise.definitions.caching import Cache
 from stagewise.definitions.hyperparams import (
     BUILTIN_SPEC,
@@ -122,6 +123,9 @@ class Profile(_Strict):
     pool: str = Field("default_pool", description="Airflow pool that bounds concurrent use of this resource.")
     pool_slots: int = Field(1, ge=1, le=100_000, description="Pool slots one task of this profile takes (at most 100000).")
     queue: str = Field("default", description="Executor queue (Celery queue / instance type).")
+    priority_weight: int = Field(1, ge=1, le=1_000_000, description="Airflow priority_weight of the profile's tasks (at most 1000000); higher runs first.")
+    weight_rule: Literal["downstream", "upstream", "absolute"] = Field(
+        "absolute", description="'absolute': priority_weight alone (older runs first); 'downstream' adds every downstream task's, the light tasks' too.")
     retries: int = Field(1, ge=0, le=20, description="Airflow retries after an infrastructure failure (at most 20).")
     retry_delay_s: float = Field(5.0, ge=0, le=86_400, description="Seconds before the first retry (at most a day, 86400).")
     retry_backoff: float = Field(2.0, ge=1.0, le=100, description="Multiplier of the retry delay per further retry (at most 100).")
@@ -944,7 +948,7 @@ class PipelineConfig(_Strict):
     dataset: Dataset = Field(description="The input table.")
     model: Model = Field(default_factory=Model, description="The model spec every stage trains, evaluates and serves.")
     objective: Objective = Field(default_factory=Objective, description="The metric and direction that decide what is better.")
-    profiles: dict[str, Profile] = Field(min_length=1, description="Named instance profiles.")
+    profiles: dict[str, Profile] = Field(min_length=1, description="Named instance profiles; 'bookkeeping' (defaults filled in) runs the light tasks.")
     pools: dict[str, Pool] = Field(default_factory=dict, description="Pools to create if missing (`make airflow-init`); existing pools keep their slots.")
     preprocess: Preprocess = Field(description="Sharded cleaning, statistics, normalisation and split.")
     sweep: Sweep = Field(description="The Optuna sweep.")
@@ -1036,9 +1040,15 @@ class PipelineConfig(_Strict):
         """The test metric the gate compares."""
         return self.registry.gate_metric or f"test_{self.objective.metric}"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bookkeeping_profile(cls, raw: Any) -> Any:
+        return with_bookkeeping(raw)  # light tasks get their own pool and weight (stagewise.definitions.bookkeeping)
+
     @model_validator(mode="after")
     def _profiles_exist(self) -> PipelineConfig:
         used = {
+            "bookkeeping tasks": BOOKKEEPING,
             "preprocess.profile": self.preprocess.profile,
             "sweep.profile": self.sweep.profile,
             "evaluate.profile": self.evaluate.profile,
