@@ -18,14 +18,18 @@ from stagewise.core.errors import DataError, UserError
 from stagewise.definitions.loading import config_path, load_config
 from stagewise.definitions.pipelines import dag_id, name_of
 from stagewise.reporting import html as report_html
+from stagewise.reporting import timeline
 
 log = logging.getLogger("stagewise.report")
 
 
-def stage_timing(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+def stage_timing(results: dict[str, list[dict[str, Any]]],
+                 tasks: list[dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """Per stage: summed sub-job seconds (``duration_s``: the work), summed task seconds (``task_s``: from Airflow's
-    start of each task to its result, start-up included; where every task gave it), the highest attempt, and the number
-    of sub-jobs."""
+    start of each task to its result, start-up included; where every task gave it), summed seconds its tasks waited
+    to start once they could (``wait_s``: for a pool slot, an executor slot or the scheduler; from ``tasks``, the run's
+    attempts by stagewise.reporting.timeline.records), the highest attempt, and the number of sub-jobs."""
+    waited = timeline.stage_waits(tasks or [])
     stages = {}
     for stage, items in results.items():
         items = [item for item in items if item]
@@ -35,6 +39,8 @@ def stage_timing(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str
                          "attempt": max(int(i.get("attempt", 1)) for i in items), "num_tasks": len(items)}
         if all(i.get("task_s") is not None for i in items):
             stages[stage]["task_s"] = round(sum(float(i["task_s"]) for i in items), 3)
+        if stage in waited:
+            stages[stage]["wait_s"] = waited[stage]
     return stages
 
 
@@ -57,7 +63,7 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
         "run_id": run_id,
         "run_prefix": out,
         "config": config or {},
-        "stages": stage_timing(stage_results),
+        "stages": stage_timing(stage_results, tasks),
         "data": {"rows": preprocess.get("rows"), "rows_dropped": preprocess.get("rows_dropped"),
                  "manifest_uri": preprocess.get("manifest_uri"), "fingerprint": preprocess.get("fingerprint")},
         "reused": reused or {},
@@ -112,7 +118,7 @@ def build_inference_report(*, dag_id: str, run_id: str, out: str, model: dict[st
     quarantined; ``tasks``: the run's task attempts (stagewise.reporting.timeline); ``config``: its config snapshot;
     ``tracking``: the MLflow model version it scored with, when the registry is MLflow's."""
     report = {"dag_id": dag_id, "run_id": run_id, "run_prefix": out, "config": config or {},
-              "stages": stage_timing(stage_results),
+              "stages": stage_timing(stage_results, tasks),
               "model_version": model["current"], "model_uri": model["model_uri"],
               "predictions": {"uri": predictions.get("uri"), "rows": predictions.get("rows"),
                               "rows_quarantined": predictions.get("rows_quarantined", 0)}, "tasks": tasks or []}
@@ -161,10 +167,20 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                      f" ({registry['reason']})")
     lines.append(f"  predictions: {report['predictions']['rows']} rows by {report['predictions'].get('model_version')}, "
                  f"{report['predictions'].get('rows_quarantined', 0)} quarantined, at {report['predictions']['uri']}")
-    lines.append("  stage seconds (with start-up): " + ", ".join(
-        f"{name} {info['duration_s']:.1f}" + (f" ({info['task_s']:.1f})" if info.get("task_s") is not None else "")
-        for name, info in stages.items()))
+    lines.append(stage_seconds_line(stages))
     return lines
+
+
+def stage_seconds_line(stages: dict[str, dict[str, Any]]) -> str:
+    """Each stage's own seconds, then in brackets with start-up and the seconds it waited to start (where known)."""
+    def brackets(info: dict[str, Any]) -> str:
+        parts = [f"{info['task_s']:.1f}"] if info.get("task_s") is not None else []
+        parts += [f"waited {info['wait_s']:.1f}"] if info.get("wait_s") is not None else []
+        return f" ({', '.join(parts)})" if parts else ""
+
+    waited = sum(info.get("wait_s") or 0.0 for info in stages.values())
+    return (f"  stage seconds (with start-up, waited to start; {waited:.1f} s waiting in all): "
+            + ", ".join(f"{name} {info['duration_s']:.1f}{brackets(info)}" for name, info in stages.items()))
 
 
 MAX_RUNS = 500  # listed newest first; older reports stay in storage and are reachable by URL

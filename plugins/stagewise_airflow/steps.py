@@ -118,15 +118,27 @@ def _record_attempt(context: Any, state: str, ended: bool, result: Any = None) -
             config = _cached_config(str(config_path()))
             out = storage.run_prefix(config.storage_root, context["dag"].dag_id, context["run_id"])
         start = timeline.iso(ti.start_date) if getattr(ti, "start_date", None) else None
+        upstream, ready = _readiness(context)
         with credentials.exported(credentials.task_environment(config)):
             timeline.record(out, task_id=ti.task_id, map_index=ti.map_index, try_number=ti.try_number, state=state,
-                            start=start, end=timeline.iso() if ended else None)
+                            start=start, end=timeline.iso() if ended else None, upstream=upstream, ready=ready)
             if state == "failed" and config.tracking.mlflow_uri:
                 from stagewise.tracking.runs import fail_parent
 
                 fail_parent(config, out, ti.task_id)
     except Exception as exc:  # the timeline is a view of the run, never a reason to fail it
         logging.getLogger("stagewise.timeline").warning("could not record %s of %s: %s", state, ti.task_id, exc)
+
+
+def _readiness(context: Any) -> tuple[list[str] | None, str | None]:
+    """The attempt's upstream task ids and, for a task without any, its run's start: what the report measures its
+    wait to start from (Airflow's task runtime exposes no queued time)."""
+    from stagewise.reporting import timeline
+
+    task = getattr(context["ti"], "task", None)
+    upstream = sorted(task.upstream_task_ids) if task is not None else None
+    started = getattr(context.get("dag_run"), "start_date", None)
+    return upstream, timeline.iso(started) if upstream == [] and started is not None else None
 
 
 def timeline_hooks() -> dict[str, Any]:

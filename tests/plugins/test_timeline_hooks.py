@@ -86,3 +86,19 @@ def test_a_tasks_seconds_count_from_airflows_start_of_the_attempt():
     started = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=4.5)
     assert 4.5 <= task_seconds({"ti": SimpleNamespace(start_date=started)}) < 60
     assert task_seconds({"ti": SimpleNamespace(start_date=None)}) is None
+
+
+def test_an_attempt_records_its_upstream_tasks_and_a_first_task_its_runs_start(configured):
+    """What the report measures waiting from: a task's upstream task ids, and for one without any its run's start."""
+    started = dt.datetime(2026, 1, 1, 9, 59, 30, tzinfo=dt.UTC)
+    hooks = steps.timeline_hooks()
+    for task_id, upstream in (("plan_shards", {"start_run"}), ("lonely", set())):
+        context = _context(task_id, -1, 1)
+        context["ti"].task = SimpleNamespace(upstream_task_ids=upstream)
+        context["dag_run"] = SimpleNamespace(start_date=started)
+        hooks["pre_execute"](context)
+        hooks["post_execute"](context, {"rows": 1})
+    found = {r["task_id"]: r for r in timeline.records(configured)}
+    assert (found["plan_shards"]["upstream"], found["plan_shards"]["ready"]) == (["start_run"], None)
+    assert (found["lonely"]["upstream"], found["lonely"]["ready"]) == ([], "2026-01-01T09:59:30+00:00")
+    assert found["lonely"]["wait_s"] == 30.0

@@ -144,3 +144,34 @@ def test_the_report_says_how_many_train_rows_an_epoch_left_out(tmp_path):
     assert report["training"][1]["rows_per_epoch"] == {"trained": 1024, "train": 1120}
     s1, s2 = [line for line in summary_lines(report) if line.startswith("  train ")]
     assert "left out" not in s1 and s2.endswith(", 96 of 1120 train rows left out per epoch (8.6%)")
+
+
+def test_each_stage_reports_the_seconds_its_tasks_waited_to_start():
+    """wait_s per stage sums its tasks' waits from the run's timeline (a pool slot, the scheduler), beside duration_s
+    and task_s; a stage none of whose waits is known has no wait_s."""
+    tasks = [{"task_id": "preprocess_stats", "wait_s": 40.0}, {"task_id": "commit_preprocess", "wait_s": 2.5},
+             {"task_id": "train_s1", "wait_s": None}, {"task_id": "start_run", "wait_s": 1.0}]
+    timing = stage_timing({"preprocess": [{"duration_s": 1.0, "task_s": 5.5}], "train_s1": [{"duration_s": 10.0}]}, tasks)
+    assert timing["preprocess"] == {"duration_s": 1.0, "task_s": 5.5, "wait_s": 42.5, "attempt": 1, "num_tasks": 1}
+    assert "wait_s" not in timing["train_s1"]
+
+
+def test_the_summary_line_shows_each_stages_wait_and_the_whole_runs(tmp_path):
+    """The stage-seconds line gives the work, the seconds with start-up and the seconds waited per stage, and the
+    waiting of every stage together; report.json keeps each attempt's wait_s in its task list."""
+    from stagewise.reporting import timeline
+
+    out = str(tmp_path)
+    timeline.record(out, task_id="start_run", map_index=-1, try_number=1, state="success",
+                    start="2026-01-01T10:00:03+00:00", end="2026-01-01T10:00:05+00:00", upstream=[],
+                    ready="2026-01-01T10:00:00+00:00")
+    timeline.record(out, task_id="preprocess_stats", map_index=0, try_number=1, state="success",
+                    start="2026-01-01T10:01:05+00:00", end="2026-01-01T10:01:09+00:00", upstream=["start_run"])
+    inputs = _inputs(out)
+    inputs["stage_results"]["preprocess"][0]["task_s"] = 3.0
+    inputs["stage_results"]["preprocess"][1]["task_s"] = 4.0
+    report = storage.read_json(build_report(**inputs, tasks=timeline.records(out))["report_uri"])
+    assert report["stages"]["preprocess"]["wait_s"] == 60.0
+    assert [task["wait_s"] for task in report["tasks"]] == [3.0, 60.0]
+    [line] = [line for line in summary_lines(report) if line.startswith("  stage seconds")]
+    assert "60.0 s waiting in all" in line and "preprocess 3.5 (7.0, waited 60.0)" in line and line.endswith("train_s1 10.0")
