@@ -38,8 +38,8 @@ def test_dag_file_imports_without_heavy_modules(path, tmp_path):
 
 
 def test_dagbag_holds_every_default_pipelines_family_without_import_errors(monkeypatch):
-    """Airflow's own parser loads the checkout's pipelines (pipeline.yaml and examples/) side by side: four DAGs
-    each, named <pipeline>_<kind>, each tagged with its pipeline's name, and no import error."""
+    """Airflow's own parser loads the checkout's pipelines (pipeline.yaml and examples/) side by side: five DAGs
+    each (stagewise.definitions.pipelines.KINDS, maintenance the fifth), named <pipeline>_<kind>, each tagged with its pipeline's name, and no import error."""
     from airflow.dag_processing.dagbag import DagBag
 
     monkeypatch.delenv("STAGEWISE_PIPELINES", raising=False)
@@ -47,7 +47,7 @@ def test_dagbag_holds_every_default_pipelines_family_without_import_errors(monke
     bag = DagBag(dag_folder=str(REPO_ROOT / "dags"))
     assert bag.import_errors == {}
     names = ("ml", "digits_cnn", "diabetes", "ddp_tutorial", "token_transformer", "decoder")
-    kinds = ("pipeline", "retrain", "batch_inference", "ingest")
+    kinds = ("pipeline", "retrain", "batch_inference", "ingest", "maintenance")
     assert set(bag.dag_ids) == {f"{name}_{kind}" for name in names for kind in kinds}
     for name in names:
         for kind in kinds:

@@ -31,12 +31,13 @@ def test_a_tasks_process_builds_only_the_dag_it_runs_and_loads_no_other_config(t
     assert "train_s2" in namespace["fraud_retrain"].task_ids
 
 
-KINDS = ("pipeline", "retrain", "batch_inference", "ingest")
+KINDS = ("pipeline", "retrain", "batch_inference", "ingest", "maintenance")
+FIRST_TASK = {"ingest": "ingest", "maintenance": "apply_retention"}  # the others start with start_run
 
 
 def _first_task_fails(dag) -> bool:
     """Whether the DAG's first task is the refusal (fails naming the error) rather than the real start."""
-    first = dag.get_task("ingest" if dag.dag_id.endswith("_ingest") else "start_run")
+    first = dag.get_task(next((task for kind, task in FIRST_TASK.items() if dag.dag_id.endswith(f"_{kind}")), "start_run"))
     return first.python_callable.__name__ == "_fail_with"
 
 
@@ -63,7 +64,7 @@ def test_a_config_that_never_loaded_or_clashes_first_time_gets_failing_dags_of_i
     folder = _folder(tmp_path, storage_root, {"good": {}, "bad": {"sweeep": {}}, "twin_a": shared, "twin_b": shared})
     os.utime(folder / "twin_b.yaml", (2e9, 2e9))  # written after twin_a: twin_b introduced the clash
     namespace = _build(folder, monkeypatch)
-    assert len(namespace) == 16
+    assert len(namespace) == 4 * len(KINDS)
     assert "train_s1" in namespace["good_pipeline"].task_ids and not _first_task_fails(namespace["good_pipeline"])
     assert "train_s1" in namespace["twin_a_pipeline"].task_ids and not _first_task_fails(namespace["twin_a_pipeline"])
     for name, reason in (("bad", "sweeep: unknown key"), ("twin_b", "registry.model_name 'shared'")):
