@@ -22,7 +22,7 @@ ENV STAGEWISE_HOME=/opt/stagewise \
     STAGEWISE_CONFIG=/opt/stagewise/pipeline.yaml \
     AIRFLOW_HOME=/opt/airflow \
     AIRFLOW__CORE__DAGS_FOLDER=/opt/stagewise/dags \
-    AIRFLOW__CORE__PLUGINS_FOLDER=/opt/stagewise/plugins \
+    AIRFLOW__CORE__PLUGINS_FOLDER=/opt/airflow/plugins \
     AIRFLOW__CORE__LOAD_EXAMPLES=False
 RUN useradd --create-home --uid 50000 airflow && mkdir -p /opt/airflow /opt/stagewise/storage /opt/stagewise/.stagewise \
  && chown -R airflow /opt/airflow /opt/stagewise/storage /opt/stagewise/.stagewise

@@ -6,7 +6,10 @@ export STAGEWISE_HOME
 export PATH="$STAGEWISE_HOME/.venv/bin:$PATH"
 export AIRFLOW_HOME="${AIRFLOW_HOME:-$STAGEWISE_HOME/.airflow}"
 export AIRFLOW__CORE__DAGS_FOLDER="${AIRFLOW__CORE__DAGS_FOLDER:-$STAGEWISE_HOME/dags}"
-export AIRFLOW__CORE__PLUGINS_FOLDER="${AIRFLOW__CORE__PLUGINS_FOLDER:-$STAGEWISE_HOME/plugins}"
+# Airflow's own default, not the checkout's plugins/: the UI plugin comes from the package's entry point, and a plugins
+# folder holding stagewise_airflow/ needs a glob .airflowignore, which Airflow 3.3 compiles with pathspec's deprecated
+# GitWildMatchPattern: a DeprecationWarning in every task log.
+export AIRFLOW__CORE__PLUGINS_FOLDER="${AIRFLOW__CORE__PLUGINS_FOLDER:-$AIRFLOW_HOME/plugins}"
 export AIRFLOW__CORE__LOAD_EXAMPLES="${AIRFLOW__CORE__LOAD_EXAMPLES:-False}"
 export AIRFLOW__CORE__EXECUTOR="${AIRFLOW__CORE__EXECUTOR:-LocalExecutor}"
 export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-sqlite:///$AIRFLOW_HOME/airflow.db}"

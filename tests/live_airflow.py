@@ -133,11 +133,12 @@ class LiveAirflowError(AssertionError):
 class LiveAirflow:
     """An isolated Airflow (SQLite, LocalExecutor) started as subprocesses; a context manager.
 
-    ``env`` is applied last, so it can override any setting (``AIRFLOW__SECTION__KEY``) chosen here.
+    ``env`` is applied last, so it can override any setting (``AIRFLOW__SECTION__KEY``) chosen here. ``plugins_folder``
+    None: Airflow's default under its home, as scripts/airflow_env.sh (the UI plugin comes from its entry point).
     """
 
     def __init__(self, tmp_dir: str | os.PathLike, dags_folder: str | os.PathLike, env: dict[str, str] | None = None,
-                 *, plugins_folder: str | os.PathLike | None = REPO_ROOT / "plugins", parallelism: int = 4,
+                 *, plugins_folder: str | os.PathLike | None = None, parallelism: int = 4,
                  startup_timeout: float = 120.0, stop_grace: float = 10.0) -> None:
         if parallelism < 2:
             raise ValueError("parallelism must be >= 2 so tasks can run side by side")

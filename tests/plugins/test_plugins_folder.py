@@ -1,10 +1,12 @@
-"""Airflow's plugin loader imports every .py file under plugins/ as a top-level module named after the file;
-plugins/.airflowignore keeps it away from the stagewise.airflow package (imported by its own name). The UI plugin
-comes from the package's airflow.plugins entry point, as it does for a team that pip-installed Stagewise."""
+"""Airflow's plugin loader imports every .py file under its plugins folder as a top-level module named after the file.
+Our setups point that folder at $AIRFLOW_HOME/plugins; for one still pointed at the checkout's plugins/,
+plugins/.airflowignore keeps the loader away from the stagewise.airflow package (imported by its own name). The UI
+plugin comes from the package's airflow.plugins entry point, as it does for a team that pip-installed Stagewise."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -48,3 +50,39 @@ def test_the_ui_plugin_loads_once_from_the_entry_point_without_importing_its_pag
     found = _load_plugins(subprocess_env)
     assert found["errors"] == {} and found["plugins"] == ["stagewise_ui"]
     assert found["ui_imported"] == []
+
+
+# Plugin loading as a task process does it, every warning recorded (Airflow's own filters would show some only once).
+WARNINGS_PROBE = """
+import json, warnings
+from airflow import plugins_manager
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    plugins, errors = plugins_manager._get_plugins()
+print(json.dumps({"plugins": sorted(p.name for p in plugins), "errors": errors,
+                  "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}))
+"""
+
+
+def _probe_warnings(tmp_path, plugins_folder: str | None = None) -> dict:
+    """The probe run in `make up`'s environment (scripts/airflow_env.sh sourced, a fresh Airflow home), optionally with
+    another plugins folder."""
+    setting = f"export AIRFLOW__CORE__PLUGINS_FOLDER={plugins_folder} && " if plugins_folder else ""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    env["AIRFLOW_HOME"] = str(tmp_path / "home")
+    done = subprocess.run(["bash", "-c", f'{setting}. scripts/airflow_env.sh && exec python -c "$0"', WARNINGS_PROBE],
+                          env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_loading_plugins_puts_no_warning_into_a_task_log(tmp_path):
+    """Every task process loads plugins. With make up's settings the plugins folder is Airflow's default under its home,
+    so no .airflowignore is compiled through pathspec's deprecated GitWildMatchPattern (the DeprecationWarning that
+    every task log carried while the folder was the checkout's plugins/, which the second probe shows), and the UI
+    plugin still comes from its entry point."""
+    found = _probe_warnings(tmp_path)
+    assert found["errors"] == {} and found["plugins"] == ["stagewise_ui"]
+    assert found["warnings"] == []
+    old = _probe_warnings(tmp_path, str(REPO_ROOT / "plugins"))
+    assert any("GitWildMatchPattern" in warning for warning in old["warnings"]), old
