@@ -90,21 +90,22 @@ def plan_runs(policy: Retention, runs: list[Run], now: dt.datetime) -> list[Remo
         if run.state == FINISHED and not run.protected:
             finished.setdefault(run.dag_folder, []).append(run)
     for group in finished.values():
-        group.sort(key=started, reverse=True)
+        began = {run.ref: started(run) for run in group}
+        group.sort(key=lambda run: began[run.ref], reverse=True)
         for rank, run in enumerate(group):
-            plan.extend(_finished(policy, run, rank, now))
+            plan.extend(_finished(policy, run, rank, began[run.ref], now))
     for run in runs:
         if run.state == FAILED and not run.protected:
             plan.extend(_failed(policy, run, now))
     return plan
 
 
-def _finished(policy: Retention, run: Run, rank: int, now: dt.datetime) -> list[Removal]:
-    age = now - started(run)
-    if _older(now, started(run), policy.keep_records_days):
+def _finished(policy: Retention, run: Run, rank: int, began: dt.datetime, now: dt.datetime) -> list[Removal]:
+    age = now - began
+    if _older(now, began, policy.keep_records_days):
         return [_whole(run, f"finished run started {_days(age)} ago, past keep_records_days {policy.keep_records_days}")]
     beyond_count = policy.keep_runs is not None and rank >= policy.keep_runs
-    if beyond_count or _older(now, started(run), policy.keep_runs_days):
+    if beyond_count or _older(now, began, policy.keep_runs_days):
         reason = (f"finished run beyond the newest keep_runs {policy.keep_runs} of its DAG (number {rank + 1})"
                   if beyond_count else f"finished run started {_days(age)} ago, past keep_runs_days {policy.keep_runs_days}")
         found = _removal(RUN_FILES, run, reason + "; its record stays", (e for e in run.files if not is_record(e)))
@@ -112,7 +113,7 @@ def _finished(policy: Retention, run: Run, rank: int, now: dt.datetime) -> list[
     steps: list[tuple[str, Callable[[Entry], bool], int | None, str]] = [
         (CHECKPOINTS, is_checkpoint, policy.checkpoints_days, "checkpoints_days"),
         (PREDICTIONS, is_prediction, policy.predictions_days, "predictions_days")]
-    plan = [found for what, test, days, key in steps if _older(now, started(run), days)
+    plan = [found for what, test, days, key in steps if _older(now, began, days)
             and (found := _removal(what, run, f"finished run started {_days(age)} ago, past {key} {days}",
                                    (e for e in run.files if test(e))))]
     pending = [e for e in run.files if is_pending(e) and _older(now, e.modified, policy.pending_tracking_days)]
