@@ -49,14 +49,16 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
                  evaluation: dict[str, Any], predictions: dict[str, Any], registry: dict[str, Any],
                  direction: str | None = None, tasks: list[dict[str, Any]] | None = None,
                  config: dict[str, Any] | None = None, tracking: dict[str, Any] | None = None,
-                 reused: dict[str, str] | None = None, data_interval: dict[str, Any] | None = None) -> dict[str, Any]:
+                 reused: dict[str, str] | None = None, data_interval: dict[str, Any] | None = None,
+                 dropped: dict[str, Any] | None = None) -> dict[str, Any]:
     """Assemble report.json, write report.html and then report.json (the commit); returns their URIs and headline numbers.
 
     ``direction``: the objective's (minimize or maximize); ``tasks``: the run's task attempts (stagewise.reporting.timeline);
     ``config``: the run's config snapshot (``config_uri``, ``config_hash``, ``config_source``); ``tracking``: the MLflow
     run's and model version's pages and the tracking gaps (stagewise.tracking.runs.links), when tracking is on;
     ``reused``: ``{step: "<dag_id>/<run_id>"}`` for work another run did (stagewise.reuse); ``data_interval``: the
-    interval the run's input was read for (start, end, logical date), when its dataset.uri names one.
+    interval the run's input was read for (start, end, logical date), when its dataset.uri names one; ``dropped``: the
+    files only a resume reads, dropped once the run succeeded (stagewise.reuse.leftovers.drop_finished).
     """
     report = {
         "dag_id": dag_id,
@@ -89,6 +91,8 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
     }
     if tracking is not None:
         report["tracking"] = tracking
+    if dropped is not None:
+        report["dropped"] = dropped
     if "test_accuracy" in evaluation:  # the design notes' headline for classifiers; a regressor has none
         report["test_accuracy"] = evaluation["test_accuracy"]
     if "test_baseline_rmse" in evaluation:
@@ -167,6 +171,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                      f" ({registry['reason']})")
     lines.append(f"  predictions: {report['predictions']['rows']} rows by {report['predictions'].get('model_version')}, "
                  f"{report['predictions'].get('rows_quarantined', 0)} quarantined, at {report['predictions']['uri']}")
+    if (dropped := report.get("dropped")) is not None:
+        lines.append(f"  dropped after success: {len(dropped.get('files') or [])} file(s) only a resume reads "
+                     f"(checkpoints, hand-offs, the split copy), {int(dropped.get('bytes') or 0):,} bytes"
+                     + (f" ({dropped['kept']})" if dropped.get("kept") else ""))
     lines.append(stage_seconds_line(stages))
     return lines
 

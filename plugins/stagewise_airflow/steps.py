@@ -551,7 +551,11 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
     gate_keys += tuple(key for key in ("report_only", "would_promote", "decision") if key in gated)
 
     def work() -> dict[str, Any]:
+        from stagewise.reuse import leftovers
+
         links = tracking.links(run["out"], registered)
+        # Every upstream task succeeded (report's trigger rule): what only a resume reads can go (stagewise.reuse.leftovers).
+        dropped = leftovers.drop_finished(config, run["out"], [result["stage"] for result in trained])
         written = report.build_report(
             dag_id=run["dag_id"], run_id=run["run_id"], out=run["out"], stage_results=stage_results, preprocess=prepared,
             sweep=swept, training=list(trained), evaluation=evaluation, predictions=predictions,
@@ -559,7 +563,7 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
             direction=config.objective.direction, tasks=timeline.records(run["out"]), config=run_config_reference(run),
             tracking=links, reused=reused_work(preprocess=prepared, sweep=swept, evaluate=evaluation, inference=predictions,
                                                **{f"train_{result['stage']}": result for result in trained}),
-            data_interval=run.get("data_interval"))
+            data_interval=run.get("data_interval"), dropped=dropped)
         if links is not None:
             tracking.finish_parent(config, run["out"], written)
         return written

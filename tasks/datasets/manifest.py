@@ -13,9 +13,16 @@ from stagewise.datasets.columns import FEATURES_COLUMN, feature_matrix, layout_o
 
 
 def read_manifest(uri: str) -> dict[str, Any]:
+    """A committed preprocess manifest; a DataError when it is none, or when its split data was dropped once its run
+    succeeded (stagewise.reuse.leftovers: a task cleared alone then)."""
+    from stagewise.reuse.leftovers import refuse_dropped
+
     manifest = storage.read_json(uri)
     if manifest.get("kind") != "preprocess":
         raise DataError(f"{uri}: not a preprocess manifest")
+    for files in (manifest.get("splits") or {}).values():
+        for entry in files[:1]:
+            refuse_dropped(entry["uri"], f"the split data of {uri}, such as")
     return manifest
 
 

@@ -34,8 +34,8 @@ class Retention(BaseModel):
         "A failed run's leftovers (preprocess/ copy, checkpoints, sweep, predictions) go after this many idle days."))
     checkpoints_days: int | None = Field(2, ge=0, le=MAX_DAYS, description=(
         "Checkpoints of a finished run's stages (all but model.pt and metrics.json) go after this many days."))
-    drop_optimizer_files: bool = Field(True, description=(
-        "A succeeded run's report step drops its stages' checkpoints, best/ and optimizer hand-off at once (model.pt stays)."))
+    drop_after_success: bool = Field(True, description=(
+        "A succeeded run's report step drops what only a resume reads: checkpoints, hand-offs, the split copy (model.pt stays)."))
     predictions_days: int | None = Field(30, ge=0, le=MAX_DAYS, description=(
         "Prediction shards of finished runs (training and batch inference) go after this many days."))
     keep_model_versions: int | None = Field(10, ge=1, le=MAX_COUNT, description=(

@@ -392,8 +392,8 @@ def reuse_line(report: dict[str, Any]) -> str:
 
 
 def dropped_line(report: dict[str, Any]) -> str:
-    """The header's word on the optimizer-carrying files the finished stages dropped once the run succeeded, and on
-    what stayed and why (stagewise.training.leftovers)."""
+    """The header's word on the files only a resume reads (checkpoints, hand-offs, the split copy) that went once the
+    run succeeded, and on what stayed and why (stagewise.reuse.leftovers)."""
     dropped = report.get("dropped")
     if not isinstance(dropped, dict):
         return ""
@@ -401,9 +401,8 @@ def dropped_line(report: dict[str, Any]) -> str:
     listed = "".join(f"<li>{html.escape(str(entry.get('file')))}: {int(entry.get('bytes') or 0):,} bytes</li>"
                      for entry in files)
     kept = f" · {html.escape(str(dropped['kept']))}" if dropped.get("kept") else ""
-    return (f'<div class="dropped"><details><summary>{len(files)} optimizer-carrying file(s) of the finished stages '
-            f'dropped after the run succeeded, {int(dropped.get("bytes") or 0):,} bytes{kept}</summary><ul>{listed}</ul>'
-            f'</details></div>')
+    return (f'<div class="dropped"><details><summary>{len(files)} file(s) only a resume reads dropped after the run '
+            f'succeeded, {int(dropped.get("bytes") or 0):,} bytes{kept}</summary><ul>{listed}</ul></details></div>')
 
 
 def tracking_line(tracking: dict[str, Any] | None) -> str:

@@ -60,7 +60,11 @@ def _plain_part(state: dict[str, Any]) -> dict[str, Any]:
 def read_hand_off(uri: str, env: DistEnv, *, rank_zero_reads: bool) -> dict[str, Any]:
     """The stage before's final.pt as this rank needs it. ``rank_zero_reads`` (a sharded stage): rank 0 reads the file,
     every other rank gets its plain values and an empty model (the strategy sends it its shard); otherwise every rank
-    reads it (a replica needs the model whole). Every rank calls it."""
+    reads it (a replica needs the model whole). Every rank calls it. One dropped after its run succeeded (a stage
+    cleared alone then) is a DataError saying what to clear instead."""
+    from stagewise.reuse.leftovers import refuse_dropped
+
+    refuse_dropped(uri, "the stage before's hand-off")
     if not (rank_zero_reads and env.distributed):
         return load_torch(uri, mapped=True)
     import torch.distributed as dist

@@ -373,10 +373,16 @@ def one_process_dcp() -> Iterator[None]:
 
 def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
     """Load an optimizer state from a sharded checkpoint into ``optimizer`` over ``module`` (plain, DDP's or sharded:
-    DCP reads each rank's part of each tensor, whatever world size wrote it). Every rank calls it."""
+    DCP reads each rank's part of each tensor, whatever world size wrote it). Every rank calls it. A hand-off dropped on
+    purpose after its run succeeded (stagewise.reuse.leftovers) leaves the optimizer fresh, with a warning."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+    from stagewise.reuse.leftovers import was_dropped
+
+    if was_dropped(uri):
+        log.warning("the optimizer state %s was dropped once its run succeeded: this stage starts a fresh optimizer", uri)
+        return
     target = {"optimizer": get_optimizer_state_dict(module, optimizer)}
     with one_process_dcp():
         dcp.load(target, storage_reader=dcp_reader(uri))
