@@ -24,17 +24,19 @@ from stagewise.study.studies import (
 log = logging.getLogger("stagewise.sweep")
 
 
-def write_plots(study: Any, prefix: str) -> list[str]:
-    """Optimisation history, intermediate values, importances and parallel coordinates as HTML files."""
+def write_plots(study: Any, prefix: str, run_folder: str) -> list[str]:
+    """Optimisation history, intermediate values, importances and parallel coordinates as HTML files under ``prefix``
+    (in ``run_folder``), each linking the storage root's one plotly.js (stagewise.reporting.assets)."""
     from optuna import visualization
-    from plotly.offline import get_plotlyjs
+
+    from stagewise.reporting import assets
 
     plots = {"optimization_history": visualization.plot_optimization_history,
              "intermediate_values": visualization.plot_intermediate_values,
              "param_importances": visualization.plot_param_importances,
              "parallel_coordinate": visualization.plot_parallel_coordinate}
     written = []
-    storage.write_bytes(storage.join(prefix, "plotly.min.js"), get_plotlyjs().encode())  # one copy, viewable offline
+    script = assets.plotly_script(prefix, run_folder)
     for name, plot in plots.items():
         try:
             figure = plot(study)
@@ -42,7 +44,9 @@ def write_plots(study: Any, prefix: str) -> list[str]:
             log.info("plot %s skipped: %s", name, exc)
             continue
         uri = storage.join(prefix, f"{name}.html")
-        storage.write_bytes(uri, figure.to_html(include_plotlyjs="plotly.min.js", full_html=True).encode())
+        page = (f'<!doctype html><html><head><meta charset="utf-8">{script}</head><body>'
+                f'{figure.to_html(include_plotlyjs=False, full_html=False)}</body></html>')
+        storage.write_bytes(uri, page.encode())
         written.append(uri)
     return written
 
@@ -108,7 +112,7 @@ def summarize(config: PipelineConfig, name: str, out: str, fingerprint: str | No
     # The best trial's spread (units can differ between trials whose params change the model's depth).
     summary["strategy"] = {"name": config.sweep.strategy, "world_size": best.user_attrs.get("world_size"),
                            "units": best.user_attrs.get("units")}
-    summary["plots"] = write_plots(study, storage.join(out, "sweep", "plots"))
+    summary["plots"] = write_plots(study, storage.join(out, "sweep", "plots"), out)
     summary["importances"] = param_importances(study)
     trials_uri = storage.join(out, "sweep", "trials.json")  # before summary.json, which commits the sweep's files
     storage.write_json(trials_uri, {"study_name": name, "metric": config.objective.metric,
