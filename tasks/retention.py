@@ -18,7 +18,7 @@ from stagewise.core.cli import common_parser, parse_overrides, run_subjob
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.loading import config_path, load_config
 from stagewise.definitions.pipelines import dag_id, name_of
-from stagewise.study.studies import storage_url
+from stagewise.study.studies import journal_files, storage_kind, storage_url
 from stagewise.tracking import registry as mlflow_registry
 from stagewise.upkeep import inventory, policy, removal, studies
 from stagewise.upkeep.inventory import RUNNING, Models, Run
@@ -114,21 +114,30 @@ def plan(config: PipelineConfig, now: dt.datetime, running: list[str] = (), quie
         log.info("keeping model %s/%s: %s", models.name, version, why)
     removals = policy.plan_runs(rules, runs, now) + policy.plan_models(rules, models)
     delete = None
-    url = _study_url(config)
-    if url and rules.studies_days is not None:
+    urls = _study_urls(config)
+    if urls and rules.studies_days is not None:
         if (keep := kept_studies(config, runs, models)) is not None:
-            removals += studies.plan_studies(url, rules.studies_days, now, studies.study_prefixes(dag_ids), keep)
-            delete = studies.deleter(url)
+            where: dict[str, str] = {}
+            for url in urls:
+                found = studies.plan_studies(url, rules.studies_days, now, studies.study_prefixes(dag_ids), keep)
+                found = [r for r in found if r.target not in where]  # one name in two files: the first one's
+                where.update({r.target: url for r in found})
+                removals += found
+            delete = studies.deleter(where)
     return removals, delete
 
 
-def _study_url(config: PipelineConfig) -> str:
-    """The sweep's study storage; empty where it cannot be reached from here (a connection's URL outside Airflow)."""
+def _study_urls(config: PipelineConfig) -> list[str]:
+    """The sweep's study storages: each journal file holding its studies (a file per study by default, and the old
+    shared one while it exists), or the database; none where it cannot be reached from here (a connection's URL
+    outside Airflow)."""
     try:
-        return storage_url(config.sweep)
+        if storage_kind(config.sweep) == "journal":
+            return [f"journal://{path}" for path in journal_files(config)]
+        return [storage_url(config.sweep)]
     except Exception as exc:
         log.warning("study storage not opened (%s): no study is deleted", exc)
-        return ""
+        return []
 
 
 def run(config: PipelineConfig, dry_run: bool, running: list[str] = (), now: dt.datetime | None = None,

@@ -3,7 +3,8 @@ how to delete one. Only studies of the pipeline's own DAGs (``<dag_id>__<run_id>
 one a kept model version or a running run names: a retrain warm-starts from the current model's study.
 
 Optuna's journal is append-only: a deleted study is one more line in it, and the file shrinks only when compacted
-(docs/operations.md); the bytes a study's lines take are counted as what it frees there.
+(docs/operations.md); the bytes a study's lines take are counted as what it frees there. A study in a journal file of
+its own (the default layout, stagewise.study.studies) goes with its file.
 """
 
 from __future__ import annotations
@@ -78,12 +79,18 @@ def plan_studies(url: str, days: int | None, now: dt.datetime, prefixes: Iterabl
     return plan
 
 
-def deleter(url: str) -> Any:
-    """``delete(name)``: remove one study from the storage at ``url``."""
+def deleter(where: dict[str, str]) -> Any:
+    """``delete(name)``: remove one study from the storage ``where[name]`` names. A journal file that holds that study
+    alone (the default layout, a file per study) is removed whole: deleting the study inside would keep its lines."""
     def delete(name: str) -> None:
         import optuna
 
-        optuna.delete_study(study_name=name, storage=open_storage(url))
+        url = where[name]
+        backend = open_storage(url)
+        if url.startswith("journal://") and [s.study_name for s in backend.get_all_studies()] == [name]:
+            os.remove(url[len("journal://"):])
+            return
+        optuna.delete_study(study_name=name, storage=backend)
     return delete
 
 

@@ -106,3 +106,39 @@ def test_old_studies_leave_the_journal_but_not_a_kept_ones(storage_root, write_c
     _job(config, tmp_path, "--now", later, "--running", "ml_pipeline/running_busy")
     left = {s.study_name for s in optuna.get_all_study_summaries(storage=open_storage(url))}
     assert left == set(names) - {"ml_pipeline__old"}
+
+
+
+def test_old_studies_in_their_own_files_go_with_their_files(storage_root, write_config, tmp_path):
+    """The default study storage (a journal file per study): an old study's file is removed whole, its bytes counted;
+    a kept study's file stays; an old study still in the shared journal of earlier releases is deleted there, and
+    another pipeline's stays there."""
+    import optuna
+
+    from stagewise.definitions.loading import load_config
+    from stagewise.study.studies import open_storage, storage_url
+
+    retention_root.build(storage_root, dt.datetime.now(dt.UTC))
+    raw = base_config(storage_root)
+    del raw["sweep"]["storage"]
+    raw["retention"] = {"pinned_versions": [retention_root.version(3)]}
+    config = write_config(raw)
+    sweep = load_config(config).sweep
+    card = storage_root / "models/digits" / retention_root.version(14) / "card.json"
+    card.write_text(json.dumps({"version": retention_root.version(14), "study": "ml_pipeline__kept"}))
+    legacy = storage_root / "optuna" / "optuna.journal"
+    legacy.parent.mkdir(parents=True, exist_ok=True)
+    own = {name: storage_url(sweep, name) for name in ("ml_pipeline__old", "ml_pipeline__kept")}
+    for name, url in [*own.items(), ("ml_pipeline__before", f"journal://{legacy}"),
+                      ("other_pipeline__old", f"journal://{legacy}")]:
+        study = optuna.create_study(study_name=name, storage=open_storage(url))
+        study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=1)
+    old_file = storage_root / "optuna" / "studies" / "ml_pipeline__old.journal"
+    later = (dt.datetime.now(dt.UTC) + dt.timedelta(days=91)).isoformat()
+    planned = _job(config, tmp_path, "--dry-run", "--now", later)
+    by_target = {r["target"]: r for r in planned["removals"] if r["what"] == "study"}
+    assert set(by_target) == {"ml_pipeline__old", "ml_pipeline__before"}
+    assert by_target["ml_pipeline__old"]["bytes"] == old_file.stat().st_size
+    _job(config, tmp_path, "--now", later)
+    assert not old_file.exists() and (storage_root / "optuna" / "studies" / "ml_pipeline__kept.journal").exists()
+    assert optuna.get_all_study_names(storage=open_storage(f"journal://{legacy}")) == ["other_pipeline__old"]
