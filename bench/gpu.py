@@ -61,7 +61,7 @@ def _dataloader_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any
     from torch.utils.data import DataLoader, TensorDataset
 
     from stagewise.models.building import build, data_info
-    from stagewise.training.loop import make_optimizer
+    from stagewise.training.optimizers import make_optimizer
 
     torch.manual_seed(0)
     model = build(model_spec, data_info(manifest), full).to(device)

@@ -3,7 +3,7 @@
 ``fsdp_memory_per_rank``: the bytes one rank holds of the parameters, the gradients and the optimizer state (AdamW) of
 a 21M-parameter model after a training step, under fsdp ÷ under ddp, 2 ranks (``_4``: 4 ranks). Each rank is a
 process of its own under torchrun running this module's worker, which spreads the model with the stage's own strategy
-(stagewise.training.strategy) and optimizer (stagewise.training.loop.make_optimizer); on CUDA the allocator's peak
+(stagewise.training.strategy) and optimizer (stagewise.training.optimizers.make_optimizer); on CUDA the allocator's peak
 (torch.cuda.max_memory_allocated) is recorded beside it, on the CPU each process's peak resident memory (VmHWM).
 
 ``fsdp_throughput``: training samples/s of the same 2-process stage (the built-in MLP, hidden 1024, 128 rows per
@@ -66,7 +66,7 @@ def worker(strategy_name: str, results: str) -> None:
 
     from stagewise.definitions.spec import ModelSpec
     from stagewise.training.distributed import distributed_job
-    from stagewise.training.loop import make_optimizer
+    from stagewise.training.optimizers import make_optimizer
     from stagewise.training.strategy import make_strategy, state_bytes
 
     # A GPU a rank where there are enough (one-GPU machines measure on the CPU: the bytes held are the same).

@@ -184,7 +184,7 @@ def resident_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any, b
     import torch
 
     from stagewise.models.building import build, data_info
-    from stagewise.training.loop import make_optimizer
+    from stagewise.training.optimizers import make_optimizer
 
     torch.manual_seed(0)
     model = build(model_spec, data_info(manifest), full).to(device)
@@ -232,7 +232,7 @@ def padded_loop(model_spec: Any, manifest: dict, full: dict, x: Any, y: Any, bat
     import torch
 
     from stagewise.models.building import build, data_info
-    from stagewise.training.loop import make_optimizer
+    from stagewise.training.optimizers import make_optimizer
 
     device = torch.device(device or "cpu")
     data = data_info(manifest)
@@ -339,7 +339,8 @@ def growing_batch_steps(rows: int = 60_000) -> dict[str, Any]:
     from stagewise.models.mlp import MLPClassifier
     from stagewise.train import run_stage
     from stagewise.training.distributed import DistEnv
-    from stagewise.training.loop import Loop, make_optimizer
+    from stagewise.training.loop import Loop
+    from stagewise.training.optimizers import make_optimizer
 
     base_lr, factor, epochs_per_phase = 0.05, 5, 4
     params = {"lr": base_lr, "hidden": 128, "dropout": 0.0, "momentum": 0.9, "weight_decay": 0.0}

@@ -19,7 +19,7 @@ from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.loading import load_config
 from stagewise.models.bundle import load_bundle
 from stagewise.models.scoring import exact_float32, prefetch, scoring_device
-from stagewise.training.loop import accumulate_metrics
+from stagewise.training.validation import accumulate_metrics
 
 log = logging.getLogger("stagewise.evaluate")
 

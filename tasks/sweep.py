@@ -58,7 +58,8 @@ from stagewise.study.studies import (
 from stagewise.study.summary import summarize
 from stagewise.tracking.runs import Tracker, finish_trial, trial_tags
 from stagewise.training.distributed import distributed_job
-from stagewise.training.loop import rank_batches, stage_lr, start_loop
+from stagewise.training.loop import rank_batches, start_loop
+from stagewise.training.lr_schedule import stage_lr
 from stagewise.training.recipe import recipe_params, schedule_label, training_recipe
 
 log = logging.getLogger("stagewise.sweep")

@@ -43,17 +43,8 @@ from stagewise.training.batch_growth import adaptive_batch, handed_noise_scale
 from stagewise.training.checkpoint import checkpoint_store
 from stagewise.training.distributed import distributed_job
 from stagewise.training.handoff import handed_lr, handed_values, read_hand_off, resumed_position
-from stagewise.training.loop import (
-    MAX_WARMUP_FRACTION,
-    Diverged,
-    Loop,
-    Position,
-    eta_s,
-    rank_batches,
-    scaled_lr,
-    stage_lr,
-    start_loop,
-)
+from stagewise.training.loop import Diverged, Loop, Position, eta_s, rank_batches, start_loop
+from stagewise.training.lr_schedule import MAX_WARMUP_FRACTION, scaled_lr, stage_lr
 from stagewise.training.recipe import recipe_params, schedule_label, training_recipe
 from stagewise.training.selection import BestEpoch, EpochSelection
 from stagewise.training.strategy import out_of_memory_named, sharded_optimizer_uri

@@ -14,7 +14,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,82 +24,20 @@ from torch import nn
 from stagewise.core.errors import UserError
 from stagewise.datasets.loader import ParquetBatches, split_batches
 from stagewise.datasets.typed import index_error_hint
-from stagewise.definitions.spec import Average, ModelSpec, batch_of, hook_error, hook_inputs, user_hook
+from stagewise.definitions.spec import ModelSpec, batch_of
 from stagewise.models.building import BuiltModel, model_for_run
 from stagewise.training.device_data import DeviceBatches, choose_placement, resident_bytes
 from stagewise.training.distributed import DistEnv, any_rank
-from stagewise.training.noise_scale import SPLIT_SPACING, NoiseScale, PartNorms, epoch_beta, split_interval
-from stagewise.training.recipe import mark_source
+from stagewise.training.measurement import NoiseMeasurement
+from stagewise.training.noise_scale import SPLIT_SPACING, NoiseScale, PartNorms, epoch_beta
+from stagewise.training.optimizers import make_optimizer
 from stagewise.training.step_graph import WARMUP_STEPS, CaptureFailed, StepGraph, StepOutputs, graph_plan, set_tf32
 from stagewise.training.strategy import DDPStrategy, Strategy, make_strategy
+from stagewise.training.validation import accumulate_metrics, check_spec
 
 Batches = ParquetBatches | DeviceBatches
 
 log = logging.getLogger("stagewise.train")
-
-
-def scaled_lr(base_lr: float, global_batch: int, base_batch: int, rule: str) -> float:
-    """The learning rate for ``global_batch`` given the one that holds at ``base_batch``."""
-    ratio = global_batch / base_batch
-    if rule == "linear":
-        return base_lr * ratio
-    if rule == "sqrt":
-        return base_lr * math.sqrt(ratio)
-    if rule == "none":
-        return base_lr
-    raise UserError(f"train.lr_rule '{rule}' is not one of linear, sqrt, none")
-
-
-def schedule_factor(schedule: Any, step: int, *, warmup_steps: int, total_steps: int, steps_per_epoch: int) -> float:
-    """The factor of a stage's lr from its ``lr_schedule`` (stagewise.definitions.config.LRSchedule) at optimizer
-    step ``step``: 1 through warmup, then decaying to ``min_lr_ratio`` by the stage's last step (cosine, linear) or by
-    ``gamma`` every ``step_epochs`` epochs (step). The step is the stage's own, so a resume continues the curve."""
-    if schedule.type == "constant":
-        return 1.0
-    floor = schedule.min_lr_ratio
-    if schedule.type == "step":
-        return max(schedule.gamma ** (step // (schedule.step_epochs * max(steps_per_epoch, 1))), floor)
-    if step < warmup_steps:
-        return 1.0
-    progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule.type == "cosine" else 1 - progress
-    return floor + (1 - floor) * shape
-
-
-def stage_lr(lr: float, *, warmup_steps: int, schedule: Any, spec: ModelSpec, total_steps: int,
-             steps_per_epoch: int, warmup_from: float | None = None) -> Callable[[int], float]:
-    """A stage's lr at each optimizer step: the rescaled ``lr`` x warmup (from ``warmup_from``, the stage before's
-    last lr, where there is one) x the spec's own ``lr_schedule`` (when it gives one) else the config's schedule."""
-    start = None if warmup_from is None or lr <= 0 else min(1.0, max(0.0, warmup_from / lr))
-
-    def lr_at(step: int) -> float:
-        try:  # costs nothing per step until the user's schedule raises
-            own = spec.lr_schedule(step, total_steps)
-        except Exception as exc:
-            if isinstance(exc, UserError):
-                raise
-            raise hook_error(spec, exc, "lr_schedule", context=f"at step {step} of {total_steps}") from exc
-        factor = schedule_factor(schedule, step, warmup_steps=warmup_steps, total_steps=total_steps,
-                                 steps_per_epoch=steps_per_epoch) if own is None else float(own)
-        if not math.isfinite(factor) or factor < 0:
-            raise UserError(f"{type(spec).__name__}.lr_schedule({step}, {total_steps}) gave {factor}: a factor >= 0")
-        return lr * warmup_factor(step, warmup_steps, start) * factor
-
-    return lr_at
-
-
-def warmup_factor(step: int, warmup_steps: int, start: float | None = None) -> float:
-    """Gradual warmup (Goyal et al. 2017): ramp linearly over the first ``warmup_steps`` steps from ``start`` (the
-    stage before's lr as a fraction of this one's: no drop at the hand-off) to 1; from scratch, from 1/warmup_steps."""
-    if warmup_steps <= 0 or step >= warmup_steps:
-        return 1.0
-    if start is None:
-        return (step + 1) / warmup_steps
-    return start + (1.0 - start) * (step + 1) / warmup_steps
-
-
-MAX_WARMUP_FRACTION = 0.25
-"""The most of a stage's steps its warmup may take: a short stage still trains mostly at its own lr."""
 
 
 class Diverged(UserError):
@@ -185,7 +123,7 @@ class Position:
     """The steps ``grad_norm_sum`` covers."""
 
 
-class Loop:
+class Loop(NoiseMeasurement):
     """Runs epochs of one model over per-rank Parquet batches; DDP-wrapped when the job has several ranks."""
 
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv,
@@ -463,84 +401,6 @@ class Loop:
         (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
         return loss
 
-    def _grad_sq(self) -> torch.Tensor:
-        """Σ |p.grad|² now, unscaled from fp16's loss scale, as a float64 device scalar (no host sync)."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        squared = self.strategy.grad_norm(grads).double().square()
-        return squared / self.scaler._scale.double().square() if self.scaler is not None else squared
-
-    def _allocate_grads(self) -> None:
-        """Zeroed gradient buffers for the parameters that have none (eager: outside any CUDA graph)."""
-        for parameter in self._trainable:
-            if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-
-    def _measured_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """A measured step: each part's own squared gradient norm (averaged over the ranks), taken on the way to the
-        step's gradient (the same gradient, as the batch's mean loss is the weighted mean of its parts' mean losses). With
-        gradient accumulation the parts are the step's micro-batches; without, the micro-batch runs as two halves. Assumes
-        the spec's loss is a mean over the batch, as torch's losses are by default."""
-        size, accumulation = len(targets), self.grad_accum_steps
-        if accumulation > 1:
-            return self._part_backward(inputs, targets, 1.0 / accumulation)
-        if size < 2:
-            return self._backward(inputs, targets, 1.0)
-        half = size // 2
-        # Detached copy: a value the step keeps past the next forward is never a replay's memory (CUDA graphs).
-        first_loss = self._part_backward(inputs[:half], targets[:half], half / size).detach().clone()
-        second_loss = self._part_backward(inputs[half:], targets[half:], (size - half) / size).detach()
-        return (first_loss * half + second_loss * (size - half)) / size
-
-    def _part_backward(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float) -> torch.Tensor:
-        """One part of a measured step: its backward runs into fresh gradients (the step's so far set aside, no copy),
-        its squared norm goes to :class:`PartNorms`, and the set-aside gradients are added back."""
-        if self._parts is None:
-            self._parts = PartNorms()
-        kept = [parameter.grad for parameter in self._trainable]
-        for parameter in self._trainable:
-            parameter.grad = None
-        if self._graphs:
-            self._allocate_grads()
-        loss = self._backward(inputs, targets, weight)
-        # The part's gradient averages the ranks' parts (DDP's all-reduce, fsdp's reduce-scatter): that many rows.
-        self._parts.add(self._grad_sq(), len(targets) * self.strategy.gradient_ranks, weight)
-        into, added = [], []
-        for parameter, grad in zip(self._trainable, kept):
-            if grad is None:
-                continue
-            if parameter.grad is None:  # unused by this part
-                parameter.grad = grad
-            else:
-                into.append(parameter.grad)
-                added.append(grad)
-        if into:
-            torch._foreach_add_(into, added)
-        return loss
-
-    def _split_every(self) -> int:
-        """Optimizer steps between one rank's measured steps (stagewise.training.noise_scale.split_interval)."""
-        assert self.noise is not None
-        return split_interval(self.noise_every, self.noise.updates) if self._halves_spaced else self.noise_every
-
-    def _fold_split_measurement(self) -> None:
-        assert self.noise is not None and self._parts is not None
-        parts, self._parts = self._parts, None
-        parts.fold(self.noise, self._grad_sq())
-
-    def noise_state(self) -> dict[str, Any]:
-        """The noise scale's state for a checkpoint (empty when not measured)."""
-        return self.noise.state_dict() if self.noise is not None else {}
-
-    def load_noise_state(self, state: dict[str, Any]) -> None:
-        if self.noise is not None and state:
-            self.noise.load_state_dict(state)
-
-    def noise_estimates(self) -> dict[str, Any]:
-        """The noise scale's estimates so far (empty when not measured or before its first measurement)."""
-        if self.noise is None:
-            return {}
-        return self.noise.estimates() or {}
-
     @torch.no_grad()
     def _fold_losses(self) -> None:
         """The filled loss slots into the loss sum and the first non-finite micro-step since the check (device ops)."""
@@ -629,69 +489,6 @@ class Loop:
         return self._metric_names
 
 
-def _shape(value: Any) -> str:
-    return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-
-
-def check_spec(spec: ModelSpec, module: nn.Module, features: torch.Tensor, labels: torch.Tensor,
-               index_hint: Callable[[torch.Tensor], str] | None = None) -> None:
-    """Run the spec once on a real batch before training and name the part that breaks its contract.
-
-    A module whose outputs do not fit the targets (e.g. fewer logits than classes) or a loss that is no
-    scalar would otherwise fail deep inside the first step as a bare RuntimeError that Airflow retries.
-    """
-    name, rows = type(spec).__name__, len(labels)
-    # Each hook on its own: a shape error is named in the hook that raised it, with where its inputs came from.
-    first = f"on a first batch of {rows} rows"
-
-    def hint(exc: BaseException) -> str:
-        return index_hint(features) if index_hint is not None and "index out of range" in str(exc) else ""
-
-    with user_hook(spec, "batch", context=first, shapes={"features": features, "labels": labels}, hint=hint):
-        inputs, targets = batch_of(spec, features, labels)
-    with user_hook(spec, "forward", module=module, context=first, hint=hint,
-                   shapes=hook_inputs(spec, "forward", module, inputs)):
-        outputs = module(inputs)
-    with user_hook(spec, "loss", context=first, hint=hint, shapes=hook_inputs(spec, "loss", module, outputs, targets)):
-        loss = spec.loss(outputs, targets)
-    with user_hook(spec, "predict", context=first, shapes=hook_inputs(spec, "predict", module, outputs)):
-        predictions = spec.predict(outputs.detach())
-    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
-        raise UserError(f"{name}.loss must return a scalar tensor with a gradient (the batch mean), got {_shape(loss)}"
-                        f"{'' if not isinstance(loss, torch.Tensor) or loss.requires_grad else ' without a gradient'}")
-    for column, tensor in (predictions.items() if isinstance(predictions, dict) else [("(return value)", predictions)]):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or len(tensor) != rows:
-            raise UserError(f"{name}.predict()['{column}'] must be a tensor with one row per input row ({rows}), "
-                            f"got {_shape(tensor)}")
-
-
-def accumulate_metrics(spec: ModelSpec, module: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                       device: str, on_outputs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-                       ) -> dict[str, tuple[float, float, bool]]:
-    """Sum a spec's metrics (and its loss) over batches: name -> (total, count, root). Shared by validation and test;
-    ``on_outputs(outputs, targets)`` sees each batch's outputs too, so a caller needs no second forward pass."""
-    totals: dict[str, list[Any]] = {}
-    with user_hook(spec, module=module):  # batch, forward, metrics, loss (and predict in on_outputs) name themselves
-        for features, labels in batches:
-            inputs, targets = batch_of(spec, features.to(device), labels.to(device))
-            outputs = module(inputs)
-            if on_outputs is not None:
-                on_outputs(outputs, targets)
-            reported = spec.metrics(outputs, targets)
-            if not isinstance(reported, dict):
-                raise UserError(f"{type(spec).__name__}.metrics must return a dict of name -> Average, got "
-                                f"{type(reported).__name__}")
-            rows = len(targets)
-            for name, value in {**reported, "loss": Average(spec.loss(outputs, targets).detach() * rows, rows)}.items():
-                if not isinstance(value, Average):
-                    raise UserError(f"{type(spec).__name__}.metrics()['{name}'] is a {type(value).__name__}, not an "
-                                    f"Average(total, count): per-batch means cannot be reduced across batches and ranks")
-                entry = totals.setdefault(name, [0.0, 0.0, value.root])
-                entry[0] = entry[0] + value.total  # stays on the device until the end: no sync per batch
-                entry[1] = entry[1] + value.count
-    return {name: (float(total), float(count), root) for name, (total, count, root) in totals.items()}
-
-
 def rank_batches(manifest: dict[str, Any], env: DistEnv, *, batch_size: int, seed: int,
                  too_few_rows: Callable[[int], str], placement: str = "auto",
                  memory_fraction: float = 0.5, shuffle_block_rows: int = 1, quiet: bool = False) -> tuple[Batches, Batches]:
@@ -740,42 +537,6 @@ def start_loop(config: Any, manifest: dict[str, Any], env: DistEnv, swept: dict[
     loop.index_hint = lambda records: index_error_hint(manifest, records.detach().cpu().numpy())
     return built, loop
 
-
-def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Parameter groups with weight decay on weight matrices and kernels only: biases and norm scales (1-d tensors)
-    are not pulled towards zero, as in most transformer and CNN recipes."""
-    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    groups = [{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}]
-    return [group for group in groups if group["params"]]
-
-
-def make_optimizer(model: nn.Module, params: dict, spec: ModelSpec | None = None) -> torch.optim.Optimizer:
-    """The spec's own optimizer (``ModelSpec.optimizer``) when it builds one, else SGD with Nesterov momentum (what
-    the linear scaling rule was shown on) or AdamW over :func:`decay_groups`. Each group keeps its lr as a multiple of
-    ``params["lr"]`` (``lr_scale``), so the stage's rescaled, warmed-up, scheduled lr keeps per-group ratios."""
-    optimizer = None
-    if spec is not None:
-        with user_hook(spec, "optimizer"):
-            optimizer = spec.optimizer(model, params)
-    if optimizer is not None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise UserError(f"{type(spec).__name__}.optimizer() returned {type(optimizer).__name__}, not a "
-                            "torch.optim.Optimizer")
-        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
-        if missing:
-            raise UserError(f"{type(spec).__name__}.optimizer() leaves trainable parameters out: {missing[:5]}")
-        mark_source(optimizer, "spec")
-    elif params.get("optimizer", "sgd") == "adamw":
-        optimizer = torch.optim.AdamW(decay_groups(model, params["weight_decay"]), lr=params["lr"])
-    else:
-        momentum = params["momentum"]
-        optimizer = torch.optim.SGD(decay_groups(model, params["weight_decay"]), lr=params["lr"], momentum=momentum,
-                                    nesterov=momentum > 0)
-    for group in optimizer.param_groups:
-        group.setdefault("lr_scale", group["lr"] / params["lr"] if params["lr"] else 1.0)
-    return optimizer
 
 
 def eta_s(epochs_done: int, epochs_total: int, elapsed_s: float) -> float:

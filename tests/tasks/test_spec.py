@@ -215,7 +215,7 @@ def _regressor(mean: float = 150.0, std: float = 40.0) -> Regressor:
 def test_regressor_rmse_reduces_over_batches_to_the_rmse_of_the_whole():
     """rmse is reported as summed squared errors and a count: two halves reduce to exactly the whole's RMSE
     (a mean of the halves' RMSEs would not), in the target's own units."""
-    from stagewise.training.loop import accumulate_metrics
+    from stagewise.training.validation import accumulate_metrics
 
     torch.manual_seed(0)
     spec, module = _regressor(), torch.nn.Identity()

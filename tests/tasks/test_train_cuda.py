@@ -326,7 +326,8 @@ from stagewise.datasets.manifest import read_manifest
 from stagewise.models.building import build, data_info
 from stagewise.models.mlp import MLPClassifier
 from stagewise.training.distributed import DistEnv
-from stagewise.training.loop import Loop, make_optimizer, rank_batches
+from stagewise.training.loop import Loop, rank_batches
+from stagewise.training.optimizers import make_optimizer
 
 logging.basicConfig(level=logging.INFO)
 

@@ -14,7 +14,7 @@ import torch
 from stagewise.core.errors import UserError
 from stagewise.definitions.loading import load_config
 from stagewise.training.batch_growth import adaptive_batch, handed_noise_scale, previous_noise_scale
-from stagewise.training.loop import scaled_lr
+from stagewise.training.lr_schedule import scaled_lr
 from stagewise.training.noise_scale import NoiseScale
 
 

@@ -26,7 +26,8 @@ from stagewise.models.bundle import load_bundle
 from stagewise.models.mlp import MLPClassifier
 from stagewise.spec import DataInfo
 from stagewise.training.distributed import DistEnv
-from stagewise.training.loop import Loop, scaled_lr, schedule_factor, seed_step, stage_lr, warmup_factor
+from stagewise.training.loop import Loop, seed_step
+from stagewise.training.lr_schedule import scaled_lr, schedule_factor, stage_lr, warmup_factor
 
 CPU = DistEnv(rank=0, local_rank=0, world_size=1, device="cpu")
 
@@ -612,7 +613,7 @@ class _AdamWithSlowHead(MLPClassifier):
 def test_the_default_optimizer_decays_weights_but_not_biases_and_a_specs_own_keeps_its_group_ratios(tmp_path):
     """SGD/AdamW put weight matrices in a decayed group and biases (1-d) in an undecayed one; a spec's own optimizer
     is used as built, and the loop's lr moves each group by its own multiple of params['lr']."""
-    from stagewise.training.loop import make_optimizer
+    from stagewise.training.optimizers import make_optimizer
 
     data = DataInfo(features=["a", "b"], num_classes=2)
     params = {**FRAMEWORK_DEFAULTS, "lr": 0.1, "hidden": 8, "weight_decay": 0.01}
@@ -638,7 +639,7 @@ class _ForgetfulOptimizer(MLPClassifier):
 
 
 def test_a_specs_optimizer_that_leaves_parameters_out_is_a_user_error():
-    from stagewise.training.loop import make_optimizer
+    from stagewise.training.optimizers import make_optimizer
 
     params = {**FRAMEWORK_DEFAULTS, "lr": 0.1, "hidden": 8}
     spec = _ForgetfulOptimizer()

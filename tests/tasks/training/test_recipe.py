@@ -21,7 +21,7 @@ from stagewise.models.mlp import MLPClassifier
 from stagewise.report import build_report
 from stagewise.study.studies import create, open_storage
 from stagewise.sweep import run_worker
-from stagewise.training.loop import make_optimizer
+from stagewise.training.optimizers import make_optimizer
 from stagewise.training.recipe import describe_optimizer, recipe_params, training_recipe
 from tests.specs import AdamWCosine
 
