@@ -179,7 +179,7 @@ def maintenance_dag(pipeline: PipelineFile, config: PipelineConfig, refusal: str
          doc_md=_doc(MAINTENANCE_DOC.format(name=pipeline.name, path=path, schedule=config.retention.schedule), retired),
          **wiring.dag_settings(config, pipeline.name, "maintenance", max_active_runs=1))
     def maintenance_run() -> None:
-        knobs = {**wiring.knobs(config, config.preprocess.profile), "retries": 0}  # the next scheduled run is the retry
+        knobs = {**wiring.knobs(config, BOOKKEEPING), "retries": 0}  # light work; the next scheduled run is the retry
         if refusal is None:
             task(maintenance.apply_retention, task_id="apply_retention", **knobs)(path)
         else:

@@ -23,6 +23,8 @@ REPORT = "report.json"
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 # A run that started between Airflow's answer and the listing must not look failed: quiet DAGs still get this long.
 QUIET_GRACE = dt.timedelta(hours=1)
+# The report's own task records its end after report.json; a change later than this is a cleared run at work again.
+RERUN_SLACK = dt.timedelta(minutes=10)
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ def list_runs(storage_root: str, dag_ids: Iterable[str], now: dt.datetime, idle_
         prefix = storage.join(storage_root, "runs", folder)
         for run_folder, files in sorted(_entries(prefix).items()):
             run = Run(folder, run_folder, storage.join(prefix, run_folder), files)
-            if run.ref in told:
+            if run.ref in told or _running_again(run, now, idle_hours):
                 run.state = RUNNING
             elif any(entry.path == REPORT for entry in files):
                 run.state = FINISHED
@@ -127,6 +129,13 @@ def list_runs(storage_root: str, dag_ids: Iterable[str], now: dt.datetime, idle_
                 run.state = RUNNING if now - run.last_change < idle else FAILED
             runs.append(run)
     return runs
+
+
+def _running_again(run: Run, now: dt.datetime, idle_hours: float) -> bool:
+    """A finished run whose files changed well after its report, recently: cleared and running again."""
+    report = [entry.modified for entry in run.files if entry.path == REPORT]
+    return bool(report) and now - run.last_change < dt.timedelta(hours=idle_hours) and (
+        run.last_change - report[0] > RERUN_SLACK)
 
 
 def list_models(storage_root: str, name: str) -> list[ModelVersion]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 
 import pytest
 
@@ -70,6 +71,7 @@ def test_policy_removes_what_it_names_and_nothing_needed(storage_root, write_con
     report = json.loads((storage_root / RUNS / "three_days" / "report.json").read_text())
     assert {entry["removed"] for entry in report["retention"]} == {"checkpoints", "pending tracking"}
     assert all(entry["bytes"] > 0 and entry["at"] for entry in report["retention"])
+    assert "Removed by retention" in (storage_root / RUNS / "three_days" / "report.html").read_text()
     assert "raw/digits/part-0.parquet" in after
     models = {path.split("/")[2] for path in after if path.startswith("models/digits/m-")}
     assert versions["unprotected"] not in models
@@ -181,3 +183,55 @@ def test_on_s3_the_policy_applies_and_the_dry_run_counts_what_goes(s3_bucket, tm
     assert {versions["current"], versions["rollback"], versions["pinned"]} <= models
     assert 10 <= len(models) <= 13  # keep_model_versions, plus protected ones past it
     assert "raw/digits/part-0.parquet" in after
+
+
+def test_files_an_mlflow_version_uses_stay_and_an_unreachable_mlflow_keeps_every_run(storage_root, write_config,
+                                                                                     tmp_path, monkeypatch):
+    """With the MLflow registry, a run holding a model version's source keeps all its files and no registered
+    version is removed; when MLflow cannot be asked, no run loses a file."""
+    retention_root.build(storage_root, dt.datetime.now(dt.UTC))
+    raw = base_config(storage_root)
+    raw.update({"registry": {"backend": "mlflow"}, "tracking": {"mlflow_uri": "http://127.0.0.1:9"}})
+    config = write_config(raw)
+    source = f"{storage_root}/{RUNS}/ancient/train/s1/mlflow-model"
+    monkeypatch.setattr(retention.mlflow_registry, "versions", lambda config: [{"version": "m-1", "source": source}])
+    planned = _job(config, tmp_path, "--dry-run")
+    targets = {(r["what"], r["target"]) for r in planned["removals"]}
+    assert not any(target == "ml_pipeline/ancient" for _, target in targets)
+    assert ("run files", "ml_pipeline/month_old") in targets
+    assert not any(what == "model version" for what, _ in targets)
+
+    def away(config):
+        raise ConnectionError("server away")
+
+    monkeypatch.setattr(retention.mlflow_registry, "versions", away)
+    assert _job(config, tmp_path, "--dry-run")["removals"] == []
+
+
+def test_runs_the_step_cache_serves_keep_their_files_while_a_run_is_running(storage_root, write_config, tmp_path):
+    """With caching on and a run of the pipeline running, a run whose outputs a cache entry serves keeps its files
+    (the running run may be reading them); the same run loses them once nothing runs."""
+    retention_root.build(storage_root, dt.datetime.now(dt.UTC))
+    raw = {**base_config(storage_root), "cache": True}
+    config = write_config(raw)
+    entry = storage_root / "cache" / "ml" / "preprocess" / "abc.json"
+    entry.parent.mkdir(parents=True)
+    entry.write_text(json.dumps({"kind": "preprocess", "fingerprint": "abc", "source_run": "ml_pipeline/month_old"}))
+    targets = {r["target"] for r in _job(config, tmp_path, "--dry-run")["removals"]}
+    assert "ml_pipeline/month_old" not in targets
+    for run in ("running_busy", "running_quiet"):
+        for path in (storage_root / RUNS / run).rglob("*"):
+            os.utime(path, (1e9, 1e9))  # idle for years: failed, not running
+    assert "ml_pipeline/month_old" in {r["target"] for r in _job(config, tmp_path, "--dry-run")["removals"]}
+
+
+def test_a_finished_run_cleared_and_at_work_again_counts_as_running(storage_root, write_config, tmp_path):
+    """A finished run whose files changed well after its report.json, within idle_hours, is running again (cleared
+    tasks): nothing of it goes, though its age alone would have its checkpoints removed."""
+    now = dt.datetime.now(dt.UTC)
+    retention_root.build(storage_root, now)
+    config = _config(storage_root, write_config)
+    fresh = storage_root / RUNS / "three_days" / "train" / "s1" / "checkpoints" / "step-000000020.pt"
+    fresh.write_bytes(b"new")
+    targets = {r["target"] for r in _job(config, tmp_path, "--dry-run")["removals"]}
+    assert "ml_pipeline/three_days" not in targets
