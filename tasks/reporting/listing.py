@@ -1,12 +1,14 @@
 """Listings of many small JSON files (each run's report.json, each model version's card.json) that read only what changed.
 
-Run: a library; the Stagewise pages (``stagewise.airflow.ui``) list every run with :func:`run_rows` on each request,
-and ``stagewise.registry`` lists a model's versions through an :class:`Index`.
+Run: a library; the Stagewise pages (``stagewise.airflow.ui``) list every run with :func:`run_reports` on each request
+and read the rows they show with :func:`run_rows`; ``stagewise.registry`` lists a model's versions through an
+:class:`Index`.
 
 Each call asks the storage what is there now and trusts nothing it saw before: locally one ``stat`` a file (mtime,
 size, inode), on S3 one recursive listing of the prefix (each key's ETag and size, 1,000 keys a request). A file
 added, rewritten or removed, by this process or any other, shows in the next call; only files whose version changed
-are read again, so a page over 10,000 reports costs 10,000 stats, not 10,000 reads.
+are read again, and only when a page shows them (or filters on what they hold), so a page over 10,000 reports costs
+10,000 stats and about 50 reads, not 10,000 reads.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def scan(base: str, depth: int, filename: str) -> list[Listed]:
 def _scan_local(base: str, path: str, depth: int, filename: str) -> list[Listed]:
     found: list[Listed] = []
     prefix = base.rstrip("/")
+    tail = "/" + filename
 
     def walk(folder: str, parts: tuple[str, ...]) -> None:
         try:
@@ -69,15 +72,15 @@ def _scan_local(base: str, path: str, depth: int, filename: str) -> list[Listed]
             for entry in entries:
                 if not entry.is_dir():  # from the directory entry itself: no stat
                     continue
-                inner = (*parts, entry.name)
-                if len(inner) < depth:
-                    walk(entry.path, inner)
+                if len(parts) + 1 < depth:
+                    walk(entry.path, (*parts, entry.name))
                     continue
-                try:
-                    stat = os.stat(os.path.join(entry.path, filename))
+                try:  # the one system call a file costs: this loop is the page's time with 10,000 runs
+                    stat = os.stat(entry.path + tail)
                 except (FileNotFoundError, NotADirectoryError):  # a run still going has no report yet
                     continue
-                found.append(Listed(inner, "/".join((prefix, *inner, filename)), stat.st_mtime,
+                inner = (*parts, entry.name)
+                found.append(Listed(inner, f"{prefix}/{'/'.join(inner)}{tail}", stat.st_mtime,
                                     (stat.st_mtime_ns, stat.st_size, stat.st_ino)))
 
     walk(path, ())
@@ -111,37 +114,59 @@ def _stamp(info: dict[str, Any]) -> float | None:
 
 
 class Index(Generic[T]):
-    """What ``summarise`` makes of each file a scan finds, made once per version of that file.
+    """What ``summarise`` makes of the files a scan finds, made when first asked for and once per version of a file.
 
-    A base's summaries are replaced by each call's, so files that went are forgotten and memory follows what exists.
-    Pages are served from a thread pool: two calls at once may both read a changed file, never mix their results.
+    :meth:`files` lists without reading, so a page reads only the files it shows (and those a filter needs); the
+    summaries of files that went are dropped at each listing, so memory follows what exists. Pages are served from a
+    thread pool: two calls at once may both read a changed file, never mix their results.
     """
 
     def __init__(self, summarise: Callable[[Listed], T]) -> None:
         self._summarise = summarise
-        self._known: dict[tuple[str, int, str], dict[tuple[str, ...], tuple[tuple[Any, ...], T]]] = {}
+        self._known: dict[tuple[str, ...], tuple[tuple[Any, ...], T]] = {}  # by (base, *parts): (version, summary)
+        self._ordered: dict[tuple[str, int, str], tuple[list[tuple[Any, ...]], list[Listed]]] = {}
         self._lock = threading.Lock()
 
-    def read(self, base: str, depth: int, filename: str) -> list[tuple[Listed, T]]:
-        """Each file under ``base`` there now, with its summary; in the scan's order."""
+    def files(self, base: str, depth: int, filename: str,
+              order: Callable[[list[Listed]], list[Listed]] | None = None) -> list[Listed]:
+        """Each file under ``base`` there now, in ``order`` (else the scan's); while no file came, went or changed,
+        the last call's list (sorting 10,000 files on each request would cost as much as finding them). Do not change
+        the list: calls share it."""
         listed = scan(base, depth, filename)
+        versions = [(item.parts, item.version) for item in listed]
         key = (base, depth, filename)
         with self._lock:
-            known = self._known.get(key, {})
-        fresh: dict[tuple[str, ...], tuple[tuple[Any, ...], T]] = {}
-        changed = []
-        for item in listed:
-            hit = known.get(item.parts)
-            if hit is not None and hit[0] == item.version:
-                fresh[item.parts] = hit
-            else:
-                changed.append(item)
-        for item, summary in zip(changed, self._summarise_all(changed, remote="://" in base and not
-                                                                base.startswith("file://")), strict=True):
-            fresh[item.parts] = (item.version, summary)
+            last = self._ordered.get(key)
+            if last is not None and last[0] == versions:
+                return last[1]
+            there = {(base, *item.parts): item.version for item in listed}
+            self._known = {name: hit for name, hit in self._known.items()  # what went, or changed, is forgotten
+                           if name[0] != base or there.get(name) == hit[0]}
+        ordered = order(listed) if order else listed
         with self._lock:
-            self._known[key] = fresh
-        return [(item, fresh[item.parts][1]) for item in listed]
+            self._ordered[key] = (versions, ordered)
+        return ordered
+
+    def summaries(self, base: str, items: list[Listed]) -> list[T]:
+        """The summaries of ``items`` (from :meth:`files` of ``base``), reading those not read at their version."""
+        with self._lock:
+            hits = [self._known.get((base, *item.parts)) for item in items]
+        found: list[T | None] = [hit[1] if hit is not None and hit[0] == item.version else None
+                                 for item, hit in zip(items, hits, strict=True)]
+        missing = [number for number, summary in enumerate(found) if summary is None]
+        if missing:
+            remote = "://" in base and not base.startswith("file://")
+            made = self._summarise_all([items[number] for number in missing], remote)
+            with self._lock:
+                for number, summary in zip(missing, made, strict=True):
+                    found[number] = summary
+                    self._known[(base, *items[number].parts)] = (items[number].version, summary)
+        return found  # type: ignore[return-value] - every None was filled
+
+    def read(self, base: str, depth: int, filename: str) -> list[tuple[Listed, T]]:
+        """Each file under ``base`` there now with its summary, in the scan's order."""
+        listed = self.files(base, depth, filename)
+        return list(zip(listed, self.summaries(base, listed), strict=True))
 
     def _summarise_all(self, items: list[Listed], remote: bool) -> list[T]:
         if not remote or len(items) < 2:  # local reads are bound by parsing, which threads do not speed up
@@ -210,9 +235,16 @@ def run_row(item: Listed) -> RunRow:
 _RUNS: Index[RunRow] = Index(run_row)
 
 
-def run_rows(storage_root: str) -> list[RunRow]:
-    """A row for every ``runs/<dag>/<run>/report.json`` under ``storage_root``, newest first; nothing left out."""
-    rows = [row for _, row in _RUNS.read(storage.join(storage_root, "runs"), 2, "report.json")]
-    rows.sort(key=lambda row: (row.modified.timestamp() if row.modified else 0.0, row.dag_folder, row.run_folder),
-              reverse=True)
-    return rows
+def _newest_first(listed: list[Listed]) -> list[Listed]:
+    return sorted(listed, key=lambda item: (item.mtime or 0.0, item.parts), reverse=True)
+
+
+def run_reports(storage_root: str) -> list[Listed]:
+    """Every ``runs/<dag_folder>/<run_folder>/report.json`` under ``storage_root``, newest first, none read yet;
+    nothing left out. :func:`run_rows` reads the ones a page shows. Calls share the list: do not change it."""
+    return _RUNS.files(storage.join(storage_root, "runs"), 2, "report.json", _newest_first)
+
+
+def run_rows(storage_root: str, reports: list[Listed]) -> list[RunRow]:
+    """The rows of ``reports`` (from :func:`run_reports` of ``storage_root``), each report read once per version."""
+    return _RUNS.summaries(storage.join(storage_root, "runs"), reports)

@@ -18,6 +18,7 @@ import yaml
 from stagewise import registry, report
 from stagewise.core import storage
 from stagewise.definitions.loading import load_config
+from stagewise.definitions.pipelines import KINDS
 from tests.conftest import base_config
 
 PASSWORD = "stagewise-test-password"
@@ -323,7 +324,7 @@ def test_runs_and_registry_of_every_pipeline_the_dag_file_builds(airflow_api, tm
     client, token = airflow_api(None)
     found = ui.pipelines()  # the broken config's DAGs carry no pipeline
     assert sorted(found) == ["cnn", "ml"] and found["ml"].config.storage_root == str(roots["ml"])
-    assert found["ml"].dag_ids == ("ml_batch_inference", "ml_ingest", "ml_pipeline", "ml_retrain")
+    assert found["ml"].dag_ids == tuple(sorted(f"ml_{kind}" for kind in KINDS))
     bearer = {"Authorization": f"Bearer {token}"}
     listing = client.get("/stagewise/", headers=bearer).text
     assert "ml_run" in listing and "cnn_run" in listing and "0.81" in listing and "0.82" in listing
@@ -647,7 +648,7 @@ def test_a_user_denied_a_pipelines_dags_sees_no_card_of_its_model(airflow_api, s
     first, second = register_two_versions(str(storage_root), tmp_path)
     client, token = airflow_api(str(storage_root))
     manager = get_auth_manager()
-    denied: set[str] = {"ml_pipeline", "ml_retrain", "ml_batch_inference", "ml_ingest"}
+    denied: set[str] = {f"ml_{kind}" for kind in KINDS}  # every DAG of pipeline ml
     monkeypatch.setattr(manager, "is_authorized_dag", lambda *, method, access_entity=None, details=None, user:
                         details is None or details.id not in denied)
     bearer = {"Authorization": f"Bearer {token}"}
