@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import optuna
 import pytest
+import yaml
 
 from stagewise.definitions.config import ConfigError
 from stagewise.definitions.loading import load_config
@@ -130,3 +131,23 @@ def test_journal_files_lists_each_study_s_file_and_the_old_one(write_config, sto
     shared = load_config(write_config())
     create(shared, "c")
     assert journal_files(shared) == [str(storage_root / "optuna.journal")]
+
+
+def test_a_sweep_on_the_default_layout_writes_and_reads_its_own_file(write_config, storage_root, digits_run):
+    """create, a worker and the summary of one sweep all use the study's own file; nothing else appears under
+    optuna/ (no shared file, no file named after the template)."""
+    from stagewise.study.summary import summarize
+    from stagewise.sweep import run_worker
+
+    config_path, out = digits_run
+    raw = yaml.safe_load(config_path.read_text())
+    del raw["sweep"]["storage"]
+    raw["sweep"].update({"epochs": 1, "num_trials": 2, "num_workers": 1})
+    config_path.write_text(yaml.safe_dump(raw))
+    config = load_config(config_path)
+    create(config, "ml_pipeline__swept")
+    run_worker(config, "ml_pipeline__swept", 0, out)
+    summary = summarize(config, "ml_pipeline__swept", out)
+    assert summary["n_trials"] == 2 and summary["storage_kind"] == "journal"
+    files = sorted(str(p.relative_to(storage_root)) for p in (storage_root / "optuna").rglob("*") if p.is_file())
+    assert files == ["optuna/studies/ml_pipeline__swept.journal"]
