@@ -437,7 +437,7 @@ def _not_in_snapshot(run: dict[str, Any], stage: str, previous: dict[str, Any] |
 
 def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], init_from: str | None) -> dict[str, Any]:
     """Bring your own script: same profile, retries and torchrun; the contract is in environment variables."""
-    from stagewise.train import byo_args, byo_contract, byo_environment, byo_result
+    from stagewise.scripting.stage_contract import byo_args, byo_contract, byo_environment, byo_result
 
     config = run_config(run)
     spec = config.stage(stage)

@@ -1,6 +1,6 @@
 """The STAGEWISE_* environment a bring-your-own script gets: every variable's name and meaning, in one place.
 
-``stagewise.train.byo_environment`` sets the stage's variables, the Airflow launcher the ones every sub-job
+``stagewise.scripting.stage_contract.byo_environment`` sets the stage's variables, the Airflow launcher the ones every sub-job
 gets, ``stagewise.sweep`` a trial's (a trial gets the stage's variables too, filled from ``sweep``); all take
 the names from here, and docs/your-own-script.md's list is this module's output (``python -m stagewise.contract``),
 checked by tests/test_docs.py. Add a variable here, never inline.
@@ -9,7 +9,7 @@ checked by tests/test_docs.py. Add a variable here, never inline.
 from __future__ import annotations
 
 STAGE_ENV: dict[str, str] = {}
-"""Set for a bring-your-own stage by stagewise.train.byo_environment (name -> meaning)."""
+"""Set for a bring-your-own stage by stagewise.scripting.stage_contract.byo_environment (name -> meaning)."""
 LAUNCH_ENV: dict[str, str] = {}
 """Set by the launcher for every sub-job, ours and a user's (name -> meaning)."""
 TRIAL_ENV: dict[str, str] = {}

@@ -12,7 +12,7 @@ import yaml
 from stagewise.airflow import launch
 from stagewise.definitions.config import Profile
 from stagewise.definitions.loading import load_config
-from stagewise.train import byo_args, byo_contract, byo_environment, check_byo_outputs
+from stagewise.scripting.stage_contract import byo_args, byo_contract, byo_environment, check_byo_outputs
 from tests.conftest import REPO_ROOT
 
 SNAPSHOT_SCRIPT = str(REPO_ROOT / "tests" / "plugins" / "byo_snapshot_script.py")

@@ -8,7 +8,7 @@ from stagewise.airflow import launch
 from stagewise.core import contract
 from stagewise.definitions.config import Profile
 from stagewise.definitions.loading import load_config
-from stagewise.train import byo_environment
+from stagewise.scripting.stage_contract import byo_environment
 
 DUMP_ENV = """
 import json, os

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from stagewise.core import contract
 from stagewise.definitions.loading import load_config
-from stagewise.train import byo_environment
+from stagewise.scripting.stage_contract import byo_environment
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # STAGEWISE_* variables that are not part of a script's contract, each with why.

@@ -273,7 +273,7 @@ def test_a_run_still_running_when_the_report_ends_the_parent_is_killed_with_the_
 def test_a_script_stage_is_a_nested_run_with_its_contract_and_its_last_objective(digits_run, mlflow_server):
     """A stage run by the user's own script: its nested run holds the contract it was given (global batch, rescaled lr)
     and the objective it last reported."""
-    from stagewise.train import byo_contract
+    from stagewise.scripting.stage_contract import byo_contract
 
     config = _tracked(digits_run[0], mlflow_server.uri, "script-stage")
     out = digits_run[1]

@@ -18,9 +18,9 @@ from stagewise.core.errors import UserError
 from stagewise.definitions.loading import load_config
 from stagewise.scripting import runtime
 from stagewise.scripting.entrypoint import read_last_report
+from stagewise.scripting.stage_contract import byo_environment
 from stagewise.study.studies import open_storage
 from stagewise.sweep import absolute_storage, trial_contract, trial_environment
-from stagewise.train import byo_environment
 from tests.conftest import base_config
 
 
@@ -177,7 +177,7 @@ def test_a_stage_scripts_outputs_are_what_the_next_stage_and_evaluation_accept(d
     from stagewise.models.bundle import load_bundle
     from stagewise.models.torch_io import load_torch
     from stagewise.scripting.entrypoint import LAST_REPORT
-    from stagewise.train import byo_contract, byo_result, check_byo_outputs
+    from stagewise.scripting.stage_contract import byo_contract, byo_result, check_byo_outputs
 
     config_path, out = digits_run
     config = load_config(config_path)

@@ -61,7 +61,7 @@ def test_entrypoint_args_name_the_stage_values_and_hyperparameters(write_config,
 
     {lr} is the rescaled lr (as $STAGEWISE_LR); {{ and }} stay literal braces; a format spec applies.
     """
-    from stagewise.train import byo_args, byo_contract
+    from stagewise.scripting.stage_contract import byo_args, byo_contract
 
     args = ["--epochs", "{epochs}", "--lr", "{lr}", "--batch-size", "{per_process_batch}", "--global={global_batch}",
             "--hidden", "{hidden}", "--wd={weight_decay:.0e}", "--out", "{output_dir}", "--init={init_from}",
