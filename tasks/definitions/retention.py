@@ -25,29 +25,29 @@ class Retention(BaseModel):
 
     schedule: str = Field("@daily", description="Cron schedule (UTC) of the <name>_maintenance DAG that applies this policy.")
     keep_runs: int | None = Field(48, ge=1, le=MAX_COUNT, description=(
-        "Finished runs of each DAG kept whole, newest first; an older one keeps only its record (report, lineage, config)."))
+        "Finished runs of each DAG kept whole, newest first (at most 1000000); older ones keep only their record (report, lineage, config)."))
     keep_runs_days: int | None = Field(14, ge=0, le=MAX_DAYS, description=(
-        "Finished runs older than this keep only their record, even among the newest keep_runs."))
+        "Finished runs older than this many days (at most 36500) keep only their record, even among the newest keep_runs."))
     keep_records_days: int | None = Field(90, ge=0, le=MAX_DAYS, description=(
-        "A run's record (report.json, report.html, lineage, config) goes, with its folder, after this many days."))
+        "A run's record (report.json, report.html, lineage, config) goes, with its folder, after this many days (at most 36500)."))
     failed_days: int | None = Field(3, ge=0, le=MAX_DAYS, description=(
-        "A failed run's leftovers (preprocess/ copy, checkpoints, sweep, predictions) go after this many idle days."))
+        "A failed run's leftovers (preprocess/ copy, checkpoints, sweep, predictions) go after this many idle days (at most 36500)."))
     checkpoints_days: int | None = Field(2, ge=0, le=MAX_DAYS, description=(
-        "Checkpoints of a finished run's stages (all but model.pt and metrics.json) go after this many days."))
+        "Checkpoints of a finished run's stages (all but model.pt and their JSON records) go after this many days (at most 36500)."))
     drop_after_success: bool = Field(True, description=(
         "A succeeded run's report step drops what only a resume reads: checkpoints, hand-offs, the split copy (model.pt stays)."))
     predictions_days: int | None = Field(30, ge=0, le=MAX_DAYS, description=(
-        "Prediction shards of finished runs (training and batch inference) go after this many days."))
+        "Prediction shards of finished runs (training and batch inference) go after this many days (at most 36500)."))
     keep_model_versions: int | None = Field(10, ge=1, le=MAX_COUNT, description=(
-        "Registered versions kept, newest first; older ones go unless current, its rollback target or pinned."))
+        "Registered versions kept, newest first (at most 1000000); older ones go unless current, its rollback target or pinned."))
     pinned_versions: list[str] = Field(default_factory=list, description=(
         "Model versions (m-<hash>) never removed, whatever their age."))
     studies_days: int | None = Field(90, ge=0, le=MAX_DAYS, description=(
-        "Optuna studies with no trial for this many days are deleted from the journal (never the current model's)."))
+        "Optuna studies with no trial for this many days (at most 36500) are deleted (never one a model card names)."))
     pending_tracking_days: int | None = Field(7, ge=0, le=MAX_DAYS, description=(
-        "Unsent MLflow records (<run>/tracking/pending/) older than this are dropped."))
+        "Unsent MLflow records (<run>/tracking/pending/) older than this many days (at most 36500) are dropped."))
     idle_hours: float = Field(48.0, gt=0, le=MAX_DAYS * 24, description=(
-        "An unfinished run with no file changed for this long, and not running in Airflow, counts as failed."))
+        "An unfinished run with no file changed for this many hours (at most 876000), not running in Airflow, counts as failed."))
 
     @field_validator("schedule")
     @classmethod

@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime as dt
 
 from stagewise.definitions.retention import Retention
-from stagewise.upkeep.inventory import FAILED, FINISHED, Entry, ModelVersion, Models, Run
+from stagewise.upkeep.inventory import FAILED, FINISHED, Entry, Models, ModelVersion, Run
 from stagewise.upkeep.policy import MODEL, RUN, plan_models, plan_runs
 
 MB, KB = 1_000_000, 1_000
