@@ -18,7 +18,7 @@ from stagewise.definitions.loading import load_config
 from stagewise.reporting import html as report_html
 from stagewise.reuse import leftovers
 from stagewise.reuse.cache import stage_problem
-from tests.conftest import train_digits_s1
+from tests.conftest import base_config, train_digits_s1
 
 STAGE_KEPT = {"model.pt", "metrics.json", leftovers.RECORD}
 PREPROCESS_KEPT = {"manifest.json", "stats.json", leftovers.RECORD}
@@ -164,3 +164,30 @@ def test_a_stage_started_from_a_dropped_optimizer_starts_it_fresh(run, caplog):
     (folder / leftovers.RECORD).unlink()  # now gone without a word of why
     with pytest.raises(BaseException):  # noqa: B017 - lost, not dropped: DCP's CheckpointException (a BaseException)
         load_sharded_optimizer(module, optimizer, uri)
+
+
+@pytest.mark.service
+def test_the_drop_works_on_an_s3_root(s3_bucket, tmp_path):
+    """On s3:// (moto) the same entries go (a DCP folder is a key prefix there), the record lists s3:// URIs and the
+    report's paths are relative to the run, with their bytes."""
+    out = storage.run_prefix(s3_bucket, "ml_pipeline", "r1")
+    stage = storage.stage_prefix(out, "s1")
+    for name, size in {"checkpoints/step-000000010.pt": 300, "checkpoints/latest.json": 20, "best/step-000000001.pt": 200,
+                       "final.pt": 100, "final-optimizer-ab12.dcp/__0_0.distcp": 400, "final-optimizer-ab12.dcp/.metadata": 10,
+                       "model.pt": 90, "metrics.json": 5}.items():
+        storage.write_bytes(storage.join(stage, name), b"x" * size)
+    split = storage.join(out, "preprocess", "train", "part-0.parquet")
+    storage.write_bytes(split, b"p" * 70)
+    storage.write_bytes(storage.join(out, "preprocess", "stats", "shard-00000.json"), b"{}")
+    storage.write_json(storage.join(out, "preprocess", "manifest.json"), {"kind": "preprocess", "splits": {"train": [{"uri": split}]}})
+    config_path = tmp_path / "pipeline.yaml"
+    config_path.write_text(yaml.safe_dump({**base_config(tmp_path), "storage_root": s3_bucket}))
+    dropped = leftovers.drop_finished(load_config(config_path), out, ["s1"])
+    assert {entry["file"]: entry["bytes"] for entry in dropped["files"]} == {
+        "preprocess/stats/shard-00000.json": 2, "preprocess/train/part-0.parquet": 70,
+        "train/s1/best/step-000000001.pt": 200, "train/s1/checkpoints/latest.json": 20,
+        "train/s1/checkpoints/step-000000010.pt": 300, "train/s1/final-optimizer-ab12.dcp": 410, "train/s1/final.pt": 100}
+    fs, path = storage.filesystem(stage)
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path)) == sorted(["model.pt", "metrics.json", leftovers.RECORD])
+    assert leftovers.was_dropped(storage.join(stage, "final.pt"))
+    assert all(entry["uri"].startswith("s3://") for entry in storage.read_json(storage.join(stage, leftovers.RECORD))["files"])
