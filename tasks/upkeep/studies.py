@@ -55,13 +55,17 @@ def _journal_bytes(url: str) -> dict[int, int]:
 def plan_studies(url: str, days: int | None, now: dt.datetime, prefixes: Iterable[str], keep: set[str]) -> list[Removal]:
     """Studies whose name starts with one of ``prefixes`` (``<dag folder>__``) and whose last trial started or ended
     more than ``days`` ago, except those in ``keep``; a study with no trial is kept (it has no time to judge by)."""
-    if days is None or (url.startswith("journal://") and not os.path.exists(url[len("journal://"):])):
+    path = url[len("journal://"):] if url.startswith("journal://") else None
+    if days is None or (path is not None and not os.path.exists(path)):
         return []  # opening a missing journal would create it: a dry run changes nothing
+    prefixes = tuple(prefixes)
+    if path is not None and os.path.basename(path).startswith(prefixes) and (
+            now - dt.datetime.fromtimestamp(os.stat(path).st_mtime, dt.UTC) <= dt.timedelta(days=days)):
+        return []  # a study's own file written within `days`: nothing in it is older, and no replay is needed
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     backend = open_storage(url)
-    prefixes = tuple(prefixes)
     sizes = _journal_bytes(url)
     plan = []
     for study in backend.get_all_studies():
