@@ -42,9 +42,13 @@ def remove_files(uris: Iterable[str]) -> int:
     fs, _ = storage.filesystem(uris[0])
     paths = [storage.filesystem(uri)[1] for uri in uris]
     for start in range(0, len(paths), DELETE_BATCH):
-        batch = [path for path in paths[start:start + DELETE_BATCH] if fs.exists(path)]
-        if batch:
-            fs.rm(batch)
+        batch = paths[start:start + DELETE_BATCH]
+        try:
+            fs.rm(batch)  # S3: one DeleteObjects request, a key already gone is no error
+        except FileNotFoundError:  # a local file already gone (another pass, a run's own cleanup): the rest still go
+            for path in batch:
+                if fs.exists(path):
+                    fs.rm_file(path)
     return len(paths)
 
 
