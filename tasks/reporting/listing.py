@@ -4,19 +4,28 @@ Run: a library; the Stagewise pages (``stagewise.airflow.ui``) list every run wi
 and read the rows they show with :func:`run_rows`; ``stagewise.registry`` lists a model's versions through an
 :class:`Index`.
 
-Each call asks the storage what is there now and trusts nothing it saw before: locally one ``stat`` a file (mtime,
-size, inode), on S3 one recursive listing of the prefix (each key's ETag and size, 1,000 keys a request). A file
-added, rewritten or removed, by this process or any other, shows in the next call; only files whose version changed
-are read again, and only when a page shows them (or filters on what they hold), so a page over 10,000 reports costs
-10,000 stats and about 50 reads, not 10,000 reads.
+Every call asks the storage what is there now; what it costs differs:
+
+- Local storage: a folder's mtime changes whenever an entry in it is added, removed or renamed into place (every
+  write of stagewise.core.storage is a rename). A call stats the base folder and each group folder (a DAG's runs
+  folder), lists again only a group whose mtime moved (or moved within RACY_S of looking: mtimes can be coarse), and
+  otherwise stats only the item folders that had no file yet (runs in flight, failed runs). A file written in place
+  (no rename) changes no folder: the rows a page shows are stat'ed again before use (:meth:`Index.summaries` with
+  ``recheck``), and every FULL_SCAN_S a call stats every file. So a page over 10,000 reports costs a few dozen stats,
+  not 10,000 reads or 10,000 stats.
+- S3: one recursive listing of the prefix (each key's ETag and size, 1,000 keys a request); S3 has no folder mtimes.
+
+Only files whose version changed are read again, and only when a page shows them (or filters on what they hold).
 """
 
 from __future__ import annotations
 
 import contextvars
 import datetime as dt
+import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +40,10 @@ T = TypeVar("T")
 
 # Remote reads of changed files at once: each is one small GET whose time is the round trip, not the bytes.
 REMOTE_READERS = 16
+# Local: every file is stat'ed at least this often (catches a file rewritten in place that no page showed) ...
+FULL_SCAN_S = 60.0
+# ... and a folder whose mtime is this recent is listed again (a second change within a coarse mtime's tick).
+RACY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +53,8 @@ class Listed:
     parts: tuple[str, ...]
     """The folder names between the base and the file (a run: its DAG folder and run folder)."""
     uri: str
+    path: str
+    """Where the file is for its filesystem (local: the path, S3: bucket/key)."""
     mtime: float | None
     """When it last changed, seconds since the epoch (local: its mtime, S3: LastModified)."""
     version: tuple[Any, ...]
@@ -51,40 +66,137 @@ class Listed:
 
 
 def scan(base: str, depth: int, filename: str) -> list[Listed]:
-    """Every ``<base>/<folder_1>/.../<folder_depth>/<filename>`` there now (none when ``base`` does not exist)."""
+    """Every ``<base>/<folder_1>/.../<folder_depth>/<filename>`` there now (none when ``base`` does not exist);
+    ``depth`` 1 or 2."""
+    return scan_versioned(base, depth, filename)[1]
+
+
+_trees: dict[tuple[str, int, str], _LocalTree] = {}
+_trees_lock = threading.Lock()
+
+
+def scan_versioned(base: str, depth: int, filename: str) -> tuple[Any, list[Listed]]:
+    """:func:`scan` and a token equal to the last call's exactly when the listing is (calls share the list: do not
+    change it)."""
+    if depth not in (1, 2):
+        raise ValueError(f"depth {depth}: a listing looks one or two folders down")
     fs, path = storage.filesystem(base)
     if isinstance(fs, LocalFileSystem):
-        return _scan_local(base, path, depth, filename)
-    return _scan_remote(fs, base, path, depth, filename)
+        with _trees_lock:
+            tree = _trees.setdefault((base, depth, filename), _LocalTree(base, path, depth, filename))
+        return tree.scan()
+    listed = _scan_remote(fs, base, path, depth, filename)
+    return [(item.parts, item.version) for item in listed], listed
 
 
-def _scan_local(base: str, path: str, depth: int, filename: str) -> list[Listed]:
-    found: list[Listed] = []
-    prefix = base.rstrip("/")
-    tail = "/" + filename
+def recheck(item: Listed) -> Listed | None:
+    """``item`` as its file is now (None: gone); remote files are taken as listed (a HEAD each would cost a page)."""
+    if "://" in item.uri and not item.uri.startswith("file://"):
+        return item
+    try:
+        stat = os.stat(item.path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    version = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+    return item if version == item.version else Listed(item.parts, item.uri, item.path, stat.st_mtime, version)
 
-    def walk(folder: str, parts: tuple[str, ...]) -> None:
-        try:
-            entries = os.scandir(folder)
-        except (FileNotFoundError, NotADirectoryError):  # removed while we walked: gone, as the next call says too
-            return
-        with entries:
-            for entry in entries:
-                if not entry.is_dir():  # from the directory entry itself: no stat
-                    continue
-                if len(parts) + 1 < depth:
-                    walk(entry.path, (*parts, entry.name))
-                    continue
-                try:  # the one system call a file costs: this loop is the page's time with 10,000 runs
-                    stat = os.stat(entry.path + tail)
-                except (FileNotFoundError, NotADirectoryError):  # a run still going has no report yet
-                    continue
-                inner = (*parts, entry.name)
-                found.append(Listed(inner, f"{prefix}/{'/'.join(inner)}{tail}", stat.st_mtime,
-                                    (stat.st_mtime_ns, stat.st_size, stat.st_ino)))
 
-    walk(path, ())
-    return found
+def _mtime_ns(path: str) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+class _LocalTree:
+    """What the last scan of one local base found, reused where its folders' mtimes say nothing changed."""
+
+    def __init__(self, base: str, path: str, depth: int, filename: str) -> None:
+        self.base, self.path, self.depth, self.filename = base.rstrip("/"), path.rstrip("/"), depth, filename
+        self.lock = threading.Lock()  # one scan of a base at a time: a request waiting for it reuses it
+        self.full_at = -math.inf
+        self.top: int | None = None  # the base folder's mtime when its groups were listed
+        self.groups: list[tuple[str, ...]] = []
+        # group -> (its mtime before it was listed, its files, its item folders without the file yet)
+        self.seen: dict[tuple[str, ...], tuple[int | None, list[Listed], list[str]]] = {}
+        self.generation = 0
+        self.listed: list[Listed] = []
+
+    def scan(self) -> tuple[Any, list[Listed]]:
+        with self.lock:
+            now = time.time()
+            full = time.monotonic() - self.full_at > FULL_SCAN_S
+            if full:
+                self.full_at = time.monotonic()
+            changed = self._list_groups(full, now)
+            for group in self.groups:
+                changed = self._refresh(group, full, now) or changed
+            for group in set(self.seen) - set(self.groups):
+                del self.seen[group]
+            if changed:
+                self.generation += 1
+                self.listed = [item for group in self.groups for item in self.seen[group][1]]
+            return (id(self), self.generation), self.listed
+
+    def forget(self) -> None:
+        """A file was found changed or gone behind the folders' backs: stat every file at the next scan."""
+        self.full_at = -math.inf
+
+    def _trusted(self, mtime: int | None, before: int | None, full: bool, now: float) -> bool:
+        return not full and mtime is not None and mtime == before and now - mtime / 1e9 > RACY_S
+
+    def _list_groups(self, full: bool, now: float) -> bool:
+        if self.depth == 1:  # the base holds the item folders itself
+            self.groups = [()]
+            return False
+        mtime = _mtime_ns(self.path)  # before listing: a change while we list shows as a newer mtime next time
+        if self._trusted(mtime, self.top, full, now):
+            return False
+        self.top = mtime
+        groups = sorted((entry.name,) for entry in _folders(self.path))
+        changed, self.groups = groups != self.groups, groups
+        return changed
+
+    def _refresh(self, group: tuple[str, ...], full: bool, now: float) -> bool:
+        folder = "/".join((self.path, *group))
+        mtime = _mtime_ns(folder)
+        before = self.seen.get(group)
+        if before is not None and self._trusted(mtime, before[0], full, now):
+            # the same item folders as last time: only those without the file yet can have gained it
+            gained = [item for name in before[2] if (item := self._item(group, name)) is not None]
+            if not gained:
+                return False
+            names = {item.parts[-1] for item in gained}
+            self.seen[group] = (mtime, [*before[1], *gained], [name for name in before[2] if name not in names])
+            return True
+        files, waiting = [], []
+        for entry in _folders(folder):
+            item = self._item(group, entry.name)
+            if item is None:
+                waiting.append(entry.name)
+            else:
+                files.append(item)
+        self.seen[group] = (mtime, files, waiting)
+        return before is None or before[1] != files
+
+    def _item(self, group: tuple[str, ...], name: str) -> Listed | None:
+        parts = (*group, name)
+        path = "/".join((self.path, *parts, self.filename))
+        try:  # the one system call a file costs
+            stat = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):  # a run still going has no report yet
+            return None
+        return Listed(parts, "/".join((self.base, *parts, self.filename)), path, stat.st_mtime,
+                      (stat.st_mtime_ns, stat.st_size, stat.st_ino))
+
+
+def _folders(path: str) -> list[os.DirEntry[str]]:
+    """The sub-folders of ``path`` (none when it went), told from their directory entries: no stat each."""
+    try:
+        with os.scandir(path) as entries:
+            return [entry for entry in entries if entry.is_dir()]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def _scan_remote(fs: Any, base: str, path: str, depth: int, filename: str) -> list[Listed]:
@@ -101,7 +213,7 @@ def _scan_remote(fs: Any, base: str, path: str, depth: int, filename: str) -> li
         if len(parts) != depth + 1 or parts[-1] != filename or info.get("type") == "directory":
             continue
         stamp = _stamp(info)
-        listed.append(Listed(tuple(parts[:-1]), "/".join((prefix, *parts)), stamp,
+        listed.append(Listed(tuple(parts[:-1]), "/".join((prefix, *parts)), key, stamp,
                              (info.get("ETag") or info.get("etag") or stamp, info.get("size"))))
     return listed
 
@@ -124,31 +236,42 @@ class Index(Generic[T]):
     def __init__(self, summarise: Callable[[Listed], T]) -> None:
         self._summarise = summarise
         self._known: dict[tuple[str, ...], tuple[tuple[Any, ...], T]] = {}  # by (base, *parts): (version, summary)
-        self._ordered: dict[tuple[str, int, str], tuple[list[tuple[Any, ...]], list[Listed]]] = {}
+        self._ordered: dict[tuple[str, int, str], tuple[Any, list[Listed]]] = {}
         self._lock = threading.Lock()
 
     def files(self, base: str, depth: int, filename: str,
               order: Callable[[list[Listed]], list[Listed]] | None = None) -> list[Listed]:
         """Each file under ``base`` there now, in ``order`` (else the scan's); while no file came, went or changed,
-        the last call's list (sorting 10,000 files on each request would cost as much as finding them). Do not change
+        the last call's list (sorting 10,000 files on each request would cost more than finding them). Do not change
         the list: calls share it."""
-        listed = scan(base, depth, filename)
-        versions = [(item.parts, item.version) for item in listed]
+        token, listed = scan_versioned(base, depth, filename)
         key = (base, depth, filename)
         with self._lock:
             last = self._ordered.get(key)
-            if last is not None and last[0] == versions:
+            if last is not None and last[0] == token:
                 return last[1]
             there = {(base, *item.parts): item.version for item in listed}
             self._known = {name: hit for name, hit in self._known.items()  # what went, or changed, is forgotten
                            if name[0] != base or there.get(name) == hit[0]}
         ordered = order(listed) if order else listed
         with self._lock:
-            self._ordered[key] = (versions, ordered)
+            self._ordered[key] = (token, ordered)
         return ordered
 
-    def summaries(self, base: str, items: list[Listed]) -> list[T]:
-        """The summaries of ``items`` (from :meth:`files` of ``base``), reading those not read at their version."""
+    def summaries(self, base: str, items: list[Listed], recheck_files: bool = False) -> list[T | None]:
+        """The summaries of ``items`` (from :meth:`files` of ``base``), reading those not read at their version.
+        ``recheck_files``: stat each file first (the rows a page shows: a file rewritten in place, or gone since the
+        listing, is read again, or None)."""
+        if recheck_files:
+            now = [recheck(item) for item in items]
+            if any(found is not item for found, item in zip(now, items, strict=True)):
+                with _trees_lock:  # the listing missed it: its next scan stats every file
+                    for tree in _trees.values():
+                        if tree.base == base.rstrip("/"):
+                            tree.forget()
+            present = [item for item in now if item is not None]
+            made = iter(self.summaries(base, present))
+            return [None if item is None else next(made) for item in now]
         with self._lock:
             hits = [self._known.get((base, *item.parts)) for item in items]
         found: list[T | None] = [hit[1] if hit is not None and hit[0] == item.version else None
@@ -156,17 +279,17 @@ class Index(Generic[T]):
         missing = [number for number, summary in enumerate(found) if summary is None]
         if missing:
             remote = "://" in base and not base.startswith("file://")
-            made = self._summarise_all([items[number] for number in missing], remote)
+            made_now = self._summarise_all([items[number] for number in missing], remote)
             with self._lock:
-                for number, summary in zip(missing, made, strict=True):
+                for number, summary in zip(missing, made_now, strict=True):
                     found[number] = summary
                     self._known[(base, *items[number].parts)] = (items[number].version, summary)
-        return found  # type: ignore[return-value] - every None was filled
+        return found
 
     def read(self, base: str, depth: int, filename: str) -> list[tuple[Listed, T]]:
         """Each file under ``base`` there now with its summary, in the scan's order."""
         listed = self.files(base, depth, filename)
-        return list(zip(listed, self.summaries(base, listed), strict=True))
+        return list(zip(listed, self.summaries(base, listed), strict=True))  # type: ignore[arg-type] - none missing
 
     def _summarise_all(self, items: list[Listed], remote: bool) -> list[T]:
         if not remote or len(items) < 2:  # local reads are bound by parsing, which threads do not speed up
@@ -245,6 +368,7 @@ def run_reports(storage_root: str) -> list[Listed]:
     return _RUNS.files(storage.join(storage_root, "runs"), 2, "report.json", _newest_first)
 
 
-def run_rows(storage_root: str, reports: list[Listed]) -> list[RunRow]:
-    """The rows of ``reports`` (from :func:`run_reports` of ``storage_root``), each report read once per version."""
-    return _RUNS.summaries(storage.join(storage_root, "runs"), reports)
+def run_rows(storage_root: str, reports: list[Listed], recheck_files: bool = False) -> list[RunRow | None]:
+    """The rows of ``reports`` (from :func:`run_reports` of ``storage_root``), each report read once per version;
+    ``recheck_files``: stat each report first (the rows a page shows), None for one gone since the listing."""
+    return _RUNS.summaries(storage.join(storage_root, "runs"), reports, recheck_files)

@@ -95,19 +95,35 @@ def row_cells(root: str, row: RunRow, retired: bool) -> list[str]:
             esc(when), esc(row.metric), fmt(row.value), fmt(row.sweep_best), gate_badge(row.registry)]
 
 
-def read_rows(entries: list[tuple[Listed, Storage]],
-              problem: Callable[[Storage, StorageProblem], None]) -> list[RunRow | None]:
-    """The rows of these reports, each read from its own storage (reports read before at their version are not read
-    again); a storage that fails now gives None for its reports and its error to ``problem``."""
+def read_rows(items: list[Listed], owner: Callable[[Listed], Storage],
+              problem: Callable[[Storage, StorageProblem], None], recheck_files: bool = False) -> list[RunRow | None]:
+    """The rows of these reports, each read from its own storage (``owner``; reports read before at their version are
+    not read again; ``recheck_files``: each stat'ed first, None for one gone); a storage that fails now gives None for
+    its reports and its error to ``problem``."""
     by_place: dict[Storage, list[Listed]] = {}
-    for item, place in entries:
-        by_place.setdefault(place, []).append(item)
-    read = read_each(by_place, lambda place: dict(zip(by_place[place], run_rows(place.root, by_place[place]),
-                                                       strict=True)))
+    for item in items:
+        by_place.setdefault(owner(item), []).append(item)
+    read = read_each(by_place, lambda place: dict(zip(by_place[place], run_rows(place.root, by_place[place],
+                                                                                recheck_files), strict=True)))
     for place, result in read.items():
         if isinstance(result, StorageProblem):
             problem(place, result)
-    return [None if isinstance(rows := read[place], StorageProblem) else rows[item] for item, place in entries]
+    return [None if isinstance(rows := read[owner(item)], StorageProblem) else rows[item] for item in items]
+
+
+_folder_sets: dict[int, tuple[list[Listed], frozenset[str]]] = {}
+
+
+def _folders_of(reports: list[Listed]) -> frozenset[str]:
+    """The DAG folders in a listing, found once per listing (a listing is reused while nothing changed)."""
+    known = _folder_sets.get(id(reports))
+    if known is not None and known[0] is reports:
+        return known[1]
+    folders = frozenset(item.parts[0] for item in reports)
+    if len(_folder_sets) > 64:  # listings replaced by newer ones
+        _folder_sets.clear()
+    _folder_sets[id(reports)] = (reports, folders)
+    return folders
 
 
 def register(router: APIRouter, User: Any) -> None:  # noqa: N803 - the request's user, as FastAPI resolves it
@@ -148,30 +164,39 @@ def register(router: APIRouter, User: Any) -> None:  # noqa: N803 - the request'
                 problem(place, result)
             elif place.root not in {seen.root for seen, _ in listed}:  # two connections to one root list the same runs
                 listed.append((place, result))
-        entries = [(item, place) for place, result in listed for item in result]  # 10,000 pairs: a few ms
-        if len(listed) > 1:  # each root's reports are newest first already
-            entries.sort(key=lambda entry: entry[0].mtime or 0.0, reverse=True)
+        # One storage's list is used as it is (10,000 reports: no copy, no pass over it unless a filter needs one)
+        if len(listed) == 1:
+            (only, reports), owners = listed[0], {}
+        else:  # each storage's reports are newest first already
+            only, owners = None, {id(item): place for place, result in listed for item in result}
+            reports = sorted((item for _, result in listed for item in result), key=lambda item: item.mtime or 0.0,
+                             reverse=True)
+
+        def owner(item: Listed) -> Storage:
+            return only or owners[id(item)]
 
         # A run's DAG is its folder's (the run page looks a run up the same way): no report is read to decide who sees it
         dag_of = {storage.safe_name(dag_id): dag_id for of in found.values() for dag_id in of.dag_ids}
-        folders = {item.parts[0] for item, _ in entries}
+        folders = {folder for _, result in listed for folder in _folders_of(result)}
         readable_folders = {folder for folder in folders if may_read(dag_of.get(folder, folder))}
-        visible = [entry for entry in entries if entry[0].parts[0] in readable_folders]
+        visible = reports if readable_folders == folders else \
+            [item for item in reports if item.parts[0] in readable_folders]
         shown = visible
         if chosen.pipeline:  # its storage may hold other pipelines' runs too
             own = {storage.safe_name(dag_id) for dag_id in found[chosen.pipeline].dag_ids}
-            shown = [entry for entry in shown if entry[0].parts[0] in own]
+            shown = [item for item in shown if item.parts[0] in own]
         if chosen.start or chosen.end:
-            shown = [entry for entry in shown if chosen.keeps_time(entry[0].mtime)]
+            shown = [item for item in shown if chosen.keeps_time(item.mtime)]
         if chosen.state:  # the one filter that reads every report it looks at (once per version of each)
-            shown = [entry for entry, row in zip(shown, read_rows(shown, problem), strict=True)
+            shown = [item for item, row in zip(shown, read_rows(shown, owner, problem), strict=True)
                      if row is not None and row.state == chosen.state]
         last = max(1, -(-len(shown) // chosen.per_page))
         number = min(number, last)  # a page past the end (runs went away since the link was made): the last one
         on_page = shown[(number - 1) * chosen.per_page:number * chosen.per_page]
         retired = {storage.safe_name(dag_id) for of in found.values() if of.retired for dag_id in of.dag_ids}
-        cells = [row_cells(root, row, entry[0].parts[0] in retired)
-                 for entry, row in zip(on_page, read_rows(on_page, problem), strict=True) if row is not None]
+        cells = [row_cells(root, row, item.parts[0] in retired)
+                 for item, row in zip(on_page, read_rows(on_page, owner, problem, recheck_files=True), strict=True)
+                 if row is not None]
 
         roots: dict[str, list[str]] = {}
         for place in storages(found):
