@@ -1,0 +1,1 @@
+"""The config schema by section, each beside the others it needs; stagewise.definitions.config assembles them."""
