@@ -68,8 +68,11 @@ def run_one(name: str, rows: int | None = None) -> dict[str, Any]:
     except Exception as exc:  # a broken benchmark is reported, not fatal: the others still run
         return {"name": name, "goal": goal, "met": False, "error": f"{type(exc).__name__}: {exc}",
                 "trace": traceback.format_exc()[-2000:]}
+    met = goal_met(ratio, goal)
+    if met and measured.get("also_met") is False:  # a goal of its own besides the ratio (runs_page_10k: <= 0.5 s)
+        met = False
     return {"name": name, "ours": round(measured["ours"], 4), "baseline": round(measured["baseline"], 4),
-            "ratio": round(ratio, 4), "unit": measured["unit"], "goal": goal, "met": goal_met(ratio, goal),
+            "ratio": round(ratio, 4), "unit": measured["unit"], "goal": goal, "met": met,
             "details": measured.get("details", {}), "seconds": round(time.perf_counter() - started, 1),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
