@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from stagewise.airflow.steps import _context, inline, started_by_test
+from airflow.sdk import get_current_context
+
+from stagewise.airflow.steps import inline, started_by_test
 from stagewise.definitions.loading import config_path, load_config, scratch_for_test_run
 from stagewise.definitions.pipelines import name_of
 
@@ -35,7 +37,7 @@ def apply_retention(config_file: str) -> dict[str, Any]:
     XCom carries small values)."""
     from stagewise import retention
 
-    context = _context()
+    context = get_current_context()
     path = str(config_path(config_file))
     config = load_config(config_file)
     if not config.name:
