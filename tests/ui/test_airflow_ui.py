@@ -37,9 +37,9 @@ def _open_trigger_form(page, live, dag_id: str):
     return dialog, dialog.get_by_role("button", name="Trigger", exact=True)
 
 
-def test_the_dag_list_shows_each_pipelines_four_dags_with_its_tag(logged_in, ui_airflow):
-    """The DAG list holds <name>_pipeline, _retrain, _batch_inference and _ingest of every pipeline in the folder;
-    filtering on a pipeline's tag leaves only its four."""
+def test_the_dag_list_shows_each_pipelines_dags_with_its_tag(logged_in, ui_airflow):
+    """The DAG list holds <name>_pipeline, _retrain, _batch_inference, _ingest and _maintenance of every pipeline in
+    the folder; filtering on a pipeline's tag leaves only its own."""
     from playwright.sync_api import expect
 
     page, live, screens = logged_in
