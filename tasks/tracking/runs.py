@@ -546,9 +546,14 @@ def finish_parent(config: PipelineConfig, out: str, report: dict[str, Any], stat
     (its task was killed, or ended while the server was away and left nothing to send) ends KILLED with the reason."""
 
     def work(tracker: Tracker) -> None:
+        from stagewise.reporting import assets
+
         for key in ("html_uri", "report_uri"):
             if report.get(key):
-                tracker.upload(tracker.parent(), report[key].rsplit("/", 1)[-1], storage.read_bytes(report[key]))
+                data = storage.read_bytes(report[key])
+                if key == "html_uri":  # MLflow shows the page alone: the root's plotly.js it links goes back inline
+                    data = assets.inline(data, out)
+                tracker.upload(tracker.parent(), report[key].rsplit("/", 1)[-1], data)
         tracker.end_running("KILLED", "still RUNNING when the run's report was written: its task ended without "
                                       "ending it (killed, or the tracking server was away until after it ended)")
         tracker.end(tracker.parent(), status)

@@ -106,3 +106,35 @@ def test_an_s3_root_holds_one_library_too(s3_bucket):
     ((_, src),) = LINK.findall(storage.read_bytes(uri).decode())
     assert src == f"../../../assets/{name}"
     assert data in assets.inline(storage.read_bytes(uri), out)
+
+
+def test_the_page_mlflow_keeps_carries_the_library_inline(storage_root: Path, monkeypatch):
+    """MLflow shows an artifact alone, with no storage root around it: the report.html uploaded to the parent run has
+    plotly.js inline in place of the link (report.json goes as written)."""
+    from stagewise.tracking import runs
+
+    uploads = {}
+
+    class Recorder:
+        def parent(self):
+            return "parent"
+
+        def upload(self, handle, path, data):
+            uploads[path] = data
+
+        def end_running(self, *args, **kwargs):
+            pass
+
+        def end(self, *args, **kwargs):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(runs.Tracker, "for_run", classmethod(lambda cls, config, out, task: Recorder()))
+    out = storage.run_prefix(str(storage_root), "ml_pipeline", "r1")
+    html_uri = _page(out)
+    storage.write_json(storage.join(out, "report.json"), {"dag_id": "ml_pipeline"})
+    runs.finish_parent(None, out, {"html_uri": html_uri, "report_uri": storage.join(out, "report.json")})
+    assert assets.plotly_js()[1] in uploads["report.html"] and not LINK.search(uploads["report.html"].decode())
+    assert uploads["report.json"] == storage.read_bytes(storage.join(out, "report.json"))
