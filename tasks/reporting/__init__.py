@@ -1,1 +1,2 @@
-"""Reporting: the run's task timeline and its self-contained report.html (the report job assembles report.json)."""
+"""Reporting: the run's task timeline and its offline report.html, which links the storage root's one plotly.js
+(:mod:`.assets`); the report job assembles report.json."""
