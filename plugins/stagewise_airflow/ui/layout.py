@@ -138,6 +138,6 @@ def pager(href: str, params: dict[str, str], number: int, per_page: int, total: 
         return f'<a href="{esc(href + "?" + query)}" rel="{rel}" data-stagewise-page="{target}">{esc(label)}</a>'
 
     return (f"<div class='pager' data-stagewise-pager='{esc(noun)}' data-stagewise-total='{total}'>"
-            f"<span class='count'>{count}</span>{esc(note)}{to(1, '« first', 'first')}{to(number - 1, '‹ previous', 'prev')}"
+            f"<span class='count'>{count}{esc(note)}</span>{to(1, '« first', 'first')}{to(number - 1, '‹ previous', 'prev')}"
             f"<span>page {number:,} of {last:,}</span>{to(number + 1, 'next ›', 'next')}{to(last, 'last »', 'last')}"
             "</div>")
