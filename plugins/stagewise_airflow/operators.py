@@ -5,8 +5,8 @@
 Airflow resolves through ``template_fields``), submits the try's job with the backend's own request builder,
 and defers to the Amazon provider's SageMakerTrigger: the worker slot is free while the job runs. On resume it
 maps the trigger's event as ``sagemaker.run_stage`` maps the ended job (``sagemaker.failure``), and returns
-what ``submit_stage`` returns. Trade-off (README, SageMaker section): while deferred, no task process exists
-to stop the job on a kill, and no node log lines stream.
+what ``stagewise.airflow.backends.run_job`` returns. Trade-off (README, SageMaker section): while deferred, no task
+process exists to stop the job on a kill, and no node log lines stream.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class SageMakerStageOperator(BaseOperator):
         from airflow.providers.amazon.aws.triggers.sagemaker import SageMakerTrigger
         from airflow.sdk.exceptions import AirflowFailException
 
-        from stagewise.airflow import credentials
         from stagewise.airflow.backends import sagemaker
+        from stagewise.airflow.stage_job import build
         from stagewise.core.errors import UserError
 
         config, run, stage = self._config(), self.run, self.stage
@@ -52,11 +52,9 @@ class SageMakerStageOperator(BaseOperator):
         settings = config.profile(spec.profile).sagemaker
         started = time.time()
         try:
-            request = sagemaker.training_job_request(
-                config, dag_id=run["dag_id"], run_id=run["run_id"], stage=stage, out=run["out"],
-                attempt=context["ti"].try_number, params=self.swept["best_params"],
-                init_from=self.previous["checkpoint_uri"] if self.previous else None, config_file=run["config"],
-                storage_env=credentials.aws_environment(config.storage_conn_id))
+            job = build(config, run, stage, self.swept["best_params"],
+                        self.previous["checkpoint_uri"] if self.previous else None, context["ti"].try_number)
+            request = sagemaker.training_job_request(job)
         except UserError as exc:
             raise AirflowFailException(str(exc)) from None
         name = sagemaker.submit(sagemaker.hook_for(settings), request)

@@ -8,7 +8,6 @@ in the task process. Every step takes and returns small dicts: URIs, ids, metric
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -395,24 +394,24 @@ def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous
     config = run_config(run)
     if stage not in {spec.name for spec in config.train.stages}:
         return _not_in_snapshot(run, stage, previous)
+    from stagewise.airflow.backends import run_job
+    from stagewise.airflow.stage_job import build
+
     spec = config.stage(stage)
     init_from = previous["checkpoint_uri"] if previous else None
-    if config.profile(spec.profile).backend != "local":  # the whole gang as one SageMaker or Kubernetes job
-        from stagewise.airflow.backends import submit_stage
-
-        return submit_stage(config, run, stage, swept["best_params"], init_from, attempt=_context()["ti"].try_number)
-    if spec.entrypoint is not None:
-        return launch_entrypoint(run, stage, swept["best_params"], init_from)
+    params, attempt = swept["best_params"], _context()["ti"].try_number
+    if config.profile(spec.profile).backend != "local" or spec.entrypoint is not None:
+        job = inline(config, lambda: build(config, run, stage, params, init_from, attempt))  # bad args: the user's
+        return run_job(job) if spec.entrypoint is None else _own_script_stage(config, run, job)
     inputs = inline(config, lambda: _stage_inputs(config, run, stage, swept, previous))
     fingerprint = inputs["fingerprint"]
     hit = inline(config, lambda: cache.lookup(config, "stage", fingerprint, run_ref(run),
                                                lambda result: cache.stage_problem(result, fingerprint)))
     if hit is not None:
         return {**hit, "task_s": task_seconds(_context())}
-    args = ["--stage", stage, "--out", run["out"], "--params", json.dumps(swept["best_params"]),
-            "--inputs-fingerprint", fingerprint, "--data-fingerprint", inputs["data_fingerprint"]]
-    result = launch_subjob(run, "stagewise.train", args + (["--init-from", init_from] if init_from else []), spec.profile,
-                           distributed=True)
+    keys = {"inputs_fingerprint": fingerprint, "data_fingerprint": inputs["data_fingerprint"]}
+    result = run_job(build(config, run, stage, params, init_from, attempt, fingerprints=keys))
+    result = {**result, "task_s": task_seconds(_context())}
     inline(config, lambda: cache.remember(config, "stage", fingerprint, run_ref(run), result))
     return result
 
@@ -435,31 +434,19 @@ def _not_in_snapshot(run: dict[str, Any], stage: str, previous: dict[str, Any] |
     return {**previous, "handed_through": stage}
 
 
-def launch_entrypoint(run: dict[str, Any], stage: str, params: dict[str, Any], init_from: str | None) -> dict[str, Any]:
-    """Bring your own script: same profile, retries and torchrun; the contract is in environment variables."""
-    from stagewise.scripting.stage_contract import byo_args, byo_contract, byo_environment, byo_result
+def _own_script_stage(config: PipelineConfig, run: dict[str, Any], job: Any) -> dict[str, Any]:
+    """A stage with its own entrypoint: run it like any stage, then check what it left (missing outputs fail here,
+    without retry, rather than in evaluate three times) and track it."""
+    from stagewise.airflow.backends import run_job
+    from stagewise.scripting.stage_contract import byo_result
 
-    config = run_config(run)
-    spec = config.stage(stage)
-    entry = spec.entrypoint
     started = time.monotonic()
-
-    def contract() -> tuple[dict[str, Any], dict[str, str], list[str]]:
-        values = byo_contract(config, run["config"], stage, run["out"], params, init_from)
-        env = byo_environment(config, run["config"], stage, run["out"], params, init_from, run["overrides"])
-        return values, env, byo_args(config, stage, values)
-
-    values, env, args = inline(config, contract)  # bad params or args are the user's to fix: no retry
-    reported = launch.run(entry.module or "", args, config.profile(spec.profile), distributed=True,
-                          attempt=_context()["ti"].try_number, script=entry.script,
-                          extra_env={**credentials.task_environment(config), **env},
-                          result_arg=False, import_paths=config.model.import_paths or ())
-    # Missing outputs fail here, without retry, rather than in evaluate three times.
-    result = inline(config, lambda: byo_result(config, stage, run["out"], values, reported))
+    reported = run_job(job)
+    result = inline(config, lambda: byo_result(config, job.stage, run["out"], job.contract, reported))
     if config.tracking.mlflow_uri:
         from stagewise.tracking.runs import log_script_stage
 
-        inline(config, lambda: log_script_stage(config, run["out"], values, result))
+        inline(config, lambda: log_script_stage(config, run["out"], job.contract, result))
     return {**result, "duration_s": round(time.monotonic() - started, 3), "task_s": task_seconds(_context())}
 
 

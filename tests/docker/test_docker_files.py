@@ -114,7 +114,7 @@ def test_the_runtime_image_starts_the_node_launcher_the_backends_run():
     image's `pip install -e .`)."""
     import importlib.util
 
-    from stagewise.airflow.backends import NODE_LAUNCH_MODULE
+    from stagewise.airflow.stage_job import NODE_LAUNCH_MODULE
 
     text = (DOCKER / "runtime.Dockerfile").read_text()
     entrypoint = yaml.safe_load(re.search(r"^ENTRYPOINT (.+)$", text, re.M).group(1))

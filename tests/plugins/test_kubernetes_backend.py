@@ -17,7 +17,8 @@ import pytest
 # inside a test that is pytest's per-test capture, closed when the test ends.
 from airflow.sdk.exceptions import AirflowFailException
 
-from stagewise.airflow.backends import Stopped, kubernetes, node_command, sagemaker
+from stagewise.airflow.backends import Stopped, kubernetes, sagemaker
+from stagewise.airflow.stage_job import node_command, stage_job
 from stagewise.core.errors import USER_ERROR_EXIT
 from tests.plugins.backend_configs import backend_config, job_args
 from tests.plugins.fake_kube_api import FakeKubeAPI
@@ -34,8 +35,8 @@ def _serialized(obj):
 def test_the_job_and_service_wire_every_pod_to_pod_0_as_the_rendezvous_host(tmp_path):
     path, config = backend_config(tmp_path, "kubernetes")
     args = job_args(path, config, init_from="s3://b/final.pt")
-    service, job = (_serialized(obj) for obj in kubernetes.job_objects(
-        config, **args, storage_env={"AWS_SECRET_ACCESS_KEY": "secret!", "AWS_DEFAULT_REGION": "eu-west-1"}))
+    storage_env = {"AWS_SECRET_ACCESS_KEY": "secret!", "AWS_DEFAULT_REGION": "eu-west-1"}
+    service, job = (_serialized(obj) for obj in kubernetes.job_objects(stage_job(config, **args, storage_env=storage_env)))
     name = job["metadata"]["name"]
     assert DNS_1123_LABEL.match(name) and len(f"{name}-511") <= 63  # the last pod's hostname is a label too
     assert service["metadata"]["name"] == name and service["metadata"]["namespace"] == job["metadata"]["namespace"] == "ml"
@@ -73,7 +74,7 @@ def test_the_objects_round_trip_through_the_kubernetes_models(tmp_path):
     from kubernetes.client import ApiClient
 
     path, config = backend_config(tmp_path, "kubernetes")
-    service, job = kubernetes.job_objects(config, **job_args(path, config))
+    service, job = kubernetes.job_objects(stage_job(config, **job_args(path, config)))
 
     class Response:
         def __init__(self, obj):
@@ -86,8 +87,8 @@ def test_the_objects_round_trip_through_the_kubernetes_models(tmp_path):
 
 def test_each_try_and_each_run_has_its_own_job_and_rendezvous(tmp_path):
     path, config = backend_config(tmp_path, "kubernetes")
-    names = {kubernetes.job_objects(config, **job_args(path, config, attempt=n))[1].metadata.name for n in (1, 2)}
-    names.add(kubernetes.job_objects(config, **job_args(path, config, run_id="scheduled__x"))[1].metadata.name)
+    names = {kubernetes.job_objects(stage_job(config, **job_args(path, config, attempt=n)))[1].metadata.name for n in (1, 2)}
+    names.add(kubernetes.job_objects(stage_job(config, **job_args(path, config, run_id="scheduled__x")))[1].metadata.name)
     assert len(names) == 3 and all(DNS_1123_LABEL.match(name) for name in names)
 
 
@@ -96,7 +97,7 @@ def test_a_bad_toleration_is_refused_naming_it(tmp_path):
 
     path, config = backend_config(tmp_path, "kubernetes", tolerations=[{"key": "a", "efect": "NoSchedule"}])
     with pytest.raises(UserError, match=r"tolerations\[0\]: unknown key\(s\) \['efect'\]"):
-        kubernetes.job_objects(config, **job_args(path, config))
+        kubernetes.job_objects(stage_job(config, **job_args(path, config)))
 
 
 def _running(active=2):
@@ -128,7 +129,7 @@ def stage_on(tmp_path, monkeypatch):
             storage.write_json(storage.join(args["out"], "train", "s2", "metrics.json"),
                                {"stage": "s2", "world_size": 4, "global_batch": 256, "lr": 0.4, "complete": True,
                                 "checkpoint_uri": storage.join(args["out"], "train", "s2", "final.pt"), "history": []})
-        service, job = kubernetes.job_objects(config, **args)
+        service, job = kubernetes.job_objects(stage_job(config, **args))
         return job.metadata.name, args["out"], lambda: kubernetes.run_stage(
             config, service=service, job=job, out=args["out"], stage="s2", poll_s=0.05)
 

@@ -17,7 +17,8 @@ import pytest
 from airflow.providers.amazon.aws.hooks.sagemaker import SageMakerHook  # noqa: F401
 from airflow.sdk.exceptions import AirflowFailException
 
-from stagewise.airflow.backends import USER_ERROR_MARKER, node_command, sagemaker
+from stagewise.airflow.backends import USER_ERROR_MARKER, sagemaker
+from stagewise.airflow.stage_job import node_command, stage_job
 from stagewise.core.errors import UserError
 from tests.plugins.backend_configs import RUN, backend_config, job_args
 
@@ -43,8 +44,8 @@ def test_the_request_is_valid_for_sagemakers_api_and_runs_node_launch_on_every_n
     path, config = backend_config(tmp_path, "sagemaker")
     storage_env = {"AWS_ACCESS_KEY_ID": "AKIADONOTLEAK", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
                    "AWS_ENDPOINT_URL_S3": "https://s3.example"}
-    request = sagemaker.training_job_request(config, **job_args(path, config, init_from="s3://b/final.pt"),
-                                             storage_env=storage_env)
+    request = sagemaker.training_job_request(stage_job(config, **job_args(path, config, init_from="s3://b/final.pt"),
+                                             storage_env=storage_env))
     _validate(request)
     out = job_args(path, config)["out"]
     spec = request["AlgorithmSpecification"]
@@ -75,17 +76,17 @@ def test_the_request_is_valid_for_sagemakers_api_and_runs_node_launch_on_every_n
 
 def test_spot_on_early_tries_on_demand_on_the_last_and_each_try_has_its_own_job(tmp_path):
     path, config = backend_config(tmp_path, "sagemaker", retries=2)
-    tries = [sagemaker.training_job_request(config, **job_args(path, config, attempt=n)) for n in (1, 2, 3)]
+    tries = [sagemaker.training_job_request(stage_job(config, **job_args(path, config, attempt=n))) for n in (1, 2, 3)]
     for request in tries:
         _validate(request)
     assert [r["EnableManagedSpotTraining"] for r in tries] == [True, True, False]
     assert tries[0]["StoppingCondition"] == {"MaxRuntimeInSeconds": 3600, "MaxWaitTimeInSeconds": 7200}
     assert tries[2]["StoppingCondition"] == {"MaxRuntimeInSeconds": 3600}
     assert len({r["TrainingJobName"] for r in tries}) == 3
-    other_run = sagemaker.training_job_request(config, **job_args(path, config, run_id="manual__other"))
+    other_run = sagemaker.training_job_request(stage_job(config, **job_args(path, config, run_id="manual__other")))
     assert other_run["TrainingJobName"] != tries[0]["TrainingJobName"]
     _, keep_spot = backend_config(tmp_path, "sagemaker", retries=0, spot_fallback_on_last_retry=False)
-    assert sagemaker.training_job_request(keep_spot, **job_args(path, keep_spot))["EnableManagedSpotTraining"] is True
+    assert sagemaker.training_job_request(stage_job(keep_spot, **job_args(path, keep_spot)))["EnableManagedSpotTraining"] is True
 
 
 def test_a_long_stage_name_still_gives_a_valid_job_name(tmp_path):
@@ -97,7 +98,7 @@ def test_a_long_stage_name_still_gives_a_valid_job_name(tmp_path):
 def test_oversized_params_are_refused_naming_the_problem(tmp_path):
     path, config = backend_config(tmp_path, "sagemaker")
     with pytest.raises(UserError, match="at most 100 container arguments of 256 characters"):
-        sagemaker.training_job_request(config, **job_args(path, config, params={"note": "x" * 300}))
+        sagemaker.training_job_request(stage_job(config, **job_args(path, config, params={"note": "x" * 300})))
 
 
 @pytest.mark.parametrize(("description", "retried"), [
@@ -189,7 +190,7 @@ def test_a_task_killed_while_waiting_stops_its_job(tmp_path, airflow_on_term):
     from stagewise.airflow.backends import Stopped
 
     path, config = backend_config(tmp_path, "sagemaker")
-    request = sagemaker.training_job_request(config, **job_args(path, config))
+    request = sagemaker.training_job_request(stage_job(config, **job_args(path, config)))
     hook, before = _RunningJobHook(), signal.getsignal(signal.SIGTERM)
 
     def kill_once_waiting() -> None:  # SIGTERM after the attach and two status polls: mid-wait
@@ -237,7 +238,7 @@ def test_a_stage_runs_as_a_training_job_on_motos_sagemaker_and_returns_the_stage
                "history": [{"epoch": 0}], "complete": True, "params": {"lr": 0.05}}
     fs.pipe(f"{out}/train/s2/metrics.json".removeprefix("s3://"), json.dumps(metrics).encode())
 
-    request = sagemaker.training_job_request(config, **args)
+    request = sagemaker.training_job_request(stage_job(config, **args))
     # What SageMaker's nodes write to CloudWatch (emulated: moto runs no container), one stream per node.
     logs = boto3.client("logs", region_name="us-east-1")
     logs.create_log_group(logGroupName=sagemaker.LOG_GROUP)
@@ -282,7 +283,7 @@ def test_a_job_that_succeeded_without_committing_its_metrics_is_retried(tmp_path
     if not fs.exists("stagewise-test"):
         fs.mkdir("stagewise-test")
     fs.pipe(f"{args['out']}/preprocess/manifest.json".removeprefix("s3://"), b"{}")
-    request = sagemaker.training_job_request(config, **args)
+    request = sagemaker.training_job_request(stage_job(config, **args))
     with pytest.raises(RuntimeError, match="wrote no .*metrics.json; retrying"):
         sagemaker.run_stage(config, request=request, out=args["out"], stage="s2", poll_s=0)
 

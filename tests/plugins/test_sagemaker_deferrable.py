@@ -19,6 +19,7 @@ from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
 from stagewise.airflow.backends import sagemaker
 from stagewise.airflow.operators import STARTUP_SLACK_S, SageMakerStageOperator
+from stagewise.airflow.stage_job import stage_job
 from tests.plugins.backend_configs import RUN, backend_config, job_args
 from tests.plugins.test_sagemaker_backend import moto_aws  # noqa: F401 - the fixture
 
@@ -70,7 +71,7 @@ def test_execute_submits_the_tries_job_and_defers_to_the_providers_sagemaker_tri
     json.dumps(trigger.serialize()[1])  # the triggerer gets it as JSON
 
     # The job moto holds is the backend's own request for this try (spot: try 2 of retries 2 is not the last).
-    request = sagemaker.training_job_request(config, **args, storage_env=credentials.aws_environment(config.storage_conn_id))
+    request = sagemaker.training_job_request(stage_job(config, **args, storage_env=credentials.aws_environment(config.storage_conn_id)))
     received = boto3.client("sagemaker", region_name="us-east-1").describe_training_job(TrainingJobName=name)
     for key in ("ResourceConfig", "StoppingCondition", "CheckpointConfig", "OutputDataConfig", "RoleArn",
                 "InputDataConfig", "EnableManagedSpotTraining"):

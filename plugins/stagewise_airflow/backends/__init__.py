@@ -1,31 +1,26 @@
-"""Launchers that submit a train stage's whole gang as one job: a SageMaker training job or a Kubernetes Indexed Job.
+"""The backends a train stage runs on, behind one interface: ``run_job(job)`` of :mod:`.local` (torchrun on this
+worker), :mod:`.sagemaker` (a SageMaker training job) or :mod:`.kubernetes` (an Indexed Job), each taking the
+:class:`~stagewise.airflow.stage_job.StageJob` the step built and returning what ``stagewise.train`` returns.
 
-Each backend has two halves. The builders (``training_job_request``, ``job_objects``) are pure: config in,
-request out, no Airflow and no network, so tests check them against the services' own schemas
-(botocore's SageMaker model, the kubernetes client's models). ``run_stage`` is the Airflow glue: it
-submits through the provider's hook, streams the job's status into the task log, maps failures onto
-Airflow's retry rules and returns what ``stagewise.train`` returns.
-
-What runs on every node is one command, :func:`node_command`: ``stagewise.training.node_launch`` reads the
-node's place in the gang from the platform (SageMaker's resourceconfig.json, the Indexed Job's
-JOB_COMPLETION_INDEX) and starts torchrun with that node's processes.
+A remote backend's module holds all of its own request (pure: config in, request out, so tests check it against the
+service's own schema) and the Airflow glue that submits it, streams its status into the task log and maps failures
+onto Airflow's retry rules. What they share is here: job names, the public part of the storage environment, the
+user-error rule, SIGTERM while waiting, and reading the stage's result back from its storage.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import re
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
+from stagewise.airflow.stage_job import StageJob
 from stagewise.core.errors import USER_ERROR_EXIT, UserError
-from stagewise.definitions.config import PipelineConfig, Profile
+from stagewise.definitions.config import PipelineConfig
 
-NODE_LAUNCH_MODULE = "stagewise.training.node_launch"
 # Where the project lives in the runtime image (docker/runtime.Dockerfile's WORKDIR).
 IMAGE_WORKDIR = "/opt/stagewise"
 # A node that fails on the user's input (stagewise.core.errors.USER_ERROR_EXIT) reports this prefix in its failure
@@ -34,43 +29,6 @@ USER_ERROR_MARKER = "stagewise user error"
 # Environment variables of the storage connection that are safe in a job description (no keys: the job's
 # role or service account grants storage access).
 _PUBLIC_AWS_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION")
-
-
-def node_command(mode: str, *, processes_per_node: int, stage: str, out: str, params: dict[str, Any],
-                 init_from: str | None, config_file: str) -> list[str]:
-    """The command every node of a job runs (container entrypoint + arguments): node_launch, then stagewise.train."""
-    if mode not in ("sagemaker", "kubernetes"):
-        raise ValueError(f"node_launch mode must be sagemaker or kubernetes, not {mode!r}")
-    command = ["python", "-m", NODE_LAUNCH_MODULE, mode, "--nproc-per-node", str(processes_per_node),
-               "-m", "stagewise.train", "--stage", stage, "--out", out, "--params", json.dumps(params, sort_keys=True)]
-    if init_from:
-        command += ["--init-from", init_from]
-    return [*command, "--config", config_file]
-
-
-@dataclass(frozen=True)
-class StageJob:
-    """What both builders start from: the stage's profile and backend settings, and the command every node runs."""
-
-    profile: Profile
-    settings: Any
-    """The profile's ``sagemaker`` or ``kubernetes`` block."""
-    config_file: str
-    """The run's config snapshot on its storage, which every node reads (not a file of the image)."""
-    command: list[str]
-
-
-def stage_job(config: PipelineConfig, backend: str, *, stage: str, out: str, params: dict[str, Any], init_from: str | None,
-              config_file: str) -> StageJob:
-    """The stage's ``backend`` settings (a user error if its profile has another backend) and its node command."""
-    name = config.stage(stage).profile
-    profile = config.profile(name)
-    settings = getattr(profile, backend)
-    if settings is None:
-        raise UserError(f"stage {stage}: profile '{name}' has backend '{profile.backend}', not {backend}")
-    command = node_command(backend, processes_per_node=profile.processes_per_node, stage=stage, out=out, params=params,
-                           init_from=init_from, config_file=config_file)
-    return StageJob(profile=profile, settings=settings, config_file=config_file, command=command)
 
 
 def job_name(dag_id: str, run_id: str, stage: str, attempt: int, limit: int = 63) -> str:
@@ -141,35 +99,21 @@ def stage_result(config: PipelineConfig, out: str, stage: str) -> dict[str, Any]
     return result
 
 
-def submit_stage(config: PipelineConfig, run: dict[str, Any], stage: str, params: dict[str, Any], init_from: str | None,
-                 attempt: int) -> dict[str, Any]:
-    """Run one try of ``stage`` as a job of its profile's backend and return what stagewise.train returns."""
+def run_job(job: StageJob) -> dict[str, Any]:
+    """Run one try of the job's stage on its profile's backend; a user error fails the task without retry."""
+    import importlib
     import time
 
     from airflow.sdk.exceptions import AirflowFailException
 
     from stagewise.airflow import credentials
 
-    spec = config.stage(stage)
-    backend = config.profile(spec.profile).backend
-    storage_env = credentials.aws_environment(config.storage_conn_id)
+    backend = importlib.import_module(f"{__name__}.{job.backend}")
     started = time.monotonic()
-    common = dict(dag_id=run["dag_id"], run_id=run["run_id"], stage=stage, out=run["out"], attempt=attempt, params=params,
-                  init_from=init_from, config_file=run["config"], storage_env=storage_env)
     try:
-        with credentials.exported(storage_env):  # the stage's metrics.json is read back from the run's storage
-            if backend == "sagemaker":
-                from stagewise.airflow.backends import sagemaker
-
-                result = sagemaker.run_stage(config, request=sagemaker.training_job_request(config, **common),
-                                             out=run["out"], stage=stage)
-            elif backend == "kubernetes":
-                from stagewise.airflow.backends import kubernetes
-
-                service, job = kubernetes.job_objects(config, **common)
-                result = kubernetes.run_stage(config, service=service, job=job, out=run["out"], stage=stage)
-            else:
-                raise ValueError(f"backend {backend!r} submits no job")
+        with credentials.exported(job.storage_env):  # a remote stage's metrics.json is read back from the run's storage
+            result = backend.run_job(job)
     except UserError as exc:
         raise AirflowFailException(str(exc)) from None
-    return {**result, "duration_s": round(time.monotonic() - started, 3), "attempt": attempt}
+    # A local sub-job times its own work (stagewise.core.cli); a remote job's wall time stands in for it.
+    return {"duration_s": round(time.monotonic() - started, 3), **result, "attempt": job.attempt}

@@ -1,11 +1,12 @@
 """Backend 'kubernetes': one Indexed Job (a pod per node) and a headless Service per stage try.
 
-:func:`job_objects` builds both with the kubernetes client's models (pure; tests serialize them). Pod ``i``
-is ``<job>-i`` (an Indexed Job's pod hostname) in the Service's subdomain, so every pod reaches pod 0, the
-c10d rendezvous host, as ``<job>-0.<service>``. :func:`run_stage` creates both through the cncf.kubernetes
-provider's KubernetesHook, polls the Job (streaming the pods' log lines into the task log), maps a failure onto Airflow's retry rules (a pod that exited with
-the user-error code or said so in its termination message: no retry) and always deletes both objects.
-Retries are Airflow's (backoffLimit 0): each try is a new Job with its own rendezvous id.
+:func:`run_job` is the backend's interface (stagewise.airflow.backends). :func:`job_objects` builds both from the
+job with the kubernetes client's models (pure; tests serialize them). Pod ``i`` is ``<job>-i`` (an Indexed Job's pod
+hostname) in the Service's subdomain, so every pod reaches pod 0, the c10d rendezvous host, as ``<job>-0.<service>``.
+:func:`run_stage` creates both through the cncf.kubernetes provider's KubernetesHook, polls the Job (streaming the
+pods' log lines into the task log), maps a failure onto Airflow's retry rules (a pod that exited with the user-error
+code or said so in its termination message: no retry) and always deletes both objects. Retries are Airflow's
+(backoffLimit 0): each try is a new Job with its own rendezvous id.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from stagewise.airflow.backends import (
     is_user_error,
     job_name,
     public_storage_env,
-    stage_job,
     stop_on_sigterm,
 )
+from stagewise.airflow.stage_job import StageJob
 from stagewise.core.errors import USER_ERROR_EXIT, UserError
 from stagewise.definitions.config import PipelineConfig
 
@@ -53,17 +54,15 @@ def _tolerations(items: list[dict[str, Any]]) -> list[Any]:
     return result
 
 
-def job_objects(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str, out: str, attempt: int,
-                params: dict[str, Any], init_from: str | None, config_file: str,
-                storage_env: dict[str, str] | None = None) -> tuple[Any, Any]:
-    """The headless Service and the Indexed Job of one try of ``stage``: (V1Service, V1Job)."""
+def job_objects(stage_job: StageJob) -> tuple[Any, Any]:
+    """The headless Service and the Indexed Job of one try of the job's stage: (V1Service, V1Job)."""
     from kubernetes import client as k8s
 
     from stagewise.definitions.loading import CONFIG_ENV_VAR
 
-    job = stage_job(config, "kubernetes", stage=stage, out=out, params=params, init_from=init_from,
-                    config_file=config_file)
-    profile, settings, command = job.profile, job.settings, job.command
+    dag_id, run_id, stage, attempt = stage_job.dag_id, stage_job.run_id, stage_job.stage, stage_job.attempt
+    profile, settings = stage_job.profile, stage_job.settings("kubernetes")
+    command = stage_job.node_command("kubernetes")
     name = job_name(dag_id, run_id, stage, attempt, limit=NAME_LIMIT)
     labels = {JOB_LABEL: name, "app.kubernetes.io/part-of": "stagewise"}
     port = settings.rendezvous_port
@@ -74,7 +73,7 @@ def job_objects(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str,
                                ports=[k8s.V1ServicePort(name="rendezvous", port=port, target_port=port)]))
     from stagewise.training import node_launch  # the names the node side reads, declared there once
 
-    env = {CONFIG_ENV_VAR: config_file, **public_storage_env(storage_env or {}),
+    env = {CONFIG_ENV_VAR: stage_job.config_file, **public_storage_env(stage_job.storage_env),
            node_launch.K8S_ENDPOINT_ENV: f"{name}-0.{name}:{port}",  # pod 0 under the headless Service
            node_launch.K8S_NNODES_ENV: str(profile.nodes),
            node_launch.K8S_RDZV_ID_ENV: name,  # the name is unique per try, so is the rendezvous
@@ -222,6 +221,12 @@ def delete(hook: Any, namespace: str, name: str) -> None:
         except ApiException as exc:
             if exc.status != 404:
                 log.error("could not delete %s %s/%s: %s %s", kind, namespace, name, exc.status, exc.reason)
+
+
+def run_job(job: StageJob) -> dict[str, Any]:
+    """The backend's interface: build the try's Service and Job, run them to the end, return the stage's result."""
+    service, indexed = job_objects(job)
+    return run_stage(job.config, service=service, job=indexed, out=job.out, stage=job.stage)
 
 
 def run_stage(config: PipelineConfig, *, service: Any, job: Any, out: str, stage: str, poll_s: float = 10.0,

@@ -1,7 +1,8 @@
 """Backend 'sagemaker': one SageMaker training job per stage try, every node running node_launch.
 
-:func:`training_job_request` builds the CreateTrainingJob request (pure; tests validate it with botocore's
-own SageMaker model). :func:`run_stage` submits it through the Amazon provider's SageMakerHook, polls
+:func:`run_job` is the backend's interface (stagewise.airflow.backends). :func:`training_job_request` builds the
+CreateTrainingJob request from the job (pure; tests validate it with botocore's own SageMaker model). :func:`run_stage`
+submits it through the Amazon provider's SageMakerHook, polls
 until the job ends, logs each status change, and maps the outcome onto Airflow: a job that failed on
 the user's input fails the task (no retry); capacity, spot interruption and internal errors retry.
 
@@ -23,9 +24,9 @@ from stagewise.airflow.backends import (
     is_user_error,
     job_name,
     public_storage_env,
-    stage_job,
     stop_on_sigterm,
 )
+from stagewise.airflow.stage_job import StageJob
 from stagewise.core.errors import UserError
 from stagewise.definitions.config import PipelineConfig
 
@@ -54,18 +55,16 @@ def spot_for(config: PipelineConfig, profile_name: str, attempt: int) -> bool:
     return bool(settings.use_spot and not (settings.spot_fallback_on_last_retry and last_try))
 
 
-def training_job_request(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str, out: str, attempt: int,
-                         params: dict[str, Any], init_from: str | None, config_file: str,
-                         storage_env: dict[str, str] | None = None) -> dict[str, Any]:
-    """The CreateTrainingJob request of one try of ``stage`` (``out`` = the run prefix, an s3:// URI)."""
+def training_job_request(job: StageJob) -> dict[str, Any]:
+    """The CreateTrainingJob request of one try of the job's stage (its ``out``: the run prefix, an s3:// URI)."""
     from stagewise.core import storage
     from stagewise.definitions.loading import CONFIG_ENV_VAR
 
+    config, stage, out, attempt, config_file = job.config, job.stage, job.out, job.attempt, job.config_file
+    dag_id, run_id = job.dag_id, job.run_id
     if not out.startswith("s3://"):
         raise UserError(f"stage {stage}: a SageMaker job reads and writes the run through S3, but the run prefix is {out}")
-    job = stage_job(config, "sagemaker", stage=stage, out=out, params=params, init_from=init_from,
-                    config_file=config_file)
-    profile, settings, command = job.profile, job.settings, job.command
+    profile, settings, command = job.profile, job.settings("sagemaker"), job.node_command("sagemaker")
     profile_name = config.stage(stage).profile
     arguments = command[1:]
     too_long = [arg for arg in arguments if len(arg) > MAX_ARGUMENT_CHARS]
@@ -77,7 +76,7 @@ def training_job_request(config: PipelineConfig, *, dag_id: str, run_id: str, st
     stopping: dict[str, int] = {"MaxRuntimeInSeconds": settings.max_run_s}
     if spot:
         stopping["MaxWaitTimeInSeconds"] = settings.max_wait_s or 2 * settings.max_run_s
-    environment = {CONFIG_ENV_VAR: config_file, **public_storage_env(storage_env or {})}
+    environment = {CONFIG_ENV_VAR: config_file, **public_storage_env(job.storage_env)}
     if too_long := [key for key, value in environment.items() if len(value) > MAX_ENV_VALUE_CHARS]:
         raise UserError(f"stage {stage}: SageMaker takes environment values of at most {MAX_ENV_VALUE_CHARS} "
                         f"characters; too long: {too_long}")
@@ -223,6 +222,11 @@ def submit(hook: Any, request: dict[str, Any]) -> str:
             raise AirflowFailException(f"SageMaker refused job {name}: {create_error}") from None
         raise
     return name
+
+
+def run_job(job: StageJob) -> dict[str, Any]:
+    """The backend's interface: build the try's request, submit it (or attach to it), wait, return the result."""
+    return run_stage(job.config, request=training_job_request(job), out=job.out, stage=job.stage)
 
 
 def run_stage(config: PipelineConfig, *, request: dict[str, Any], out: str, stage: str, poll_s: float = POLL_S,

@@ -1,0 +1,126 @@
+"""One try of a train stage, as the Airflow step hands it to a backend: what to run, where, with which environment and
+credentials, each computed once here.
+
+``train_stage`` (stagewise.airflow.steps) builds a :class:`StageJob` with :func:`build` and passes it to
+``stagewise.airflow.backends.run_job``, which picks the profile's backend (local torchrun, SageMaker, Kubernetes);
+each backend's module turns the job into its own request and nothing else. A remote backend runs the same command on
+every node (:func:`node_command`): ``stagewise.training.node_launch`` starts torchrun there with ``stagewise.train``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from stagewise.core.errors import UserError
+from stagewise.definitions.config import PipelineConfig, Profile
+
+TRAIN_MODULE = "stagewise.train"
+NODE_LAUNCH_MODULE = "stagewise.training.node_launch"
+REMOTE_BACKENDS = ("sagemaker", "kubernetes")
+
+
+def node_command(mode: str, *, processes_per_node: int, stage: str, out: str, params: dict[str, Any],
+                 init_from: str | None, config_file: str) -> list[str]:
+    """The command every node of a remote job runs (container entrypoint + arguments): node_launch, then the stage."""
+    if mode not in REMOTE_BACKENDS:
+        raise ValueError(f"node_launch mode must be sagemaker or kubernetes, not {mode!r}")
+    command = ["python", "-m", NODE_LAUNCH_MODULE, mode, "--nproc-per-node", str(processes_per_node),
+               "-m", TRAIN_MODULE, "--stage", stage, "--out", out, "--params", json.dumps(params, sort_keys=True)]
+    if init_from:
+        command += ["--init-from", init_from]
+    return [*command, "--config", config_file]
+
+
+@dataclass(frozen=True)
+class StageJob:
+    """One try of one train stage, everything a backend needs to run it."""
+
+    config: PipelineConfig
+    """The run's config (its snapshot, as every task of the run reads it)."""
+    stage: str
+    """The stage's name in train.stages."""
+    dag_id: str
+    """The DAG of the run: with run_id and attempt it names a remote job."""
+    run_id: str
+    """The run's id."""
+    out: str
+    """The run prefix under the storage root (holds preprocess/manifest.json and train/<stage>/)."""
+    config_file: str
+    """The run's config snapshot, which the stage's processes read (on every node of a remote job)."""
+    attempt: int
+    """Airflow's try number of this task."""
+    params: dict[str, Any]
+    """The hyperparameters the stage trains with (the sweep's best)."""
+    init_from: str | None
+    """The stage before's hand-off, or None for the first stage."""
+    storage_env: dict[str, str] = field(default_factory=dict)
+    """The storage connection's variables: the task reads results back with them; a remote job gets only the public ones."""
+    env: dict[str, str] = field(default_factory=dict)
+    """What a local stage's processes get on top of their own: the credentials, and an own script's STAGEWISE_*."""
+    args: tuple[str, ...] = ()
+    """A local stage's arguments (stagewise.train's, or an own entrypoint's with its placeholders filled)."""
+    entry: Any = None
+    """The stage's own entrypoint (script or module), or None for the built-in loop."""
+    contract: dict[str, Any] | None = None
+    """An own script's contract values (stagewise.scripting.stage_contract), which check its outputs afterwards."""
+
+    @property
+    def profile(self) -> Profile:
+        return self.config.profile(self.config.stage(self.stage).profile)
+
+    @property
+    def backend(self) -> str:
+        return self.profile.backend
+
+    def settings(self, backend: str) -> Any:
+        """The profile's ``sagemaker`` or ``kubernetes`` block; a user error when the profile has another backend."""
+        settings = getattr(self.profile, backend)
+        if settings is None:
+            raise UserError(f"stage {self.stage}: profile '{self.config.stage(self.stage).profile}' has backend "
+                            f"'{self.backend}', not {backend}")
+        return settings
+
+    def node_command(self, backend: str) -> list[str]:
+        """The command every node of this job runs under ``backend``."""
+        return node_command(backend, processes_per_node=self.profile.processes_per_node, stage=self.stage, out=self.out,
+                            params=self.params, init_from=self.init_from, config_file=self.config_file)
+
+
+def stage_job(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str, out: str, attempt: int,
+              params: dict[str, Any], init_from: str | None, config_file: str,
+              storage_env: dict[str, str] | None = None, **local: Any) -> StageJob:
+    """A job from its parts, as a backend's tests make one; ``local`` takes env, args, entry and contract."""
+    return StageJob(config=config, stage=stage, dag_id=dag_id, run_id=run_id, out=out, config_file=config_file,
+                    attempt=attempt, params=params, init_from=init_from, storage_env=dict(storage_env or {}), **local)
+
+
+def build(config: PipelineConfig, run: dict[str, Any], stage: str, params: dict[str, Any], init_from: str | None,
+          attempt: int, *, fingerprints: dict[str, str] | None = None) -> StageJob:
+    """The try's job as the Airflow step runs it: credentials read from Airflow's connections once; for an own
+    entrypoint its contract, environment and arguments (the user's to fix if they are wrong: UserError); for the
+    built-in loop stagewise.train's arguments, with the inputs' ``fingerprints`` that key its checkpoints."""
+    from stagewise.airflow import credentials
+
+    storage_env = credentials.aws_environment(config.storage_conn_id)
+    common = dict(dag_id=run["dag_id"], run_id=run["run_id"], stage=stage, out=run["out"], attempt=attempt,
+                  params=params, init_from=init_from, config_file=run["config"], storage_env=storage_env)
+    env = {**storage_env, **credentials.mlflow_environment(config.tracking.conn_id),
+           **credentials.study_environment(config.sweep.storage_conn_id)}
+    entry = config.stage(stage).entrypoint
+    if config.profile(config.stage(stage).profile).backend in REMOTE_BACKENDS:
+        return stage_job(config, **common)
+    if entry is not None:
+        from stagewise.scripting.stage_contract import byo_args, byo_contract, byo_environment
+
+        values = byo_contract(config, run["config"], stage, run["out"], params, init_from)
+        own = byo_environment(config, run["config"], stage, run["out"], params, init_from, run["overrides"])
+        return stage_job(config, **common, env={**env, **own}, args=tuple(byo_args(config, stage, values)), entry=entry,
+                         contract=values)
+    args = ["--stage", stage, "--out", run["out"], "--params", json.dumps(params)]
+    for name, value in (fingerprints or {}).items():
+        args += [f"--{name.replace('_', '-')}", value]
+    if init_from:
+        args += ["--init-from", init_from]
+    return stage_job(config, **common, env=env, args=(*args, "--config", run["config"]))
