@@ -5,8 +5,10 @@ Run: ``register(router, User)`` adds its route (``stagewise.airflow.ui.create_ap
 ``?pipeline=<name>&state=<state>&from=YYYY-MM-DD&to=YYYY-MM-DD&page=N&per_page=N``: filters by pipeline, by the
 state the report records (stagewise.reporting.listing.STATES) and by the UTC day the report was written (both ends
 included); the page says which runs of how many it shows ("runs 51–100 of 10,000") and its links keep the filters.
-The rows come from stagewise.reporting.listing, which reads a report again only when its file changed, so a page over
-10,000 reports costs their listing, not 10,000 reads. Counts are of the runs this user may read.
+The listing comes from stagewise.reporting.listing, reused while the folders' mtimes say nothing changed; a report is
+read only when the page shows it (or the state filter needs it), once per version of its file, so a page over 10,000
+reports costs a few dozen stats and 50 reads at most. Counts are of the runs this user may read; who may read a run
+follows its DAG folder, as on the run page.
 """
 
 import datetime as dt
