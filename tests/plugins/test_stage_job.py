@@ -1,0 +1,46 @@
+"""The one launch of a train stage: steps.train_stage builds a StageJob and the profile's backend runs it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from stagewise.airflow.stage_job import TRAIN_MODULE, build
+from stagewise.definitions.loading import load_config
+
+
+def _run(config_path: Path, out: str) -> dict:
+    return {"dag_id": "test", "run_id": Path(out).name, "config": str(config_path), "overrides": {}, "out": out,
+            "study": "s"}
+
+
+def test_a_built_in_stage_job_carries_train_args_the_fingerprints_and_the_credentials_once(digits_run):
+    """stagewise.train's arguments (the fingerprints that key its checkpoints, the hand-off, the run's snapshot last),
+    no entrypoint, and one environment with the storage variables in it."""
+    config_path, out = digits_run
+    config = load_config(config_path)
+    job = build(config, _run(config_path, out), "s2", {"lr": 0.05}, "x/final.pt", 3,
+                fingerprints={"inputs_fingerprint": "f1", "data_fingerprint": "d1"})
+    assert job.entry is None and job.contract is None and job.attempt == 3 and job.backend == "local"
+    assert list(job.args) == ["--stage", "s2", "--out", out, "--params", '{"lr": 0.05}', "--inputs-fingerprint", "f1",
+                              "--data-fingerprint", "d1", "--init-from", "x/final.pt", "--config", str(config_path)]
+    assert job.storage_env.items() <= job.env.items()
+    assert TRAIN_MODULE == "stagewise.train"
+
+
+@pytest.mark.torchrun
+def test_train_stage_runs_a_built_in_stage_on_the_local_backend(digits_run):
+    """The step's built-in path: one torchrun job of stagewise.train whose result (the stage's model, its attempt,
+    the sub-job's own seconds and the task's) comes back to the DAG."""
+    from airflow.sdk.execution_time.context import set_current_context
+
+    from stagewise.airflow import steps
+
+    config_path, out = digits_run
+    steps._cached_config.cache_clear()
+    with set_current_context({"ti": SimpleNamespace(try_number=1, start_date=None)}):
+        result = steps.train_stage(_run(config_path, out), "s1", {"best_params": {"lr": 0.05}}, None)
+    assert result["model_uri"] == str(Path(out) / "train" / "s1" / "model.pt") and Path(result["model_uri"]).exists()
+    assert result["attempt"] == 1 and result["duration_s"] > 0 and "fingerprint" in result
