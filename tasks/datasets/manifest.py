@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from stagewise.core import storage
+from stagewise.core.dropped import refuse_dropped
 from stagewise.core.errors import DataError
 from stagewise.datasets.columns import FEATURES_COLUMN, feature_matrix, layout_of
 
@@ -15,8 +16,6 @@ from stagewise.datasets.columns import FEATURES_COLUMN, feature_matrix, layout_o
 def read_manifest(uri: str) -> dict[str, Any]:
     """A committed preprocess manifest; a DataError when it is none, or when its split data was dropped once its run
     succeeded (stagewise.reuse.leftovers: a task cleared alone then)."""
-    from stagewise.reuse.leftovers import refuse_dropped
-
     manifest = storage.read_json(uri)
     if manifest.get("kind") != "preprocess":
         raise DataError(f"{uri}: not a preprocess manifest")

@@ -1,2 +1,2 @@
 """Reporting: the run's task timeline and its offline report.html, which links the storage root's one plotly.js
-(:mod:`.assets`); the report job assembles report.json."""
+(stagewise.core.assets); the report job assembles report.json."""

@@ -8,7 +8,7 @@ stage's boundary marked with its global batch, learning rate and world size, and
 (objective per trial over time by outcome, the best params, parameter importances); the timeline of the run's task
 attempts (mapped tasks as lanes); the data counts, the test metrics and the gate's decision against the current model.
 plotly.js is the storage root's one copy (``assets/``, linked by a relative path, so the page opens offline from the
-root's folder tree: stagewise.reporting.assets); each figure is a JSON block that one inline script draws.
+root's folder tree: stagewise.core.assets); each figure is a JSON block that one inline script draws.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 import logging
 from typing import Any
 
-from stagewise.core import storage
+from stagewise.core import assets, storage
 from stagewise.core.errors import DataError
 
 log = logging.getLogger("stagewise.report")
@@ -447,8 +447,6 @@ def render(report: dict[str, Any], sources: dict[str, Any], generated_at: str | 
     """The whole page as one string: header, the sections (four for a pipeline run; scoring and the timeline for a
     batch_inference run), plotly.js once (``plotly_script``, the tag that loads it; default: inline), each figure's
     JSON and one draw script."""
-    from stagewise.reporting import assets
-
     if plotly_script is None:
         plotly_script = f'<script type="text/javascript">{assets.plotly_js()[1].decode()}</script>'
 
@@ -552,8 +550,6 @@ on the axis' worst edge.</p>
 def write(report: dict[str, Any], out: str) -> str:
     """Render the run's page and put it at ``<out>/report.html`` in one write, linking the storage root's plotly.js;
     returns its URI."""
-    from stagewise.reporting import assets
-
     uri = storage.join(out, "report.html")
     page = render(report, load_sources(report, out), plotly_script=assets.plotly_script(out, out))
     storage.write_bytes(uri, page.encode())

@@ -2,7 +2,8 @@
 its tasks, would read.
 
 Nothing to run: the training DAG's report step calls :func:`drop_finished` (before report.json, which lists what went);
-a stage that starts from a hand-off, and its optimizer loader, ask :func:`was_dropped` first. Plain storage calls, no
+a stage that starts from a hand-off, its optimizer loader and a manifest's reader ask
+stagewise.core.dropped.was_dropped first. Plain storage calls, no
 torch.
 
 Dropped from each ``train/<stage>/``: ``checkpoints/`` (``step-*.pt`` / ``step-*.dcp``, their checksum records, the
@@ -32,12 +33,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from stagewise.core import storage
-from stagewise.core.errors import DataError
+from stagewise.core.dropped import RECORD
 from stagewise.definitions.config import PipelineConfig
+from stagewise.reuse.cache import listed_files
 
 log = logging.getLogger("stagewise.train")
 
-RECORD = "dropped.json"
 STAGE_FOLDERS = ("checkpoints", "best")  # every file in them carries optimizer state or points at a file that does
 HAND_OFF = ("final.pt", "final-optimizer-*.dcp")
 
@@ -71,8 +72,6 @@ def preprocess_leftovers(preprocess_prefix: str, keep_splits: bool = False) -> l
         return []  # reused from another run, or never committed
     found = sorted(fs.ls(f"{path}/stats", detail=False)) if fs.isdir(f"{path}/stats") else []
     if not keep_splits:
-        from stagewise.reuse.cache import listed_files
-
         manifest = storage.read_json(storage.join(preprocess_prefix, "manifest.json"))
         # Only this run's own copy: a manifest's files outside its folder are another run's.
         own = path.rstrip("/") + "/"
@@ -122,24 +121,3 @@ def drop_finished(config: PipelineConfig, out: str, stages: Iterable[str]) -> di
     kept = [*(["each stage's hand-off (final.pt, final-optimizer-*.dcp): cache.stage is on"] if keep_hand_off else []),
             *(["the split data (preprocess/): cache.preprocess is on"] if keep_splits else [])]
     return {"files": listed, "bytes": total, **({"kept": "; ".join(kept)} if kept else {})}
-
-
-def was_dropped(uri: str) -> bool:
-    """Whether the file or folder at ``uri`` was dropped on purpose after its run succeeded (gone, and listed by the
-    record of its folder or the one above), rather than lost."""
-    if storage.exists(uri):
-        return False
-    wanted = storage.filesystem(uri)[1].rstrip("/")
-    folder = posixpath.dirname(uri.rstrip("/"))
-    for record_uri in (storage.join(folder, RECORD), storage.join(posixpath.dirname(folder), RECORD)):
-        if storage.exists(record_uri) and any(storage.filesystem(entry["uri"])[1].rstrip("/") == wanted
-                                              for entry in storage.read_json(record_uri).get("files", [])):
-            return True
-    return False
-
-
-def refuse_dropped(uri: str, what: str) -> None:
-    """A DataError naming why ``uri`` (``what`` the task reads) is gone, when it was dropped after its run succeeded."""
-    if was_dropped(uri):
-        raise DataError(f"{what} {uri} was dropped once its run succeeded (retention.drop_after_success): clear the "
-                        f"run's tasks from preprocess on (or start a new run) rather than this task alone")

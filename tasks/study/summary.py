@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from stagewise.core import storage
+from stagewise.core import assets, storage
 from stagewise.core.errors import UserError
 from stagewise.definitions.config import PipelineConfig
 from stagewise.study.studies import (
@@ -26,10 +26,8 @@ log = logging.getLogger("stagewise.sweep")
 
 def write_plots(study: Any, prefix: str, run_folder: str) -> list[str]:
     """Optimisation history, intermediate values, importances and parallel coordinates as HTML files under ``prefix``
-    (in ``run_folder``), each linking the storage root's one plotly.js (stagewise.reporting.assets)."""
+    (in ``run_folder``), each linking the storage root's one plotly.js (stagewise.core.assets)."""
     from optuna import visualization
-
-    from stagewise.reporting import assets
 
     plots = {"optimization_history": visualization.plot_optimization_history,
              "intermediate_values": visualization.plot_intermediate_values,

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stagewise.core import storage
+from stagewise.core import assets, storage
 from stagewise.definitions.config import PipelineConfig
 from stagewise.tracking.api import MlflowApi, TrackingError, TrackingUnavailable, now_ms, run_url
 from stagewise.tracking.calls import (  # RunHandle too: callers find it here, where it lived
@@ -546,8 +546,6 @@ def finish_parent(config: PipelineConfig, out: str, report: dict[str, Any], stat
     (its task was killed, or ended while the server was away and left nothing to send) ends KILLED with the reason."""
 
     def work(tracker: Tracker) -> None:
-        from stagewise.reporting import assets
-
         for key in ("html_uri", "report_uri"):
             if report.get(key):
                 data = storage.read_bytes(report[key])

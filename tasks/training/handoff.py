@@ -17,6 +17,7 @@ import json
 import logging
 from typing import Any
 
+from stagewise.core.dropped import refuse_dropped
 from stagewise.core.errors import UserError
 from stagewise.models.torch_io import load_torch
 from stagewise.training.distributed import DistEnv
@@ -62,8 +63,6 @@ def read_hand_off(uri: str, env: DistEnv, *, rank_zero_reads: bool) -> dict[str,
     every other rank gets its plain values and an empty model (the strategy sends it its shard); otherwise every rank
     reads it (a replica needs the model whole). Every rank calls it. One dropped after its run succeeded (a stage
     cleared alone then) is a DataError saying what to clear instead."""
-    from stagewise.reuse.leftovers import refuse_dropped
-
     refuse_dropped(uri, "the stage before's hand-off")
     if not (rank_zero_reads and env.distributed):
         return load_torch(uri, mapped=True)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from stagewise.core import storage
+from stagewise.core.dropped import was_dropped
 from stagewise.core.errors import UserError, out_of_memory
 from stagewise.definitions.spec import ModelSpec, user_hook
 from stagewise.training.checkpoint import dcp_reader, dcp_writer, restore_training_state
@@ -374,11 +375,9 @@ def one_process_dcp() -> Iterator[None]:
 def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
     """Load an optimizer state from a sharded checkpoint into ``optimizer`` over ``module`` (plain, DDP's or sharded:
     DCP reads each rank's part of each tensor, whatever world size wrote it). Every rank calls it. A hand-off dropped on
-    purpose after its run succeeded (stagewise.reuse.leftovers) leaves the optimizer fresh, with a warning."""
+    purpose after its run succeeded (stagewise.core.dropped) leaves the optimizer fresh, with a warning."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    from stagewise.reuse.leftovers import was_dropped
 
     if was_dropped(uri):
         log.warning("the optimizer state %s was dropped once its run succeeded: this stage starts a fresh optimizer", uri)

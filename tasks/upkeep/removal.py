@@ -14,8 +14,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from stagewise.core import storage
-from stagewise.reporting import assets, html
+from stagewise.core import assets, storage
+from stagewise.reporting import html
 from stagewise.upkeep.inventory import REPORT
 from stagewise.upkeep.policy import STUDY, Removal
 

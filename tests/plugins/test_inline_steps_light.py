@@ -13,7 +13,7 @@ INLINE_MODULES = ("stagewise.core.storage", "stagewise.definitions.loading", "st
                   "stagewise.datasets.predictions", "stagewise.preprocess", "stagewise.registry", "stagewise.report",
                   "stagewise.reporting.timeline", "stagewise.airflow.steps", "stagewise.airflow.backends",
                   "stagewise.airflow.shard_steps", "stagewise.reuse.cache", "stagewise.reuse.fingerprints",
-                  "stagewise.reuse.planning", "stagewise.reuse.leftovers", "stagewise.reporting.assets")
+                  "stagewise.reuse.planning", "stagewise.reuse.leftovers", "stagewise.core.assets")
 
 
 def test_inline_step_modules_import_without_torch():

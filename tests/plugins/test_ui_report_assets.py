@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import re
 
-from stagewise.core import storage
-from stagewise.reporting import assets
+from stagewise.core import assets, storage
 from tests.plugins.test_ui_plugin import RUN_ID, airflow_api, airflow_db, csp_directives  # noqa: F401 - fixtures
 from tests.plugins.test_ui_plugin import write_run as write_report_json
 

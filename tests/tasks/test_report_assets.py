@@ -1,4 +1,4 @@
-"""The plotting library once per storage root (stagewise.reporting.assets): every run's report.html and sweep plots
+"""The plotting library once per storage root (stagewise.core.assets): every run's report.html and sweep plots
 link ``<root>/assets/plotly-<version>.min.js`` by a relative path that resolves offline from the root's folder tree, the
 file is written once and mended when wrong, and the Stagewise UI's copy of the page gets it back inline."""
 
@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stagewise.core import storage
-from stagewise.reporting import assets
+from stagewise.core import assets, storage
 from stagewise.reporting import html as report_html
 
 LINK = re.compile(r'<script type="text/javascript" data-stagewise-asset="([^"]+)" src="([^"]+)"></script>')

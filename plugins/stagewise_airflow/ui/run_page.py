@@ -16,9 +16,8 @@ from stagewise.airflow.ui.access import REPORT_CSP, REPORT_SANDBOX, can_read_run
 from stagewise.airflow.ui.layout import esc, fmt, gate_badge, link, page, params_text, run_href, table
 from stagewise.airflow.ui.pipelines import pipelines
 from stagewise.airflow.ui.storage_access import Storage, StorageProblem, path_segment, read_each, storages
-from stagewise.core import storage
+from stagewise.core import assets, storage
 from stagewise.report import read_report
-from stagewise.reporting import assets
 from stagewise.reporting.listing import objective_of
 
 
@@ -156,7 +155,7 @@ def register(router: APIRouter, User: Any) -> None:  # noqa: N803 - the request'
         place, prefix, _, has_html = _run_folder(user, dag_id, run_id)
         if not has_html:
             raise HTTPException(404, f"run {run_id!r} has no report.html yet (its report.json is on the run page)")
-        # The page links its storage root's plotly.js (stagewise.reporting.assets): put back inline for the sandbox.
+        # The page links its storage root's plotly.js (stagewise.core.assets): put back inline for the sandbox.
         read = read_each([place], lambda place: assets.inline(storage.read_bytes(storage.join(prefix, "report.html")),
                                                               prefix))[place]
         if isinstance(read, StorageProblem):

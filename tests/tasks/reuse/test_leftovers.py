@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from stagewise import report
+from stagewise.core import dropped as drop_records
 from stagewise.core import storage
 from stagewise.core.errors import DataError
 from stagewise.datasets.manifest import read_manifest
@@ -20,8 +21,8 @@ from stagewise.reuse import leftovers
 from stagewise.reuse.cache import stage_problem
 from tests.conftest import base_config, train_digits_s1
 
-STAGE_KEPT = {"model.pt", "metrics.json", leftovers.RECORD}
-PREPROCESS_KEPT = {"manifest.json", "stats.json", leftovers.RECORD}
+STAGE_KEPT = {"model.pt", "metrics.json", drop_records.RECORD}
+PREPROCESS_KEPT = {"manifest.json", "stats.json", drop_records.RECORD}
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ def test_a_succeeded_run_drops_what_only_a_resume_reads_and_keeps_the_model(run)
     assert {"train/s1/final.pt"} <= names and any(name.startswith("train/s1/final-optimizer-") for name in names)
     assert {name.split("/")[2] for name in names if name.startswith("train/")} >= {"checkpoints", "best"}
     assert {name.split("/")[1] for name in names if name.startswith("preprocess/")} >= {"stats", "train", "test"}
-    records = sum(path.stat().st_size for path in Path(out).rglob(leftovers.RECORD))
+    records = sum(path.stat().st_size for path in Path(out).rglob(drop_records.RECORD))
     assert dropped["bytes"] == sum(entry["bytes"] for entry in dropped["files"]) == before - _bytes(Path(out)) + records
     assert "kept" not in dropped
 
@@ -91,7 +92,7 @@ def test_a_retried_drop_finishes_and_reports_the_same_files(run):
     config_path, out, folder, _ = run
     config = _config(config_path)
     found = leftovers.stage_leftovers(str(folder))
-    storage.write_json(str(folder / leftovers.RECORD), {"files": found, "bytes": 1})  # the earlier attempt died here
+    storage.write_json(str(folder / drop_records.RECORD), {"files": found, "bytes": 1})  # the earlier attempt died here
     first = leftovers.drop_finished(config, out, ["s1"])
     assert {path.name for path in folder.iterdir()} == STAGE_KEPT
     assert leftovers.drop_finished(config, out, ["s1"]) == first
@@ -142,8 +143,8 @@ def test_a_task_cleared_alone_after_the_drop_says_what_went(run):
         read_hand_off(str(folder / "final.pt"), env, rank_zero_reads=False)
     with pytest.raises(DataError, match="split data.*was dropped once its run succeeded"):
         read_manifest(storage.join(out, "preprocess", "manifest.json"))
-    (folder / leftovers.RECORD).unlink()
-    assert not leftovers.was_dropped(str(folder / "final.pt"))
+    (folder / drop_records.RECORD).unlink()
+    assert not drop_records.was_dropped(str(folder / "final.pt"))
 
 
 def test_a_stage_started_from_a_dropped_optimizer_starts_it_fresh(run, caplog):
@@ -161,7 +162,7 @@ def test_a_stage_started_from_a_dropped_optimizer_starts_it_fresh(run, caplog):
     load_sharded_optimizer(module, optimizer, uri)
     assert optimizer.state_dict()["state"] == {}
     assert "was dropped once its run succeeded" in caplog.text
-    (folder / leftovers.RECORD).unlink()  # now gone without a word of why
+    (folder / drop_records.RECORD).unlink()  # now gone without a word of why
     with pytest.raises(BaseException):  # noqa: B017 - lost, not dropped: DCP's CheckpointException (a BaseException)
         load_sharded_optimizer(module, optimizer, uri)
 
@@ -188,6 +189,6 @@ def test_the_drop_works_on_an_s3_root(s3_bucket, tmp_path):
         "train/s1/best/step-000000001.pt": 200, "train/s1/checkpoints/latest.json": 20,
         "train/s1/checkpoints/step-000000010.pt": 300, "train/s1/final-optimizer-ab12.dcp": 410, "train/s1/final.pt": 100}
     fs, path = storage.filesystem(stage)
-    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path)) == sorted(["model.pt", "metrics.json", leftovers.RECORD])
-    assert leftovers.was_dropped(storage.join(stage, "final.pt"))
-    assert all(entry["uri"].startswith("s3://") for entry in storage.read_json(storage.join(stage, leftovers.RECORD))["files"])
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path)) == sorted(["model.pt", "metrics.json", drop_records.RECORD])
+    assert drop_records.was_dropped(storage.join(stage, "final.pt"))
+    assert all(entry["uri"].startswith("s3://") for entry in storage.read_json(storage.join(stage, drop_records.RECORD))["files"])
