@@ -172,7 +172,8 @@ def test_out_of_bounds_conf_is_refused_naming_the_param(airflow_env):
 
 def test_report_lists_every_task_attempt_and_writes_its_page(report):
     """report.json's tasks hold every task of the run (mapped ones per map index) with a start and, but for the report
-    task itself, an end and a success; report.html sits beside report.json and draws them."""
+    task itself, an end and a success, each with its upstream tasks and the seconds it waited to start (so each stage
+    has wait_s); report.html sits beside report.json and draws them."""
     tasks = report["tasks"]
     ids = {t["task_id"] for t in tasks}
     assert ids >= {"start_run", "plan_shards", "preprocess_stats", "reduce_stats", "preprocess_transform", "create_study",
@@ -181,8 +182,11 @@ def test_report_lists_every_task_attempt_and_writes_its_page(report):
     assert sorted(t["map_index"] for t in tasks if t["task_id"] == "sweep_worker") == [0, 1]
     for entry in tasks:
         assert entry["start"] and entry["try_number"] >= 1
+        assert entry["upstream"] is not None and entry["wait_s"] is not None and entry["wait_s"] >= 0, entry
         if entry["task_id"] != "report":
             assert entry["state"] == "success" and entry["end"] >= entry["start"], entry
+    assert [t["upstream"] for t in tasks if t["task_id"] == "start_run"] == [[]]
+    assert all(stage.get("wait_s") is not None for stage in report["stages"].values()), report["stages"]
     page = Path(report["html_uri"])
     assert page.parent == Path(report["run_prefix"]) and page.name == "report.html"
     text = page.read_text()
