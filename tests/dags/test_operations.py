@@ -74,8 +74,11 @@ def add_rows(raw: Path, offset: int) -> None:
 def test_a_cleared_run_reuses_only_what_its_inputs_allow(tmp_path):
     """Cleared with the same data, the run keeps its committed work (preprocess, trials, stages resume at their end)
     and registers the same model with a card whose data fingerprint is the manifest's; cleared after new data landed,
-    the sweep and both stages run again and a different model is registered, its card naming the new data."""
-    env, storage = fresh_env(tmp_path)
+    the sweep and both stages run again and a different model is registered, its card naming the new data. (What a
+    succeeded run drops, checkpoints and the split copy, is kept here: this is about reuse within a run by its inputs,
+    which a clear of a failed run, or with retention.drop_after_success off, relies on; tests/tasks/reuse covers the
+    drop and that a clear afterwards preprocesses and trains again.)"""
+    env, storage = fresh_env(tmp_path, retention={"drop_after_success": False})
     first, _ = run_again(env)
     first_card, first_manifest = card_of(first, env), manifest_of(first)
     assert first_card["data_fingerprint"] == first_manifest["fingerprint"] == first["data"]["fingerprint"]

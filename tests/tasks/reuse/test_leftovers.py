@@ -19,7 +19,7 @@ from stagewise.definitions.loading import load_config
 from stagewise.reporting import html as report_html
 from stagewise.reuse import leftovers
 from stagewise.reuse.cache import stage_problem
-from tests.conftest import base_config, train_digits_s1
+from tests.conftest import base_config, preprocess_digits, train_digits_s1
 
 STAGE_KEPT = {"model.pt", "metrics.json", drop_records.RECORD}
 PREPROCESS_KEPT = {"manifest.json", "stats.json", drop_records.RECORD}
@@ -192,3 +192,26 @@ def test_the_drop_works_on_an_s3_root(s3_bucket, tmp_path):
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path)) == sorted(["model.pt", "metrics.json", drop_records.RECORD])
     assert drop_records.was_dropped(storage.join(stage, "final.pt"))
     assert all(entry["uri"].startswith("s3://") for entry in storage.read_json(storage.join(stage, drop_records.RECORD))["files"])
+
+
+def test_a_run_cleared_whole_after_the_drop_makes_it_all_again(run):
+    """Clearing the succeeded run from its first task: preprocess finds its manifest's split files gone and plans the
+    shards again (no 'inputs unchanged'), and the stage, its checkpoints gone, trains from the start to a whole new
+    hand-off and model; the drop after that success removes them again."""
+    from stagewise import preprocess, train
+
+    config_path, out, folder, _ = run
+    config = _config(config_path)
+    leftovers.drop_finished(config, out, ["s1"])
+    raw = storage.resolve(config.storage_root, config.dataset.uri)
+    assert preprocess.plan_run(config, raw, out, "test/r1")["reused_from"] is None
+    preprocess_digits(config_path, out)
+    read_manifest(storage.join(out, "preprocess", "manifest.json"))
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            patch.delenv(name, raising=False)
+        result = train.run_stage(config, "s1", out, {"lr": 0.05, "hidden": 16}, None)
+    assert result["resumed_from_step"] in (None, 0) and Path(result["checkpoint_uri"]).is_file()
+    assert not drop_records.was_dropped(result["checkpoint_uri"])
+    again = leftovers.drop_finished(config, out, ["s1"])
+    assert {path.name for path in folder.iterdir()} == STAGE_KEPT and again["files"]
