@@ -194,16 +194,6 @@ def stage_seconds_line(stages: dict[str, dict[str, Any]]) -> str:
 MAX_RUNS = 500  # listed newest first; older reports stay in storage and are reachable by URL
 
 
-def _modified(info: dict[str, Any]) -> dt.datetime | None:
-    """When a storage object last changed (local: mtime, S3: LastModified), in UTC."""
-    stamp = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
-    if isinstance(stamp, dt.datetime):
-        return stamp if stamp.tzinfo else stamp.replace(tzinfo=dt.UTC)
-    if isinstance(stamp, int | float):
-        return dt.datetime.fromtimestamp(stamp, dt.UTC)
-    return None
-
-
 def list_reports(storage_root: str, dag_folder: str = "*") -> list[dict[str, Any]]:
     """Every ``runs/<dag>/<run>/report.json`` under the root (of one DAG folder, or all), newest first, at most
     MAX_RUNS, each with its folder names, URI and time."""
@@ -214,7 +204,7 @@ def list_reports(storage_root: str, dag_folder: str = "*") -> list[dict[str, Any
     entries = []
     for path, info in found.items():
         dag, run = path.rsplit("/", 3)[-3:-1]
-        entries.append({"dag_folder": dag, "run_folder": run, "modified": _modified(info),
+        entries.append({"dag_folder": dag, "run_folder": run, "modified": storage.modified_time(info),
                         "uri": storage.join(storage_root, "runs", dag, run, "report.json")})
     entries.sort(key=lambda e: e["modified"] or dt.datetime.min.replace(tzinfo=dt.UTC), reverse=True)
     return entries[:MAX_RUNS]

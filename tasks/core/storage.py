@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import datetime as dt
 import fcntl
 import functools
 import hashlib
@@ -588,3 +589,11 @@ def remove_unlisted(prefix: str, keep: set[str]) -> int:
     for p in stale:
         fs.rm_file(p)
     return len(stale)
+
+
+def modified_time(info: dict[str, Any]) -> dt.datetime | None:
+    """When an object of an fsspec listing last changed (local: mtime, S3: LastModified), in UTC; None if unknown."""
+    stamp = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
+    if isinstance(stamp, dt.datetime):
+        return stamp if stamp.tzinfo else stamp.replace(tzinfo=dt.UTC)
+    return dt.datetime.fromtimestamp(stamp, dt.UTC) if isinstance(stamp, int | float) else None

@@ -82,13 +82,8 @@ class Models:
 
 
 def modified(info: dict[str, Any]) -> dt.datetime:
-    """When a storage object last changed (local: mtime, S3: LastModified), in UTC; unknown: the epoch (oldest)."""
-    stamp = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
-    if isinstance(stamp, dt.datetime):
-        return stamp if stamp.tzinfo else stamp.replace(tzinfo=dt.UTC)
-    if isinstance(stamp, int | float):
-        return dt.datetime.fromtimestamp(stamp, dt.UTC)
-    return EPOCH
+    """When a storage object last changed, in UTC; unknown: the epoch (oldest)."""
+    return storage.modified_time(info) or EPOCH
 
 
 def _entries(prefix: str) -> dict[str, list[Entry]]:
