@@ -12,6 +12,8 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from stagewise.definitions.sections.deployment import cron_problem
+
 MAX_DAYS = 100 * 365  # past a century an age is a typo, not a policy
 MAX_COUNT = 1_000_000
 VERSION_PATTERN = r"m-[0-9a-f]{12}"  # stagewise.models.versions' ids; that library sits above definitions
@@ -64,18 +66,3 @@ class Retention(BaseModel):
         if bad:
             raise ValueError(f"{bad} are not model versions (m- and 12 hex digits, as `python -m stagewise.registry list` shows)")
         return value
-
-
-def cron_problem(value: str) -> str | None:
-    """Why ``value`` is no cron expression (None: it is one), by Airflow's own parser where installed, else by its
-    shape (a preset or 5 fields): a sub-job's host need not have croniter."""
-    try:
-        from croniter import croniter
-    except ImportError:
-        presets = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
-        return None if value.strip().lower() in presets or len(value.split()) == 5 else f"{len(value.split())} fields"
-    try:
-        croniter(value)
-    except (ValueError, KeyError) as exc:
-        return str(exc)
-    return None

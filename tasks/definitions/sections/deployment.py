@@ -115,6 +115,20 @@ _CRON_RANGES = ((0, 59), (0, 23), (1, 31), (1, 12), (0, 7), (0, 59))
 _CRON_NAMES = {3: "jan feb mar apr may jun jul aug sep oct nov dec".split(), 4: "sun mon tue wed thu fri sat".split()}
 
 
+def cron_problem(value: str) -> str | None:
+    """Why ``value`` is no cron expression (None: it is one), by croniter (Airflow's own parser, wherever the DAGs are
+    built) where installed, else by :func:`cron_shape_problem`: a sub-job's host (a GPU box) need not have croniter."""
+    try:
+        from croniter import croniter
+    except ImportError:
+        return cron_shape_problem(value)
+    try:
+        croniter(value)
+    except (ValueError, KeyError) as exc:
+        return str(exc)
+    return None
+
+
 def cron_shape_problem(value: str) -> str | None:
     """What makes ``value`` no cron expression, checked without croniter (None: none found): a preset, or 5 (or 6)
     fields of ``*``, numbers and names in range, ranges ``a-b`` and steps ``/n``, lists; croniter's ``L``, ``W``, ``#``

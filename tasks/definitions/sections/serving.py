@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from stagewise.definitions.hyperparams import BUILTIN_SPEC
 from stagewise.definitions.intervals import static_prefix
 from stagewise.definitions.sections.base import MAX_BATCH, MAX_ROWS, MAX_TRIALS, StrictModel, check_filesystem
-from stagewise.definitions.sections.deployment import cron_shape_problem
+from stagewise.definitions.sections.deployment import cron_problem
 
 
 class Inference(StrictModel):
@@ -125,16 +125,7 @@ class Retrain(StrictModel):
     @field_validator("schedule")
     @classmethod
     def _cron(cls, value: str) -> str:
-        try:  # Airflow's own cron parser, a plain package: everywhere Airflow is, so wherever the DAGs are built
-            from croniter import croniter
-        except ImportError:  # a sub-job's host (a GPU box) need not have it: the schedule's shape is checked here
-            problem = cron_shape_problem(value)
-        else:
-            try:
-                croniter(value)
-                problem = None
-            except (ValueError, KeyError) as exc:
-                problem = str(exc)
+        problem = cron_problem(value)
         if problem is not None:
             raise ValueError(f"'{value}' is not a cron expression ({problem}): give 5 fields, minute hour day-of-month "
                              f"month day-of-week (e.g. '0 3 * * 0' is Sundays 03:00), or a preset such as @daily")
