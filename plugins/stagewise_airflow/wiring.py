@@ -90,10 +90,10 @@ def raw_data_asset(config: PipelineConfig) -> Asset:
 
 
 def start(config: PipelineConfig, config_file: str, mode: str = "pipeline") -> Any:
-    """Validates the conf against the DAG's own ``config_file``: a bad one is the user's to fix, so no retry; it runs
-    with the bookkeeping profile, as every light task does (stagewise.definitions.bookkeeping)."""
-    return task(steps.start_run, task_id="start_run",
-                **{**knobs(config, BOOKKEEPING), "retries": 0})(mode, config_file)
+    """Validates the conf against the DAG's own ``config_file``: a bad one is the user's to fix and fails without retry
+    (AirflowFailException), while a fault of the machine (the task dying before it starts, an execution-API timeout
+    under load) retries as any light task does: it runs with the bookkeeping profile (stagewise.definitions.bookkeeping)."""
+    return task(steps.start_run, task_id="start_run", **knobs(config, BOOKKEEPING))(mode, config_file)
 
 
 def preprocess(config: PipelineConfig, run: Any) -> dict[str, Any]:

@@ -47,14 +47,15 @@ def test_light_tasks_carry_the_bookkeeping_pool_and_an_absolute_weight(tmp_path,
 
 
 def test_the_users_bookkeeping_profile_reaches_the_tasks(tmp_path, storage_root, monkeypatch):
-    """profiles.bookkeeping in the pipeline config sets the light tasks' pool and weight; start_run still never retries."""
+    """profiles.bookkeeping in the pipeline config sets the light tasks' pool, weight and retries, start_run's too (a
+    bad conf still fails it without retry: the user's error)."""
     raw = unnamed(storage_root)
     raw["pools"]["light"] = {"slots": 3}
     raw["profiles"]["bookkeeping"] = {"pool": "light", "priority_weight": 77, "weight_rule": "downstream", "retries": 4}
     dag = _dags(tmp_path, raw, monkeypatch)["fraud_pipeline"]
     report, start = dag.get_task("report"), dag.get_task("start_run")
     assert (report.pool, report.priority_weight, report.weight_rule, report.retries) == ("light", 77, "downstream", 4)
-    assert (start.pool, start.retries) == ("light", 0)
+    assert (start.pool, start.retries) == ("light", 4)
     assert dag.get_task("train_s1").pool == "cpu_cores"
 
 
