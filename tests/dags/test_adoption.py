@@ -20,6 +20,7 @@ import pytest
 import torch
 import yaml
 
+from stagewise.definitions.pipelines import KINDS
 from tests import airflow_versions, run_cache
 from tests.conftest import TEST_ROWS_PER_SHARD
 from tests.dags.conftest import REPO_ROOT
@@ -184,14 +185,14 @@ def test_installing_adds_one_package_named_stagewise_and_no_generic_module(deplo
 
 def test_airflow_lists_the_plugin_and_parses_every_pipeline_beside_the_teams_dags(deployment):
     """`airflow plugins` shows the UI plugin from the entry point (nothing copied into the plugins folder); the one
-    line builds every pipeline's four DAGs, and the team's DAGs still import their own `tasks` module (parsed as the
+    line builds every pipeline's DAGs (one of each kind), and the team's DAGs still import their own `tasks` module (parsed as the
     dag-processor parses the dags-folder bundle: its folder on the path)."""
     plugins = deployment.airflow_json("plugins")
     assert [plugin["name"] for plugin in plugins] == ["stagewise_ui"]
     listed = deployment.airflow("dags", "list", "--local", "--bundle-name", "dags-folder", "--output", "json")
     assert "Failed to load all files" not in listed.stderr, listed.stderr[-3000:]  # no import error in any file
     dags = {row["dag_id"] for row in json.loads(listed.stdout.strip().splitlines()[-1])}
-    families = {f"{name}_{kind}" for name in EXAMPLES for kind in ("pipeline", "retrain", "batch_inference", "ingest")}
+    families = {f"{name}_{kind}" for name in EXAMPLES for kind in KINDS}
     assert dags == families | {"team_report"}  # team_report imported the team's tasks.py
 
 
