@@ -13,8 +13,9 @@ PYTEST_ARGS ?=
 # tests/conftest.py sorts longest first (--no-loadscope-reorder keeps it).
 PYTEST_WORKERS ?= 4
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
-# What `make test-fast` leaves out: every test that needs more than this Python process (markers in pytest.ini).
-FAST_MARKERS := not (airflow or torchrun or browser or service or gpu)
+# What `make test-fast` leaves out: every test that needs more than this Python process, and the slow ones (markers
+# in pytest.ini). `make test` prints the 20 slowest tests.
+FAST_MARKERS := not (airflow or torchrun or browser or service or gpu or slow)
 
 .PHONY: help venv mlflow-env airflow-init demo-data demo test test-fast test-ui bench up down clean
 
@@ -72,7 +73,7 @@ demo: airflow-init demo-data
 	  && python -m stagewise.report latest
 
 test: airflow-init mlflow-env
-	@$(AIRFLOW_ENV) && python -m ruff check . && python -m pytest $(XDIST) $(PYTEST_ARGS)
+	@$(AIRFLOW_ENV) && python -m ruff check . && python -m pytest $(XDIST) --durations=20 $(PYTEST_ARGS)
 
 # airflow-init: the in-process UI-plugin and DagBag tests read the repo-local Airflow DB (no server runs).
 test-fast: airflow-init

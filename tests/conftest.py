@@ -16,7 +16,7 @@ import yaml
 from tests import run_cache
 
 # The live_airflow fixture (a real api-server, scheduler and dag-processor) for any test that needs one.
-pytest_plugins = ["tests.live_airflow"]
+pytest_plugins = ["tests.live_airflow", "tests.slow_guard"]  # slow_guard: a test over a minute is marked slow
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Sub-jobs a test starts, itself or through the launcher, import test helpers (tests.plugins.fake_subjob, ...):

@@ -40,6 +40,7 @@ def _access_token(base_url: str, username: str, password: str) -> str:
     return response.json()["access_token"]
 
 
+@pytest.mark.slow
 def test_official_client_triggers_waits_lists_named_mapped_tasks_and_reads_the_report(shared_airflow):
     """With the client: a bad conf is a 400 naming the param; a valid one runs; mapped tasks carry names; report_uri opens.
     On the shared stack's pipeline `ml`."""

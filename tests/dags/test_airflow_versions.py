@@ -174,6 +174,7 @@ print(json.dumps({path: [answer.status_code, answer.text] for path in sys.argv[1
 """
 
 
+@pytest.mark.slow
 def test_the_stagewise_pages_serve_the_run_on_airflow_3_2(airflow_3_2, run_on_3_2):
     """The UI plugin's pages, read through Airflow 3.2's api-server app: the runs list names the run, its page and
     report.json and the registry answer."""

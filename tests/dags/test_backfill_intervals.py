@@ -30,6 +30,7 @@ def partition(raw: Path, day: str, keep_remainder: int) -> None:
         pq.write_table(table.filter(keep), folder / shard.name)
 
 
+@pytest.mark.slow
 def test_each_interval_trains_its_own_data_and_an_unchanged_one_is_served_from_the_cache(tmp_path):
     """dataset.uri names the logical date: three intervals train three data sets (three fingerprints, three models);
     the first interval run again with cache: true reuses every step of its earlier run (its predictions too, when the

@@ -25,6 +25,7 @@ def _overlapping(instances: list[dict]) -> bool:
     return any(later_start < earlier_end for (_, earlier_end), (later_start, _) in zip(spans, spans[1:]))
 
 
+@pytest.mark.slow
 def test_pipeline_on_postgresql_and_celery_runs_each_sub_job_on_its_queues_worker_side_by_side(
         live_airflow, postgres_databases, redis_url, tmp_path):
     """ml_pipeline succeeds with Airflow, Celery results and Optuna on PostgreSQL; each task instance ran on the worker

@@ -76,6 +76,7 @@ def _team_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_the_ci_recipe_runs_in_scratch_and_promotes_nothing(tmp_path):
     """The recipe runs as written (it names the extra its demo data needs); the run's files are under the scratch root;
     nothing under the production storage root (whose registry has a current model) nor beside the config changed; the
@@ -112,6 +113,7 @@ def test_the_ci_recipe_runs_in_scratch_and_promotes_nothing(tmp_path):
     assert result.stdout.rstrip().splitlines()[-1] == f"REPORT {report_file}"
 
 
+@pytest.mark.slow
 def test_dags_test_without_the_variable_leaves_production_byte_identical(tmp_path):
     """`airflow dags test` of a production pipeline, no $STAGEWISE_SCRATCH_ROOT, no opt-in: the run reads production's
     input and lands under $AIRFLOW_HOME/stagewise-scratch/<name> (report-only gate, scratch journal), its first

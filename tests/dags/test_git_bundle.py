@@ -45,6 +45,7 @@ def _task_ids(live, run_id: str) -> set[str]:
     return {ti["task_id"] for ti in live.task_instances("ml_pipeline", run_id)}
 
 
+@pytest.mark.slow
 def test_a_run_keeps_the_commit_it_started_with(live_airflow, tmp_path):
     """Revision 1 (stages s1, s2) starts a run; revision 2 removes s2 while it runs. The running run stays on
     revision 1 (its bundle version, its one DAG version) and runs train_s2 to success from revision 1's checkout,

@@ -118,6 +118,7 @@ CASES = [pytest.param(version, prior_to, id=f"{version}-{kind}") for version in 
 
 
 @pytest.mark.parametrize(("version", "prior_to"), CASES)
+@pytest.mark.slow
 def test_the_readme_install_resolves_on_todays_index(version, prior_to, wheel, tmp_path):
     """Into stock Airflow 3.2.2 and 3.3.2, with and without their constraints: pip adds stagewise and what it
     needs, keeps torch's CPU build (no CUDA package), and changes no package the deployment has but a
@@ -141,6 +142,7 @@ def test_the_readme_install_resolves_on_todays_index(version, prior_to, wheel, t
 
 
 @pytest.mark.parametrize("version", list(RELEASED))
+@pytest.mark.slow
 def test_requirements_txt_pins_nothing_a_supported_airflow_excludes(version, tmp_path):
     """Each pin of requirements.txt (Airflow's own packages aside: they are 3.3.2's) meets every requirement that
     Airflow ``version``'s own distributions (the meta package, core, task SDK, the providers it brings) state on it:
@@ -160,6 +162,7 @@ def test_requirements_txt_pins_nothing_a_supported_airflow_excludes(version, tmp
 _CONNECTION_COMMAND = re.compile(r"^ *```bash\n *(airflow connections add stagewise_s3 .*?)^ *```$", re.M | re.S)
 
 
+@pytest.mark.slow
 def test_the_documented_s3_connection_works_without_the_amazon_provider(tmp_path):
     """docs/services.md's `airflow connections add --conn-type aws`, run as written in an Airflow without the Amazon
     provider, stores a generic connection (Airflow knows no aws type there), and Stagewise reads its credentials."""

@@ -72,6 +72,7 @@ def test_running_task_log_reads_from_a_loopback_log_server(long_run):
     assert all(is_loopback(address) for address in listeners), f"listening beyond loopback: {listeners}"
 
 
+@pytest.mark.slow
 def test_task_longer_than_token_lifetime_succeeds_first_try(long_run):
     """The sub-job sleeps 3x the token lifetime; the run succeeds, once, and its result reaches XCom."""
     live, run_id = long_run

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.airflow
 RUNS = f"runs/{retention_root.PIPELINE_DAG}"
 
 
+@pytest.mark.slow
 def test_maintenance_dag_is_a_dry_run_in_a_test_then_applies_the_policy_once_opted_in(tmp_path):
     """A test run of a pipeline whose test runs may not write production lists what would go and removes nothing;
     opted in ($STAGEWISE_TEST_RUNS_WRITE), the same DAG removes what the policy names: the old run whole, the

@@ -117,6 +117,7 @@ def _with_rows_per_shard(airflow_env: dict, tmp_path: Path, rows: int) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_batch_inference_dag_scores_with_the_current_model(report, airflow_env, tmp_path):
     """batch_inference scores any raw-schema Parquet with the current model, quarantining unscorable rows."""
     import numpy as np
@@ -142,6 +143,7 @@ def test_batch_inference_dag_scores_with_the_current_model(report, airflow_env, 
     assert inference["stages"]["inference"]["num_tasks"] == len(shards) + 1  # the shards and the commit
 
 
+@pytest.mark.slow
 def test_a_cut_current_model_fails_batch_inference_once_per_shard_naming_the_file(report, airflow_env, tmp_path):
     """The current model.pt cut after registration: each infer_shard fails on its first try (no retry), naming the
     file and its registered version, and no predictions are committed. The file is restored for the tests after."""

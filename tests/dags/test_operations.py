@@ -71,6 +71,7 @@ def add_rows(raw: Path, offset: int) -> None:
     pq.write_table(table.set_column(table.schema.get_field_index("row_id"), "row_id", keys), raw / "part-09999.parquet")
 
 
+@pytest.mark.slow
 def test_a_cleared_run_reuses_only_what_its_inputs_allow(tmp_path):
     """Cleared with the same data, the run keeps its committed work (preprocess, trials, stages resume at their end)
     and registers the same model with a card whose data fingerprint is the manifest's; cleared after new data landed,

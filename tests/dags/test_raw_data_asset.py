@@ -43,6 +43,7 @@ def test_a_changed_dataset_uri_yields_a_new_asset_shared_by_ingest_and_retrain(t
 
 
 @pytest.mark.airflow
+@pytest.mark.slow
 def test_ingest_after_a_dataset_uri_change_emits_an_event_on_the_new_asset(tmp_path):
     """`airflow dags test ml_ingest` under one dataset.uri, then under another: the second run's outlet asset is active
     (no 'inactive assets' refusal) and an asset event for the new location is recorded."""

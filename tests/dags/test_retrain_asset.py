@@ -10,6 +10,7 @@ import pytest
 pytestmark = [pytest.mark.airflow, pytest.mark.torchrun, pytest.mark.service]  # service: the stack's MLflow server
 
 
+@pytest.mark.slow
 def test_asset_event_triggers_retrain_which_registers_and_promotes(shared_airflow):
     """POST /api/v2/assets/events on the pipeline's raw-data asset starts its retrain; it succeeds and moves models/current."""
     live, storage_root = shared_airflow.live, shared_airflow.roots["fresh"]

@@ -40,6 +40,7 @@ def _dag_state(live, dag_id: str) -> tuple[bool, list[str]]:
     return stale, sorted(tasks)
 
 
+@pytest.mark.slow
 def test_a_run_is_an_island(live_airflow, tmp_path):
     """ml's run: SIGKILL the scheduler while sweep workers run and edit ml.yaml's s2 (batch, warmup) meanwhile; then,
     the run held in flight (its DAG paused), a new file claims ml's registry, a typo breaks ml.yaml and the file is

@@ -25,6 +25,7 @@ BUCKET = "stagewise-faults"
 FAULTS = FaultPlan(every=6, outage_after=400, outage_s=10.0)
 
 
+@pytest.mark.slow
 def test_ml_pipeline_runs_on_s3_through_faults_with_credentials_from_a_connection(s3_endpoint, tmp_path):
     """The run succeeds through every fault kind and an outage with every output on S3; each row is predicted exactly
     once; no secret leaks into logs, report or page."""

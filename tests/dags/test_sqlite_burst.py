@@ -43,6 +43,7 @@ def make_up_settings(home: Path) -> dict[str, str]:
             if key.startswith(("AIRFLOW__DATABASE__", "AIRFLOW__SCHEDULER__")) and key != "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"}
 
 
+@pytest.mark.slow
 def test_thirty_triggers_in_a_burst_keep_every_component_alive_and_make_each_run_once(live_airflow, tmp_path):
     dags = tmp_path / "dags"
     dags.mkdir()

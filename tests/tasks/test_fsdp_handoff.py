@@ -40,6 +40,7 @@ def big_chain(storage_root, write_config) -> tuple[Path, str]:
     return config, out
 
 
+@pytest.mark.slow
 def test_fsdp_stages_start_from_a_ddp_hand_off_under_a_cap_only_fsdp_meets(big_chain, subprocess_env, tmp_path):
     """s1 (ddp, its best epoch handed on) runs uncapped; s2 (fsdp, 2 ranks) and s3 (fsdp, 3 ranks) each start with
     --init-from the stage before under the per-process cap that a ddp rank overflows: the hand-off holds the model
@@ -82,6 +83,7 @@ STAGE = ("--stage", "s2", "--params", json.dumps({"lr": 0.02, "dropout": 0.1}))
 
 
 @pytest.mark.parametrize(("killed_at", "resumed_at"), [(2, 3), (3, 2)], ids=["2-to-3", "3-to-2"])
+@pytest.mark.slow
 def test_a_killed_sharded_stage_resumes_at_another_world_size(resumable, subprocess_env, tmp_path, killed_at,
                                                               resumed_at):
     """A rank killed at step 25 on ``killed_at`` ranks; the retry on ``resumed_at`` ranks resumes from the step-20
@@ -109,6 +111,7 @@ def test_a_killed_sharded_stage_resumes_at_another_world_size(resumable, subproc
         assert torch.equal(resumed_model[name], tensor), name
 
 
+@pytest.mark.slow
 def test_a_stage_whose_global_batch_changes_with_the_world_size_refuses_to_resume_and_keeps_its_checkpoints(
         digits_run, subprocess_env, tmp_path):
     """A ddp stage with per_process_batch killed on 2 ranks and retried on 3 (global batch 128 -> 192) fails as a user

@@ -150,6 +150,7 @@ def test_the_gate_moves_champion_only_when_the_candidate_passes_and_rollback_mov
     assert storage.read_bytes(pinned["model_uri"]) == b"worse" * 100, "a model_version Param picks that version"
 
 
+@pytest.mark.slow
 def test_with_artifacts_on_s3_a_version_registers_and_loads_through_the_server(two_stages, mlflow_servers, s3_bucket, s3_env):
     """A server whose artifact store is the S3 endpoint: the parent run's config, the version's bundle and its MLmodel
     land in the bucket, and mlflow.pyfunc loads models:/<name>@champion through the server, with no S3 keys of its own."""

@@ -150,6 +150,7 @@ def _runs(server, experiment: str) -> dict:
     """)
 
 
+@pytest.mark.slow
 def test_runs_begun_while_the_server_is_away_are_made_and_completed_when_it_returns(digits_run, tmp_path, request, caplog):
     """The server is down from start_run on (SIGKILL), then restarted on its port and store: start_run's parent run,
     stage s1 (which ends during the outage and leaves its calls for the run's next task) and stage s2 (which starts
@@ -202,6 +203,7 @@ def test_runs_begun_while_the_server_is_away_are_made_and_completed_when_it_retu
 
 
 @pytest.mark.torchrun
+@pytest.mark.slow
 def test_a_server_killed_and_restarted_mid_stage_loses_no_epoch_and_leaves_no_run_running(
         digits_run, mlflow_servers, caplog, monkeypatch):
     """SIGKILL of the server after s1's first epoch; s1 ends during the outage, s2 starts during it and the server comes

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.torchrun
 RELATIVE_TOLERANCE = 1e-5
 
 
+@pytest.mark.slow
 def test_ddp_and_fsdp_end_on_the_same_noise_scale_and_choose_the_same_next_batch(digits_run, subprocess_env, tmp_path):
     """The reference stage (digits MLP, 2 ranks, clipped, dropout, 4 epochs) measuring every step, run once with ddp
     and once with fsdp: every epoch's noise scale agrees within RELATIVE_TOLERANCE, the two handed-on estimators hold

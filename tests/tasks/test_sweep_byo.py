@@ -26,6 +26,7 @@ def byo_sweep_config(write_config, storage_root, entrypoint: dict) -> str:
 
 
 @pytest.mark.torchrun
+@pytest.mark.slow
 def test_script_trials_complete_prune_and_fail_and_the_sweep_goes_on(write_config, storage_root, tmp_path, monkeypatch,
                                                                      subprocess_env, caplog):
     """Each trial runs the script under torchrun in its own cwd with its params: a reported value COMPLETEs, a pruned

@@ -38,6 +38,7 @@ def _counted(study) -> list:
     return [t for t in study.get_trials() if t.state.name in ("COMPLETE", "PRUNED", "FAIL") and not t.user_attrs.get("abandoned")]
 
 
+@pytest.mark.slow
 def test_racing_workers_spend_exactly_the_budget(digits_run, subprocess_env):
     """Three workers started together on a budget of 7 leave exactly 7 trials, split 3/2/2."""
     config_path, out = digits_run

@@ -27,6 +27,7 @@ def torchrun(nproc: int, config: Path, stage: str, out: str, env: dict, *extra: 
     return completed
 
 
+@pytest.mark.slow
 def test_two_stages_grow_the_batch_and_hand_off_the_checkpoint(digits_run, subprocess_env):
     """s1 (1 process) hands its model to s2 (2 processes, bigger batch); s2 keeps learning from there."""
     config, out = digits_run

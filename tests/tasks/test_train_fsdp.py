@@ -51,6 +51,7 @@ def sharded_run(storage_root, write_config) -> tuple[Path, str]:
     return config, out
 
 
+@pytest.mark.slow
 def test_ddp_then_fsdp_on_two_then_four_ranks_hands_on_full_states(sharded_run, subprocess_env):
     """s1 (ddp, 1 rank) hands its final.pt to s2 (fsdp, 2 ranks), which hands its own to s3 (fsdp, 4 ranks): each
     sharded stage starts from the stage before's weights at another world size and strategy, every rank writes its
@@ -102,6 +103,7 @@ def test_ddp_then_fsdp_on_two_then_four_ranks_hands_on_full_states(sharded_run, 
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["saved-in-step", "saved-in-background"])
+@pytest.mark.slow
 def test_killed_fsdp_rank_resumes_from_its_sharded_checkpoint_exactly(digits_run, subprocess_env, tmp_path, background):
     """SIGKILL of rank 1 at step 25 of an fsdp stage: the retry loads every rank's shard of the newest committed
     sharded checkpoint and ends on the weights, noise scale, metric and recorded history (but for samples/s) of an
@@ -160,6 +162,7 @@ def capped(limit_bytes: int):
     return cap
 
 
+@pytest.mark.slow
 def test_a_model_that_overflows_a_ddp_rank_trains_sharded_under_the_same_memory_cap(digits_run, subprocess_env, tmp_path):
     """Under a per-process memory cap, the ddp stage fails at once on every rank with a user error naming memory and
     strategy fsdp; the same stage with strategy fsdp trains to the end under the same cap."""
@@ -189,6 +192,7 @@ def test_a_model_that_overflows_a_ddp_rank_trains_sharded_under_the_same_memory_
     assert result["strategy"] == "fsdp" and result["steps"] > 0 and (Path(out) / "train" / "s2" / "model.pt").exists()
 
 
+@pytest.mark.slow
 def test_the_decoder_example_trains_sharded_after_a_replicated_stage(storage_root, subprocess_env):
     """examples/decoder.yaml as shipped (storage moved to the test's): its s1 (ddp, 1 process) hands the decoder to its
     s2 (fsdp, 2 processes, one unit a block), which trains on from it and leaves a model evaluation loads."""

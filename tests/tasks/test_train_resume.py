@@ -66,6 +66,7 @@ def clean_run(config: Path, out: str, spec: str, env: dict, tmp_path: Path) -> t
 
 @pytest.mark.parametrize("spec, data", [(MLP, "digits_run"),
                                         ("stagewise.examples.digits_cnn:DigitsCNN", "digits_images_run")])
+@pytest.mark.slow
 def test_killed_rank_fails_the_stage_and_the_retry_resumes_exactly(request, subprocess_env, tmp_path, spec, data):
     """SIGKILL of rank 1 at step 25 ends every process; the retry redoes at most K steps and ends where a clean run
     does, weights and metrics.json's history (every field but the wall clock's) alike, for the built-in MLP and for a

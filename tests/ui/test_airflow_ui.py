@@ -79,6 +79,7 @@ def test_trigger_form_can_be_submitted_with_its_defaults(logged_in, ui_airflow, 
     screens.shot(f"{dag_id}-form-ready")
 
 
+@pytest.mark.slow
 def test_a_run_triggered_from_the_form_succeeds_in_the_grid_with_epoch_progress_in_the_log(logged_in):
     """twin_pipeline triggered from the form with num_trials changed runs to success; train_s1's log shows its epochs."""
     from playwright.sync_api import expect
@@ -146,6 +147,7 @@ def _watch(page):
     return requests, errors
 
 
+@pytest.mark.slow
 def test_the_stagewise_view_shows_the_finished_runs_report_and_the_registry(logged_in, ui_airflow, finished_run):
     """From the Airflow UI: the Stagewise nav entry lists the run, the run's own tab opens its report.html with its
     four charts drawn, the registry shows the version this run registered under its pipeline; nothing leaves

@@ -274,6 +274,7 @@ def test_bf16_changes_the_numerics(digits_run, single_process):
 
 # Compiling on CPU runs inductor's C++ codegen (gcc): ~tens of seconds for this tiny MLP on a busy 2-core machine.
 @pytest.mark.torchrun
+@pytest.mark.slow
 def test_compiled_stage_trains_and_its_checkpoint_loads_into_a_plain_model(digits_run, single_process):
     """compile default: the stage trains through torch.compile, and final.pt has no _orig_mod. keys (saved from the
     plain module) so it loads into an uncompiled model; validation runs on the plain module."""
@@ -300,6 +301,7 @@ def test_chunks_hold_whole_row_groups_of_at_least_the_chunk_rows(split):
 
 
 @pytest.mark.torchrun
+@pytest.mark.slow
 def test_ddp_stage_gives_the_same_model_resident_or_streamed(digits_run, subprocess_env, tmp_path):
     """A 2-process torchrun stage (gloo) trains on device batches; resident and streamed runs end with the same
     weights, since both placements feed every rank the same batches in the same order."""

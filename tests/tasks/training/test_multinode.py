@@ -102,6 +102,7 @@ def test_two_nodes_train_what_one_node_with_two_processes_does(two_hosts, digits
     assert_same_training(out, result, subprocess_env)
 
 
+@pytest.mark.slow
 def test_a_killed_node_fails_both_launchers_and_the_retry_resumes(two_hosts, digits_run, subprocess_env, tmp_path):
     """Node b's rank SIGKILLed at step 25: both launchers exit nonzero in time, no process is left in either
     namespace, and the retry (both nodes again) resumes from step 20 and ends where a clean run does."""

@@ -279,6 +279,7 @@ def test_a_measured_step_under_cuda_graph_replays_trains_the_eager_weights(digit
 
 
 @pytest.mark.torchrun
+@pytest.mark.slow
 def test_two_processes_measure_the_noise_scale_on_every_placement(digits_run, subprocess_env, tmp_path):
     """A 2-process DDP stage (gloo) ends each epoch with a noise scale on the host loader and on device batches."""
     import shutil

@@ -1,0 +1,27 @@
+"""A pytest plugin: a test whose call takes longer than a minute must carry ``@pytest.mark.slow`` (which
+``make test-fast`` leaves out), or it fails saying how long it took. tests/conftest.py loads it for the whole suite.
+
+The limit is ``STAGEWISE_SLOW_TEST_S`` (default 60 s, what a call may take on 2 cores under ``make test``'s workers).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def slow_test_s() -> float:
+    return float(os.environ.get("STAGEWISE_SLOW_TEST_S", "60"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A passing call past the limit, without the slow marker, is reported failed with its duration and the fix."""
+    report = yield
+    limit = slow_test_s()
+    if report.when == "call" and report.passed and report.duration > limit and item.get_closest_marker("slow") is None:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} took {report.duration:.0f} s, more than {limit:g} s: mark it "
+                           "@pytest.mark.slow (make test-fast leaves it out) or make it faster")
+    return report
