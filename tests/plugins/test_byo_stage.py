@@ -155,6 +155,7 @@ def test_script_reporting_params_that_are_no_object_fails_without_retry(write_co
 
 
 @pytest.mark.torchrun
+@pytest.mark.slow
 def test_a_script_stage_runs_alone_from_the_command_line_as_its_airflow_task_would(digits_run, subprocess_env):
     """`python -m stagewise.train --stage s2` on a stage with its own script launches it under torchrun with the
     stage's contract and checks its outputs, so it can be debugged in a terminal (it used to run the built-in loop);
