@@ -9,7 +9,9 @@ every node (:func:`node_command`): ``stagewise.training.node_launch`` starts tor
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,25 @@ from stagewise.definitions.config import PipelineConfig, Profile
 TRAIN_MODULE = "stagewise.train"
 NODE_LAUNCH_MODULE = "stagewise.training.node_launch"
 REMOTE_BACKENDS = ("sagemaker", "kubernetes")
+# Environment variables of the storage connection that are safe in a job description (no keys: the job's
+# role or service account grants storage access).
+PUBLIC_STORAGE_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION")
+
+
+def job_name(dag_id: str, run_id: str, stage: str, attempt: int, limit: int = 63) -> str:
+    """A name unique per (DAG run, stage, try), lowercase letters, digits and '-' only, at most ``limit`` chars.
+
+    Valid both as a SageMaker training job name and as a DNS-1123 label (Kubernetes Job and Service names).
+    """
+    digest = hashlib.sha256(f"{dag_id}\0{run_id}\0{stage}".encode()).hexdigest()[:10]
+    tail = f"-{digest}-t{attempt}"
+    readable = re.sub(r"[^a-z0-9]+", "-", f"sw-{stage}".lower()).strip("-")
+    return readable[:limit - len(tail)].rstrip("-") + tail
+
+
+def public_storage_env(storage_env: dict[str, str]) -> dict[str, str]:
+    """The storage connection's endpoint and region, never its keys (a job's description is readable by many)."""
+    return {key: value for key, value in storage_env.items() if key in PUBLIC_STORAGE_ENV}
 
 
 def node_command(mode: str, *, processes_per_node: int, stage: str, out: str, params: dict[str, Any],
@@ -31,6 +52,22 @@ def node_command(mode: str, *, processes_per_node: int, stage: str, out: str, pa
     if init_from:
         command += ["--init-from", init_from]
     return [*command, "--config", config_file]
+
+
+@dataclass(frozen=True)
+class RemoteParts:
+    """What every remote backend's request is made of, computed from the job in one call (:meth:`StageJob.remote`)."""
+
+    name: str
+    """The job's name, unique per (DAG run, stage, try), within the backend's length limit."""
+    command: list[str]
+    """The command every node runs (node_launch, then the stage)."""
+    environment: dict[str, str]
+    """The nodes' environment: the config snapshot's path and the storage connection's public part, no keys."""
+    profile: Profile
+    """The stage's instance profile (nodes, processes per node, retries, timeout)."""
+    settings: Any
+    """The profile's ``sagemaker`` or ``kubernetes`` block."""
 
 
 @dataclass(frozen=True)
@@ -82,10 +119,16 @@ class StageJob:
                             f"'{self.backend}', not {backend}")
         return settings
 
-    def node_command(self, backend: str) -> list[str]:
-        """The command every node of this job runs under ``backend``."""
-        return node_command(backend, processes_per_node=self.profile.processes_per_node, stage=self.stage, out=self.out,
-                            params=self.params, init_from=self.init_from, config_file=self.config_file)
+    def remote(self, backend: str, name_limit: int = 63) -> RemoteParts:
+        """The parts of this job's request on the remote ``backend``; a user error when its profile has another."""
+        from stagewise.definitions.loading import CONFIG_ENV_VAR
+
+        profile, settings = self.profile, self.settings(backend)
+        command = node_command(backend, processes_per_node=profile.processes_per_node, stage=self.stage, out=self.out,
+                               params=self.params, init_from=self.init_from, config_file=self.config_file)
+        return RemoteParts(name=job_name(self.dag_id, self.run_id, self.stage, self.attempt, limit=name_limit),
+                           command=command, profile=profile, settings=settings,
+                           environment={CONFIG_ENV_VAR: self.config_file, **public_storage_env(self.storage_env)})
 
 
 def stage_job(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str, out: str, attempt: int,

@@ -17,7 +17,8 @@ import pytest
 # inside a test that is pytest's per-test capture, closed when the test ends.
 from airflow.sdk.exceptions import AirflowFailException
 
-from stagewise.airflow.backends import Stopped, kubernetes, sagemaker
+from stagewise.airflow.backends import kubernetes, sagemaker, stage_result
+from stagewise.airflow.backends.remote import Stopped
 from stagewise.airflow.stage_job import node_command, stage_job
 from stagewise.core.errors import USER_ERROR_EXIT
 from tests.plugins.backend_configs import backend_config, job_args
@@ -130,8 +131,12 @@ def stage_on(tmp_path, monkeypatch):
                                {"stage": "s2", "world_size": 4, "global_batch": 256, "lr": 0.4, "complete": True,
                                 "checkpoint_uri": storage.join(args["out"], "train", "s2", "final.pt"), "history": []})
         service, job = kubernetes.job_objects(stage_job(config, **args))
-        return job.metadata.name, args["out"], lambda: kubernetes.run_stage(
-            config, service=service, job=job, out=args["out"], stage="s2", poll_s=0.05)
+
+        def run_to_result():  # what backends.run_job does after the backend's run: read the result back
+            kubernetes.run_stage(config.profile("ddp2").kubernetes, service=service, job=job, poll_s=0.05)
+            return stage_result(config, args["out"], "s2")
+
+        return job.metadata.name, args["out"], run_to_result
 
     return run
 
@@ -185,7 +190,6 @@ def test_a_refused_job_fails_without_retry_and_its_service_is_deleted(stage_on):
 @pytest.mark.timeout(60)
 def test_a_task_killed_while_the_job_runs_deletes_the_job_and_service(stage_on, airflow_on_term):
     """SIGTERM (Airflow's kill or mark-failed) while the Job runs: the task stops waiting, and deletes both objects."""
-    from stagewise.airflow.backends import Stopped
 
     before = signal.getsignal(signal.SIGTERM)
     with FakeKubeAPI([_running()]) as api:

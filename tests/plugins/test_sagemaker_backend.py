@@ -17,8 +17,9 @@ import pytest
 from airflow.providers.amazon.aws.hooks.sagemaker import SageMakerHook  # noqa: F401
 from airflow.sdk.exceptions import AirflowFailException
 
-from stagewise.airflow.backends import USER_ERROR_MARKER, sagemaker
-from stagewise.airflow.stage_job import node_command, stage_job
+from stagewise.airflow.backends import sagemaker
+from stagewise.airflow.backends.remote import USER_ERROR_MARKER
+from stagewise.airflow.stage_job import job_name, node_command, stage_job
 from stagewise.core.errors import UserError
 from tests.plugins.backend_configs import RUN, backend_config, job_args
 
@@ -91,7 +92,7 @@ def test_spot_on_early_tries_on_demand_on_the_last_and_each_try_has_its_own_job(
 
 def test_a_long_stage_name_still_gives_a_valid_job_name(tmp_path):
     path, config = backend_config(tmp_path, "sagemaker")
-    name = sagemaker.job_name("d" * 200, "r" * 200, "A_very.long stage name " * 5, attempt=12)
+    name = job_name("d" * 200, "r" * 200, "A_very.long stage name " * 5, attempt=12)
     assert len(name) <= 63 and re.fullmatch(r"[a-z0-9](-*[a-z0-9]){0,62}", name) and name.endswith("-t12")
 
 
@@ -187,7 +188,7 @@ def test_node_log_lines_are_logged_once_each_and_a_logs_outage_never_fails_the_j
 @pytest.mark.timeout(60)
 def test_a_task_killed_while_waiting_stops_its_job(tmp_path, airflow_on_term):
     """SIGTERM (Airflow's kill or mark-failed) mid-wait: the task stops its job rather than leave it billing."""
-    from stagewise.airflow.backends import Stopped
+    from stagewise.airflow.backends.remote import Stopped
 
     path, config = backend_config(tmp_path, "sagemaker")
     request = sagemaker.training_job_request(stage_job(config, **job_args(path, config)))
@@ -200,7 +201,7 @@ def test_a_task_killed_while_waiting_stops_its_job(tmp_path, airflow_on_term):
 
     threading.Thread(target=kill_once_waiting, daemon=True).start()
     with pytest.raises(Stopped, match="SageMaker job .* was stopped: the task got SIGTERM"):
-        sagemaker.run_stage(config, request=request, out=job_args(path, config)["out"], stage="s2", hook=hook, poll_s=0.05)
+        sagemaker.run_stage(config.profile("ddp2").sagemaker, request=request, hook=hook, poll_s=0.05)
     assert hook.stopped == [request["TrainingJobName"]]
     assert signal.getsignal(signal.SIGTERM) == before  # the task's own handler is back
     assert airflow_on_term == [signal.SIGTERM]  # and it still ran (Airflow calls on_kill there)
@@ -248,10 +249,11 @@ def test_a_stage_runs_as_a_training_job_on_motos_sagemaker_and_returns_the_stage
         logs.put_log_events(logGroupName=sagemaker.LOG_GROUP, logStreamName=stream,
                             logEvents=[{"timestamp": int(time.time() * 1000), "message": message}])
     caplog.set_level("INFO", logger=sagemaker.__name__)
-    result = sagemaker.run_stage(config, request=request, out=out, stage="s2", poll_s=0)
+    settings = config.profile("ddp2").sagemaker
+    assert sagemaker.run_stage(settings, request=request, poll_s=0) is None  # completed: the result is in storage
+    result = stage_result(config, out, "s2")
     assert result == {**{k: v for k, v in metrics.items() if k not in ("history", "complete")},
                       "model_uri": f"{out}/train/s2/model.pt"}
-    assert result == stage_result(config, out, "s2")
 
     received = boto3.client("sagemaker", region_name="us-east-1").describe_training_job(
         TrainingJobName=request["TrainingJobName"])
@@ -269,13 +271,15 @@ def test_a_stage_runs_as_a_training_job_on_motos_sagemaker_and_returns_the_stage
 
     # The same try again (a worker restart mid-wait): attaches to the job moto holds, submits nothing new.
     caplog.clear()
-    assert sagemaker.run_stage(config, request=request, out=out, stage="s2", poll_s=0) == result
+    sagemaker.run_stage(settings, request=request, poll_s=0)
     assert "exists (this try submitted it before): attaching" in caplog.text + capsys.readouterr().out
 
 
 @pytest.mark.service
-def test_a_job_that_succeeded_without_committing_its_metrics_is_retried(tmp_path, moto_aws):
+def test_a_job_that_succeeded_without_committing_its_metrics_is_retried(tmp_path, moto_aws, monkeypatch):
     import s3fs
+
+    from stagewise.airflow.backends import run_job
 
     path, config = backend_config(tmp_path, "sagemaker", storage_root="s3://stagewise-test/nometrics")
     args = job_args(path, config)
@@ -283,9 +287,10 @@ def test_a_job_that_succeeded_without_committing_its_metrics_is_retried(tmp_path
     if not fs.exists("stagewise-test"):
         fs.mkdir("stagewise-test")
     fs.pipe(f"{args['out']}/preprocess/manifest.json".removeprefix("s3://"), b"{}")
-    request = sagemaker.training_job_request(stage_job(config, **args))
+    job = stage_job(config, **args)
+    monkeypatch.setattr(sagemaker, "POLL_S", 0)
     with pytest.raises(RuntimeError, match="wrote no .*metrics.json; retrying"):
-        sagemaker.run_stage(config, request=request, out=args["out"], stage="s2", poll_s=0)
+        run_job(job)  # the backend's run succeeded; reading its result back fails
 
 
 @pytest.mark.service
@@ -313,7 +318,7 @@ def test_train_stage_submits_a_sagemaker_profiles_stage_as_a_job_and_the_config_
     assert result["world_size"] == 4 and result["attempt"] == 3 and "duration_s" in result
     import boto3
 
-    name = sagemaker.job_name(RUN["dag_id"], RUN["run_id"], "s2", 3)
+    name = job_name(RUN["dag_id"], RUN["run_id"], "s2", 3)
     received = boto3.client("sagemaker", region_name="us-east-1").describe_training_job(TrainingJobName=name)
     arguments = received["AlgorithmSpecification"]["ContainerArguments"]
     assert arguments[arguments.index("--init-from") + 1] == f"{args['out']}/train/s1/final.pt"

@@ -19,7 +19,7 @@ from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
 from stagewise.airflow.backends import sagemaker
 from stagewise.airflow.operators import STARTUP_SLACK_S, SageMakerStageOperator
-from stagewise.airflow.stage_job import stage_job
+from stagewise.airflow.stage_job import job_name, stage_job
 from tests.plugins.backend_configs import RUN, backend_config, job_args
 from tests.plugins.test_sagemaker_backend import moto_aws  # noqa: F401 - the fixture
 
@@ -60,7 +60,7 @@ def test_execute_submits_the_tries_job_and_defers_to_the_providers_sagemaker_tri
     with pytest.raises(TaskDeferred) as deferred:
         operator.execute(context)
     trigger = deferred.value.trigger
-    name = sagemaker.job_name(RUN["dag_id"], args["run_id"], "s2", 2)
+    name = job_name(RUN["dag_id"], args["run_id"], "s2", 2)
     assert type(trigger) is SageMakerTrigger
     assert trigger.job_name == name and trigger.job_type == "training" and trigger.waiter_delay == sagemaker.POLL_S
     # The trigger outlasts the job's own limit (spot: MaxWaitTimeInSeconds 7200) plus start-up.

@@ -17,17 +17,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from stagewise.airflow.backends import (
-    IMAGE_WORKDIR,
-    Stopped,
-    is_user_error,
-    job_name,
-    public_storage_env,
-    stop_on_sigterm,
-)
-from stagewise.airflow.stage_job import StageJob
+from stagewise.airflow.backends.remote import IMAGE_WORKDIR, Stopped, is_user_error, stop_on_sigterm
+from stagewise.airflow.stage_job import RemoteParts, StageJob
 from stagewise.core.errors import USER_ERROR_EXIT, UserError
-from stagewise.definitions.config import PipelineConfig
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +46,13 @@ def _tolerations(items: list[dict[str, Any]]) -> list[Any]:
     return result
 
 
-def job_objects(stage_job: StageJob) -> tuple[Any, Any]:
-    """The headless Service and the Indexed Job of one try of the job's stage: (V1Service, V1Job)."""
+def job_objects(stage_job: StageJob, parts: RemoteParts | None = None) -> tuple[Any, Any]:
+    """The headless Service and the Indexed Job of one try of the job's stage: (V1Service, V1Job), from the job's
+    remote ``parts`` (made here when not given)."""
     from kubernetes import client as k8s
 
-    from stagewise.definitions.loading import CONFIG_ENV_VAR
-
-    dag_id, run_id, stage, attempt = stage_job.dag_id, stage_job.run_id, stage_job.stage, stage_job.attempt
-    profile, settings = stage_job.profile, stage_job.settings("kubernetes")
-    command = stage_job.node_command("kubernetes")
-    name = job_name(dag_id, run_id, stage, attempt, limit=NAME_LIMIT)
+    parts = parts or stage_job.remote("kubernetes", name_limit=NAME_LIMIT)
+    profile, settings, command, name = parts.profile, parts.settings, parts.command, parts.name
     labels = {JOB_LABEL: name, "app.kubernetes.io/part-of": "stagewise"}
     port = settings.rendezvous_port
     service = k8s.V1Service(
@@ -73,7 +62,7 @@ def job_objects(stage_job: StageJob) -> tuple[Any, Any]:
                                ports=[k8s.V1ServicePort(name="rendezvous", port=port, target_port=port)]))
     from stagewise.training import node_launch  # the names the node side reads, declared there once
 
-    env = {CONFIG_ENV_VAR: stage_job.config_file, **public_storage_env(stage_job.storage_env),
+    env = {**parts.environment,
            node_launch.K8S_ENDPOINT_ENV: f"{name}-0.{name}:{port}",  # pod 0 under the headless Service
            node_launch.K8S_NNODES_ENV: str(profile.nodes),
            node_launch.K8S_RDZV_ID_ENV: name,  # the name is unique per try, so is the rendezvous
@@ -223,18 +212,16 @@ def delete(hook: Any, namespace: str, name: str) -> None:
                 log.error("could not delete %s %s/%s: %s %s", kind, namespace, name, exc.status, exc.reason)
 
 
-def run_job(job: StageJob) -> dict[str, Any]:
-    """The backend's interface: build the try's Service and Job, run them to the end, return the stage's result."""
-    service, indexed = job_objects(job)
-    return run_stage(job.config, service=service, job=indexed, out=job.out, stage=job.stage)
+def run_job(job: StageJob) -> None:
+    """The backend's interface: build the try's Service and Job and run them to the job's success."""
+    parts = job.remote("kubernetes", name_limit=NAME_LIMIT)
+    service, indexed = job_objects(job, parts)
+    run_stage(parts.settings, service=service, job=indexed)
 
 
-def run_stage(config: PipelineConfig, *, service: Any, job: Any, out: str, stage: str, poll_s: float = 10.0,
-              hook: Any = None) -> dict[str, Any]:
-    """Create the Service and the Job, wait for the Job, delete both whatever happens, return the stage's result."""
-    from stagewise.airflow.backends import stage_result
-
-    settings = config.profile(config.stage(stage).profile).kubernetes
+def run_stage(settings: Any, *, service: Any, job: Any, poll_s: float = 10.0, hook: Any = None) -> None:
+    """Create the Service and the Job with the profile's ``settings``, wait for the Job and delete both whatever
+    happens; returns once the Job succeeded (its result is in the run's storage)."""
     if hook is None:
         from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 
@@ -247,7 +234,6 @@ def run_stage(config: PipelineConfig, *, service: Any, job: Any, out: str, stage
             _create_and_wait(hook, service, job, poll_s)
     finally:  # success, failure, kill (SIGTERM) or timeout: nothing of this try stays in the cluster
         delete(hook, namespace, name)
-    return stage_result(config, out, stage)
 
 
 def _create_and_wait(hook: Any, service: Any, job: Any, poll_s: float) -> None:

@@ -2,9 +2,9 @@
 
 :func:`run_job` is the backend's interface (stagewise.airflow.backends). :func:`training_job_request` builds the
 CreateTrainingJob request from the job (pure; tests validate it with botocore's own SageMaker model). :func:`run_stage`
-submits it through the Amazon provider's SageMakerHook, polls
-until the job ends, logs each status change, and maps the outcome onto Airflow: a job that failed on
-the user's input fails the task (no retry); capacity, spot interruption and internal errors retry.
+submits it through the Amazon provider's SageMakerHook, polls until the job ends, logs each status change, and maps the
+outcome onto Airflow: a job that failed on the user's input fails the task (no retry); capacity, spot interruption and
+internal errors retry. The stage's result is read back from the run's storage by the caller.
 
 The node command goes in as ``ContainerEntrypoint``/``ContainerArguments`` (SageMaker runs a custom image
 with them as given), not as hyperparameters: hyperparameters reach the container only as a JSON file the
@@ -19,16 +19,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from stagewise.airflow.backends import (
-    Stopped,
-    is_user_error,
-    job_name,
-    public_storage_env,
-    stop_on_sigterm,
-)
-from stagewise.airflow.stage_job import StageJob
+from stagewise.airflow.backends.remote import Stopped, is_user_error, stop_on_sigterm
+from stagewise.airflow.stage_job import RemoteParts, StageJob
 from stagewise.core.errors import UserError
-from stagewise.definitions.config import PipelineConfig
+from stagewise.definitions.config import Profile
 
 log = logging.getLogger(__name__)
 
@@ -47,42 +41,38 @@ def _tag_value(text: str) -> str:
     return "".join(c if c.isalnum() or c in " _.:/=+-@" else "_" for c in text)[:256]
 
 
-def spot_for(config: PipelineConfig, profile_name: str, attempt: int) -> bool:
+def spot_for(profile: Profile, attempt: int) -> bool:
     """Spot on every try but the last one when spot_fallback_on_last_retry is set (that one runs on demand)."""
-    profile = config.profile(profile_name)
     settings = profile.sagemaker
     last_try = attempt > profile.retries
     return bool(settings.use_spot and not (settings.spot_fallback_on_last_retry and last_try))
 
 
-def training_job_request(job: StageJob) -> dict[str, Any]:
-    """The CreateTrainingJob request of one try of the job's stage (its ``out``: the run prefix, an s3:// URI)."""
+def training_job_request(job: StageJob, parts: RemoteParts | None = None) -> dict[str, Any]:
+    """The CreateTrainingJob request of one try of the job's stage (its ``out``: the run prefix, an s3:// URI), from
+    the job's remote ``parts`` (made here when not given)."""
     from stagewise.core import storage
-    from stagewise.definitions.loading import CONFIG_ENV_VAR
 
-    config, stage, out, attempt, config_file = job.config, job.stage, job.out, job.attempt, job.config_file
-    dag_id, run_id = job.dag_id, job.run_id
+    stage, out, attempt = job.stage, job.out, job.attempt
     if not out.startswith("s3://"):
         raise UserError(f"stage {stage}: a SageMaker job reads and writes the run through S3, but the run prefix is {out}")
-    profile, settings, command = job.profile, job.settings("sagemaker"), job.node_command("sagemaker")
-    profile_name = config.stage(stage).profile
+    parts = parts or job.remote("sagemaker")
+    profile, settings, command, environment = parts.profile, parts.settings, parts.command, parts.environment
     arguments = command[1:]
     too_long = [arg for arg in arguments if len(arg) > MAX_ARGUMENT_CHARS]
     if too_long or len(arguments) > MAX_ARGUMENTS:
         raise UserError(f"stage {stage}: SageMaker takes at most {MAX_ARGUMENTS} container arguments of "
                         f"{MAX_ARGUMENT_CHARS} characters; too long: {[arg[:60] + '...' for arg in too_long]}")
     prefix = storage.stage_prefix(out, stage)
-    spot = spot_for(config, profile_name, attempt)
+    spot = spot_for(profile, attempt)
     stopping: dict[str, int] = {"MaxRuntimeInSeconds": settings.max_run_s}
     if spot:
         stopping["MaxWaitTimeInSeconds"] = settings.max_wait_s or 2 * settings.max_run_s
-    environment = {CONFIG_ENV_VAR: config_file, **public_storage_env(job.storage_env)}
     if too_long := [key for key, value in environment.items() if len(value) > MAX_ENV_VALUE_CHARS]:
         raise UserError(f"stage {stage}: SageMaker takes environment values of at most {MAX_ENV_VALUE_CHARS} "
                         f"characters; too long: {too_long}")
-    name = job_name(dag_id, run_id, stage, attempt)
     return {
-        "TrainingJobName": name,
+        "TrainingJobName": parts.name,
         "AlgorithmSpecification": {
             "TrainingImage": settings.image_uri,
             # FastFile: the channel is mounted and streamed on access, nothing is copied before the job starts
@@ -109,7 +99,7 @@ def training_job_request(job: StageJob) -> dict[str, Any]:
         "CheckpointConfig": {"S3Uri": storage.join(prefix, "checkpoints") + "/", "LocalPath": CHECKPOINT_LOCAL_PATH},
         "Environment": environment,
         "Tags": [{"Key": f"stagewise:{key}", "Value": _tag_value(value)} for key, value in
-                 (("dag_id", dag_id), ("run_id", run_id), ("stage", stage), ("try", str(attempt)))],
+                 (("dag_id", job.dag_id), ("run_id", job.run_id), ("stage", stage), ("try", str(attempt)))],
     }
 
 
@@ -224,18 +214,17 @@ def submit(hook: Any, request: dict[str, Any]) -> str:
     return name
 
 
-def run_job(job: StageJob) -> dict[str, Any]:
-    """The backend's interface: build the try's request, submit it (or attach to it), wait, return the result."""
-    return run_stage(job.config, request=training_job_request(job), out=job.out, stage=job.stage)
+def run_job(job: StageJob) -> None:
+    """The backend's interface: build the try's request, submit it (or attach to it) and wait for it to succeed."""
+    parts = job.remote("sagemaker")
+    run_stage(parts.settings, request=training_job_request(job, parts))
 
 
-def run_stage(config: PipelineConfig, *, request: dict[str, Any], out: str, stage: str, poll_s: float = POLL_S,
-              hook: Any = None) -> dict[str, Any]:
-    """Submit ``request`` (or attach to the job this try already submitted), wait, and return the stage's result."""
-    from stagewise.airflow.backends import stage_result
-
-    settings = config.profile(config.stage(stage).profile).sagemaker
+def run_stage(settings: Any, *, request: dict[str, Any], poll_s: float | None = None, hook: Any = None) -> None:
+    """Submit ``request`` (or attach to the job this try already submitted) with the profile's ``settings`` and wait;
+    returns once the job completed (its result is in the run's storage), raises as Airflow should take its end."""
     hook = hook if hook is not None else hook_for(settings)
+    poll_s = POLL_S if poll_s is None else poll_s
     name = submit(hook, request)
     ended = False
     try:
@@ -254,4 +243,3 @@ def run_stage(config: PipelineConfig, *, request: dict[str, Any], out: str, stag
         raise failure(description)
     billable = description.get("BillableTimeInSeconds")
     log.info("SageMaker job %s completed%s", name, f" ({billable} billable s)" if billable is not None else "")
-    return stage_result(config, out, stage)
