@@ -53,7 +53,7 @@ def project_imports(root: Path, package: str) -> list[Import]:
             else:
                 continue
             for target in dict.fromkeys(targets):
-                if target.split(".")[0] == package:
+                if target == package or target.startswith(package + "."):
                     found.append(Import(importer, target, node.lineno, id(node) in top))
     return found
 
