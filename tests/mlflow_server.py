@@ -31,7 +31,9 @@ class MlflowServer:
         self.folder, self.port = folder, free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.artifacts = artifacts or str(folder / "artifacts")
-        self.env = {**os.environ, **(env or {})}
+        # No job runner: MLflow's huey consumers (several processes per server) poll all session long and Stagewise
+        # submits no server-side job.
+        self.env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **(env or {})}
         self.process: subprocess.Popen | None = None
 
     def start(self) -> MlflowServer:
