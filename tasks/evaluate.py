@@ -11,8 +11,23 @@ import argparse
 import logging
 from typing import Any
 
+from stagewise.core.cli import common_parser, help_before_imports, parse_overrides, run_subjob
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Evaluate a model on the test split.", parents=[common_parser()])
+    parser.add_argument("--model", required=True, help="model bundle URI (a train stage's model.pt)")
+    parser.add_argument("--out", required=True, help="the run prefix")
+    parser.add_argument("--inputs-fingerprint", default=None, help="the model's and data's fingerprint (stagewise.reuse) to record")
+    return parser
+
+
+# --help answers before the imports below, which load torch (seconds); they follow code on purpose
+# ruff: noqa: E402
+if __name__ == "__main__":
+    help_before_imports(build_parser)
+
 from stagewise.core import storage
-from stagewise.core.cli import common_parser, parse_overrides, run_subjob
 from stagewise.core.errors import UserError
 from stagewise.datasets.manifest import load_split, read_manifest
 from stagewise.definitions.config import PipelineConfig
@@ -86,11 +101,7 @@ def evaluate(config: PipelineConfig, model_uri: str, out: str, fingerprint: str 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Evaluate a model on the test split.", parents=[common_parser()])
-    parser.add_argument("--model", required=True, help="model bundle URI (a train stage's model.pt)")
-    parser.add_argument("--out", required=True, help="the run prefix")
-    parser.add_argument("--inputs-fingerprint", default=None, help="the model's and data's fingerprint (stagewise.reuse) to record")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
 
     def work() -> dict[str, Any]:
         config = load_config(args.config, parse_overrides(args.override))

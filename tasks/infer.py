@@ -42,8 +42,31 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from stagewise.core.cli import common_parser, help_before_imports, json_arg, parse_overrides, run_subjob
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Sharded batch inference steps.")
+    common = common_parser()
+    sub = parser.add_subparsers(dest="step", required=True)
+    p_plan = sub.add_parser("plan", parents=[common])
+    p_plan.add_argument("--input", default=None, help="Parquet to score (default: inference.input_uri or dataset.uri)")
+    p_shard = sub.add_parser("shard", parents=[common])
+    p_shard.add_argument("--shard", type=json_arg, required=True, help="one shard from 'plan' (JSON or @file)")
+    p_commit = sub.add_parser("commit", parents=[common])
+    p_commit.add_argument("--results", type=json_arg, required=True, help="JSON list of shard results, or @file")
+    for p in (p_shard, p_commit):
+        p.add_argument("--model", required=True, help="model bundle URI")
+        p.add_argument("--out", required=True, help="the run prefix")
+    return parser
+
+
+# --help answers before the imports below, which load torch (seconds); they follow code on purpose
+# ruff: noqa: E402
+if __name__ == "__main__":
+    help_before_imports(build_parser)
+
 from stagewise.core import storage
-from stagewise.core.cli import common_parser, json_arg, parse_overrides, run_subjob
 from stagewise.core.errors import DataError
 from stagewise.datasets import predictions, sharding
 from stagewise.datasets.columns import check_feature_types, check_typed_types, flatten_features, layout_of
@@ -421,19 +444,7 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Sharded batch inference steps.")
-    common = common_parser()
-    sub = parser.add_subparsers(dest="step", required=True)
-    p_plan = sub.add_parser("plan", parents=[common])
-    p_plan.add_argument("--input", default=None, help="Parquet to score (default: inference.input_uri or dataset.uri)")
-    p_shard = sub.add_parser("shard", parents=[common])
-    p_shard.add_argument("--shard", type=json_arg, required=True, help="one shard from 'plan' (JSON or @file)")
-    p_commit = sub.add_parser("commit", parents=[common])
-    p_commit.add_argument("--results", type=json_arg, required=True, help="JSON list of shard results, or @file")
-    for p in (p_shard, p_commit):
-        p.add_argument("--model", required=True, help="model bundle URI")
-        p.add_argument("--out", required=True, help="the run prefix")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
 
     def work() -> dict[str, Any]:
         config = load_config(args.config, parse_overrides(args.override))

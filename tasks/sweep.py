@@ -33,7 +33,28 @@ from typing import Any
 
 from stagewise.core import contract as env_contract
 from stagewise.core import storage
-from stagewise.core.cli import common_parser, parse_overrides, run_subjob
+from stagewise.core.cli import common_parser, help_before_imports, parse_overrides, run_subjob
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Optuna sweep steps.")
+    common = common_parser()
+    sub = parser.add_subparsers(dest="step", required=True)
+    for step in ("create", "subsets", "worker", "summary"):
+        p = sub.add_parser(step, parents=[common])
+        if step != "subsets":
+            p.add_argument("--study", required=True, help="study name")
+        if step != "create":
+            p.add_argument("--out", required=True, help="the run prefix")
+    sub.choices["worker"].add_argument("--worker", type=int, required=True, help="this worker's index")
+    return parser
+
+
+# --help answers before the imports below, which load torch (seconds); they follow code on purpose
+# ruff: noqa: E402
+if __name__ == "__main__":
+    help_before_imports(build_parser)
+
 from stagewise.core.errors import UserError
 from stagewise.datasets.loader import split_batches
 from stagewise.datasets.manifest import read_manifest
@@ -452,17 +473,7 @@ def run_script_trials(config: PipelineConfig, name: str, worker: int, out: str, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Optuna sweep steps.")
-    common = common_parser()
-    sub = parser.add_subparsers(dest="step", required=True)
-    for step in ("create", "subsets", "worker", "summary"):
-        p = sub.add_parser(step, parents=[common])
-        if step != "subsets":
-            p.add_argument("--study", required=True, help="study name")
-        if step != "create":
-            p.add_argument("--out", required=True, help="the run prefix")
-    sub.choices["worker"].add_argument("--worker", type=int, required=True, help="this worker's index")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
 
     def work() -> dict[str, Any]:

@@ -24,8 +24,28 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from stagewise.core.cli import common_parser, help_before_imports, json_arg, parse_overrides, run_subjob
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="One training stage: the built-in loop (run this under torchrun), or a stage with its own "
+                    "entrypoint, which this launches under torchrun itself (run it plainly).", parents=[common_parser()])
+    parser.add_argument("--stage", required=True, help="name of a stage in train.stages")
+    parser.add_argument("--out", required=True, help="the run prefix (holds preprocess/manifest.json)")
+    parser.add_argument("--params", type=json_arg, default={}, help="hyperparameters (JSON or @file), e.g. the sweep's best")
+    parser.add_argument("--init-from", default=None, help="final checkpoint of the previous stage")
+    parser.add_argument("--inputs-fingerprint", default=None, help="the stage's inputs' fingerprint (default: derived)")
+    parser.add_argument("--data-fingerprint", default=None, help="the committed data's fingerprint (default: derived)")
+    return parser
+
+
+# --help answers before the imports below, which load torch (seconds); they follow code on purpose
+# ruff: noqa: E402
+if __name__ == "__main__":
+    help_before_imports(build_parser)
+
 from stagewise.core import storage
-from stagewise.core.cli import common_parser, json_arg, parse_overrides, run_subjob
 from stagewise.core.errors import UserError
 from stagewise.datasets.manifest import read_manifest
 from stagewise.definitions.config import PipelineConfig
@@ -450,16 +470,7 @@ def run_script_stage(config: PipelineConfig, config_file: str, stage_name: str, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description="One training stage: the built-in loop (run this under torchrun), or a stage with its own "
-                    "entrypoint, which this launches under torchrun itself (run it plainly).", parents=[common_parser()])
-    parser.add_argument("--stage", required=True, help="name of a stage in train.stages")
-    parser.add_argument("--out", required=True, help="the run prefix (holds preprocess/manifest.json)")
-    parser.add_argument("--params", type=json_arg, default={}, help="hyperparameters (JSON or @file), e.g. the sweep's best")
-    parser.add_argument("--init-from", default=None, help="final checkpoint of the previous stage")
-    parser.add_argument("--inputs-fingerprint", default=None, help="the stage's inputs' fingerprint (default: derived)")
-    parser.add_argument("--data-fingerprint", default=None, help="the committed data's fingerprint (default: derived)")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
 
     def work() -> dict[str, Any]:

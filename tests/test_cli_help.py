@@ -19,6 +19,13 @@ from tests.conftest import REPO_ROOT, process_needs
 TIMEOUT_S = 120  # an import under a loaded machine takes seconds; a server that starts never answers
 PARALLEL = 4
 NOT_YET: dict[str, str] = {}  # a module whose --help is known broken, with why (none today)
+# The sub-jobs of a pipeline run: each runs alone, outside Airflow, so each must keep its command line (a lost
+# ``__main__`` block would drop it from MODULES, and from the tests below, silently).
+SUB_JOBS = {f"stagewise.{name}" for name in ("preprocess", "sweep", "train", "evaluate", "infer", "data", "config", "report")}
+# Sub-jobs whose work imports torch (seconds of CPU) but whose --help answers before it (stagewise.core.cli's
+# help_before_imports). Not here: stagewise.training.local_torchrun, whose --help is torchrun's own; node_launch, which
+# imports local_torchrun; the examples, user scripts that import torch first as any user's would.
+HELP_WITHOUT_TORCH = ("stagewise.evaluate", "stagewise.infer", "stagewise.sweep", "stagewise.train")
 
 
 def _is_main_guard(node: ast.stmt) -> bool:
@@ -76,8 +83,30 @@ def helps(tmp_path_factory) -> dict[str, tuple[int | None, str, Path]]:
 
 
 def test_the_command_lines_are_found():
-    assert {"stagewise.config", "stagewise.train", "stagewise.airflow.log_server", "stagewise.examples.byo_train"} \
-        <= set(MODULES), MODULES
+    assert {"stagewise.airflow.log_server", "stagewise.examples.byo_train", *SUB_JOBS} <= set(MODULES), MODULES
+
+
+_HELP_IMPORTS = """
+import contextlib, io, runpy, sys
+for module in sys.argv[1:]:
+    sys.argv = [module, "--help"]
+    with contextlib.redirect_stdout(io.StringIO()) as shown:
+        try:
+            runpy.run_module(module, run_name="__main__")
+        except SystemExit as exc:
+            assert exc.code in (0, None), (module, exc.code)
+    assert "usage:" in shown.getvalue(), (module, shown.getvalue())
+    if "torch" in sys.modules:
+        sys.exit(f"{module} --help imported torch")
+"""
+
+
+def test_help_imports_no_torch():
+    """``--help`` of the sub-jobs that use torch answers without importing it (about 2.5 CPU-seconds each); all in one
+    process: the first that imports torch is named."""
+    done = subprocess.run([sys.executable, "-c", _HELP_IMPORTS, *HELP_WITHOUT_TORCH], capture_output=True, text=True,
+                          timeout=TIMEOUT_S, stdin=subprocess.DEVNULL, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("module", [pytest.param(module, marks=_marks(module)) for module in MODULES])

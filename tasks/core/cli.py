@@ -80,3 +80,12 @@ def run_subjob(name: str, work: Callable[[], dict[str, Any] | None], result_file
         with open(tmp, "w") as handle:
             json.dump(result, handle)
         os.replace(tmp, result_file)
+
+
+def help_before_imports(build_parser: Callable[[], argparse.ArgumentParser]) -> None:
+    """Answer ``-h``/``--help`` (print the usage, exit 0) with the sub-job's own parser, before the job's heavy imports.
+
+    A job calls it under ``if __name__ == "__main__":`` ahead of the imports that load torch (seconds of CPU); when
+    neither flag is given it returns at once and ``main`` parses the arguments as always."""
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        build_parser().parse_args()

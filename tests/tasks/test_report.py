@@ -1,15 +1,11 @@
-"""The run report (schema in the design notes) and the --help of every sub-job entry point."""
+"""The run report (schema in the design notes). (Every sub-job's --help: tests/test_cli_help.py.)"""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 
 from stagewise.core import storage
 from stagewise.report import build_report, stage_timing, summary_lines
-from tests.conftest import REPO_ROOT
 
 REQUIRED_KEYS = {"dag_id", "run_id", "stages", "sweep", "training", "test_accuracy", "model_uri", "predictions"}
 
@@ -75,15 +71,6 @@ def test_summary_lines_read_back_a_written_report(tmp_path):
     report = storage.read_json(build_report(**_inputs(str(tmp_path)))["report_uri"])
     text = "\n".join(summary_lines(report))
     assert "ml_pipeline" in text and "test accuracy: 0.9300" in text and "16 rows" in text
-
-
-@pytest.mark.parametrize("module", ["preprocess", "sweep", "train", "evaluate", "infer", "data", "config", "report"])
-def test_every_sub_job_prints_help(module, subprocess_env):
-    """`python -m tasks.<module> --help` exits 0 with a usage line: each sub-job runs alone, outside Airflow."""
-    completed = subprocess.run([sys.executable, "-m", f"tasks.{module}", "--help"], cwd=REPO_ROOT, env=subprocess_env,
-                               capture_output=True, text=True, timeout=120)
-    assert completed.returncode == 0, completed.stderr[-2000:]
-    assert "usage:" in completed.stdout
 
 
 def test_a_regression_report_is_driven_by_its_objective_and_shows_the_baseline(tmp_path):
