@@ -83,7 +83,7 @@ def requirements(dist, seen):
 """
 
 _IMPORT_PROBE = _DISTRIBUTIONS + r"""
-import importlib.abc, importlib.machinery, json, sys, tempfile
+import importlib.abc, importlib.machinery, json, os, sys, tempfile
 from pathlib import Path
 
 import torch
@@ -159,7 +159,8 @@ subjob(infer.main, "commit", "--results", json.dumps(results), "--model", traine
 imported = sorted(top for top in {name.partition(".")[0] for name in sys.modules} - before - STDLIB
                   if top in DISTRIBUTIONS or top in OWN)
 print(json.dumps({"entries": entries, "imported": imported, "refused": sorted(set(refused)),
-                  "torch_own": sorted(TORCH_OWN)}))
+                  "torch_own": sorted(TORCH_OWN)}), flush=True)
+os._exit(0)  # what was imported is printed: the interpreter's teardown (about 2 s of torch's) checks nothing
 """
 
 
@@ -179,7 +180,7 @@ def test_the_gpu_sub_jobs_import_only_what_a_gpu_machine_has_and_the_listed_pack
 
 
 _COLLECTION_PROBE = _DISTRIBUTIONS + r"""
-import importlib.abc, importlib.machinery, json, sys
+import importlib.abc, importlib.machinery, json, os, sys
 
 
 THERE = set()
@@ -215,7 +216,9 @@ class Installed(importlib.abc.MetaPathFinder):
 sys.meta_path[:] = [Installed(f) if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
 import pytest
 
-sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu", *sys.argv[2:]]))
+status = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu", *sys.argv[2:]])
+sys.stdout.flush(), sys.stderr.flush()
+os._exit(int(status))  # collected or not is printed: the interpreter's teardown checks nothing
 """
 
 

@@ -15,25 +15,47 @@ DAG_FILES = sorted((REPO_ROOT / "dags").glob("*.py"))
 HEAVY = ("torch", "optuna", "pyarrow", "pandas", "sklearn")
 
 # No sys.path edits: as in Airflow's dag-processor, tasks and stagewise.airflow import as the installed package.
+# One interpreter for every file: it imports Airflow's SDK once, then forks a child per file, so each file is
+# imported in a process that has loaded only the SDK and that file (what the heavy check judges), at the cost of one
+# Airflow import instead of one per file.
 PROBE = """
-import json, runpy, sys
-namespace = runpy.run_path({path!r})
+import json, os, runpy, sys, traceback
 from airflow.sdk import DAG
-dags = [v.dag_id for v in namespace.values() if isinstance(v, DAG)]
-print(json.dumps({{"heavy": [m for m in {heavy!r} if m in sys.modules], "dags": dags}}))
+for path in {paths!r}:
+    sys.stdout.flush()
+    child = os.fork()
+    if child == 0:
+        try:
+            namespace = runpy.run_path(path)
+            found = {{"dags": [v.dag_id for v in namespace.values() if isinstance(v, DAG)]}}
+        except BaseException:
+            found = {{"error": traceback.format_exc()}}
+        found.update(path=path, heavy=[m for m in {heavy!r} if m in sys.modules])
+        print(json.dumps(found), flush=True)
+        os._exit(0)
+    os.waitpid(child, 0)
 """
 
 
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory) -> dict[str, dict]:
+    """Each DAG file's findings (its error, DAG ids and heavy modules loaded), by path."""
+    code = PROBE.format(paths=[str(path) for path in DAG_FILES], heavy=HEAVY)
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path_factory.mktemp("dag_probe"), env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-4000:]
+    found = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"')]
+    return {entry["path"]: {**entry, "stderr": result.stderr[-4000:]} for entry in found}
+
+
 @pytest.mark.parametrize("path", DAG_FILES, ids=[p.name for p in DAG_FILES])
-def test_dag_file_imports_without_heavy_modules(path, tmp_path):
+def test_dag_file_imports_without_heavy_modules(path, probed):
     """A fresh interpreter outside the checkout, with no PYTHONPATH, imports the file with no error and no
     torch/optuna/pyarrow/pandas loaded."""
-    code = PROBE.format(path=str(path), heavy=HEAVY)
-    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr[-4000:]
-    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    assert str(path) in probed, f"{path.name}: the probe reported nothing"
+    probe = probed[str(path)]
+    assert "error" not in probe, probe.get("error", "") + probe["stderr"]
     assert probe["heavy"] == [], f"{path.name} imports {probe['heavy']} at module level"
 
 
