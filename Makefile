@@ -15,7 +15,7 @@ PYTEST_WORKERS ?= 4
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 # What `make test-fast` leaves out: every test that needs more than this Python process, and the slow ones (markers
 # in pytest.ini). `make test` prints the 20 slowest tests.
-FAST_MARKERS := not (airflow or torchrun or browser or service or gpu or slow)
+FAST_MARKERS := not (airflow or torchrun or browser or service or gpu or subprocess or slow)
 
 .PHONY: help venv mlflow-env airflow-init demo-data demo test test-fast test-ui bench up down clean
 

@@ -110,6 +110,7 @@ def test_help_imports_no_torch():
 
 
 @pytest.mark.parametrize("module", [pytest.param(module, marks=_marks(module)) for module in MODULES])
+@pytest.mark.subprocess
 def test_help_prints_usage_and_exits(module, request, tmp_path):
     if process_needs([sys.executable, "-m", module]):  # a marked test of its own: it starts the process itself
         code, output, folder = (*_help(module, tmp_path), tmp_path)

@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 SCRATCH_SUITE = textwrap.dedent("""
@@ -31,6 +33,7 @@ SCRATCH_SUITE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
 def test_a_test_past_the_limit_fails_unless_marked_slow(tmp_path):
     """With the limit at 0.3 s, the unmarked 0.6 s test fails naming its duration and the marker; the marked one and
     the quick one pass."""

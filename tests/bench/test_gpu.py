@@ -164,6 +164,7 @@ os._exit(0)  # what was imported is printed: the interpreter's teardown (about 2
 """
 
 
+@pytest.mark.subprocess
 def test_the_gpu_sub_jobs_import_only_what_a_gpu_machine_has_and_the_listed_packages():
     """With every other package refused (Airflow, optuna, pandas, croniter, scikit-learn, httpx ...), a stage trains,
     evaluates and scores a shard through the sub-jobs' CLIs, and the GPU benchmarks record their skips; what was
@@ -222,6 +223,7 @@ os._exit(int(status))  # collected or not is printed: the interpreter's teardown
 """
 
 
+@pytest.mark.subprocess
 def test_the_gpu_checks_pytest_collects_with_only_what_the_check_brings():
     """pytest -m gpu over the marked files, as scripts/gpu_check.sh runs it, collects (tests/conftest.py and its
     plugins included) with nothing importable but what a GPU machine has (torch, numpy, pyarrow, pandas, pytest and

@@ -50,6 +50,7 @@ def probed(tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("path", DAG_FILES, ids=[p.name for p in DAG_FILES])
+@pytest.mark.subprocess
 def test_dag_file_imports_without_heavy_modules(path, probed):
     """A fresh interpreter outside the checkout, with no PYTHONPATH, imports the file with no error and no
     torch/optuna/pyarrow/pandas loaded."""

@@ -43,6 +43,7 @@ def test_a_cut_model_of_the_previous_stage_fails_the_next_stage_once_naming_it(d
     assert _files_under(Path(out) / "train" / "s2") == [], "nothing of s2 may be written"
 
 
+@pytest.mark.subprocess
 def test_a_cut_registered_model_fails_each_inference_shard_once_naming_it(digits_run, storage_root, tmp_path):
     """An inference shard scoring with a registered model.pt cut after registration names it and writes no part file."""
     config, out = digits_run
@@ -57,6 +58,7 @@ def test_a_cut_registered_model_fails_each_inference_shard_once_naming_it(digits
     assert _files_under(Path(out) / "predictions") == []
 
 
+@pytest.mark.subprocess
 def test_a_torn_preprocess_manifest_fails_evaluation_once_naming_it(digits_run, tmp_path):
     """A manifest.json cut mid-write by a foreign tool is a data error naming it, not a bare JSONDecodeError."""
     config, out = digits_run

@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 # What steps.py imports inside its inline steps (a launched sub-job imports its job module in its own process).
 INLINE_MODULES = ("stagewise.core.storage", "stagewise.definitions.loading", "stagewise.study.studies", "stagewise.study.summary",
                   "stagewise.datasets.predictions", "stagewise.preprocess", "stagewise.registry", "stagewise.report",
@@ -16,6 +18,7 @@ INLINE_MODULES = ("stagewise.core.storage", "stagewise.definitions.loading", "st
                   "stagewise.reuse.planning", "stagewise.reuse.leftovers", "stagewise.core.assets")
 
 
+@pytest.mark.subprocess
 def test_inline_step_modules_import_without_torch():
     """A fresh interpreter imports every inline step's module and has neither torch nor optuna loaded."""
     code = (f"import importlib, json, sys\nfor name in {INLINE_MODULES!r}: importlib.import_module(name)\n"

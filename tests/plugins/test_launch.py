@@ -82,6 +82,7 @@ def _alive(pid: int) -> bool:
         return handle.read().split(")")[-1].split()[0] != "Z"
 
 
+@pytest.mark.subprocess
 def test_sigterm_to_the_task_ends_the_whole_process_group(tmp_path):
     """When Airflow SIGTERMs the task (kill, mark failed), the sub-job and its children die too."""
     pid_file = tmp_path / "grandchild.pid"
@@ -139,6 +140,7 @@ def test_gpu_check_counts_one_gpu_for_a_single_process_subjob(monkeypatch):
         launch.check_devices(Profile(device=device), distributed=False)
 
 
+@pytest.mark.subprocess
 def test_task_timeout_ends_the_whole_process_group(tmp_path):
     """Airflow's execution_timeout raises inside the task (SIGALRM); the sub-job's whole group must die with it."""
 

@@ -116,6 +116,7 @@ def _run(cases: dict[str, dict], name: str) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("plugin_module", ["imported", "not imported"])
+@pytest.mark.subprocess
 def test_an_upgrade_under_a_running_process_loads_the_plugin_from_the_new_version(plugin_module, cases):
     """Whether or not the process had imported the plugin's module before the upgrade (a fork inherits it)."""
     printed, output = _run(cases, plugin_module)

@@ -50,6 +50,7 @@ def checkout_folder(tmp_path_factory) -> dict:
     return _probe(tmp_path_factory.mktemp("plugins") / "home", str(REPO_ROOT / "plugins"))
 
 
+@pytest.mark.subprocess
 def test_airflows_plugin_loader_imports_none_of_our_files_as_top_level_modules(checkout_folder):
     """Before the ignore file, loading plugins made backends/kubernetes.py sys.modules['kubernetes'], so the
     cncf.kubernetes provider and the kubernetes client broke in every Airflow process that loads plugins."""
@@ -57,6 +58,7 @@ def test_airflows_plugin_loader_imports_none_of_our_files_as_top_level_modules(c
     assert checkout_folder["kubernetes_file"] is None or "site-packages" in checkout_folder["kubernetes_file"]
 
 
+@pytest.mark.subprocess
 def test_the_ui_plugin_loads_once_from_the_entry_point_without_importing_its_pages(checkout_folder):
     """Every process that loads plugins (the dag-processor too) gets the Stagewise UI plugin once, from the
     entry point (no file to copy into a plugins folder), but not FastAPI or its pages: those are built on the
@@ -65,6 +67,7 @@ def test_the_ui_plugin_loads_once_from_the_entry_point_without_importing_its_pag
     assert checkout_folder["ui_imported"] == []
 
 
+@pytest.mark.subprocess
 def test_loading_plugins_puts_no_warning_into_a_task_log(tmp_path, checkout_folder):
     """Every task process loads plugins. With make up's settings the plugins folder is Airflow's default under its home,
     so no .airflowignore is compiled through pathspec's deprecated GitWildMatchPattern (the DeprecationWarning that

@@ -30,6 +30,7 @@ def _pipelines_folder(tmp_path: Path, storage_root: Path, module: str, **model) 
     return path
 
 
+@pytest.mark.subprocess
 def test_a_spec_beside_its_config_loads_in_this_process_and_in_a_sweep_sub_job(tmp_path, storage_root, digits_run):
     """The config's folder is model.import_paths by default: the task process imports the spec, and a sweep worker
     launched as the Airflow task launches it trains its trial with it (before: 'cannot import module')."""

@@ -110,6 +110,7 @@ def test_a_runs_snapshot_uri_is_named_like_a_file(tmp_path, storage_root):
     assert (name_of(f"file://{named}"), name_of(f"file://{plain}")) == ("ml", "fraud")
 
 
+@pytest.mark.subprocess
 def test_the_ci_check_exits_non_zero_naming_each_broken_or_clashing_file_and_key(tmp_path, storage_root):
     """`python -m stagewise.config --pipelines DIR`, as a team's CI runs it: a typo and a registry clash each named
     with file and key, exit 1; the same folder fixed lists every pipeline with its DAG ids, exit 0."""

@@ -416,6 +416,7 @@ def test_an_input_of_only_empty_files_says_it_has_no_rows(synthetic, storage_roo
     assert all(uri in message for uri in uris)
 
 
+@pytest.mark.subprocess
 def test_standalone_reduce_refuses_when_a_planned_shard_has_no_stats(synthetic, storage_root, subprocess_env):
     """`python -m stagewise.preprocess reduce` with one planned shard's stats missing exits USER_ERROR_EXIT naming that
     shard, and writes no stats.json (a failed shard is never silently left out)."""
@@ -469,6 +470,7 @@ def test_a_broken_shard_fails_stats_and_transform_naming_the_file(synthetic, sto
         assert bad in str(caught.value) and EXPECTED_WORDING[kind] in str(caught.value)
 
 
+@pytest.mark.subprocess
 def test_stats_cli_on_a_corrupt_shard_exits_as_user_error_naming_the_file(synthetic, storage_root, subprocess_env):
     """`python -m stagewise.preprocess stats` on a truncated shard exits USER_ERROR_EXIT (Airflow does not retry) and
     its log names the file."""

@@ -73,6 +73,7 @@ def test_unknown_version_is_a_user_error(storage_root):
         registry.card(str(storage_root), NAME, "m-nope")
 
 
+@pytest.mark.subprocess
 def test_cli_lists_versions_marks_current_and_rolls_back(storage_root, tmp_path, write_config, subprocess_env):
     """`python -m stagewise.registry list` marks the current version with '*'; `rollback` moves it back."""
     config = write_config()
@@ -117,6 +118,7 @@ def test_model_name_defaults_to_the_data_sets_last_path_component_and_ignores_in
     assert load_config(write_config(raw, "other.yaml")).registry.model_name == "diabetes"
 
 
+@pytest.mark.subprocess
 def test_two_model_names_on_one_storage_root_each_have_their_own_current_model(write_config, storage_root, tmp_path,
                                                                             subprocess_env):
     """A diabetes model is never gated against the digits model, and each name keeps its own current.json and list.

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import time
 
+import pytest
+
 from stagewise.tracking.api import MlflowApi
 from stagewise.tracking.calls import Call, CallBuffer, RunHandle, claim_pending, write_pending
 from stagewise.tracking.runs import Tracker, gaps
@@ -69,6 +71,7 @@ def test_a_pending_record_goes_to_one_claimant_only(tmp_path):
     assert not list((tmp_path / "run" / "tracking" / "pending").iterdir())
 
 
+@pytest.mark.subprocess
 def test_a_process_that_exits_on_an_error_ends_its_open_runs_failed(tmp_path):
     """A stage's process dies of an exception before ending its run: at exit the run's end (FAILED, with the reason)
     is still made, or left for the run's next task when the server is away, never forgotten."""
