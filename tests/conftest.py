@@ -312,6 +312,25 @@ def postgres_url(postgres_databases) -> str:
     return postgres_databases()
 
 
+def _make_puts_atomic() -> None:
+    """Serialize moto's PutObject, as S3 orders writes to a key: moto checks If-Match / If-None-Match and then stores
+    in two steps, so two conditional PUTs racing on its threaded server could both pass (one lost, which S3 refuses)."""
+    import threading
+
+    from moto.s3.responses import S3Response
+
+    if getattr(S3Response.put_object, "stagewise_atomic", False):
+        return
+    unlocked, lock = S3Response.put_object, threading.Lock()
+
+    def put_object(self, *args, **kwargs):
+        with lock:
+            return unlocked(self, *args, **kwargs)
+
+    put_object.stagewise_atomic = True
+    S3Response.put_object = put_object
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A real S3 HTTP endpoint on 127.0.0.1 (moto's server mode, as s3fs tests itself) and the AWS env to reach it.
@@ -322,6 +341,7 @@ def s3_endpoint():
     import socket
 
     server_module = pytest.importorskip("moto.server")
+    _make_puts_atomic()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
