@@ -16,7 +16,8 @@ import yaml
 from tests import run_cache
 
 # The live_airflow fixture (a real api-server, scheduler and dag-processor) for any test that needs one.
-pytest_plugins = ["tests.live_airflow", "tests.slow_guard"]  # slow_guard: a test over a minute is marked slow
+# slow_guard: a test over a minute is marked slow; cpu_cost: the CPU each test cost, printed after the run.
+pytest_plugins = ["tests.live_airflow", "tests.slow_guard", "tests.cpu_cost"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Sub-jobs a test starts, itself or through the launcher, import test helpers (tests.plugins.fake_subjob, ...):

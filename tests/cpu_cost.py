@@ -1,0 +1,75 @@
+"""A pytest plugin: what each test cost in CPU, printed after the run beside ``--durations``.
+
+The suite is bound by its two cores, so wall time says little about which test to make cheaper: a test waiting on
+a server looks as slow as one training a model. Each test's cost is the CPU its worker used and the CPU of the
+processes it started and waited for (sub-jobs, torchrun ranks, ``airflow dags test``, a stopped stack), from its
+setup to its teardown. A module or session fixture is counted in the test that started or stopped it; a process
+nobody waited for is not counted. The summary lists the most costly tests and the total by what they need (marker).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from collections import defaultdict
+
+import pytest
+
+CPU_PROPERTY = "cpu_s"
+# The markers of pytest.ini a test is grouped by, most telling first; a test with none of them is "fast".
+GROUPS = ("browser", "airflow", "torchrun", "service", "gpu", "subprocess", "slow")
+_cpu_at_setup = pytest.StashKey[float]()
+_costs: list[tuple[float, str, str]] = []  # (CPU-s, node id, group), gathered by the process that reports
+
+
+def cpu_now() -> float:
+    """CPU seconds of this process and of every child it has waited for."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def group_of(marks: set[str]) -> str:
+    return next((name for name in GROUPS if name in marks), "fast")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_cpu_at_setup] = cpu_now()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The teardown's report carries the test's CPU and group (xdist sends it to the controller with the report)."""
+    report = yield
+    if report.when == "teardown" and _cpu_at_setup in item.stash:
+        marks = {mark.name for mark in item.iter_markers()}
+        cost = (CPU_PROPERTY, (round(cpu_now() - item.stash[_cpu_at_setup], 2), group_of(marks)))
+        report.user_properties = [*report.user_properties, cost]  # a new list: the earlier reports share the item's
+    return report
+
+
+def pytest_runtest_logreport(report):
+    for name, value in report.user_properties:
+        if name == CPU_PROPERTY and report.when == "teardown":
+            _costs.append((value[0], report.nodeid, value[1]))
+
+
+def summary(costs: list[tuple[float, str, str]], top: int) -> list[str]:
+    """The lines printed: the total, the total per group, and the ``top`` most costly tests."""
+    by_group: dict[str, list[float]] = defaultdict(list)
+    for cpu, _, group in costs:
+        by_group[group].append(cpu)
+    lines = [f"{sum(cpu for cpu, _, _ in costs):.0f} CPU-s in {len(costs)} tests; by what they need:"]
+    for group, values in sorted(by_group.items(), key=lambda entry: -sum(entry[1])):
+        lines.append(f"{sum(values):9.0f} CPU-s  {len(values):5d} tests  {group}")
+    lines.append(f"the {min(top, len(costs))} most costly:")
+    lines += [f"{cpu:9.1f} CPU-s  {nodeid}" for cpu, nodeid, _ in sorted(costs, reverse=True)[:top]]
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _costs or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    terminalreporter.write_sep("=", "CPU per test (this process and the children it waited for)")
+    for line in summary(_costs, top=20):
+        terminalreporter.write_line(line)
