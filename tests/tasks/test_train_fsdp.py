@@ -5,8 +5,6 @@ per-process memory cap only sharded."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -102,17 +100,44 @@ def test_ddp_then_fsdp_on_two_then_four_ranks_hands_on_full_states(sharded_run, 
     assert again.result["val_metric"] > 0.9
 
 
+# The killed-rank tests' stage: the resume tests' reference stage (run_cache.REFERENCE_STAGE_ARGS), sharded.
+FSDP_STAGE_ARGS = (*run_cache.REFERENCE_STAGE_ARGS, "--override=train.stages.1.strategy=fsdp")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_fsdp(tmp_path_factory):
+    """``get(env)``: the run prefix and result of FSDP_STAGE_ARGS run uninterrupted on 2 ranks (its checkpoints written
+    in the step) over digits preprocessed as digits_run does, made once for the module: both killed-rank tests compare
+    with it. The data, its order per rank, the seed and the dropout masks do not depend on which test preprocessed
+    the digits (run_cache.reference_stage relies on the same)."""
+    made: dict[str, Any] = {}
+
+    def get(env: dict) -> tuple[str, dict]:
+        if not made:
+            import yaml
+
+            root = tmp_path_factory.mktemp("uninterrupted-fsdp")
+            (root / "storage").mkdir()
+            config = root / "pipeline.yaml"
+            config.write_text(yaml.safe_dump(base_config(root / "storage")))
+            out = str(root / "storage" / "runs" / "test" / "clean")
+            preprocess_digits(config, out)
+            made["run"] = out, torchrun(2, config, out, env, *FSDP_STAGE_ARGS, result="clean.json").result
+        return made["run"]
+
+    return get
+
+
 @pytest.mark.parametrize("background", [False, True], ids=["saved-in-step", "saved-in-background"])
 @pytest.mark.slow
-def test_killed_fsdp_rank_resumes_from_its_sharded_checkpoint_exactly(digits_run, subprocess_env, tmp_path, background):
+def test_killed_fsdp_rank_resumes_from_its_sharded_checkpoint_exactly(digits_run, subprocess_env, uninterrupted_fsdp,
+                                                                       background):
     """SIGKILL of rank 1 at step 25 of an fsdp stage: the retry loads every rank's shard of the newest committed
     sharded checkpoint and ends on the weights, noise scale, metric and recorded history (but for samples/s) of an
-    uninterrupted fsdp stage (whose
-    checkpoints were written in the step), also where the killed and the retried attempts wrote theirs in the
-    background (train.async_checkpoints)."""
+    uninterrupted fsdp stage (whose checkpoints were written in the step; one run for both tests, uninterrupted_fsdp),
+    also where the killed and the retried attempts wrote theirs in the background (train.async_checkpoints)."""
     config, out = digits_run
-    stage_args = (*run_cache.REFERENCE_STAGE_ARGS, "--override=train.stages.1.strategy=fsdp")
-    attempt_args = (*stage_args, f"--override=train.async_checkpoints={str(background).lower()}")
+    attempt_args = (*FSDP_STAGE_ARGS, f"--override=train.async_checkpoints={str(background).lower()}")
     crashed = torchrun(2, config, out, {**subprocess_env, "STAGEWISE_FAULT_KILL_AT": f"1:{KILL_AT_STEP}"},
                        *attempt_args, result="crashed.json", check=False)
     assert crashed.returncode != 0, "a killed rank must fail the stage"
@@ -126,10 +151,7 @@ def test_killed_fsdp_rank_resumes_from_its_sharded_checkpoint_exactly(digits_run
                        *attempt_args, result="resumed.json").result
     assert resumed["resumed_from_step"] == pointer["step"]
 
-    reference_out = str(tmp_path / "reference")
-    os.makedirs(f"{reference_out}/preprocess")
-    shutil.copy(f"{out}/preprocess/manifest.json", f"{reference_out}/preprocess/manifest.json")
-    clean = torchrun(2, config, reference_out, subprocess_env, *stage_args, result="clean.json").result
+    reference_out, clean = uninterrupted_fsdp(subprocess_env)
     assert resumed["steps"] == clean["steps"] and resumed["handed_epoch"] == clean["handed_epoch"]
     assert resumed["val_metric"] == pytest.approx(clean["val_metric"], abs=1e-9)
     assert resumed["noise_scale"] > 0 and resumed["noise_scale"] == pytest.approx(clean["noise_scale"], rel=1e-6)
@@ -162,11 +184,30 @@ def capped(limit_bytes: int):
     return cap
 
 
+# The held-out fractions of the digits (1797 rows) for stages of the big model, whose every step costs seconds (more
+# under the heap accounting of the memory cap): 15% train (258 rows, 2 steps an epoch at global batch 128) and 5%
+# validate (93 rows); the rest is the test split, which training never reads.
+FEW_TRAIN_ROWS = {"validation": 0.05, "test": 0.8}
+
+
+@pytest.fixture
+def few_rows_run(storage_root, write_config) -> tuple[Path, str]:
+    """Like digits_run, with FEW_TRAIN_ROWS: a run prefix holding a committed preprocess manifest of the digits."""
+    raw = base_config(storage_root)
+    raw["preprocess"]["split"] = dict(FEW_TRAIN_ROWS)
+    config = write_config(raw)
+    out = str(storage_root / "runs" / "test" / "few")
+    preprocess_digits(config, out)
+    return config, out
+
+
 @pytest.mark.slow
-def test_a_model_that_overflows_a_ddp_rank_trains_sharded_under_the_same_memory_cap(digits_run, subprocess_env, tmp_path):
+def test_a_model_that_overflows_a_ddp_rank_trains_sharded_under_the_same_memory_cap(few_rows_run, subprocess_env,
+                                                                                     tmp_path):
     """Under a per-process memory cap, the ddp stage fails at once on every rank with a user error naming memory and
-    strategy fsdp; the same stage with strategy fsdp trains to the end under the same cap."""
-    config, out = digits_run
+    strategy fsdp; the same stage with strategy fsdp trains to the end under the same cap (an epoch of 2 steps over
+    FEW_TRAIN_ROWS: the parameters, gradients and AdamW state that overflow a ddp rank all exist from the first step)."""
+    config, out = few_rows_run
     error_file = tmp_path / "errors.txt"
     # Heap accounting that counts what is used: glibc's fixed mmap threshold and one arena, Arrow on malloc (its
     # own pools reserve address space they never touch).
@@ -194,15 +235,17 @@ def test_a_model_that_overflows_a_ddp_rank_trains_sharded_under_the_same_memory_
 
 @pytest.mark.slow
 def test_the_decoder_example_trains_sharded_after_a_replicated_stage(storage_root, subprocess_env):
-    """examples/decoder.yaml as shipped (storage moved to the test's): its s1 (ddp, 1 process) hands the decoder to its
-    s2 (fsdp, 2 processes, one unit a block), which trains on from it and leaves a model evaluation loads."""
+    """examples/decoder.yaml as shipped (storage moved to the test's, an epoch a stage): its s1 (ddp, 1 process) hands
+    the decoder to its s2 (fsdp, 2 processes, one unit a block), which trains on from it and leaves a model evaluation
+    loads."""
     import yaml
 
     from stagewise.models.bundle import load_bundle
 
     raw = yaml.safe_load((REPO_ROOT / "examples" / "decoder.yaml").read_text())
     raw["storage_root"] = str(storage_root)
-    raw["train"]["stages"][0]["epochs"], raw["train"]["stages"][1]["epochs"] = 2, 1
+    raw["train"]["stages"][0]["epochs"], raw["train"]["stages"][1]["epochs"] = 1, 1
+    # One epoch takes s1 to val accuracy ~1.0; an s2 that started from scratch instead would end near 0.73.
     config = storage_root.parent / "decoder.yaml"
     config.write_text(yaml.safe_dump(raw))
     out = str(storage_root / "runs" / "test" / "decoder")
