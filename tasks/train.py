@@ -46,7 +46,7 @@ if __name__ == "__main__":
     help_before_imports(build_parser)
 
 from stagewise.core import storage
-from stagewise.core.errors import UserError
+from stagewise.core.errors import UserError, out_of_memory
 from stagewise.datasets.manifest import read_manifest
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.hyperparams import ran_params
@@ -224,6 +224,8 @@ def _start(stage: Any, loop: Loop, checkpoints: Any, best: BestEpoch, digests: t
     try:  # a full state, whatever strategy and world size wrote it: this stage's strategy takes its part
         strategy.load_full_state(model, optimizer, state)
     except (RuntimeError, ValueError, KeyError) as exc:
+        if out_of_memory(exc):
+            raise  # out_of_memory_named names memory and what to change: the model does fit, the rank's memory does not
         raise UserError(f"{init_from}: the previous stage's model does not fit this stage's: {exc}") from None
     log.info("stage %s starts from %s (global batch %d -> %d)", stage.name, init_from, state["global_batch"], global_batch)
     return StageStart(previous_batch=state["global_batch"], previous_lr=handed_lr(state),

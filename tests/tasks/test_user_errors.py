@@ -167,3 +167,30 @@ def test_a_checkpoint_made_from_another_start_is_never_resumed(digits_run, singl
     fresh = train.run_stage(config, "s2", out, PARAMS, None)
     assert fresh["resumed_from_step"] is None and fresh["fingerprint"] == scratch["fingerprint"]
 
+
+
+@pytest.mark.parametrize(("raised", "named"), [
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4194304 bytes"),
+     "stage s2: rank 0 ran out of memory on cpu"),
+    (RuntimeError("Error(s) in loading state_dict: size mismatch for net.0.weight"),
+     "the previous stage's model does not fit this stage's: Error(s) in loading state_dict: size mismatch")],
+    ids=["out-of-memory", "other-shape"])
+def test_a_hand_off_that_runs_out_of_memory_is_named_as_memory_not_as_another_model(digits_run, single_process,
+                                                                                  monkeypatch, raised, named):
+    """Loading the stage before's model can fail two ways: the rank's memory gives out (named as memory, with what to
+    change: strategy fsdp for a ddp stage), or the weights do not fit this stage's model (named as such)."""
+    from stagewise.training import strategy
+
+    config_path, out = digits_run
+    config = _config(config_path, "stagewise.model:MLPClassifier")
+    first = train.run_stage(config, "s1", out, PARAMS, None)
+
+    def fails(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(strategy.DDPStrategy, "load_full_state", fails)  # the ddp stage s2 takes the hand-off
+    with pytest.raises(UserError) as failed:
+        train.run_stage(config, "s2", out, PARAMS, first["checkpoint_uri"])
+    assert named in str(failed.value)
+    if "memory" in named:
+        assert "strategy: fsdp" in str(failed.value)
