@@ -272,21 +272,37 @@ def test_bf16_changes_the_numerics(digits_run, single_process):
     assert any(not torch.equal(weights["fp32"][k], weights["bf16"][k]) for k in weights["fp32"])
 
 
-# Compiling on CPU runs inductor's C++ codegen (gcc): ~tens of seconds for this tiny MLP on a busy 2-core machine.
+# The one CPU test that runs inductor end to end (dynamo, AOT autograd, inductor's C++ codegen, gcc, the loaded kernels),
+# at its cheapest: scalar C++ kernels (cpp.vec_isa_ok off skips the vector-ISA probes, a gcc build and a Python process
+# each, and the at::vec headers), and one compile: without the noise scale's half batches every step has the same
+# shape, so no recompile for a second, dynamic shape. On 2 cores: ~10 CPU-s, from ~28. GPU compile: test_train_cuda.py.
 @pytest.mark.torchrun
 @pytest.mark.slow
-def test_compiled_stage_trains_and_its_checkpoint_loads_into_a_plain_model(digits_run, single_process):
-    """compile default: the stage trains through torch.compile, and final.pt has no _orig_mod. keys (saved from the
-    plain module) so it loads into an uncompiled model; validation runs on the plain module."""
+def test_compiled_stage_trains_and_its_checkpoint_loads_into_a_plain_model(digits_run, single_process, monkeypatch):
+    """compile default: the stage trains through torch.compile (mode None, inductor compiles or loads from its cache
+    the forward and the backward), and final.pt has no _orig_mod. keys (saved from the plain module) so it loads into
+    an uncompiled model; validation runs on the plain module."""
     import shutil
+
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
 
     if shutil.which("g++") is None and shutil.which("gcc") is None:
         pytest.fail("torch.compile on CPU needs a C++ compiler (gcc/g++); none is on PATH")
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)
+    modes = []
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: modes.append(kwargs) or compile_(model, **kwargs))
+    before = dict(counters["inductor"])
     config_path, out = digits_run
-    config = load_config(config_path, {"train.stages.0.compile": "default", "train.stages.0.epochs": 1})
+    config = load_config(config_path, {"train.stages.0.compile": "default", "train.stages.0.epochs": 1,
+                                       "train.noise_scale": False})
     started = time.monotonic()
     result = train.run_stage(config, "s1", out, PARAMS, None)
     print(f"compiled stage: {time.monotonic() - started:.1f}s")
+    assert modes == [{"mode": None}]
+    graphs = sum(counters["inductor"][key] - before.get(key, 0) for key in ("fxgraph_cache_miss", "fxgraph_cache_hit"))
+    assert graphs >= 2, f"inductor built the forward and the backward: {dict(counters['inductor'])}"
     assert result["val_metric"] > 0.5
     _plain_model_loads(result["checkpoint_uri"])
 
