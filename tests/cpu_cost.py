@@ -3,22 +3,25 @@
 The suite is bound by its two cores, so wall time says little about which test to make cheaper: a test waiting on
 a server looks as slow as one training a model. Each test's cost is the CPU its worker used and the CPU of the
 processes it started and waited for (sub-jobs, torchrun ranks, ``airflow dags test``, a stopped stack), from its
-setup to its teardown. A module or session fixture is counted in the test that started or stopped it; a process
-nobody waited for is not counted. The summary lists the most costly tests and the total by what they need (marker).
+setup to its teardown. A module fixture is counted in the test that started or stopped it; the session fixtures a
+worker stops after its last test (a shared live stack, MLflow servers) are a line of their own; a child is counted in
+the test during which it was reaped. The summary lists the most costly tests and the total by what they need (marker).
 """
 
 from __future__ import annotations
 
-import os
 import resource
 from collections import defaultdict
 
 import pytest
 
 CPU_PROPERTY = "cpu_s"
+MIN_SHOWN_S = 0.05  # a worker's end that stopped no fixture costs milliseconds: no line for it
+SESSION_TEARDOWN = "fixtures stopped after a worker's last test ({nodeid})"
 # The markers of pytest.ini a test is grouped by, most telling first; a test with none of them is "fast".
 GROUPS = ("browser", "airflow", "torchrun", "service", "gpu", "subprocess", "slow")
 _cpu_at_setup = pytest.StashKey[float]()
+_cpu_at_last_teardown = pytest.StashKey[float]()  # set only for a process's last test: session fixtures stop in it
 _costs: list[tuple[float, str, str]] = []  # (CPU-s, node id, group), gathered by the process that reports
 
 
@@ -37,21 +40,31 @@ def pytest_runtest_setup(item):
     item.stash[_cpu_at_setup] = cpu_now()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    if nextitem is None:
+        item.stash[_cpu_at_last_teardown] = cpu_now()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """The teardown's report carries the test's CPU and group (xdist sends it to the controller with the report)."""
     report = yield
     if report.when == "teardown" and _cpu_at_setup in item.stash:
-        marks = {mark.name for mark in item.iter_markers()}
-        cost = (CPU_PROPERTY, (round(cpu_now() - item.stash[_cpu_at_setup], 2), group_of(marks)))
-        report.user_properties = [*report.user_properties, cost]  # a new list: the earlier reports share the item's
+        now, marks = cpu_now(), {mark.name for mark in item.iter_markers()}
+        ended = item.stash.get(_cpu_at_last_teardown, now)
+        costs = [(CPU_PROPERTY, (round(ended - item.stash[_cpu_at_setup], 2), group_of(marks), report.nodeid))]
+        if now - ended >= MIN_SHOWN_S:
+            costs.append((CPU_PROPERTY, (round(now - ended, 2), "session fixtures",
+                                         SESSION_TEARDOWN.format(nodeid=report.nodeid))))
+        report.user_properties = [*report.user_properties, *costs]  # a new list: the earlier reports share the item's
     return report
 
 
 def pytest_runtest_logreport(report):
     for name, value in report.user_properties:
         if name == CPU_PROPERTY and report.when == "teardown":
-            _costs.append((value[0], report.nodeid, value[1]))
+            _costs.append((value[0], value[2], value[1]))
 
 
 def summary(costs: list[tuple[float, str, str]], top: int) -> list[str]:
@@ -68,7 +81,7 @@ def summary(costs: list[tuple[float, str, str]], top: int) -> list[str]:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not _costs or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not _costs or hasattr(config, "workerinput"):  # an xdist worker: its controller prints the summary
         return
     terminalreporter.write_sep("=", "CPU per test (this process and the children it waited for)")
     for line in summary(_costs, top=20):

@@ -25,7 +25,13 @@ SCRATCH_SUITE = textwrap.dedent("""
     BURN = "import time\\nend = time.process_time() + 0.6\\nwhile time.process_time() < end: pass"
 
 
-    def test_quick():
+    @pytest.fixture(scope="session")
+    def stopped_at_the_end():
+        yield
+        subprocess.run([sys.executable, "-c", BURN.replace("0.6", "1.0")], check=True)
+
+
+    def test_quick(stopped_at_the_end):
         pass
 
 
@@ -43,10 +49,11 @@ SCRATCH_SUITE = textwrap.dedent("""
 @pytest.mark.subprocess
 def test_the_summary_counts_a_childs_cpu_and_not_a_wait(tmp_path, workers):
     """The test whose child burns 0.6 CPU-s heads the list with at least that; the one sleeping 0.6 s costs less than
-    0.3; the groups follow the markers; with xdist the workers' figures reach the controller's summary."""
+    0.3; a session fixture's 1 CPU-s at its end is a line of its own, in no test; the groups follow the markers; with
+    xdist the workers' figures reach the controller's summary. Run from an xdist worker, as make test runs it."""
     (tmp_path / "test_scratch.py").write_text(SCRATCH_SUITE)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTEST_XDIST_WORKER": "gw9"}  # what a worker's children inherit
     ran = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.cpu_cost", "-p", "no:cacheprovider", "-q",
                           "-n", workers, str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=120)
@@ -55,6 +62,10 @@ def test_the_summary_counts_a_childs_cpu_and_not_a_wait(tmp_path, workers):
     assert [name for _, name in listed][0] == "test_burns_in_a_child", ran.stdout
     cost = {name: float(cpu) for cpu, name in listed}
     assert cost["test_burns_in_a_child"] >= 0.6 and cost["test_waits_without_burning"] < 0.3, ran.stdout
+    assert max(cost.values()) < 1.0, "the session fixture's end is counted in no test"
+    [stopped] = re.findall(r"^\s+([\d.]+) CPU-s  fixtures stopped after a worker's last test \(\S+::test_\w+\)$",
+                           ran.stdout, re.MULTILINE)
+    assert float(stopped) >= 1.0, ran.stdout
     assert re.search(r"^\s+[\d.]+ CPU-s\s+1 tests\s+slow$", ran.stdout, re.MULTILINE), ran.stdout
     assert re.search(r"^\s+[\d.]+ CPU-s\s+2 tests\s+fast$", ran.stdout, re.MULTILINE), ran.stdout
 
