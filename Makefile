@@ -6,13 +6,17 @@ STAMP := $(VENV)/.installed
 AIRFLOW_ENV := . scripts/airflow_env.sh
 ONLY ?=
 PYTEST_ARGS ?=
-# pytest-xdist workers for `make test`/`test-fast` (0: one process). The heavy tests spend much of their time waiting
+# pytest-xdist workers for `make test` (0: one process). The heavy tests spend much of their time waiting
 # (on Airflow's scheduler, S3 retries, a task's sleep), so 4 workers keep 2 cores busy (6 measured no faster).
 # loadfile: a file's tests run on one worker and share its module fixtures (one pipeline run each), and the files on
 # the shared live stack go together (tests/conftest.py's scheduler); they go out in collection order, which
 # tests/conftest.py sorts longest first (--no-loadscope-reorder keeps it).
 PYTEST_WORKERS ?= 4
-XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+# test-fast's tests wait on nothing, and each worker pays ~15 CPU-s collecting (torch, Airflow): 3 workers took 98 s on
+# 2 cores where 4 took 113 s and 2 took 108 s.
+FAST_WORKERS ?= 3
+xdist = $(if $(filter 0,$(1)),,-n $(1) --dist loadfile --no-loadscope-reorder)
+XDIST := $(call xdist,$(PYTEST_WORKERS))
 # What `make test-fast` leaves out: every test that needs more than this Python process, and the slow ones (markers
 # in pytest.ini). `make test` prints the 20 slowest tests.
 FAST_MARKERS := not (airflow or torchrun or browser or service or gpu or subprocess or slow)
@@ -77,7 +81,7 @@ test: airflow-init mlflow-env
 
 # airflow-init: the in-process UI-plugin and DagBag tests read the repo-local Airflow DB (no server runs).
 test-fast: airflow-init
-	@$(AIRFLOW_ENV) && python -m ruff check . && python -m pytest $(XDIST) -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+	@$(AIRFLOW_ENV) && python -m ruff check . && python -m pytest $(call xdist,$(FAST_WORKERS)) -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 test-ui: airflow-init
 	@$(AIRFLOW_ENV) && python -m pytest tests/ui tests/dags/test_airflow_client.py $(PYTEST_ARGS)
