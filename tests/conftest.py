@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from stagewise.core.cli import skip_final_collection
 from tests import run_cache
 
 # The live_airflow fixture (a real api-server, scheduler and dag-processor) for any test that needs one.
@@ -101,7 +102,8 @@ _owned_cache: list[str] = []
 
 def pytest_configure(config):
     """Open the run's setup cache (tests/run_cache.py), and watch every process this pytest process starts, so a
-    test starting torchrun or Airflow unmarked fails."""
+    test starting torchrun or Airflow unmarked fails; skip the collection of the worker's heap at exit."""
+    skip_final_collection()
     if folder := run_cache.open_cache():
         _owned_cache.append(folder)
     execute_child = subprocess.Popen._execute_child

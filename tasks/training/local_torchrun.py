@@ -28,6 +28,8 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
+from stagewise.core.cli import skip_final_collection
+
 LOOPBACK = "127.0.0.1"
 RENDEZVOUS_BACKEND = "stagewise-loopback"
 RENDEZVOUS_OPTIONS = ("--standalone", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint",
@@ -130,6 +132,7 @@ def torchrun_argv(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run as torchrun
 
+    skip_final_collection()  # the agent's torch heap, not collected at its exit
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] in ("-h", "--help"):
         torchrun.main(["--help"])

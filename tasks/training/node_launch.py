@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagewise.core import contract
+from stagewise.core.cli import skip_final_collection
 from stagewise.training.local_torchrun import RENDEZVOUS_OPTIONS, guarded_argv
 
 LAUNCHER = "stagewise.training.node_launch"
@@ -168,6 +169,7 @@ def torchrun_argv(backend: str, argv: list[str], environ: dict[str, str]) -> tup
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run as torchrun
 
+    skip_final_collection()  # the agent's torch heap, not collected at its exit
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
         print(__doc__)
