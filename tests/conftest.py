@@ -90,7 +90,11 @@ def pytest_collection_modifyitems(config, items):
         rank = (0 if marks & {"airflow", "browser"} else 1 if marks & {"torchrun", "service"} else 2,
                 -len(marks & set(_NEEDS)))
         weight[item.module.__name__] = min(rank, weight.get(item.module.__name__, (2, 0)))
-    items.sort(key=lambda item: weight[item.module.__name__])
+    # The shared stack's files run one after another (its last test stops it), where the first of them sorts.
+    shared = {item.module.__name__ for item in items if item.nodeid.split("::")[0] in SHARED_STACK_FILES}
+    first = min((weight[name] for name in shared), default=None)
+    weight.update(dict.fromkeys(shared, first))
+    items.sort(key=lambda item: (weight[item.module.__name__], item.module.__name__ not in shared))
 
 
 _running: list = [None]  # the test whose setup, call or teardown runs now (module fixtures start in its setup)

@@ -595,5 +595,29 @@ def shared_airflow(tmp_path_factory, mlflow_server) -> Iterator[PipelinesStack]:
     """
     tracked = {"tracking": {"mlflow_uri": mlflow_server.uri, "experiment": "twin"}}
     pipelines = {**SHARED_PIPELINES, "twin": {**SHARED_PIPELINES["twin"], **tracked}}
-    with pipelines_airflow(tmp_path_factory.mktemp("shared_airflow"), pipelines) as stack:
+    with contextlib.ExitStack() as running:
+        stack = running.enter_context(pipelines_airflow(tmp_path_factory.mktemp("shared_airflow"), pipelines))
+        _shared_stack.update(stop=running, stopped=False)
         yield stack
+
+
+# The shared stack's exit, so its last test can stop it (pytest_runtest_teardown below); "stopped" once it has been.
+_shared_stack: dict[str, Any] = {}
+
+
+def pytest_runtest_setup(item):
+    if "shared_airflow" in item.fixturenames and _shared_stack.get("stopped"):
+        pytest.fail("the shared live stack was stopped after the last test before this one that used it: its tests "
+                    "must run one after another (tests/conftest.py sorts SHARED_STACK_FILES together)", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the shared stack right after the last test in a row that uses it, not at the worker's end: idle, its
+    scheduler, api-server and dag-processor kept spending CPU while the worker ran the rest of its files."""
+    result = yield
+    if ("shared_airflow" in item.fixturenames and not _shared_stack.get("stopped") and "stop" in _shared_stack
+            and (nextitem is None or "shared_airflow" not in nextitem.fixturenames)):
+        _shared_stack["stopped"] = True
+        _shared_stack.pop("stop").close()
+    return result
