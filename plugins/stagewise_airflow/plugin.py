@@ -15,6 +15,7 @@ from airflow.plugins_manager import AirflowPlugin
 from stagewise.airflow.compat import repoint_stale_distributions, warn_if_unsupported
 from stagewise.airflow.sqlite import WriteQueue
 from stagewise.airflow.trigger_check import TriggerConfCheck
+from stagewise.core.cli import skip_final_collection
 
 URL_PREFIX = "/stagewise"  # stagewise.airflow.ui.URL_PREFIX; repeated so this file imports nothing else
 
@@ -34,6 +35,7 @@ class LazyStagewiseApp:
 
 
 warn_if_unsupported()  # every Airflow process loads the plugin: one line in its log on an untested Airflow
+skip_final_collection()  # and each exits without a last collection over Airflow's heap (a scheduler: ~1 CPU-s)
 
 
 class StagewiseUIPlugin(AirflowPlugin):
