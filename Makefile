@@ -12,8 +12,8 @@ PYTEST_ARGS ?=
 # the shared live stack go together (tests/conftest.py's scheduler); they go out in collection order, which
 # tests/conftest.py sorts longest first (--no-loadscope-reorder keeps it).
 PYTEST_WORKERS ?= 4
-# test-fast's tests wait on nothing, and each worker pays ~15 CPU-s collecting (torch, Airflow): 3 workers took 98 s on
-# 2 cores where 4 took 113 s and 2 took 108 s.
+# test-fast's tests wait on nothing, and each worker pays ~15 CPU-s collecting (torch, Airflow): on 2 cores 3 workers
+# took 57 s (101 CPU-s) and 2 took 59 s (93 CPU-s); before processes skipped their last collection, 98, 113 (4) and 108 s.
 FAST_WORKERS ?= 3
 xdist = $(if $(filter 0,$(1)),,-n $(1) --dist loadfile --no-loadscope-reorder)
 XDIST := $(call xdist,$(PYTEST_WORKERS))

@@ -30,7 +30,7 @@ def skip_final_collection() -> None:
     """At exit, leave the heap to the OS instead of a last full garbage collection over every object alive.
 
     Python's shutdown collects the whole heap; with torch, pyarrow or Airflow loaded that is 0.3 to 2 CPU-seconds per
-    process, paid by every shard, trial, rank and ``airflow dags test`` (measured: a digits pipeline run, 42.8 to 35.2
+    process, paid by every shard, trial, rank and ``airflow dags test`` (measured: a digits pipeline run, 42.8 to 33
     CPU-s). ``gc.freeze()`` as the last exit hook moves everything out of that collection's sight; atexit hooks, the
     flush of stdout/stderr and objects freed by reference counting run as before. Registered once per process.
     """
