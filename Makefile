@@ -6,12 +6,14 @@ STAMP := $(VENV)/.installed
 AIRFLOW_ENV := . scripts/airflow_env.sh
 ONLY ?=
 PYTEST_ARGS ?=
-# pytest-xdist workers for `make test` (0: one process). The heavy tests spend much of their time waiting
-# (on Airflow's scheduler, S3 retries, a task's sleep), so 4 workers keep 2 cores busy (6 measured no faster).
+# pytest-xdist workers for `make test` (0: one process). The heavy tests spend part of their time waiting (on
+# Airflow's scheduler, S3 retries, a task's sleep), so more workers than cores keep both busy; each more worker also
+# costs collection and contention: on 2 cores 3 workers took 950 s (1,702 CPU-s), 4 took 1,020 s (1,898), 5 took
+# 1,067 s and 2 were slower still.
 # loadfile: a file's tests run on one worker and share its module fixtures (one pipeline run each), and the files on
 # the shared live stack go together (tests/conftest.py's scheduler); they go out in collection order, which
 # tests/conftest.py sorts longest first (--no-loadscope-reorder keeps it).
-PYTEST_WORKERS ?= 4
+PYTEST_WORKERS ?= 3
 # test-fast's tests wait on nothing, and each worker pays ~15 CPU-s collecting (torch, Airflow): on 2 cores 3 workers
 # took 57 s (101 CPU-s) and 2 took 59 s (93 CPU-s); before processes skipped their last collection, 98, 113 (4) and 108 s.
 FAST_WORKERS ?= 3

@@ -2,7 +2,7 @@
 ``make test-fast`` leaves out), or it fails saying how long it took. tests/conftest.py loads it for the whole suite.
 
 The limit is ``STAGEWISE_SLOW_TEST_S`` (default 60 s) of a test with the machine's cores to itself; under pytest-xdist
-it grows with the workers sharing each core (``make test``: 4 workers on 2 cores, 120 s), so a test near the minute is
+it grows with the workers sharing each core (``make test``: 3 workers on 2 cores, 90 s), so a test near the minute is
 not failed by its neighbours' load.
 """
 
