@@ -18,6 +18,7 @@ from stagewise.core.cli import setup_logging, skip_final_collection
 if {setup}:
     before = atexit._ncallbacks()
     setup_logging(quiet=True)
+    print("hooks after the logging setup:", atexit._ncallbacks() - before)
     skip_final_collection()
     print("hooks added:", atexit._ncallbacks() - before)
 class Cycle:
@@ -40,4 +41,5 @@ def test_a_sub_job_leaves_its_heap_to_the_os_and_registers_the_hook_once():
     assert "finalized at exit" in _exit_output(setup=False)  # the control: a plain process collects at exit
     output = _exit_output(setup=True)
     assert "finalized at exit" not in output
+    assert "hooks after the logging setup: 1" in output  # every sub-job's entry registers it
     assert "hooks added: 1" in output
