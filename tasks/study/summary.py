@@ -24,21 +24,30 @@ from stagewise.study.studies import (
 log = logging.getLogger("stagewise.sweep")
 
 
-def write_plots(study: Any, prefix: str, run_folder: str) -> list[str]:
-    """Optimisation history, intermediate values, importances and parallel coordinates as HTML files under ``prefix``
-    (in ``run_folder``), each linking the storage root's one plotly.js (stagewise.core.assets)."""
+def importance_evaluator(seed: int) -> Any:
+    """fANOVA (what the report says it draws), seeded so that the summary's shares and the plot's are the same."""
+    from optuna.importance import FanovaImportanceEvaluator
+
+    return FanovaImportanceEvaluator(seed=seed)
+
+
+def write_plots(study: Any, prefix: str, run_folder: str, evaluator: Any = None) -> list[str]:
+    """Optimisation history, intermediate values, parallel coordinates and, given an importance ``evaluator``, the
+    importances, as HTML files under ``prefix`` (in ``run_folder``), each linking the storage root's one plotly.js
+    (stagewise.core.assets)."""
     from optuna import visualization
 
     plots = {"optimization_history": visualization.plot_optimization_history,
              "intermediate_values": visualization.plot_intermediate_values,
-             "param_importances": visualization.plot_param_importances,
              "parallel_coordinate": visualization.plot_parallel_coordinate}
+    if evaluator is not None:
+        plots["param_importances"] = lambda study: visualization.plot_param_importances(study, evaluator=evaluator)
     written = []
     script = assets.plotly_script(prefix, run_folder)
     for name, plot in plots.items():
         try:
             figure = plot(study)
-        except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. importances need 2+ complete trials
+        except (ValueError, RuntimeError, ZeroDivisionError) as exc:
             log.info("plot %s skipped: %s", name, exc)
             continue
         uri = storage.join(prefix, f"{name}.html")
@@ -66,13 +75,18 @@ def trial_records(study: Any) -> list[dict[str, Any]]:
             for t in study.get_trials(deepcopy=False)]
 
 
-def param_importances(study: Any) -> dict[str, float]:
-    """Optuna's fANOVA importances of the params over the completed trials; empty when they cannot be computed."""
+# Fewer completed trials than this give no importances: one trial's shares are all equal. Skipping them also skips
+# importing optuna.importance, which imports scikit-learn (seconds of a short run's summary).
+MIN_IMPORTANCE_TRIALS = 2
+
+
+def param_importances(study: Any, evaluator: Any) -> dict[str, float]:
+    """The params' importances by ``evaluator`` over the completed trials; empty when they cannot be computed."""
     import optuna
 
     try:
-        return {k: float(v) for k, v in optuna.importance.get_param_importances(study).items()}
-    except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. fewer than 2 completed trials
+        return {k: float(v) for k, v in optuna.importance.get_param_importances(study, evaluator=evaluator).items()}
+    except (ValueError, RuntimeError, ZeroDivisionError) as exc:
         log.info("param importances skipped: %s", exc)
         return {}
 
@@ -110,8 +124,9 @@ def summarize(config: PipelineConfig, name: str, out: str, fingerprint: str | No
     # The best trial's spread (units can differ between trials whose params change the model's depth).
     summary["strategy"] = {"name": config.sweep.strategy, "world_size": best.user_attrs.get("world_size"),
                            "units": best.user_attrs.get("units")}
-    summary["plots"] = write_plots(study, storage.join(out, "sweep", "plots"), out)
-    summary["importances"] = param_importances(study)
+    evaluator = importance_evaluator(config.sweep.seed) if counts["COMPLETE"] >= MIN_IMPORTANCE_TRIALS else None
+    summary["plots"] = write_plots(study, storage.join(out, "sweep", "plots"), out, evaluator)
+    summary["importances"] = param_importances(study, evaluator) if evaluator is not None else {}
     trials_uri = storage.join(out, "sweep", "trials.json")  # before summary.json, which commits the sweep's files
     storage.write_json(trials_uri, {"study_name": name, "metric": config.objective.metric,
                                     "direction": config.objective.direction, "trials": trial_records(study)})
