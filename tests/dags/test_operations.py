@@ -22,13 +22,14 @@ WHEN = "2026-01-05T00:00:00+00:00"
 
 
 def small_config(one_stage: bool = False, **extra) -> dict:
-    """pipeline.yaml on a small budget: one trial of two epochs, two stages (or only s1) of one epoch each, one
+    """pipeline.yaml on a small budget: one trial of two epochs, two stages (or only s1) of one epoch each on one
+    process (what these runs guard is what an operation reuses, not DDP: test_ml_pipeline runs s2 on two), one
     inference shard."""
     raw = yaml.safe_load((REPO_ROOT / "pipeline.yaml").read_text())
     raw["sweep"].update({"num_trials": 1, "num_workers": 1, "epochs": 2})
     raw["train"]["stages"] = raw["train"]["stages"][:1] if one_stage else raw["train"]["stages"]
     for stage in raw["train"]["stages"]:
-        stage["epochs"] = 1
+        stage.update({"epochs": 1, "profile": "ddp1"})
     return {"sweep": raw["sweep"], "train": raw["train"], "inference": {**raw["inference"], "rows_per_shard": 100_000},
             **extra}
 
