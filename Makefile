@@ -14,9 +14,10 @@ PYTEST_ARGS ?=
 # the shared live stack go together (tests/conftest.py's scheduler); they go out in collection order, which
 # tests/conftest.py sorts longest first (--no-loadscope-reorder keeps it).
 PYTEST_WORKERS ?= 3
-# test-fast's tests wait on nothing, and each worker pays ~15 CPU-s collecting (torch, Airflow): on 2 cores 3 workers
-# took 57 s (101 CPU-s) and 2 took 59 s (93 CPU-s); before processes skipped their last collection, 98, 113 (4) and 108 s.
-FAST_WORKERS ?= 3
+# test-fast's tests wait on nothing, and each worker pays its own collection (torch, Airflow: ~12 CPU-s on a slow
+# core): on 2 fast cores 2 workers took 59 s (93 CPU-s) and 3 took 57 s (101 CPU-s); on 2 cores half as fast, 2
+# took 109 s (180 CPU-s) and 3 took 116 s (211 CPU-s).
+FAST_WORKERS ?= 2
 xdist = $(if $(filter 0,$(1)),,-n $(1) --dist loadfile --no-loadscope-reorder)
 XDIST := $(call xdist,$(PYTEST_WORKERS))
 # What `make test-fast` leaves out: every test that needs more than this Python process, and the slow ones (markers
