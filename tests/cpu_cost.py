@@ -11,6 +11,7 @@ the test during which it was reaped. The summary lists the most costly tests and
 from __future__ import annotations
 
 import resource
+import time
 from collections import defaultdict
 
 import pytest
@@ -23,6 +24,9 @@ GROUPS = ("browser", "airflow", "torchrun", "service", "gpu", "subprocess", "slo
 _cpu_at_setup = pytest.StashKey[float]()
 _cpu_at_last_teardown = pytest.StashKey[float]()  # set only for a process's last test: session fixtures stop in it
 _costs: list[tuple[float, str, str]] = []  # (CPU-s, node id, group), gathered by the process that reports
+# A fixed pure-Python loop timed after the run: the suite's CPU-s compare between machines only in its units (the
+# cores of two sessions differed twofold: importing torch took 1.0 CPU-s on one and 2.4 on the other).
+REFERENCE_STEPS = 5_000_000
 
 
 def cpu_now() -> float:
@@ -67,12 +71,25 @@ def pytest_runtest_logreport(report):
             _costs.append((value[0], value[2], value[1]))
 
 
-def summary(costs: list[tuple[float, str, str]], top: int) -> list[str]:
-    """The lines printed: the total, the total per group, and the ``top`` most costly tests."""
+def reference_cpu() -> float:
+    """CPU seconds this machine takes for REFERENCE_STEPS steps of a Python loop."""
+    started, total = time.process_time(), 0
+    for step in range(REFERENCE_STEPS):
+        total += step
+    return time.process_time() - started
+
+
+def summary(costs: list[tuple[float, str, str]], top: int, reference_s: float | None = None) -> list[str]:
+    """The lines printed: the total (and, given ``reference_s``, in reference loops), the total per group, and the
+    ``top`` most costly tests."""
     by_group: dict[str, list[float]] = defaultdict(list)
     for cpu, _, group in costs:
         by_group[group].append(cpu)
-    lines = [f"{sum(cpu for cpu, _, _ in costs):.0f} CPU-s in {len(costs)} tests; by what they need:"]
+    total = sum(cpu for cpu, _, _ in costs)
+    lines = [f"{total:.0f} CPU-s in {len(costs)} tests; by what they need:"]
+    if reference_s:
+        lines.insert(0, f"this machine runs a {REFERENCE_STEPS:,}-step Python loop in {reference_s:.2f} CPU-s: the "
+                        f"suite is {total / reference_s:,.0f} such loops")
     for group, values in sorted(by_group.items(), key=lambda entry: -sum(entry[1])):
         lines.append(f"{sum(values):9.0f} CPU-s  {len(values):5d} tests  {group}")
     lines.append(f"the {min(top, len(costs))} most costly:")
@@ -84,5 +101,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not _costs or hasattr(config, "workerinput"):  # an xdist worker: its controller prints the summary
         return
     terminalreporter.write_sep("=", "CPU per test (this process and the children it waited for)")
-    for line in summary(_costs, top=20):
+    for line in summary(_costs, top=20, reference_s=reference_cpu()):
         terminalreporter.write_line(line)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cpu_cost import group_of, summary
+from tests.cpu_cost import group_of, reference_cpu, summary
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -83,3 +83,14 @@ def test_the_summary_totals_groups_and_lists_the_most_costly_first():
     assert lines[1].split() == ["5", "CPU-s", "1", "tests", "airflow"]
     assert lines[2].split() == ["3", "CPU-s", "2", "tests", "fast"]
     assert [line.split()[-1] for line in lines[4:]] == ["b::y", "c::z"]
+
+
+def test_the_summary_states_the_suites_cpu_in_reference_loops_of_this_machine():
+    """Given the reference loop's CPU, the first line says it and the suite's CPU in those units; a faster machine
+    (a shorter loop) counts the same tests as more loops."""
+    costs = [(30.0, "a::x", "fast"), (90.0, "b::y", "airflow")]
+    slow, fast = summary(costs, top=1, reference_s=1.2), summary(costs, top=1, reference_s=0.6)
+    assert slow[0] == "this machine runs a 5,000,000-step Python loop in 1.20 CPU-s: the suite is 100 such loops"
+    assert fast[0].endswith("the suite is 200 such loops")
+    assert slow[1:] == fast[1:] == summary(costs, top=1)
+    assert reference_cpu() > 0
