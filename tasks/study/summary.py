@@ -24,23 +24,29 @@ from stagewise.study.studies import (
 log = logging.getLogger("stagewise.sweep")
 
 
-def importance_evaluator(seed: int) -> Any:
-    """fANOVA (what the report says it draws), seeded so that the summary's shares and the plot's are the same."""
-    from optuna.importance import FanovaImportanceEvaluator
+def _shares_evaluator(importances: dict[str, float]) -> Any:
+    """An Optuna importance evaluator that hands back ``importances``: the plot draws the summary's shares, and
+    fANOVA runs once."""
+    from optuna.importance import BaseImportanceEvaluator
 
-    return FanovaImportanceEvaluator(seed=seed)
+    class Computed(BaseImportanceEvaluator):
+        def evaluate(self, study: Any, params: Any = None, *, target: Any = None) -> dict[str, float]:
+            return dict(importances)
+
+    return Computed()
 
 
-def write_plots(study: Any, prefix: str, run_folder: str, evaluator: Any = None) -> list[str]:
-    """Optimisation history, intermediate values, parallel coordinates and, given an importance ``evaluator``, the
-    importances, as HTML files under ``prefix`` (in ``run_folder``), each linking the storage root's one plotly.js
+def write_plots(study: Any, prefix: str, run_folder: str, importances: dict[str, float] | None = None) -> list[str]:
+    """Optimisation history, intermediate values, parallel coordinates and, when there are ``importances``, their
+    bars, as HTML files under ``prefix`` (in ``run_folder``), each linking the storage root's one plotly.js
     (stagewise.core.assets)."""
     from optuna import visualization
 
     plots = {"optimization_history": visualization.plot_optimization_history,
              "intermediate_values": visualization.plot_intermediate_values,
              "parallel_coordinate": visualization.plot_parallel_coordinate}
-    if evaluator is not None:
+    if importances:
+        evaluator = _shares_evaluator(importances)
         plots["param_importances"] = lambda study: visualization.plot_param_importances(study, evaluator=evaluator)
     written = []
     script = assets.plotly_script(prefix, run_folder)
@@ -80,11 +86,15 @@ def trial_records(study: Any) -> list[dict[str, Any]]:
 MIN_IMPORTANCE_TRIALS = 2
 
 
-def param_importances(study: Any, evaluator: Any) -> dict[str, float]:
-    """The params' importances by ``evaluator`` over the completed trials; empty when they cannot be computed."""
+def param_importances(study: Any, completed: int, seed: int) -> dict[str, float]:
+    """fANOVA's importances of the params over the ``completed`` trials (what the report says it draws), seeded with
+    ``seed``; empty below MIN_IMPORTANCE_TRIALS or when they cannot be computed."""
+    if completed < MIN_IMPORTANCE_TRIALS:
+        return {}
     import optuna
 
     try:
+        evaluator = optuna.importance.FanovaImportanceEvaluator(seed=seed)
         return {k: float(v) for k, v in optuna.importance.get_param_importances(study, evaluator=evaluator).items()}
     except (ValueError, RuntimeError, ZeroDivisionError) as exc:
         log.info("param importances skipped: %s", exc)
@@ -124,9 +134,8 @@ def summarize(config: PipelineConfig, name: str, out: str, fingerprint: str | No
     # The best trial's spread (units can differ between trials whose params change the model's depth).
     summary["strategy"] = {"name": config.sweep.strategy, "world_size": best.user_attrs.get("world_size"),
                            "units": best.user_attrs.get("units")}
-    evaluator = importance_evaluator(config.sweep.seed) if counts["COMPLETE"] >= MIN_IMPORTANCE_TRIALS else None
-    summary["plots"] = write_plots(study, storage.join(out, "sweep", "plots"), out, evaluator)
-    summary["importances"] = param_importances(study, evaluator) if evaluator is not None else {}
+    summary["importances"] = param_importances(study, counts["COMPLETE"], config.sweep.seed)
+    summary["plots"] = write_plots(study, storage.join(out, "sweep", "plots"), out, summary["importances"])
     trials_uri = storage.join(out, "sweep", "trials.json")  # before summary.json, which commits the sweep's files
     storage.write_json(trials_uri, {"study_name": name, "metric": config.objective.metric,
                                     "direction": config.objective.direction, "trials": trial_records(study)})

@@ -39,10 +39,10 @@ def test_the_plot_draws_the_summarys_seeded_shares(tmp_path):
     """With enough completed trials the summary's fANOVA shares come out the same on every computation, and the
     importance plot draws exactly those shares."""
     study = _study(completed=8)
-    shares = summary.param_importances(study, summary.importance_evaluator(0))
+    shares = summary.param_importances(study, 8, seed=0)
     assert set(shares) == set(SPACE) and sum(shares.values()) == pytest.approx(1.0)
-    assert summary.param_importances(study, summary.importance_evaluator(0)) == shares, "seeded: the same every time"
-    written = summary.write_plots(study, str(tmp_path / "plots"), str(tmp_path), summary.importance_evaluator(0))
+    assert summary.param_importances(study, 8, seed=0) == shares, "seeded: the same every time"
+    written = summary.write_plots(study, str(tmp_path / "plots"), str(tmp_path), shares)
     assert str(tmp_path / "plots" / "param_importances.html") in written
     plotted = _plotted_shares(tmp_path / "plots" / "param_importances.html")
     assert plotted.keys() == shares.keys()
@@ -50,15 +50,18 @@ def test_the_plot_draws_the_summarys_seeded_shares(tmp_path):
         assert plotted[name] == pytest.approx(share, abs=0.006), name  # the plot rounds to two decimals at most
 
 
-def test_without_an_evaluator_no_importance_plot_is_drawn(tmp_path, monkeypatch):
-    """summarize passes no evaluator below MIN_IMPORTANCE_TRIALS: the other plots are written, the importance plot is
-    not, and Optuna's importance code is never reached."""
+def test_below_two_completed_trials_no_importances_and_no_importance_plot(tmp_path, monkeypatch):
+    """Below MIN_IMPORTANCE_TRIALS the importances are empty, and without importances the other plots are written,
+    the importance plot is not: Optuna's importance code is never reached."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("importances computed")
 
+    monkeypatch.setattr(optuna.importance, "get_param_importances", refuse)
     monkeypatch.setattr(optuna.visualization, "plot_param_importances", refuse)
-    written = summary.write_plots(_study(completed=1), str(tmp_path / "plots"), str(tmp_path), None)
+    study = _study(completed=1)
+    assert summary.param_importances(study, 1, seed=0) == {}
+    written = summary.write_plots(study, str(tmp_path / "plots"), str(tmp_path), {})
     assert sorted(Path(uri).name for uri in written) == ["intermediate_values.html", "optimization_history.html",
                                                          "parallel_coordinate.html"]
 
