@@ -32,7 +32,9 @@ from stagewise.core.errors import UserError
 from stagewise.datasets.manifest import load_split, read_manifest
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.loading import load_config
+from stagewise.definitions.metrics import THRESHOLD
 from stagewise.models.bundle import load_bundle
+from stagewise.models.curves import binary_curves, confusion_counts
 from stagewise.models.scoring import exact_float32, prefetch, scoring_device
 from stagewise.training.validation import accumulate_metrics
 
@@ -65,16 +67,30 @@ def evaluate(config: PipelineConfig, model_uri: str, out: str, fingerprint: str 
     chunks = ((i, (torch.from_numpy(features[i : i + 8192]), torch.from_numpy(labels[i : i + 8192])))
               for i in range(0, len(labels), 8192))
     predicted: list[Any] = []
+    scores: list[Any] = []
+
+    def keep(outputs: Any, _: Any) -> None:
+        columns = bundle.spec.predict(outputs)
+        predicted.append(columns.get("prediction"))
+        scores.append(columns.get("score"))
+
     with exact_float32(device), torch.inference_mode():
-        sums = accumulate_metrics(bundle.spec, model, (pair for _, pair in prefetch(chunks, device)), str(device),
-                                  on_outputs=lambda outputs, _: predicted.append(bundle.spec.predict(outputs).get("prediction")))
-    values = {name: (total / max(count, 1e-12)) ** (0.5 if root else 1) for name, (total, count, root) in sums.items()}
+        totals = accumulate_metrics(bundle.spec, model, (pair for _, pair in prefetch(chunks, device)), str(device),
+                                    on_outputs=keep)
+    values = {name: value for name, value in totals.values().items() if name != THRESHOLD}
     metrics: dict[str, Any] = {f"test_{name}": float(value) for name, value in values.items()}
     metrics.update({"test_rows": int(len(labels)), "model_uri": model_uri, "spec": bundle.ref.path,
                     "objective": config.objective.metric, "fingerprint": fingerprint})
     if all(p is not None for p in predicted) and bundle.data.num_classes:
-        correct = torch.cat(predicted).cpu().numpy() == labels
+        classes = torch.cat(predicted).cpu().numpy()
+        correct = classes == labels
         metrics["per_class_accuracy"] = {str(c): float(correct[labels == c].mean()) for c in np.unique(labels)}
+        metrics["confusion_matrix"] = confusion_counts(labels, classes, bundle.data.num_classes)
+        if bundle.data.num_classes == 2 and all(s is not None for s in scores):
+            metrics["curves"] = binary_curves(labels, torch.cat(scores).double().cpu().numpy())
+            threshold = getattr(bundle.spec, "threshold", None)
+            metrics["decision_threshold"] = {"value": threshold, **(bundle.extra.get("threshold_rule") or {}),
+                                             "chosen_on": "validation" if threshold is not None else None}
     target = manifest.get("target")
     if target is not None:  # what predicting the data set's mean target scores: the bar a regressor must clear
         metrics["test_baseline_rmse"] = float(np.sqrt(np.mean((labels.astype(np.float64) - target["mean"]) ** 2)))

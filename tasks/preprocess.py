@@ -486,6 +486,7 @@ def commit(config: PipelineConfig, out: str, stats_uri: str, shard_results: list
         "layout": stats["layout"],
         "vocabularies": stats.get("vocabularies", {}),
         **({"target": stats["target"]} if "target" in stats else {}),
+        **({"class_counts": stats["label_counts"]} if "label_counts" in stats else {}),
         "mean": stats["mean"],
         "std": stats["std"],
         "splits": splits,

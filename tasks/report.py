@@ -89,6 +89,9 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
                         "model_version": predictions.get("model_version")},
         "tasks": tasks or [],
     }
+    details = _classification_details(evaluation.get("metrics_uri"))
+    if details:
+        report["classification"] = details
     if tracking is not None:
         report["tracking"] = tracking
     if dropped is not None:
@@ -103,6 +106,19 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
     log.info("report written to %s", uri)
     return {"report_uri": uri, "html_uri": report["html_uri"], "test_accuracy": report.get("test_accuracy"),
             "test_objective": report["objective"]["test"]}
+
+
+def _classification_details(metrics_uri: str | None) -> dict[str, Any]:
+    """The test split's confusion matrix and, for a binary model, its ROC and precision-recall curves and decision
+    threshold, from evaluate's metrics.json (kept out of XCom: a curve is hundreds of points)."""
+    if not metrics_uri:
+        return {}
+    try:
+        recorded = storage.read_json(metrics_uri)
+    except (FileNotFoundError, ValueError) as exc:
+        log.warning("report: %s unreadable (%s): no confusion matrix or curves in the report", metrics_uri, exc)
+        return {}
+    return {key: recorded[key] for key in ("confusion_matrix", "curves", "decision_threshold") if key in recorded}
 
 
 def write_html(report: dict[str, Any], out: str) -> str | None:

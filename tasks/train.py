@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -51,6 +52,7 @@ from stagewise.datasets.manifest import read_manifest
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.hyperparams import ran_params
 from stagewise.definitions.loading import config_path, load_config
+from stagewise.definitions.metric_names import THRESHOLD
 from stagewise.definitions.spec import user_hook
 from stagewise.models.bundle import preprocessing_of, save_bundle
 from stagewise.models.torch_io import save_torch
@@ -431,7 +433,7 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
         model_uri = storage.join(prefix, "model.pt")
         save_bundle(model_uri, handed_state["model"], built.ref, built.data, params, preprocessing_of(manifest),
                     {"stage": stage.name, "objective": config.objective.metric, "val_metric": final["val_metric"],
-                     "val_metrics": final["val_metrics"]})
+                     "val_metrics": final["val_metrics"], **decision_threshold(config, final["val_metrics"])})
         storage.write_json(storage.join(prefix, "metrics.json"),
                            {**result_info, "params": params, "history": history, "resumes": resumes, "complete": True})
         result_info["model_uri"] = model_uri
@@ -469,6 +471,15 @@ def run_script_stage(config: PipelineConfig, config_file: str, stage_name: str, 
     if ran.code != 0:
         raise RuntimeError(f"stage {stage.name}: {entry.script or entry.module} exited with code {ran.code}")
     return byo_result(config, stage_name, out, values, {**ran.result, LAST_REPORT: ran.last_report})
+
+
+def decision_threshold(config: PipelineConfig, val_metrics: dict[str, Any]) -> dict[str, Any]:
+    """A binary classifier's threshold, as the handed epoch's validation chose it, for the bundle (inference's label)."""
+    value = val_metrics.get(THRESHOLD)
+    if value is None or not math.isfinite(value):
+        return {}
+    rule = config.evaluate.threshold
+    return {"decision_threshold": value, "threshold_rule": {"rule": rule.rule, "target": rule.target}}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,6 +18,7 @@ from stagewise.definitions.hyperparams import (
     BUILTIN_SPEC,
     TUNABLE,
 )
+from stagewise.definitions.metric_names import CLASSIFICATION, CURVE_METRICS, MAX_CURVE_CLASSES, REGRESSION, kind_of
 from stagewise.definitions.passwords import password_problem
 from stagewise.definitions.retention import Retention
 from stagewise.definitions.roots import local_root_problem
@@ -184,6 +185,25 @@ class PipelineConfig(StrictModel):
         if limit is not None and not low <= limit <= high:
             raise ValueError(f"evaluate.objective_limit: {limit} is outside the range of {metric} ({low} to {high}): "
                              f"no model could ever pass or fail it")
+        return self
+
+    @model_validator(mode="after")
+    def _objective_metric_exists(self) -> PipelineConfig:
+        metric, classes = self.objective.metric, self.dataset.num_classes
+        kind = kind_of(metric)
+        available = [*(CLASSIFICATION if classes is not None else REGRESSION), "loss"]
+        if classes is not None and classes > MAX_CURVE_CLASSES:
+            available = [name for name in available if name not in CURVE_METRICS]
+        if self.model.spec == BUILTIN_SPEC:  # a classifier, whatever the data (it refuses a float target itself)
+            computed = [name for name in (*CLASSIFICATION, "loss") if classes is None or classes <= MAX_CURVE_CLASSES
+                        or name not in CURVE_METRICS]
+            if metric not in computed:
+                raise ValueError(f"objective.metric: '{metric}' is not a metric {BUILTIN_SPEC} computes; it computes "
+                                 f"{', '.join(computed)}")
+        elif kind is not None and metric not in available:  # a user's spec may add metrics, not change a built-in's kind
+            other = "an integer class label (dataset.num_classes)" if kind == "classification" else "a float target"
+            raise ValueError(f"objective.metric: '{metric}' is a {kind} metric, for {other}; this data's built-in "
+                             f"metrics are {', '.join(available)}")
         return self
 
     def gate_metric(self) -> str:

@@ -9,7 +9,7 @@ Use::
 
 A spec answers only what the framework cannot know: how to build the ``nn.Module`` from the
 hyperparameters and the data's description, how a batch of rows becomes (inputs, targets), the
-loss, metrics that reduce across ranks (sums and counts, never per-rank means) and what a
+loss, metrics as states that reduce across batches and ranks (sums, counts, confusion matrices) and what a
 prediction row holds. The framework keeps the rest: torchrun and DDP, batch arithmetic and the LR
 rules, warmup, checkpoints and exact resume, sharding, the sweep and pruning, evaluation, the
 registry and its gate, batch inference and the report. The built-in
@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import math
 import os
 import sysconfig
 import traceback
@@ -38,6 +39,15 @@ import torch
 from torch import nn
 
 from stagewise.core.errors import UserError
+from stagewise.definitions.metrics import (
+    CLASSIFICATION,
+    REGRESSION,
+    Average,
+    MetricState,
+    classification_metrics,
+    predicted_classes,
+    regression_metrics,
+)
 from stagewise.definitions.rows import Features, InputColumn, RowLayout
 
 
@@ -53,6 +63,8 @@ class DataInfo:
     """Mean of a float target over the data set (None for classes)."""
     target_std: float | None = None
     """Standard deviation of a float target (None for classes)."""
+    class_counts: list[int] | None = None
+    """Rows of each class in the kept data, all splits (None for a float target, or data preprocessed before they were kept)."""
     shapes: dict[str, list[int]] = field(default_factory=dict)
     """Declared tensor columns -> their shape; column ``c``'s elements are the features ``c[0]``, ``c[1]``, ... in row-major order."""
     layout: RowLayout | None = None
@@ -78,18 +90,6 @@ class DataInfo:
         if self.layout is None:
             raise KeyError(f"no typed input column '{name}': the data set declares float features only")
         return self.layout.column(name)
-
-
-@dataclass(frozen=True)
-class Average:
-    """A metric as ``total / count`` (square-rooted when ``root``), summed over batches and ranks before dividing."""
-
-    total: torch.Tensor | float
-    """Sum of the per-row values of this batch."""
-    count: torch.Tensor | float
-    """Rows (or items) the total covers."""
-    root: bool = False
-    """Report the square root of the mean (e.g. RMSE from squared errors)."""
 
 
 class ModelSpec:
@@ -143,8 +143,10 @@ class ModelSpec:
         """The mean training loss of a batch (a scalar with a gradient)."""
         raise NotImplementedError
 
-    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Average]:
-        """Validation/test metrics of a batch as sums and counts; the framework adds ``loss`` itself."""
+    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Average | MetricState]:
+        """Validation/test metrics of a batch as reducible states (:class:`MetricState`, :class:`Average`: sums and
+        counts, never per-batch means); the framework sums them over batches and ranks, computes each once, and adds
+        ``loss`` itself."""
         raise NotImplementedError
 
     def predict(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -153,30 +155,93 @@ class ModelSpec:
 
 
 class Classifier(ModelSpec):
-    """A ModelSpec for an integer class label whose module outputs one logit per class: cross-entropy,
-    accuracy, and the predicted class with its probabilities. Subclasses write only :meth:`build` (and :meth:`batch`)."""
+    """A ModelSpec for an integer class label whose module outputs one logit per class: cross-entropy (weighted by
+    class with the argument ``class_weights``: ``balanced`` or one weight per class), the built-in classification
+    metrics (the argument ``metrics`` narrows them), and the predicted class with its probabilities; with two classes
+    also the positive class's ``score``, the class predicted at the decision threshold chosen on validation
+    (``evaluate.threshold``). Subclasses write only :meth:`build` (and :meth:`batch`)."""
+
+    metric_names: tuple[str, ...] = CLASSIFICATION
+    """The built-in metrics :meth:`metrics` reports (stagewise.definitions.metrics.CLASSIFICATION)."""
+    threshold: float | None = None
+    """A binary model's decision threshold on the positive class's probability (set from its bundle); None: argmax."""
+    threshold_rule: tuple[str, float | None] = ("f1", None)
+    """How validation chooses the threshold: (rule, target) of ``evaluate.threshold`` (set by the training stage)."""
+    _class_weights: torch.Tensor | None = None
+
+    def prepare(self, data: DataInfo) -> None:
+        args = getattr(self, "args", {})
+        if args.get("metrics") is not None:
+            self.metric_names = _known_names(args["metrics"], CLASSIFICATION, type(self).__name__)
+        self._class_weights = class_weights(args.get("class_weights"), data, type(self).__name__)
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(outputs, targets)
+        weights = self._class_weights
+        if weights is not None and weights.device != outputs.device:
+            weights = self._class_weights = weights.to(outputs.device)
+        return torch.nn.functional.cross_entropy(outputs, targets, weight=weights)
 
-    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Average]:
-        return {"accuracy": Average((outputs.argmax(dim=1) == targets).sum(), len(targets))}
+    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Average | MetricState]:
+        return classification_metrics(outputs, targets, self.metric_names, self.threshold, self.threshold_rule)
 
     def predict(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"prediction": outputs.argmax(dim=1), "probabilities": torch.softmax(outputs, dim=1)}
+        probabilities = torch.softmax(outputs, dim=1)
+        predicted = {"prediction": predicted_classes(outputs, self.threshold), "probabilities": probabilities}
+        if outputs.shape[1] == 2:
+            predicted["score"] = probabilities[:, 1]
+        return predicted
+
+
+def _known_names(names: Any, known: tuple[str, ...], spec: str) -> tuple[str, ...]:
+    if isinstance(names, str) or not all(isinstance(name, str) for name in names or ()):
+        raise UserError(f"model.args.metrics of {spec} must be a list of metric names, got {names!r}")
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise UserError(f"model.args.metrics of {spec}: unknown metric(s) {unknown}; the built-in ones are {list(known)}")
+    return tuple(names)
+
+
+def class_weights(setting: Any, data: DataInfo, spec: str) -> torch.Tensor | None:
+    """The loss's per-class weights: ``balanced`` (rows / (classes × rows of the class), scikit-learn's rule, from the
+    data's class counts), a list of one weight per class, or None."""
+    if setting is None:
+        return None
+    classes = data.num_classes
+    if setting == "balanced":
+        counts = data.class_counts
+        if not counts or classes is None or len(counts) != classes:
+            raise UserError("model.args.class_weights: balanced needs the data's class counts, which this "
+                            "run's preprocess manifest lacks (it predates them): run preprocess again")
+        missing = [index for index, count in enumerate(counts) if count == 0]
+        if missing:
+            raise UserError(f"model.args.class_weights: balanced cannot weight class(es) {missing}: the data has no "
+                            f"row of them; give explicit weights or more data")
+        total = sum(counts)
+        return torch.tensor([total / (classes * count) for count in counts], dtype=torch.float32)
+    if isinstance(setting, list) and classes is not None and len(setting) == classes \
+            and all(isinstance(value, int | float) and value >= 0 and math.isfinite(value) for value in setting) \
+            and any(value > 0 for value in setting):
+        return torch.tensor([float(value) for value in setting], dtype=torch.float32)
+    raise UserError(f"model.args.class_weights of {spec}: {setting!r} is neither 'balanced' nor a list of "
+                    f"{classes} non-negative weights (one per class of dataset.num_classes)")
 
 
 class Regressor(ModelSpec):
     """A ModelSpec for a float target whose module outputs one value per row: the standardised target, so training
-    is well conditioned whatever the target's scale. Loss: MSE on standardised targets; metrics ``rmse`` and ``mae``
-    in the target's own units; prediction: the de-standardised value. Subclasses write only :meth:`build` (and :meth:`batch`)."""
+    is well conditioned whatever the target's scale. Loss: MSE on standardised targets; metrics ``rmse``, ``mae`` and
+    ``r2`` in the target's own units (the argument ``metrics`` narrows them); prediction: the de-standardised value.
+    Subclasses write only :meth:`build` (and :meth:`batch`)."""
 
     target_mean: float = 0.0
     target_std: float = 1.0
+    metric_names: tuple[str, ...] = REGRESSION
+    """The built-in metrics :meth:`metrics` reports (stagewise.definitions.metrics.REGRESSION)."""
 
     def prepare(self, data: DataInfo) -> None:
         if data.target_mean is None or data.target_std is None:
             raise UserError(f"{type(self).__name__} is a Regressor: it needs a float target (leave dataset.num_classes out)")
+        if getattr(self, "args", {}).get("metrics") is not None:
+            self.metric_names = _known_names(self.args["metrics"], REGRESSION, type(self).__name__)
         self.target_mean, self.target_std = float(data.target_mean), float(data.target_std)
 
     @staticmethod
@@ -187,9 +252,8 @@ class Regressor(ModelSpec):
         standardised = (targets.float() - self.target_mean) / self.target_std
         return torch.nn.functional.mse_loss(self._column(outputs), standardised)
 
-    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Average]:
-        error = self.predict(outputs)["prediction"] - targets.float()
-        return {"rmse": Average((error**2).sum(), len(targets), root=True), "mae": Average(error.abs().sum(), len(targets))}
+    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Average | MetricState]:
+        return regression_metrics(self.predict(outputs)["prediction"], targets, self.metric_names, self.target_mean)
 
     def predict(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"prediction": self._column(outputs) * self.target_std + self.target_mean}

@@ -23,6 +23,7 @@ def data_info(manifest: dict[str, Any]) -> DataInfo:
     target = manifest.get("target") or {}
     layout = RowLayout(**manifest["layout"]) if manifest.get("layout") else None
     return DataInfo(features=list(manifest["features"]), num_classes=manifest.get("num_classes"),
+                    class_counts=manifest.get("class_counts"),
                     target_mean=target.get("mean"), target_std=target.get("std"),
                     shapes={name: list(shape) for name, shape in (manifest.get("feature_shapes") or {}).items()},
                     layout=layout if layout is not None and layout.typed else None)
@@ -84,6 +85,8 @@ def model_for_run(config: PipelineConfig, manifest: dict[str, Any], swept: dict[
     """
     ref = SpecRef(config.model.spec, dict(config.model.args))
     spec = ref.load()
+    if hasattr(spec, "threshold_rule"):  # a binary Classifier's validation chooses its threshold by this rule
+        spec.threshold_rule = (config.evaluate.threshold.rule, config.evaluate.threshold.target)
     params = resolve_params(config, swept, spec)
     data = data_info(manifest)
     return BuiltModel(module=build(spec, data, params), spec=spec, ref=ref, data=data, params=params)

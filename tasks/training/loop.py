@@ -33,7 +33,7 @@ from stagewise.training.noise_scale import SPLIT_SPACING, NoiseScale, PartNorms,
 from stagewise.training.optimizers import make_optimizer
 from stagewise.training.step_graph import WARMUP_STEPS, CaptureFailed, StepGraph, StepOutputs, graph_plan, set_tf32
 from stagewise.training.strategy import DDPStrategy, Strategy, make_strategy
-from stagewise.training.validation import accumulate_metrics, check_spec
+from stagewise.training.validation import MetricTotals, accumulate_metrics, check_spec
 
 Batches = ParquetBatches | DeviceBatches
 
@@ -186,7 +186,7 @@ class Loop(NoiseMeasurement):
         self.position = Position()
         self.check_every_steps = check_every_steps
         self.spec, self.objective = spec, objective
-        self._metric_names: list[str] | None = None
+        self._metric_layout_checked = False
         self._spec_checked = False
         # What to add when the first batch indexes out of range (e.g. ids that were standardised): records -> text.
         self.index_hint: Callable[[torch.Tensor], str] | None = None
@@ -243,13 +243,12 @@ class Loop(NoiseMeasurement):
         """Optimizer steps in ``epoch``."""
         return math.ceil(self.train_data.steps_per_epoch(epoch) / self.grad_accum_steps)
 
-    def _all_reduce(self, values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.env.device)
+    def _all_reduce_vector(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.env.distributed:
             import torch.distributed as dist
 
             dist.all_reduce(tensor)
-        return tensor.tolist()
+        return tensor
 
     def train_epoch(self, lr_at: Callable[[int], float],
                     on_step: Callable[[Loop], None] | None = None) -> EpochResult:
@@ -265,7 +264,7 @@ class Loop(NoiseMeasurement):
             if to_device:
                 inputs, targets = inputs.to(self.env.device, non_blocking=True), targets.to(self.env.device, non_blocking=True)
             if not self._spec_checked:
-                check_spec(self.spec, self.module, inputs, targets, self.index_hint)
+                check_spec(self.spec, self.module, inputs, targets, self.index_hint, objective=self.objective)
                 self._spec_checked = True
             index = position.micro_step
             boundary = (index + 1) % self.grad_accum_steps == 0 or index + 1 == micro_total
@@ -336,17 +335,10 @@ class Loop(NoiseMeasurement):
                     on_step(self)
         self.check_finite(lr_at)
         elapsed = time.perf_counter() - started
-        sums = self.validation_sums()
-        names = self._agreed_metric_names(sums)
-        totals = [float(sums[name][0]) if name in sums else 0.0 for name in names]
-        counts = [float(sums[name][1]) if name in sums else 0.0 for name in names]
-        reduced = self._all_reduce([*totals, *counts])
+        totals = self.validation_totals()
+        self._check_metric_layout(totals)
+        metrics = totals.values(self._all_reduce_vector(totals.vector()))  # one collective for every metric
         loss_sum, seen, new_samples = position.loss_sum, position.seen, position.seen - samples_before
-        roots = {name: bool(sums[name][2]) for name in sums}
-        metrics = {}
-        for index, name in enumerate(names):
-            mean = reduced[index] / max(reduced[len(names) + index], 1e-12)
-            metrics[name] = math.sqrt(mean) if roots.get(name) else mean
         if self.objective not in metrics:
             raise UserError(f"objective.metric '{self.objective}' is not among the validation metrics "
                             f"{type(self.spec).__name__} reports: {sorted(metrics)}")
@@ -460,33 +452,40 @@ class Loop(NoiseMeasurement):
                        f"--params or train.default_params) or check the data", epoch=epoch, step=step, lr=lr)
 
     @torch.no_grad()
-    def validation_sums(self) -> dict[str, tuple[float, float, bool]]:
-        """This rank's (total, count, root) of every validation metric, ``loss`` included."""
+    def validation_totals(self) -> MetricTotals:
+        """This rank's summed metric states on the validation split, ``loss`` included."""
         self.module.eval()
-        sums = accumulate_metrics(self.spec, self.module, self.validation_data.epoch(0), self.env.device)
-        # A sharded module's forward all-gathers: a rank with fewer validation batches runs as many, on one row.
+        totals = accumulate_metrics(self.spec, self.module, self.validation_data.epoch(0), self.env.device)
+        # A sharded module's forward all-gathers: a rank with fewer validation batches runs as many, on one row. A rank
+        # with none learns the metrics' states from one such row (then zeroed), so its vector has every rank's layout.
         extra = self.strategy.forwards_to_match(self.validation_data.steps_per_epoch(0))
-        if extra:
+        probes = extra or int(totals.empty)
+        if probes:
             features, labels = next(iter(self.validation_data.epoch(0) if self.validation_data.steps_per_epoch(0)
                                          else self.train_data.epoch(0)))
-            inputs, _ = batch_of(self.spec, features[:1].to(self.env.device), labels[:1].to(self.env.device))
-            for _ in range(extra):
-                self.module(inputs)
+            inputs, targets = batch_of(self.spec, features[:1].to(self.env.device), labels[:1].to(self.env.device))
+            for _ in range(probes):
+                outputs = self.module(inputs)
+                if totals.empty:
+                    totals.add(self.spec.metrics(outputs, targets), len(targets), self.spec.loss(outputs, targets),
+                               self.env.device)
+                    totals.zero_()
         self.module.train()
-        return sums
+        return totals
 
-    def _agreed_metric_names(self, sums: dict[str, tuple[float, float, bool]]) -> list[str]:
-        # A rank without validation rows has no names of its own: every rank takes the union, once.
-        if self._metric_names is None:
-            names = set(sums)
-            if self.env.distributed:
-                import torch.distributed as dist
+    def _check_metric_layout(self, totals: MetricTotals) -> None:
+        # The ranks' state vectors are summed element by element: once, check that every rank lays them out alike.
+        if self._metric_layout_checked or not self.env.distributed:
+            return
+        import torch.distributed as dist
 
-                gathered: list[Any] = [None] * self.env.world_size
-                dist.all_gather_object(gathered, sorted(names))
-                names = set().union(*map(set, gathered))
-            self._metric_names = sorted(names)
-        return self._metric_names
+        gathered: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(gathered, totals.signature())
+        if any(layout != gathered[0] for layout in gathered):
+            raise UserError(f"{type(self.spec).__name__}.metrics() reports different metrics or state shapes on "
+                            f"different ranks ({sorted({name for layout in gathered for name, _, _ in layout})}): "
+                            f"each rank must report the same states, whatever its rows")
+        self._metric_layout_checked = True
 
 
 def rank_batches(manifest: dict[str, Any], env: DistEnv, *, batch_size: int, seed: int,

@@ -1,4 +1,4 @@
-"""Running a model spec on real batches: its contract checked on a first batch, and its metrics summed over many.
+"""Running a model spec on real batches: its contract checked on a first batch, and its metric states summed over many.
 
 :func:`check_spec` runs before a stage's or trial's first step; :func:`accumulate_metrics` serves validation
 (:class:`stagewise.training.loop.Loop`) and the test split (:mod:`stagewise.evaluate`).
@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from stagewise.core.errors import UserError
-from stagewise.definitions.spec import Average, ModelSpec, batch_of, hook_inputs, user_hook
+from stagewise.definitions.metrics import Average, MetricState, as_state
+from stagewise.definitions.spec import ModelSpec, batch_of, hook_inputs, user_hook
 
 
 def _shape(value: Any) -> str:
@@ -21,8 +22,9 @@ def _shape(value: Any) -> str:
 
 
 def check_spec(spec: ModelSpec, module: nn.Module, features: torch.Tensor, labels: torch.Tensor,
-               index_hint: Callable[[torch.Tensor], str] | None = None) -> None:
-    """Run the spec once on a real batch before training and name the part that breaks its contract.
+               index_hint: Callable[[torch.Tensor], str] | None = None, objective: str | None = None) -> None:
+    """Run the spec once on a real batch before training and name the part that breaks its contract (an ``objective``
+    its metrics do not report included).
 
     A module whose outputs do not fit the targets (e.g. fewer logits than classes) or a loss that is no
     scalar would otherwise fail deep inside the first step as a bare RuntimeError that Airflow retries.
@@ -50,30 +52,99 @@ def check_spec(spec: ModelSpec, module: nn.Module, features: torch.Tensor, label
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or len(tensor) != rows:
             raise UserError(f"{name}.predict()['{column}'] must be a tensor with one row per input row ({rows}), "
                             f"got {_shape(tensor)}")
+    if objective is not None:
+        with user_hook(spec, "metrics", context=first, shapes=hook_inputs(spec, "metrics", module, outputs, targets)):
+            with torch.no_grad():
+                reported = spec.metrics(outputs.detach(), targets)
+        MetricTotals(name).add(reported, rows, loss, features.device)  # states that cannot be summed are named here
+        names = sorted([*reported, "loss"])
+        if objective not in names:
+            raise UserError(f"objective.metric '{objective}' is not among the metrics {name} reports: {names}")
+
+
+class MetricTotals:
+    """A spec's metric states summed over batches, on the device: one flat float64 vector for the one all-reduce of a
+    validation, and each metric computed once from it. States the spec shares between metrics (one confusion matrix
+    for every F1) are one slot, summed and reduced once."""
+
+    def __init__(self, spec_name: str) -> None:
+        self.spec_name = spec_name
+        self.slots: list[torch.Tensor] = []
+        self.slot_of: dict[str, int] = {}
+        self.computes: dict[str, Callable[[torch.Tensor], float]] = {}
+
+    @property
+    def empty(self) -> bool:
+        return not self.slot_of
+
+    def add(self, reported: Any, rows: int, loss: torch.Tensor, device: Any) -> None:
+        """One batch: the spec's ``metrics()`` return value, its row count and its mean loss."""
+        if not isinstance(reported, dict):
+            raise UserError(f"{self.spec_name}.metrics must return a dict of name -> MetricState or Average, got "
+                            f"{type(reported).__name__}")
+        states: dict[str, MetricState] = {}
+        for name, value in {**reported, "loss": Average(loss.detach().double() * rows, rows)}.items():
+            if not isinstance(value, MetricState | Average):
+                raise UserError(f"{self.spec_name}.metrics()['{name}'] is a {type(value).__name__}, not a MetricState or "
+                                f"Average(total, count): per-batch means cannot be reduced across batches and ranks")
+            states[name] = as_state(value, device)
+        slots: dict[int, int] = {}
+        layout = {name: slots.setdefault(id(state.state), len(slots)) for name, state in states.items()}
+        if self.empty:
+            self.slot_of, self.computes = layout, {name: state.compute for name, state in states.items()}
+            first: dict[int, str] = {}
+            for name, slot in layout.items():
+                first.setdefault(slot, name)
+            self.slots = [torch.zeros_like(states[first[slot]].state, dtype=torch.float64) for slot in range(len(first))]
+        elif layout != self.slot_of:
+            raise UserError(f"{self.spec_name}.metrics() reported {sorted(layout)} for one batch and "
+                            f"{sorted(self.slot_of)} for another: it must report the same metrics every batch")
+        for name, slot in layout.items():
+            if slots.pop(id(states[name].state), None) is None:
+                continue  # a shared state, added already
+            state = states[name].state.to(torch.float64)
+            if state.shape != self.slots[slot].shape:
+                raise UserError(f"{self.spec_name}.metrics()['{name}']: its state has shape {tuple(state.shape)} in one "
+                                f"batch and {tuple(self.slots[slot].shape)} in another: a state keeps one shape")
+            self.slots[slot] += state  # stays on the device until the end: no sync per batch
+
+    def zero_(self) -> None:
+        for slot in self.slots:
+            slot.zero_()
+
+    def vector(self) -> torch.Tensor:
+        """Every slot, flat, in order: what one all-reduce sums over ranks."""
+        return torch.cat([slot.reshape(-1) for slot in self.slots]) if self.slots else torch.zeros(0, dtype=torch.float64)
+
+    def signature(self) -> list[tuple[str, int, tuple[int, ...]]]:
+        """(name, slot, slot shape) of each metric: the ranks' must agree before their vectors are summed."""
+        return [(name, slot, tuple(self.slots[slot].shape)) for name, slot in sorted(self.slot_of.items())]
+
+    def state(self, name: str, vector: torch.Tensor | None = None) -> torch.Tensor:
+        """Metric ``name``'s summed state on the CPU (from ``vector``, the reduced one, when given)."""
+        slot = self.slot_of[name]
+        if vector is None:
+            return self.slots[slot].detach().cpu()
+        start = sum(self.slots[index].numel() for index in range(slot))
+        return vector[start: start + self.slots[slot].numel()].detach().cpu().reshape(self.slots[slot].shape)
+
+    def values(self, vector: torch.Tensor | None = None) -> dict[str, float]:
+        """Each metric computed once from the summed states (``vector``: the states reduced over ranks)."""
+        flat = (vector if vector is not None else self.vector()).detach().cpu()
+        return {name: float(self.computes[name](self.state(name, flat))) for name in sorted(self.slot_of)}
 
 
 def accumulate_metrics(spec: ModelSpec, module: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
                        device: str, on_outputs: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-                       ) -> dict[str, tuple[float, float, bool]]:
-    """Sum a spec's metrics (and its loss) over batches: name -> (total, count, root). Shared by validation and test;
-    ``on_outputs(outputs, targets)`` sees each batch's outputs too, so a caller needs no second forward pass."""
-    totals: dict[str, list[Any]] = {}
+                       ) -> MetricTotals:
+    """Sum a spec's metric states (and its loss) over batches. Shared by validation and test; ``on_outputs(outputs,
+    targets)`` sees each batch's outputs too, so a caller needs no second forward pass."""
+    totals = MetricTotals(type(spec).__name__)
     with user_hook(spec, module=module):  # batch, forward, metrics, loss (and predict in on_outputs) name themselves
         for features, labels in batches:
             inputs, targets = batch_of(spec, features.to(device), labels.to(device))
             outputs = module(inputs)
             if on_outputs is not None:
                 on_outputs(outputs, targets)
-            reported = spec.metrics(outputs, targets)
-            if not isinstance(reported, dict):
-                raise UserError(f"{type(spec).__name__}.metrics must return a dict of name -> Average, got "
-                                f"{type(reported).__name__}")
-            rows = len(targets)
-            for name, value in {**reported, "loss": Average(spec.loss(outputs, targets).detach() * rows, rows)}.items():
-                if not isinstance(value, Average):
-                    raise UserError(f"{type(spec).__name__}.metrics()['{name}'] is a {type(value).__name__}, not an "
-                                    f"Average(total, count): per-batch means cannot be reduced across batches and ranks")
-                entry = totals.setdefault(name, [0.0, 0.0, value.root])
-                entry[0] = entry[0] + value.total  # stays on the device until the end: no sync per batch
-                entry[1] = entry[1] + value.count
-    return {name: (float(total), float(count), root) for name, (total, count, root) in totals.items()}
+            totals.add(spec.metrics(outputs, targets), len(targets), spec.loss(outputs, targets), device)
+    return totals

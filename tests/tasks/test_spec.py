@@ -71,9 +71,10 @@ def test_build_must_return_a_module(digits_run, single_process):
 
 
 def test_a_metric_that_does_not_reduce_is_refused(digits_run, single_process):
-    """A per-batch mean (a float, not Average(total, count)) cannot be reduced over ranks: refused, naming it."""
+    """A per-batch mean (a float, not a MetricState or Average) cannot be reduced over ranks: refused before the first
+    step, naming it."""
     config_path, out = digits_run
-    with pytest.raises(UserError, match=r"MeanAccuracy.metrics\(\)\['accuracy'\] is a float, not an Average"):
+    with pytest.raises(UserError, match=r"MeanAccuracy.metrics\(\)\['accuracy'\] is a float, not a MetricState or Average"):
         train.run_stage(_config(config_path, "tests.specs:MeanAccuracy"), "s1", out, PARAMS, None)
 
 

@@ -7,6 +7,7 @@ import math
 from pydantic import BaseModel, ConfigDict
 
 from stagewise.core.errors import UserError
+from stagewise.definitions.metric_names import RANGES
 
 # Optuna keeps a study's name in at most 512 characters (its RDB schema).
 MAX_STUDY_NAME = 512
@@ -27,8 +28,7 @@ DEFAULT_JOURNAL = "optuna/studies/{study}.journal"
 # The one journal of every study that earlier releases kept there: still read for studies made before the move.
 LEGACY_JOURNAL = "optuna/optuna.journal"
 # What well-known metrics can be: a limit outside can never be met nor missed, so it is a typo.
-METRIC_RANGES = {**dict.fromkeys(("accuracy", "precision", "recall", "f1", "auc"), (0.0, 1.0)),
-                 **dict.fromkeys(("rmse", "mae", "mse", "loss"), (0.0, math.inf))}
+METRIC_RANGES = {**dict.fromkeys(("precision", "recall", "f1", "auc"), (0.0, 1.0)), "mse": (0.0, math.inf), **RANGES}
 
 
 class ConfigError(UserError):

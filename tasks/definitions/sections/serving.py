@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from stagewise.definitions.hyperparams import BUILTIN_SPEC
 from stagewise.definitions.intervals import static_prefix
+from stagewise.definitions.metric_names import DIRECTIONS
 from stagewise.definitions.sections.base import MAX_BATCH, MAX_ROWS, MAX_TRIALS, StrictModel, check_filesystem
 from stagewise.definitions.sections.deployment import cron_problem
 
@@ -112,8 +113,26 @@ class Objective(StrictModel):
     """What 'better' means: drives the sweep, pruning, stage reporting, the gate and the registry."""
 
     metric: str = Field("accuracy", pattern=r"^\w+$",
-                        description="A validation/test metric the spec reports (its metrics() names, or loss).")
-    direction: Literal["maximize", "minimize"] = Field("maximize", description="maximize or minimize the metric.")
+                        description="The metric that decides: a built-in one (accuracy, f1_macro, auroc, auprc, log_loss, "
+                                    "rmse, r2, ...), one the spec's metrics() reports, or loss.")
+    direction: Literal["maximize", "minimize"] = Field(
+        "maximize", description="maximize or minimize the metric; left out: a built-in metric's own direction "
+                                "(log_loss, rmse, mae and loss are minimised), else maximize.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _direction_of_the_metric(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict) or not isinstance(raw.get("metric", "accuracy"), str):
+            return raw
+        metric = raw.get("metric", "accuracy")
+        known = DIRECTIONS.get(metric)
+        if raw.get("direction") is None:
+            return {**raw, "direction": known or "maximize"}
+        if known is not None and raw["direction"] != known:
+            raise ValueError(f"objective.direction: {raw['direction']} contradicts objective.metric '{metric}', which "
+                             f"is better when it is {'lower' if known == 'minimize' else 'higher'} ({known}); leave "
+                             f"direction out or set {known}")
+        return raw
 
 
 class Retrain(StrictModel):

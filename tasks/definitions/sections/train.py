@@ -183,6 +183,22 @@ class Train(StrictModel):
         return value
 
 
+class Threshold(StrictModel):
+    """How a binary classifier's decision threshold is chosen on the validation split (its best epoch's)."""
+
+    rule: Literal["f1", "precision", "recall"] = Field(
+        "f1", description="f1: the threshold with the best F1; precision / recall: reach target with the most of the other.")
+    target: float | None = Field(None, gt=0, le=1, description="The precision or recall to reach (rule precision or recall).")
+
+    @model_validator(mode="after")
+    def _target_for_its_rule(self) -> Threshold:
+        if self.rule == "f1" and self.target is not None:
+            raise ValueError("evaluate.threshold.target: rule f1 takes no target (give rule precision or recall)")
+        if self.rule != "f1" and self.target is None:
+            raise ValueError(f"evaluate.threshold.target: rule {self.rule} needs the {self.rule} to reach, e.g. 0.9")
+        return self
+
+
 class Evaluate(StrictModel):
     """Test-split evaluation."""
 
@@ -191,3 +207,5 @@ class Evaluate(StrictModel):
     objective_limit: float | None = Field(
         None, allow_inf_nan=False,
         description="Fail the run when test_<objective.metric> is worse than this in objective.direction; null: no limit.")
+    threshold: Threshold = Field(default_factory=Threshold,
+                                 description="A binary classifier's decision threshold: the label inference writes.")
