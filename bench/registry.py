@@ -52,6 +52,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "fsdp_throughput": ("sharding:fsdp_throughput", "info"),  # gloo on 2 cores: the goal is fsdp_throughput_gpu's
     "fsdp_handoff_memory": ("handoff:fsdp_handoff_memory", "<= 1.1"),
     "epoch_row_coverage": ("coverage:epoch_row_coverage", ">= 0.99"),
+    "metric_exactness": ("metrics:metric_exactness", "<= 1e-6"),  # largest |ours - scikit-learn|, counting metrics
+    "metric_overhead": ("metrics:metric_overhead", ">= 0.97"),  # f1_macro, auroc, log_loss / accuracy, samples/s
     "study_open_500": ("studies:study_open_500", "<= 0.2"),
     "run_storage_bytes": ("storage:run_storage_bytes", "<= 1"),  # bytes of a finished demo run / 1 MB
     "runs_page_10k": ("ui_pages:runs_page_10k", "<= 5"),  # the runs page with 10,000 reports / with 10; also <= 0.5 s

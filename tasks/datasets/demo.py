@@ -118,6 +118,28 @@ def write_synthetic(out_uri: str, num_rows: int, num_features: int = 32, num_cla
     return uris
 
 
+def imbalanced_table(num_rows: int, *, positive_fraction: float = 0.03, num_features: int = 8, seed: int = 0) -> pa.Table:
+    """A binary fraud-like table: about ``positive_fraction`` positives (label 1), whose features are shifted along a
+    few directions, so the classes overlap (no model is perfect) and accuracy says little (always 0 scores 0.97)."""
+    rng = np.random.default_rng(seed)
+    labels = (rng.random(num_rows) < positive_fraction).astype(np.int64)
+    shift = np.zeros(num_features)
+    shift[:3] = (1.6, -1.2, 0.9)
+    features = rng.normal(size=(num_rows, num_features)) + labels[:, None] * shift
+    columns = {"row_id": pa.array(np.arange(num_rows, dtype=np.int64))}
+    for index in range(num_features):
+        columns[f"x_{index}"] = pa.array(features[:, index] * (index + 1) + 10 * index)  # scales normalisation fixes
+    columns["label"] = pa.array(labels)
+    return pa.table(columns)
+
+
+def write_imbalanced(out_uri: str, num_shards: int = 2, num_rows: int = 8000) -> list[str]:
+    """The imbalanced binary data set (:func:`imbalanced_table`, about 3 % positives) as raw shards."""
+    uris = _write_shards(out_uri, imbalanced_table(num_rows), num_shards)
+    log.info("wrote %d imbalanced rows in %d shards to %s", num_rows, num_shards, out_uri)
+    return uris
+
+
 # Token ids start far above 2^53, where float64 (let alone float32) cannot hold them exactly: only int64 keeps them.
 TOKEN_ID_BASE = 2**60
 SIGNAL_TOKENS = 8
@@ -148,6 +170,7 @@ def write_tokens(out_uri: str, num_shards: int = 4, num_rows: int = 4000, max_le
     return uris
 
 
-DEMO_WRITERS = {"tokens": write_tokens, "digits": write_digits, "digits-images": write_digits_images, "diabetes": write_diabetes,
+DEMO_WRITERS = {"tokens": write_tokens, "imbalanced": write_imbalanced, "digits": write_digits,
+                "digits-images": write_digits_images, "diabetes": write_diabetes,
                 "synthetic": lambda uri, num_shards=8: write_synthetic(uri, 20_000, num_shards=num_shards)}
 """dataset.demo_data -> the writer of that data set: ``writer(out_uri, num_shards)``, each with its own default."""

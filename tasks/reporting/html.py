@@ -6,7 +6,8 @@ Run: ``python -m stagewise.report html <run prefix>`` renders it again from a fi
 Four sections: the training curve across all stages on one global step axis (loss, the run's objective and the lr, each
 stage's boundary marked with its global batch, learning rate and world size, and where a retry resumed); the sweep
 (objective per trial over time by outcome, the best params, parameter importances); the timeline of the run's task
-attempts (mapped tasks as lanes); the data counts, the test metrics and the gate's decision against the current model.
+attempts (mapped tasks as lanes); the data counts, the test metrics and the gate's decision against the current model;
+a classifier's confusion matrix, and a binary one's ROC and precision-recall curves (stagewise.reporting.classification).
 plotly.js is the storage root's one copy (``assets/``, linked by a relative path, so the page opens offline from the
 root's folder tree: stagewise.core.assets); each figure is a JSON block that one inline script draws.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 from stagewise.core import assets, storage
 from stagewise.core.errors import DataError
+from stagewise.reporting import classification
 
 log = logging.getLogger("stagewise.report")
 
@@ -507,6 +509,7 @@ def render(report: dict[str, Any], sources: dict[str, Any], generated_at: str | 
     timeline_section = f"""<section id="timeline"><h2>Task timeline</h2>
 <p class="note">Every attempt of every task, from its start to its end; a retried task shows one bar per try.</p>
 {blocks['fig-timeline']}</section>"""
+    classification_section, scripts["fig-curves"] = classification.section(report.get("classification"))
     if "training" in report:
         sections = f"""<section id="training"><h2>Training across stages</h2>
 <p class="note">Each point is one epoch, placed at the optimizer step it ended on, counted across all stages. A dashed line
@@ -520,7 +523,8 @@ on the axis' worst edge.</p>
 {blocks['fig-sweep']}<div class="tables">{best}{counts}</div>{blocks['fig-importance']}</section>
 {timeline_section}
 <section id="outcome"><h2>Data, test metrics and the gate</h2>
-{blocks['fig-data']}<div class="tables">{data_table}{test_table}{gate_table}</div></section>"""
+{blocks['fig-data']}<div class="tables">{data_table}{test_table}{gate_table}</div></section>
+{classification_section}"""
     else:  # a batch_inference run: no training, sweep or gate, only what it scored and how its tasks ran
         objective, scripts = "", {"fig-timeline": scripts["fig-timeline"]}
         scoring = _table("Scoring", [("model version", report.get("model_version")), ("rows scored", predictions.get("rows")),

@@ -69,7 +69,7 @@ def test_dagbag_holds_every_default_pipelines_family_without_import_errors(monke
     monkeypatch.delenv("STAGEWISE_CONFIG", raising=False)
     bag = DagBag(dag_folder=str(REPO_ROOT / "dags"))
     assert bag.import_errors == {}
-    names = ("ml", "digits_cnn", "diabetes", "ddp_tutorial", "token_transformer", "decoder")
+    names = ("ml", "digits_cnn", "diabetes", "ddp_tutorial", "token_transformer", "decoder", "imbalanced")
     kinds = ("pipeline", "retrain", "batch_inference", "ingest", "maintenance")
     assert set(bag.dag_ids) == {f"{name}_{kind}" for name in names for kind in kinds}
     for name in names:

@@ -141,7 +141,7 @@ def test_every_trigger_form_opens_with_only_truly_required_fields_empty():
     flagged = {(dag_id, name) for dag_id, params in _dag_params().items()
                for name in params if _form_flags_as_missing(params.get_param(name))}
     assert flagged == {(f"{name}_ingest", "source_uri") for name in ("ml", "digits_cnn", "diabetes", "ddp_tutorial", "token_transformer",
-                                                                              "decoder")}
+                                                                              "decoder", "imbalanced")}
 
 
 def test_number_params_state_their_bounds_in_the_description():

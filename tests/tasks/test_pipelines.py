@@ -40,7 +40,7 @@ def test_the_setting_wins_then_stagewise_config_then_the_checkouts_pipelines(tmp
     """$STAGEWISE_PIPELINES (several, PATH-style) over $STAGEWISE_CONFIG (one file) over pipeline.yaml + examples/."""
     monkeypatch.delenv("STAGEWISE_PIPELINES", raising=False)
     monkeypatch.delenv("STAGEWISE_CONFIG", raising=False)
-    assert [p.name for p in discover()] == ["ml", "ddp_tutorial", "decoder", "diabetes", "digits_cnn", "token_transformer"]
+    assert [p.name for p in discover()] == ["ml", "ddp_tutorial", "decoder", "diabetes", "digits_cnn", "imbalanced", "token_transformer"]
     monkeypatch.setenv("STAGEWISE_CONFIG", str(tmp_path / "one.yaml"))
     assert sources() == [tmp_path / "one.yaml"]
     monkeypatch.setenv("STAGEWISE_PIPELINES", os.pathsep.join([str(tmp_path / "a"), str(tmp_path / "b.yaml")]))

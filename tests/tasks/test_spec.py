@@ -91,11 +91,14 @@ def test_outputs_that_do_not_fit_the_contract_fail_before_the_first_step(digits_
 
 
 def test_an_objective_the_spec_does_not_report_is_named(digits_run, single_process):
-    """objective.metric must be one of the spec's metrics (or loss); the error lists those it has."""
+    """objective.metric must be one of the spec's metrics (or loss): a user spec's is checked on the first batch,
+    before any step, and the error lists the metrics it has."""
     config_path, out = digits_run
-    config = _config(config_path, "stagewise.model:MLPClassifier", **{"objective.metric": "rmse"})
-    with pytest.raises(UserError, match=r"objective.metric 'rmse' is not among .* \['accuracy', 'loss'\]"):
+    config = _config(config_path, "tests.specs:LogLoss", **{"objective.metric": "recall_at_p90"})
+    with pytest.raises(UserError, match=r"objective.metric 'recall_at_p90' is not among the metrics LogLoss reports: "
+                                        r"\['accuracy', .*'loss', 'nll'"):
         train.run_stage(config, "s1", out, PARAMS, None)
+    assert not list(Path(out).glob("train/s1/*.dcp")) and not list(Path(out).glob("train/s1/step-*"))
 
 
 def test_unknown_hyperparameter_of_a_user_spec_is_checked_against_its_own(digits_images_run, single_process):
@@ -214,7 +217,7 @@ def _regressor(mean: float = 150.0, std: float = 40.0) -> Regressor:
 
 
 def test_regressor_rmse_reduces_over_batches_to_the_rmse_of_the_whole():
-    """rmse is reported as summed squared errors and a count: two halves reduce to exactly the whole's RMSE
+    """rmse is kept as summed squared errors and a count: two halves reduce to exactly the whole's RMSE
     (a mean of the halves' RMSEs would not), in the target's own units."""
     from stagewise.training.validation import accumulate_metrics
 
@@ -226,10 +229,9 @@ def test_regressor_rmse_reduces_over_batches_to_the_rmse_of_the_whole():
     halves = accumulate_metrics(spec, module, [(outputs[:3], targets[:3]), (outputs[3:], targets[3:])], "cpu")
     predictions = outputs.reshape(-1) * 40.0 + 150.0
     expected = torch.sqrt(((predictions - targets) ** 2).mean()).item()
-    for sums in (whole, halves):
-        total, count, root = sums["rmse"]
-        assert root and (total / count) ** 0.5 == pytest.approx(expected, rel=1e-6)
-    assert halves["mae"][0] / halves["mae"][1] == pytest.approx((predictions - targets).abs().mean().item(), rel=1e-6)
+    for totals in (whole, halves):
+        assert totals.values()["rmse"] == pytest.approx(expected, rel=1e-6)
+    assert halves.values()["mae"] == pytest.approx((predictions - targets).abs().mean().item(), rel=1e-6)
 
 
 def test_regressor_trains_on_standardised_targets_and_predicts_in_the_targets_units():

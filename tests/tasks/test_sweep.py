@@ -88,7 +88,7 @@ def test_create_is_idempotent(digits_run, single_process):
 
 
 @pytest.mark.parametrize("other", [{"registry.model_name": "diabetes"},
-                                   {"objective.metric": "rmse", "objective.direction": "minimize"}])
+                                   {"objective.metric": "log_loss", "objective.direction": "minimize"}])
 def test_a_study_of_another_pipeline_or_objective_is_refused_not_joined(write_config, other):
     """Two pipelines sharing sweep.storage and a study name never mix trials: the second create names the owner."""
     path = write_config()

@@ -64,7 +64,7 @@ class Dataset(StrictModel):
         "Classes of an integer label in [0, num_classes) (at most 10000000); null: the label is a float "
         "target."))
     normalize: bool = Field(True, description="Standardise the plain (scalar) feature columns; false keeps them as they are.")
-    demo_data: Literal["digits", "digits-images", "diabetes", "synthetic", "tokens"] = Field(
+    demo_data: Literal["digits", "digits-images", "diabetes", "synthetic", "tokens", "imbalanced"] = Field(
         "digits", description="What `python -m stagewise.data demo` (make demo) writes into uri when it holds no shards.")
 
     @field_validator("uri")
