@@ -56,11 +56,10 @@ def test_report_auprc_equals_scikit_learns_on_the_written_predictions(imbalanced
     auprc within the binned curve's documented bound, and the model clearly beats the 3 % base rate."""
     from sklearn.metrics import average_precision_score, roc_auc_score
 
-    from stagewise.definitions.metrics import CURVE_TOLERANCE
-
     from stagewise.datasets.columns import SPLITS
     from stagewise.datasets.keys import split_of
     from stagewise.definitions.loading import load_config
+    from stagewise.definitions.metrics import CURVE_TOLERANCE
 
     report, storage_root = imbalanced_run
     config = load_config(Path(report["config"]["config_uri"].removeprefix("file://")))

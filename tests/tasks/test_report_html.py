@@ -420,3 +420,49 @@ def test_no_string_in_the_chart_data_can_end_or_reopen_its_script_block():
     assert found["fig-data"] == report_html.data_figure(hostile)
     assert found["fig-data"]["data"][0]["x"] == ["train", HOSTILE]
     assert found["fig-timeline"]["data"][0]["y"] == [HOSTILE]
+
+
+def test_a_binary_classifiers_page_draws_both_curves_the_threshold_and_the_confusion_matrix(tmp_path):
+    """evaluate's metrics.json holds the test split's curves, confusion matrix and threshold: report.json carries
+    them under 'classification' and the page draws ROC and precision-recall with the threshold marked on each."""
+    import numpy as np
+
+    from stagewise.models.curves import binary_curves, confusion_counts
+
+    out = str(tmp_path / "runs" / "binary" / "r1")
+    rng = np.random.default_rng(0)
+    labels = (rng.random(500) < 0.1).astype(int)
+    scores = np.clip(0.3 * labels + rng.random(500) * 0.7, 0, 1)
+    metrics_uri = storage.join(out, "evaluate", "metrics.json")
+    storage.write_json(metrics_uri, {"confusion_matrix": confusion_counts(labels, scores >= 0.6, 2),
+                                     "curves": binary_curves(labels, scores),
+                                     "decision_threshold": {"value": 0.6, "rule": "f1", "target": None}})
+    inputs = _regression_run(out)
+    inputs["evaluation"] = {"test_auprc": 0.5, "test_objective": 0.5, "objective": "auprc", "metrics_uri": metrics_uri}
+    written = storage.read_json(report.build_report(**{**inputs, "direction": "maximize"})["report_uri"])
+    assert written["classification"]["decision_threshold"]["value"] == 0.6
+    assert np.asarray(written["classification"]["confusion_matrix"]["counts"]).sum() == 500
+    page = Path(written["html_uri"]).read_text()
+    curves = figures(page)["fig-curves"]
+    names = [trace["name"] for trace in curves["data"]]
+    assert {"ROC", "precision-recall", "decision threshold 0.6"} <= set(names)
+    assert "<caption>Confusion matrix (test split)</caption>" in page and "&ge; 0.6" in page
+
+
+def test_curves_are_scikit_learns_at_every_distinct_score():
+    """The ROC and precision-recall points are exact (numpy on the written scores), thinned to at most 200."""
+    import numpy as np
+    from sklearn.metrics import precision_recall_curve, roc_curve
+
+    from stagewise.models.curves import CURVE_POINTS, binary_curves
+
+    rng = np.random.default_rng(1)
+    labels = (rng.random(150) < 0.2).astype(int)
+    scores = np.round(rng.random(150), 2)  # ties, as rounded scores have
+    curves = binary_curves(labels, scores)
+    fpr, tpr, _ = roc_curve(labels, scores, drop_intermediate=False)
+    assert curves["roc"]["fpr"] == pytest.approx(list(fpr), abs=1e-6) and curves["roc"]["tpr"] == pytest.approx(list(tpr), abs=1e-6)
+    precision, recall, _ = precision_recall_curve(labels, scores, drop_intermediate=False)
+    assert curves["pr"]["precision"] == pytest.approx(list(precision[:-1][::-1]), abs=1e-6)
+    assert curves["pr"]["recall"] == pytest.approx(list(recall[:-1][::-1]), abs=1e-6)
+    assert len(binary_curves(rng.random(5000) < 0.5, rng.random(5000))["roc"]["fpr"]) <= CURVE_POINTS + 1
