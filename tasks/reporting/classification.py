@@ -81,19 +81,11 @@ def threshold_table(decision: dict[str, Any] | None) -> str:
             f"</td></tr></table>")
 
 
-def section(details: dict[str, Any] | None) -> tuple[str, str]:
-    """The section's HTML and its figure's JSON script (empty for a regressor's report)."""
-    if not details:
-        return "", ""
-    from stagewise.reporting.html import _figure_block  # the page's own figure block
+def note(details: dict[str, Any]) -> str:
+    """The section's one line of explanation."""
+    curves = " and the curves of the positive class's score, the decision threshold marked" if details.get("curves") else ""
+    return f"The test split's confusion matrix (of the label inference writes){curves}."
 
-    decision = details.get("decision_threshold") or {}
-    block, script = _figure_block("fig-curves", curves_figure(details.get("curves"), decision.get("value")),
-                                  "A binary model's ROC and precision-recall curves are drawn here.")
-    if not details.get("curves"):
-        block = ""
-    note = ("The test split's confusion matrix (the label inference writes)" +
-            ("; the curves of the positive class's score, the decision threshold marked." if block else "."))
-    body = f"""<section id="classification"><h2>Classification</h2>
-<p class="note">{note}</p>{block}<div class="tables">{confusion_table(details.get('confusion_matrix'))}{threshold_table(decision)}</div></section>"""
-    return body, script
+
+def tables(details: dict[str, Any]) -> str:
+    return confusion_table(details.get("confusion_matrix")) + threshold_table(details.get("decision_threshold"))

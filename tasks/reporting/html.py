@@ -509,7 +509,14 @@ def render(report: dict[str, Any], sources: dict[str, Any], generated_at: str | 
     timeline_section = f"""<section id="timeline"><h2>Task timeline</h2>
 <p class="note">Every attempt of every task, from its start to its end; a retried task shows one bar per try.</p>
 {blocks['fig-timeline']}</section>"""
-    classification_section, scripts["fig-curves"] = classification.section(report.get("classification"))
+    details = report.get("classification") or {}
+    classification_section = ""
+    if details:  # a classifier's: the confusion matrix, and a binary one's curves
+        threshold = (details.get("decision_threshold") or {}).get("value")
+        figure = classification.curves_figure(details.get("curves"), threshold)
+        block, scripts["fig-curves"] = _figure_block("fig-curves", figure, "") if figure else ("", "")
+        classification_section = f"""<section id="classification"><h2>Classification</h2>
+<p class="note">{classification.note(details)}</p>{block}<div class="tables">{classification.tables(details)}</div></section>"""
     if "training" in report:
         sections = f"""<section id="training"><h2>Training across stages</h2>
 <p class="note">Each point is one epoch, placed at the optimizer step it ended on, counted across all stages. A dashed line

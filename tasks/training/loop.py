@@ -335,9 +335,7 @@ class Loop(NoiseMeasurement):
                     on_step(self)
         self.check_finite(lr_at)
         elapsed = time.perf_counter() - started
-        totals = self.validation_totals()
-        self._check_metric_layout(totals)
-        metrics = totals.values(self._all_reduce_vector(totals.vector()))  # one collective for every metric
+        metrics = self.validation_metrics()
         loss_sum, seen, new_samples = position.loss_sum, position.seen, position.seen - samples_before
         if self.objective not in metrics:
             raise UserError(f"objective.metric '{self.objective}' is not among the validation metrics "
@@ -450,6 +448,13 @@ class Loop(NoiseMeasurement):
             what = f"the weights turned NaN/inf by epoch {epoch}, step {step}"
         raise Diverged(f"training diverged: {what} (lr {lr:.4g}); lower the learning rate (sweep.search_space.lr, "
                        f"--params or train.default_params) or check the data", epoch=epoch, step=step, lr=lr)
+
+    @torch.no_grad()
+    def validation_metrics(self) -> dict[str, float]:
+        """Every validation metric, ``loss`` included: this rank's states, one all-reduce of them all, computed once."""
+        totals = self.validation_totals()
+        self._check_metric_layout(totals)
+        return totals.values(self._all_reduce_vector(totals.vector()))
 
     @torch.no_grad()
     def validation_totals(self) -> MetricTotals:

@@ -389,3 +389,36 @@ def test_a_sharded_bf16_stage_trains_on_one_gpu_and_hands_on_a_full_model(digits
     assert Path(out, "train", "s2", "checkpoints", "latest.json").exists()
     print(f"fsdp bf16 one GPU: {second['val_metric']:.4f} val accuracy, peak "
           f"{torch.cuda.max_memory_allocated() / 2**20:.1f} MiB allocated")
+
+
+def test_metric_states_on_the_gpu_equal_the_cpus():
+    """Confusion counts, log-odds histograms and sums are built on the device and reduced as float64: every built-in
+    metric computed from CUDA states equals the CPU's (counts exactly; log_loss and the curves to rounding)."""
+    from stagewise.definitions.metric_names import CLASSIFICATION
+    from stagewise.definitions.metrics import classification_metrics
+    from stagewise.training.validation import MetricTotals
+
+    generator = torch.Generator().manual_seed(0)
+    logits, targets = torch.randn(5000, 4, generator=generator) * 3, torch.randint(0, 4, (5000,), generator=generator)
+    values = {}
+    for device in ("cpu", "cuda"):
+        totals = MetricTotals("spec")
+        for start in range(0, 5000, 777):
+            outputs, labels = logits[start:start + 777].to(device), targets[start:start + 777].to(device)
+            totals.add(classification_metrics(outputs, labels, CLASSIFICATION), len(labels), torch.tensor(0.0, device=device), device)
+        values[device] = totals.values()
+    for name in CLASSIFICATION:
+        assert values["cuda"][name] == pytest.approx(values["cpu"][name], abs=1e-9 if name != "auprc" else 1e-6), name
+
+
+def test_a_gpu_stage_hands_on_its_best_epoch_by_a_curve_metric(digits_run, single_process):
+    """A stage on cuda whose objective is the one-vs-rest auroc: every epoch records the new metrics, and the epoch
+    handed on is the best auroc."""
+    config_path, out = digits_run
+    config = load_config(config_path, {**ONE_GPU, "objective.metric": "auroc", "registry.gate_metric": "test_auroc",
+                                       "evaluate.min_test_accuracy": 0.0})
+    result = train.run_stage(config, "s1", out, PARAMS, None)
+    history = json.loads((Path(out) / "train" / "s1" / "metrics.json").read_text())["history"]
+    values = [entry["val_metrics"]["auroc"] for entry in history]
+    assert all({"f1_macro", "log_loss", "auprc"} <= set(entry["val_metrics"]) for entry in history)
+    assert result["handed_epoch"] == values.index(max(values)) + 1 and max(values) > 0.95

@@ -332,7 +332,7 @@ def test_no_step_reads_a_device_value_on_the_host_between_checks(tmp_path, monke
                 counting[0] = True
         return run
 
-    for name in ("check_finite", "validation_totals", "_all_reduce_vector", "noise_estimates"):
+    for name in ("check_finite", "validation_metrics", "noise_estimates"):
         monkeypatch.setattr(Loop, name, paused(getattr(Loop, name)))
     monkeypatch.setattr(loop_module, "check_spec", paused(loop_module.check_spec))
     counting[0] = True
