@@ -11,6 +11,7 @@ The schema lives in ``stagewise.definitions.config``, loading in ``stagewise.def
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from stagewise.core.cli import parse_overrides
 from stagewise.core.errors import UserError
 from stagewise.definitions import reference
 from stagewise.definitions.config import ConfigError, PipelineConfig
+from stagewise.definitions.hyperparams import BUILTIN_SPEC
 from stagewise.definitions.last_valid import LastValid
 from stagewise.definitions.loading import check_spec_source, config_path, load_config
 from stagewise.definitions.pipelines import (
@@ -96,9 +98,32 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = load_config(args.path, parse_overrides(args.override))
         check_spec_source(config_path(args.path), config, may_import=True)  # installed packages' specs too
+        _check_objective_reported(config_path(args.path), config)
     except UserError as exc:  # a ConfigError, or an --override that is no KEY=VALUE
         raise SystemExit(str(exc)) from None
     print(yaml.safe_dump(config.model_dump(), sort_keys=False))
+
+
+def _check_objective_reported(resolved: object, config: PipelineConfig) -> None:
+    """A user's spec that keeps a Classifier's or Regressor's metrics() reports their built-in metrics (narrowed by
+    model.args.metrics) and loss: objective.metric must be one of them, named with the rest. A spec with metrics of its
+    own is checked on the first training batch instead; the schema knows the built-in spec's already."""
+    if config.model.spec == BUILTIN_SPEC:
+        return
+    module, _, name = config.model.spec.partition(":")
+    try:
+        spec_class = getattr(importlib.import_module(module), name, None)  # the user's module: it imports torch itself
+    except ImportError:
+        return  # named by check_spec_source already, or left to the first stage
+    metrics = getattr(spec_class, "metrics", None)
+    if getattr(metrics, "__module__", None) != "stagewise.definitions.spec" or \
+            getattr(metrics, "__qualname__", None) not in ("Classifier.metrics", "Regressor.metrics"):
+        return
+    names = config.model.args.get("metrics") or spec_class.metric_names
+    reported = sorted({*names, "loss"})
+    if config.objective.metric not in reported:
+        raise ConfigError(f"{resolved}: objective.metric: '{config.objective.metric}' is not a metric "
+                          f"{config.model.spec} reports; it reports {', '.join(reported)}")
 
 
 def check(setting: str | None) -> None:

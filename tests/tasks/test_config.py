@@ -806,3 +806,21 @@ def test_a_threshold_rule_takes_its_target(write_config, storage_root):
     assert "rule f1 takes no target" in _load_error(write_config, raw)
     raw["evaluate"]["threshold"] = {"rule": "recall", "target": 0.8}
     assert load_config(write_config(raw)).evaluate.threshold.target == 0.8
+
+
+def test_the_cli_check_names_an_objective_a_users_classifier_does_not_report(write_config, storage_root, capsys):
+    """A user's Classifier that keeps the built-in metrics(): `python -m stagewise.config` imports it and refuses an
+    objective it does not report, listing what it does (model.args.metrics narrows them); a spec with metrics of
+    its own passes here (its first batch checks it)."""
+    from stagewise.config import main
+
+    raw = base_config(storage_root)
+    raw["model"] = {"spec": "stagewise.examples.digits_cnn:DigitsCNN", "args": {"metrics": ["accuracy", "auroc"]}}
+    raw["objective"] = {"metric": "recall_at_p90"}
+    raw["registry"].pop("gate_metric", None)
+    with pytest.raises(SystemExit, match=r"objective.metric: 'recall_at_p90' is not a metric "
+                                         r"stagewise.examples.digits_cnn:DigitsCNN reports; it reports accuracy, auroc, loss"):
+        main([str(write_config(raw))])
+    raw["model"] = {"spec": "tests.specs:LogLoss", "args": {}}
+    main([str(write_config(raw))])
+    assert "recall_at_p90" in capsys.readouterr().out
