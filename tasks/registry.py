@@ -6,8 +6,9 @@ Run: ``python -m stagewise.registry list``            versions, newest first, th
      ``python -m stagewise.registry promote VERSION`` point ``current`` at VERSION (no gate)
 Each takes ``--model NAME`` (default: the config's ``registry.model_name``).
 
-Layout, one registry per model name: ``models/<name>/<version>/model.pt`` and ``card.json``
-(metrics, params, data fingerprint, the code the run started with, source run); ``models/<name>/current.json`` names
+Layout, one registry per model name: ``models/<name>/<version>/model.pt``, ``card.json``
+(metrics, params, data fingerprint, the code the run started with, source run) and ``code/`` (the spec's own source,
+listed in the card's ``spec_source``: stagewise.models.shipping); ``models/<name>/current.json`` names
 the current version and keeps the history of promotions. Models of different names never meet: the
 gate compares only within a name and inference resolves only within it. A version id is the hash of
 the model's bytes, so registering the same model again is a no-op. The pointer file is replaced by
@@ -32,8 +33,8 @@ from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.hyperparams import ran_params
 from stagewise.definitions.loading import load_config
 from stagewise.definitions.pipelines import pipeline_of
-from stagewise.models import owners
-from stagewise.models.versions import judge, version_of
+from stagewise.models import owners, shipping
+from stagewise.models.versions import CARD_CHECKSUM, judge, version_of
 from stagewise.reporting import lineage, listing
 from stagewise.scripting.entrypoint import card_params
 from stagewise.tracking import registry as mlflow_registry
@@ -69,8 +70,10 @@ def data_fingerprint(manifest_uri: str) -> str:
     return hashlib.sha256(storage.read_bytes(manifest_uri)).hexdigest()[:16]
 
 
-def register(storage_root: str, name: str, model_uri: str, card: dict[str, Any]) -> dict[str, Any]:
-    """Copy the model into ``models/<name>/<version>/`` with its card; idempotent per model bytes."""
+def register(storage_root: str, name: str, model_uri: str, card: dict[str, Any],
+             code: shipping.SpecCode | None = None) -> dict[str, Any]:
+    """Copy the model into ``models/<name>/<version>/`` with its card and the spec source ``code`` (under ``code/``,
+    listed in the card's ``spec_source``); idempotent per model bytes."""
     data = storage.read_bytes(model_uri)
     version = version_of(data)  # every load of the registered file checks its bytes against this id (read_checked)
     _refuse_nonfinite(card, model_uri, version)
@@ -80,6 +83,10 @@ def register(storage_root: str, name: str, model_uri: str, card: dict[str, Any])
         log.info("model %s/%s is already registered", name, version)
         return _card_at(folder)
     storage.write_bytes(storage.join(folder, "model.pt"), data)
+    for path, source in (code.files if code else {}).items():
+        storage.write_bytes(storage.join(folder, shipping.CODE_FOLDER, path), source)
+    if code is not None:
+        card = {**card, shipping.CARD_KEY: code.card_entry()}
     full_card = {**card, "model_name": name, "version": version, "model_uri": storage.join(folder, "model.pt"),
                  "sha256": hashlib.sha256(data).hexdigest(),
                  "registered_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -102,12 +109,18 @@ def register_for(config: PipelineConfig, out: str, model_uri: str, card: dict[st
                  run_id: str) -> dict[str, Any]:
     """Register the run's model in the config's registry backend: storage (default) or the MLflow Model Registry.
     Either way the storage root records which pipeline holds the model name (stagewise.models.owners)."""
+    # The config's spec is the bundle's: every bundle a run writes names config.model.spec (train, the runtime helper).
+    code = shipping.spec_code(config.model.spec, config.model.import_paths or ())
+    if changed := shipping.changed_since_start(code, card.get("source_fingerprints")):
+        log.warning("model.spec '%s': %s changed since the run started; the model carries the source as it is now",
+                    config.model.spec, ", ".join(changed))
     if config.registry.backend == "storage":
-        registered = register(config.storage_root, config.registry.model_name, model_uri, card)
+        registered = register(config.storage_root, config.registry.model_name, model_uri, card, code)
     else:
         version = version_of(storage.read_bytes(model_uri))
         _refuse_nonfinite(card, model_uri, version)
-        registered = mlflow_registry.register(config, out, model_uri, card, dag_id=dag_id, run_id=run_id, version=version)
+        registered = mlflow_registry.register(config, out, model_uri, card, dag_id=dag_id, run_id=run_id, version=version,
+                                              code=code)
     # After the version exists: a retry registers again (a no-op) and claims again, so a lost claim is never final.
     pipeline = pipeline_of(dag_id) or config.name  # a config without a name key takes its file's: the DAG id has it
     owners.claim(config.storage_root, config.registry.model_name, pipeline, card.get("config_source"), f"{dag_id}/{run_id}")
@@ -126,10 +139,6 @@ def gate_registered(config: PipelineConfig, registered: dict[str, Any], out: str
         decision = mlflow_registry.gate(config, registered, out)
     log_gate(config, out, registered, decision)
     return decision
-
-
-CARD_CHECKSUM = "card.json.sha256"
-"""Beside a registered version's card: the SHA-256 of its bytes as registered (versions registered before have none)."""
 
 
 def _card_at(folder: str) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """A model's self-contained bundle: spec reference, hyperparameters, data description, weights, preprocessing.
 
 A bundle is one ``torch.save`` file holding tensors and plain values only, so it loads with
-``torch.load(weights_only=True)``: no pickled code runs on load; loading imports the spec and builds the module.
+``torch.load(weights_only=True)``: no pickled code runs on load; loading imports the spec and builds the module. A
+registered version whose spec module is not importable here imports it from the source it carries (``code/``,
+stagewise.models.shipping).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from stagewise.core.errors import UserError
 from stagewise.definitions.hyperparams import BUILTIN_SPEC
 from stagewise.definitions.spec import DataInfo, ModelSpec, SpecRef
 from stagewise.models.building import build
+from stagewise.models.shipping import make_importable
 from stagewise.models.torch_io import parse_torch, read_checked, save_torch
+from stagewise.models.versions import registered_file
 
 BUNDLE_FORMAT = "stagewise-model/2"
 
@@ -70,6 +74,8 @@ def load_bundle(uri: str) -> Bundle:
     elif payload.get("format") != BUNDLE_FORMAT:
         raise UserError(f"{uri}: not a stagewise model bundle")
     ref = SpecRef(payload["spec"]["path"], dict(payload["spec"]["args"]))
+    if registered_file(uri):
+        make_importable(uri, ref.path)
     try:
         spec = ref.load()
     except UserError as exc:

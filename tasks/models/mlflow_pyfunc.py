@@ -1,12 +1,15 @@
 """A Stagewise bundle as an MLflow ``python_function`` model: ``mlflow.pyfunc.load_model("models:/<name>@champion")``.
 
-The registered artifact holds the bundle (weights-only ``model.pt``) and an MLmodel file naming this module as its
-``loader_module``: loading runs no pickled code, it imports Stagewise and the bundle's spec and loads the weights.
+The registered artifact holds the bundle (weights-only ``model.pt``), the spec's own source under ``code/`` and an
+MLmodel file naming this module as its ``loader_module`` and ``code/`` as its ``code`` (MLflow puts that folder on
+``sys.path`` before importing this module): loading runs no pickled code, it imports Stagewise and the bundle's spec
+and loads the weights.
 ``predict`` takes raw rows (a pandas DataFrame with the key and the raw feature columns, as batch inference reads
 them), preprocesses them as training did and returns the key with the spec's prediction columns.
 
-Runs in any environment with ``mlflow``, ``torch`` and ``stagewise`` (no Airflow); stagewise.tracking.registry writes
-the MLmodel file, without the mlflow package and without torch, when it registers a version.
+Runs in any environment with ``mlflow``, ``torch`` and ``stagewise`` (no Airflow, no spec folder: the spec travels
+with the model); stagewise.tracking.registry writes the MLmodel file, without the mlflow package and without torch,
+when it registers a version.
 """
 
 from __future__ import annotations

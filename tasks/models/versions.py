@@ -14,6 +14,8 @@ from stagewise.core.errors import DataError, UserError
 VERSION_PATTERN = r"m-[0-9a-f]{12}"
 # A registered model's file: models/<name>/<version>/model.pt (stagewise.registry's layout).
 _REGISTERED_FILE = re.compile(rf"/({VERSION_PATTERN})/model\.pt$")
+CARD_CHECKSUM = "card.json.sha256"
+"""Beside a registered version's card: the SHA-256 of its bytes as registered (versions registered before have none)."""
 
 
 def version_of(data: bytes) -> str:

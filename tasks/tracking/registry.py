@@ -1,7 +1,8 @@
 """Stagewise's registry on an MLflow server (``registry.backend: mlflow``): the Model Registry the team already reads.
 
 Registered model ``registry.model_name``; each version's artifact is the bundle as a pyfunc model
-(stagewise.models.mlflow_pyfunc: MLmodel + weights-only ``model.pt`` + card.json), linked to the DAG run's parent
+(stagewise.models.mlflow_pyfunc: MLmodel + weights-only ``model.pt`` + card.json + the spec's source under ``code/``,
+stagewise.models.shipping; requirements.txt holds ranges, not this machine's pins), linked to the DAG run's parent
 MLflow run. The gate tags the candidate with its decision and metrics, points alias ``challenger`` at it, and moves
 ``champion`` only when it passes; serving and retraining read ``models:/<name>@champion``. A registered-model tag
 keeps the former champions, so a rollback moves ``champion`` back. Unlike tracking, this is not best-effort: a
@@ -18,11 +19,13 @@ import logging
 import platform
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from stagewise.core import storage
 from stagewise.core.errors import UserError
 from stagewise.definitions.config import PipelineConfig
+from stagewise.models import shipping
 from stagewise.models.versions import judge
 from stagewise.tracking.api import MlflowApi, TrackingError, TrackingUnavailable, model_version_url
 from stagewise.tracking.runs import ensure_parent, parent_state
@@ -35,7 +38,6 @@ HISTORY_TAG = "stagewise.champion_history"  # registered-model tag: former champ
 MODEL_FOLDER = "model"
 DATA_FILE = "model.pt"  # the bundle, as the MLmodel's pyfunc ``data``
 LOADER_MODULE = "stagewise.models.mlflow_pyfunc"  # what mlflow.pyfunc.load_model imports to load the bundle
-REQUIREMENTS = ("stagewise", "torch", "pyarrow", "pandas", "numpy", "pyyaml", "fsspec", "pydantic")
 _CARD_TAGS = ("objective", "direction", "study", "source_run", "data_fingerprint", "code_version", "config_hash",
               "stagewise_version", "source_fingerprint")  # source_fingerprints (a path each) outgrow a tag: one hash of them
 
@@ -57,30 +59,22 @@ def _call(config: PipelineConfig, what: str, work: Any) -> Any:
         raise RuntimeError(f"MLflow registry at {config.tracking.mlflow_uri}: {what}: {exc}") from None
 
 
-def _requirements() -> list[str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    pinned = []
-    for name in REQUIREMENTS:
-        try:
-            pinned.append(f"{name}=={version(name).split('+')[0]}")
-        except PackageNotFoundError:
-            pinned.append(name)
-    return pinned
-
-
-def mlmodel_files(run_id: str, requirements: list[str], created: str) -> dict[str, bytes]:
-    """The MLmodel, python_env.yaml and requirements.txt beside ``model.pt`` in a registered version's artifact."""
+def mlmodel_files(run_id: str, requirements: list[str], created: str,
+                  code: Mapping[str, bytes] | None = None) -> dict[str, bytes]:
+    """The MLmodel, python_env.yaml and requirements.txt beside ``model.pt`` in a registered version's artifact, and
+    the spec's source ``code`` under ``code/``, the pyfunc flavor's ``code`` (MLflow puts it on sys.path first)."""
     import yaml
 
     python = platform.python_version()
+    flavor = {"loader_module": LOADER_MODULE, "data": DATA_FILE, **({"code": shipping.CODE_FOLDER} if code else {}),
+              "env": {"virtualenv": "python_env.yaml"}, "python_version": python}
     mlmodel = {"artifact_path": "model", "run_id": run_id, "model_uuid": uuid.uuid4().hex, "utc_time_created": created,
-               "flavors": {"python_function": {"loader_module": LOADER_MODULE, "data": DATA_FILE,
-                                               "env": {"virtualenv": "python_env.yaml"}, "python_version": python}}}
+               "flavors": {"python_function": flavor}}
     env = {"python": python, "build_dependencies": ["pip"], "dependencies": ["-r requirements.txt"]}
     return {"MLmodel": yaml.safe_dump(mlmodel, sort_keys=False).encode(),
             "python_env.yaml": yaml.safe_dump(env, sort_keys=False).encode(),
-            "requirements.txt": ("\n".join(requirements) + "\n").encode()}
+            "requirements.txt": ("\n".join(requirements) + "\n").encode(),
+            **{f"{shipping.CODE_FOLDER}/{path}": source for path, source in (code or {}).items()}}
 
 
 def _tags(version: dict[str, Any]) -> dict[str, str]:
@@ -107,12 +101,15 @@ def card_of(version: dict[str, Any]) -> dict[str, Any]:
 
 
 def register(config: PipelineConfig, out: str, model_uri: str, card: dict[str, Any], *, dag_id: str, run_id: str,
-             version: str) -> dict[str, Any]:
-    """A new version of ``registry.model_name`` holding the bundle at ``model_uri``, linked to the DAG run's parent run;
-    a retry finds the version it already made (same run, same bundle id) instead of adding another."""
+             version: str, code: shipping.SpecCode | None = None) -> dict[str, Any]:
+    """A new version of ``registry.model_name`` holding the bundle at ``model_uri`` and the spec source ``code``,
+    linked to the DAG run's parent run; a retry finds the version it already made (same run, same bundle id) instead
+    of adding another."""
     name = config.registry.model_name
     api = _api(config)
     data = storage.read_bytes(model_uri)
+    if code is not None:
+        card = {**card, shipping.CARD_KEY: code.card_entry()}
 
     def work() -> dict[str, Any]:
         state = parent_state(out) or {}
@@ -125,7 +122,8 @@ def register(config: PipelineConfig, out: str, model_uri: str, card: dict[str, A
                 log.info("model %s version %s (%s) is already registered in MLflow", name, existing["version"], version)
                 return existing
         created = time.strftime("%Y-%m-%d %H:%M:%S.000000", time.gmtime())
-        files = {DATA_FILE: data, **mlmodel_files(parent, _requirements(), created),
+        files = {DATA_FILE: data, **mlmodel_files(parent, shipping.requirements(code.requirements if code else ()),
+                                                  created, code.files if code else None),
                  "card.json": json.dumps(card, indent=2, sort_keys=True, default=str).encode()}
         for path, content in files.items():
             api.upload(artifacts, f"{MODEL_FOLDER}/{path}", content)

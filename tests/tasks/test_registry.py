@@ -285,3 +285,66 @@ def test_the_gate_refuses_to_trust_an_incumbent_card_changed_after_registration(
     with pytest.raises(DataError, match=rf"{incumbent}/card.json: the card was changed after its version was registered"):
         registry.gate(str(storage_root), NAME, weaker, "test_accuracy", margin=0.0)
     assert registry.pointer(str(storage_root), NAME)["version"] == incumbent
+
+
+SHIPPED_SPEC = '''
+from torch import nn
+
+from shipped_spec_layers import WIDTH
+from stagewise.spec import Classifier
+
+
+class TinyNet(Classifier):
+    default_params = {"hidden": WIDTH}
+
+    def build(self, data, params):
+        return nn.Sequential(nn.Linear(data.num_features, int(params["hidden"])), nn.Tanh(),
+                             nn.Linear(int(params["hidden"]), data.num_classes))
+'''
+
+
+def test_a_version_carries_its_spec_source_and_loads_where_the_spec_folder_is_gone(storage_root, tmp_path, monkeypatch):
+    """The spec module and the helper it imports go under models/<name>/<version>/code/, the card's spec_source lists
+    them with their sha256 (the card's checksum still holds), and loading the version in a process where the spec is
+    not importable imports it from there; a shipped file changed after registration is refused."""
+    import torch
+
+    from stagewise.core.errors import DataError
+    from stagewise.definitions.spec import DataInfo, SpecRef
+    from stagewise.models import shipping
+    from stagewise.models.bundle import load_bundle, save_bundle
+
+    team = tmp_path / "team"
+    team.mkdir()
+    (team / "shipped_spec.py").write_text(SHIPPED_SPEC)
+    (team / "shipped_spec_layers.py").write_text("WIDTH = 5\n")
+    monkeypatch.setattr(sys, "path", [str(team), *sys.path])
+    ref, data = SpecRef("shipped_spec:TinyNet"), DataInfo(features=["a", "b", "c"], num_classes=2)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    save_bundle(str(tmp_path / "model.pt"), module, ref, data, {"hidden": 5}, {}, {})
+    card = registry.register(str(storage_root), NAME, str(tmp_path / "model.pt"), {"test_accuracy": 0.9},
+                             shipping.spec_code(ref.path, [str(team)]))
+    folder = storage_root / "models" / NAME / card["version"]
+    assert sorted(p.name for p in (folder / "code").iterdir()) == ["shipped_spec.py", "shipped_spec_layers.py"]
+    assert [entry["path"] for entry in registry.card(str(storage_root), NAME, card["version"])["spec_source"]["files"]] \
+        == ["shipped_spec.py", "shipped_spec_layers.py"]
+
+    monkeypatch.setattr(sys, "path", [path for path in sys.path if path != str(team)])
+    for name in ("shipped_spec", "shipped_spec_layers"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(shipping, "_IMPORTABLE", {})
+    (team / "shipped_spec.py").unlink()
+    with pytest.raises(UserError, match="cannot import module 'shipped_spec'"):
+        ref.load()  # the control: nothing else on this path holds the spec
+    loaded = load_bundle(card["model_uri"])
+    assert type(loaded.spec).__name__ == "TinyNet" and "stagewise-code-" in sys.modules["shipped_spec"].__file__
+    inputs = torch.randn(4, 3)
+    assert torch.equal(loaded.module(inputs), module(inputs))
+
+    monkeypatch.setattr(shipping, "_IMPORTABLE", {})
+    for name in ("shipped_spec", "shipped_spec_layers"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(sys, "path", [path for path in sys.path if "stagewise-code-" not in path])
+    (folder / "code" / "shipped_spec_layers.py").write_text("WIDTH = 6\n")
+    with pytest.raises(DataError, match=r"code/shipped_spec_layers.py: its bytes do not match the sha256"):
+        load_bundle(card["model_uri"])
