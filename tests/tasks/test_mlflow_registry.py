@@ -1,11 +1,14 @@
 """Training stages tracked in MLflow and the MLflow registry backend, against a real `mlflow server`, read back with
 MLflow's official client: each stage's nested run on one step axis across stages, a registered version that
-`mlflow.pyfunc` loads and that scores raw rows as batch inference does, and the champion/challenger aliases through a
-passing gate, a refusing gate and a rollback."""
+`mlflow.pyfunc` loads and that scores raw rows as batch inference does (a team's own spec too, in a fresh process
+without the spec's folder), and the champion/challenger aliases through a passing gate, a refusing gate and a
+rollback."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -19,6 +22,7 @@ from stagewise.definitions.loading import load_config
 from stagewise.tracking.registry import CHALLENGER, CHAMPION
 from stagewise.tracking.runs import start_parent
 from tests.conftest import base_config, preprocess_digits
+from tests.mlflow_server import MLFLOW_PYTHON
 
 pytestmark = pytest.mark.service
 
@@ -108,6 +112,83 @@ def test_a_registered_version_loads_with_mlflow_pyfunc_and_scores_as_batch_infer
     assert {"model/MLmodel", "model/model.pt", "model/card.json", "model/requirements.txt"} <= set(seen["files"])
     assert seen["loader"] == "stagewise.models.mlflow_pyfunc"
     assert dict(zip(seen["keys"], seen["prediction"])) == dict(zip(ours["row_id"], ours["prediction"]))
+
+
+OWN_SPEC = '''"""A team's own spec beside its config: a tanh net whose hidden block comes from a helper module beside it."""
+from fresh_env_blocks import hidden_block
+from torch import nn
+
+from stagewise.spec import Classifier
+
+
+class TanhNet(Classifier):
+    default_params = {"hidden": 24}
+
+    def build(self, data, params):
+        width = int(params["hidden"])
+        return nn.Sequential(*hidden_block(data.num_features, width), nn.Linear(width, data.num_classes))
+'''
+OWN_BLOCKS = '''from torch import nn
+
+
+def hidden_block(inputs, width):
+    return [nn.Linear(inputs, width), nn.Tanh()]
+'''
+FRESH_LOAD = """
+import importlib.util, json, sys
+importable = importlib.util.find_spec("fresh_env_tanh") is not None
+import mlflow.pyfunc, pandas as pd
+mlflow.set_tracking_uri(sys.argv[1])
+model = mlflow.pyfunc.load_model("models:/fresh_env_model@champion")
+predicted = model.predict(pd.read_parquet(sys.argv[2]))
+print("RESULT " + json.dumps({"importable_before": importable, "spec_file": sys.modules["fresh_env_tanh"].__file__,
+      "keys": predicted["row_id"].tolist(), "prediction": predicted["prediction"].tolist(),
+      "probabilities": [list(map(float, row)) for row in predicted["probabilities"]]}))
+"""
+
+
+@pytest.mark.subprocess
+def test_fresh_env_loads_a_users_own_spec_without_its_folder_and_predicts_as_stagewise(tmp_path, mlflow_server):
+    """A model of a team's own spec (a module beside the config and a helper it imports) loads with
+    mlflow.pyfunc.load_model("models:/<name>@champion") in a fresh process of MLflow's environment whose path lacks the
+    spec's folder (the spec is not importable there before loading), from the source the version carries, with no
+    requirements-mismatch warning, and predicts on raw rows what Stagewise's batch inference writes."""
+    import numpy as np
+
+    (tmp_path / "fresh_env_tanh.py").write_text(OWN_SPEC)
+    (tmp_path / "fresh_env_blocks.py").write_text(OWN_BLOCKS)
+    config = _config(tmp_path, mlflow_server.uri, "fresh_env_model",
+                     **{"model.spec": "fresh_env_tanh:TanhNet", "train.stages.0.epochs": 1})
+    out = str(tmp_path / "runs" / "ml_pipeline" / "own")
+    preprocess_digits(tmp_path / "fresh_env_model.yaml", out)
+    _parent(config, out, "own")
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            patch.delenv(name, raising=False)
+        trained = train.run_stage(config, "s1", out, {"lr": 0.05, "hidden": 16}, None)
+    card = {"test_accuracy": 0.9, "objective": "accuracy", "source_run": "ml_pipeline/own"}
+    registered = registry.register_for(config, out, trained["model_uri"], card, dag_id="ml_pipeline", run_id="own")
+    assert registry.gate_registered(config, registered, out)["promoted"]
+    assert [entry["path"] for entry in registered["spec_source"]["files"]] == ["fresh_env_blocks.py", "fresh_env_tanh.py"]
+
+    raw_file = storage.list_parquet(storage.resolve(config.storage_root, config.dataset.uri))[0]
+    scored = infer.score_shard(config, trained["model_uri"], plan_inference(raw_file, 10_000)[0], str(tmp_path / "scored"))
+    ours = pq.read_table(scored["uri"]).to_pydict()
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONSTARTUP")}
+    done = subprocess.run([str(MLFLOW_PYTHON), "-c", FRESH_LOAD, mlflow_server.uri, raw_file], cwd=fresh, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    assert not seen["importable_before"], "the spec's folder must not be on the fresh process's path"
+    spec_file = Path(seen["spec_file"])
+    assert spec_file.parent.name == "code" and not spec_file.is_relative_to(tmp_path), f"not the model's: {spec_file}"
+    assert "mismatches between the model's dependencies" not in done.stderr, done.stderr[-2000:]
+    assert dict(zip(seen["keys"], seen["prediction"])) == dict(zip(ours["row_id"], ours["prediction"]))
+    order = {key: index for index, key in enumerate(seen["keys"])}
+    theirs = np.array([seen["probabilities"][order[key]] for key in ours["row_id"]])
+    assert np.allclose(theirs, np.array(ours["probabilities"]), atol=1e-6)
 
 
 def test_the_gate_moves_champion_only_when_the_candidate_passes_and_rollback_moves_it_back(tmp_path, mlflow_server):
