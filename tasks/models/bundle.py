@@ -88,6 +88,8 @@ def load_bundle(uri: str) -> Bundle:
         raise UserError(f"{uri}: the weights do not fit what {ref.path} builds now (did the spec change since the model "
                         f"was trained?): {str(exc).splitlines()[0]}") from None
     module.eval()
+    if hasattr(spec, "threshold"):  # a binary Classifier predicts at the threshold its validation chose
+        spec.threshold = payload["extra"].get("decision_threshold")
     return Bundle(module=module, spec=spec, ref=ref, data=data, params=dict(payload["params"]),
                   preprocessing=payload["preprocessing"], extra=payload["extra"], version=version)
 
