@@ -84,11 +84,18 @@ def as_state(value: Any, device: torch.device | str | None = None) -> MetricStat
 # --- states the built-in metrics (and a user's own) are made of ------------------------------------------------------
 
 
+def _counts(index: torch.Tensor, size: int) -> torch.Tensor:
+    """How often each of ``size`` values occurs in ``index``, as float64: a fixed-size add, where torch.bincount on a
+    GPU reads the largest index back to the host to size its output (a sync per batch). Counts add exactly."""
+    flat = index.reshape(-1)
+    return torch.zeros(size, dtype=torch.float64, device=flat.device).index_add_(
+        0, flat, torch.ones(flat.shape, dtype=torch.float64, device=flat.device))
+
+
 def confusion_matrix(predicted: torch.Tensor, targets: torch.Tensor, num_classes: int) -> torch.Tensor:
     """(num_classes, num_classes) counts as float64: row = true class, column = predicted class."""
     index = targets.reshape(-1).long() * num_classes + predicted.reshape(-1).long()
-    counts = torch.bincount(index, minlength=num_classes * num_classes)
-    return counts.to(torch.float64).reshape(num_classes, num_classes)
+    return _counts(index, num_classes * num_classes).reshape(num_classes, num_classes)
 
 
 def log_odds(logits: torch.Tensor) -> torch.Tensor:
@@ -109,7 +116,7 @@ def score_histogram(scores: torch.Tensor, positive: torch.Tensor) -> torch.Tenso
     classes = columns.shape[1]
     offset = torch.arange(classes, device=scores.device) * (2 * CURVE_BINS)
     index = offset + flags * CURVE_BINS + bins
-    counts = torch.bincount(index.reshape(-1), minlength=classes * 2 * CURVE_BINS).to(torch.float64)
+    counts = _counts(index, classes * 2 * CURVE_BINS)
     return counts.reshape(classes, 2, CURVE_BINS) if scores.dim() == 2 else counts.reshape(2, CURVE_BINS)
 
 
