@@ -2,7 +2,9 @@
 
 A function returns ``{"ours": float, "baseline": float, "unit": str, "details": dict}``; the ratio
 is ours / baseline (for speed-ups defined as time ratios, the function puts the slower run in
-"ours", as its docstring says), judged against the goal, e.g. ">= 0.95". A function that cannot run
+"ours", as its docstring says), judged against the goal, e.g. ">= 0.95"; a function whose sides run in
+alternating pairs may return ``"ratio"``, the median of the pairs' ratios (drift on a shared machine cancels within a
+pair), beside the two sides' medians. A function that cannot run
 on this machine (a GPU benchmark without CUDA) raises :class:`bench.harness.BenchmarkSkipped`. A benchmark with a
 goal besides its ratio (an absolute time) returns ``"also_met": bool`` too: False makes ``met`` false.
 

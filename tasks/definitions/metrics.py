@@ -33,10 +33,10 @@ import torch
 from stagewise.core.errors import UserError
 from stagewise.definitions.metric_names import CLASSIFICATION, CURVE_METRICS, MAX_CURVE_CLASSES, REGRESSION, THRESHOLD
 
-CURVE_BINS = 16384
+CURVE_BINS = 8192
 """Histogram bins of each class's log-odds for auroc and auprc."""
 LOGIT_RANGE = 16.0
-"""The log-odds the bins span (±16: probabilities from 1.1e-7 to 1 - 1.1e-7; beyond, the end bins)."""
+"""The log-odds the bins span (±16: probabilities from 1.1e-7 to 1 - 1.1e-7; beyond, the end bins): bins 0.0039 wide."""
 CURVE_TOLERANCE = 1e-3
 """The largest difference from the exact (scikit-learn's) auroc and auprc the tests allow."""
 
@@ -98,9 +98,10 @@ def confusion_matrix(predicted: torch.Tensor, targets: torch.Tensor, num_classes
     return _counts(index, num_classes * num_classes).reshape(num_classes, num_classes)
 
 
-def log_odds(logits: torch.Tensor) -> torch.Tensor:
-    """(rows, classes) log-odds of each class's softmax probability, log p - log(1 - p), in float64."""
-    logp = torch.log_softmax(logits.double(), dim=1)
+def log_odds(logits: torch.Tensor, logp: torch.Tensor | None = None) -> torch.Tensor:
+    """(rows, classes) log-odds of each class's softmax probability, log p - log(1 - p), in float64 (``logp``: the
+    logits' float64 log_softmax, when the caller has it already)."""
+    logp = torch.log_softmax(logits.double(), dim=1) if logp is None else logp
     if logits.shape[1] == 2:  # exact for two classes: the other class's log-probability is log(1 - p)
         return logp - logp.flip(1)
     return logp - torch.log(-torch.expm1(logp).clamp(max=-1e-300))
@@ -189,36 +190,41 @@ def _curve_points(histogram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return positives.cumsum(0), negatives.cumsum(0)
 
 
+def _auroc(histogram: torch.Tensor) -> torch.Tensor:
+    """Area under the ROC curve of each (2, bins) histogram in ``histogram`` (..., 2, bins); scores in one bin count as
+    ties (trapezoids); nan where a class has no positives or no negatives."""
+    negatives, positives = histogram[..., 0, :], histogram[..., 1, :]
+    above = positives.flip(-1).cumsum(-1).flip(-1) - positives  # positives in higher bins
+    pairs = positives.sum(-1) * negatives.sum(-1)
+    area = (negatives * (above + positives / 2)).sum(-1)
+    return torch.where(pairs > 0, area / pairs.clamp(min=1), torch.full_like(area, math.nan))
+
+
+def _auprc(histogram: torch.Tensor) -> torch.Tensor:
+    """Average precision (scikit-learn's step-wise area, one step per non-empty bin) of each (2, bins) histogram in
+    ``histogram`` (..., 2, bins); nan where a class has no positives."""
+    positives = histogram[..., 1, :].flip(-1)
+    true_positive, false_positive = positives.cumsum(-1), histogram[..., 0, :].flip(-1).cumsum(-1)
+    total = positives.sum(-1)
+    precision = _safe(true_positive, true_positive + false_positive)
+    area = (positives * precision).sum(-1)
+    return torch.where(total > 0, area / total.clamp(min=1), torch.full_like(area, math.nan))
+
+
+def _macro_mean(values: torch.Tensor) -> float:
+    """The mean over classes that have a value (one-vs-rest: a class absent from the split has none)."""
+    kept = values[~torch.isnan(values)]
+    return float(kept.mean()) if kept.numel() else math.nan
+
+
 def binary_auroc(histogram: torch.Tensor) -> float:
-    """Area under the ROC curve from a (2, bins) histogram; scores in one bin count as ties (trapezoids)."""
-    negatives, positives = histogram[0], histogram[1]
-    total_pos, total_neg = float(positives.sum()), float(negatives.sum())
-    if total_pos == 0 or total_neg == 0:
-        return math.nan
-    above = positives.flip(0).cumsum(0).flip(0) - positives  # positives in higher bins
-    return float((negatives * (above + positives / 2)).sum() / (total_pos * total_neg))
+    """Area under the ROC curve from a (2, bins) histogram, or the one-vs-rest macro mean over (classes, 2, bins)."""
+    return _macro_mean(_auroc(histogram).reshape(-1))
 
 
 def binary_auprc(histogram: torch.Tensor) -> float:
-    """Average precision (scikit-learn's step-wise area) from a (2, bins) histogram, one step per non-empty bin."""
-    true_positive, false_positive = _curve_points(histogram)
-    total_pos = float(histogram[1].sum())
-    if total_pos == 0:
-        return math.nan
-    step = histogram[1].flip(0)
-    precision = _safe(true_positive, true_positive + false_positive)
-    return float((step / total_pos * precision).sum())
-
-
-def _over_classes(metric: Callable[[torch.Tensor], float]) -> Callable[[torch.Tensor], float]:
-    def compute(histogram: torch.Tensor) -> float:
-        if histogram.dim() == 2:
-            return metric(histogram)
-        values = [value for value in (metric(histogram[c]) for c in range(len(histogram))) if not math.isnan(value)]
-        return sum(values) / len(values) if values else math.nan
-
-    compute.__name__ = metric.__name__
-    return compute
+    """Average precision from a (2, bins) histogram, or the one-vs-rest macro mean over (classes, 2, bins)."""
+    return _macro_mean(_auprc(histogram).reshape(-1))
 
 
 def choose_threshold(histogram: torch.Tensor, rule: str = "f1", target: float | None = None) -> float:
@@ -273,11 +279,12 @@ def classification_metrics(outputs: torch.Tensor, targets: torch.Tensor, names: 
                      "f1_micro": f1_micro, "f1_weighted": f1_weighted, "precision_macro": precision_macro,
                      "recall_macro": recall_macro}
         states.update({name: MetricState(counts, functions[name]) for name in sorted(counted)})
+    curves = bool(wanted & set(CURVE_METRICS)) and num_classes <= MAX_CURVE_CLASSES
+    logp = torch.log_softmax(outputs.double(), dim=1) if curves or "log_loss" in wanted else None
     if "log_loss" in wanted:
-        picked = torch.log_softmax(outputs.double(), dim=1).gather(1, targets.unsqueeze(1))
-        states["log_loss"] = as_state(Average(-picked.sum(), len(targets)))
-    if wanted & set(CURVE_METRICS) and num_classes <= MAX_CURVE_CLASSES:
-        scores = log_odds(outputs)
+        states["log_loss"] = as_state(Average(-logp.gather(1, targets.unsqueeze(1)).sum(), len(targets)))
+    if curves:
+        scores = log_odds(outputs, logp)
         if num_classes == 2:
             histogram = score_histogram(scores[:, 1], targets == 1)
             states[THRESHOLD] = MetricState(histogram, _threshold_of(*threshold_rule))
@@ -285,7 +292,7 @@ def classification_metrics(outputs: torch.Tensor, targets: torch.Tensor, names: 
             histogram = score_histogram(scores, torch.nn.functional.one_hot(targets, num_classes))
         for name, metric in (("auroc", binary_auroc), ("auprc", binary_auprc)):
             if name in wanted:
-                states[name] = MetricState(histogram, _over_classes(metric))
+                states[name] = MetricState(histogram, metric)
     return states
 
 

@@ -101,6 +101,8 @@ class EpochResult:
     """Mean global gradient norm before clipping over the epoch's steps (None: the stage does not clip)."""
     noise_scale: float | None = None
     """The gradient noise scale B_simple at the epoch's end (stagewise.training.noise_scale; None: not measured)."""
+    validation_s: float | None = None
+    """Seconds the epoch's validation took on this rank: every metric's states, their all-reduce and computation."""
 
 
 @dataclass(kw_only=True)
@@ -335,7 +337,9 @@ class Loop(NoiseMeasurement):
                     on_step(self)
         self.check_finite(lr_at)
         elapsed = time.perf_counter() - started
+        validation_started = time.perf_counter()
         metrics = self.validation_metrics()
+        validation_s = time.perf_counter() - validation_started
         loss_sum, seen, new_samples = position.loss_sum, position.seen, position.seen - samples_before
         if self.objective not in metrics:
             raise UserError(f"objective.metric '{self.objective}' is not among the validation metrics "
@@ -343,7 +347,8 @@ class Loop(NoiseMeasurement):
         grad_norm = position.grad_norm_sum / position.norm_steps if position.norm_steps else None
         result = EpochResult(epoch=position.epoch, train_loss=loss_sum / max(seen, 1), val_metric=metrics[self.objective],
                              val_metrics=metrics, samples_per_s=new_samples / max(elapsed, 1e-9), lr=lr, steps=position.step,
-                             grad_norm=grad_norm, noise_scale=self.noise_estimates().get("noise_scale"))
+                             grad_norm=grad_norm, noise_scale=self.noise_estimates().get("noise_scale"),
+                             validation_s=validation_s)
         self.position = Position(epoch=position.epoch + 1, step=position.step)
         return result
 

@@ -22,7 +22,7 @@ MLP = "stagewise.model:MLPClassifier"
 pytestmark = pytest.mark.torchrun
 
 # What an epoch's history entry measures of the wall clock: the only fields a resumed stage may record otherwise.
-TIMING_FIELDS = ("samples_per_s",)
+TIMING_FIELDS = ("samples_per_s", "validation_s")
 
 
 def recorded_history(stage_dir: str | Path) -> list[dict]:
