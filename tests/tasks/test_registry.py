@@ -174,14 +174,14 @@ def test_the_config_drives_the_gate_serving_and_a_retrains_warm_start(write_conf
     with (named version or current), and a retrain warm-started from the current model's study."""
     from stagewise.definitions.loading import load_config
 
-    config = load_config(write_config(), {"objective.metric": "rmse", "objective.direction": "minimize",
-                                          "registry.gate_metric": "test_rmse", "retrain.num_trials": 3})
+    config = load_config(write_config(), {"objective.metric": "log_loss", "objective.direction": "minimize",
+                                          "registry.gate_metric": "test_log_loss", "retrain.num_trials": 3})
     assert registry.retrain_overrides(config) == {"sweep.num_trials": 3, "sweep.warm_start_from": ""}
     with pytest.raises(UserError, match="no current 'digits' model"):
         registry.serving_model(config, None)
-    first = registry.register(str(storage_root), NAME, _model(tmp_path, "a", b"a" * 10), {"test_rmse": 50.0, "study": "s-a"})["version"]
+    first = registry.register(str(storage_root), NAME, _model(tmp_path, "a", b"a" * 10), {"test_log_loss": 50.0, "study": "s-a"})["version"]
     assert registry.gate_new_version(config, first)["promoted"]
-    worse = registry.register(str(storage_root), NAME, _model(tmp_path, "b", b"b" * 10), {"test_rmse": 60.0, "study": "s-b"})["version"]
+    worse = registry.register(str(storage_root), NAME, _model(tmp_path, "b", b"b" * 10), {"test_log_loss": 60.0, "study": "s-b"})["version"]
     decision = registry.gate_new_version(config, worse)
     assert not decision["promoted"] and decision["current"] == first
     assert decision["model_uri"] == registry.card(str(storage_root), NAME, first)["model_uri"]
