@@ -96,13 +96,14 @@ def sweep_inputs(config: PipelineConfig, data: str, code: dict[str, Any]) -> str
 def stage_inputs(config: PipelineConfig, stage: str, data: str, params: dict[str, Any], upstream: str | None,
                  code: dict[str, Any]) -> str:
     """A training stage: the data, the params it trains with, the stage before's output (its fingerprint), the
-    training settings every stage shares, this stage's own and how many processes run it."""
+    training settings every stage shares, this stage's own, how many processes run it and the rule its validation
+    chooses a binary model's decision threshold by (the bundle keeps that threshold)."""
     shared = {key: value for key, value in section(config, "train").items() if key != "stages"}
     spec = config.stage(stage)
     return digest({"kind": "stage", "data": data, "params": params, "upstream": upstream, "train": shared,
                    "stage": spec.model_dump(mode="json"), "model": section(config, "model"),
                    "objective": section(config, "objective"), "placement": _placement(config, spec.profile),
-                   "code": code})
+                   "threshold": config.evaluate.threshold.model_dump(mode="json"), "code": code})
 
 
 def evaluation_inputs(config: PipelineConfig, model: str, data: str, code: dict[str, Any]) -> str:

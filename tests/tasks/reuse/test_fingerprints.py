@@ -49,6 +49,15 @@ def test_stage_inputs_chain_the_stage_before_and_the_data(write_config):
         assert other != key
 
 
+def test_a_stage_is_not_reused_under_another_threshold_rule(write_config, storage_root):
+    """A stage's bundle holds the decision threshold its validation chose by evaluate.threshold: another rule is
+    another stage (served from the cache, the old threshold would label inference's rows)."""
+    raw = base_config(storage_root)
+    key = fingerprints.stage_inputs(load_config(write_config(raw)), "s1", "data1", {"lr": 0.1}, None, CODE)
+    raw["evaluate"]["threshold"] = {"rule": "precision", "target": 0.9}
+    assert fingerprints.stage_inputs(load_config(write_config(raw)), "s1", "data1", {"lr": 0.1}, None, CODE) != key
+
+
 def test_package_fingerprint_is_stable_in_a_process():
     """Stagewise's own source hashes the same twice (a cached value, not a timestamp)."""
     assert fingerprints.package_fingerprint() == fingerprints.package_fingerprint()
