@@ -69,7 +69,13 @@ if __name__ == "__main__":
 from stagewise.core import storage
 from stagewise.core.errors import DataError
 from stagewise.datasets import predictions, sharding
-from stagewise.datasets.columns import check_feature_types, check_typed_types, flatten_features, layout_of
+from stagewise.datasets.columns import (
+    check_feature_types,
+    check_typed_types,
+    check_unique_columns,
+    flatten_features,
+    layout_of,
+)
 from stagewise.datasets.typed import fill_categories, typed_block, write_typed_slots
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.loading import load_config
@@ -373,6 +379,7 @@ def score_shard(config: PipelineConfig, model_uri: str, shard: dict[str, Any], o
             missing = [c for c in [key, *columns] if c not in schema.names]
             if missing:
                 raise DataError(f"{uri}: column(s) {missing} the model needs are missing")
+            check_unique_columns(schema, [key, *columns], uri)
             check_feature_types(schema, [c.name for c in layout.columns if not c.typed], shapes, uri)
             if layout.typed:
                 check_typed_types(schema, layout, uri)

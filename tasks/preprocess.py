@@ -44,6 +44,7 @@ from stagewise.datasets.columns import (
     schema_types,
     type_difference,
 )
+from stagewise.datasets.dirt import all_dirty_message
 from stagewise.datasets.keys import KEY_HASHES_SUFFIX, key_hashes, repeated_hashes, split_of
 from stagewise.datasets.statistics import (
     CheckedBatch,
@@ -365,7 +366,7 @@ def reduce_stats(config: PipelineConfig, out: str, stats_uris: list[str]) -> dic
         names = ", ".join(part["shard"] for part in parts[:5]) + (f" and {len(parts) - 5} more" if len(parts) > 5 else "")
         raise DataError(f"{config.dataset.uri} (dataset.uri) has no rows: all {len(parts)} file(s) are empty ({names})")
     if total["count"] == 0:
-        raise DataError(f"{config.dataset.uri}: every row was dropped as dirty (nulls or non-finite features or target)")
+        raise DataError(all_dirty_message(config.dataset, [uri for part in parts for uri in _part_files(part)]))
     dropped = total["rows_in"] - total["count"]
     if dropped > config.preprocess.max_null_fraction * total["rows_in"]:
         raise DataError(f"{config.dataset.uri}: {dropped} of {total['rows_in']} rows are dirty, above "

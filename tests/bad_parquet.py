@@ -42,3 +42,15 @@ def write_bad_file(kind: str, path: Path, good: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
     return path
+
+
+def write_repeated_column(path: Path, columns: dict, repeated: str) -> Path:
+    """Write ``columns`` with ``repeated`` stored twice under one name, as pyarrow (and Spark's writers) let through."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names = [*columns, repeated]
+    table = pa.Table.from_arrays([*columns.values(), columns[repeated]], names=names)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+    return path

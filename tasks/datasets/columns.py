@@ -121,9 +121,22 @@ def check_feature_types(schema: pa.Schema, columns: list[str], shapes: dict[str,
                             f"{kind.list_size} numbers a row")
 
 
+def check_unique_columns(schema: pa.Schema, wanted: list[str], uri: str) -> None:
+    """A column the data set reads must occur once in the file: with two of one name neither can be chosen."""
+    repeated = [name for name in dict.fromkeys(wanted) if schema.get_all_field_indices(name)[1:]]
+    if repeated:
+        counts = ", ".join(f"'{name}' {len(schema.get_all_field_indices(name))} times" for name in repeated)
+        raise DataError(f"{uri}: column name(s) repeat in this file ({counts}); a column the data set reads must "
+                        f"occur once: rename or drop the copies where the file is written")
+
+
 def resolve_columns(dataset: Dataset, schema: pa.Schema, uri: str) -> Columns:
     """Check ``schema`` against the declared data set; the error names the file and the column."""
     names = set(schema.names)
+    declared_features = ([name for name in schema.names if name.startswith(dataset.features[:-1])]
+                         if isinstance(dataset.features, str) else
+                         [item if isinstance(item, str) else item.column for item in dataset.features])
+    check_unique_columns(schema, [dataset.key, dataset.label, *declared_features], uri)
     for role, column in (("key", dataset.key), ("label", dataset.label)):
         if column == FEATURES_COLUMN:
             raise DataError(f"dataset.{role} '{column}' clashes with the processed '{FEATURES_COLUMN}' vector column; rename it")
