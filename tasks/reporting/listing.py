@@ -201,9 +201,8 @@ def _folders(path: str) -> list[os.DirEntry[str]]:
 
 def _scan_remote(fs: Any, base: str, path: str, depth: int, filename: str) -> list[Listed]:
     root = path.rstrip("/")
-    fs.invalidate_cache(root)  # s3fs keeps listings: another process's new run must show in this call
     try:
-        found = fs.find(root, detail=True)  # one listing of every key under the prefix, no request per folder
+        found = fs.find(root, detail=True)  # fresh (storage.filesystem keeps no listings): one listing of every key
     except FileNotFoundError:
         return []
     prefix = base.rstrip("/")

@@ -237,3 +237,30 @@ def test_ingest_onto_s3_adds_each_file_once_and_leaves_no_partial_object(s3_env,
     assert not [key for key in fs.find(f"{bucket}/root") if "partial" in key]
     again = ingest(config, str(source), target)
     assert again["added"] == [] and len(storage.list_parquet(target)) == 4
+
+
+@pytest.mark.service
+def test_a_report_another_process_writes_shows_in_this_processs_next_read(s3_bucket):
+    """As the api-server sees a run on S3: a run folder is listed and its report.json looked for while the run is in
+    flight; another process (its own S3 client) then writes the report; the next listing lists it, its row reads it
+    (never "unreadable … does not exist") and the run page's existence check finds it, with no restart."""
+    import s3fs
+
+    from stagewise.reporting import listing
+
+    bucket = s3_bucket.removeprefix("s3://")
+    writer = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}, skip_instance_cache=True)
+    writer.pipe_file(f"{bucket}/runs/ml_pipeline/done/report.json", json.dumps({"run_id": "done"}).encode())
+    writer.pipe_file(f"{bucket}/runs/ml_pipeline/running/config.yaml", b"name: digits\n")
+    report_uri = storage.join(s3_bucket, "runs", "ml_pipeline", "running", "report.json")
+    assert [item.parts for item in listing.run_reports(s3_bucket)] == [("ml_pipeline", "done")]
+    assert not storage.exists(report_uri)
+    fs, _ = storage.filesystem(report_uri)
+    fs.ls(f"{bucket}/runs/ml_pipeline/running")  # the run page's folder looked at while the run had no report
+
+    writer.pipe_file(f"{bucket}/runs/ml_pipeline/running/report.json", json.dumps({"run_id": "running"}).encode())
+    reports = listing.run_reports(s3_bucket)
+    assert {item.parts for item in reports} == {("ml_pipeline", "done"), ("ml_pipeline", "running")}
+    rows = {row.run_id: row for row in listing.run_rows(s3_bucket, reports, recheck_files=True)}
+    assert rows["running"].state != "unreadable", rows["running"].error
+    assert storage.exists(report_uri) and storage.read_json(report_uri) == {"run_id": "running"}
