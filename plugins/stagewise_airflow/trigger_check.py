@@ -1,7 +1,7 @@
 """A root middleware of the api-server: a trigger of a Stagewise DAG whose conf names a key the DAG has no Param for
-(a typo such as ``num_trails``), or whose body passes MAX_TRIGGER_BYTES, is refused with HTTP 400 before Airflow
-stores the run; start_run refuses the same keys again for a run made another way (``airflow dags trigger``, a test).
-Triggers of other DAGs, and every other request, pass untouched."""
+(a typo such as ``num_trails``), or whose body passes MAX_TRIGGER_BYTES or nests past MAX_TRIGGER_DEPTH, is refused
+with HTTP 400 before Airflow stores the run; start_run refuses the same keys again for a run made another way
+(``airflow dags trigger``, a test). Triggers of other DAGs, and every other request, pass untouched."""
 
 from __future__ import annotations
 
@@ -16,7 +16,55 @@ MAX_TRIGGER_BYTES = 1 << 20
 """The largest trigger body a Stagewise DAG takes: its form's values are a few hundred bytes; a conf megabytes long
 would sit in the metadata DB (and every task's context) before the run's first task could refuse it."""
 
+MAX_TRIGGER_DEPTH = 16
+"""The deepest nesting of objects and arrays a trigger body may have: the body, its conf and a form value such as
+``stage_epochs`` are three; Python's JSON decoder recurses per level and raised RecursionError (a 500) at ~1,000."""
+# Tokens that change the nesting: a whole JSON string (so brackets inside it do not count), a bracket, ':' or ','.
+_NESTING_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}:,]')
+# Path segments named in the error before it is cut short.
+NAMED_SEGMENTS = 8
+
 Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+
+def too_deep_path(body: bytes, limit: int = MAX_TRIGGER_DEPTH) -> str | None:
+    """The key path of the first object or array of ``body`` nested more than ``limit`` deep, else None; a loop over
+    tokens, not a recursive parse, so no depth overflows it. Malformed JSON is left to the decoder to name."""
+    kinds: list[bytes] = []  # b"{" or b"[" per open container
+    places: list[str | int | None] = []  # per open container: the key (object) or index (array) being read
+    last_string = b'""'
+    for match in _NESTING_TOKEN.finditer(body):
+        token = match.group()
+        if token[:1] == b'"':
+            last_string = token
+        elif token in (b"{", b"["):
+            kinds.append(token)
+            places.append(None if token == b"{" else 0)
+            if len(kinds) > limit:
+                return _path_text(places[:-1])
+        elif token in (b"}", b"]"):
+            if not kinds:
+                return None
+            kinds.pop()
+            places.pop()
+        elif kinds and token == b":" and kinds[-1] == b"{":
+            try:
+                places[-1] = json.loads(last_string)
+            except ValueError:
+                return None
+        elif kinds and token == b"," and kinds[-1] == b"[":
+            places[-1] = int(places[-1] or 0) + 1
+    return None
+
+
+def _path_text(places: list[str | int | None]) -> str:
+    """``conf.stage_epochs[0]``: keys joined with dots, indices in brackets; cut after NAMED_SEGMENTS segments."""
+    text = ""
+    for number, place in enumerate(places):
+        if number == NAMED_SEGMENTS:
+            return text + "…"
+        text += f"[{place}]" if isinstance(place, int) else (f".{place}" if text else str(place))
+    return text or "the body"
 
 
 def stagewise_params(dag_id: str) -> set[str] | None:
@@ -40,9 +88,12 @@ def trigger_problem(dag_id: str, body: bytes) -> str | None:
     if len(body) > MAX_TRIGGER_BYTES:
         return (f"trigger of {dag_id}: the request is {len(body)} bytes, more than a Stagewise run's trigger takes "
                 f"({MAX_TRIGGER_BYTES}); its conf holds the trigger form's values only")
+    if (path := too_deep_path(body)) is not None:
+        return (f"trigger of {dag_id}: {path} nests objects or arrays more than {MAX_TRIGGER_DEPTH} levels deep "
+                f"(counting the body itself); a Stagewise run's conf holds the trigger form's values, at most 3 levels")
     try:
         conf = json.loads(body or b"{}").get("conf")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None  # not a JSON object: Airflow's own validation names it
     if not isinstance(conf, dict):
         return None

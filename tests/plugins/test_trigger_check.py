@@ -84,3 +84,32 @@ def test_the_plugin_installs_the_check_on_the_whole_api_server():
     from stagewise.airflow.plugin import StagewiseUIPlugin
 
     assert trigger_check.TriggerConfCheck in [entry["middleware"] for entry in StagewiseUIPlugin.fastapi_root_middlewares]
+
+
+@pytest.mark.parametrize("depth", [trigger_check.MAX_TRIGGER_DEPTH + 1, 5_000, 200_000])
+def test_a_conf_nested_past_the_limit_is_a_400_naming_its_key_path(depth):
+    """A 5,000-deep conf made the check's json.loads raise RecursionError (a 500); the nesting is now counted without
+    recursion, at any depth, and refused naming where it goes too deep (the first levels of the path)."""
+    inner = depth - 3  # the body, its conf and the object under "stage_epochs" are the first three levels
+    body = b'{"logical_date": null, "conf": {"stage_epochs": {"s1": ' + b"[1, " * inner + b"2" + b"]" * inner + b"}}}"
+    sent, got = _call("/api/v2/dags/ml_pipeline/dagRuns", body, chunk=1 << 20)
+    assert sent[0]["status"] == 400 and not got
+    detail = json.loads(sent[1]["body"])["detail"]
+    assert detail.startswith("trigger of ml_pipeline: conf.stage_epochs.s1[1][1][1][1]")
+    assert f"more than {trigger_check.MAX_TRIGGER_DEPTH} levels deep" in detail
+
+
+def test_nesting_up_to_the_limit_and_brackets_inside_strings_reach_airflow():
+    """Exactly MAX_TRIGGER_DEPTH levels pass (Airflow then answers for the keys); brackets in a string are text."""
+    body = ('{"conf": ' + "[" * (trigger_check.MAX_TRIGGER_DEPTH - 1) + "]" * (trigger_check.MAX_TRIGGER_DEPTH - 1)
+            + "}").encode()
+    assert trigger_check.too_deep_path(body) is None
+    text = json.dumps({"conf": {"input_uri": "[[[{{{\\\"" * 1000}}).encode()
+    sent, got = _call("/api/v2/dags/ml_pipeline/dagRuns", text, chunk=1 << 20)
+    assert sent[0]["status"] == 200 and got == [text]
+
+
+def test_too_deep_path_names_keys_and_indices_and_cuts_a_long_path():
+    assert trigger_check.too_deep_path(b'{"a": [0, {"b": [[]]}]}', limit=4) == "a[1].b[0]"
+    deep = b'{"a": ' + b"[" * 40 + b"]" * 40 + b"}"
+    assert trigger_check.too_deep_path(deep, limit=16) == "a[0][0][0][0][0][0][0]…"
