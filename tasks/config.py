@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.pipelines is not None:
             check(args.pipelines or None)
             return
-    except ConfigError as exc:
+    except UserError as exc:  # a ConfigError; a DataError: a torn lineage.json or snapshot of the run to re-run
         raise SystemExit(str(exc)) from None
     except FileExistsError:
         raise SystemExit(f"{args.out} exists: give --out a new file") from None

@@ -12,6 +12,7 @@ of theirs each imports from those folders (a helper beside the spec). Stagewise'
 from __future__ import annotations
 
 import ast
+import datetime as dt
 import hashlib
 import json
 import logging
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from stagewise.core import storage
+from stagewise.core.errors import DataError
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.loading import CHECKOUT_ROOT
 from stagewise.definitions.spec_source import local_module_file, module_file
@@ -154,16 +156,27 @@ def lineage_uri(out: str) -> str:
 
 
 def write(out: str, config: PipelineConfig) -> dict[str, Any]:
-    """Record the run's lineage under its folder ``out`` (one file, written whole: readers see all of it or none)."""
-    recorded = record(config)
+    """Record the run's lineage under its folder ``out`` (one file, written whole: readers see all of it or none), with
+    ``started_at``: the run's start, which dates it wherever it has no report yet (stagewise.reporting.run_dates)."""
+    recorded = {**record(config), "started_at": dt.datetime.now(dt.UTC).isoformat()}
     storage.write_json(lineage_uri(out), recorded)
     return recorded
 
 
 def read(out: str) -> dict[str, Any] | None:
-    """The lineage start_run recorded for the run at ``out``; None for a run that began before runs recorded it."""
+    """The lineage start_run recorded for the run at ``out``; None for a run that began before runs recorded it.
+    A torn file, or one that holds something else, is a DataError naming it (storage.read_json names a torn one)."""
     uri = lineage_uri(out)
-    return storage.read_json(uri) if storage.exists(uri) else None
+    if not storage.exists(uri):
+        return None
+    recorded = storage.read_json(uri)
+    found = recorded.get("source_fingerprints") if isinstance(recorded, dict) else None
+    if not isinstance(recorded, dict) or not isinstance(found, dict | None) or not all(
+            isinstance(path, str) and isinstance(digest, str) for path, digest in (found or {}).items()):
+        held = type(recorded).__name__ if not isinstance(recorded, dict) else f"source_fingerprints of type {type(found).__name__}"
+        raise DataError(f"{uri}: is not a run's lineage record (a JSON object whose source_fingerprints map each path "
+                        f"to its sha256; this holds a {held}): the file was edited or replaced; restore or remove it")
+    return recorded
 
 
 def for_card(out: str | None) -> dict[str, Any]:

@@ -100,3 +100,23 @@ def test_an_out_file_in_a_missing_folder_is_one_line_naming_it(past_run):
     missing = past_run[0] / "nowhere" / "ml_again.yaml"
     with pytest.raises(SystemExit, match=rf"--out {missing}: cannot write it \(No such file or directory\)"):
         config_cli.main(["--rerun", past_run[1], "--as", "ml_again", "--out", str(missing)])
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "is not valid JSON"),  # None: the recorded file cut in half, as a copy interrupted leaves it
+    (b"[1, 2]", "this holds a list"),
+    (b'{"source_fingerprints": [1]}', "source_fingerprints of type list"),
+    (b'{"source_fingerprints": {"/a.py": 1}}', "source_fingerprints of type dict"),
+], ids=["torn", "not-an-object", "fingerprints-not-a-map", "digest-not-text"])
+def test_a_torn_or_replaced_lineage_ends_the_rerun_in_one_line_naming_the_file(past_run, content, message):
+    """A torn lineage.json ended --rerun in a DataError traceback (a list in it: an AttributeError); now it is one
+    line naming the file and what to do, and no config is written."""
+    folder, snapshot_uri, _ = past_run
+    uri = lineage.lineage_uri(snapshot_uri.rsplit("/", 1)[0])
+    storage.write_bytes(uri, storage.read_bytes(uri)[:40] if content is None else content)
+    out = folder / "ml_again.yaml"
+    with pytest.raises(SystemExit) as caught:
+        config_cli.main(["--rerun", snapshot_uri, "--as", "ml_again", "--out", str(out)])
+    text = str(caught.value)
+    assert text.startswith(f"{uri}: ") and message in text and "restore or remove it" in text
+    assert not out.exists()
