@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--params", type=json_arg, default={}, help="hyperparameters (JSON or @file), e.g. the sweep's best")
     parser.add_argument("--init-from", default=None, help="final checkpoint of the previous stage")
     parser.add_argument("--inputs-fingerprint", default=None, help="the stage's inputs' fingerprint (default: derived)")
+    parser.add_argument("--resume-fingerprint", default=None,
+                        help="its inputs' fingerprint but the process count, which keys its checkpoints (default: derived)")
     parser.add_argument("--data-fingerprint", default=None, help="the committed data's fingerprint (default: derived)")
     return parser
 
@@ -56,7 +58,7 @@ from stagewise.definitions.metric_names import THRESHOLD
 from stagewise.definitions.spec import user_hook
 from stagewise.models.bundle import preprocessing_of, save_bundle
 from stagewise.models.torch_io import save_torch
-from stagewise.reuse.fingerprints import code_identity, manifest_fingerprint, stage_inputs
+from stagewise.reuse.fingerprints import code_identity, manifest_fingerprint, stage_inputs, stage_resume_inputs
 from stagewise.scripting.entrypoint import LAST_REPORT, contract_environment, run_script
 from stagewise.scripting.stage_contract import byo_args, byo_contract, byo_result
 from stagewise.tracking.runs import Tracker
@@ -104,8 +106,10 @@ _LATER_KEYS = {"strategy": "ddp", "activation_checkpointing": False, "hand_on_op
 
 
 def stage_identity(stage: Any) -> dict[str, Any]:
-    """The stage's settings as its checkpoints' config hash covers them."""
-    return {key: value for key, value in stage.model_dump().items() if _LATER_KEYS.get(key, object()) != value}
+    """The stage's settings as its checkpoints' config hash covers them: not its profile's name (another profile with
+    another process count resumes them; stagewise.training.handoff)."""
+    return {key: value for key, value in stage.model_dump().items()
+            if key != "profile" and _LATER_KEYS.get(key, object()) != value}
 
 
 # What a checkpoint records as its stage's start when no --init-from was given.
@@ -246,25 +250,28 @@ def _stage_params(params: dict[str, Any], recipe: dict[str, Any], env: Any, conf
 
 
 def run_stage(config: PipelineConfig, stage_name: str, out: str, swept: dict[str, Any], init_from: str | None,
-              inputs: str | None = None, data: str | None = None) -> dict[str, Any]:
-    """Train one stage; ``inputs`` and ``data`` are its inputs' and its data's fingerprints (stagewise.reuse), derived
-    here from what it reads when not given."""
+              inputs: str | None = None, data: str | None = None, resume: str | None = None) -> dict[str, Any]:
+    """Train one stage; ``inputs``, ``data`` and ``resume`` are its inputs', its data's and its checkpoints'
+    fingerprints (stagewise.reuse), derived here from what it reads when not given."""
     stage = config.stage(stage_name)
     profile = config.profile(stage.profile)
     with distributed_job(profile.device, profile.threads_per_process) as env, out_of_memory_named(stage, env):
-        return _train_stage(config, stage, env, out, swept, init_from, inputs, data)
+        return _train_stage(config, stage, env, out, swept, init_from, (inputs, data, resume))
 
 
 def stage_fingerprints(config: PipelineConfig, stage: str, manifest_uri: str, swept: dict[str, Any],
-                       init_from: str | None) -> tuple[str, str]:
-    """(inputs, data) fingerprints of a stage run alone: the manifest's, and the hand-off's bytes for the stage before."""
+                       init_from: str | None) -> tuple[str, str, str]:
+    """(inputs, data, resume) fingerprints of a stage run alone: the manifest's, and the hand-off's bytes for the stage
+    before."""
     data = manifest_fingerprint(storage.read_json(manifest_uri)) or storage.sha256_of(manifest_uri)[:24]
     upstream = f"sha256:{storage.sha256_of(init_from)}" if init_from else None
-    return stage_inputs(config, stage, data, swept, upstream, code_identity(config)), data
+    code = code_identity(config)
+    return (stage_inputs(config, stage, data, swept, upstream, code), data,
+            stage_resume_inputs(config, stage, data, swept, upstream, code))
 
 
 def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: dict[str, Any],
-                 init_from: str | None, inputs: str | None, data: str | None) -> dict[str, Any]:
+                 init_from: str | None, fingerprints: tuple[str | None, str | None, str | None]) -> dict[str, Any]:
     import torch
 
     source = init_source(init_from)
@@ -272,8 +279,10 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
         warn_if_scratch(config, stage.name, out, init_from)
     manifest_uri = storage.join(out, "preprocess", "manifest.json")
     manifest = read_manifest(manifest_uri)
+    inputs, data, resume = fingerprints
     if inputs is None or data is None:
-        inputs, data = stage_fingerprints(config, stage.name, manifest_uri, swept, init_from)
+        inputs, data, resume = stage_fingerprints(config, stage.name, manifest_uri, swept, init_from)
+    resume = resume or inputs  # given the inputs' alone (an older caller): its checkpoints keyed by them, as before
     decision, handed, micro_batch, accumulation, global_batch = _batch_plan(config, stage, env, init_from)
     data_seed = config.train.seed + 7919 * (config.train.stages.index(stage) + 1)
     train, validation = rank_batches(
@@ -292,16 +301,21 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
                              strategy=stage.strategy, activation_checkpointing=stage.activation_checkpointing)
     params, model, optimizer, strategy = built.params, loop.module, loop.optimizer, loop.strategy
     # The inputs' fingerprint too: a try resumes only checkpoints made from the same data, params and stage before.
-    # Without the world size: a retry on more or fewer processes resumes (stagewise.training.handoff).
-    digest = config_hash({**stage_identity(stage), "inputs": inputs, **({"adaptive": {
+    # Without the world size: a retry on more or fewer processes, through the launcher or the profile, resumes
+    # (stagewise.training.handoff), and one whose global batch changed with it is refused there, keeping its checkpoints.
+    digest = config_hash({**stage_identity(stage), "inputs": resume, **({"adaptive": {
         "noise_scale": decision.noise_scale, "max_global_batch": decision.max_global_batch}} if decision else {})},
         params, None, config.train.seed)
     same_world = config_hash({**stage_identity(stage), **({"adaptive": asdict(decision)} if decision else {}),
                               "inputs": inputs}, params, env.world_size, config.train.seed)
     prefix = storage.stage_prefix(out, stage.name)
+    trusted = config.train.trust_unrecorded_checkpoints
+    strategy.trust_unrecorded = trusted  # the stage before's sharded optimizer state is verified as a checkpoint is
     checkpoints = checkpoint_store(prefix, config.train.keep_checkpoints, sharded=strategy.shards_state,
-                                   master=env.master, background=config.train.async_checkpoints)
-    best = BestEpoch(strategy, prefix, master=env.master)  # the best epoch's model and optimizer (hand_on best)
+                                   master=env.master, background=config.train.async_checkpoints,
+                                   trust_unrecorded=trusted)
+    # The best epoch's model and optimizer (hand_on best)
+    best = BestEpoch(strategy, prefix, master=env.master, trust_unrecorded=trusted)
     begun = _start(stage, loop, checkpoints, best, (digest, same_world), source, init_from, handed, global_batch)
     handed = None  # loaded into the model: its tensors (rank 0's whole model under fsdp) go now, not at the stage's end
     history, resumes, step_offset = begun.history, begun.resumes, begun.step_offset
@@ -327,7 +341,8 @@ def _train_stage(config: PipelineConfig, stage: Any, env: Any, out: str, swept: 
                 "params": json.dumps(params), "rng_cpu": torch.get_rng_state(), "resumes": json.dumps(resumes),
                 "best_epoch_state": best.record(), "grad_scaler": loop.scaler_state(),
                 "global_step_offset": step_offset, "noise_scale": loop.noise_state(), "init_source": source,
-                "inputs_fingerprint": inputs, "world_size": env.world_size, "grad_accum_steps": accumulation}
+                "inputs_fingerprint": inputs, "resume_fingerprint": resume, "world_size": env.world_size,
+                "grad_accum_steps": accumulation}
 
     def state_now() -> dict[str, Any]:
         return {**strategy.training_state(model, optimizer), **plain_state()}
@@ -492,7 +507,7 @@ def main(argv: list[str] | None = None) -> None:
         out = storage.resolve(config.storage_root, args.out)
         if config.stage(args.stage).entrypoint is None:
             return run_stage(config, args.stage, out, args.params, args.init_from, args.inputs_fingerprint,
-                             args.data_fingerprint)
+                             args.data_fingerprint, args.resume_fingerprint)
         if "RANK" in os.environ:
             raise UserError(f"stage {args.stage} runs its own entrypoint, which this launches under torchrun: run "
                             "`python -m stagewise.train` plainly, not under torchrun")

@@ -372,15 +372,18 @@ def sweep_summary(run: dict[str, Any], workers: Sequence[dict[str, Any]]) -> dic
 def _stage_inputs(config: PipelineConfig, run: dict[str, Any], stage: str, swept: dict[str, Any],
                   previous: dict[str, Any] | None) -> dict[str, Any]:
     """The fingerprint of a stage's inputs: the run's committed data, the params, the stage before's output, the
-    config and the code (stagewise.reuse.fingerprints.stage_inputs), with the data's own fingerprint."""
+    config and the code (stagewise.reuse.fingerprints.stage_inputs), with the data's own fingerprint and the one its
+    checkpoints are keyed by (the same but the process count: a retry on another count resumes them)."""
     from stagewise.core import storage
-    from stagewise.reuse.fingerprints import code_identity, stage_inputs
+    from stagewise.reuse.fingerprints import code_identity, stage_inputs, stage_resume_inputs
 
     manifest_uri = storage.join(run["out"], "preprocess", "manifest.json")
     data = _data_fingerprint({**storage.read_json(manifest_uri), "manifest_uri": manifest_uri})
     upstream = previous.get("fingerprint") if previous else None
-    return {"fingerprint": stage_inputs(config, stage, data, swept["best_params"], upstream, code_identity(config)),
-            "data_fingerprint": data}
+    code = code_identity(config)
+    return {"fingerprint": stage_inputs(config, stage, data, swept["best_params"], upstream, code),
+            "data_fingerprint": data,
+            "resume_fingerprint": stage_resume_inputs(config, stage, data, swept["best_params"], upstream, code)}
 
 
 def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
@@ -409,7 +412,8 @@ def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous
                                                lambda result: cache.stage_problem(result, fingerprint)))
     if hit is not None:
         return {**hit, "task_s": task_seconds(_context())}
-    keys = {"inputs_fingerprint": fingerprint, "data_fingerprint": inputs["data_fingerprint"]}
+    keys = {"inputs_fingerprint": fingerprint, "data_fingerprint": inputs["data_fingerprint"],
+            "resume_fingerprint": inputs["resume_fingerprint"]}
     result = run_job(build(config, run, stage, params, init_from, attempt, fingerprints=keys))
     result = {**result, "task_s": task_seconds(_context())}
     inline(config, lambda: cache.remember(config, "stage", fingerprint, run_ref(run), result))

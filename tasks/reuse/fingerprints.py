@@ -25,6 +25,9 @@ log = logging.getLogger("stagewise.reuse")
 FINGERPRINT_CHARS = 24
 # Keys of a section that place work (which pool, queue or profile runs it) but never change what it computes.
 _PLACEMENT_KEYS = frozenset({"profile"})
+# train keys a stage's fingerprint leaves out: the stages (each its own) and whether unrecorded checkpoints load
+# (trusting them must resume them, not start over).
+_NOT_TRAINING_KEYS = frozenset({"stages", "trust_unrecorded_checkpoints"})
 
 
 def digest(value: Any) -> str:
@@ -93,17 +96,28 @@ def sweep_inputs(config: PipelineConfig, data: str, code: dict[str, Any]) -> str
                    "placement": _placement(config, config.sweep.profile), "code": code})
 
 
+def stage_resume_inputs(config: PipelineConfig, stage: str, data: str, params: dict[str, Any], upstream: str | None,
+                        code: dict[str, Any]) -> str:
+    """What a stage's checkpoints are made from, whatever number of processes runs it: the data, the params it trains
+    with, the stage before's output (its fingerprint), the training settings every stage shares, this stage's own but
+    its profile's name, the device and the rule its validation chooses a binary model's decision threshold by (the
+    bundle keeps that threshold). A retry on more or fewer processes resumes under it (stagewise.training.handoff)."""
+    shared = {key: value for key, value in section(config, "train").items() if key not in _NOT_TRAINING_KEYS}
+    spec = config.stage(stage)
+    own = {key: value for key, value in spec.model_dump(mode="json").items() if key not in _PLACEMENT_KEYS}
+    return digest({"kind": "stage", "data": data, "params": params, "upstream": upstream, "train": shared,
+                   "stage": own, "model": section(config, "model"), "objective": section(config, "objective"),
+                   "device": config.profile(spec.profile).device,
+                   "threshold": config.evaluate.threshold.model_dump(mode="json"), "code": code})
+
+
 def stage_inputs(config: PipelineConfig, stage: str, data: str, params: dict[str, Any], upstream: str | None,
                  code: dict[str, Any]) -> str:
-    """A training stage: the data, the params it trains with, the stage before's output (its fingerprint), the
-    training settings every stage shares, this stage's own, how many processes run it and the rule its validation
-    chooses a binary model's decision threshold by (the bundle keeps that threshold)."""
-    shared = {key: value for key, value in section(config, "train").items() if key != "stages"}
+    """A training stage's result, as the step cache keys it: its :func:`stage_resume_inputs` and how many processes run
+    it (another count trains on other shards of each batch: another result)."""
     spec = config.stage(stage)
-    return digest({"kind": "stage", "data": data, "params": params, "upstream": upstream, "train": shared,
-                   "stage": spec.model_dump(mode="json"), "model": section(config, "model"),
-                   "objective": section(config, "objective"), "placement": _placement(config, spec.profile),
-                   "threshold": config.evaluate.threshold.model_dump(mode="json"), "code": code})
+    return digest({"kind": "stage", "resume": stage_resume_inputs(config, stage, data, params, upstream, code),
+                   "placement": _placement(config, spec.profile)})
 
 
 def evaluation_inputs(config: PipelineConfig, model: str, data: str, code: dict[str, Any]) -> str:

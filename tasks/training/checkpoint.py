@@ -8,7 +8,9 @@ Files hold tensors and plain values only and load with ``torch.load(weights_only
 Every checkpoint is verified before it loads: when it commits, the SHA-256 and size of each of its files go into a
 record beside it (``step-…pt.checksums.json``; ``checksums.json`` inside a sharded folder), written before the pointer
 moves, and a file that no longer matches (cut, altered on disk) is named as a data error and skipped for the newest
-intact checkpoint. Leftovers of writes that died (``*.tmp-*``) are removed at the next commit.
+intact checkpoint. One without a record (removed, or a write killed before it) is refused alike, unless the stage
+trusts unrecorded checkpoints (``train.trust_unrecorded_checkpoints``). Leftovers of writes that died (``*.tmp-*``) are
+removed at the next commit.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ log = logging.getLogger("stagewise.checkpoint")
 class CheckpointStore:
     """Save, find and prune the checkpoints of one stage."""
 
-    def __init__(self, stage_prefix: str, keep_last: int = 2, *, folder: str = "checkpoints") -> None:
+    def __init__(self, stage_prefix: str, keep_last: int = 2, *, folder: str = "checkpoints",
+                 trust_unrecorded: bool = False) -> None:
         self.prefix = storage.join(stage_prefix, folder)
         self.pointer = storage.join(self.prefix, "latest.json")
         self.keep_last = max(1, keep_last)
+        self.trust_unrecorded = trust_unrecorded
 
     def path_for(self, step: int) -> str:
         return storage.join(self.prefix, f"step-{step:09d}{self.SUFFIX}")
@@ -67,22 +71,8 @@ class CheckpointStore:
 
     def verify(self, uri: str) -> str | None:
         """Why the checkpoint at ``uri`` must not load (a file cut or altered since it committed), or None."""
-        record_uri = self.record_for(uri)
-        if not storage.exists(record_uri):
-            return None  # written before checkpoints recorded checksums: loaded as before
-        try:
-            files = storage.read_json(record_uri)["files"]
-        except (DataError, KeyError, TypeError) as exc:
-            return f"its checksum record {record_uri} is unreadable ({exc})"
-        folder = uri if self.SUFFIX == ".dcp" else posixpath.dirname(uri)
-        for name, expected in files.items():
-            path = storage.join(folder, name)
-            if not storage.exists(path):
-                return f"{path} is missing"
-            found = file_digest(path)
-            if found != expected:
-                return f"{path} is cut or altered since it was written ({_described(found)}; recorded {_described(expected)})"
-        return None
+        return verify_recorded(self.record_for(uri), uri if self.SUFFIX == ".dcp" else posixpath.dirname(uri),
+                               trust_unrecorded=self.trust_unrecorded)
 
     SUFFIX = ".pt"  # a checkpoint's name: step-<step>SUFFIX
 
@@ -159,10 +149,10 @@ class ShardedCheckpointStore(CheckpointStore):
     SUFFIX = ".dcp"
 
     def __init__(self, stage_prefix: str, keep_last: int = 2, *, master: bool, folder: str = "checkpoints",
-                 background: bool = False) -> None:
+                 background: bool = False, trust_unrecorded: bool = False) -> None:
         """``background``: each save is staged (copied off the training tensors) and written by a background thread
         (DCP's async_save, over a gloo group of its own) while training goes on; it commits when written."""
-        super().__init__(stage_prefix, keep_last, folder=folder)
+        super().__init__(stage_prefix, keep_last, folder=folder, trust_unrecorded=trust_unrecorded)
         self.master = master
         self.background = background
         self._pending: tuple[Any, str, int, dict[str, Any]] | None = None  # (future, uri, step, plain values)
@@ -175,11 +165,12 @@ class ShardedCheckpointStore(CheckpointStore):
         uri = self.path_for(step)
         shards = {key: state[key] for key in self.SHARDED_KEYS}
         plain = {key: value for key, value in state.items() if key not in self.SHARDED_KEYS}
+        self.wait()  # one save in flight at a time: the one before commits first
+        clear_folder(uri, master=self.master)
         if not self.background:
             dcp.save(shards, storage_writer=dcp_writer(uri))
             self._commit(uri, step, plain)  # dcp.save returns on rank 0 once the metadata of every shard is written
             return uri
-        self.wait()  # one save in flight at a time: the one before commits first
         self._pending = (dcp.async_save(shards, storage_writer=dcp_writer(uri), process_group=self._checkpoint_group()),
                          uri, step, plain)
         return uri
@@ -208,10 +199,7 @@ class ShardedCheckpointStore(CheckpointStore):
     def _commit(self, uri: str, step: int, plain: dict[str, Any]) -> None:
         if self.master:  # meta.pt marks the folder whole; its checksums, then the pointer, move last
             save_torch(storage.join(uri, self.META), plain)
-            fs, path = storage.filesystem(uri)
-            files = sorted(posixpath.basename(found) for found in fs.find(path))
-            storage.write_json(self.record_for(uri), {"files": {name: file_digest(storage.join(uri, name))
-                                                                for name in files}})
+            record_folder(uri)
             storage.write_json(self.pointer, {"uri": uri, "step": step})
             self._prune()
 
@@ -262,6 +250,51 @@ class ShardedCheckpointStore(CheckpointStore):
 
 RECORD = "checksums.json"  # a sharded checkpoint's record, inside its folder
 RECORD_SUFFIX = ".checksums.json"  # a whole file's record, beside it
+TRUST_SETTING = "train.trust_unrecorded_checkpoints"
+
+
+def clear_folder(uri: str, *, master: bool) -> None:
+    """Collective: rank 0 removes a folder a sharded save is about to write (the same step saved again, e.g. a best
+    epoch redone after a resume at another world size), so no shard or record of the earlier save mixes with this
+    one; every rank waits for it."""
+    import torch.distributed as dist
+
+    if master:
+        fs, path = storage.filesystem(uri)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def record_folder(uri: str) -> None:
+    """Record the size and content id of every file of the sharded checkpoint at ``uri`` in its ``checksums.json``."""
+    fs, path = storage.filesystem(uri)
+    files = sorted(name for name in (posixpath.basename(found) for found in fs.find(path)) if name != RECORD)
+    storage.write_json(storage.join(uri, RECORD), {"files": {name: file_digest(storage.join(uri, name)) for name in files}})
+
+
+def verify_recorded(record_uri: str, folder: str, *, trust_unrecorded: bool) -> str | None:
+    """Why the files ``record_uri`` lists (names under ``folder``) must not load, or None: a file missing, cut or
+    altered since it was recorded, or no record at all (unless ``trust_unrecorded``)."""
+    if not storage.exists(record_uri):
+        if trust_unrecorded:
+            return None
+        return (f"its checksum record {record_uri} is missing, so its bytes cannot be verified and it is not loaded; "
+                f"remove it to train again from the checkpoint before, or set {TRUST_SETTING}: true to load "
+                "checkpoints without a record unchecked")
+    try:
+        files = storage.read_json(record_uri)["files"]
+    except (DataError, KeyError, TypeError) as exc:
+        return f"its checksum record {record_uri} is unreadable ({exc})"
+    for name, expected in files.items():
+        path = storage.join(folder, name)
+        if not storage.exists(path):
+            return f"{path} is missing"
+        found = file_digest(path)
+        if found != expected:
+            return f"{path} is cut or altered since it was written ({_described(found)}; recorded {_described(expected)})"
+    return None
 
 
 def file_digest(uri: str) -> dict[str, Any]:
@@ -301,9 +334,10 @@ def dcp_reader(uri: str) -> Any:
 
 
 def checkpoint_store(stage_prefix: str, keep_last: int, *, sharded: bool, master: bool,
-                     background: bool = False) -> CheckpointStore:
+                     background: bool = False, trust_unrecorded: bool = False) -> CheckpointStore:
     """The stage's checkpoint store: whole files from rank 0, or every rank's shard (``sharded``, strategy fsdp; written
     in the ``background`` where asked)."""
     if sharded:
-        return ShardedCheckpointStore(stage_prefix, keep_last, master=master, background=background)
-    return CheckpointStore(stage_prefix, keep_last)
+        return ShardedCheckpointStore(stage_prefix, keep_last, master=master, background=background,
+                                      trust_unrecorded=trust_unrecorded)
+    return CheckpointStore(stage_prefix, keep_last, trust_unrecorded=trust_unrecorded)

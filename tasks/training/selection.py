@@ -72,12 +72,14 @@ class BestEpoch:
     checkpoint where each holds a shard (fsdp). Its :meth:`record` (the file's URI) goes into each checkpoint, so a
     resume hands on the same epoch."""
 
-    def __init__(self, strategy: Any, stage_prefix: str, *, master: bool) -> None:
+    def __init__(self, strategy: Any, stage_prefix: str, *, master: bool, trust_unrecorded: bool = False) -> None:
         self.strategy, self.master = strategy, master
         self.state: dict[str, Any] | None = None
         # Two kept: a resume from a checkpoint older than the newest best still finds the best it recorded.
-        self.store = (ShardedCheckpointStore(stage_prefix, keep_last=2, master=master, folder="best")
-                      if strategy.shards_state else CheckpointStore(stage_prefix, keep_last=2, folder="best"))
+        self.store = (ShardedCheckpointStore(stage_prefix, keep_last=2, master=master, folder="best",
+                                             trust_unrecorded=trust_unrecorded)
+                      if strategy.shards_state else
+                      CheckpointStore(stage_prefix, keep_last=2, folder="best", trust_unrecorded=trust_unrecorded))
 
     @property
     def available(self) -> bool:

@@ -28,9 +28,16 @@ from torch import nn
 
 from stagewise.core import storage
 from stagewise.core.dropped import was_dropped
-from stagewise.core.errors import UserError, out_of_memory
+from stagewise.core.errors import DataError, UserError, out_of_memory
 from stagewise.definitions.spec import ModelSpec, user_hook
-from stagewise.training.checkpoint import dcp_reader, dcp_writer, restore_training_state
+from stagewise.training.checkpoint import (
+    RECORD,
+    dcp_reader,
+    dcp_writer,
+    record_folder,
+    restore_training_state,
+    verify_recorded,
+)
 from stagewise.training.distributed import DistEnv
 from stagewise.training.selection import cpu_copy
 
@@ -71,6 +78,8 @@ class DDPStrategy:
     def __init__(self, env: DistEnv) -> None:
         self.env = env
         self.ddp: nn.Module | None = None
+        self.trust_unrecorded = False
+        """Load a hand-off's sharded optimizer state that has no checksum record (train.trust_unrecorded_checkpoints)."""
 
     @property
     def gradient_ranks(self) -> int:
@@ -134,7 +143,7 @@ class DDPStrategy:
         module.to(self.env.device)
         module.load_state_dict(state["model"])
         if uri is not None:
-            load_sharded_optimizer(module, optimizer, uri)
+            load_sharded_optimizer(module, optimizer, uri, trust_unrecorded=self.trust_unrecorded)
 
     def full_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, stage_prefix: str,
                    with_optimizer: bool = True) -> dict[str, Any]:
@@ -153,6 +162,7 @@ class DDPStrategy:
             with one_process_dcp():
                 dcp.save({"optimizer": get_optimizer_state_dict(module, optimizer)}, storage_writer=dcp_writer(uri),
                          no_dist=True)
+            record_folder(uri)  # verified where the next stage loads it, as a checkpoint is
             handed["optimizer"] = {SHARDED_OPTIMIZER: uri}
         return handed
 
@@ -286,7 +296,7 @@ class FSDPStrategy(DDPStrategy):
         set_model_state_dict(module, state["model"], options=full)
         uri = sharded_optimizer_uri(state)
         if uri is not None:
-            load_sharded_optimizer(module, optimizer, uri)  # each rank reads its own part
+            load_sharded_optimizer(module, optimizer, uri, trust_unrecorded=self.trust_unrecorded)  # each its part
         elif "optimizer" in state:  # inline (a script's final.pt, an older stage's): rank 0 holds it numbered
             inline = state["optimizer"]
             by_name = state_by_name(module, optimizer, inline) if "state" in inline else {}
@@ -306,6 +316,8 @@ class FSDPStrategy(DDPStrategy):
             dist.broadcast_object_list(names, src=0)
             uri = storage.join(stage_prefix, names[0])
             dcp.save({"optimizer": self.training_state(module, optimizer)["optimizer"]}, storage_writer=dcp_writer(uri))
+            if self.env.master:  # dcp.save returns on rank 0 once every shard and the metadata are written
+                record_folder(uri)
             handed["optimizer"] = {SHARDED_OPTIMIZER: uri}
         model_state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.env.master:
@@ -372,16 +384,20 @@ def one_process_dcp() -> Iterator[None]:
         yield
 
 
-def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
+def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, uri: str, *,
+                           trust_unrecorded: bool = False) -> None:
     """Load an optimizer state from a sharded checkpoint into ``optimizer`` over ``module`` (plain, DDP's or sharded:
-    DCP reads each rank's part of each tensor, whatever world size wrote it). Every rank calls it. A hand-off dropped on
-    purpose after its run succeeded (stagewise.core.dropped) leaves the optimizer fresh, with a warning."""
+    DCP reads each rank's part of each tensor, whatever world size wrote it), verified against its checksum record
+    first (a DataError naming the file otherwise). Every rank calls it. A hand-off dropped on purpose after its run
+    succeeded (stagewise.core.dropped) leaves the optimizer fresh, with a warning."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     if was_dropped(uri):
         log.warning("the optimizer state %s was dropped once its run succeeded: this stage starts a fresh optimizer", uri)
         return
+    if problem := verify_recorded(storage.join(uri, RECORD), uri, trust_unrecorded=trust_unrecorded):
+        raise DataError(f"the stage before's optimizer state {uri}: {problem}; run the stage before again to remake it")
     target = {"optimizer": get_optimizer_state_dict(module, optimizer)}
     with one_process_dcp():
         dcp.load(target, storage_reader=dcp_reader(uri))

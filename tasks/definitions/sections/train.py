@@ -139,6 +139,9 @@ class Train(StrictModel):
     async_checkpoints: bool = Field(False, description=(
         "fsdp stages: write each sharded checkpoint in a background thread while training goes on (DCP async_save); "
         "it commits (meta.pt, then latest.json) once every shard is written."))
+    trust_unrecorded_checkpoints: bool = Field(False, description=(
+        "Load a checkpoint (step, best epoch, hand-off optimizer) that has no checksum record, unchecked; by default "
+        "one without a record is refused, like one whose bytes changed."))
     noise_scale: bool = Field(True, description=(
         "Measure the gradient noise scale B_simple in every stage (epoch log, report, training chart)."))
     noise_scale_every_steps: int = Field(8, ge=1, le=MAX_STEPS, description=(

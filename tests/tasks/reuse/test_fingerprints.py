@@ -62,3 +62,27 @@ def test_package_fingerprint_is_stable_in_a_process():
     """Stagewise's own source hashes the same twice (a cached value, not a timestamp)."""
     assert fingerprints.package_fingerprint() == fingerprints.package_fingerprint()
     assert len(fingerprints.package_fingerprint()) == fingerprints.FINGERPRINT_CHARS
+
+
+def test_a_stage_resumes_under_another_process_count_but_is_cached_under_its_own(write_config, storage_root):
+    """A stage moved to another profile, or its profile's processes_per_node edited, keeps the fingerprint its
+    checkpoints are keyed by (a retry resumes them) while the step cache's key moves with the count; another batch
+    moves both."""
+    raw = base_config(storage_root)
+
+    def keys(changed: dict) -> tuple[str, str]:
+        config = load_config(write_config(changed))
+        args = (config, "s2", "data1", {"lr": 0.1}, "s1-fp", CODE)
+        return fingerprints.stage_resume_inputs(*args), fingerprints.stage_inputs(*args)
+
+    resume, cached = keys(raw)
+    raw["profiles"]["ddp2"]["processes_per_node"] = 3
+    assert keys(raw)[0] == resume and keys(raw)[1] != cached
+    raw["profiles"]["ddp2"]["processes_per_node"] = 2
+    raw["profiles"]["three"] = {**raw["profiles"]["ddp2"], "processes_per_node": 3}
+    raw["train"]["stages"][1]["profile"] = "three"
+    assert keys(raw)[0] == resume and keys(raw)[1] != cached
+    raw["profiles"]["three"]["processes_per_node"] = 2
+    assert keys(raw) == (resume, cached), "the profile's name alone places the work: it changes neither"
+    raw["train"]["stages"][1]["per_process_batch"] = 48
+    assert keys(raw)[0] != resume

@@ -199,3 +199,75 @@ def test_on_s3_a_checkpoint_is_verified_by_its_etag_and_an_object_replaced_since
     uri, state = store.latest()
     assert state["step"] == 10 and uri.endswith("step-000000010.pt")
     assert f"{newest} is cut or altered since it was written" in caplog.text
+
+
+def _sharded_state(step: int) -> dict:
+    return {"model": {"w": torch.full((64,), float(step))}, "optimizer": {"m": torch.zeros(4)}, "step": step}
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp-file", "fsdp-folder"])
+def test_a_checkpoint_whose_checksum_record_was_removed_is_refused_unless_trusted(tmp_path, caplog, sharded):
+    """A step checkpoint whose checksums.json is gone is never loaded unchecked: it is skipped, named with its record
+    and the setting that trusts it, for the one before; with train.trust_unrecorded_checkpoints it loads."""
+    from stagewise.training.checkpoint import ShardedCheckpointStore
+
+    def store(trusted: bool) -> CheckpointStore:
+        if sharded:
+            return ShardedCheckpointStore(str(tmp_path / "s2"), keep_last=3, master=True, trust_unrecorded=trusted)
+        return CheckpointStore(str(tmp_path / "s2"), keep_last=3, trust_unrecorded=trusted)
+
+    strict = store(False)
+    for step in (10, 20):
+        newest = strict.save(step, _sharded_state(step) if sharded else _state(step))
+    Path(strict.record_for(newest)).unlink()
+    target = {"model": {"w": torch.zeros(64)}, "optimizer": {"m": torch.ones(4)}}
+    uri, state = strict.latest(into=lambda: target)
+    assert state["step"] == 10 and uri.endswith("step-000000010" + strict.SUFFIX)
+    assert f"skipping checkpoint {newest}: its checksum record {strict.record_for(newest)} is missing" in caplog.text
+    assert "train.trust_unrecorded_checkpoints: true" in caplog.text
+    assert store(True).latest(into=lambda: target)[1]["step"] == 20
+
+
+def test_a_sharded_checkpoint_saved_again_into_its_folder_verifies(tmp_path):
+    """A best epoch redone after a resume (saved again under the same name, e.g. by 3 ranks where 2 wrote it) is the
+    new save alone: no shard of the earlier one stays, and its record matches (it once listed the old record itself:
+    "checksums.json is cut or altered since it was written")."""
+    from stagewise.training.checkpoint import ShardedCheckpointStore
+
+    store = ShardedCheckpointStore(str(tmp_path / "s2"), keep_last=2, master=True, folder="best")
+    uri = store.save(0, _sharded_state(1))
+    stale = Path(uri, "__2_0.distcp")
+    stale.write_bytes(b"a shard of a save by three ranks")
+    store.save(0, _sharded_state(2))
+    assert store.verify(uri) is None and not stale.exists()
+    target = {"model": {"w": torch.zeros(64)}, "optimizer": {"m": torch.ones(4)}}
+    store.require_intact(uri)
+    assert torch.equal(store.load_shards(uri, target)["model"]["w"], torch.full((64,), 2.0))
+
+
+@pytest.mark.parametrize("trusted", [False, True], ids=["refused", "trusted"])
+def test_a_hand_offs_optimizer_state_is_verified_by_its_record(tmp_path, trusted):
+    """The sharded optimizer state a stage hands on is recorded like a checkpoint: without its record the next stage
+    fails as a data error naming it (trusted: it loads), never loading it unchecked."""
+    from stagewise.core.errors import DataError
+    from stagewise.training.distributed import DistEnv
+    from stagewise.training.strategy import DDPStrategy, sharded_optimizer_uri
+
+    module = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+    module(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    strategy = DDPStrategy(DistEnv(rank=0, local_rank=0, world_size=1, device="cpu"))
+    handed = strategy.full_state(module, optimizer, str(tmp_path / "s1"))
+    folder = Path(sharded_optimizer_uri(handed))
+    assert (folder / "checksums.json").exists()
+    (folder / "checksums.json").unlink()
+    strategy.trust_unrecorded = trusted
+    module.zero_grad(set_to_none=True)  # as a next stage's fresh model has none
+    fresh = torch.optim.AdamW(module.parameters(), lr=0.1)
+    if trusted:
+        strategy.load_full_state(module, fresh, handed)
+        assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    else:
+        with pytest.raises(DataError, match=rf"optimizer state {folder}: its checksum record .* is missing"):
+            strategy.load_full_state(module, fresh, handed)
