@@ -23,7 +23,7 @@ def test_cache_is_off_by_default_and_on_per_kind(write_config, storage_root):
     raw = base_config(storage_root)
     config = load_config(write_config(raw))
     assert not any(config.cache.enabled(kind) for kind in ("preprocess", "sweep", "stage", "evaluate", "inference"))
-    cache.remember(config, "sweep", "f1", "d/r1", {"summary_uri": "x"})
+    cache.remember(config, "sweep", "f1", "ml_pipeline/r1", {"summary_uri": "x"})
     assert not storage.exists(cache.entry_uri(config, "sweep", "f1"))
     raw["cache"] = {"sweep": True}
     config = load_config(write_config(raw))
@@ -34,21 +34,21 @@ def test_a_hit_is_served_only_while_its_record_still_carries_the_fingerprint(wri
     """An entry is served to another run with reused_from; never to the run that made it; never once its record is
     gone or re-made from other inputs; never across pipelines."""
     config = _config(write_config, storage_root)
-    record = storage.join(str(storage_root), "runs", "d", "r1", "sweep", "summary.json")
+    record = storage.join(str(storage_root), "runs", "ml_pipeline", "r1", "sweep", "summary.json")
     storage.write_json(record, {"fingerprint": "f1"})
-    cache.remember(config, "sweep", "f1", "d/r1", {"summary_uri": record, "best_value": 0.9})
+    cache.remember(config, "sweep", "f1", "ml_pipeline/r1", {"summary_uri": record, "best_value": 0.9})
 
     def check(result):
         return cache.record_problem(result.get("summary_uri"), "f1")
 
-    hit = cache.lookup(config, "sweep", "f1", "d/r2", check)
-    assert hit == {"summary_uri": record, "best_value": 0.9, "reused_from": "d/r1"}
-    assert cache.lookup(config, "sweep", "f1", "d/r1", check) is None  # its own work is not a cache hit
-    assert cache.lookup(config, "sweep", "f2", "d/r2", check) is None
+    hit = cache.lookup(config, "sweep", "f1", "ml_pipeline/r2", check)
+    assert hit == {"summary_uri": record, "best_value": 0.9, "reused_from": "ml_pipeline/r1"}
+    assert cache.lookup(config, "sweep", "f1", "ml_pipeline/r1", check) is None  # its own work is not a cache hit
+    assert cache.lookup(config, "sweep", "f2", "ml_pipeline/r2", check) is None
     other = _config(write_config, storage_root, name="other")
-    assert cache.lookup(other, "sweep", "f1", "d/r2", check) is None
+    assert cache.lookup(other, "sweep", "f1", "ml_pipeline/r2", check) is None
     storage.write_json(record, {"fingerprint": "f9"})  # the source run was cleared and re-made from new data
-    assert cache.lookup(config, "sweep", "f1", "d/r2", check) is None
+    assert cache.lookup(config, "sweep", "f1", "ml_pipeline/r2", check) is None
 
 
 def test_preprocess_reuses_its_own_commit_only_for_the_same_bytes(write_config, storage_root):
