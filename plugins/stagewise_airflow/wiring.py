@@ -55,6 +55,21 @@ def _callable(path: str, key: str) -> Any:
 PIPELINE_DEFAULT_ARG = "stagewise_pipeline"
 
 
+def carried_pipeline(config: PipelineConfig, name: str) -> dict[str, Any]:
+    """What a DAG carries of its pipeline (PIPELINE_DEFAULT_ARG): its name and config, with ``model.args`` replaced by
+    their SHA-256 and size. The spec's arguments are the team's, of any size (a 10 MB string sat in every DAG's
+    default_args, which the DB stores per version and REST returns to every reader); no page reads them, and a run
+    reads its own snapshot, never the DAG's copy."""
+    import hashlib
+    import json
+
+    values = config.model_dump(mode="json")
+    encoded = json.dumps(values["model"].get("args") or {}, sort_keys=True).encode()
+    values["model"]["args"] = {}
+    return {"name": name, "config": values,
+            "model_args": {"sha256": hashlib.sha256(encoded).hexdigest(), "bytes": len(encoded)}}
+
+
 def dag_settings(config: PipelineConfig, *kinds: str, max_active_runs: int = 4) -> dict[str, Any]:
     """The DAG arguments the pipeline's ``airflow`` section sets: start date, catchup, tags (after stagewise and the
     DAG's ``kinds``, the first of which is the pipeline's name), owner, default_args and the run limit
@@ -63,7 +78,7 @@ def dag_settings(config: PipelineConfig, *kinds: str, max_active_runs: int = 4) 
 
     settings = config.airflow
     start = settings.start_date
-    pipeline = {"name": kinds[0] if kinds else config.name, "config": config.model_dump(mode="json")}
+    pipeline = carried_pipeline(config, kinds[0] if kinds else config.name)
     return {"start_date": pendulum.datetime(start.year, start.month, start.day, tz="UTC"), "catchup": settings.catchup,
             "tags": list(dict.fromkeys(["stagewise", *kinds, *settings.tags])),
             "max_active_runs": settings.max_active_runs or max_active_runs,

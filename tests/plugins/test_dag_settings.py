@@ -85,3 +85,35 @@ def test_without_an_airflow_section_the_dags_keep_their_defaults(tmp_path, stora
     assert (bag.get_dag("ml_pipeline").max_active_runs, bag.get_dag("ml_retrain").max_active_runs) == (4, 1)
     assert set(bag.get_dag("ml_retrain").tags) == {"stagewise", "ml", "retrain"} and not bag.get_dag("ml_retrain").catchup
     assert {task.owner for task in bag.get_dag("ml_ingest").tasks} == {"stagewise"}
+
+
+def test_a_large_model_args_stays_out_of_every_dags_default_args(tmp_path, storage_root, monkeypatch):
+    """A 10 MB string in model.args sat in every DAG's default_args (the serialized DAG, REST's DAG details): each DAG
+    now carries a digest of model.args and no more, whatever their size, and the api-server's pages read the rest of
+    the config from it as before."""
+    import hashlib
+    import json
+
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    from stagewise.airflow.ui.pipelines import _pipeline_of
+
+    args = {"blob": "x" * 10_000_000, "width": 8}
+    raw = {**base_config(storage_root), "model": {"args": args}}
+    path = tmp_path / "team.yaml"
+    path.write_text(yaml.safe_dump(raw, width=1 << 30))
+    monkeypatch.setenv("STAGEWISE_CONFIG", str(path))
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(REPO_ROOT / "dags"))
+    assert bag.import_errors == {} and len(bag.dags) == 5
+    encoded = json.dumps(args, sort_keys=True).encode()
+    for dag in bag.dags.values():
+        carried = dag.default_args["stagewise_pipeline"]
+        assert carried["config"]["model"]["args"] == {}
+        assert carried["model_args"] == {"sha256": hashlib.sha256(encoded).hexdigest(), "bytes": len(encoded)}
+        serialized = DagSerialization.to_dict(dag)
+        assert len(json.dumps(serialized)) < 200_000, dag.dag_id
+        name, config = _pipeline_of(dag.dag_id, serialized)
+        assert (name, config.storage_root, config.model.spec) == ("ml", str(storage_root), raw["model"].get(
+            "spec", config.model.spec))

@@ -22,6 +22,7 @@ class Pipeline:
 
     name: str
     config: PipelineConfig
+    """The config its DAGs carry: model.args left out (stagewise.airflow.wiring.carried_pipeline), as no page reads them."""
     dag_ids: tuple[str, ...]
     retired: bool = False
     """Every DAG of it is stale (its file deleted, or forgotten): its runs and models stay readable, marked retired."""
