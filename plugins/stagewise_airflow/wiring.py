@@ -6,6 +6,8 @@ decides task ids, mapping and each task's instance profile (pool, slots, queue, 
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from airflow.sdk import Asset, task
@@ -60,9 +62,6 @@ def carried_pipeline(config: PipelineConfig, name: str) -> dict[str, Any]:
     their SHA-256 and size. The spec's arguments are the team's, of any size (a 10 MB string sat in every DAG's
     default_args, which the DB stores per version and REST returns to every reader); no page reads them, and a run
     reads its own snapshot, never the DAG's copy."""
-    import hashlib
-    import json
-
     values = config.model_dump(mode="json")
     encoded = json.dumps(values["model"].get("args") or {}, sort_keys=True).encode()
     values["model"]["args"] = {}
