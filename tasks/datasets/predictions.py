@@ -15,9 +15,9 @@ log = logging.getLogger("stagewise.infer")
 
 def plan_inference(input_uri: str, rows_per_shard: int, root: str | None = None) -> list[dict[str, Any]]:
     """Deterministic shards of about ``rows_per_shard`` rows: consecutive row groups of a large file, or several small
-    files together, each file pinned (stagewise.datasets.sharding); ``root``: the storage root, under which alone an
-    error lists what a folder holds instead of Parquet."""
-    shards = sharding.plan_files(input_uri, rows_per_shard, root)
+    files together, each file pinned by its content too (stagewise.datasets.sharding); ``root``: the storage root,
+    under which alone an error lists what a folder holds instead of Parquet."""
+    shards = sharding.plan_files(input_uri, rows_per_shard, root, content=True)
     log.info("planned %d inference shard(s) over %s", len(shards), input_uri)
     return shards
 

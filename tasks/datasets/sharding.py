@@ -8,17 +8,22 @@ small files plan a few shards while 100 large ones still spread over 100 or more
 a plan never exceeds :data:`MAX_SHARDS`: when it would, the targets double until it fits (shards grow).
 
 Every file is pinned at plan: its size, its row count (the Parquet footer), and its S3 ETag, or elsewhere its
-modification time. Hashing the bytes would cost a full read of every file at plan and again in every try; size,
-rows and ETag/mtime change whenever the file is rewritten, which is what a pin has to catch. A try that finds a file
-other than pinned fails as a DataError naming it, before reading any row: nothing committed mixes two versions.
+modification time. A batch inference plan also pins each file's content (stagewise.core.content: the S3 ETag, else
+the SHA-256, which the plan reads anyway for its fingerprint): a file rewritten in place with its size and mtime kept
+is another file. Locally that costs each try a read of its files' bytes; preprocess, whose raw bytes its fingerprint
+hashes at plan too, keeps the cheap pin in its tries. A try that finds a file other than pinned fails as a DataError
+naming it, before reading any row: nothing committed mixes two versions.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from stagewise.core import storage
+from stagewise.core.content import HASH_THREADS, content_id
 from stagewise.core.errors import DataError
 
 log = logging.getLogger("stagewise.sharding")
@@ -27,12 +32,12 @@ log = logging.getLogger("stagewise.sharding")
 MAX_SHARDS = 512
 # Small files are packed until a shard holds this many Parquet bytes (or its target rows): per-file overhead amortised.
 SHARD_BYTES = 256 * 2**20
-PIN_KEYS = ("size", "file_rows", "etag", "mtime")
+PIN_KEYS = ("size", "file_rows", "etag", "mtime", "content")
 
 
-def pin(uri: str, fresh: bool = False) -> dict[str, Any]:
-    """What identifies a file's current version cheaply: its size, its rows, and its ETag (S3) or mtime (``fresh``:
-    asked of the store itself, never of a listing this process cached)."""
+def pin(uri: str, fresh: bool = False, content: bool = False) -> dict[str, Any]:
+    """What identifies a file's current version: its size, its rows, and its ETag (S3) or mtime (``fresh``: asked
+    of the store itself, never of a listing this process cached); with ``content`` its content id too."""
     fs, path = storage.filesystem(uri)
     if fresh:
         fs.invalidate_cache(path)
@@ -45,6 +50,8 @@ def pin(uri: str, fresh: bool = False) -> dict[str, Any]:
         found["etag"] = etag
     elif (mtime := info.get("mtime")) is not None:
         found["mtime"] = mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime)
+    if content:
+        found["content"] = content_id(uri, info)
     return found
 
 
@@ -54,7 +61,7 @@ def check_pinned(entry: dict[str, Any]) -> None:
     pinned = {key: entry[key] for key in PIN_KEYS if key in entry}
     if not pinned:
         return
-    now = pin(entry["uri"], fresh=True)
+    now = pin(entry["uri"], fresh=True, content="content" in pinned)
     found = {key: now.get(key) for key in pinned}
     if found != pinned:
         changed = ", ".join(f"{key} {pinned[key]!r} -> {found[key]!r}" for key in pinned if pinned[key] != found[key])
@@ -103,13 +110,20 @@ def _pack(pins: list[dict[str, Any]], rows_target: int, bytes_target: int, split
 
 
 def plan_files(input_uri: str, rows_per_shard: int, root: str | None = None, *, split_files: bool = True,
-               bytes_per_shard: int = SHARD_BYTES, max_shards: int | None = None) -> list[dict[str, Any]]:
+               bytes_per_shard: int = SHARD_BYTES, max_shards: int | None = None,
+               content: bool = False) -> list[dict[str, Any]]:
     """Deterministic shards ``{"index", "rows", "files": [{"uri", "row_groups", "rows", pin...}]}`` covering every
     row group of every file once, in file order; at most ``max_shards`` (default MAX_SHARDS; targets doubled until
-    they fit). A shard
+    they fit); ``content``: each file pinned by its content id too. A shard
     of one file also carries that file's ``uri`` and ``row_groups`` at the top, its shape before multi-file shards."""
     max_shards = max_shards or MAX_SHARDS
-    pins = [pin(uri) for uri in storage.list_parquet(input_uri, root)]
+    uris = storage.list_parquet(input_uri, root)
+    pin_file = functools.partial(pin, content=content)
+    if content and len(uris) > 1:  # each file is read whole: several at once
+        with ThreadPoolExecutor(min(HASH_THREADS, len(uris))) as pool:
+            pins = list(pool.map(pin_file, uris))
+    else:
+        pins = [pin_file(uri) for uri in uris]
     rows_target, bytes_target = rows_per_shard, bytes_per_shard
     while len(packed := _pack(pins, rows_target, bytes_target, split_files)) > max_shards:
         rows_target, bytes_target = max(rows_target * 2, 1), max(bytes_target * 2, 1)
@@ -135,3 +149,8 @@ def shard_files(shard: dict[str, Any]) -> list[dict[str, Any]]:
 def file_uris(shards: list[dict[str, Any]]) -> list[str]:
     """Every file of ``shards`` once, in plan order."""
     return list(dict.fromkeys(f["uri"] for shard in shards for f in shard_files(shard)))
+
+
+def file_contents(shards: list[dict[str, Any]]) -> list[str]:
+    """The content id each file of ``shards`` was pinned by, once per file in plan order (a plan with content pins)."""
+    return list({f["uri"]: f["content"] for shard in shards for f in shard_files(shard)}.values())

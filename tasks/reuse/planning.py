@@ -8,10 +8,10 @@ from typing import Any
 
 from stagewise.core import storage
 from stagewise.datasets.predictions import plan_inference
-from stagewise.datasets.sharding import file_uris
+from stagewise.datasets.sharding import file_contents
 from stagewise.definitions.config import PipelineConfig
 from stagewise.reuse import cache
-from stagewise.reuse.fingerprints import code_identity, content_ids, inference_inputs
+from stagewise.reuse.fingerprints import code_identity, inference_inputs
 
 
 def inference_plan(config: PipelineConfig, input_uri: str, model_version: str | None, out: str, this_run: str) -> dict[str, Any]:
@@ -21,8 +21,8 @@ def inference_plan(config: PipelineConfig, input_uri: str, model_version: str | 
     shards = plan_inference(input_uri, config.inference.rows_per_shard, config.storage_root)
     if model_version is None:  # nothing names the model's bytes: never reused
         return {"shards": shards, "fingerprint": None, "reused_from": None}
-    files = file_uris(shards)
-    fingerprint = inference_inputs(config, model_version, content_ids(files), code_identity(config))
+    # the content ids the plan pinned each file by: the fingerprint reads no byte again
+    fingerprint = inference_inputs(config, model_version, file_contents(shards), code_identity(config))
     hit = cache.lookup(config, "inference", fingerprint, this_run,
                        lambda result: cache.manifest_problem(result.get("uri"), fingerprint))
     if hit is not None:

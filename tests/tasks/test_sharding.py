@@ -222,3 +222,38 @@ def test_on_s3_the_pin_is_the_etag_and_catches_a_rewrite_of_the_same_size_and_ro
     with pytest.raises(DataError, match=rf"{uris[0]}: changed since the plan \(etag "):
         sharding.check_pinned(pinned)
     sharding.check_pinned(shards[1]["files"][0])
+
+
+def _write_plain(table: pa.Table, uri: str) -> None:
+    """Fixed-width bytes for fixed-width values (no compression, dictionary or statistics): other values, same size."""
+    pq.write_table(table, uri, compression="none", use_dictionary=False, write_statistics=False)
+
+
+def test_an_inference_input_rewritten_with_size_and_mtime_kept_is_refused_and_rescored(trained, tmp_path):
+    """The issue's case: a file rewritten in place with its size and mtime kept (23 rows' pixels changed). The plan
+    pins each file by its content (SHA-256; S3: ETag), so the shard planned before fails naming the file, before
+    scoring a row; planned again, the file has another identity and its new values are scored."""
+    config_path, _, model_uri = trained
+    config = load_config(config_path)
+    table = _split_digits(config, tmp_path / "split", 1)
+    (tmp_path / "raw").mkdir()
+    uri = str(tmp_path / "raw" / "part-00000.parquet")
+    _write_plain(table, uri)
+    shards = plan_inference(str(tmp_path / "raw"), rows_per_shard=10_000)
+    scored = infer.score_shard(config, model_uri, shards[0], str(tmp_path / "first"))
+    first = pa.concat_tables(pq.read_table(f["uri"]) for f in scored["files"])
+    kept = os.stat(uri)
+    pixels = [name for name in table.column_names if name.startswith("px_")]
+    inverted = {name: pa.array(np.concatenate([16.0 - table.column(name).to_numpy()[:23],
+                                               table.column(name).to_numpy()[23:]])) for name in pixels}
+    _write_plain(pa.table({name: inverted.get(name, table.column(name)) for name in table.column_names}), uri)
+    os.utime(uri, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    assert (os.stat(uri).st_size, os.stat(uri).st_mtime_ns) == (kept.st_size, kept.st_mtime_ns)
+    with pytest.raises(DataError, match=rf"{uri}: changed since the plan \(content 'sha256:"):
+        infer.score_shard(config, model_uri, shards[0], str(tmp_path / "stale"))
+    assert not list((tmp_path / "stale").rglob("*.parquet")), "nothing of the rewritten file was scored"
+    again = plan_inference(str(tmp_path / "raw"), rows_per_shard=10_000)
+    assert again[0]["files"][0]["content"] != shards[0]["files"][0]["content"]
+    rescored = infer.score_shard(config, model_uri, again[0], str(tmp_path / "again"))
+    second = pa.concat_tables(pq.read_table(f["uri"]) for f in rescored["files"])
+    assert second.num_rows == first.num_rows and not second.equals(first), "the new values were scored"
