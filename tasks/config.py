@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from stagewise.definitions import reference
 from stagewise.definitions.config import ConfigError, PipelineConfig
 from stagewise.definitions.hyperparams import BUILTIN_SPEC
 from stagewise.definitions.last_valid import LastValid
-from stagewise.definitions.loading import check_spec_source, config_path, load_config
+from stagewise.definitions.loading import check_spec_source, config_path, load_config, read_yaml, scratch_root
 from stagewise.definitions.pipelines import (
     KINDS,
     NAME_PATTERN,
@@ -35,6 +36,7 @@ from stagewise.definitions.pipelines import (
     resolve,
     sources,
 )
+from stagewise.definitions.roots import unwritable_problem
 from stagewise.models import owners
 from stagewise.reporting import lineage
 
@@ -96,9 +98,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--out {args.out}: cannot write it ({exc.strerror or exc}): give a file in a folder that "
                          f"exists and you may write") from None
     try:
-        config = load_config(args.path, parse_overrides(args.override))
+        overrides = parse_overrides(args.override)
+        config = load_config(args.path, overrides)
         check_spec_source(config_path(args.path), config, may_import=True)  # installed packages' specs too
         _check_objective_reported(config_path(args.path), config)
+        _check_relative_root_writable(config_path(args.path), config, overrides)
     except UserError as exc:  # a ConfigError, or an --override that is no KEY=VALUE
         raise SystemExit(str(exc)) from None
     print(yaml.safe_dump(config.model_dump(), sort_keys=False))
@@ -124,6 +128,21 @@ def _check_objective_reported(resolved: object, config: PipelineConfig) -> None:
     if config.objective.metric not in reported:
         raise ConfigError(f"{resolved}: objective.metric: '{config.objective.metric}' is not a metric "
                           f"{config.model.spec} reports; it reports {', '.join(reported)}")
+
+
+def _check_relative_root_writable(resolved: object, config: PipelineConfig, overrides: dict) -> None:
+    """A relative storage_root lands beside the config, on this machine: the check probes it as the first task will
+    write it (an absolute root may be another host's, so it is left to the run)."""
+    if not isinstance(resolved, Path) or scratch_root():
+        return
+    written = overrides.get("storage_root", read_yaml(resolved.read_text(), resolved).get("storage_root"))
+    if not isinstance(written, str) or "://" in written or os.path.isabs(written):
+        return
+    if problem := unwritable_problem(Path(config.storage_root)):
+        raise ConfigError(f"{resolved}: storage_root '{written}' is relative to the config's folder, so runs write "
+                          f"runs/, models/ and raw/ under {config.storage_root}; but {problem}, so the first task would "
+                          f"fail writing there: set storage_root to an absolute folder this user may write (e.g. "
+                          f"/data/stagewise) or an s3:// URI, or copy the config to a folder of your own")
 
 
 def check(setting: str | None) -> None:

@@ -44,3 +44,25 @@ def relative_root_problem(root: str, config_folder: Path) -> str | None:
     return (f"storage_root '{root}' climbs {climbs} folders above the config's folder {config_folder} (to "
             f"{(config_folder / root).resolve()}); a relative root may go up one (../storage); give an absolute "
             "folder or an s3:// URI instead")
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` itself, or where it does not exist yet the nearest folder above it that does (the one a run's first
+    write creates it in)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def unwritable_problem(root: Path) -> str | None:
+    """Why this user could not create and write files under the local folder ``root``, or None. Probed with
+    os.access, which knows permission bits, ACLs and read-only mounts, without writing anything."""
+    found = nearest_existing(root)
+    where = f"{found}" if found == root else f"{found} (the nearest folder of it that exists; runs would create the rest)"
+    if not found.is_dir():
+        return f"{where} is a file, not a folder"
+    if not os.access(found, os.W_OK | os.X_OK):
+        read_only = os.statvfs(found).f_flag & os.ST_RDONLY
+        return (f"{where} is on a read-only filesystem" if read_only else
+                f"{where} is not writable by this user (uid {os.geteuid()})")
+    return None
