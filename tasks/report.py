@@ -15,10 +15,16 @@ from typing import Any
 from stagewise.core import storage
 from stagewise.core.cli import common_parser, parse_overrides, setup_logging
 from stagewise.core.errors import DataError, UserError
-from stagewise.definitions.loading import config_path, load_config
+from stagewise.definitions.loading import (
+    SCRATCH_ENV_VAR,
+    config_path,
+    load_config,
+    scratch_for_test_run,
+    scratch_root,
+)
 from stagewise.definitions.pipelines import dag_id, name_of
 from stagewise.reporting import html as report_html
-from stagewise.reporting import timeline
+from stagewise.reporting import run_dates, timeline
 
 log = logging.getLogger("stagewise.report")
 
@@ -61,6 +67,7 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
     files only a resume reads, dropped once the run succeeded (stagewise.reuse.leftovers.drop_finished).
     """
     report = {
+        "at": run_dates.recorded_at(out, tasks),  # when it started and ended: what the runs page and retention date by
         "dag_id": dag_id,
         "run_id": run_id,
         "run_prefix": out,
@@ -137,8 +144,8 @@ def build_inference_report(*, dag_id: str, run_id: str, out: str, model: dict[st
     """report.json (and report.html before it) of a batch_inference run: which model scored what, and how much was
     quarantined; ``tasks``: the run's task attempts (stagewise.reporting.timeline); ``config``: its config snapshot;
     ``tracking``: the MLflow model version it scored with, when the registry is MLflow's."""
-    report = {"dag_id": dag_id, "run_id": run_id, "run_prefix": out, "config": config or {},
-              "stages": stage_timing(stage_results, tasks),
+    report = {"at": run_dates.recorded_at(out, tasks), "dag_id": dag_id, "run_id": run_id, "run_prefix": out,
+              "config": config or {}, "stages": stage_timing(stage_results, tasks),
               "model_version": model["current"], "model_uri": model["model_uri"],
               "predictions": {"uri": predictions.get("uri"), "rows": predictions.get("rows"),
                               "rows_quarantined": predictions.get("rows_quarantined", 0)}, "tasks": tasks or []}
@@ -257,6 +264,53 @@ def latest_report(storage_root: str, dag_id: str) -> str:
     return reports[0]["uri"]
 
 
+def _newest(storage_root: str, dag_id: str) -> dict[str, Any] | None:
+    reports = list_reports(storage_root, storage.safe_name(dag_id))
+    return reports[0] if reports else None
+
+
+def _when(entry: dict[str, Any]) -> dt.datetime:
+    return entry["modified"] or dt.datetime.min.replace(tzinfo=dt.UTC)
+
+
+def latest_run(path: str | None, overrides: dict[str, Any], dag: str | None,
+               production: bool = False) -> tuple[str, str | None]:
+    """The report.json ``latest`` shows and a note on where it is from (None: the config's storage root, as written).
+
+    Test runs (``airflow dags test``) of this Airflow home ran in a scratch root of their own (docs/ci.md), so a CI
+    that reports after its test run must see that run, not production's newest: the test run's is shown when it is
+    the newest of both; when production's is newer, which one is meant cannot be told, and the choice is asked for.
+    ``production``: the config's storage root as written, whatever test runs did.
+    """
+    name = name_of(config_path(path))
+    dag = dag or dag_id(name, "pipeline")
+    if production and scratch_root():
+        raise UserError(f"--production and ${SCRATCH_ENV_VAR} disagree: the variable puts every config in scratch; "
+                        f"unset it to report production's runs")
+    config = load_config(path, overrides)
+    test_scratch = None if production else scratch_for_test_run(name)
+    tested = _newest(load_config(path, overrides, test_scratch=test_scratch).storage_root, dag) if test_scratch else None
+    if tested is None:
+        ours = _newest(config.storage_root, dag)
+        if ours is None:
+            raise UserError(f"no report.json under {storage.join(config.storage_root, 'runs', dag)}")
+        return ours["uri"], None
+    where = f"under {test_scratch}"
+    try:
+        ours = _newest(config.storage_root, dag)
+    except Exception as exc:  # production's storage out of a CI's reach: its test run is what it asks about
+        log.info("production's storage_root %s not read (%s)", config.storage_root, exc)
+        ours = None
+    if ours is None or _when(tested) >= _when(ours):
+        return tested["uri"], (f"a test run (airflow dags test) of this Airflow home, in scratch {where}, not in "
+                               f"production's storage_root {config.storage_root} (--production reports its newest run)")
+    raise UserError(f"which run to report? pipeline {name}'s newest test run (airflow dags test) is in scratch {where} "
+                    f"({tested['run_folder']}, {_when(tested):%Y-%m-%d %H:%M:%S} UTC), production's storage_root "
+                    f"{config.storage_root} has a newer one ({ours['run_folder']}, {_when(ours):%Y-%m-%d %H:%M:%S} "
+                    f"UTC): give --production for production's, or {SCRATCH_ENV_VAR}={test_scratch} for the test "
+                    f"run's; remove {test_scratch} once its test runs are done with")
+
+
 def report_json_uri(target: str) -> str:
     """report.json's URI from a run prefix or from the report's own URI."""
     return target if target.rstrip("/").endswith(".json") else storage.join(target.rstrip("/"), "report.json")
@@ -275,6 +329,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="step", required=True)
     p_latest = sub.add_parser("latest", parents=[common_parser()], help="summarise the newest report")
     p_latest.add_argument("--dag-id", help="whose runs (default: the config's training DAG, <name>_pipeline)")
+    p_latest.add_argument("--production", action="store_true",
+                          help="the config's storage_root as written, even where this Airflow home's test runs "
+                               "(airflow dags test) are in scratch (by default the newer of both; docs/ci.md)")
     p_html = sub.add_parser("html", help="render report.html again from a finished run's files")
     p_html.add_argument("run", help="the run prefix (runs/<dag_id>/<run_id> under the storage root) or its report.json")
     args = parser.parse_args(argv)
@@ -285,8 +342,12 @@ def main(argv: list[str] | None = None) -> None:
         except UserError as exc:
             raise SystemExit(str(exc)) from None
         return
-    config = load_config(args.config, parse_overrides(args.override))
-    uri = latest_report(config.storage_root, args.dag_id or dag_id(name_of(config_path(args.config)), "pipeline"))
+    try:
+        uri, note = latest_run(args.config, parse_overrides(args.override), args.dag_id, args.production)
+    except UserError as exc:
+        raise SystemExit(str(exc)) from None
+    if note:
+        print(note)
     for line in summary_lines(storage.read_json(uri)):
         print(line)
     html = uri.rsplit("/", 1)[0] + "/report.html"

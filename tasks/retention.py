@@ -20,8 +20,9 @@ from stagewise.definitions.loading import config_path, load_config
 from stagewise.definitions.pipelines import dag_id, name_of
 from stagewise.study.studies import journal_files, storage_kind, storage_url
 from stagewise.tracking import registry as mlflow_registry
-from stagewise.upkeep import inventory, policy, removal, studies
+from stagewise.upkeep import inventory, ledger, policy, removal, studies
 from stagewise.upkeep.inventory import RUNNING, Models, Run
+from stagewise.upkeep.progress import Progress, heartbeat
 
 log = logging.getLogger("stagewise.retention")
 
@@ -118,11 +119,14 @@ def plan(config: PipelineConfig, now: dt.datetime, running: list[str] = (), quie
     if urls and rules.studies_days is not None:
         if (keep := kept_studies(config, runs, models)) is not None:
             where: dict[str, str] = {}
+            progress = Progress("planning studies", len(urls), "study storages")
             for url in urls:
                 found = studies.plan_studies(url, rules.studies_days, now, studies.study_prefixes(dag_ids), keep)
                 found = [r for r in found if r.target not in where]  # one name in two files: the first one's
                 where.update({r.target: url for r in found})
                 removals += found
+                progress.add(1)
+            progress.done()
             delete = studies.deleter(where)
     return removals, delete
 
@@ -145,14 +149,40 @@ def run(config: PipelineConfig, dry_run: bool, running: list[str] = (), now: dt.
     """Plan and (unless ``dry_run``) remove; returns the job's result (each removal, totals). ``running`` and
     ``quiet_dags``: what Airflow says (stagewise.upkeep.inventory.list_runs)."""
     now = now or dt.datetime.now(dt.UTC)
-    removals, delete = plan(config, now, running, quiet_dags)
-    result = removal.apply(removals, dry_run, now, delete)
+    if dry_run:  # removes nothing: no lock, no note
+        removals, delete = plan(config, now, running, quiet_dags)
+        result = removal.apply(removals, dry_run, now, delete)
+    else:
+        root, name = config.storage_root, pipeline_name(config)
+        lock, holder = ledger.acquire(root, name)
+        if lock is None:
+            log.warning("another retention pass holds %s's storage (%s): this one removes nothing", name, holder)
+            return {**removal.summary([], dry_run), "skipped": f"another retention pass holds it: {holder}"}
+        beat = heartbeat.set(lock.refresh)
+        try:
+            result = _remove(config, now, running, quiet_dags)
+        finally:
+            heartbeat.reset(beat)
+            lock.release()
     verb = "would free" if dry_run else "freed"
     for kind, totals in result["by_kind"].items():
         log.info("%s: %d, %d file(s), %s", kind, totals["count"], totals["files"], removal.human(totals["bytes"]))
     log.info("retention %s %s in %d file(s) under %s", verb, removal.human(result["total_bytes"]), result["total_files"],
              config.storage_root)
     return result
+
+
+def _remove(config: PipelineConfig, now: dt.datetime, running: list[str], quiet_dags: list[str]) -> dict[str, Any]:
+    """A real pass under the lock: finish what stopped passes noted, note this pass's plan, remove, mark it done."""
+    root, name = config.storage_root, pipeline_name(config)
+    stopped = ledger.unfinished(root, name)
+    removals, delete = plan(config, now, running, quiet_dags)
+    this_pass = ledger.pass_id(now)
+    note = ledger.begin(root, name, this_pass, now.strftime("%Y-%m-%dT%H:%M:%SZ"), removals)  # before anything goes
+    result = removal.apply(removals, False, now, delete, this_pass, [n.get("pass") for _, n in stopped])
+    ledger.finish(note, result, stopped, this_pass)
+    ledger.prune(root, name, now, config.retention.keep_records_days)
+    return {**result, "pass": this_pass, "note": note}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,7 +203,11 @@ def main(argv: list[str] | None = None) -> None:
         now = dt.datetime.fromisoformat(args.now) if args.now else None
         if now is not None and now.tzinfo is None:
             now = now.replace(tzinfo=dt.UTC)
-        return run(config, args.dry_run, args.running, now, args.no_runs_in)
+        try:
+            return run(config, args.dry_run, args.running, now, args.no_runs_in)
+        except ledger.NoteNotWritten as exc:  # a retry may find space again; nothing unnoted was removed
+            log.error("%s", exc)
+            raise SystemExit(1) from None
 
     run_subjob("retention", work, args.result_file)
 

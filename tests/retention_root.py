@@ -1,6 +1,7 @@
 """A storage root as a deployment leaves it after weeks (tests of stagewise.retention and the maintenance DAG):
 finished, failed and running runs of pipeline ``ml`` of several ages, raw data, and registered model versions of
-``digits``, one current, one its rollback target and one pinned. File times are set back to the runs' ages."""
+``digits``, one current, one its rollback target and one pinned. File times are set back to the runs' ages, and the
+runs record the same dates (lineage.json's started_at, report.json's at)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,17 @@ def _write(path: Path, size: int, when: dt.datetime, text: str | None = None) ->
     os.utime(path, (when.timestamp(), when.timestamp()))
 
 
+def recorded(name: str, run: str, began: dt.datetime) -> str | None:
+    """What a run records of its dates, as start_run (lineage.json) and the report step (report.json's ``at``) write
+    them: the same moments its files' times say, so tests can move either alone."""
+    if name == "report.json":
+        at = {"started": began.isoformat(), "ended": (began + dt.timedelta(minutes=3)).isoformat()}
+        return json.dumps({"at": at, "dag_id": PIPELINE_DAG, "run_id": run}, indent=2, sort_keys=True)
+    if name == "lineage.json":
+        return json.dumps({"code_version": "test", "started_at": began.isoformat()})
+    return None
+
+
 def build(root: Path, now: dt.datetime) -> dict[str, str]:
     """Write the storage root; returns ``{what: version}`` for current, rollback target, pinned and the one past
     keep_model_versions that nothing protects."""
@@ -41,7 +53,7 @@ def build(root: Path, now: dt.datetime) -> dict[str, str]:
         for index, name in enumerate(RECORD):
             if name.startswith("report") and not finished:
                 continue
-            text = json.dumps({"dag_id": PIPELINE_DAG, "run_id": run}) if name == "report.json" else None
+            text = recorded(name, run, began)
             _write(folder / name, 700, began + dt.timedelta(minutes=index if name.startswith("report") else 0), text)
         for name in WORK:
             text = json.dumps({"pad": "x" * 5_000}) if name.endswith(".json") else None  # JSON that parses

@@ -35,6 +35,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from stagewise.core import storage
 from stagewise.core.errors import DataError
+from stagewise.reporting import run_dates
+from stagewise.reporting.run_dates import RunDates
 
 T = TypeVar("T")
 
@@ -314,6 +316,10 @@ class RunRow:
     run_folder: str
     uri: str
     modified: dt.datetime | None
+    """When report.json last changed (retention's note changes it too): never what a run is dated by."""
+    started: dt.datetime | None = None
+    ended: dt.datetime | None = None
+    """When the run started and ended as it recorded them (stagewise.reporting.run_dates)."""
     dag_id: str
     run_id: str
     metric: str = ""
@@ -336,7 +342,9 @@ def objective_of(report: dict[str, Any]) -> tuple[str, Any]:
 def run_row(item: Listed) -> RunRow:
     """``item``'s report.json as a row; a report that cannot be read is a row in state ``unreadable`` with its error."""
     dag_folder, run_folder = item.parts
-    where = {"dag_folder": dag_folder, "run_folder": run_folder, "uri": item.uri, "modified": item.modified}
+    fallback = run_dates.from_mtime(item.mtime)
+    where = {"dag_folder": dag_folder, "run_folder": run_folder, "uri": item.uri, "modified": item.modified,
+             "started": fallback.started, "ended": fallback.ended}
     try:
         report = storage.read_json(item.uri)
     except (OSError, ValueError, DataError) as exc:
@@ -345,6 +353,8 @@ def run_row(item: Listed) -> RunRow:
     if not isinstance(report, dict):
         return RunRow(**where, dag_id=dag_folder, run_id=run_folder, state="unreadable",
                       error=f"{item.uri} holds {type(report).__name__}, not an object")
+    dates = (run_dates.from_report(report, run_folder) or fallback).as_of(dt.datetime.now(dt.UTC))
+    where.update(started=dates.started, ended=dates.ended)
     metric, value = objective_of(report)
     sweep = report.get("sweep") if isinstance(report.get("sweep"), dict) else {}
     registry = report.get("registry") if isinstance(report.get("registry"), dict) else {}
@@ -354,17 +364,42 @@ def run_row(item: Listed) -> RunRow:
                   metric=metric, value=value, sweep_best=sweep.get("best_value"), registry=gate, state=state)
 
 
+def dates_of(item: Listed) -> RunDates:
+    """When ``item``'s run started and ended as it recorded them (most reports: from the file's head alone); a report
+    that records none, or cannot be read, by its file's time (stagewise.reporting.run_dates' last fallback: retention
+    pins the dates into a report before it rewrites one). A time to come is taken as now."""
+    try:
+        found = run_dates.read_report_dates(item.uri, item.parts[-1])
+    except (OSError, ValueError, DataError):
+        found = None
+    return (found or run_dates.from_mtime(item.mtime)).as_of(dt.datetime.now(dt.UTC))
+
+
 _RUNS: Index[RunRow] = Index(run_row)
+_DATES: Index[RunDates] = Index(dates_of)  # read once per version of a report, as the rows are
 
 
-def _newest_first(listed: list[Listed]) -> list[Listed]:
-    return sorted(listed, key=lambda item: (item.mtime or 0.0, item.parts), reverse=True)
+def _started(dates: RunDates | None) -> float:
+    return dates.started.timestamp() if dates is not None and dates.started is not None else 0.0
 
 
 def run_reports(storage_root: str) -> list[Listed]:
-    """Every ``runs/<dag_folder>/<run_folder>/report.json`` under ``storage_root``, newest first, none read yet;
-    nothing left out. :func:`run_rows` reads the ones a page shows. Calls share the list: do not change it."""
-    return _RUNS.files(storage.join(storage_root, "runs"), 2, "report.json", _newest_first)
+    """Every ``runs/<dag_folder>/<run_folder>/report.json`` under ``storage_root``, newest first by when the run
+    started (as it recorded it), nothing left out; only the dates of each report are read (once per version of the
+    file), :func:`run_rows` reads the ones a page shows. Calls share the list: do not change it."""
+    base = storage.join(storage_root, "runs")
+
+    def newest_first(listed: list[Listed]) -> list[Listed]:  # only called when a report came, went or changed
+        _DATES.files(base, 2, "report.json")  # forgets the dates of reports that went
+        keyed = zip(_DATES.summaries(base, listed), listed, strict=True)
+        return [item for _, item in sorted(keyed, key=lambda pair: (_started(pair[0]), pair[1].parts), reverse=True)]
+
+    return _RUNS.files(base, 2, "report.json", newest_first)
+
+
+def report_dates(storage_root: str, reports: list[Listed]) -> list[RunDates]:
+    """The recorded dates of ``reports`` (from :func:`run_reports` of ``storage_root``), read once per version."""
+    return _DATES.summaries(storage.join(storage_root, "runs"), reports)  # type: ignore[return-value] - never None
 
 
 def run_rows(storage_root: str, reports: list[Listed], recheck_files: bool = False) -> list[RunRow | None]:

@@ -2,24 +2,34 @@
 registered model versions, and what protects either. Read once per retention pass; nothing here removes anything.
 
 A run's state needs no Airflow: ``report.json`` is written last (the commit), so a run that has one finished; a run
-without one is running while any of its files changed within ``retention.idle_hours`` (or Airflow says it runs: the
-maintenance DAG passes its running runs), else it failed.
+without one is running while it shows a sign of life within ``retention.idle_hours`` (a recorded task attempt, or a
+file changed, never one dated later than now), or Airflow says it runs (the maintenance DAG passes its running runs);
+else it failed. Its dates (start, end, last recorded activity) are what the run recorded
+(stagewise.reporting.run_dates), each later than now taken as now; file times date it only where it recorded none.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsspec.implementations.local import LocalFileSystem
+
 from stagewise.core import storage
+from stagewise.core.errors import DataError
+from stagewise.reporting import run_dates
+from stagewise.reporting.run_dates import UNKNOWN, RunDates
+from stagewise.upkeep.progress import Progress
 
 log = logging.getLogger("stagewise.retention")
 
 FINISHED, RUNNING, FAILED = "finished", "running", "failed"
 REPORT = "report.json"
+REWRITTEN = (REPORT, "report.html")  # the files retention's note rewrites: never a sign of a run's own life
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 # A run that started between Airflow's answer and the listing must not look failed: quiet DAGs still get this long.
 QUIET_GRACE = dt.timedelta(hours=1)
@@ -46,20 +56,28 @@ class Run:
     files: list[Entry]
     state: str = FAILED
     protected: str = ""  # why nothing of it may go (an MLflow version's artifact, another running run's reuse)
+    dates: RunDates = UNKNOWN
+    """When it started and ended as it recorded them (an unfinished run: no end), none later than the pass's now."""
+    activity: dt.datetime | None = None
+    """Its latest recorded moment (a task attempt's start or end, its start): what a failed run's idle time counts from."""
 
     @property
     def ref(self) -> str:
         return f"{self.dag_folder}/{self.run_folder}"
 
     @property
-    def ended(self) -> dt.datetime:
-        """When it finished (its report's time) or, unfinished, when any of its files last changed."""
-        report = [entry.modified for entry in self.files if entry.path == REPORT]
-        return report[0] if report else self.last_change
+    def started(self) -> dt.datetime:
+        """Its recorded start; unknown (no record, no file): the epoch."""
+        return self.dates.started or EPOCH
 
     @property
-    def last_change(self) -> dt.datetime:
-        return max((entry.modified for entry in self.files), default=EPOCH)
+    def last_activity(self) -> dt.datetime:
+        return self.activity or self.dates.ended or self.started
+
+    def changed_since(self, moment: dt.datetime, now: dt.datetime) -> bool:
+        """Whether a file changed after ``moment``: a sign of life only (a time later than ``now`` is none; report.json
+        and report.html are not, retention itself rewrites them)."""
+        return any(moment < entry.modified <= now for entry in self.files if entry.path not in REWRITTEN)
 
 
 @dataclass
@@ -86,51 +104,123 @@ def modified(info: dict[str, Any]) -> dt.datetime:
     return storage.modified_time(info) or EPOCH
 
 
-def _entries(prefix: str) -> dict[str, list[Entry]]:
-    """Every file under ``prefix`` grouped by its first path segment below it, with its size and time."""
+def _entries(prefix: str, progress: Progress | None = None) -> dict[str, list[Entry]]:
+    """Every file under ``prefix`` grouped by its first path segment below it, with its size and time; a file or
+    folder that goes while it is listed (another pass) is left out."""
     fs, path = storage.filesystem(prefix)
+    if isinstance(fs, LocalFileSystem):
+        return _local_entries(path, progress)
     if not fs.isdir(path):
         return {}
     base = path.rstrip("/") + "/"
     grouped: dict[str, list[Entry]] = {}
-    for found, info in fs.find(path, detail=True).items():
+    for found, info in fs.find(path, detail=True).items():  # one listing of the prefix (1,000 keys a request)
         if info.get("type", "file") != "file" or not found.startswith(base):
             continue
         first, _, rest = found[len(base):].partition("/")
         if rest:
             grouped.setdefault(first, []).append(Entry(rest, int(info.get("size") or 0), modified(info)))
+    if progress is not None:
+        progress.add(len(grouped), sum(len(files) for files in grouped.values()))
+    return grouped
+
+
+def _local_entries(path: str, progress: Progress | None) -> dict[str, list[Entry]]:
+    """:func:`_entries` of a local folder, one sub-folder at a time so that a long listing says how far it got."""
+    try:
+        tops = sorted(entry.name for entry in os.scandir(path) if entry.is_dir(follow_symlinks=False))
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    grouped: dict[str, list[Entry]] = {}
+    for top in tops:
+        files: list[Entry] = []
+        start = os.path.join(path, top)
+        for folder, _, names in os.walk(start):
+            for name in names:
+                full = os.path.join(folder, name)
+                try:
+                    stat = os.stat(full, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if not os.path.islink(full):
+                    files.append(Entry(os.path.relpath(full, start).replace(os.sep, "/"), stat.st_size,
+                                       dt.datetime.fromtimestamp(stat.st_mtime, dt.UTC)))
+        if files:
+            grouped[top] = files
+        if progress is not None:
+            progress.add(1, len(files))
     return grouped
 
 
 def list_runs(storage_root: str, dag_ids: Iterable[str], now: dt.datetime, idle_hours: float,
               running: Iterable[str] = (), quiet_dags: Iterable[str] = ()) -> list[Run]:
-    """The run folders of ``dag_ids`` under the root, each with its state. ``running``: ``<dag_id>/<run_id>`` of runs
-    Airflow reports running; ``quiet_dags``: DAGs Airflow reports no queued or running run of (the maintenance DAG
-    asks), whose unfinished runs are failed once idle for QUIET_GRACE rather than ``idle_hours``."""
+    """The run folders of ``dag_ids`` under the root, each with its state and dates. ``running``: ``<dag_id>/<run_id>``
+    of runs Airflow reports running; ``quiet_dags``: DAGs Airflow reports no queued or running run of (the maintenance
+    DAG asks), whose unfinished runs are failed once idle for QUIET_GRACE rather than ``idle_hours``."""
     told = {"/".join(storage.safe_name(part) for part in ref.split("/", 1)) for ref in running if "/" in ref}
     quiet = {storage.safe_name(dag) for dag in quiet_dags}
     runs = []
+    listing, dating = Progress("listing runs"), Progress("reading run records")
     for dag_id in dag_ids:
         folder = storage.safe_name(dag_id)
         prefix = storage.join(storage_root, "runs", folder)
-        for run_folder, files in sorted(_entries(prefix).items()):
+        for run_folder, files in sorted(_entries(prefix, listing).items()):
             run = Run(folder, run_folder, storage.join(prefix, run_folder), files)
+            date(run, now)
+            dating.add(1)
             if run.ref in told or _running_again(run, now, idle_hours):
                 run.state = RUNNING
             elif any(entry.path == REPORT for entry in files):
                 run.state = FINISHED
             else:
                 idle = QUIET_GRACE if folder in quiet else dt.timedelta(hours=idle_hours)
-                run.state = RUNNING if now - run.last_change < idle else FAILED
+                alive = now - run.last_activity < idle or run.changed_since(now - idle, now)
+                run.state = RUNNING if alive else FAILED
             runs.append(run)
+    listing.done()
+    dating.done()
     return runs
 
 
+def _read(uri: str, read: Any) -> Any:
+    """``read(uri)``, or None where the file went (another pass) or is torn: a record that says nothing."""
+    try:
+        return read(uri)
+    except (OSError, ValueError, DataError) as exc:
+        log.warning("%s not read (%s): the run is dated without it", uri, exc)
+        return None
+
+
+def date(run: Run, now: dt.datetime) -> None:
+    """Set ``run.dates`` and ``run.activity`` from what it recorded (stagewise.reporting.run_dates), each later than
+    ``now`` taken as ``now``. Without any record: the time of its config.yaml or lineage.json (written once, never
+    rewritten), else of its report (retention pins a report's dates before it rewrites one), else of its oldest file."""
+    paths = {entry.path: entry for entry in run.files}
+    found = None
+    if REPORT in paths:
+        found = _read(storage.join(run.prefix, REPORT), lambda uri: run_dates.read_report_dates(uri, run.run_folder))
+    recorded = begun = None
+    if found is None:  # an unfinished run (or a report recording no dates): its task attempts say how far it got
+        attempts = [e for e in run.files if e.path.startswith("timeline/") and e.path.endswith(".json")]
+        recorded = run_dates.from_attempts([_read(storage.join(run.prefix, e.path), storage.read_json) for e in attempts])
+        begun = run_dates.started_of(run.prefix) if "lineage.json" in paths else None
+        started = begun or (recorded.started if recorded else None) or run_dates.from_run_id(run.run_folder)
+        if started is None:
+            kept = [paths[name] for name in ("config.yaml", "lineage.json", REPORT) if name in paths]
+            stamp = min((entry.modified for entry in kept or run.files), default=None)
+            found = run_dates.from_mtime(stamp)
+        else:
+            found = RunDates(started, None, "lineage" if started == begun else "tasks" if recorded else "run id")
+    run.dates = found.as_of(now)
+    moments = [m for m in (begun, recorded.ended if recorded else None, run.dates.ended, run.dates.started) if m]
+    run.activity = min(max(moments), now) if moments else None
+
+
 def _running_again(run: Run, now: dt.datetime, idle_hours: float) -> bool:
-    """A finished run whose files changed well after its report, recently: cleared and running again."""
-    report = [entry.modified for entry in run.files if entry.path == REPORT]
-    return bool(report) and now - run.last_change < dt.timedelta(hours=idle_hours) and (
-        run.last_change - report[0] > RERUN_SLACK)
+    """A finished run whose files changed well after its recorded end, recently: cleared and running again."""
+    if not any(entry.path == REPORT for entry in run.files) or run.dates.ended is None:
+        return False
+    return run.changed_since(max(run.dates.ended + RERUN_SLACK, now - dt.timedelta(hours=idle_hours)), now)
 
 
 def list_models(storage_root: str, name: str) -> list[ModelVersion]:

@@ -1,9 +1,12 @@
 """What a retention policy removes from an inventory, and why: a pure function of the runs, the model versions, the
 policy and the time, so a dry run and the real run list the same files and a simulation can run it for a year.
 
-Ages of a run count from its start (its config snapshot, which nothing rewrites): a report updated by retention keeps
-its run's age. A finished run goes in steps: its checkpoints (all but each stage's model.pt and JSON records) and its
-predictions after their ages, everything but its record (the run folder's top-level files: report.json, report.html,
+Ages of a run count from its start as it recorded it (stagewise.reporting.run_dates, set by the inventory; never a
+file's time where the run recorded one, and never later than now): a report updated by retention keeps its run's age.
+A failed run's idle time counts from its last recorded activity.
+
+A finished run goes in steps: its checkpoints (all but each stage's model.pt and JSON records) and its predictions
+after their ages, everything but its record (the run folder's top-level files: report.json, report.html,
 config.yaml, lineage.json) once it is past ``keep_runs`` or ``keep_runs_days``, and the record after
 ``keep_records_days``. A failed run keeps its record and loses the rest after ``failed_days`` idle.
 """
@@ -12,10 +15,11 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stagewise.core import storage
 from stagewise.definitions.retention import Retention
+from stagewise.reporting.run_dates import RunDates
 from stagewise.upkeep.inventory import FAILED, FINISHED, Entry, Models, Run
 
 RUN, RUN_FILES, CHECKPOINTS, PREDICTIONS, PENDING, MODEL, STUDY = (
@@ -32,6 +36,7 @@ class Removal:
     files: tuple[str, ...] = ()
     bytes: int = 0
     prefix: str = ""  # the folder it belongs to: a whole run or version goes with its folder
+    dates: RunDates | None = field(default=None, compare=False)  # its run's recorded dates: its note pins them
 
     @property
     def whole(self) -> bool:
@@ -61,9 +66,8 @@ def is_pending(entry: Entry) -> bool:
 
 
 def started(run: Run) -> dt.datetime:
-    """When the run began: its oldest record file (the config snapshot start_run writes first), else its oldest file."""
-    record = [entry.modified for entry in run.files if is_record(entry)]
-    return min(record or [entry.modified for entry in run.files], default=run.last_change)
+    """When the run began, as it recorded it (stagewise.upkeep.inventory.date)."""
+    return run.started
 
 
 def _days(delta: dt.timedelta) -> str:
@@ -75,7 +79,7 @@ def _removal(what: str, run: Run, reason: str, entries: Iterable[Entry]) -> Remo
     if not chosen:
         return None
     return Removal(what, run.ref, reason, tuple(storage.join(run.prefix, e.path) for e in chosen),
-                   sum(e.size for e in chosen), run.prefix)
+                   sum(e.size for e in chosen), run.prefix, run.dates)
 
 
 def _older(now: dt.datetime, when: dt.datetime, days: int | None) -> bool:
@@ -101,6 +105,7 @@ def plan_runs(policy: Retention, runs: list[Run], now: dt.datetime) -> list[Remo
 
 
 def _finished(policy: Retention, run: Run, rank: int, began: dt.datetime, now: dt.datetime) -> list[Removal]:
+    began = min(began, now)  # a start later than now (a skewed clock) makes the run new, never old
     age = now - began
     if _older(now, began, policy.keep_records_days):
         return [_whole(run, f"finished run started {_days(age)} ago, past keep_records_days {policy.keep_records_days}")]
@@ -124,10 +129,11 @@ def _finished(policy: Retention, run: Run, rank: int, began: dt.datetime, now: d
 
 
 def _failed(policy: Retention, run: Run, now: dt.datetime) -> list[Removal]:
-    idle = now - run.last_change
-    if _older(now, run.last_change, policy.keep_records_days):
+    last = min(run.last_activity, now)
+    idle = now - last
+    if _older(now, last, policy.keep_records_days):
         return [_whole(run, f"failed run idle {_days(idle)}, past keep_records_days {policy.keep_records_days}")]
-    if _older(now, run.last_change, policy.failed_days):
+    if _older(now, last, policy.failed_days):
         found = _removal(RUN_FILES, run, f"failed run idle {_days(idle)}, past failed_days {policy.failed_days}; its "
                                          f"record stays", (e for e in run.files if not is_record(e)))
         return [found] if found else []
@@ -135,8 +141,10 @@ def _failed(policy: Retention, run: Run, now: dt.datetime) -> list[Removal]:
 
 
 def _whole(run: Run, reason: str) -> Removal:
-    return Removal(RUN, run.ref, reason, tuple(storage.join(run.prefix, e.path) for e in run.files),
-                   sum(e.size for e in run.files), run.prefix)
+    # the record last and report.json very last: a pass stopped midway leaves a run that still reads as what it was
+    ordered = sorted(run.files, key=lambda e: (is_record(e), e.path == "report.json", e.path))
+    return Removal(RUN, run.ref, reason, tuple(storage.join(run.prefix, e.path) for e in ordered),
+                   sum(e.size for e in run.files), run.prefix, run.dates)
 
 
 def plan_models(policy: Retention, models: Models) -> list[Removal]:

@@ -1,8 +1,9 @@
 """Carrying out a retention plan (stagewise.upkeep.policy): the files go, emptied folders with them, and a finished
-run that lost files gets a ``retention`` entry in its report.json (and its report.html rendered again, saying so).
+run that loses files gets a ``retention`` entry in its report.json first (its dates pinned there, so the rewrite moves
+none: stagewise.reporting.run_dates), then its report.html rendered again once they are gone, saying so.
 
 Only the files the plan lists are removed, never a folder wholesale, so a file written after the plan was made (a
-run cleared and started again) stays.
+run cleared and started again) stays. A file already gone (another pass, a run's own cleanup) is no error.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from stagewise.core import assets, storage
-from stagewise.reporting import html
+from stagewise.reporting import html, run_dates
 from stagewise.upkeep.inventory import REPORT
+from stagewise.upkeep.ledger import NoteNotWritten
 from stagewise.upkeep.policy import STUDY, Removal
+from stagewise.upkeep.progress import Progress
 
 log = logging.getLogger("stagewise.retention")
 
@@ -34,7 +37,7 @@ def human(size: int) -> str:
     return f"{value:.1f} GB"
 
 
-def remove_files(uris: Iterable[str]) -> int:
+def remove_files(uris: Iterable[str], progress: Progress | None = None) -> int:
     """Delete ``uris`` (all on one filesystem) in batches; returns how many were gone afterwards."""
     uris = list(uris)
     if not uris:
@@ -47,8 +50,12 @@ def remove_files(uris: Iterable[str]) -> int:
             fs.rm(batch)  # S3: one DeleteObjects request, a key already gone is no error
         except FileNotFoundError:  # a local file already gone (another pass, a run's own cleanup): the rest still go
             for path in batch:
-                if fs.exists(path):
+                try:
                     fs.rm_file(path)
+                except FileNotFoundError:
+                    pass
+        if progress is not None:
+            progress.add(files=len(batch))
     return len(paths)
 
 
@@ -66,19 +73,45 @@ def prune_empty_folders(prefix: str) -> None:
             pass
 
 
-def note_in_report(prefix: str, removals: list[Removal], at: str) -> None:
-    """Add what retention removed to the finished run's report.json, then render its report.html again to say so."""
+def note_in_report(prefix: str, removals: list[Removal], at: str, pass_name: str = "",
+                   stopped: Iterable[str] = ()) -> dict[str, Any] | None:
+    """Add what retention removes to the finished run's report.json, before it goes, with the run's dates pinned
+    (``at`` from the removal's dates where the report had none); an entry a stopped pass (``stopped``: their names)
+    left for the same kind is marked finished, not repeated. Returns the report written (None: it has none)."""
     uri = storage.join(prefix, REPORT)
-    if not storage.exists(uri):
-        return
-    report = storage.read_json(uri)
+    try:
+        report = storage.read_json(uri)
+    except FileNotFoundError:  # no report (a failed run), or another pass took the run: nothing to note in
+        return None
+    if not isinstance(report, dict):
+        return None
+    dates = next((r.dates for r in removals if r.dates is not None), None)
+    if dates is not None:
+        run_dates.pin(report, dates)
     entries = list(report.get("retention") or [])
-    entries.extend({"removed": r.what, "files": len(r.files), "bytes": r.bytes, "reason": r.reason, "at": at}
-                   for r in removals)
+    stopped = set(stopped)
+    for r in removals:
+        earlier = next((e for e in entries if isinstance(e, dict) and e.get("removed") == r.what
+                        and e.get("pass") in stopped and not e.get("finished")), None)
+        if earlier is not None:
+            earlier["finished"] = at
+            continue
+        entries.append({"removed": r.what, "files": len(r.files), "bytes": r.bytes, "reason": r.reason, "at": at,
+                        "pass": pass_name})
     report["retention"] = entries
-    storage.write_json(uri, report)
+    try:
+        storage.write_json(uri, report)
+    except OSError as exc:
+        raise NoteNotWritten(f"retention stopped before removing anything of {prefix}: its note in {uri} could not be "
+                             f"written ({exc}). What earlier runs lost is noted in their reports; free some space "
+                             f"and run the pass again") from None
+    return report
+
+
+def render_noted(prefix: str, report: dict[str, Any]) -> None:
+    """report.html again, once the noted files are gone, saying what retention removed."""
     if storage.exists(storage.join(prefix, "report.html")):
-        _render_again(report, prefix, entries)
+        _render_again(report, prefix, list(report.get("retention") or []))
 
 
 def _render_again(report: dict[str, Any], prefix: str, entries: list[dict[str, Any]]) -> None:
@@ -94,26 +127,39 @@ def _render_again(report: dict[str, Any], prefix: str, entries: list[dict[str, A
         log.exception("report.html of %s not rendered again; its report.json says what retention removed", prefix)
 
 
-def apply(plan: list[Removal], dry_run: bool, now: dt.datetime, delete_study: Any = None) -> dict[str, Any]:
+def apply(plan: list[Removal], dry_run: bool, now: dt.datetime, delete_study: Any = None, pass_name: str = "",
+          stopped: Iterable[str] = ()) -> dict[str, Any]:
     """Remove what ``plan`` lists (with ``dry_run`` only log it); returns the plan as JSON with its totals.
-    ``delete_study(name)`` removes one study (stagewise.upkeep.studies)."""
+    ``delete_study(name)`` removes one study (stagewise.upkeep.studies). A run's report notes its removals before
+    any of its files go; ``pass_name``, ``stopped``: this pass's name and those of stopped passes it finishes
+    (stagewise.upkeep.ledger)."""
     at = now.strftime("%Y-%m-%dT%H:%M:%SZ")
-    done: dict[str, list[Removal]] = {}
+    verb = "would remove" if dry_run else "removing"
+    partial: dict[str, list[Removal]] = {}
+    for removal in plan:
+        if not removal.whole and removal.what != STUDY and removal.prefix:
+            partial.setdefault(removal.prefix, []).append(removal)
+    noted: dict[str, dict[str, Any] | None] = {}
+    progress = Progress("retention " + ("dry run" if dry_run else "removal"), len(plan), "removals")
     for index, removal in enumerate(plan, 1):
-        verb = "would remove" if dry_run else "removing"
         log.info("[%d/%d] %s %s of %s: %d file(s), %s (%s)", index, len(plan), verb, removal.what, removal.target,
                  len(removal.files), human(removal.bytes), removal.reason)
         if dry_run:
+            progress.add(1, len(removal.files))
             continue
         if removal.what == STUDY:
             delete_study(removal.target)
+            progress.add(1, len(removal.files))
             continue
-        remove_files(removal.files)
+        if removal.prefix in partial and removal.prefix not in noted:  # the note first: a failure stops before removing
+            noted[removal.prefix] = note_in_report(removal.prefix, partial[removal.prefix], at, pass_name, stopped)
+        remove_files(removal.files, progress)
         prune_empty_folders(removal.prefix)
-        if not removal.whole and removal.prefix:
-            done.setdefault(removal.prefix, []).append(removal)
-    for prefix, removals in done.items():
-        note_in_report(prefix, removals, at)
+        progress.add(1)
+    for prefix, report in noted.items():
+        if report is not None:
+            render_noted(prefix, report)
+    progress.done()
     return summary(plan, dry_run)
 
 

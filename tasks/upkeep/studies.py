@@ -67,8 +67,9 @@ def plan_studies(url: str, days: int | None, now: dt.datetime, prefixes: Iterabl
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     backend = open_storage(url)
     sizes = _journal_bytes(url)
+    every = backend.get_all_studies()
     plan = []
-    for study in backend.get_all_studies():
+    for study in every:
         name = study.study_name
         if not name.startswith(prefixes) or name in keep:
             continue
@@ -78,8 +79,10 @@ def plan_studies(url: str, days: int | None, now: dt.datetime, prefixes: Iterabl
             continue
         last = max(stamp if stamp.tzinfo else stamp.astimezone(dt.UTC) for stamp in stamps)
         if now - last > dt.timedelta(days=days):
+            # a journal file holding this study alone goes whole (deleter): one file, as the dry run counts it
+            own_file = (url,) if path is not None and len(every) == 1 else ()
             plan.append(Removal(STUDY, name, f"no trial for {(now - last).days} days, past studies_days {days}",
-                                bytes=sizes.get(study._study_id, 0)))
+                                files=own_file, bytes=sizes.get(study._study_id, 0)))
     return plan
 
 
@@ -90,11 +93,19 @@ def deleter(where: dict[str, str]) -> Any:
         import optuna
 
         url = where[name]
+        if url.startswith("journal://") and not os.path.exists(url[len("journal://"):]):
+            return  # another pass removed its file (opening it would create it again)
         backend = open_storage(url)
         if url.startswith("journal://") and [s.study_name for s in backend.get_all_studies()] == [name]:
-            os.remove(url[len("journal://"):])
+            try:
+                os.remove(url[len("journal://"):])
+            except FileNotFoundError:
+                pass
             return
-        optuna.delete_study(study_name=name, storage=backend)
+        try:
+            optuna.delete_study(study_name=name, storage=backend)
+        except KeyError:  # deleted meanwhile (another pass): what this pass meant is done
+            log.info("study %s was deleted already", name)
     return delete
 
 

@@ -43,7 +43,10 @@ def test_dry_run_changes_nothing_and_counts_what_the_real_run_frees(storage_root
     gone = set(before) - set(after)
     assert sum(before[path][0] for path in gone) == planned["total_bytes"] == done["total_bytes"]
     assert len(gone) == planned["total_files"]
-    assert {path.split("/")[0] for path in set(after) - set(before)} <= {"assets"}  # the reports' shared plotly.js
+    # the reports' shared plotly.js, and the pass's own note (stagewise.upkeep.ledger), marked done
+    assert {path.split("/")[0] for path in set(after) - set(before)} <= {"assets", "retention"}
+    note = json.loads((storage_root / "retention" / "ml" / "passes" / f"{done['pass']}.json").read_text())
+    assert note["state"] == "done" and len(note["removals"]) == len(planned["removals"])
 
 
 def test_policy_removes_what_it_names_and_nothing_needed(storage_root, write_config, tmp_path):
@@ -220,6 +223,7 @@ def test_runs_the_step_cache_serves_keep_their_files_while_a_run_is_running(stor
     targets = {r["target"] for r in _job(config, tmp_path, "--dry-run")["removals"]}
     assert "ml_pipeline/month_old" not in targets
     for run in ("running_busy", "running_quiet"):
+        (storage_root / RUNS / run / "lineage.json").write_text(json.dumps({"started_at": "2001-09-09T01:46:40+00:00"}))
         for path in (storage_root / RUNS / run).rglob("*"):
             os.utime(path, (1e9, 1e9))  # idle for years: failed, not running
     assert "ml_pipeline/month_old" in {r["target"] for r in _job(config, tmp_path, "--dry-run")["removals"]}

@@ -3,8 +3,9 @@
 Run: ``register(router, User)`` adds its route (``stagewise.airflow.ui.create_app``).
 
 ``?pipeline=<name>&state=<state>&from=YYYY-MM-DD&to=YYYY-MM-DD&page=N&per_page=N``: filters by pipeline, by the
-state the report records (stagewise.reporting.listing.STATES) and by the UTC day the report was written (both ends
-included); the page says which runs of how many it shows ("runs 51–100 of 10,000") and its links keep the filters.
+state the report records (stagewise.reporting.listing.STATES) and by the UTC day the run started (both ends
+included; a run is dated by what it recorded, stagewise.reporting.run_dates, never by when retention last noted in its
+report); the page says which runs of how many it shows ("runs 51–100 of 10,000") and its links keep the filters.
 The listing comes from stagewise.reporting.listing, reused while the folders' mtimes say nothing changed; a report is
 read only when the page shows it (or the state filter needs it), once per version of its file, so a page over 10,000
 reports costs a few dozen stats and 50 reads at most. Counts are of the runs this user may read; who may read a run
@@ -24,7 +25,7 @@ from stagewise.airflow.ui.layout import esc, fmt, gate_badge, link, page, pager,
 from stagewise.airflow.ui.pipelines import Pipeline, pipelines
 from stagewise.airflow.ui.storage_access import Storage, StorageProblem, read_each, storage_error, storages
 from stagewise.core import storage
-from stagewise.reporting.listing import STATES, Listed, RunRow, run_reports, run_rows
+from stagewise.reporting.listing import STATES, Listed, RunRow, report_dates, run_reports, run_rows
 
 PER_PAGE = 50
 MAX_PER_PAGE = 500
@@ -47,11 +48,11 @@ class Filters:
                   "per_page": str(self.per_page) if self.per_page != PER_PAGE else ""}
         return {key: value for key, value in params.items() if value}
 
-    def keeps_time(self, mtime: float | None) -> bool:
-        """Whether a report written at ``mtime`` falls on the days asked for (UTC, both ends included)."""
-        if mtime is None:
+    def keeps_time(self, started: dt.datetime | None) -> bool:
+        """Whether a run that started at ``started`` falls on the days asked for (UTC, both ends included)."""
+        if started is None:
             return False
-        day = dt.datetime.fromtimestamp(mtime, dt.UTC).date()
+        day = started.astimezone(dt.UTC).date()
         return not ((self.start and day < self.start) or (self.end and day > self.end))
 
 
@@ -81,20 +82,27 @@ def filter_form(root: str, chosen: Filters, names: list[str]) -> str:
     return (f"<form class='filters' method='get' action='{esc(root + '/')}' data-stagewise-filters>"
             f"<label>pipeline<select name='pipeline'>{options(names, chosen.pipeline, 'all')}</select></label>"
             f"<label>state<select name='state'>{options(list(STATES), chosen.state, 'any')}</select></label>"
-            f"<label>reported from<input type='date' name='from' value='{esc(chosen.start or '')}'></label>"
+            f"<label>started from<input type='date' name='from' value='{esc(chosen.start or '')}'></label>"
             f"<label>to<input type='date' name='to' value='{esc(chosen.end or '')}'></label>{per_page}"
             f"<button type='submit'>Filter</button>"
             + (f"<a href='{esc(root + '/')}'>clear filters</a>" if chosen.params() else "") + "</form>")
 
 
-def row_cells(root: str, row: RunRow, retired: bool) -> list[str]:
+ORPHAN_NOTE = ("no pipeline holds this DAG now: its pipeline was renamed or removed, and its runs stay under the DAG id "
+               "they ran as (docs/operations.md)")
+
+
+def row_cells(root: str, row: RunRow, retired: bool, orphan: bool = False) -> list[str]:
+    """A row's cells; ``retired``: its pipeline's DAGs are stale; ``orphan``: no pipeline holds its DAG now."""
     href = run_href(root, row.dag_folder, row.run_folder)
-    when = row.modified.strftime("%Y-%m-%d %H:%M UTC") if row.modified else ""
+    started, ended = (when.strftime("%Y-%m-%d %H:%M UTC") if when else "" for when in (row.started, row.ended))
     if row.error:
-        return [esc(row.dag_id), link(href, row.run_id), esc(when), "", "", "",
+        return [esc(row.dag_id), link(href, row.run_id), esc(started), esc(ended), "", "", "",
                 f'<span class="badge err">unreadable</span> {esc(row.error)}']
-    return [esc(row.dag_id) + (' <span class="badge">retired</span>' if retired else ""), link(href, row.run_id),
-            esc(when), esc(row.metric), fmt(row.value), fmt(row.sweep_best), gate_badge(row.registry)]
+    badge = (' <span class="badge">retired</span>' if retired else
+             f' <span class="badge" title="{esc(ORPHAN_NOTE)}">former name</span>' if orphan else "")
+    return [esc(row.dag_id) + badge, link(href, row.run_id), esc(started), esc(ended), esc(row.metric), fmt(row.value),
+            fmt(row.sweep_best), gate_badge(row.registry)]
 
 
 def read_rows(items: list[Listed], owner: Callable[[Listed], Storage],
@@ -167,12 +175,21 @@ def register(router: APIRouter, User: Any) -> None:  # noqa: N803 - the request'
             elif place.root not in {seen.root for seen, _ in listed}:  # two connections to one root list the same runs
                 listed.append((place, result))
         # One storage's list is used as it is (10,000 reports: no copy, no pass over it unless a filter needs one)
+        started_at: dict[int, dt.datetime | None] = {}
+
+        def started(item: Listed) -> dt.datetime | None:  # as the run recorded it, read once per version of its report
+            if not started_at:
+                for place, result in listed:
+                    started_at.update((id(found), dates.started) for found, dates in
+                                      zip(result, report_dates(place.root, result), strict=True))
+            return started_at.get(id(item))
+
         if len(listed) == 1:
             (only, reports), owners = listed[0], {}
         else:  # each storage's reports are newest first already
             only, owners = None, {id(item): place for place, result in listed for item in result}
-            reports = sorted((item for _, result in listed for item in result), key=lambda item: item.mtime or 0.0,
-                             reverse=True)
+            reports = sorted((item for _, result in listed for item in result),
+                             key=lambda item: (when := started(item)) and when.timestamp() or 0.0, reverse=True)
 
         def owner(item: Listed) -> Storage:
             return only or owners[id(item)]
@@ -188,7 +205,7 @@ def register(router: APIRouter, User: Any) -> None:  # noqa: N803 - the request'
             own = {storage.safe_name(dag_id) for dag_id in found[chosen.pipeline].dag_ids}
             shown = [item for item in shown if item.parts[0] in own]
         if chosen.start or chosen.end:
-            shown = [item for item in shown if chosen.keeps_time(item.mtime)]
+            shown = [item for item in shown if chosen.keeps_time(started(item))]
         if chosen.state:  # the one filter that reads every report it looks at (once per version of each)
             shown = [item for item, row in zip(shown, read_rows(shown, owner, problem), strict=True)
                      if row is not None and row.state == chosen.state]
@@ -196,7 +213,7 @@ def register(router: APIRouter, User: Any) -> None:  # noqa: N803 - the request'
         number = min(number, last)  # a page past the end (runs went away since the link was made): the last one
         on_page = shown[(number - 1) * chosen.per_page:number * chosen.per_page]
         retired = {storage.safe_name(dag_id) for of in found.values() if of.retired for dag_id in of.dag_ids}
-        cells = [row_cells(root, row, item.parts[0] in retired)
+        cells = [row_cells(root, row, item.parts[0] in retired, item.parts[0] not in dag_of)
                  for item, row in zip(on_page, read_rows(on_page, owner, problem, recheck_files=True), strict=True)
                  if row is not None]
 
@@ -215,8 +232,8 @@ def register(router: APIRouter, User: Any) -> None:  # noqa: N803 - the request'
         bar = pager(root + "/", chosen.params(), number, chosen.per_page, len(shown), "runs",
                     f" filtered from {len(visible):,}" if len(shown) != len(visible) else "")
         if cells:
-            body += bar + table(["DAG", "run", "reported", "objective", "test value", "sweep best", "gate"], cells,
-                                numeric=(4, 5), wide=True) + bar
+            body += bar + table(["DAG", "run", "started", "ended", "objective", "test value", "sweep best", "gate"], cells,
+                                numeric=(5, 6), wide=True) + bar
         elif visible:
             body += bar + "<p class='empty'>No run matches these filters.</p>"
         else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 
 from stagewise.definitions.retention import Retention
+from stagewise.reporting.run_dates import RunDates
 from stagewise.upkeep.inventory import FAILED, FINISHED, Entry, Models, ModelVersion, Run
 from stagewise.upkeep.policy import MODEL, RUN, plan_models, plan_runs
 
@@ -34,6 +35,7 @@ def _run(number: int, began: dt.datetime) -> Run:
              for path, size in RUN_FILES.items() if not (failed and path.startswith("report"))]
     run = Run("ml_retrain", f"run-{number}", f"mem://runs/ml_retrain/run-{number}", files)
     run.state = FAILED if failed else FINISHED
+    run.dates = RunDates(began, None if failed else began + dt.timedelta(minutes=30), "report")  # as it recorded them
     return run
 
 
