@@ -270,7 +270,13 @@ def _newest(storage_root: str, dag_id: str) -> dict[str, Any] | None:
 
 
 def _when(entry: dict[str, Any]) -> dt.datetime:
-    return entry["modified"] or dt.datetime.min.replace(tzinfo=dt.UTC)
+    """When a listed run ended (else started) as it recorded it; its report's mtime only where it recorded nothing."""
+    try:
+        dates = run_dates.read_report_dates(entry["uri"], entry["run_folder"])
+    except (OSError, ValueError, DataError):
+        dates = None
+    found = (dates or run_dates.from_mtime(entry["modified"])).as_of(dt.datetime.now(dt.UTC)).newest
+    return found or dt.datetime.min.replace(tzinfo=dt.UTC)
 
 
 def latest_run(path: str | None, overrides: dict[str, Any], dag: str | None,

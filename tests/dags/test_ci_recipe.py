@@ -39,6 +39,9 @@ def _recipe() -> str:
     return blocks[0]
 
 
+SCRATCH_LINE = 'export STAGEWISE_SCRATCH_ROOT="$AIRFLOW_HOME/storage"\n'
+
+
 def _files(folder: Path) -> dict[str, str]:
     """Every file under ``folder`` with a hash of its bytes: what a run could have added or changed there."""
     return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
@@ -65,6 +68,11 @@ def _team(tmp_path: Path) -> tuple[Path, Path, str]:
     model.write_bytes(b"production model")
     live = registry.register(str(production), "digits", str(model), {"test_accuracy": 0.99})["version"]
     registry.promote(str(production), "digits", live)
+    # production's newest run: the recipe's report must show the CI's own run, never this one
+    old_run = production / "runs" / "digits_pipeline" / "scheduled__production" / "report.json"
+    old_run.parent.mkdir(parents=True)
+    old_run.write_text(json.dumps({"dag_id": "digits_pipeline", "run_id": "scheduled__production"}))
+    os.utime(old_run, (1_700_000_000, 1_700_000_000))
     return repo, production, live
 
 
@@ -82,6 +90,7 @@ def test_the_ci_recipe_runs_in_scratch_and_promotes_nothing(tmp_path):
     nothing under the production storage root (whose registry has a current model) nor beside the config changed; the
     report names the gate's would-be decision and promoted nothing."""
     assert '"stagewise[demo]"' in _recipe() and "scikit-learn" in (REPO_ROOT / "pyproject.toml").read_text()
+    assert _recipe().count(SCRATCH_LINE) == 1, "the recipe names its scratch root in one line"
     repo, production, live = _team(tmp_path)
     before, pipelines_before = _files(production), _files(repo / "pipelines")
 
@@ -114,27 +123,26 @@ def test_the_ci_recipe_runs_in_scratch_and_promotes_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_dags_test_without_the_variable_leaves_production_byte_identical(tmp_path):
-    """`airflow dags test` of a production pipeline, no $STAGEWISE_SCRATCH_ROOT, no opt-in: the run reads production's
-    input and lands under $AIRFLOW_HOME/stagewise-scratch/<name> (report-only gate, scratch journal), its first
-    start_run line says so, and every file under the production storage root (data, registry, pointer) is byte for
-    byte what it was."""
+def test_the_recipe_without_its_scratch_line_runs_and_reports_its_own_run(tmp_path):
+    """The recipe as written less its STAGEWISE_SCRATCH_ROOT line, on a production pipeline whose input is there and
+    which has runs of its own, no opt-in: the test run reads production's input and lands under
+    $AIRFLOW_HOME/stagewise-scratch/<name> (report-only gate, scratch journal), its first start_run line says so,
+    every file under the production storage root (data, registry, pointer, its runs) is byte for byte what it was,
+    and the recipe's last step reports this run, saying it is a test run in scratch, not production's newest."""
     repo, production, live = _team(tmp_path)
     config = repo / "pipelines" / "digits.yaml"
-    run_cache.demo_data(config, num_shards=1)  # production's input, one file: the pipeline's one stage runs 1 process
-    home = tmp_path / "airflow"
-    run_cache.migrated_sqlite_db(home / "airflow.db", pools_of=config)
+    run_cache.demo_data(config, num_shards=1)  # production's input, one file: the recipe's demo step leaves it be
     before = _files(production)
 
-    env = _team_env(tmp_path, AIRFLOW_HOME=str(home), AIRFLOW__CORE__DAGS_FOLDER=str(repo / "dags"),
-                    AIRFLOW__CORE__LOAD_EXAMPLES="False", AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{home}/airflow.db")
-    command = ["airflow", "dags", "test", "digits_pipeline", "-c", json.dumps({"num_trials": 1, "num_sweep_workers": 1})]
-    result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    env = _team_env(tmp_path, DAGS="dags", PIPELINES="pipelines", PIPELINE="digits")
+    recipe = _recipe().replace(SCRATCH_LINE, "")
+    result = subprocess.run(["bash", "-c", recipe], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     output = result.stdout + result.stderr
-    assert result.returncode == 0, f"the run failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, f"the recipe failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
 
     assert _files(production) == before, "nothing under the production storage root changed"
     assert registry.current(str(production), "digits")["version"] == live
+    [home] = [path for path in tmp_path.glob("tmp.*") if (path / "airflow.db").exists()]
     scratch = home / "stagewise-scratch" / "digits"
     [report_file] = scratch.glob("runs/digits_pipeline/*/report.json")
     report = json.loads(report_file.read_text())
@@ -146,3 +154,8 @@ def test_dags_test_without_the_variable_leaves_production_byte_identical(tmp_pat
     assert gate["report_only"] and not gate["promoted"]
     said = f"test run (airflow dags test): pipeline digits runs in scratch under {home / 'stagewise-scratch'}"
     assert said in output, output[-6000:]  # start_run's first line (tests/plugins/test_test_runs.py checks it is first)
+    shown = result.stdout.rstrip().splitlines()
+    [note] = [line for line in shown if line.startswith("a test run (airflow dags test) of this Airflow home")]
+    assert f"in scratch under {home / 'stagewise-scratch'}, not in production's storage_root {production}" in note
+    assert f"run digits_pipeline / {report['run_id']}" in shown and "scheduled__production" not in result.stdout
+    assert shown[-1] == f"REPORT {report_file}"
