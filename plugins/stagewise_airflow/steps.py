@@ -236,11 +236,25 @@ def start_run(mode: str = "pipeline", config_file: str | None = None) -> dict[st
 
                 start_parent(config, dag_id=dag_id, run_id=run_id, out=out, config_text=text, config_hash=config_hash,
                              code_version=code["code_version"], stagewise_version=code["stagewise_version"])
+            if config.registry.backend == "mlflow":
+                _check_registry_owner(config, dag_id)
         return {"dag_id": dag_id, "run_id": run_id, "config": snapshot_uri, "config_hash": config_hash,
                 "config_source": path, "storage_conn_id": config.storage_conn_id, "overrides": overrides, "out": out,
                 "study": study_name(dag_id, run_id), "data_interval": interval_record(_interval_of(context))}
 
     return inline(None, work)  # the config is read inside: a bad one must fail the task without retry
+
+
+def _check_registry_owner(config: PipelineConfig, dag_id: str) -> None:
+    """A model name another pipeline or team holds in MLflow fails the run here, before it trains; a server out of
+    reach does not (tracking is best-effort until the registration, which checks again)."""
+    from stagewise.definitions.pipelines import pipeline_of
+    from stagewise.tracking.registry import check_owner
+
+    try:
+        check_owner(config, pipeline_of(dag_id) or config.name)
+    except RuntimeError as exc:
+        logging.getLogger("stagewise.start_run").warning("registry owner not checked (its registration checks it): %s", exc)
 
 
 def _interval_of(context: Any) -> dict[str, Any]:

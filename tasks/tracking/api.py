@@ -172,9 +172,11 @@ class MlflowApi:
 
     # --- the model registry ---
 
-    def ensure_registered_model(self, name: str, description: str) -> None:
+    def ensure_registered_model(self, name: str, description: str, tags: dict[str, str] | None = None) -> None:
+        """Create model ``name`` with ``tags`` unless it exists (an existing model's tags are left as they are)."""
+        body = {"name": name, "description": description, "tags": [{"key": k, "value": v} for k, v in (tags or {}).items()]}
         try:
-            self.call("POST", "registered-models/create", {"name": name, "description": description})
+            self.call("POST", "registered-models/create", body)
         except TrackingError as exc:
             if exc.code != "RESOURCE_ALREADY_EXISTS":
                 raise

@@ -8,7 +8,9 @@ MLflow run. The gate tags the candidate with its decision and metrics, points al
 keeps the former champions, so a rollback moves ``champion`` back. Unlike tracking, this is not best-effort: a
 server that is down fails the task as a transient fault (Airflow retries it); a refused request is named.
 MLflow has no compare-and-swap on aliases: two gates of one model name at the same moment are last-writer-wins,
-so give a model name one training DAG (pipelines.md).
+so give a model name one training DAG (pipelines.md). A model name holds one pipeline's versions only: its first
+registration tags the model with the pipeline (``stagewise.pipeline``), and a name another pipeline or team holds
+(that tag, or versions Stagewise did not make) is refused at the run's first task and at each registration.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from stagewise.core import storage
 from stagewise.core.errors import UserError
 from stagewise.definitions.config import PipelineConfig
+from stagewise.definitions.pipelines import pipeline_of
 from stagewise.models import shipping
 from stagewise.models.versions import judge
 from stagewise.tracking.api import MlflowApi, TrackingError, TrackingUnavailable, model_version_url
@@ -35,6 +38,8 @@ log = logging.getLogger("stagewise.registry")
 CHAMPION, CHALLENGER = "champion", "challenger"
 VERSION_TAG = "stagewise.version"  # the bundle's hash id (m-...), the same id the storage registry uses
 HISTORY_TAG = "stagewise.champion_history"  # registered-model tag: former champions' version numbers, oldest first
+OWNER_TAG = "stagewise.pipeline"  # registered-model tag: the pipeline that holds the name (the storage registry's owner.json)
+FOREIGN_SHOWN = 3  # versions a refusal names, of those not made by the pipeline
 MODEL_FOLDER = "model"
 DATA_FILE = "model.pt"  # the bundle, as the MLmodel's pyfunc ``data``
 LOADER_MODULE = "stagewise.models.mlflow_pyfunc"  # what mlflow.pyfunc.load_model imports to load the bundle
@@ -100,12 +105,70 @@ def card_of(version: dict[str, Any]) -> dict[str, Any]:
     return card
 
 
+def _made_by(version: dict[str, Any]) -> str | None:
+    """The pipeline whose run registered ``version``, from its source_run tag (None: the tag names no DAG of one)."""
+    source_run = _tags(version).get("stagewise.source_run", "")
+    return pipeline_of(source_run.split("/", 1)[0]) if source_run else None
+
+
+def _describe(version: dict[str, Any]) -> str:
+    """A version as MLflow records who made it: Stagewise's source run or not Stagewise, its run, source, user, tags."""
+    tags = _tags(version)
+    made = f"by Stagewise pipeline '{_made_by(version)}' ({tags.get('stagewise.source_run')})" \
+        if VERSION_TAG in tags and _made_by(version) else "not made by Stagewise"
+    parts = [f"version {version['version']} {made}", f"run {version.get('run_id') or '(none)'}",
+             f"source {version.get('source')}", *([f"user {version['user_id']}"] if version.get("user_id") else [])]
+    if theirs := {key: value for key, value in tags.items() if not key.startswith("stagewise.")}:
+        parts.append(f"tags {theirs}")
+    return ", ".join(parts)
+
+
+def _ownership(api: MlflowApi, name: str, pipeline: str) -> tuple[str | None, bool]:
+    """Why registered model ``name`` is not ``pipeline``'s to add versions to (None: it is, or it does not exist yet),
+    and whether its owner tag already names ``pipeline``. Without the tag (a model from before it, or not Stagewise's)
+    its versions decide: each must carry Stagewise's version tag and come from no other pipeline's run."""
+    model = api.registered_model(name)
+    if model is None:
+        return None, False
+    tags = {tag["key"]: tag["value"] for tag in model.get("tags") or []}
+    if holder := tags.get(OWNER_TAG):
+        return (None, True) if holder == pipeline else (f"its tag {OWNER_TAG} names pipeline '{holder}'", False)
+    foreign = [version for version in api.model_versions(name)
+               if VERSION_TAG not in _tags(version) or _made_by(version) not in (None, pipeline)]
+    if not foreign:
+        return None, False
+    more = f"; and {len(foreign) - FOREIGN_SHOWN} more" if len(foreign) > FOREIGN_SHOWN else ""
+    theirs = {key: value for key, value in tags.items() if not key.startswith("stagewise.")}
+    return (f"{len(foreign)} of its versions are not this pipeline's: "
+            + "; ".join(_describe(version) for version in foreign[:FOREIGN_SHOWN]) + more
+            + (f"; the model's tags {theirs}" if theirs else "")), False
+
+
+def _refusal(config: PipelineConfig, pipeline: str, why: str) -> UserError:
+    name = config.registry.model_name
+    return UserError(f"registry.model_name '{name}': the MLflow registry at {config.tracking.mlflow_uri} holds a model "
+                     f"of that name that is not pipeline '{pipeline}''s ({why}); Stagewise adds no version to it (its "
+                     f"gate would judge against versions it did not make). Set registry.model_name to a name of this "
+                     f"pipeline's own, e.g. '{pipeline}_{name}'; if this pipeline was renamed from the one the tag "
+                     f"names, set the model's tag {OWNER_TAG} to '{pipeline}' in MLflow")
+
+
+def check_owner(config: PipelineConfig, pipeline: str) -> None:
+    """Refuse ``registry.model_name`` where MLflow holds it for another pipeline or team: a UserError naming what MLflow
+    records of its owner and the setting to change. A server out of reach is a transient fault (RuntimeError)."""
+    name = config.registry.model_name
+    why, _ = _call(config, f"read model '{name}'", lambda: _ownership(_api(config), name, pipeline))
+    if why:
+        raise _refusal(config, pipeline, why)
+
+
 def register(config: PipelineConfig, out: str, model_uri: str, card: dict[str, Any], *, dag_id: str, run_id: str,
              version: str, code: shipping.SpecCode | None = None) -> dict[str, Any]:
     """A new version of ``registry.model_name`` holding the bundle at ``model_uri`` and the spec source ``code``,
     linked to the DAG run's parent run; a retry finds the version it already made (same run, same bundle id) instead
-    of adding another."""
-    name = config.registry.model_name
+    of adding another. A model of that name that is not this pipeline's is refused (check_owner); the first
+    registration tags the model with the pipeline (OWNER_TAG)."""
+    name, pipeline = config.registry.model_name, pipeline_of(dag_id) or config.name
     api = _api(config)
     data = storage.read_bytes(model_uri)
     if code is not None:
@@ -116,7 +179,13 @@ def register(config: PipelineConfig, out: str, model_uri: str, card: dict[str, A
         run = api.get_run(state["parent_run_id"]) if state.get("parent_run_id") else \
             ensure_parent(api, config, dag_id=dag_id, run_id=run_id, extra_tags=state.get("pending_parent", {}).get("tags", {}))
         parent, artifacts = run["info"]["run_id"], run["info"]["artifact_uri"]
-        api.ensure_registered_model(name, f"Stagewise pipeline '{config.name}' (dataset {config.dataset.uri})")
+        why, tagged = _ownership(api, name, pipeline)
+        if why:
+            raise _refusal(config, pipeline, why)
+        api.ensure_registered_model(name, f"Stagewise pipeline '{pipeline}' (dataset {config.dataset.uri})",
+                                    {OWNER_TAG: pipeline})
+        if not tagged:  # made just now with the tag, or this pipeline's from before the tag: it holds the name now
+            api.set_model_tag(name, OWNER_TAG, pipeline)
         for existing in api.model_versions(name, run_id=parent):
             if _tags(existing).get(VERSION_TAG) == version:
                 log.info("model %s version %s (%s) is already registered in MLflow", name, existing["version"], version)

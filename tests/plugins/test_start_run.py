@@ -105,3 +105,26 @@ def test_a_stage_added_after_the_run_started_hands_the_stage_before_through(writ
         handed = steps.train_stage(run, "s3", {"best_params": {"lr": 0.1}}, s2)
     assert handed == {**s2, "handed_through": "s3"}
     assert "train stage 's3' was added to the config after this run started" in caplog.text
+
+
+@pytest.mark.service
+def test_a_model_name_another_team_holds_in_mlflow_fails_the_first_task(write_config, storage_root, mlflow_server):
+    """registry.backend mlflow, registry.model_name a model another team made in MLflow: start_run fails without retry
+    naming the model name, its version's source and the setting, before any stage runs."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from tests.conftest import base_config
+
+    mlflow_server.client("""
+        client.create_registered_model("fraud_model", tags={"team": "fraud"})
+        client.create_model_version("fraud_model", "s3://fraud/models/3")
+    """)
+    raw = base_config(storage_root)
+    raw["tracking"] = {"mlflow_uri": mlflow_server.uri, "experiment": "start_run_owner"}
+    raw["registry"] = {"backend": "mlflow", "model_name": "fraud_model"}
+    path = write_config(raw)
+    with pytest.raises(AirflowFailException) as refused:
+        _start(path, {}, config_file=str(path))
+    said = str(refused.value)
+    assert "registry.model_name 'fraud_model'" in said and "not pipeline 'ml''s" in said, said
+    assert "version 1 not made by Stagewise, run (none), source s3://fraud/models/3" in said, said

@@ -258,3 +258,77 @@ def test_with_artifacts_on_s3_a_version_registers_and_loads_through_the_server(t
     assert loaded == "stagewise.models.mlflow_pyfunc"
     served = registry.serving_model(config, None, run_out)
     assert storage.read_bytes(served["model_uri"]) == storage.read_bytes(second["model_uri"])
+
+
+def _another_teams_model(mlflow_server, name: str) -> None:
+    """A registered model another team made in MLflow itself: its own tags, a version of theirs as @champion."""
+    mlflow_server.client(f"""
+        client.create_registered_model({name!r}, tags={{"team": "risk"}})
+        version = client.create_model_version({name!r}, "s3://risk-models/scorer/7", tags={{"owner": "risk-scoring"}})
+        client.set_registered_model_alias({name!r}, "champion", version.version)
+    """)
+
+
+def test_a_model_name_another_team_holds_in_mlflow_is_refused_naming_its_owner(tmp_path, mlflow_server):
+    """registry.model_name names a model another team made in MLflow: the owner check and the registration each refuse
+    it as a user error naming the model, what MLflow records of its version (not Stagewise's, its source, tags) and
+    the setting to change; no version is added to theirs and their champion stays."""
+    from stagewise.core.errors import UserError
+    from stagewise.tracking.registry import check_owner
+
+    _another_teams_model(mlflow_server, "risk_scorer")
+    config = _config(tmp_path, mlflow_server.uri, "risk_scorer")
+    with pytest.raises(UserError) as refused:
+        check_owner(config, "ml")
+    said = str(refused.value)
+    assert said.startswith(f"registry.model_name 'risk_scorer': the MLflow registry at {mlflow_server.uri} holds a "
+                           f"model of that name that is not pipeline 'ml''s (1 of its versions are not this pipeline's: "
+                           f"version 1 not made by Stagewise, run (none), source s3://risk-models/scorer/7")
+    assert "tags {'owner': 'risk-scoring'}" in said and "the model's tags {'team': 'risk'}" in said
+    assert "Set registry.model_name to a name of this pipeline's own, e.g. 'ml_risk_scorer'" in said
+
+    out = str(tmp_path / "runs" / "ml_pipeline" / "r1")
+    _parent(config, out, "r1")
+    model = tmp_path / "model.pt"
+    model.write_bytes(b"weights")
+    with pytest.raises(UserError, match="registry.model_name 'risk_scorer'.*not pipeline 'ml''s"):
+        registry.register_for(config, out, str(model), {"test_accuracy": 0.9, "source_run": "ml_pipeline/r1"},
+                              dag_id="ml_pipeline", run_id="r1")
+    theirs = mlflow_server.client("""
+        emit({"versions": [v.version for v in client.search_model_versions("name = 'risk_scorer'")],
+              "champion": client.get_model_version_by_alias("risk_scorer", "champion").version})
+    """)
+    assert theirs == {"versions": ["1"], "champion": "1"}
+
+
+def test_the_first_registration_tags_the_model_with_its_pipeline_and_another_pipeline_is_refused(tmp_path, mlflow_server):
+    """Pipeline ml's first version tags the model stagewise.pipeline=ml; ml registers again freely; pipeline churn under
+    the same name is refused naming the tag's pipeline. A Stagewise model from before the tag (ml's versions only) is
+    ml's: its next registration puts the tag back."""
+    from stagewise.core.errors import UserError
+    from stagewise.tracking.registry import OWNER_TAG, check_owner
+
+    config = _config(tmp_path, mlflow_server.uri, "owned_model")
+    model = tmp_path / "model.pt"
+    for number in (1, 2):
+        out = str(tmp_path / "runs" / "ml_pipeline" / f"r{number}")
+        _parent(config, out, f"r{number}")
+        model.write_bytes(b"weights %d" % number)
+        registry.register_for(config, out, str(model), {"test_accuracy": 0.9, "source_run": f"ml_pipeline/r{number}"},
+                              dag_id="ml_pipeline", run_id=f"r{number}")
+    tags = mlflow_server.client("""emit(client.get_registered_model("owned_model").tags)""")
+    assert tags[OWNER_TAG] == "ml"
+    check_owner(config, "ml")
+    with pytest.raises(UserError, match=f"not pipeline 'churn''s \\(its tag {OWNER_TAG} names pipeline 'ml'\\)"):
+        check_owner(config, "churn")
+
+    mlflow_server.client(f"""client.delete_registered_model_tag("owned_model", "{OWNER_TAG}")""")
+    check_owner(config, "ml")  # every version is ml's
+    with pytest.raises(UserError, match="version 2 by Stagewise pipeline 'ml' \\(ml_pipeline/r2\\)"):
+        check_owner(config, "churn")
+    out = str(tmp_path / "runs" / "ml_pipeline" / "r3")
+    _parent(config, out, "r3")
+    model.write_bytes(b"weights 3")
+    registry.register_for(config, out, str(model), {"test_accuracy": 0.9, "source_run": "ml_pipeline/r3"},
+                          dag_id="ml_pipeline", run_id="r3")
+    assert mlflow_server.client("""emit(client.get_registered_model("owned_model").tags)""")[OWNER_TAG] == "ml"
