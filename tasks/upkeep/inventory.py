@@ -59,7 +59,8 @@ class Run:
     dates: RunDates = UNKNOWN
     """When it started and ended as it recorded them (an unfinished run: no end), none later than the pass's now."""
     activity: dt.datetime | None = None
-    """Its latest recorded moment (a task attempt's start or end, its start): what a failed run's idle time counts from."""
+    """Its latest recorded moment (a task attempt's start or end, its start), as recorded (it may lie ahead of now):
+    what a failed run's idle time counts from."""
 
     @property
     def ref(self) -> str:
@@ -72,7 +73,7 @@ class Run:
 
     @property
     def last_activity(self) -> dt.datetime:
-        return self.activity or self.dates.ended or self.started
+        return self.activity or self.dates.ended or self.started  # the policy takes one to come as now
 
     def changed_since(self, moment: dt.datetime, now: dt.datetime) -> bool:
         """Whether a file changed after ``moment``: a sign of life only (a time later than ``now`` is none; report.json
@@ -174,7 +175,9 @@ def list_runs(storage_root: str, dag_ids: Iterable[str], now: dt.datetime, idle_
                 run.state = FINISHED
             else:
                 idle = QUIET_GRACE if folder in quiet else dt.timedelta(hours=idle_hours)
-                alive = now - run.last_activity < idle or run.changed_since(now - idle, now)
+                # a recorded time to come is no sign of life (a skewed clock would keep a dead run running forever)
+                recent = run.activity is not None and now - idle < run.activity <= now
+                alive = recent or run.changed_since(now - idle, now)
                 run.state = RUNNING if alive else FAILED
             runs.append(run)
     listing.done()
@@ -211,9 +214,12 @@ def date(run: Run, now: dt.datetime) -> None:
             found = run_dates.from_mtime(stamp)
         else:
             found = RunDates(started, None, "lineage" if started == begun else "tasks" if recorded else "run id")
+    if any(when > now for when in (found.started, found.ended) if when):
+        log.warning("%s records %s, later than now (%s): taken as now, so its age counts from now", run.ref,
+                    run_dates.iso(max(w for w in (found.started, found.ended) if w)), run_dates.iso(now))
     run.dates = found.as_of(now)
-    moments = [m for m in (begun, recorded.ended if recorded else None, run.dates.ended, run.dates.started) if m]
-    run.activity = min(max(moments), now) if moments else None
+    moments = [m for m in (begun, recorded.ended if recorded else None, found.ended, found.started) if m]
+    run.activity = max(moments) if moments else None  # as recorded: the policy takes a time to come as now
 
 
 def _running_again(run: Run, now: dt.datetime, idle_hours: float) -> bool:

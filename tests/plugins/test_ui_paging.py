@@ -161,6 +161,32 @@ def test_a_report_added_or_removed_between_two_requests_is_seen(airflow_api, man
             shutil.rmtree(many_runs / "runs" / dag_of(number) / run_id_of(number), ignore_errors=True)
 
 
+def test_a_run_is_listed_and_filtered_by_when_it_ran_and_a_renamed_pipelines_runs_say_so(airflow_api, many_runs):
+    """A run of 2026-09-03 whose report retention rewrote today (its mtime: now) is listed and filtered by its recorded
+    start: not first, not among today's runs, but on 2026-09-03 (before: first, and today's filter listed every
+    rewritten report). A run of a DAG no pipeline holds now (renamed or removed) is marked "former name"; ml's are not."""
+    client, token = airflow_api(str(many_runs))
+    bearer = {"Authorization": f"Bearer {token}"}
+    number = NUM_RUNS + 3
+    path = write_report(many_runs, number)
+    report = json.loads(path.read_text())
+    report["at"] = {"started": "2026-09-03T10:00:00+00:00", "ended": "2026-09-03T10:20:00+00:00"}
+    path.write_text(json.dumps(report))  # its mtime now, as after retention's note
+    try:
+        first = client.get("/stagewise/", headers=bearer).text
+        assert listed_runs(first)[0] == run_id_of(NUM_RUNS - 1) and run_id_of(number) not in listed_runs(first)
+        today = dt.datetime.now(dt.UTC).date()
+        assert run_id_of(number) not in listed_runs(client.get(f"/stagewise/?from={today}", headers=bearer).text)
+        day = client.get("/stagewise/?from=2026-09-03&to=2026-09-03&per_page=500", headers=bearer).text
+        assert run_id_of(number) in listed_runs(day) and "2026-09-03 10:00 UTC" in day
+        assert ">started</th>" in first
+        former = [row for row in first.split("<tr")[1:] if "scheduled__09990" in row]
+        assert former and "former name" in former[0]
+        assert not any("former name" in row for row in first.split("<tr")[1:] if "ml_pipeline" in row)
+    finally:
+        shutil.rmtree(path.parent)
+
+
 def test_a_user_sees_and_counts_only_the_runs_of_dags_they_may_read(airflow_api, many_runs, monkeypatch):
     """Denied ml_retrain, a user's pages count and list none of its runs (the count says so), and the pipeline
     filter offers only pipelines with a DAG they may read."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import shutil
@@ -29,8 +30,8 @@ def trusting(monkeypatch):
 
 
 def test_every_report_is_listed_newest_first_and_only_asked_rows_are_read(storage_root, monkeypatch, trusting):
-    """3,000 reports over two DAG folders (and a run folder without a report): all listed, newest first, none read;
-    asking for 5 rows reads 5 reports, asking again reads none."""
+    """3,000 reports over two DAG folders (and a run folder without a report): all listed, newest first, no row read
+    (only each report's dates, once per version); asking for 5 rows reads 5 reports, asking again reads none."""
     for number in range(3000):
         write(storage_root, f"dag{number % 2}", f"run{number:04d}", 1_700_000_000 + number)
     (storage_root / "runs" / "dag0" / "in_flight").mkdir()
@@ -95,3 +96,35 @@ def test_states_follow_the_gate(storage_root):
     rows = {row.run_folder: row.state for row in listing.run_rows(str(storage_root),
                                                                    listing.run_reports(str(storage_root)))}
     assert rows == {"a": "promoted", "b": "kept", "c": "no gate", "d": "no gate"}
+
+
+def test_runs_are_dated_by_what_they_recorded_not_by_when_their_report_changed(storage_root):
+    """A run of 2026-09-03 whose report retention rewrote today is listed by its recorded start, after a run of
+    2026-11-30 (before: first, dated today); a report that records no dates is dated by its file's time until
+    retention notes in it, which pins that date into the report first, so the rewrite moves nothing."""
+    from stagewise.upkeep import removal
+    from stagewise.upkeep.policy import Removal
+
+    today = dt.datetime.now(dt.UTC).timestamp()
+    write(storage_root, "dag", "september", today, at={"started": "2026-09-03T10:00:00+00:00",
+                                                       "ended": "2026-09-03T10:20:00+00:00"})
+    write(storage_root, "dag", "november", dt.datetime(2026, 11, 30, tzinfo=dt.UTC).timestamp(),
+          at={"started": "2026-11-30T08:00:00+00:00", "ended": "2026-11-30T08:30:00+00:00"})
+    older = dt.datetime(2026, 6, 1, tzinfo=dt.UTC)
+    write(storage_root, "dag", "undated", older.timestamp())
+    root = str(storage_root)
+    reports = listing.run_reports(root)
+    assert [item.parts[1] for item in reports] == ["november", "september", "undated"]
+    dates = {item.parts[1]: d for item, d in zip(reports, listing.report_dates(root, reports), strict=True)}
+    assert dates["september"].started == dt.datetime(2026, 9, 3, 10, tzinfo=dt.UTC)
+    assert dates["september"].source == "report" and dates["undated"].source == "mtime"
+    rows = {row.run_folder: row for row in listing.run_rows(root, reports)}
+    assert rows["september"].started.date() == dt.date(2026, 9, 3) and rows["september"].ended.minute == 20
+
+    prefix = str(storage_root / "runs" / "dag" / "undated")
+    removal.note_in_report(prefix, [Removal("checkpoints", "dag/undated", "old", (), 0, prefix, dates["undated"])],
+                           "2026-12-02T00:00:00Z")
+    reports = listing.run_reports(root)
+    redated = dict(zip((item.parts[1] for item in reports), listing.report_dates(root, reports), strict=True))
+    assert redated["undated"].started == older and redated["undated"].source == "report"
+    assert [item.parts[1] for item in reports][-1] == "undated"
