@@ -15,7 +15,8 @@ password become ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD`` (bas
 
 The config's ``sweep.storage_conn_id`` names a connection of type ``postgres`` for the Optuna study: host, port,
 login, password and schema (the database; extra ``driver``, default psycopg2) become one SQLAlchemy URL in
-``STAGEWISE_STUDY_STORAGE``, which stagewise.study reads; the config itself never holds the password.
+``STAGEWISE_STUDY_STORAGE``, which stagewise.study reads; the config itself never holds the password. Without the
+Postgres provider ``airflow connections add --conn-type postgres`` stores a ``generic`` connection, read the same way.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _connection(setting: str, conn_id: str, create: str, types: tuple[str, ...] 
         raise AirflowFailException(f"{setting}: Airflow connection '{conn_id}' does not exist; {create}") from None
     if types and connection.conn_type not in types:
         raise AirflowFailException(f"{setting}: connection '{conn_id}' has type '{connection.conn_type}', "
-                                   f"expected {expected}")
+                                   f"expected {expected}; {create}")
     return connection
 
 
@@ -136,8 +137,9 @@ def mlflow_environment(conn_id: str) -> dict[str, str]:
                                f"password for basic auth, or a password alone as a bearer token")
 
 
-# The study connection's types: the Postgres provider's ``postgres`` (a ``postgresql://`` URI is stored as it).
-STUDY_CONN_TYPES = ("postgres", "postgresql")
+# The study connection's types: the Postgres provider's ``postgres`` (a ``postgresql://`` URI is stored as it), and
+# ``generic``, what Airflow stores `airflow connections add --conn-type postgres` as without that provider.
+STUDY_CONN_TYPES = ("postgres", "postgresql", "generic")
 
 
 def study_url(login: str | None, password: str | None, host: str | None, port: int | None, schema: str | None,
@@ -161,8 +163,10 @@ def study_environment(conn_id: str) -> dict[str, str]:
 
     from stagewise.core.contract import STUDY_STORAGE
 
-    connection = _connection("sweep.storage_conn_id", conn_id, "create it (type postgres: host, port, login, password, "
-                             "schema)", STUDY_CONN_TYPES, "'postgres'")
+    connection = _connection("sweep.storage_conn_id", conn_id, f"create it: airflow connections add {conn_id} "
+                             "--conn-type postgres --conn-host HOST --conn-port PORT --conn-login USER --conn-password "
+                             "PASSWORD --conn-schema DATABASE (docs/services.md)", STUDY_CONN_TYPES,
+                             "'postgres' (or 'generic', as Airflow stores it without the Postgres provider)")
     try:
         return {STUDY_STORAGE: study_url(connection.login, connection.password, connection.host, connection.port,
                                          connection.schema, connection.extra_dejson)}

@@ -102,6 +102,27 @@ def test_a_postgres_connection_becomes_the_study_url_in_the_sub_job_environment(
         credentials.study_environment("stagewise_test_http")
 
 
+def test_the_study_connection_docs_services_md_adds_without_the_postgres_provider_is_read(monkeypatch):
+    """docs/services.md's `airflow connections add optuna_db --conn-type postgres ...` stores a `generic` connection
+    where the Postgres provider is not installed (as here): it makes the same study URL; a connection of another type
+    is refused naming the connection, its type and the command that makes a right one."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.setenv("AIRFLOW_CONN_STAGEWISE_TEST_OPTUNA_GENERIC", json.dumps(
+        {"conn_type": "generic", "host": "db.internal", "port": 5432, "login": "optuna", "password": "pg-secret",
+         "schema": "optuna"}))
+    monkeypatch.setenv("AIRFLOW_CONN_STAGEWISE_TEST_HTTP", json.dumps({"conn_type": "http", "host": "db"}))
+    env = credentials.study_environment("stagewise_test_optuna_generic")
+    assert env == {"STAGEWISE_STUDY_STORAGE": "postgresql+psycopg2://optuna:pg-secret@db.internal:5432/optuna"}
+    with pytest.raises(AirflowFailException) as refused:
+        credentials.study_environment("stagewise_test_http")
+    assert str(refused.value) == (
+        "sweep.storage_conn_id: connection 'stagewise_test_http' has type 'http', expected 'postgres' (or 'generic', "
+        "as Airflow stores it without the Postgres provider); create it: airflow connections add stagewise_test_http "
+        "--conn-type postgres --conn-host HOST --conn-port PORT --conn-login USER --conn-password PASSWORD "
+        "--conn-schema DATABASE (docs/services.md)")
+
+
 def test_the_task_environment_carries_the_study_url_only_for_a_pipeline_that_names_a_connection(monkeypatch):
     """Every sub-job of a pipeline with sweep.storage_conn_id gets the study URL; one without gets no such variable."""
     from types import SimpleNamespace
