@@ -10,8 +10,9 @@ a plan never exceeds :data:`MAX_SHARDS`: when it would, the targets double until
 Every file is pinned at plan: its size, its row count (the Parquet footer), and its S3 ETag, or elsewhere its
 modification time. A batch inference plan also pins each file's content (stagewise.core.content: the S3 ETag, else
 the SHA-256, which the plan reads anyway for its fingerprint): a file rewritten in place with its size and mtime kept
-is another file. Locally that costs each try a read of its files' bytes; preprocess, whose raw bytes its fingerprint
-hashes at plan too, keeps the cheap pin in its tries. A try that finds a file other than pinned fails as a DataError
+is another file. Locally that costs each try a read of its files' bytes (of a file cut into several shards, only its
+own row groups' and the footer's: stagewise.datasets.spans); preprocess, whose raw bytes its fingerprint hashes at
+plan too, keeps the cheap pin in its tries. A try that finds a file other than pinned fails as a DataError
 naming it, before reading any row: nothing committed mixes two versions.
 """
 
@@ -25,6 +26,7 @@ from typing import Any
 from stagewise.core import storage
 from stagewise.core.content import HASH_THREADS, content_id
 from stagewise.core.errors import DataError
+from stagewise.datasets import spans
 
 log = logging.getLogger("stagewise.sharding")
 
@@ -33,6 +35,8 @@ MAX_SHARDS = 512
 # Small files are packed until a shard holds this many Parquet bytes (or its target rows): per-file overhead amortised.
 SHARD_BYTES = 256 * 2**20
 PIN_KEYS = ("size", "file_rows", "etag", "mtime", "content")
+# What a plan keeps of a file cut into several shards: each shard's row groups' digests and the footer's.
+SPAN_KEYS = ("group_digests", "footer_digest")
 
 
 def pin(uri: str, fresh: bool = False, content: bool = False) -> dict[str, Any]:
@@ -50,7 +54,9 @@ def pin(uri: str, fresh: bool = False, content: bool = False) -> dict[str, Any]:
         found["etag"] = etag
     elif (mtime := info.get("mtime")) is not None:
         found["mtime"] = mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime)
-    if content:
+    if content and not found.get("etag"):
+        found.update(spans.pinned_digests(uri, info["size"], metadata))
+    elif content:
         found["content"] = content_id(uri, info)
     return found
 
@@ -61,8 +67,16 @@ def check_pinned(entry: dict[str, Any]) -> None:
     pinned = {key: entry[key] for key in PIN_KEYS if key in entry}
     if not pinned:
         return
+    by_spans = all(key in entry for key in SPAN_KEYS) and entry.get("row_groups") is not None
+    if by_spans:  # a part of the file: its own row groups and the footer are hashed below, not the whole file
+        pinned.pop("content", None)
     now = pin(entry["uri"], fresh=True, content="content" in pinned)
     found = {key: now.get(key) for key in pinned}
+    if by_spans and found == pinned and (what := spans.changed_spans(entry["uri"], entry["row_groups"],
+                                                                     entry["group_digests"], entry["footer_digest"])):
+        raise DataError(f"{entry['uri']}: changed since the plan (content of {what} differs from the bytes the plan "
+                        f"hashed; size and mtime kept): a shard reads only the version its plan pinned, so no output "
+                        f"mixes two versions of an input: clear the plan task to plan the input as it is now")
     if found != pinned:
         changed = ", ".join(f"{key} {pinned[key]!r} -> {found[key]!r}" for key in pinned if pinned[key] != found[key])
         raise DataError(f"{entry['uri']}: changed since the plan ({changed}): planned {pinned}, found {found}; a shard "
@@ -78,7 +92,7 @@ def _pack(pins: list[dict[str, Any]], rows_target: int, bytes_target: int, split
     packed_rows = packed_bytes = 0
     for entry in pins:
         groups, size = entry["group_rows"], entry["size"] or 0
-        base = {key: value for key, value in entry.items() if key != "group_rows"}
+        base = {key: value for key, value in entry.items() if key != "group_rows" and key not in SPAN_KEYS}
         if entry["file_rows"] >= rows_target or size >= bytes_target:
             if not split_files:
                 shards.append([{**base, "row_groups": list(range(len(groups))), "rows": entry["file_rows"]}])
@@ -86,14 +100,19 @@ def _pack(pins: list[dict[str, Any]], rows_target: int, bytes_target: int, split
             per_row = size / max(entry["file_rows"], 1)
             chosen: list[int] = []
             rows = 0
+            cut: list[dict[str, Any]] = []
             for index, count in enumerate(groups):
                 chosen.append(index)
                 rows += count
                 if rows >= rows_target or rows * per_row >= bytes_target:
-                    shards.append([{**base, "row_groups": chosen, "rows": rows}])
+                    cut.append({**base, "row_groups": chosen, "rows": rows})
                     chosen, rows = [], 0
             if chosen:
-                shards.append([{**base, "row_groups": chosen, "rows": rows}])
+                cut.append({**base, "row_groups": chosen, "rows": rows})
+            if len(cut) > 1 and all(key in entry for key in SPAN_KEYS):  # each shard checks only its own bytes
+                cut = [{**part, "group_digests": [entry["group_digests"][g] for g in part["row_groups"]],
+                        "footer_digest": entry["footer_digest"]} for part in cut]
+            shards.extend([part] for part in cut)
             continue
         if packed and (packed_rows + entry["file_rows"] > rows_target or packed_bytes + size > bytes_target):
             shards.append(packed)  # this file would carry the shard past a target: it starts the next one

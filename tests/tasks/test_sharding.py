@@ -257,3 +257,27 @@ def test_an_inference_input_rewritten_with_size_and_mtime_kept_is_refused_and_re
     rescored = infer.score_shard(config, model_uri, again[0], str(tmp_path / "again"))
     second = pa.concat_tables(pq.read_table(f["uri"]) for f in rescored["files"])
     assert second.num_rows == first.num_rows and not second.equals(first), "the new values were scored"
+
+
+def test_a_file_cut_into_shards_is_checked_by_each_shards_own_row_groups(tmp_path):
+    """A file cut into several shards is pinned by each row group's bytes and its footer's: a value changed in place
+    (size and mtime kept) fails the shard that reads it, naming its row group, while the other shards, whose bytes
+    are unchanged, pass without hashing the whole file."""
+    uri = str(tmp_path / "raw" / "big.parquet")
+    (tmp_path / "raw").mkdir()
+    table = pa.table({"row_id": pa.array(np.arange(400), pa.int64()), "x": pa.array(np.ones(400), pa.float64())})
+    pq.write_table(table, uri, row_group_size=100, compression="none", use_dictionary=False, write_statistics=False)
+    shards = plan_inference(str(tmp_path / "raw"), rows_per_shard=100)
+    assert [f["row_groups"] for shard in shards for f in shard["files"]] == [[0], [1], [2], [3]]
+    assert all(len(shard["files"][0]["group_digests"]) == 1 for shard in shards)
+    kept = os.stat(uri)
+    x = np.ones(400)
+    x[250] = 2.0  # row group 2
+    pq.write_table(table.set_column(1, "x", pa.array(x)), uri, row_group_size=100, compression="none",
+                   use_dictionary=False, write_statistics=False)
+    os.utime(uri, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    assert os.stat(uri).st_size == kept.st_size
+    with pytest.raises(DataError, match=rf"{uri}: changed since the plan \(content of row group\(s\) \[2\]"):
+        sharding.check_pinned(shards[2]["files"][0])
+    for shard in (shards[0], shards[1], shards[3]):
+        sharding.check_pinned(shard["files"][0])
