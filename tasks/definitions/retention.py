@@ -1,7 +1,8 @@
 """The ``retention:`` section of a pipeline config: what ``python -m stagewise.retention`` (and the pipeline's
 ``<name>_maintenance`` DAG) removes from the storage root, and when.
 
-Every age is in days and counts from the last change of what it applies to; ``null`` keeps that kind forever. What is
+Every age is in days and counts from the run's recorded start (a failed run: its last recorded activity; a version:
+its registration; a study: its last trial), never later than now; ``null`` keeps that kind forever. What is
 never removed, whatever the policy says, is listed in docs/operations.md: the current (champion) model, its rollback
 target, a pinned version, what an MLflow version or a running run still needs, and anything under raw/.
 """
@@ -49,7 +50,7 @@ class Retention(BaseModel):
     pending_tracking_days: int | None = Field(7, ge=0, le=MAX_DAYS, description=(
         "Unsent MLflow records (<run>/tracking/pending/) older than this many days (at most 36500) are dropped."))
     idle_hours: float = Field(48.0, gt=0, le=MAX_DAYS * 24, description=(
-        "An unfinished run with no file changed for this many hours (at most 876000), not running in Airflow, counts as failed."))
+        "An unfinished run with no task attempt recorded nor file changed for this many hours (at most 876000), not running in Airflow, counts as failed."))
 
     @field_validator("schedule")
     @classmethod
