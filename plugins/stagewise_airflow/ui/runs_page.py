@@ -217,13 +217,19 @@ def register(router: APIRouter, User: Any) -> None:  # noqa: N803 - the request'
                  for item, row in zip(on_page, read_rows(on_page, owner, problem, recheck_files=True), strict=True)
                  if row is not None]
 
+        # A scoped viewer is told only of the pipelines it may read and the roots that hold those or runs it may read.
         roots: dict[str, list[str]] = {}
         for place in storages(found):
-            roots.setdefault(place.root, []).extend(place.names)
-        where = ", ".join(f"<code>{esc(storage_root)}/runs/</code> ({esc(', '.join(names))})"
+            if names := [name for name in place.names if readable(found[name])]:
+                roots.setdefault(place.root, []).extend(names)
+        for place, result in listed:
+            if _folders_of(result) & readable_folders:
+                roots.setdefault(place.root, [])
+        where = ", ".join(f"<code>{esc(storage_root)}/runs/</code>" + (f" ({esc(', '.join(names))})" if names else "")
                           for storage_root, names in roots.items())
         if not where:
-            body = "<h1>Stagewise runs</h1><p class='sub'>Airflow holds no Stagewise pipeline's DAGs yet.</p>"
+            said = "You may read no Stagewise pipeline's runs." if found else "Airflow holds no Stagewise pipeline's DAGs yet."
+            body = f"<h1>Stagewise runs</h1><p class='sub'>{said}</p>"
             return page(request, "Runs", body, "runs", "runs")
         body = (f"<h1>Stagewise runs</h1><p class='sub'>Every run with a report under {where}, newest first. "
                 f"Open a run for its report.</p>")
