@@ -53,6 +53,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "fsdp_memory_per_rank_4": ("sharding:fsdp_memory_per_rank_4", "<= 0.35"),
     "fsdp_throughput": ("sharding:fsdp_throughput", "info"),  # gloo on 2 cores: the goal is fsdp_throughput_gpu's
     "fsdp_handoff_memory": ("handoff:fsdp_handoff_memory", "<= 1.1"),
+    "resume_redo_fraction": ("resume:resume_redo_fraction", "<= 0.1"),  # steps a 2 -> 3 retry redoes / done before
     "epoch_row_coverage": ("coverage:epoch_row_coverage", ">= 0.99"),
     "metric_exactness": ("metrics:metric_exactness", "<= 1e-6"),  # largest |ours - scikit-learn|, counting metrics
     "metric_overhead": ("metrics:metric_overhead", ">= 0.97"),  # f1_macro, auroc, log_loss / accuracy, samples/s

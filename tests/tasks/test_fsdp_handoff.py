@@ -1,10 +1,9 @@
-"""Hand-offs into sharded stages within fsdp's memory, and sharded stages that resume at another world size, under
-real torchrun on CPU (gloo)."""
+"""Hand-offs into sharded stages within fsdp's memory, under real torchrun on CPU (gloo); a stage resumed at another
+world size: tests/tasks/test_resume_world_size.py."""
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -66,69 +65,3 @@ def test_fsdp_stages_start_from_a_ddp_hand_off_under_a_cap_only_fsdp_meets(big_c
         result = json.loads(Path(out, f"{stage}.json").read_text())
         assert (result["strategy"], result["world_size"]) == ("fsdp", ranks) and result["steps"] > 0
         previous = result["checkpoint_uri"]
-
-
-@pytest.fixture
-def resumable(storage_root, write_config) -> tuple[Path, str]:
-    """The digits; s2 fsdp at global batch 96 (48 a rank on 2, 32 on 3), 3 epochs, a checkpoint every 10 steps."""
-    raw = base_config(storage_root)
-    raw["train"]["checkpoint_every_steps"] = 10
-    raw["train"]["stages"][1] = {"name": "s2", "profile": "ddp2", "global_batch": 96, "epochs": 3, "warmup_steps": 5,
-                                 "strategy": "fsdp", "grad_clip_norm": 1.0}
-    config = write_config(raw)
-    out = str(storage_root / "runs" / "test" / "resumable")
-    preprocess_digits(config, out)
-    return config, out
-
-
-STAGE = ("--stage", "s2", "--params", json.dumps({"lr": 0.02, "dropout": 0.1}))
-
-
-@pytest.mark.parametrize(("killed_at", "resumed_at"), [(2, 3), (3, 2)], ids=["2-to-3", "3-to-2"])
-@pytest.mark.slow
-def test_a_killed_sharded_stage_resumes_at_another_world_size(resumable, subprocess_env, tmp_path, killed_at,
-                                                              resumed_at):
-    """A rank killed at step 25 on ``killed_at`` ranks; the retry on ``resumed_at`` ranks resumes from the step-20
-    checkpoint, resharded (no warning, no start over), and ends on the weights and record of a run on ``resumed_at``
-    ranks that starts from a copy of that same checkpoint."""
-    config, out = resumable
-    crashed = torchrun(killed_at, config, out, {**subprocess_env, "STAGEWISE_FAULT_KILL_AT": "1:25"}, *STAGE,
-                       result="crashed.json", check=False)
-    assert crashed.returncode != 0
-    pointer = json.loads(Path(out, "train", "s2", "checkpoints", "latest.json").read_text())
-    assert pointer["step"] == 20
-    reference_out = tmp_path / "reference"
-    shutil.copytree(out, reference_out)
-
-    resumed_run = torchrun(resumed_at, config, out, subprocess_env, *STAGE, result="resumed.json")
-    resumed = resumed_run.result
-    assert resumed["resumed_from_step"] == 20 and resumed["world_size"] == resumed_at
-    assert "starts over" not in resumed_run.stderr + resumed_run.stdout
-    assert f"written by {killed_at} process(es), on {resumed_at}" in resumed_run.stderr + resumed_run.stdout
-    clean = torchrun(resumed_at, config, str(reference_out), subprocess_env, *STAGE, result="clean.json").result
-    assert (resumed["steps"], resumed["val_metric"]) == (clean["steps"], clean["val_metric"])
-    resumed_model = torch.load(Path(out, "train", "s2", "final.pt"), weights_only=True)["model"]
-    clean_model = torch.load(reference_out / "train" / "s2" / "final.pt", weights_only=True)["model"]
-    for name, tensor in clean_model.items():
-        assert torch.equal(resumed_model[name], tensor), name
-
-
-@pytest.mark.slow
-def test_a_stage_whose_global_batch_changes_with_the_world_size_refuses_to_resume_and_keeps_its_checkpoints(
-        digits_run, subprocess_env, tmp_path):
-    """A ddp stage with per_process_batch killed on 2 ranks and retried on 3 (global batch 128 -> 192) fails as a user
-    error naming both world sizes and batches and what to do; its checkpoints stay."""
-    config, out = digits_run
-    args = ("--stage", "s2", "--params", json.dumps({"lr": 0.02}), "--override=train.checkpoint_every_steps=5")
-    crashed = torchrun(2, config, out, {**subprocess_env, "STAGEWISE_FAULT_KILL_AT": "1:7"}, *args,
-                       result="crashed.json", check=False)
-    assert crashed.returncode != 0
-    checkpoints = sorted(path.name for path in Path(out, "train", "s2", "checkpoints").iterdir())
-    error_file = tmp_path / "errors.txt"
-    refused = torchrun(3, config, out, {**subprocess_env, "STAGEWISE_ERROR_FILE": str(error_file)}, *args,
-                       result="refused.json", check=False)
-    assert refused.returncode != 0
-    message = error_file.read_text()
-    assert "written by 2 process(es) at global batch 128" in message and "runs 3, whose global batch is 192" in message
-    assert "global_batch" in message and "checkpoints" in message
-    assert sorted(path.name for path in Path(out, "train", "s2", "checkpoints").iterdir()) == checkpoints
