@@ -166,3 +166,23 @@ def test_an_entry_without_recorded_content_is_a_miss(committed, storage_root, ca
     assert preprocess.plan_run(config, raw, _out(storage_root, "r2"), "ml_pipeline/r2")["reused_from"] is None
     warned = _warnings(caplog)
     assert len(warned) == 1 and "records no content fingerprint" in warned[0], warned
+
+
+def test_an_entry_whose_served_values_were_edited_is_a_miss(write_config, storage_root, caplog):
+    """The values a hit hands on come from the entry (a sweep's best params, test metrics): an entry edited to hold
+    others than its committed record is not served, naming the value and the record."""
+    _, config = _config(write_config, storage_root)
+    record = storage.join(_out(storage_root, "r1"), "evaluate", "metrics.json")
+    storage.write_json(record, {"fingerprint": "f1", "test_accuracy": 0.5})
+    cache.remember(config, "evaluate", "f1", SOURCE, {"metrics_uri": record, "test_accuracy": 0.5, "fingerprint": "f1"})
+    def check(result):
+        return cache.record_problem(result["metrics_uri"], "f1")
+
+    assert cache.lookup(config, "evaluate", "f1", "ml_pipeline/r2", check)["test_accuracy"] == 0.5
+    uri = cache.entry_uri(config, "evaluate", "f1")
+    entry = storage.read_json(uri)
+    storage.write_json(uri, {**entry, "result": {**entry["result"], "test_accuracy": 0.99}})
+    caplog.set_level(logging.INFO, logger="stagewise.reuse")
+    assert cache.lookup(config, "evaluate", "f1", "ml_pipeline/r2", check) is None
+    warned = _warnings(caplog)
+    assert len(warned) == 1 and f"the entry's test_accuracy is not the one {record} records" in warned[0], warned
