@@ -13,6 +13,7 @@ and its metadata-DB query of the pipelines are stubbed: neither grows with the n
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import tempfile
@@ -29,12 +30,16 @@ START = 1_780_000_000.0  # reports are dated from here on, one every 100 days / 
 
 
 def synthetic_report(dag_id: str, run_id: str, number: int) -> dict[str, Any]:
-    """A report.json shaped like a finished run's (stagewise.report.build_report), every third one kept current."""
+    """A report.json shaped like a finished run's (stagewise.report.build_report), every third one kept current,
+    dated (``at``) when its file is."""
     promoted = number % 3 != 0
+    started = START + number * 100 * DAY_S / NUM_REPORTS
+    at = {"started": dt.datetime.fromtimestamp(started, dt.UTC).isoformat(),
+          "ended": dt.datetime.fromtimestamp(started + 300, dt.UTC).isoformat()}
     tasks = [{"task_id": f"task_{i}", "map_index": -1, "try_number": 1, "state": "success",
               "start": "2026-11-22T15:28:40+00:00", "end": "2026-11-22T15:28:45+00:00", "duration_s": 5.0}
              for i in range(30)]
-    return {"dag_id": dag_id, "run_id": run_id, "run_prefix": f"runs/{dag_id}/{run_id}", "config": {},
+    return {"at": at, "dag_id": dag_id, "run_id": run_id, "run_prefix": f"runs/{dag_id}/{run_id}", "config": {},
             "stages": {"preprocess": {"duration_s": 1.5, "attempt": 1, "num_tasks": 2},
                        "train_s1": {"duration_s": 4.0, "attempt": 1, "num_tasks": 1}},
             "data": {"rows": {"train": 1200, "validation": 300, "test": 297}, "rows_dropped": 3},
@@ -58,7 +63,7 @@ def write_reports(storage_root: Path, count: int, first: int = 0) -> None:
         folder = storage_root / "runs" / dag_id / run_id
         folder.mkdir(parents=True, exist_ok=True)
         report = folder / "report.json"
-        report.write_text(json.dumps(synthetic_report(dag_id, run_id, number)))
+        report.write_text(json.dumps(synthetic_report(dag_id, run_id, number), indent=2, sort_keys=True))  # as written
         stamp = START + number * 100 * DAY_S / NUM_REPORTS
         os.utime(report, (stamp, stamp))
 

@@ -114,8 +114,8 @@ def from_report(report: dict[str, Any], run_folder: str = "") -> RunDates | None
 def read_report_dates(uri: str, run_folder: str = "") -> RunDates | None:
     """report.json's dates, reading only its head when ``at`` leads it (every report the report step writes); None
     when the report records none (then the caller's fallback: its mtime)."""
-    fs, path = storage.filesystem(uri)
-    with fs.open(path, "rb") as handle:
+    local = "://" not in uri or uri.startswith("file://")  # a plain open: fsspec's costs more than the read here
+    with (open(uri.removeprefix("file://"), "rb") if local else _remote_open(uri)) as handle:
         head = handle.read(REPORT_HEAD_BYTES)
         found = _HEAD.match(head.decode("utf-8", "replace"))
         if found is not None:
@@ -129,6 +129,11 @@ def read_report_dates(uri: str, run_folder: str = "") -> RunDates | None:
     if not isinstance(report, dict):
         raise DataError(f"{uri} holds {type(report).__name__}, not an object")
     return from_report(report, run_folder)
+
+
+def _remote_open(uri: str) -> Any:
+    fs, path = storage.filesystem(uri)
+    return fs.open(path, "rb")
 
 
 def from_mtime(stamp: dt.datetime | float | None) -> RunDates:
