@@ -29,7 +29,7 @@ from stagewise.models.building import BuiltModel, model_for_run
 from stagewise.training.device_data import DeviceBatches, choose_placement, resident_bytes
 from stagewise.training.distributed import DistEnv, any_rank
 from stagewise.training.measurement import NoiseMeasurement
-from stagewise.training.noise_scale import SPLIT_SPACING, NoiseScale, PartNorms, epoch_beta
+from stagewise.training.noise_scale import NoiseScale, PartNorms, epoch_beta
 from stagewise.training.optimizers import make_optimizer
 from stagewise.training.step_graph import WARMUP_STEPS, CaptureFailed, StepGraph, StepOutputs, graph_plan, set_tf32
 from stagewise.training.strategy import DDPStrategy, Strategy, make_strategy
@@ -158,8 +158,8 @@ class Loop(NoiseMeasurement):
         # Without accumulation the parts are two halves, a second forward and backward: spaced out once the EMA is filled.
         self._halves_spaced = noise_scale_every > 0 and grad_accum_steps == 1
         if noise_scale_every > 0:
-            interval = noise_scale_every * (SPLIT_SPACING if self._halves_spaced else 1)
-            measured_per_epoch = math.ceil(train.steps_per_epoch(0) / grad_accum_steps) / interval
+            # Counted at the configured interval: a spaced measurement weighs as the SPLIT_SPACING it stands for.
+            measured_per_epoch = math.ceil(train.steps_per_epoch(0) / grad_accum_steps) / noise_scale_every
             self.noise = NoiseScale(env.device, beta=epoch_beta(measured_per_epoch))
         self._parts: PartNorms | None = None  # a measured step's parts so far
         self.device_type = torch.device(env.device).type

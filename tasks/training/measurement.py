@@ -93,7 +93,8 @@ class NoiseMeasurement:
     def _fold_split_measurement(self) -> None:
         assert self.noise is not None and self._parts is not None
         parts, self._parts = self._parts, None
-        parts.fold(self.noise, self._grad_sq())
+        # Read before the fold counts this measurement: the interval this step was chosen at.
+        parts.fold(self.noise, self._grad_sq(), spans=self._split_every() // self.noise_every)
 
     def noise_state(self) -> dict[str, Any]:
         """The noise scale's state for a checkpoint (empty when not measured)."""

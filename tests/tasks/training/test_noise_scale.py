@@ -180,6 +180,39 @@ def test_one_process_spaces_out_the_halves_after_the_first_measurements_and_a_re
     assert sorted(set(parts)) == list(range(0, accumulated.position.step, every))
 
 
+def test_a_spaced_measurement_weighs_as_the_measurements_it_stands_for(tmp_path):
+    """Once the halves are spaced out, each measurement folds in as SPLIT_SPACING configured-rate ones with its value
+    would (the EMA's memory stays about an epoch of steps): weighed as one, the first 10 measurements outweighed every
+    later one and a short stage handed on what its first steps measured. The loop's beta is counted at the configured
+    interval, and it hands each fold the spacing the step was chosen at."""
+    from stagewise.training.noise_scale import MIN_MEMORY, SPLIT_SPACING, epoch_beta
+
+    early = [(torch.tensor(3.0), torch.tensor(2.0))] * MIN_MEMORY  # |G|² 1, S 16: B_simple 16
+    late = (torch.tensor(0.5), torch.tensor(0.3))  # |G|² 0.1, S 3.2: B_simple 32, a later value
+    spaced, repeated = NoiseScale("cpu", beta=0.9), NoiseScale("cpu", beta=0.9)
+    for small, big in early:
+        spaced.update(small, big, 8, 16)
+        repeated.update(small, big, 8, 16)
+    spaced.update(*late, 8, 16, spans=SPLIT_SPACING)
+    for _ in range(SPLIT_SPACING):
+        repeated.update(*late, 8, 16)
+    assert spaced.estimates() == pytest.approx(repeated.estimates(), rel=1e-6)  # float32 inputs
+    assert spaced.estimates()["grad_sq"] < 0.5  # weighed as one, the early |G|² of 1 kept 0.87 against the late 0.1
+    assert spaced.updates == MIN_MEMORY + 1  # the spacing rule still counts measurements actually taken
+
+    every = 2
+    loop, _ = _measuring_loop(tmp_path, 1, every)
+    assert loop.noise.beta == epoch_beta(loop.train_data.steps_per_epoch(0) / every)
+    folded: list[int] = []
+    inner = loop.noise.update
+    loop.noise.update = lambda small, big, b_small, b_big, spans=1: folded.append(spans) or inner(
+        small, big, b_small, b_big, spans)
+    for _ in range(3):
+        loop.train_epoch(lambda _step: 0.05)
+    assert len(folded) > MIN_MEMORY + 2
+    assert folded == [1] * MIN_MEMORY + [SPLIT_SPACING] * (len(folded) - MIN_MEMORY)
+
+
 # --- one process on every placement; CUDA graphs' replays, emulated on the CPU --------------------------------------
 
 STAGE_PARAMS = {"lr": 0.05, "hidden": 32, "dropout": 0.0}
