@@ -15,6 +15,16 @@ from bench.harness import RESULTS, merge, run_one, table
 from bench.registry import BENCHMARKS, load
 
 
+def summary(name: str) -> str:
+    """The first line of benchmark ``name``'s docstring, for ``--list``; what stands in where it has none or cannot load."""
+    try:
+        doc = load(name).__doc__ or ""
+    except ImportError as exc:  # e.g. a GPU box without Airflow: list it all the same
+        return f"(cannot import here: {exc})"
+    # A function without a docstring listed as such (cache_rerun had none: --list ended in an IndexError).
+    return next((line.strip() for line in doc.splitlines() if line.strip()), "(no description)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench",
                                      description="Stagewise benchmarks: ours vs a baseline in the same run, as ratios.")
@@ -25,11 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for name, (_, goal) in BENCHMARKS.items():
-            try:
-                summary = (load(name).__doc__ or "").strip().splitlines()[0]
-            except ImportError as exc:  # e.g. a GPU box without Airflow: list it all the same
-                summary = f"(cannot import here: {exc})"
-            print(f"{name:26} {goal:8} {summary}")
+            print(f"{name:26} {goal:8} {summary(name)}")
         return 0
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
