@@ -190,7 +190,7 @@ def _read(uri: str, read: Any) -> Any:
     try:
         return read(uri)
     except (OSError, ValueError, DataError) as exc:
-        log.warning("%s not read (%s): the run is dated without it", uri, exc)
+        log.warning("%s not read (%s): dated without it", uri, exc)
         return None
 
 
@@ -237,7 +237,10 @@ def list_models(storage_root: str, name: str) -> list[ModelVersion]:
         if not any(entry.path == "card.json" for entry in files):
             continue  # not a registered version (a half-written one is the registry's to finish)
         card = [entry for entry in files if entry.path == "card.json"][0]
-        versions.append(ModelVersion(version, storage.join(prefix, version), files, card.modified.isoformat()))
+        folder = storage.join(prefix, version)
+        recorded = _read(storage.join(folder, "card.json"), storage.read_json)  # registered_at: what the registry wrote
+        when = run_dates.moment(recorded.get("registered_at")) if isinstance(recorded, dict) else None
+        versions.append(ModelVersion(version, folder, files, (when or card.modified).isoformat()))
     return sorted(versions, key=lambda v: v.registered_at)
 
 

@@ -108,16 +108,20 @@ def note_in_report(prefix: str, removals: list[Removal], at: str, pass_name: str
     return report
 
 
-def render_noted(prefix: str, report: dict[str, Any]) -> None:
-    """report.html again, once the noted files are gone, saying what retention removed."""
+def render_noted(prefix: str, report: dict[str, Any], scripts: dict[str | None, str] | None = None) -> None:
+    """report.html again, once the noted files are gone, saying what retention removed. ``scripts``: the plotly
+    <script> by storage root, made once a pass (every run folder sits as deep under its root, so one tag fits all)."""
     if storage.exists(storage.join(prefix, "report.html")):
-        _render_again(report, prefix, list(report.get("retention") or []))
+        _render_again(report, prefix, list(report.get("retention") or []), {} if scripts is None else scripts)
 
 
-def _render_again(report: dict[str, Any], prefix: str, entries: list[dict[str, Any]]) -> None:
+def _render_again(report: dict[str, Any], prefix: str, entries: list[dict[str, Any]], scripts: dict[str | None, str]) -> None:
     """report.html from the report and what files are left, with a line naming what retention removed."""
     try:
-        page = html.render(report, html.load_sources(report, prefix), plotly_script=assets.plotly_script(prefix, prefix))
+        root = assets.root_of(prefix)
+        if root not in scripts:  # reading and hashing plotly.js took 17 ms a run: half a pass over trimmed runs
+            scripts[root] = assets.plotly_script(prefix, prefix)
+        page = html.render(report, html.load_sources(report, prefix), plotly_script=scripts[root])
         said = "; ".join(f"{e['removed']} ({e['files']} files, {human(e['bytes'])}) on {e['at']}" for e in entries)
         banner = (f'<p class="retention" style="padding:.5em;background:#fff3cd">Removed by retention '
                   f'(python -m stagewise.retention): {html_text.escape(said)}. Charts that read those files are gone.</p>')
@@ -156,9 +160,11 @@ def apply(plan: list[Removal], dry_run: bool, now: dt.datetime, delete_study: An
         remove_files(removal.files, progress)
         prune_empty_folders(removal.prefix)
         progress.add(1)
+    scripts: dict[str | None, str] = {}
     for prefix, report in noted.items():
         if report is not None:
-            render_noted(prefix, report)
+            render_noted(prefix, report, scripts)
+            progress.add()
     progress.done()
     return summary(plan, dry_run)
 
