@@ -12,11 +12,10 @@ import functools
 import hashlib
 import json
 import logging
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from stagewise.core import storage
+from stagewise.core.content import content_id, content_ids  # noqa: F401 -- what a fingerprint reads of a file
 from stagewise.definitions.config import PipelineConfig
 from stagewise.reporting import lineage
 
@@ -34,21 +33,6 @@ def digest(value: Any) -> str:
     """A short SHA-256 of ``value`` as canonical JSON (sorted keys): equal values, equal digests."""
     text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:FINGERPRINT_CHARS]
-
-
-def content_id(uri: str) -> str:
-    """An identity of a file's bytes: S3's ETag and size (computed by S3 from the content, read without downloading),
-    else the SHA-256 of the bytes."""
-    fs, path = storage.filesystem(uri)
-    if type(fs).__name__ == "S3FileSystem":
-        info = fs.info(path)
-        if etag := str(info.get("ETag") or "").strip('"'):
-            return f"etag:{etag}:{info.get('size')}"
-    return f"sha256:{storage.sha256_of(uri)}"
-
-
-def content_ids(uris: Iterable[str]) -> list[str]:
-    return [content_id(uri) for uri in uris]
 
 
 def section(config: PipelineConfig, name: str) -> Any:
