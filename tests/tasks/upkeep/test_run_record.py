@@ -270,3 +270,17 @@ def test_the_dry_run_counts_what_the_real_pass_removes_studies_included(storage_
     gone = set(before) - set(retention_root.snapshot(storage_root))
     assert len(gone) == planned["total_files"] == done["total_files"]
     assert sum(before[path][0] for path in gone) == planned["total_bytes"]
+
+
+def test_model_versions_are_ordered_by_their_cards_registration_not_file_times(storage_root, write_config, tmp_path):
+    """The newest card file whose registered_at says 2001 is the oldest version: it goes past keep_model_versions,
+    and the version its file time alone would have named stays."""
+    versions = retention_root.build(storage_root, dt.datetime.now(dt.UTC))
+    newest = retention_root.version(retention_root.NUM_VERSIONS)
+    card = storage_root / "models" / retention_root.MODEL / newest / "card.json"
+    stamp = card.stat().st_mtime
+    card.write_text(json.dumps({"version": newest, "study": "", "registered_at": "2001-01-01T00:00:00Z"}))
+    os.utime(card, (stamp, stamp))
+    planned = _targets(_job(_config(storage_root, write_config), tmp_path, "--dry-run"))
+    gone = {target.split("/", 1)[1] for what, target in planned if what == "model version"}
+    assert gone == {newest} and versions["unprotected"] not in gone
