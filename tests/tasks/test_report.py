@@ -162,3 +162,27 @@ def test_the_summary_line_shows_each_stages_wait_and_the_whole_runs(tmp_path):
     assert [task["wait_s"] for task in report["tasks"]] == [3.0, 60.0]
     [line] = [line for line in summary_lines(report) if line.startswith("  stage seconds")]
     assert "60.0 s waiting in all" in line and "preprocess 3.5 (7.0, waited 60.0)" in line and line.endswith("train_s1 10.0")
+
+
+def test_the_report_records_when_its_run_started_and_ended_first_in_the_file(tmp_path):
+    """report.json's ``at``: the start lineage.json recorded (else the first task attempt's) and the report's own
+    moment; it leads the file, so a listing reads its head alone (stagewise.reporting.run_dates)."""
+    import datetime as dt
+    import json
+
+    from stagewise.reporting import run_dates
+
+    out = tmp_path / "runs" / "ml_pipeline" / "r1"
+    out.mkdir(parents=True)
+    (out / "lineage.json").write_text(json.dumps({"started_at": "2026-09-03T10:00:00+00:00"}))
+    before = dt.datetime.now(dt.UTC)
+    uri = build_report(**_inputs(str(out)))["report_uri"]
+    report = storage.read_json(uri)
+    assert report["at"]["started"] == "2026-09-03T10:00:00+00:00"
+    assert before <= dt.datetime.fromisoformat(report["at"]["ended"]) <= dt.datetime.now(dt.UTC)
+    assert (out / "report.json").read_text().startswith('{\n  "at": {')
+    assert run_dates.read_report_dates(uri).started == dt.datetime(2026, 9, 3, 10, tzinfo=dt.UTC)
+    (out / "lineage.json").unlink()
+    tasks = [{"task_id": "start_run", "start": "2026-09-04T08:00:00+00:00", "end": "2026-09-04T08:00:05+00:00"}]
+    report = storage.read_json(build_report(**_inputs(str(out)), tasks=tasks)["report_uri"])
+    assert report["at"]["started"] == "2026-09-04T08:00:00+00:00"
