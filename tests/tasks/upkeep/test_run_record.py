@@ -284,3 +284,13 @@ def test_model_versions_are_ordered_by_their_cards_registration_not_file_times(s
     planned = _targets(_job(_config(storage_root, write_config), tmp_path, "--dry-run"))
     gone = {target.split("/", 1)[1] for what, target in planned if what == "model version"}
     assert gone == {newest} and versions["unprotected"] not in gone
+
+
+def test_start_runs_lineage_records_the_runs_start(storage_root, write_config):
+    """lineage.json (start_run writes it first) holds started_at: what dates a run that has no report yet."""
+    from stagewise.reporting import lineage, run_dates
+
+    out = str(storage_root / "runs" / "ml_pipeline" / "r1")
+    before = dt.datetime.now(dt.UTC)
+    lineage.write(out, load_config(_config(storage_root, write_config)))
+    assert before <= run_dates.started_of(out) <= dt.datetime.now(dt.UTC)
