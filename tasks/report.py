@@ -24,7 +24,7 @@ from stagewise.definitions.loading import (
 )
 from stagewise.definitions.pipelines import dag_id, name_of
 from stagewise.reporting import html as report_html
-from stagewise.reporting import run_dates, timeline
+from stagewise.reporting import listing, run_dates, timeline
 
 log = logging.getLogger("stagewise.report")
 
@@ -218,19 +218,13 @@ MAX_RUNS = 500  # listed newest first; older reports stay in storage and are rea
 
 
 def list_reports(storage_root: str, dag_folder: str = "*") -> list[dict[str, Any]]:
-    """Every ``runs/<dag>/<run>/report.json`` under the root (of one DAG folder, or all), newest first, at most
-    MAX_RUNS, each with its folder names, URI and time."""
-    fs, runs = storage.filesystem(storage.join(storage_root, "runs"))
-    if not fs.isdir(runs):
-        return []
-    found = fs.glob(f"{runs.rstrip('/')}/{dag_folder}/*/report.json", detail=True)
-    entries = []
-    for path, info in found.items():
-        dag, run = path.rsplit("/", 3)[-3:-1]
-        entries.append({"dag_folder": dag, "run_folder": run, "modified": storage.modified_time(info),
-                        "uri": storage.join(storage_root, "runs", dag, run, "report.json")})
-    entries.sort(key=lambda e: e["modified"] or dt.datetime.min.replace(tzinfo=dt.UTC), reverse=True)
-    return entries[:MAX_RUNS]
+    """Every ``runs/<dag>/<run>/report.json`` under the root (of one DAG folder, or all), newest first by when each
+    run started as it recorded it (stagewise.reporting.run_dates: never a report's mtime, which retention's note
+    rewrites), at most MAX_RUNS, each with its folder names, URI, file time and recorded dates."""
+    reports = [item for item in listing.run_reports(storage_root) if dag_folder in ("*", item.parts[0])][:MAX_RUNS]
+    dates = listing.report_dates(storage_root, reports)
+    return [{"dag_folder": item.parts[0], "run_folder": item.parts[1], "modified": item.modified, "uri": item.uri,
+             "dates": recorded} for item, recorded in zip(reports, dates, strict=True)]
 
 
 _report_cache: dict[tuple[str, Any], dict[str, Any]] = {}
@@ -271,12 +265,7 @@ def _newest(storage_root: str, dag_id: str) -> dict[str, Any] | None:
 
 def _when(entry: dict[str, Any]) -> dt.datetime:
     """When a listed run ended (else started) as it recorded it; its report's mtime only where it recorded nothing."""
-    try:
-        dates = run_dates.read_report_dates(entry["uri"], entry["run_folder"])
-    except (OSError, ValueError, DataError):
-        dates = None
-    found = (dates or run_dates.from_mtime(entry["modified"])).as_of(dt.datetime.now(dt.UTC)).newest
-    return found or dt.datetime.min.replace(tzinfo=dt.UTC)
+    return entry["dates"].newest or dt.datetime.min.replace(tzinfo=dt.UTC)
 
 
 def latest_run(path: str | None, overrides: dict[str, Any], dag: str | None,

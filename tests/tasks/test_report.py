@@ -111,6 +111,23 @@ def test_reports_are_listed_newest_first_per_dag_and_a_bad_one_reads_as_an_error
     assert read_report(broken)["_error"].startswith(f"cannot read {broken}")
 
 
+def test_latest_is_the_run_that_started_last_as_recorded_not_the_report_retention_rewrote_last(tmp_path):
+    """A report rewritten by retention's note (a fresh mtime) does not become the latest run: runs are ordered by the
+    start they recorded (report.json's ``at``), so `stagewise.report latest` keeps naming the newest run."""
+    import os
+
+    from stagewise.report import latest_report, list_reports
+
+    root = str(tmp_path)
+    for run, started in [("september", "2026-09-03T10:00:00+00:00"), ("today", "2026-12-01T10:00:00+00:00")]:
+        uri = storage.join(root, "runs", "ml_pipeline", run, "report.json")
+        storage.write_json(uri, {"at": {"started": started, "ended": started}, "run_id": run})
+    rewritten = storage.join(root, "runs", "ml_pipeline", "september", "report.json")
+    os.utime(rewritten, (2_000_000_000, 2_000_000_000))  # retention's note wrote it last
+    assert [e["run_folder"] for e in list_reports(root, "ml_pipeline")] == ["today", "september"]
+    assert latest_report(root, "ml_pipeline").endswith("/today/report.json")
+
+
 def test_stage_seconds_are_given_with_and_without_the_tasks_start_up():
     """duration_s sums the sub-jobs' own seconds; task_s sums each task's seconds from Airflow's start, start-up
     included, and is left out where a task did not give it (no figure that silently misses a part)."""
