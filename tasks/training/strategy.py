@@ -384,6 +384,22 @@ def one_process_dcp() -> Iterator[None]:
         yield
 
 
+def _verified_once(uri: str, trust_unrecorded: bool) -> str | None:
+    """Why the sharded checkpoint at ``uri`` must not load, or None: read on rank 0 alone (one pass over its bytes, not
+    one per rank), its answer given to every rank."""
+    import torch.distributed as dist
+
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    problem = None
+    if not several or dist.get_rank() == 0:
+        problem = verify_recorded(storage.join(uri, RECORD), uri, trust_unrecorded=trust_unrecorded)
+    if several:
+        holder = [problem]
+        dist.broadcast_object_list(holder, src=0)
+        problem = holder[0]
+    return problem
+
+
 def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, uri: str, *,
                            trust_unrecorded: bool = False) -> None:
     """Load an optimizer state from a sharded checkpoint into ``optimizer`` over ``module`` (plain, DDP's or sharded:
@@ -396,7 +412,7 @@ def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, 
     if was_dropped(uri):
         log.warning("the optimizer state %s was dropped once its run succeeded: this stage starts a fresh optimizer", uri)
         return
-    if problem := verify_recorded(storage.join(uri, RECORD), uri, trust_unrecorded=trust_unrecorded):
+    if problem := _verified_once(uri, trust_unrecorded):
         raise DataError(f"the stage before's optimizer state {uri}: {problem}; run the stage before again to remake it")
     target = {"optimizer": get_optimizer_state_dict(module, optimizer)}
     with one_process_dcp():
