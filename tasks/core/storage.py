@@ -109,8 +109,7 @@ def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
         if scoped := _scoped_options.get():
             options = {**options, **scoped,
                        "config_kwargs": {**options["config_kwargs"], **scoped.get("config_kwargs", {})}}
-        # No listings cache: other processes write the same prefixes, and a cached folder listing without their new
-        # file would make it "not exist" here for as long as this process lives (a long-running api-server's pages).
+        # No listings cache: a cached listing hides another process's new file for this process's life (the UI's).
         return url_to_fs(uri, session=_s3_session(), **{**options, "use_listings_cache": False})
     return url_to_fs(uri)
 
