@@ -64,6 +64,7 @@ def test_preprocess_cache_tampered_output_misses(committed, storage_root, caplog
                                     pa.array(shuffled, table.schema.field(label).type)), train)
     assert pq.read_table(train).schema == table.schema and pq.read_table(train).num_rows == table.num_rows
     caplog.set_level(logging.INFO, logger="stagewise.reuse")
+    caplog.clear()  # r2's reuse above is not this lookup's
     planned = preprocess.plan_run(config, raw, _out(storage_root, "r3"), "ml_pipeline/r3")
     assert planned["reused_from"] is None
     assert not storage.exists(storage.join(_out(storage_root, "r3"), "preprocess", "manifest.json"))
