@@ -54,6 +54,7 @@ from stagewise.definitions.sections.deployment import (  # noqa: F401  (re-expor
     Pool,
     Profile,
     SageMakerSettings,
+    SlurmSettings,
     cron_shape_problem,
 )
 from stagewise.definitions.sections.serving import (  # noqa: F401  (re-exported: the schema's one import path)
@@ -238,6 +239,9 @@ class PipelineConfig(StrictModel):
             if profile.backend == "sagemaker" and not self.storage_root.startswith("s3://"):
                 raise ValueError(f"profiles.{name}: backend 'sagemaker' reads and writes the run through S3, but storage_root "
                                  f"is '{self.storage_root}'; give an s3:// storage_root")
+            if profile.backend == "slurm" and self.storage_root.startswith("s3://") and not profile.slurm.log_dir:
+                raise ValueError(f"profiles.{name}.slurm.log_dir: a Slurm job writes its output to a folder the nodes "
+                                 f"share, and storage_root '{self.storage_root}' is S3; give slurm.log_dir")
         for index, stage in enumerate(self.train.stages):
             if stage.entrypoint is not None and self.profiles[stage.profile].backend != "local":
                 raise ValueError(f"train.stages[{index}] ({stage.name}): an entrypoint (your own script) runs on backend "
@@ -258,7 +262,7 @@ class PipelineConfig(StrictModel):
         for where, name in used.items():
             if not where.startswith("train.") and self.profiles[name].backend != "local":
                 raise ValueError(f"{where}: profile '{name}' has backend '{self.profiles[name].backend}'; only train stages "
-                                 f"run as SageMaker or Kubernetes jobs (give this step a local profile)")
+                                 f"run as SageMaker, Kubernetes or Slurm jobs (give this step a local profile)")
         return self
 
     def arg_placeholders(self) -> list[str]:

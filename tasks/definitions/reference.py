@@ -17,6 +17,7 @@ from stagewise.definitions.config import (
     Pruner,
     SageMakerSettings,
     Sampler,
+    SlurmSettings,
     TrainStage,
 )
 from stagewise.definitions.hyperparams import KNOWN
@@ -41,7 +42,7 @@ def reference(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> list
 def markdown() -> str:
     """The whole reference: the top-level keys, then each nested model used in lists and unions."""
     parts = ["| key | meaning | default |\n|---|---|---|", "\n".join(reference())]
-    for model in (FeatureColumn, Profile, SageMakerSettings, KubernetesSettings, TrainStage, EntryPoint, EarlyStopping, Sampler,
+    for model in (FeatureColumn, Profile, SageMakerSettings, KubernetesSettings, SlurmSettings, TrainStage, EntryPoint, EarlyStopping, Sampler,
                   Pruner, FloatParam, IntParam, CategoricalParam):
         parts.append(f"\n`{model.__name__}` ({model.__doc__.splitlines()[0]})\n\n| key | meaning | default |\n|---|---|---|")
         parts.append("\n".join(reference(model)))

@@ -1,4 +1,4 @@
-"""Where and how tasks run: instance profiles (local, SageMaker, Kubernetes), pools and the DAGs' Airflow settings."""
+"""Where and how tasks run: instance profiles (local, SageMaker, Kubernetes, Slurm), pools and the DAGs' Airflow settings."""
 
 from __future__ import annotations
 
@@ -58,12 +58,50 @@ class KubernetesSettings(StrictModel):
         "How long torchrun waits for every pod to join (above scheduling time); at most a day, 86400."))
 
 
+# Slurm's --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds.
+SLURM_TIME = r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$"
+
+
+class SlurmSettings(StrictModel):
+    """One sbatch allocation per stage try, srun starting one torchrun agent per node (backend 'slurm')."""
+
+    partition: str = Field("", description="sbatch --partition; empty: the cluster's default partition.")
+    account: str = Field("", description="sbatch --account the job is charged to; empty: the user's default.")
+    qos: str = Field("", description="sbatch --qos; empty: the account's default.")
+    constraint: str = Field("", description="sbatch --constraint (node features, e.g. 'a100&ib'); empty: none.")
+    cpus_per_task: int = Field(1, ge=1, le=1024, description="sbatch --cpus-per-task: CPUs of each node's agent and its ranks (at most 1024).")
+    mem_per_cpu: str = Field("", pattern=r"^(\d+[KMGTkmgt]?)?$", description="sbatch --mem-per-cpu, e.g. '2G'; empty: the cluster's default.")
+    gpus_per_node: int = Field(0, ge=0, le=64, description="GPUs of each node as --gres=gpu:N (usually processes_per_node); at most 64.")
+    time_limit: str = Field("", pattern=SLURM_TIME, description="sbatch --time, 'HH:MM:SS', 'D-HH:MM' or minutes; empty: the partition's limit.")
+    extra_sbatch_options: list[str] = Field(default_factory=list, description="More sbatch options, each one '--name=value' as on the command line.")
+    slurm_conf: str = Field("", description="The cluster's slurm.conf, exported as SLURM_CONF to every Slurm command; empty: the client's default.")
+    min_nodes: int | None = Field(None, ge=1, le=512, description=(
+        "Fewest nodes the job may start on (sbatch --nodes=min_nodes-nodes), resuming resharded; empty: exactly nodes."))
+    queue_wait_warn_s: float = Field(600.0, ge=0, le=MAX_SECONDS, description=(
+        "A job pending longer is logged as waiting in the queue with Slurm's reason, never failed for it."))
+    poll_s: float = Field(10.0, gt=0, le=3600, description="Seconds between polls of the job's state (at most 3600).")
+    log_dir: str = Field("", description=(
+        "Folder of the job's output file, on a filesystem the nodes share; empty: <run>/train/<stage>/slurm/ (an s3 root needs it)."))
+    python: str = Field("", description="The interpreter on the nodes; empty: this worker's own (a shared install).")
+    rendezvous_port: int = Field(29400, ge=1024, le=65535, description="Port of the rendezvous store on the allocation's first node.")
+    join_timeout_s: int = Field(900, ge=60, le=86_400, description=(
+        "How long torchrun waits for every node to join (above srun's start-up); at most a day, 86400."))
+    deferrable: bool = Field(True, description="Wait in Airflow's triggerer, freeing the worker slot while the job runs or queues.")
+
+    @field_validator("extra_sbatch_options")
+    @classmethod
+    def _options_are_options(cls, value: list[str]) -> list[str]:
+        if bad := [option for option in value if not option.startswith("-")]:
+            raise ValueError(f"{bad}: each extra sbatch option is one '--name=value' (or '-x') as sbatch takes it")
+        return value
+
+
 class Profile(StrictModel):
     """Where and how a sub-job runs: the launcher plus Airflow's own knobs."""
 
-    backend: Literal["local", "sagemaker", "kubernetes"] = Field(
-        "local", description="Launcher: 'local' runs processes on the worker; 'sagemaker'/'kubernetes' submit a train stage's whole gang as one job.")
-    nodes: int = Field(1, ge=1, le=512, description="Nodes (instances or pods) of a train stage, at most 512; fixed, so the global batch is too.")
+    backend: Literal["local", "sagemaker", "kubernetes", "slurm"] = Field(
+        "local", description="Launcher: 'local' runs processes on the worker; 'sagemaker'/'kubernetes'/'slurm' submit a train stage's whole gang as one job.")
+    nodes: int = Field(1, ge=1, le=512, description="Nodes (instances, pods or Slurm nodes) of a train stage, at most 512; fixed unless slurm.min_nodes.")
     processes_per_node: int = Field(1, ge=1, le=64, description="Processes per node (torchrun --nproc-per-node); at most 64.")
     threads_per_process: int = Field(1, ge=1, le=256, description="Intra-op threads per process (OMP/torch); at most 256.")
     device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="Device: cpu, cuda, or auto (cuda if present).")
@@ -82,6 +120,7 @@ class Profile(StrictModel):
     max_restarts: int = Field(0, ge=0, le=10, description="torchrun --max-restarts inside one Airflow try (at most 10).")
     sagemaker: SageMakerSettings | None = Field(None, description="The SageMaker job settings (backend 'sagemaker').")
     kubernetes: KubernetesSettings | None = Field(None, description="The Kubernetes Job settings (backend 'kubernetes').")
+    slurm: SlurmSettings | None = Field(None, description="The Slurm job settings (backend 'slurm').")
 
     @property
     def world_size(self) -> int:
@@ -90,7 +129,7 @@ class Profile(StrictModel):
 
     @model_validator(mode="after")
     def _backend_settings(self) -> Profile:
-        for backend in ("sagemaker", "kubernetes"):
+        for backend in ("sagemaker", "kubernetes", "slurm"):
             settings = getattr(self, backend)
             if self.backend == backend and settings is None:
                 raise ValueError(f"backend '{backend}' needs a '{backend}:' block (see docs/scale-out.md)")
@@ -98,7 +137,10 @@ class Profile(StrictModel):
                 raise ValueError(f"a '{backend}:' block belongs to backend '{backend}', not '{self.backend}'")
         if self.backend == "local" and self.nodes != 1:
             raise ValueError(f"backend 'local' runs on one worker: nodes must be 1, not {self.nodes} "
-                             f"(use backend sagemaker or kubernetes for several nodes)")
+                             f"(use backend sagemaker, kubernetes or slurm for several nodes)")
+        if self.slurm is not None and self.slurm.min_nodes is not None and self.slurm.min_nodes > self.nodes:
+            raise ValueError(f"slurm.min_nodes {self.slurm.min_nodes} exceeds nodes {self.nodes}: the job runs on "
+                             f"min_nodes to nodes nodes")
         return self
 
 
