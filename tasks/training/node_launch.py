@@ -1,6 +1,6 @@
 """The container entrypoint of a train stage on several nodes: one torchrun agent per node, ranks in a fixed order.
 
-Run (on every node of the job, the same command): ``python -m stagewise.training.node_launch {sagemaker|kubernetes}
+Run (on every node of the job, the same command): ``python -m stagewise.training.node_launch {sagemaker|kubernetes|slurm}
 --nproc-per-node=2 [--max-restarts=1] -m stagewise.train --stage s2 --config ... --out s3://...``
 
 The backend names where this node learns its place in the job; everything else is the same torchrun for both:
@@ -22,7 +22,13 @@ $STAGEWISE_RDZV_ID (unique per Airflow try: the store's key prefix), optional $S
 torch's c10d rendezvous is not used: it ignores ``--node-rank`` and orders nodes by host name, and the Job's
 index already gives every pod its rank.
 
-Both: $STAGEWISE_JOIN_TIMEOUT_S (900) bounds the wait for every node. Node 0's store listens on all of the
+slurm (``srun --ntasks-per-node=1`` in an sbatch allocation, one task per node): node rank = $SLURM_NODEID,
+nodes = $SLURM_NNODES (else $SLURM_JOB_NUM_NODES: a ``--nodes=min-max`` job runs on those it got), node 0 =
+$STAGEWISE_RDZV_ENDPOINT (``address:port`` of the allocation's first node, which the batch script exports), rendezvous
+id = $SLURM_JOB_ID and $SLURM_RESTART_COUNT (a requeued job never meets its old run's keys). Without
+$STAGEWISE_SOCKET_IFNAME, gloo/NCCL use the interface this node reaches node 0 through.
+
+All: $STAGEWISE_JOIN_TIMEOUT_S (900) bounds the wait for every node. Node 0's store listens on all of the
 node's interfaces (the other nodes must reach it), unlike stagewise.training.local_torchrun's loopback-only store.
 """
 
@@ -39,7 +45,7 @@ from stagewise.core.cli import skip_final_collection
 from stagewise.training.local_torchrun import RENDEZVOUS_OPTIONS, guarded_argv
 
 LAUNCHER = "stagewise.training.node_launch"
-BACKENDS = ("sagemaker", "kubernetes")
+BACKENDS = ("sagemaker", "kubernetes", "slurm")
 SM_RESOURCE_CONFIG = "/opt/ml/input/config/resourceconfig.json"
 SM_RESOURCE_CONFIG_ENV = contract.SM_RESOURCE_CONFIG
 MASTER_PORT_ENV = contract.MASTER_PORT
@@ -52,6 +58,9 @@ K8S_ENDPOINT_ENV = contract.RDZV_ENDPOINT
 K8S_NNODES_ENV = contract.NNODES
 K8S_RDZV_ID_ENV = contract.RDZV_ID
 K8S_IFNAME_ENV = contract.SOCKET_IFNAME
+# What Slurm gives every task of a step (srun), and what stagewise's batch script adds (the endpoint, above).
+SLURM_NODEID_ENV, SLURM_NNODES_ENV, SLURM_JOB_NODES_ENV = "SLURM_NODEID", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"
+SLURM_JOB_ID_ENV, SLURM_RESTART_ENV = "SLURM_JOB_ID", "SLURM_RESTART_COUNT"
 # This launcher sets the rendezvous; any of these in the command would contradict it.
 _REFUSED = (*RENDEZVOUS_OPTIONS, "--node-rank", "--node_rank", "--rdzv-id", "--rdzv_id", "--rdzv-conf", "--rdzv_conf",
             "--local-addr", "--local_addr")
@@ -101,6 +110,14 @@ def _int_env(environ: dict[str, str], name: str, default: int | None = None) -> 
         raise NodeConfigError(f"${name} must be an integer, got {text!r}") from None
 
 
+def _endpoint(environ: dict[str, str], name: str, what: str) -> tuple[str, int]:
+    endpoint = environ.get(name, "")
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise NodeConfigError(f"${name} must be host:port ({what}), got {endpoint!r}")
+    return host.strip("[]"), int(port)
+
+
 def sagemaker_node(environ: dict[str, str]) -> Node:
     """This node from SageMaker's resource config (or its SM_* variables)."""
     path = environ.get(SM_RESOURCE_CONFIG_ENV, SM_RESOURCE_CONFIG)
@@ -140,19 +157,54 @@ def kubernetes_node(environ: dict[str, str]) -> Node:
         raise NodeConfigError(f"${K8S_NNODES_ENV} must be at least 1, got {num_nodes}")
     if not 0 <= index < num_nodes:
         raise NodeConfigError(f"${K8S_INDEX_ENV} {index} is outside 0..{num_nodes - 1} (${K8S_NNODES_ENV} = {num_nodes})")
-    endpoint = environ.get(K8S_ENDPOINT_ENV, "")
-    host, _, port = endpoint.rpartition(":")
-    if not host or not port.isdigit():
-        raise NodeConfigError(f"${K8S_ENDPOINT_ENV} must be host:port (pod 0 under the headless Service), got {endpoint!r}")
+    host, port = _endpoint(environ, K8S_ENDPOINT_ENV, "pod 0 under the headless Service")
     run_id = environ.get(K8S_RDZV_ID_ENV, "")
     if not run_id:
         raise NodeConfigError(f"${K8S_RDZV_ID_ENV} is not set: give each Airflow try its own rendezvous id")
-    return Node(node_rank=index, num_nodes=num_nodes, master_addr=host, master_port=int(port), run_id=run_id,
+    return Node(node_rank=index, num_nodes=num_nodes, master_addr=host, master_port=port, run_id=run_id,
                 join_timeout_s=_int_env(environ, JOIN_TIMEOUT_ENV, DEFAULT_JOIN_TIMEOUT_S),
                 interface=environ.get(K8S_IFNAME_ENV) or None)
 
 
-READERS = {"sagemaker": sagemaker_node, "kubernetes": kubernetes_node}
+def route_interface(address: str) -> str | None:
+    """The network interface this machine reaches ``address`` through (None: not found), so gloo/NCCL need no name."""
+    import socket
+
+    import psutil
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))  # UDP: no packet is sent, the kernel only picks the route
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(item.address.split("%")[0] == local for item in addresses):
+            return name
+    return None
+
+
+def slurm_node(environ: dict[str, str]) -> Node:
+    """This node from the srun task's SLURM_* variables and the batch script's rendezvous endpoint."""
+    num_nodes = _int_env(environ, SLURM_NNODES_ENV if environ.get(SLURM_NNODES_ENV) else SLURM_JOB_NODES_ENV)
+    index = _int_env(environ, SLURM_NODEID_ENV)
+    if num_nodes < 1:
+        raise NodeConfigError(f"${SLURM_NNODES_ENV} must be at least 1, got {num_nodes}")
+    if not 0 <= index < num_nodes:
+        raise NodeConfigError(f"${SLURM_NODEID_ENV} {index} is outside 0..{num_nodes - 1} (${SLURM_NNODES_ENV} = {num_nodes}): "
+                              f"run one task per node (srun --ntasks-per-node=1)")
+    host, port = _endpoint(environ, K8S_ENDPOINT_ENV, "the allocation's first node, exported by the batch script")
+    job = environ.get(SLURM_JOB_ID_ENV, "")
+    if not job:
+        raise NodeConfigError(f"${SLURM_JOB_ID_ENV} is not set: is this running in a Slurm job (srun)?")
+    restarts = _int_env(environ, SLURM_RESTART_ENV, 0)
+    interface = environ.get(K8S_IFNAME_ENV) or None
+    return Node(node_rank=index, num_nodes=num_nodes, master_addr=host, master_port=port,
+                run_id=f"slurm-{job}-r{restarts}", join_timeout_s=_int_env(environ, JOIN_TIMEOUT_ENV, DEFAULT_JOIN_TIMEOUT_S),
+                interface=interface if interface or num_nodes == 1 else route_interface(host))
+
+
+READERS = {"sagemaker": sagemaker_node, "kubernetes": kubernetes_node, "slurm": slurm_node}
 
 
 def torchrun_argv(backend: str, argv: list[str], environ: dict[str, str]) -> tuple[Node, list[str]]:

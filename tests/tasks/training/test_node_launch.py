@@ -9,7 +9,14 @@ import sys
 import pytest
 
 from stagewise.training import torchrun_command
-from stagewise.training.node_launch import NodeConfigError, kubernetes_node, sagemaker_node, torchrun_argv
+from stagewise.training.node_launch import (
+    NodeConfigError,
+    kubernetes_node,
+    route_interface,
+    sagemaker_node,
+    slurm_node,
+    torchrun_argv,
+)
 
 ENTRY = ["--nproc-per-node=2", "-m", "stagewise.train", "--stage", "s2"]
 
@@ -99,8 +106,52 @@ def test_options_that_contradict_the_nodes_place_are_refused(argv, message):
 
 
 def test_unknown_backend_is_refused():
-    with pytest.raises(NodeConfigError, match="one of sagemaker, kubernetes, got 'slurm'"):
-        torchrun_argv("slurm", ENTRY, {})
+    with pytest.raises(NodeConfigError, match="one of sagemaker, kubernetes, slurm, got 'lsf'"):
+        torchrun_argv("lsf", ENTRY, {})
+
+
+def srun_task(node: int, nnodes: int = 2, **extra: str) -> dict:
+    """What srun gives task ``node`` of a one-task-per-node step, plus the batch script's endpoint."""
+    return {"SLURM_NODEID": str(node), "SLURM_NNODES": str(nnodes), "SLURM_JOB_ID": "4242",
+            "STAGEWISE_RDZV_ENDPOINT": "10.214.0.3:29400", "STAGEWISE_SOCKET_IFNAME": "eth0", **extra}
+
+
+def test_slurm_node_rank_is_the_node_id_and_the_rendezvous_is_new_per_requeue():
+    """SLURM_NODEID places the node; the job id and its restart count key the store, so a requeued job (the same id)
+    never reads the keys its run before left."""
+    node = slurm_node(srun_task(1, STAGEWISE_JOIN_TIMEOUT_S="60"))
+    assert (node.node_rank, node.num_nodes, node.master_addr, node.master_port) == (1, 2, "10.214.0.3", 29400)
+    assert (node.run_id, node.join_timeout_s, node.interface) == ("slurm-4242-r0", 60, "eth0")
+    assert slurm_node(srun_task(0, SLURM_RESTART_COUNT="2")).run_id == "slurm-4242-r2"
+    job_nodes = {key: value for key, value in srun_task(0, 1).items() if key != "SLURM_NNODES"}
+    assert slurm_node({**job_nodes, "SLURM_JOB_NUM_NODES": "1"}).num_nodes == 1
+
+
+def test_slurm_node_without_an_interface_takes_the_one_that_routes_to_node_0():
+    environ = {key: value for key, value in srun_task(0).items() if key != "STAGEWISE_SOCKET_IFNAME"}
+    assert slurm_node({**environ, "STAGEWISE_RDZV_ENDPOINT": "127.0.0.1:29400"}).interface == "lo"
+    assert route_interface("127.0.0.1") == "lo"
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({k: v for k, v in srun_task(0).items() if k != "SLURM_NODEID"}, "$SLURM_NODEID is not set"),
+    ({k: v for k, v in srun_task(0).items() if k != "SLURM_NNODES"}, "$SLURM_JOB_NUM_NODES is not set"),
+    (srun_task(2), "$SLURM_NODEID 2 is outside 0..1"),
+    (srun_task(0, SLURM_NNODES="n"), "$SLURM_NNODES must be an integer"),
+    (srun_task(0, STAGEWISE_RDZV_ENDPOINT=""), "$STAGEWISE_RDZV_ENDPOINT must be host:port (the allocation's first node"),
+    (srun_task(0, SLURM_JOB_ID=""), "$SLURM_JOB_ID is not set"),
+    (srun_task(0, SLURM_RESTART_COUNT="x"), "$SLURM_RESTART_COUNT must be an integer"),
+])
+def test_slurm_inputs_that_place_no_node_are_refused_by_name(environ, message):
+    with pytest.raises(NodeConfigError) as raised:
+        slurm_node(environ)
+    assert message in str(raised.value)
+
+
+def test_a_slurm_node_gets_the_static_rendezvous_of_its_job():
+    _, argv = torchrun_argv("slurm", ENTRY, srun_task(1))
+    assert argv[:6] == ["--nnodes=2", "--node-rank=1", "--rdzv-backend=static", "--rdzv-endpoint=10.214.0.3:29400",
+                        "--rdzv-id=slurm-4242-r0", "--rdzv-conf=timeout=900"]
 
 
 def test_one_command_builder_serves_the_local_launcher_and_every_node():
