@@ -23,6 +23,7 @@ from stagewise.definitions.loading import (
     scratch_root,
 )
 from stagewise.definitions.pipelines import dag_id, name_of
+from stagewise.reporting import cost as stage_cost
 from stagewise.reporting import html as report_html
 from stagewise.reporting import listing, run_dates, timeline
 
@@ -34,7 +35,8 @@ def stage_timing(results: dict[str, list[dict[str, Any]]],
     """Per stage: summed sub-job seconds (``duration_s``: the work), summed task seconds (``task_s``: from Airflow's
     start of each task to its result, start-up included; where every task gave it), summed seconds its tasks waited
     to start once they could (``wait_s``: for a pool slot, an executor slot or the scheduler; from ``tasks``, the run's
-    attempts by stagewise.reporting.timeline.records), the highest attempt, and the number of sub-jobs."""
+    attempts by stagewise.reporting.timeline.records), the highest attempt, the number of sub-jobs and, for a stage
+    that ran on a cluster, its ``cost`` (stagewise.reporting.cost: elapsed, CPU time, nodes, GPU-hours per attempt)."""
     waited = timeline.stage_waits(tasks or [])
     stages = {}
     for stage, items in results.items():
@@ -47,6 +49,9 @@ def stage_timing(results: dict[str, list[dict[str, Any]]],
             stages[stage]["task_s"] = round(sum(float(i["task_s"]) for i in items), 3)
         if stage in waited:
             stages[stage]["wait_s"] = waited[stage]
+        if costs := [item["cost"] for item in items if isinstance(item.get("cost"), dict)]:
+            stages[stage]["cost"] = costs[0] if len(costs) == 1 else stage_cost.summary(
+                [entry for each in costs for entry in each.get("attempts") or []])
     return stages
 
 
@@ -85,7 +90,7 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
                                                       "stopped_early", "lr_schedule", "optimizer", "init_from", "grad_clip_norm", "noise_scale",
                                                       "batch_decision", "grad_accum_steps", "per_process_batch",
                                                       "strategy", "fingerprint", "data_fingerprint", "reused_from",
-                                                      "rows_per_epoch")}
+                                                      "rows_per_epoch", "cost")}
                      for stage in training],
         "objective": {"metric": evaluation.get("objective"), "direction": direction, "test": evaluation.get("test_objective")},
         "test_metrics": {k: v for k, v in evaluation.items() if k.startswith("test_") and k != "test_objective"},
@@ -107,7 +112,10 @@ def build_report(*, dag_id: str, run_id: str, out: str, stage_results: dict[str,
         report["test_accuracy"] = evaluation["test_accuracy"]
     if "test_baseline_rmse" in evaluation:
         report["baseline"] = {"what": "predicting the data set's mean target", "test_rmse": evaluation["test_baseline_rmse"]}
-    report["html_uri"] = write_html(report, out)
+    sources = load_sources(report, out)
+    for stage in report["training"]:  # each stage's throughput, beside what it cost
+        stage["samples_per_s"] = stage_cost.samples_per_s((sources["stages"].get(stage["stage"]) or {}).get("history"))
+    report["html_uri"] = write_html(report, out, sources)
     uri = storage.join(out, "report.json")
     storage.write_json(uri, report)  # last: report.json commits the report, report.html is already whole beside it
     log.info("report written to %s", uri)
@@ -128,10 +136,20 @@ def _classification_details(metrics_uri: str | None) -> dict[str, Any]:
     return {key: recorded[key] for key in ("confusion_matrix", "curves", "decision_threshold") if key in recorded}
 
 
-def write_html(report: dict[str, Any], out: str) -> str | None:
+def load_sources(report: dict[str, Any], out: str) -> dict[str, Any]:
+    """What the page draws besides report.json (stagewise.reporting.html.load_sources); an unreadable file leaves the
+    page without it, never the run without its report."""
+    try:
+        return report_html.load_sources(report, out)
+    except Exception:  # noqa: BLE001 - see the docstring
+        log.exception("report: the stages' metrics.json or the sweep's trials could not be read for %s", out)
+        return {"stages": {}, "trials": None}
+
+
+def write_html(report: dict[str, Any], out: str, sources: dict[str, Any] | None = None) -> str | None:
     """report.html beside report.json, in one put; a rendering bug is logged and leaves report.json to stand alone."""
     try:
-        return report_html.write(report, out)
+        return report_html.write(report, out, sources)
     except Exception:  # the page is a view of the run: the record (report.json) must not be lost to it
         log.exception("report.html could not be rendered for %s", out)
         return None
@@ -178,7 +196,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                      f"lr {stage['lr']:.4g}, {stage['epochs']} epochs, val {metric} {stage['val_metric']:.4f}"
                      + (f" (epoch {stage['handed_epoch']} handed on)" if stage.get("handed_epoch") else "")
                      + (f", stopped early after {stage['epochs_run']}" if stage.get("stopped_early") else "")
-                     + _rows_left_out(stage.get("rows_per_epoch")))
+                     + _rows_left_out(stage.get("rows_per_epoch"))
+                     + (f", {stage['samples_per_s']:.0f} samples/s" if stage.get("samples_per_s") is not None else "")
+                     + (f"; cost {stage_cost.text(stage['cost'])}" if stage.get("cost") else ""))
     test = (report.get("objective") or {}).get("test")
     lines.append(f"  test {metric}: {test if test is not None else report['test_accuracy']:.4f}")
     baseline = report.get("baseline")

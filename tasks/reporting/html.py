@@ -22,7 +22,7 @@ from typing import Any
 
 from stagewise.core import assets, storage
 from stagewise.core.errors import DataError
-from stagewise.reporting import classification
+from stagewise.reporting import classification, stage_table
 
 log = logging.getLogger("stagewise.report")
 
@@ -472,16 +472,7 @@ def render(report: dict[str, Any], sources: dict[str, Any], generated_at: str | 
                                  *sorted((sweep.get("best_params") or {}).items())])
     counts = _table("Trials", [(key[2:], sweep.get(key)) for key in ("n_trials", "n_complete", "n_pruned", "n_failed")
                                if sweep.get(key) is not None])
-    stage_rows = "".join(
-        f"<tr><th>{html.escape(str(s['stage']))}</th><td>{html.escape(str(s.get('strategy') or 'ddp'))}</td>"
-        + "".join(f"<td class=num>{html.escape(_number(s.get(k)))}</td>" for k in
-                                                                   ("world_size", "global_batch", "lr", "epochs", "steps",
-                                                                    "val_metric", "handed_epoch")) + "</tr>"
-        for s in report.get("training") or [])
-    stages_table = (f"<table><caption>Stages</caption><tr><th>stage</th><th>strategy</th><th>world size</th><th>global batch</th><th>lr</th>"
-                    f"<th>epochs</th><th>steps</th><th>val {html.escape(metric)}</th><th>epoch handed on</th></tr>"
-                    f"{stage_rows}</table>"
-                    if stage_rows else "")
+    stages_table = stage_table.render(report.get("training") or [], sources, metric)
     data = report.get("data") or {}
     predictions = report.get("predictions") or {}
     data_table = _table("Rows", [*[(f"{name} split", count) for name, count in (data.get("rows") or {}).items()],
@@ -558,11 +549,12 @@ on the axis' worst edge.</p>
 """
 
 
-def write(report: dict[str, Any], out: str) -> str:
+def write(report: dict[str, Any], out: str, sources: dict[str, Any] | None = None) -> str:
     """Render the run's page and put it at ``<out>/report.html`` in one write, linking the storage root's plotly.js;
-    returns its URI."""
+    ``sources``: what :func:`load_sources` read (read here when not given). Returns its URI."""
     uri = storage.join(out, "report.html")
-    page = render(report, load_sources(report, out), plotly_script=assets.plotly_script(out, out))
+    sources = sources if sources is not None else load_sources(report, out)
+    page = render(report, sources, plotly_script=assets.plotly_script(out, out))
     storage.write_bytes(uri, page.encode())
     log.info("report page written to %s", uri)
     return uri

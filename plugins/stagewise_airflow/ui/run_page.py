@@ -38,6 +38,30 @@ def mlflow_links(report: dict[str, Any]) -> str:
     return "".join(f" · {item}" for item in links)
 
 
+TRAINING_COLUMNS = (("stage", "stage"), ("world_size", "world size"), ("global_batch", "global batch"), ("lr", "lr"),
+                    ("epochs", "epochs"), ("steps", "steps"), ("val_metric", "validation"), ("samples_per_s", "samples/s"))
+# What a stage cost on a cluster (stagewise.reporting.cost), summed over its attempts: shown where any stage has it.
+COST_COLUMNS = (("nodes", "nodes"), ("elapsed_s", "elapsed s"), ("cpu_time_s", "CPU s"), ("gpu_hours", "GPU h"))
+
+
+def stages_table(training: list[dict[str, Any]], metric: str | None) -> str:
+    """The run's train stages: shape, validation, samples/s and, where any stage ran on a cluster, its cost."""
+    costed = any(isinstance(s.get("cost"), dict) for s in training)
+    heads = [f"validation {metric or 'metric'}" if key == "val_metric" else label for key, label in TRAINING_COLUMNS]
+    rows = []
+    for s in training:
+        spent = s.get("cost") if isinstance(s.get("cost"), dict) else {}
+        row = [fmt(s.get(key)) for key, _ in TRAINING_COLUMNS]
+        if costed:
+            attempts = spent.get("attempts") if isinstance(spent.get("attempts"), list) else []
+            row += [fmt(spent.get(key)) for key, _ in COST_COLUMNS]
+            row.append(f"{len(attempts)} attempt(s), {esc(spent.get('source'))}" if spent else "")
+        rows.append(row)
+    if costed:
+        heads += [label for _, label in COST_COLUMNS] + ["cost from"]
+    return table(heads, rows, numeric=range(1, len(heads) - 1 if costed else len(heads)))
+
+
 def summary_html(report: dict[str, Any]) -> str:
     """The report.json as cards and tables: what a run page shows when the run has no report.html."""
     metric, value = objective_of(report)
@@ -61,10 +85,7 @@ def summary_html(report: dict[str, Any]) -> str:
         f'<div class="note">{note}</div></div>' for label, val, note in cards) + "</div>"]
     training = [stage for stage in report.get("training") or [] if isinstance(stage, dict)]
     if training:
-        parts.append("<h2>Training stages</h2>" + table(
-            ["stage", "world size", "global batch", "lr", "epochs", "steps", f"validation {metric or 'metric'}"],
-            ([fmt(s.get(k)) for k in ("stage", "world_size", "global_batch", "lr", "epochs", "steps", "val_metric")]
-             for s in training), numeric=range(1, 7)))
+        parts.append("<h2>Training stages</h2>" + stages_table(training, metric))
     if sweep:
         parts.append("<h2>Sweep</h2>" + table(
             ["study", "trials", "complete", "pruned", "failed", "best value", "best params"],
