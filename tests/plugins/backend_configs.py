@@ -1,4 +1,4 @@
-"""Pipeline configs whose stage s2 runs on a SageMaker or Kubernetes profile, for the backend tests."""
+"""Pipeline configs whose stage s2 runs on a SageMaker, Kubernetes or Slurm profile, for the backend tests."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ KUBERNETES = {"image": "registry.example/stagewise:1", "namespace": "ml", "gpus_
               "node_selector": {"node.kubernetes.io/instance-type": "p4d.24xlarge"},
               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
               "service_account": "stagewise-trainer", "kubernetes_conn_id": "kubernetes_stagewise_test"}
+SLURM = {"partition": "gpu", "account": "ml-team", "qos": "high", "constraint": "a100&ib", "cpus_per_task": 8,
+         "mem_per_cpu": "4G", "gpus_per_node": 2, "time_limit": "02:00:00", "extra_sbatch_options": ["--exclusive"],
+         "slurm_conf": "/etc/slurm/cluster.conf", "rendezvous_port": 29555, "join_timeout_s": 300}
+BLOCKS = {"sagemaker": SAGEMAKER, "kubernetes": KUBERNETES, "slurm": SLURM}
 RUN = {"dag_id": "ml_pipeline", "run_id": "manual__2026-11-23T15:00:00+00:00"}
 
 
@@ -25,7 +29,7 @@ def backend_config(directory: Path, backend: str, storage_root: str = "s3://stag
     """Write a config (into ``directory``, standing for the project checkout) whose profile ddp2 uses ``backend``."""
     raw = base_config(directory)
     raw["storage_root"] = storage_root
-    block = {**(SAGEMAKER if backend == "sagemaker" else KUBERNETES), **settings}
+    block = {**BLOCKS[backend], **settings}
     raw["profiles"]["ddp2"].update({"backend": backend, "nodes": 2, "processes_per_node": 2, "retries": retries,
                                     backend: block})
     path = directory / "pipeline.yaml"

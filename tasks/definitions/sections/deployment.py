@@ -72,7 +72,7 @@ class SlurmSettings(StrictModel):
     cpus_per_task: int = Field(1, ge=1, le=1024, description="sbatch --cpus-per-task: CPUs of each node's agent and its ranks (at most 1024).")
     mem_per_cpu: str = Field("", pattern=r"^(\d+[KMGTkmgt]?)?$", description="sbatch --mem-per-cpu, e.g. '2G'; empty: the cluster's default.")
     gpus_per_node: int = Field(0, ge=0, le=64, description="GPUs of each node as --gres=gpu:N (usually processes_per_node); at most 64.")
-    time_limit: str = Field("", pattern=SLURM_TIME, description="sbatch --time, 'HH:MM:SS', 'D-HH:MM' or minutes; empty: the partition's limit.")
+    time_limit: str = Field("", description="sbatch --time, 'HH:MM:SS', 'D-HH:MM' or minutes; empty: the partition's limit.")
     extra_sbatch_options: list[str] = Field(default_factory=list, description="More sbatch options, each one '--name=value' as on the command line.")
     slurm_conf: str = Field("", description="The cluster's slurm.conf, exported as SLURM_CONF to every Slurm command; empty: the client's default.")
     min_nodes: int | None = Field(None, ge=1, le=512, description=(
@@ -87,6 +87,13 @@ class SlurmSettings(StrictModel):
     join_timeout_s: int = Field(900, ge=60, le=86_400, description=(
         "How long torchrun waits for every node to join (above srun's start-up); at most a day, 86400."))
     deferrable: bool = Field(True, description="Wait in Airflow's triggerer, freeing the worker slot while the job runs or queues.")
+
+    @field_validator("time_limit")
+    @classmethod
+    def _a_time_sbatch_takes(cls, value: str) -> str:
+        if value and not re.match(SLURM_TIME, value):
+            raise ValueError(f"'{value}' is no time sbatch takes: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
+        return value
 
     @field_validator("extra_sbatch_options")
     @classmethod
