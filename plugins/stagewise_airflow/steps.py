@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from stagewise.airflow import credentials, launch
+from stagewise.airflow.stage_steps import data_fingerprint as _data_fingerprint
+from stagewise.airflow.stage_steps import fingerprinted_job, job_fingerprint, remember_stage, with_cost
 from stagewise.core.errors import UserError
 from stagewise.definitions.config import ConfigError, PipelineConfig
 from stagewise.definitions.intervals import INTERVAL_FIELDS, fields_in, fill, interval_record, static_prefix
@@ -307,13 +309,6 @@ def reused_from(*results: Any) -> str | None:
     return found[0] if found and all(found) else None
 
 
-def _data_fingerprint(prepared: dict[str, Any]) -> str:
-    """The fingerprint of the data preprocess committed (a manifest from before fingerprints: its bytes' hash)."""
-    from stagewise.registry import data_fingerprint
-
-    return prepared.get("fingerprint") or data_fingerprint(prepared["manifest_uri"])
-
-
 def create_study(run: dict[str, Any], prepared: dict[str, Any]) -> list[dict[str, Any]]:
     """Create (or find again) the study of the sweep's inputs, and write the data subsets of a row budget (a sub-job:
     it reads the whole train split once); return one entry per worker to map over.
@@ -383,31 +378,18 @@ def sweep_summary(run: dict[str, Any], workers: Sequence[dict[str, Any]]) -> dic
     return inline(config, work)
 
 
-def _stage_inputs(config: PipelineConfig, run: dict[str, Any], stage: str, swept: dict[str, Any],
-                  previous: dict[str, Any] | None) -> dict[str, Any]:
-    """The fingerprint of a stage's inputs: the run's committed data, the params, the stage before's output, the
-    config and the code (stagewise.reuse.fingerprints.stage_inputs), with the data's own fingerprint and the one its
-    checkpoints are keyed by (the same but the process count: a retry on another count resumes them)."""
-    from stagewise.core import storage
-    from stagewise.reuse.fingerprints import code_identity, stage_inputs, stage_resume_inputs
-
-    manifest_uri = storage.join(run["out"], "preprocess", "manifest.json")
-    data = _data_fingerprint({**storage.read_json(manifest_uri), "manifest_uri": manifest_uri})
-    upstream = previous.get("fingerprint") if previous else None
-    code = code_identity(config)
-    return {"fingerprint": stage_inputs(config, stage, data, swept["best_params"], upstream, code),
-            "data_fingerprint": data,
-            "resume_fingerprint": stage_resume_inputs(config, stage, data, swept["best_params"], upstream, code)}
+# Backends whose stage runs this install's stagewise.train with its fingerprinted arguments (cache, resume keys):
+# local torchrun, and Slurm (every node runs the same shared install; stagewise.airflow.backends.slurm).
+FINGERPRINTED_BACKENDS = ("local", "slurm")
 
 
 def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
     """Launch one stage under torchrun (stagewise.train, or the user's own entrypoint), or submit it as its backend's job.
 
-    A stage of the built-in loop is keyed by its inputs' fingerprint: its checkpoints resume only a try with the same
-    inputs, and with ``cache.stage`` a stage another run trained from the same inputs stands in.
+    A stage of the built-in loop on a local or Slurm profile is keyed by its inputs' fingerprint: its checkpoints
+    resume only a try with the same inputs, and with ``cache.stage`` a stage another run trained from the same inputs
+    stands in. A Slurm stage's result carries what it cost (stagewise.reporting.cost), summed over its attempts.
     """
-    from stagewise.reuse import cache
-
     config = run_config(run)
     if stage not in {spec.name for spec in config.train.stages}:
         return _not_in_snapshot(run, stage, previous)
@@ -417,21 +399,16 @@ def train_stage(run: dict[str, Any], stage: str, swept: dict[str, Any], previous
     spec = config.stage(stage)
     init_from = previous["checkpoint_uri"] if previous else None
     params, attempt = swept["best_params"], _context()["ti"].try_number
-    if config.profile(spec.profile).backend != "local" or spec.entrypoint is not None:
+    if config.profile(spec.profile).backend not in FINGERPRINTED_BACKENDS or spec.entrypoint is not None:
         job = inline(config, lambda: build(config, run, stage, params, init_from, attempt))  # bad args: the user's
         return run_job(job) if spec.entrypoint is None else _own_script_stage(config, run, job)
-    inputs = inline(config, lambda: _stage_inputs(config, run, stage, swept, previous))
-    fingerprint = inputs["fingerprint"]
-    hit = inline(config, lambda: cache.lookup(config, "stage", fingerprint, run_ref(run),
-                                               lambda result: cache.stage_problem(result, fingerprint)))
+    job, hit = fingerprinted_job(config, run, stage, swept, previous, attempt)
     if hit is not None:
         return {**hit, "task_s": task_seconds(_context())}
-    keys = {"inputs_fingerprint": fingerprint, "data_fingerprint": inputs["data_fingerprint"],
-            "resume_fingerprint": inputs["resume_fingerprint"]}
-    result = run_job(build(config, run, stage, params, init_from, attempt, fingerprints=keys))
-    result = {**result, "task_s": task_seconds(_context())}
-    inline(config, lambda: cache.remember(config, "stage", fingerprint, run_ref(run), result))
-    return result
+    result = run_job(job)
+    if job.backend == "slurm":
+        result = with_cost(config, job, result)
+    return remember_stage(config, run_ref(run), job_fingerprint(job), {**result, "task_s": task_seconds(_context())})
 
 
 def _not_in_snapshot(run: dict[str, Any], stage: str, previous: dict[str, Any] | None) -> dict[str, Any]:

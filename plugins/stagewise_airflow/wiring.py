@@ -141,17 +141,20 @@ def sweep(config: PipelineConfig, run: Any, data: dict[str, Any]) -> dict[str, A
 def train_stages(config: PipelineConfig, run: Any, swept: dict[str, Any]) -> dict[str, Any]:
     """train_<stage> for each configured stage in order, each starting from the previous one's checkpoint.
 
-    A stage whose profile has ``sagemaker.deferrable`` is a SageMakerStageOperator (waits in the triggerer).
+    A stage whose profile has ``sagemaker.deferrable`` is a SageMakerStageOperator, one with ``backend: slurm`` and
+    ``slurm.deferrable`` a SlurmStageOperator: both wait in the triggerer.
     """
     trained, previous = [], None
     for stage in config.train.stages:
-        settings = config.profile(stage.profile).sagemaker
-        if config.profile(stage.profile).backend == "sagemaker" and settings is not None and settings.deferrable:
-            from stagewise.airflow.operators import SageMakerStageOperator
+        profile = config.profile(stage.profile)
+        deferred = next((getattr(profile, backend) for backend in ("sagemaker", "slurm") if profile.backend == backend
+                         and getattr(profile, backend) is not None and getattr(profile, backend).deferrable), None)
+        if deferred is not None:
+            from stagewise.airflow import operators
 
-            previous = SageMakerStageOperator(task_id=f"train_{stage.name}", run=run, stage=stage.name,
-                                              swept=swept["swept"], previous=previous,
-                                              **knobs(config, stage.profile)).output
+            operator = operators.SageMakerStageOperator if profile.backend == "sagemaker" else operators.SlurmStageOperator
+            previous = operator(task_id=f"train_{stage.name}", run=run, stage=stage.name, swept=swept["swept"],
+                                previous=previous, **knobs(config, stage.profile)).output
         else:
             previous = task(steps.train_stage, task_id=f"train_{stage.name}", **knobs(config, stage.profile))(
                 run, stage.name, swept["swept"], previous)
