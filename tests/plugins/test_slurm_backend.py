@@ -56,14 +56,35 @@ def test_the_batch_script_carries_every_setting_as_its_sbatch_option(slurm_job):
     assert SECRET not in script, "credentials reach the job through sbatch's environment, never the script"
 
 
-def test_min_nodes_asks_for_a_range_and_empty_settings_add_no_option(slurm_job):
+def test_empty_settings_add_no_option_and_the_node_count_is_the_one_asked(slurm_job):
     job = slurm_job(min_nodes=1, account="", qos="", constraint="", mem_per_cpu="", time_limit="", gpus_per_node=0,
                     partition="", extra_sbatch_options=[], python="/shared/venv/bin/python")
-    lines = sbatch_lines(slurm.batch_script(job))
-    assert "--nodes=1-2" in lines
+    lines = sbatch_lines(slurm.batch_script(job, nodes=1))
+    assert "--nodes=1" in lines
     assert not [line for line in lines if line.split("=")[0] in
                 ("--account", "--qos", "--constraint", "--mem-per-cpu", "--time", "--gres", "--partition")]
     assert " /shared/venv/bin/python -m stagewise.training.node_launch slurm " in slurm.batch_script(job)
+
+
+SINFO = "n1 idle debug*\nn2 drain debug*\nn3 mix* debug*\nn4 alloc debug*\nn1 idle small\ng1 idle gpu\n"
+
+
+@pytest.mark.parametrize("min_nodes, partition, expected", [(None, "", 4), (1, "", 2), (3, "", 3), (1, "gpu", 1)])
+def test_with_min_nodes_a_try_asks_for_the_nodes_that_take_jobs(slurm_job, monkeypatch, min_nodes, partition, expected):
+    """Down, drained and unresponsive nodes do not count; never fewer than min_nodes (then the job waits in the queue)."""
+    calls = []
+
+    def sinfo(settings, argv, **kwargs):
+        calls.append(argv)
+        lines = [line for line in SINFO.splitlines() if not partition or line.endswith(f" {partition}")]
+        return answer(0, "\n".join(lines) + "\n")
+
+    monkeypatch.setattr(slurm, "_command", sinfo)
+    job = slurm_job(partition=partition)
+    profile = job.profile.model_copy(update={"nodes": 4})
+    settings = job.settings("slurm").model_copy(update={"min_nodes": min_nodes})
+    assert slurm.nodes_to_ask(settings, profile) == expected
+    assert bool(calls) == (min_nodes is not None)
 
 
 def test_the_job_environment_has_the_credentials_and_slurm_conf_but_not_this_workers_allocation(slurm_job, monkeypatch):

@@ -248,11 +248,9 @@ def outcome(record: SlurmJob, user_error: str = "") -> Exception | None:
 
 
 def sbatch_options(profile: Profile, settings: Any, *, name: str, output: str, nodes: int | None = None) -> list[str]:
-    """The ``#SBATCH`` options of a job of ``profile`` (``nodes`` overrides the profile's: 1 for a sub-job)."""
-    count = profile.nodes if nodes is None else nodes
-    minimum = settings.min_nodes if nodes is None else None
-    options = [f"--job-name={name}", f"--nodes={minimum}-{count}" if minimum and minimum < count else f"--nodes={count}",
-               "--ntasks-per-node=1", f"--cpus-per-task={settings.cpus_per_task}"]
+    """The ``#SBATCH`` options of a job of ``profile`` on ``nodes`` nodes (default: the profile's; 1 for a sub-job)."""
+    options = [f"--job-name={name}", f"--nodes={profile.nodes if nodes is None else nodes}", "--ntasks-per-node=1",
+               f"--cpus-per-task={settings.cpus_per_task}"]
     for flag, value in (("--mem-per-cpu", settings.mem_per_cpu), ("--time", settings.time_limit),
                         ("--partition", settings.partition), ("--account", settings.account), ("--qos", settings.qos),
                         ("--constraint", settings.constraint)):
@@ -322,13 +320,63 @@ def stage_command(job: StageJob, files: JobFiles) -> list[str]:
                                     python=python)
 
 
-def batch_script(job: StageJob) -> str:
-    """The batch script of one try of the job's stage (pure: nothing is submitted or created)."""
+def batch_script(job: StageJob, nodes: int | None = None) -> str:
+    """The batch script of one try of the job's stage on ``nodes`` nodes (default: the profile's; see
+    :func:`nodes_to_ask`), pure: nothing is submitted or created."""
     settings = job.settings("slurm")
     name = job_name(job.dag_id, job.run_id, job.stage, job.attempt)
     files = JobFiles.of(log_dir(job), name)
-    options = sbatch_options(job.profile, settings, name=name, output=files.output)
+    options = sbatch_options(job.profile, settings, name=name, output=files.output, nodes=nodes)
     return script_text(options, settings, stage_command(job, files), distributed=True)
+
+
+# sinfo's compact node states that take jobs now or once their jobs end (a '*' suffix: not responding).
+_USABLE = ("idle", "alloc", "mix", "comp", "resv", "plnd")
+
+
+def usable_nodes(settings: Any) -> int:
+    """How many nodes of the profile's partition (else the default one) take jobs: not down, drained or failed."""
+    answer = _command(settings, ["sinfo", "-h", "-N", "-o", "%N %t %P", *(["-p", settings.partition] if settings.partition else [])])
+    nodes = set()
+    for line in answer.stdout.splitlines():
+        name, state, partition = (line.split() + ["", "", ""])[:3]
+        if (settings.partition or partition.endswith("*")) and state.rstrip("~#!%$@^-") in _USABLE:
+            nodes.add(name)
+    return len(nodes)
+
+
+def nodes_to_ask(settings: Any, profile: Profile) -> int:
+    """The nodes a stage's job asks for: the profile's; with slurm.min_nodes, the partition's usable nodes between
+    min_nodes and nodes (Slurm itself gives a ``--nodes=min-max`` job its minimum whenever that many are free)."""
+    if settings.min_nodes is None or settings.min_nodes >= profile.nodes:
+        return profile.nodes
+    usable = usable_nodes(settings)
+    count = max(settings.min_nodes, min(profile.nodes, usable))
+    if count < profile.nodes:
+        log.warning("the partition has %d usable node(s) (not down or drained); this try asks for %d of the "
+                    "profile's %d (slurm.min_nodes %d), resharded at the same global batch", usable, count,
+                    profile.nodes, settings.min_nodes)
+    return count
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One try's job as submitted: its name, files, batch script and the environment sbatch exports to it."""
+
+    name: str
+    files: JobFiles
+    script: str
+    env: dict[str, str]
+
+
+def submission(job: StageJob) -> Submission:
+    """The try's submission (the one way both the waiting task and the deferred operator build it): the node count
+    (:func:`nodes_to_ask`, asks sinfo with min_nodes), the script and the job's environment."""
+    settings = job.settings("slurm")
+    name = job_name(job.dag_id, job.run_id, job.stage, job.attempt)
+    files = JobFiles.of(log_dir(job), name)
+    env = job_environment(job.profile, settings, files, job.env, job.config.model.import_paths or ())
+    return Submission(name, files, batch_script(job, nodes_to_ask(settings, job.profile)), env)
 
 
 def job_environment(profile: Profile, settings: Any, files: JobFiles, extra: dict[str, str] | None = None,
@@ -437,11 +485,9 @@ def run_job(job: StageJob) -> dict[str, Any]:
     result file rank 0 wrote, else the stage's committed metrics) with the allocation's cost under ``slurm``."""
     from stagewise.airflow.backends import stage_result
 
-    settings = job.settings("slurm")
-    name = job_name(job.dag_id, job.run_id, job.stage, job.attempt)
-    files = JobFiles.of(log_dir(job), name)
-    env = job_environment(job.profile, settings, files, job.env, job.config.model.import_paths or ())
-    _, spent = run_submitted(settings, batch_script(job), env, name=name, files=files)
+    prepared = submission(job)
+    files = prepared.files
+    _, spent = run_submitted(job.settings("slurm"), prepared.script, prepared.env, name=prepared.name, files=files)
     if job.entry is None and os.path.exists(files.result):
         with open(files.result) as handle:
             result = json.load(handle)
