@@ -260,9 +260,11 @@ class PipelineConfig(StrictModel):
             if self.profiles[name].processes_per_node != 1:
                 raise ValueError(f"{where}: profile '{name}' has processes_per_node > 1; only train stages and sweep trials run DDP")
         for where, name in used.items():
-            if not where.startswith("train.") and self.profiles[name].backend != "local":
-                raise ValueError(f"{where}: profile '{name}' has backend '{self.profiles[name].backend}'; only train stages "
-                                 f"run as SageMaker, Kubernetes or Slurm jobs (give this step a local profile)")
+            backend = self.profiles[name].backend
+            if where.startswith("train.") or backend == "local" or (where == "inference.profile" and backend == "slurm"):
+                continue
+            raise ValueError(f"{where}: profile '{name}' has backend '{backend}'; only train stages run as SageMaker, "
+                             f"Kubernetes or Slurm jobs, and inference shards as Slurm jobs (give this step a local profile)")
         return self
 
     def arg_placeholders(self) -> list[str]:

@@ -58,3 +58,14 @@ def test_an_s3_storage_root_needs_a_shared_log_dir(write_config, storage_root):
         load_config(write_config(raw))
     raw["profiles"]["ddp2"]["slurm"]["log_dir"] = str(storage_root / "slurm-logs")
     assert load_config(write_config(raw)).profile("ddp2").slurm.log_dir.endswith("slurm-logs")
+
+
+def test_inference_shards_may_run_as_slurm_jobs_but_evaluate_stays_local(write_config, storage_root):
+    """An inference shard is a one-node Slurm job (stagewise.airflow.backends.slurm.run_command); evaluate is not."""
+    raw = _slurm(storage_root)
+    raw["profiles"]["shards"] = {"backend": "slurm", "slurm": {"partition": "debug"}}
+    raw["inference"]["profile"] = "shards"
+    assert load_config(write_config(raw)).profile("shards").backend == "slurm"
+    raw["evaluate"]["profile"] = "shards"
+    with pytest.raises(ConfigError, match="evaluate.profile: profile 'shards' has backend 'slurm'; only train stages"):
+        load_config(write_config(raw))
