@@ -150,17 +150,21 @@ def lost_nodes(states: dict[str, str]) -> list[str]:
                   if any(flag in state.upper() for flag in ("DOWN", "FAIL", "NOT_RESPONDING")))
 
 
-def cancel(settings: Any, job_id: str) -> None:
-    """``scancel`` the job (ended jobs are fine); a failure is logged, never raised over the error that caused it."""
+def cancel(settings: Any, job_id: str | None, *, name: str = "") -> None:
+    """``scancel`` the job (ended jobs are fine), or the jobs called ``name`` when its id is not known (the task was
+    stopped while sbatch ran); a failure is logged, never raised over the error that caused it."""
+    argv = ["scancel", job_id] if job_id else ["scancel", "--name", name]
+    if not job_id and not name:
+        return
     try:
-        answer = _command(settings, ["scancel", job_id])
+        answer = _command(settings, argv)
     except (UserError, RuntimeError) as exc:
-        log.error("could not cancel Slurm job %s: %s", job_id, exc)
+        log.error("could not cancel Slurm job %s: %s", job_id or name, exc)
         return
     if answer.returncode != 0:
-        log.error("scancel %s failed: %s", job_id, answer.stderr.strip()[:300])
+        log.error("%s failed: %s", " ".join(argv), answer.stderr.strip()[:300])
     else:
-        log.info("cancelled Slurm job %s", job_id)
+        log.info("cancelled Slurm job %s", job_id or name)
 
 
 def refusal(stderr: str) -> str | None:
@@ -450,25 +454,25 @@ def run_submitted(settings: Any, script: str, env: dict[str, str], *, name: str,
     """Submit ``script`` (or attach to this try's live job), wait for it and cancel it if the task leaves first;
     returns its ended record and cost, or raises as Airflow should take its end."""
     Path(files.output).parent.mkdir(parents=True, exist_ok=True)
-    job_id = attached(settings, name)
-    if job_id is not None:
-        log.info("Slurm job %s (%s) is this try's, submitted before: attaching to it", job_id, name)
-    else:
-        for stale in (files.error, files.result):
-            Path(stale).unlink(missing_ok=True)
-        job_id = submit(settings, script, env)
-        log.info("submitted Slurm job %s (%s); output %s", job_id, name, files.output)
-    tail, ended = OutputTail(files.output), False
+    tail, job_id, ended = OutputTail(files.output), None, False
     try:
-        with stop_on_sigterm(f"Slurm job {job_id}"):
+        with stop_on_sigterm(f"Slurm job {name}"):  # from before sbatch: a kill while it submits cancels by name
+            job_id = attached(settings, name)
+            if job_id is not None:
+                log.info("Slurm job %s (%s) is this try's, submitted before: attaching to it", job_id, name)
+            else:
+                for stale in (files.error, files.result):
+                    Path(stale).unlink(missing_ok=True)
+                job_id = submit(settings, script, env)
+                log.info("submitted Slurm job %s (%s); output %s", job_id, name, files.output)
             record = wait(lambda: job_record(settings, job_id), job_id, poll_s=settings.poll_s,
                           queue_wait_warn_s=settings.queue_wait_warn_s, log_line=log.info, node_lines=tail,
                           lost=lambda nodes: lost_nodes(node_states(settings, nodes)), ends=lambda: tail.ends)
             ended = True
     finally:
         if not ended:  # killed, timed out, NODE_FAIL, a job that can never start: no allocation outlives its task
-            log.warning("cancelling Slurm job %s: its task ends before the job", job_id)
-            cancel(settings, job_id)
+            log.warning("cancelling Slurm job %s: its task ends before the job", job_id or name)
+            cancel(settings, job_id, name=name)
     time.sleep(min(settings.poll_s, 1.0))  # the output file's last lines (slurmstepd flushes after the state)
     for line in tail():
         log.info("%s", line)
