@@ -267,3 +267,19 @@ def test_every_setting_of_the_test_config_is_one_the_profile_has():
     from stagewise.definitions.config import SlurmSettings
 
     assert set(SLURM) <= set(SlurmSettings.model_fields)
+
+
+def test_an_own_script_runs_under_node_launch_in_a_fresh_working_folder(slurm_job):
+    """An own entrypoint (backend-side: the config still keeps it on local profiles) gets node_launch with its script
+    and args, no --result-file (it finds $STAGEWISE_RESULT_FILE), and a scratch cwd of the try's own."""
+    from dataclasses import replace
+
+    from stagewise.definitions.config import EntryPoint
+
+    job = replace(slurm_job(), entry=EntryPoint(script="/shared/train.py"), args=("--hidden", "32"))
+    script = slurm.batch_script(job)
+    files = slurm.JobFiles.of(slurm.log_dir(job), slurm.job_name(job.dag_id, job.run_id, "s2", 2))
+    assert f"mkdir -p {files.workdir}\ncd {files.workdir}\n" in script
+    assert script.splitlines()[-1].endswith("--nproc-per-node=2 --max-restarts=0 /shared/train.py --hidden 32")
+    env = slurm.job_environment(job.profile, job.settings("slurm"), files, job.env)
+    assert (env["STAGEWISE_RESULT_FILE"], env["STAGEWISE_METRICS_FILE"]) == (files.result, files.metrics)

@@ -267,9 +267,12 @@ def sbatch_options(profile: Profile, settings: Any, *, name: str, output: str, n
     return options
 
 
-def script_text(options: list[str], settings: Any, command: list[str], *, distributed: bool) -> str:
-    """The batch script: its #SBATCH lines, the rendezvous endpoint (a distributed job), one srun task per node."""
+def script_text(options: list[str], settings: Any, command: list[str], *, distributed: bool, workdir: str = "") -> str:
+    """The batch script: its #SBATCH lines, the rendezvous endpoint (a distributed job), one srun task per node (in
+    ``workdir``, made fresh, when given: an own script's relative files stay there)."""
     lines = ["#!/bin/bash", *(f"#SBATCH {shlex.quote(option)}" for option in options), "set -eu"]
+    if workdir:
+        lines += [f"rm -rf {shlex.quote(workdir)}", f"mkdir -p {shlex.quote(workdir)}", f"cd {shlex.quote(workdir)}"]
     if distributed:
         from stagewise.training import node_launch
 
@@ -298,16 +301,20 @@ def log_dir(job: StageJob) -> str:
 
 @dataclass(frozen=True)
 class JobFiles:
-    """Where one try's files are, in its log folder: the output, the result JSON and the user-error file."""
+    """Where one try's files are, in its log folder: the output, the result JSON, the user-error file, an own
+    script's last report ($STAGEWISE_METRICS_FILE) and its scratch working folder."""
 
     output: str
     result: str
     error: str
+    metrics: str = ""
+    workdir: str = ""
 
     @classmethod
     def of(cls, folder: str, name: str) -> JobFiles:
         base = os.path.join(folder, name)
-        return cls(output=f"{base}.out", result=f"{base}.result.json", error=f"{base}.user_error.txt")
+        return cls(output=f"{base}.out", result=f"{base}.result.json", error=f"{base}.user_error.txt",
+                   metrics=f"{base}.metrics.json", workdir=f"{base}.cwd")
 
 
 def stage_command(job: StageJob, files: JobFiles) -> list[str]:
@@ -331,7 +338,8 @@ def batch_script(job: StageJob, nodes: int | None = None) -> str:
     name = job_name(job.dag_id, job.run_id, job.stage, job.attempt)
     files = JobFiles.of(log_dir(job), name)
     options = sbatch_options(job.profile, settings, name=name, output=files.output, nodes=nodes)
-    return script_text(options, settings, stage_command(job, files), distributed=True)
+    return script_text(options, settings, stage_command(job, files), distributed=True,
+                       workdir=files.workdir if job.entry is not None else "")
 
 
 # sinfo's compact node states that take jobs now or once their jobs end (a '*' suffix: not responding).
@@ -392,7 +400,7 @@ def job_environment(profile: Profile, settings: Any, files: JobFiles, extra: dic
 
     env = {key: value for key, value in launch.child_env(profile, files.error, import_paths).items()
            if not key.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))}
-    env.update({contract.RESULT_FILE: files.result, **(extra or {})})
+    env.update({contract.RESULT_FILE: files.result, contract.METRICS_FILE: files.metrics, **(extra or {})})
     return slurm_env(settings, env)
 
 
@@ -461,7 +469,7 @@ def run_submitted(settings: Any, script: str, env: dict[str, str], *, name: str,
             if job_id is not None:
                 log.info("Slurm job %s (%s) is this try's, submitted before: attaching to it", job_id, name)
             else:
-                for stale in (files.error, files.result):
+                for stale in (files.error, files.result, files.metrics):
                     Path(stale).unlink(missing_ok=True)
                 job_id = submit(settings, script, env)
                 log.info("submitted Slurm job %s (%s); output %s", job_id, name, files.output)
@@ -492,13 +500,24 @@ def run_job(job: StageJob) -> dict[str, Any]:
     prepared = submission(job)
     files = prepared.files
     _, spent = run_submitted(job.settings("slurm"), prepared.script, prepared.env, name=prepared.name, files=files)
-    if job.entry is None and os.path.exists(files.result):
-        with open(files.result) as handle:
-            result = json.load(handle)
+    if job.entry is not None:  # an own script: its result file (if it wrote one) and its last stagewise.spec.report
+        from stagewise.scripting.entrypoint import LAST_REPORT, read_last_report
+
+        result = _read_json(files.result)
+        if (last := read_last_report(files.metrics)) is not None:
+            result[LAST_REPORT] = last
+    elif os.path.exists(files.result):
+        result = _read_json(files.result)
     else:
         result = stage_result(job.config, job.out, job.stage)
     return {**result, "slurm": spent}
 
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as handle:
+        return json.load(handle)
 
 def run_command(argv: Sequence[str], profile: Profile, settings: Any, *, name: str, log_dir: str,
                 env: dict[str, str] | None = None, distributed: bool = False,
@@ -533,8 +552,4 @@ def run_command(argv: Sequence[str], profile: Profile, settings: Any, *, name: s
                          distributed=distributed)
     record, spent = run_submitted(settings, script, job_environment(profile, settings, files, env, import_paths),
                                   name=name, files=files)
-    result: dict[str, Any] = {}
-    if os.path.exists(files.result):
-        with open(files.result) as handle:
-            result = json.load(handle)
-    return {**result, "slurm": {**spent, "state": record.state, "exit_code": record.exit_code}}
+    return {**_read_json(files.result), "slurm": {**spent, "state": record.state, "exit_code": record.exit_code}}
