@@ -2,9 +2,12 @@
 credentials, each computed once here.
 
 ``train_stage`` (stagewise.airflow.steps) builds a :class:`StageJob` with :func:`build` and passes it to
-``stagewise.airflow.backends.run_job``, which picks the profile's backend (local torchrun, SageMaker, Kubernetes);
-each backend's module turns the job into its own request and nothing else. A remote backend runs the same command on
-every node (:func:`node_command`): ``stagewise.training.node_launch`` starts torchrun there with ``stagewise.train``.
+``stagewise.airflow.backends.run_job``, which picks the profile's backend (local torchrun, SageMaker, Kubernetes,
+Slurm); each backend's module turns the job into its own request and nothing else. A remote backend (an image of its
+own: REMOTE_BACKENDS) runs the same command on every node (:func:`node_command`): ``stagewise.training.node_launch``
+starts torchrun there with ``stagewise.train``. A Slurm job runs this worker's own install on a shared filesystem, so
+its job is built as a local one (fingerprints, environment, own entrypoint) and its backend wraps those arguments in
+``node_launch slurm`` (stagewise.airflow.backends.slurm).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from stagewise.definitions.config import PipelineConfig, Profile
 
 TRAIN_MODULE = "stagewise.train"
 NODE_LAUNCH_MODULE = "stagewise.training.node_launch"
-REMOTE_BACKENDS = ("sagemaker", "kubernetes")
+REMOTE_BACKENDS = ("sagemaker", "kubernetes")  # not slurm: its nodes share this worker's install and storage
 # Environment variables of the storage connection that are safe in a job description (no keys: the job's
 # role or service account grants storage access).
 PUBLIC_STORAGE_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION")
