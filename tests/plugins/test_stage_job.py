@@ -44,3 +44,21 @@ def test_train_stage_runs_a_built_in_stage_on_the_local_backend(digits_run):
         result = steps.train_stage(_run(config_path, out), "s1", {"best_params": {"lr": 0.05}}, None)
     assert result["model_uri"] == str(Path(out) / "train" / "s1" / "model.pt") and Path(result["model_uri"]).exists()
     assert result["attempt"] == 1 and result["duration_s"] > 0 and "fingerprint" in result
+
+
+def test_a_slurm_stage_job_is_built_as_a_local_one(digits_run, tmp_path):
+    """Every Slurm node runs this install on a shared filesystem: the job carries stagewise.train's own arguments with
+    the fingerprints and the environment, not the remote backends' node command."""
+    import yaml
+
+    config_path, out = digits_run
+    raw = yaml.safe_load(config_path.read_text())
+    raw["profiles"]["ddp2"].update({"backend": "slurm", "nodes": 2, "processes_per_node": 1, "slurm": {}})
+    path = tmp_path / "slurm.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    config = load_config(path)
+    job = build(config, _run(path, out), "s2", {"lr": 0.05}, None, 1, fingerprints={"inputs_fingerprint": "f1"})
+    assert job.backend == "slurm" and job.entry is None
+    assert list(job.args) == ["--stage", "s2", "--out", out, "--params", '{"lr": 0.05}', "--inputs-fingerprint", "f1",
+                              "--config", str(path)]
+    assert job.storage_env.items() <= job.env.items()
