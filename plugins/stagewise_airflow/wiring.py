@@ -149,6 +149,8 @@ def train_stages(config: PipelineConfig, run: Any, swept: dict[str, Any]) -> dic
         profile = config.profile(stage.profile)
         deferred = next((getattr(profile, backend) for backend in ("sagemaker", "slurm") if profile.backend == backend
                          and getattr(profile, backend) is not None and getattr(profile, backend).deferrable), None)
+        if stage.entrypoint is not None:  # an own script's outputs are checked by the TaskFlow step (it waits there)
+            deferred = None
         if deferred is not None:
             from stagewise.airflow import operators
 
