@@ -22,14 +22,14 @@ xdist = $(if $(filter 0,$(1)),,-n $(1) --dist loadfile --no-loadscope-reorder)
 XDIST := $(call xdist,$(PYTEST_WORKERS))
 # What `make test-fast` leaves out: every test that needs more than this Python process, and the slow ones (markers
 # in pytest.ini). `make test` prints the 20 slowest tests.
-FAST_MARKERS := not (airflow or torchrun or browser or service or gpu or subprocess or slow)
+FAST_MARKERS := not (airflow or torchrun or browser or service or gpu or subprocess or slow or slurm)
 
 .PHONY: help venv mlflow-env airflow-init demo-data demo test test-fast test-ui bench up down clean
 
 help:
 	@echo "make demo   - run ml_pipeline end to end on the digits data (SQLite, LocalExecutor, local files)"
 	@echo "make test   - lint (ruff check .), then run the whole test suite"
-	@echo "make test-fast - lint, then every test that needs no Airflow, torchrun, browser, service or GPU (a few minutes)"
+	@echo "make test-fast - lint, then every test that needs no Airflow, torchrun, browser, service, GPU or Slurm (a few minutes)"
 	@echo "make test-ui - the browser suite (Debian chromium) and the official-client test; screenshots in tests/ui/artifacts/"
 	@echo "make bench  - run the benchmarks (ONLY=a,b for a subset) into bench/results/latest.json"
 	@echo "make up     - start a local Airflow (UI on 127.0.0.1:8080, scheduler, dag-processor); make down stops it"

@@ -15,6 +15,7 @@ import yaml
 
 from stagewise.core.cli import skip_final_collection
 from tests import run_cache
+from tests import slurm_cluster as test_cluster
 
 # The live_airflow fixture (a real api-server, scheduler and dag-processor) for any test that needs one.
 # slow_guard: a test over a minute is marked slow; cpu_cost: the CPU each test cost, printed after the run.
@@ -29,11 +30,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(
 # Airflow home and from other test sessions: a version recorded by one test must never serve another's DAGs.
 os.environ["STAGEWISE_STATE_DIR"] = tempfile.mkdtemp(prefix="stagewise-state-")
 
-_NEEDS = ("airflow", "torchrun", "browser", "service", "gpu")  # the markers of pytest.ini; test-fast runs none
+_NEEDS = ("airflow", "torchrun", "browser", "service", "gpu", "slurm")  # the markers of pytest.ini; test-fast runs none
 # Fixtures that bring a need with them: checked at collection, so a test using one cannot run unmarked.
 _FIXTURE_NEEDS = {"live_airflow": "airflow", "shared_airflow": "airflow", "airflow_env": "airflow", "chromium": "browser",
                   "postgres_databases": "service", "redis_url": "service", "s3_endpoint": "service",
-                  "mlflow_server": "service", "mlflow_servers": "service"}
+                  "mlflow_server": "service", "mlflow_servers": "service", "slurm_cluster": "slurm", "slurm": "slurm"}
 # A process the test starts, named by its argv (a bash -c script or python -c code included).
 _TORCHRUN = re.compile(r"(?<![\w.])(torchrun|stagewise\.training\.local_torchrun|stagewise\.training\.node_launch|torch\.distributed\.run)(?![\w.])")
 # The CLI as a command (`airflow dags test`, `python -m airflow scheduler`, `... && exec airflow`), not `import airflow`.
@@ -87,7 +88,7 @@ def pytest_collection_modifyitems(config, items):
     weight: dict[str, tuple[int, int]] = {}
     for item in items:
         marks = {mark.name for mark in item.iter_markers()}
-        rank = (0 if marks & {"airflow", "browser"} else 1 if marks & {"torchrun", "service"} else 2,
+        rank = (0 if marks & {"airflow", "browser"} else 1 if marks & {"torchrun", "service", "slurm"} else 2,
                 -len(marks & set(_NEEDS)))
         weight[item.module.__name__] = min(rank, weight.get(item.module.__name__, (2, 0)))
     # The shared stack's files run one after another (its last test stops it), where the first of them sorts.
@@ -317,6 +318,23 @@ def postgres_databases():
 def postgres_url(postgres_databases) -> str:
     """One fresh, empty PostgreSQL database for a test."""
     return postgres_databases()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real Slurm cluster (tests/slurm_cluster.py: slurmctld and nodes n1, n2 of 2 CPUs each in network namespaces,
+    their own munged), started the first time one of this worker's tests asks for it, stopped at the session's end."""
+    if reason := test_cluster.unavailable_reason():
+        service_unavailable(reason)
+    with test_cluster.cluster(nodes=2, cpus_per_node=2) as started:
+        yield started
+
+
+@pytest.fixture
+def slurm(slurm_cluster):
+    """The session's Slurm cluster after reset(): every node up and idle, no job left from an earlier test."""
+    slurm_cluster.reset()
+    return slurm_cluster
 
 
 def _make_puts_atomic() -> None:
