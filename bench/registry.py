@@ -47,6 +47,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "inference_memory_growth": ("inference:inference_memory_growth", "<= 1.5"),
     "s3_pipeline_overhead": ("s3:s3_pipeline_overhead", "<= 1.5"),
     "multinode_overhead": ("multinode:multinode_overhead", "<= 1.3"),
+    "slurm_stage_overhead": ("slurm:slurm_stage_overhead", "<= 1.3"),  # a stage through Slurm / launched locally, wall
     "mlflow_overhead": ("tracking:mlflow_overhead", "<= 1.03"),
     "noise_scale_overhead": ("multinode:noise_scale_overhead", "<= 1.02"),
     "fsdp_memory_per_rank": ("sharding:fsdp_memory_per_rank", "<= 0.6"),
