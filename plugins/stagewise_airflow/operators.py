@@ -172,9 +172,8 @@ class SlurmStageOperator(BaseOperator):
             return {**hit, "task_s": task_seconds(context)}
         settings, name, started = job.settings("slurm"), self._name(context), time.time()
         try:
-            files = slurm.JobFiles.of(slurm.log_dir(job), name)
-            script = slurm.batch_script(job)
-            env = slurm.job_environment(job.profile, settings, files, job.env, config.model.import_paths or ())
+            prepared = slurm.submission(job)  # the waiting task's own: min_nodes' node count, script, environment
+            files, script, env = prepared.files, prepared.script, prepared.env
             Path(files.output).parent.mkdir(parents=True, exist_ok=True)
             self._job_id = slurm.attached(settings, name)
             if self._job_id is not None:
