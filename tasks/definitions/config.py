@@ -243,9 +243,9 @@ class PipelineConfig(StrictModel):
                 raise ValueError(f"profiles.{name}.slurm.log_dir: a Slurm job writes its output to a folder the nodes "
                                  f"share, and storage_root '{self.storage_root}' is S3; give slurm.log_dir")
         for index, stage in enumerate(self.train.stages):
-            if stage.entrypoint is not None and self.profiles[stage.profile].backend != "local":
+            if stage.entrypoint is not None and self.profiles[stage.profile].backend not in ("local", "slurm"):
                 raise ValueError(f"train.stages[{index}] ({stage.name}): an entrypoint (your own script) runs on backend "
-                                 f"local only for now; profile '{stage.profile}' has backend "
+                                 f"local or slurm only for now; profile '{stage.profile}' has backend "
                                  f"'{self.profiles[stage.profile].backend}'")
             world = self.profiles[stage.profile].world_size
             if stage.global_batch is not None and stage.global_batch % (world * stage.grad_accum_steps):

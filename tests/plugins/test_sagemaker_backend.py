@@ -328,7 +328,7 @@ def test_train_stage_submits_a_sagemaker_profiles_stage_as_a_job_and_the_config_
     from stagewise.definitions.loading import load_config
 
     with_entrypoint = yaml_with(path, {"train.stages.1.entrypoint": {"module": "my_train"}})
-    with pytest.raises(ConfigError, match=r"train.stages\[1\] \(s2\): an entrypoint .* runs on backend local only"):
+    with pytest.raises(ConfigError, match=r"train.stages\[1\] \(s2\): an entrypoint .* runs on backend local or slurm only"):
         load_config(with_entrypoint)  # refused where the run starts (start_run), before any job exists
 
 

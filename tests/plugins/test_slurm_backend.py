@@ -270,7 +270,7 @@ def test_every_setting_of_the_test_config_is_one_the_profile_has():
 
 
 def test_an_own_script_runs_under_node_launch_in_a_fresh_working_folder(slurm_job):
-    """An own entrypoint (backend-side: the config still keeps it on local profiles) gets node_launch with its script
+    """An own entrypoint gets node_launch with its script
     and args, no --result-file (it finds $STAGEWISE_RESULT_FILE), and a scratch cwd of the try's own."""
     from dataclasses import replace
 

@@ -69,3 +69,10 @@ def test_inference_shards_may_run_as_slurm_jobs_but_evaluate_stays_local(write_c
     raw["evaluate"]["profile"] = "shards"
     with pytest.raises(ConfigError, match="evaluate.profile: profile 'shards' has backend 'slurm'; only train stages"):
         load_config(write_config(raw))
+
+
+def test_an_own_entrypoint_may_run_on_a_slurm_profile(write_config, storage_root):
+    """The nodes run this install: a stage's own script runs there as on the worker (node_launch slurm)."""
+    raw = _slurm(storage_root)
+    raw["train"]["stages"][1]["entrypoint"] = {"script": "train.py"}
+    assert load_config(write_config(raw)).stage("s2").entrypoint.script.endswith("train.py")
