@@ -1,6 +1,7 @@
 """The suite's Slurm cluster (tests/slurm_cluster.py) and the faults it can make, as Slurm 22.05 answers them: nodes
-idle, a two-node job on two namespaces, a killed slurmd (NODE_FAIL), a node cut off (a requeue, Slurm's default), a
-drained node, an explicit requeue, and a cluster that leaves nothing behind."""
+idle, a two-node job on two namespaces, a node cut off (a requeue, Slurm's default), a drained node, and a cluster
+that leaves nothing behind. A killed node and an explicit requeue are tested where a stage meets them
+(tests/plugins/test_slurm_cluster_stage.py)."""
 
 from __future__ import annotations
 
@@ -58,17 +59,6 @@ srun bash -c 'echo "$SLURM_NODEID $(hostname) $(hostname -I) $(readlink /proc/se
     assert rows[0][3] != rows[1][3]  # two network namespaces
 
 
-def test_a_killed_slurmd_downs_its_node_and_ends_its_job_node_fail_and_reset_brings_it_back(slurm, tmp_path):
-    job = running_on_both(slurm, tmp_path, "--no-requeue")
-    slurm.kill_slurmd("n2")
-    record = slurm.wait_state(job, slurm_cluster.TERMINAL, timeout=90)
-    assert (record["JobState"], record["Reason"]) == ("NODE_FAIL", "NodeDown")
-    assert slurm.node_state("n2") == "down*"
-    assert "NODE FAILURE" in (tmp_path / f"slurm-{job}.out").read_text()
-    slurm.reset()
-    assert slurm.states() == {"n1": "idle", "n2": "idle"}
-
-
 def test_a_node_cut_off_requeues_a_requeueable_job_which_runs_again_once_the_node_is_back(slurm, tmp_path):
     job = running_on_both(slurm, tmp_path)  # JobRequeue=1: a batch job is requeueable unless it says --no-requeue
     slurm.network_down("n2")
@@ -100,15 +90,6 @@ def test_a_drained_node_makes_a_two_node_job_pend_with_its_reason_while_one_to_t
     assert (done["JobState"], done["NodeList"], done["NumNodes"]) == ("COMPLETED", "n1", "1")
     assert (tmp_path / "flexible").read_text().split() == ["n1"]
     assert slurm.job(two)["JobState"] == "PENDING"
-
-
-def test_a_requeued_running_job_restarts_its_script_with_restart_count_one(slurm, tmp_path):
-    job = running_on_both(slurm, tmp_path)
-    slurm.requeue(job)
-    wait_for([tmp_path / "up-n1-1", tmp_path / "up-n2-1"], timeout=60)
-    record = slurm.job(job)
-    assert (record["JobState"], record["Restarts"]) == ("RUNNING", "1")
-    assert (tmp_path / "tasks-n1").read_text().split("\n")[:2] == ["task 0 0", "task 0 1"]
 
 
 def test_leaving_a_cluster_even_on_an_error_removes_its_namespaces_bridge_processes_and_folder():

@@ -20,21 +20,23 @@ pytestmark = [pytest.mark.airflow, pytest.mark.slurm, pytest.mark.torchrun, pyte
               pytest.mark.timeout(1800)]
 
 
-def cluster_profile(conf: str) -> dict:
-    """pipeline.yaml's ddp1 on the cluster: 2 nodes of one process each (the world size of ddp2), polled each second."""
-    raw = yaml.safe_load((REPO_ROOT / "pipeline.yaml").read_text())
-    return {**raw["profiles"]["ddp1"], "backend": "slurm", "nodes": 2, "processes_per_node": 1, "retries": 0,
-            "slurm": {"slurm_conf": conf, "poll_s": 1, "cpus_per_task": 1}}
+def recipe(conf: str) -> dict:
+    """docs/scale-out.md's Slurm recipe, as written but for its slurm_conf: this cluster's."""
+    page = (REPO_ROOT / "docs" / "scale-out.md").read_text()
+    block = re.search(r"### Slurm\n.*?```yaml\n(.*?)```", page, re.DOTALL)
+    assert block, "docs/scale-out.md's Slurm section has a yaml recipe"
+    text = block.group(1).replace("/etc/slurm/slurm.conf", conf)
+    assert conf in text, "the recipe names the cluster's slurm.conf"
+    return yaml.safe_load(text)
 
 
 def test_a_pipeline_whose_second_stage_runs_on_two_slurm_nodes_defers_succeeds_and_reports_its_cost(
         tmp_path, slurm):
-    raw = yaml.safe_load((REPO_ROOT / "pipeline.yaml").read_text())
-    config = small_config(profiles={**raw["profiles"], "cluster": cluster_profile(str(slurm.conf))},
+    raw, documented = yaml.safe_load((REPO_ROOT / "pipeline.yaml").read_text()), recipe(str(slurm.conf))
+    config = small_config(profiles={**raw["profiles"], **documented["profiles"]},
                           retention={"drop_after_success": False})
-    config["train"]["stages"][1]["profile"] = "cluster"
-    config["profiles"]["shard"] = {**config["profiles"]["cluster"], "nodes": 1}
-    config["inference"]["profile"] = "shard"
+    config["train"]["stages"] = documented["train"]["stages"]
+    config["inference"].update(documented["inference"])
     storage, home = tmp_path / "storage", tmp_path / "home"
     home.mkdir()
     env = make_airflow_env(home, str(storage), storage, config=config)
