@@ -94,7 +94,8 @@ class SlurmJobTrigger(BaseTrigger):
         settings = settings_from(self.settings)
         tail = tail_from(self.output, self.offset) if self.output else None
         seen, restarts, allocated, pending_since, warned_at = None, None, "", None, 0.0
-        self.log.info("waiting for Slurm job %s (%s), polling every %.0f s", self.job_id, self.name, self.poll_s)
+        delays = slurm.poll_delays(self.poll_s)
+        self.log.info("waiting for Slurm job %s (%s), polling every %.0f s at most", self.job_id, self.name, self.poll_s)
         while True:
             try:
                 record = await self._poll(settings)
@@ -136,7 +137,7 @@ class SlurmJobTrigger(BaseTrigger):
                     warned_at = now
             else:
                 pending_since = None
-            await asyncio.sleep(self.poll_s)
+            await asyncio.sleep(next(delays))
 
     async def on_kill(self) -> None:
         """The user marked the deferred task failed or successful, or cleared it: scancel its job."""

@@ -47,7 +47,7 @@ def test_the_batch_script_carries_every_setting_as_its_sbatch_option(slurm_job):
         "--gres=gpu:2", "--requeue", f"--output={folder}/{name}.out", "--open-mode=append", f"--chdir={folder}",
         "--exclusive"]
     assert script.startswith("#!/bin/bash\n")
-    assert 'export STAGEWISE_RDZV_ENDPOINT="${addr:-$first}:29555"' in script
+    assert 'export STAGEWISE_RDZV_ENDPOINT="${addr:-$first}:$((29555 + SLURM_JOB_ID % 1000))"' in script
     assert "export STAGEWISE_JOIN_TIMEOUT_S=300" in script
     srun = script.splitlines()[-1]
     assert srun.startswith("exec srun --ntasks-per-node=1 --cpus-per-task=8 --kill-on-bad-exit=1 --label --unbuffered ")
@@ -256,7 +256,7 @@ def test_a_requeue_after_a_lost_node_is_node_fail():
 
 def test_a_long_queue_wait_is_named_with_slurms_reason_and_a_request_that_never_runs_is_the_users():
     ended, lines = run_wait(records(*[("PENDING", "Resources", 0, "")] * 4, ("RUNNING", "", 0, "n1"), ("COMPLETED", "", 0, "n1")),
-                            queue_wait_warn_s=150)
+                            queue_wait_warn_s=5)  # polls at 0, 1, 3 and 7 s: one warning
     waiting = [line for line in lines if "waiting in the queue" in line]
     assert ended.state == "COMPLETED" and len(waiting) == 1 and "Resources; not a failure" in waiting[0]
     with pytest.raises(UserError, match=r"can never start: PartitionNodeLimit \(check the profile's nodes"):
@@ -283,3 +283,10 @@ def test_an_own_script_runs_under_node_launch_in_a_fresh_working_folder(slurm_jo
     assert script.splitlines()[-1].endswith("--nproc-per-node=2 --max-restarts=0 /shared/train.py --hidden 32")
     env = slurm.job_environment(job.profile, job.settings("slurm"), files, job.env)
     assert (env["STAGEWISE_RESULT_FILE"], env["STAGEWISE_METRICS_FILE"]) == (files.result, files.metrics)
+
+
+def test_polls_start_after_a_second_and_double_up_to_poll_s():
+    """A short job is seen ending about when it ends; a long one is polled every poll_s."""
+    delays = slurm.poll_delays(10)
+    assert [next(delays) for _ in range(7)] == [1, 2, 4, 8, 10, 10, 10]
+    assert next(slurm.poll_delays(0.5)) == 0.5

@@ -29,7 +29,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -278,7 +278,8 @@ def script_text(options: list[str], settings: Any, command: list[str], *, distri
 
         lines += ['first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
                   'addr=$(scontrol show node -o "$first" | tr " " "\\n" | sed -n "s/^NodeAddr=//p")',
-                  f'export {node_launch.K8S_ENDPOINT_ENV}="${{addr:-$first}}:{settings.rendezvous_port}"',
+                  # Per job: two allocations whose first node is the same one never meet on one port.
+                  f'export {node_launch.K8S_ENDPOINT_ENV}="${{addr:-$first}}:$(({settings.rendezvous_port} + SLURM_JOB_ID % 1000))"',
                   f"export {node_launch.JOIN_TIMEOUT_ENV}={settings.join_timeout_s}"]
     lines += ['echo "stagewise: Slurm job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST'
               + (', rendezvous $STAGEWISE_RDZV_ENDPOINT' if distributed else '') + '"',
@@ -411,6 +412,15 @@ def _user_error(files: JobFiles, tail: OutputTail) -> str:
     return "a rank reported a user error (see the job's output above)" if tail.user_error else ""
 
 
+def poll_delays(poll_s: float) -> Iterator[float]:
+    """The waits between polls: 1 s first, doubling up to ``poll_s``, so a short job is seen ending within about its
+    own length and a long one costs the controller one query per ``poll_s``."""
+    delay = min(1.0, poll_s)
+    while True:
+        yield delay
+        delay = min(2 * delay, poll_s)
+
+
 def wait(read: Callable[[], SlurmJob], job_id: str, *, poll_s: float, queue_wait_warn_s: float,
          log_line: Callable[[str], None], node_lines: Callable[[], list[str]] = list,
          lost: Callable[[str], list[str]] = lambda node_list: [], ends: Callable[[], list[str]] = list,
@@ -420,6 +430,7 @@ def wait(read: Callable[[], SlurmJob], job_id: str, *, poll_s: float, queue_wait
     and resumes) unless the run before lost a node (``lost`` of its node list, or slurmstepd's NODE FAILURE in
     ``ends``): that is NODE_FAIL, a RuntimeError. A reason the job never leaves (NEVER_RUNS) is a UserError."""
     seen, restarts, allocated, pending_since, warned_at = None, None, "", None, 0.0
+    delays = poll_delays(poll_s)
     while True:
         record = read()
         for line in node_lines():
@@ -455,7 +466,7 @@ def wait(read: Callable[[], SlurmJob], job_id: str, *, poll_s: float, queue_wait
                 warned_at = now
         else:
             pending_since = None
-        sleep(poll_s)
+        sleep(next(delays))
 
 
 def run_submitted(settings: Any, script: str, env: dict[str, str], *, name: str, files: JobFiles) -> tuple[SlurmJob, dict[str, Any]]:

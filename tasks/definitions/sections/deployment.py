@@ -79,11 +79,13 @@ class SlurmSettings(StrictModel):
         "Fewest nodes the job may start on (sbatch --nodes=min_nodes-nodes), resuming resharded; empty: exactly nodes."))
     queue_wait_warn_s: float = Field(600.0, ge=0, le=MAX_SECONDS, description=(
         "A job pending longer is logged as waiting in the queue with Slurm's reason, never failed for it."))
-    poll_s: float = Field(10.0, gt=0, le=3600, description="Seconds between polls of the job's state (at most 3600).")
     log_dir: str = Field("", description=(
         "Folder of the job's output file, on a filesystem the nodes share; empty: <run>/train/<stage>/slurm/ (an s3 root needs it)."))
     python: str = Field("", description="The interpreter on the nodes; empty: this worker's own (a shared install).")
-    rendezvous_port: int = Field(29400, ge=1024, le=65535, description="Port of the rendezvous store on the allocation's first node.")
+    rendezvous_port: int = Field(29400, ge=1024, le=64536, description=(
+        "Base port of the rendezvous store on the first node; a job adds its id modulo 1000 (two jobs may share a node)."))
+    poll_s: float = Field(10.0, gt=0, le=3600, description=(
+        "Longest wait between polls of the job's state: the first come after 1 s, doubling up to it (at most 3600)."))
     join_timeout_s: int = Field(900, ge=60, le=86_400, description=(
         "How long torchrun waits for every node to join (above srun's start-up); at most a day, 86400."))
     deferrable: bool = Field(True, description="Wait in Airflow's triggerer, freeing the worker slot while the job runs or queues.")
