@@ -188,7 +188,7 @@ class SlurmStageOperator(BaseOperator):
         except UserError as exc:
             raise AirflowFailException(str(exc)) from None
         self.log.info("Slurm job %s (%s) submitted: %d node(s), output %s; deferring (the triggerer polls every %.0f s "
-                      "and logs its state and output)", self._job_id, name, job.profile.nodes, files.output,
+                      "and logs its state and output)", self._job_id, name, prepared.nodes, files.output,
                       settings.poll_s)
         carry = {"started": started, "fingerprint": job_fingerprint(job), "result_file": files.result,
                  "error_file": files.error}

@@ -374,12 +374,13 @@ def nodes_to_ask(settings: Any, profile: Profile) -> int:
 
 @dataclass(frozen=True)
 class Submission:
-    """One try's job as submitted: its name, files, batch script and the environment sbatch exports to it."""
+    """One try's job as submitted: its name, files, batch script, the environment sbatch exports to it, its nodes."""
 
     name: str
     files: JobFiles
     script: str
     env: dict[str, str]
+    nodes: int
 
 
 def submission(job: StageJob) -> Submission:
@@ -389,7 +390,8 @@ def submission(job: StageJob) -> Submission:
     name = job_name(job.dag_id, job.run_id, job.stage, job.attempt)
     files = JobFiles.of(log_dir(job), name)
     env = job_environment(job.profile, settings, files, job.env, job.config.model.import_paths or ())
-    return Submission(name, files, batch_script(job, nodes_to_ask(settings, job.profile)), env)
+    nodes = nodes_to_ask(settings, job.profile)
+    return Submission(name, files, batch_script(job, nodes), env, nodes)
 
 
 def job_environment(profile: Profile, settings: Any, files: JobFiles, extra: dict[str, str] | None = None,
