@@ -99,7 +99,7 @@ class SageMakerStageOperator(BaseOperator):
         billable = description.get("BillableTimeInSeconds")
         self.log.info("SageMaker job %s completed%s", name, f" ({billable} billable s)" if billable is not None else "")
         with credentials.exported(credentials.aws_environment(config.storage_conn_id)):
-            result = stage_result(config, self.run["out"], self.stage)
+            result = stage_result(self.run["out"], self.stage)
         duration = round(time.time() - started, 3) if started is not None else None
         from stagewise.airflow.steps import task_seconds
 
@@ -236,7 +236,7 @@ class SlurmStageOperator(BaseOperator):
                 with open(result_file) as handle:
                     result = json.load(handle)
             else:
-                result = stage_result(config, self.run["out"], self.stage)
+                result = stage_result(self.run["out"], self.stage)
             spent = cost.gathered(self.run["out"], self.stage, attempt)
         started = event.get("started")
         result = {"duration_s": round(time.time() - started, 3) if started else None, **result, "attempt": attempt,

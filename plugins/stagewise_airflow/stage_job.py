@@ -75,12 +75,15 @@ class RemoteParts:
 
 @dataclass(frozen=True)
 class StageJob:
-    """One try of one train stage, everything a backend needs to run it."""
+    """One try of one train stage, everything a backend needs to run it, resolved once from the run's config: a backend
+    reads these fields and never the config itself."""
 
-    config: PipelineConfig
-    """The run's config (its snapshot, as every task of the run reads it)."""
     stage: str
     """The stage's name in train.stages."""
+    profile_name: str
+    """The name of the stage's profile in the config (what an error about its settings names)."""
+    profile: Profile
+    """The stage's instance profile: its backend, nodes, processes, retries and the backend's settings block."""
     dag_id: str
     """The DAG of the run: with run_id and attempt it names a remote job."""
     run_id: str
@@ -95,6 +98,8 @@ class StageJob:
     """The hyperparameters the stage trains with (the sweep's best)."""
     init_from: str | None
     """The stage before's hand-off, or None for the first stage."""
+    import_paths: tuple[str, ...] = ()
+    """The config's model.import_paths: folders the stage's processes import the user's code from."""
     storage_env: dict[str, str] = field(default_factory=dict)
     """The storage connection's variables: the task reads results back with them; a remote job gets only the public ones."""
     env: dict[str, str] = field(default_factory=dict)
@@ -107,19 +112,14 @@ class StageJob:
     """An own script's contract values (stagewise.scripting.stage_contract), which check its outputs afterwards."""
 
     @property
-    def profile(self) -> Profile:
-        return self.config.profile(self.config.stage(self.stage).profile)
-
-    @property
     def backend(self) -> str:
         return self.profile.backend
 
     def settings(self, backend: str) -> Any:
-        """The profile's ``sagemaker`` or ``kubernetes`` block; a user error when the profile has another backend."""
+        """The profile's block of ``backend``; a user error when the profile has another backend."""
         settings = getattr(self.profile, backend)
         if settings is None:
-            raise UserError(f"stage {self.stage}: profile '{self.config.stage(self.stage).profile}' has backend "
-                            f"'{self.backend}', not {backend}")
+            raise UserError(f"stage {self.stage}: profile '{self.profile_name}' has backend '{self.backend}', not {backend}")
         return settings
 
     def remote(self, backend: str, name_limit: int = 63) -> RemoteParts:
@@ -137,9 +137,13 @@ class StageJob:
 def stage_job(config: PipelineConfig, *, dag_id: str, run_id: str, stage: str, out: str, attempt: int,
               params: dict[str, Any], init_from: str | None, config_file: str,
               storage_env: dict[str, str] | None = None, **local: Any) -> StageJob:
-    """A job from its parts, as a backend's tests make one; ``local`` takes env, args, entry and contract."""
-    return StageJob(config=config, stage=stage, dag_id=dag_id, run_id=run_id, out=out, config_file=config_file,
-                    attempt=attempt, params=params, init_from=init_from, storage_env=dict(storage_env or {}), **local)
+    """A job from its parts, the stage's profile and import paths read from ``config`` here, once; ``local`` takes
+    env, args, entry and contract."""
+    profile_name = config.stage(stage).profile
+    return StageJob(stage=stage, profile_name=profile_name, profile=config.profile(profile_name), dag_id=dag_id,
+                    run_id=run_id, out=out, config_file=config_file, attempt=attempt, params=params,
+                    init_from=init_from, import_paths=tuple(config.model.import_paths or ()),
+                    storage_env=dict(storage_env or {}), **local)
 
 
 def build(config: PipelineConfig, run: dict[str, Any], stage: str, params: dict[str, Any], init_from: str | None,
@@ -154,16 +158,17 @@ def build(config: PipelineConfig, run: dict[str, Any], stage: str, params: dict[
                   params=params, init_from=init_from, config_file=run["config"], storage_env=storage_env)
     env = {**storage_env, **credentials.mlflow_environment(config.tracking.conn_id),
            **credentials.study_environment(config.sweep.storage_conn_id)}
-    entry = config.stage(stage).entrypoint
-    if config.profile(config.stage(stage).profile).backend in REMOTE_BACKENDS:
+    spec = config.stage(stage)
+    if config.profile(spec.profile).backend in REMOTE_BACKENDS:
         return stage_job(config, **common)
-    if entry is not None:
-        from stagewise.scripting.stage_contract import byo_args, byo_contract, byo_environment
+    if spec.entrypoint is not None:
+        from stagewise.scripting.entrypoint import contract_environment
+        from stagewise.scripting.stage_contract import byo_args, byo_contract
 
-        values = byo_contract(config, run["config"], stage, run["out"], params, init_from)
-        own = byo_environment(config, run["config"], stage, run["out"], params, init_from, run["overrides"])
-        return stage_job(config, **common, env={**env, **own}, args=tuple(byo_args(config, stage, values)), entry=entry,
-                         contract=values)
+        values = byo_contract(config, run["config"], stage, run["out"], params, init_from)  # once: env and args read it
+        own = contract_environment(config, values, run["overrides"])  # byo_environment's, from the same values
+        return stage_job(config, **common, env={**env, **own}, args=tuple(byo_args(config, stage, values)),
+                         entry=spec.entrypoint, contract=values)
     args = ["--stage", stage, "--out", run["out"], "--params", json.dumps(params)]
     for name, value in (fingerprints or {}).items():
         args += [f"--{name.replace('_', '-')}", value]

@@ -134,7 +134,7 @@ def stage_on(tmp_path, monkeypatch):
 
         def run_to_result():  # what backends.run_job does after the backend's run: read the result back
             kubernetes.run_stage(config.profile("ddp2").kubernetes, service=service, job=job, poll_s=0.05)
-            return stage_result(config, args["out"], "s2")
+            return stage_result(args["out"], "s2")
 
         return job.metadata.name, args["out"], run_to_result
 

@@ -251,7 +251,7 @@ def test_a_stage_runs_as_a_training_job_on_motos_sagemaker_and_returns_the_stage
     caplog.set_level("INFO", logger=sagemaker.__name__)
     settings = config.profile("ddp2").sagemaker
     assert sagemaker.run_stage(settings, request=request, poll_s=0) is None  # completed: the result is in storage
-    result = stage_result(config, out, "s2")
+    result = stage_result(out, "s2")
     assert result == {**{k: v for k, v in metrics.items() if k not in ("history", "complete")},
                       "model_uri": f"{out}/train/s2/model.pt"}
 

@@ -103,7 +103,7 @@ def test_a_success_event_returns_the_stages_result_and_failures_map_as_the_backe
                "history": [{"epoch": 0}], "complete": True}
     s3fs.S3FileSystem().pipe(f"{out}/train/s2/metrics.json".removeprefix("s3://"), json.dumps(metrics).encode())
     result = operator.execute_complete(context, {"status": "success", "job_name": name}, started=time.time() - 5)
-    assert {k: v for k, v in result.items() if k not in ("duration_s", "attempt", "task_s")} == stage_result(config, out, "s2")
+    assert {k: v for k, v in result.items() if k not in ("duration_s", "attempt", "task_s")} == stage_result(out, "s2")
     assert result["model_uri"] == f"{out}/train/s2/model.pt" and result["attempt"] == 1 and result["duration_s"] >= 5
 
     # The trigger gave up (timeout) or lost the API: retryable, and nothing is left running unwatched.

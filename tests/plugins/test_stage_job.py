@@ -62,3 +62,38 @@ def test_a_slurm_stage_job_is_built_as_a_local_one(digits_run, tmp_path):
     assert list(job.args) == ["--stage", "s2", "--out", out, "--params", '{"lr": 0.05}', "--inputs-fingerprint", "f1",
                               "--config", str(path)]
     assert job.storage_env.items() <= job.env.items()
+
+
+def test_a_stage_job_is_resolved_once_and_no_backend_reaches_back_into_the_config_or_the_airflow_context():
+    """The job carries the stage's profile and import paths, not the config: each backend module reads only the job
+    (no config loading, no run snapshot, no task context), so the launch walks one way from the step."""
+    import dataclasses
+
+    from stagewise.airflow.stage_job import StageJob
+
+    assert {"profile", "profile_name", "import_paths"} <= {item.name for item in dataclasses.fields(StageJob)}
+    assert "config" not in {item.name for item in dataclasses.fields(StageJob)}
+    folder = Path(__file__).parents[2] / "plugins" / "stagewise_airflow" / "backends"
+    for module in sorted(folder.glob("*.py")):
+        source = module.read_text()
+        for reach in ("job.config", "load_config", "run_config", "get_current_context", "_context("):
+            assert reach not in source, f"{module.name} reaches back through {reach}"
+
+
+def test_an_own_script_stage_computes_its_contract_once(digits_run, monkeypatch):
+    """The own-script contract is computed once per try: its environment and its arguments read the same values."""
+    from stagewise.scripting import stage_contract
+
+    config_path, out = digits_run
+    config = load_config(config_path)
+    raw = config.model_dump()
+    raw["train"]["stages"][1]["entrypoint"] = {"script": str(Path(__file__).parents[2] / "examples" / "byo_train.py")}
+    from stagewise.definitions.config import PipelineConfig
+
+    own = PipelineConfig.model_validate(raw)
+    calls = []
+    real = stage_contract.byo_contract
+    monkeypatch.setattr(stage_contract, "byo_contract", lambda *args: calls.append(args) or real(*args))
+    job = build(own, _run(config_path, out), "s2", {"lr": 0.05}, None, 1)
+    assert len(calls) == 1 and job.contract is not None and job.entry is not None
+    assert job.env["STAGEWISE_STAGE"] == "s2" and job.profile_name == own.stage("s2").profile

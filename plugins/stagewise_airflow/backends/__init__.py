@@ -15,10 +15,9 @@ from typing import Any
 
 from stagewise.airflow.stage_job import StageJob
 from stagewise.core.errors import UserError
-from stagewise.definitions.config import PipelineConfig
 
 
-def stage_result(config: PipelineConfig, out: str, stage: str) -> dict[str, Any]:
+def stage_result(out: str, stage: str) -> dict[str, Any]:
     """What stagewise.train returns, read back from the ``metrics.json`` its rank 0 wrote last (the stage's commit)."""
     from stagewise.core import storage
 
@@ -50,7 +49,7 @@ def run_job(job: StageJob) -> dict[str, Any]:
         with credentials.exported(job.storage_env):  # a remote stage's metrics.json is read back from the run's storage
             result = backend.run_job(job)
             if result is None:  # a remote job succeeded: what its rank 0 committed is the stage's result
-                result = stage_result(job.config, job.out, job.stage)
+                result = stage_result(job.out, job.stage)
     except UserError as exc:
         raise AirflowFailException(str(exc)) from None
     # A local sub-job times its own work (stagewise.core.cli); a remote job's wall time stands in for it.

@@ -19,4 +19,4 @@ def run_job(job: StageJob) -> dict[str, Any]:
     module = TRAIN_MODULE if entry is None else entry.module or ""
     return launch.run(module, list(job.args), job.profile, distributed=True, attempt=job.attempt,
                       script=entry.script if entry is not None else None, extra_env=job.env,
-                      result_arg=entry is None, import_paths=job.config.model.import_paths or ())
+                      result_arg=entry is None, import_paths=job.import_paths)

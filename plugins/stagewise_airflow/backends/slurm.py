@@ -389,7 +389,7 @@ def submission(job: StageJob) -> Submission:
     settings = job.settings("slurm")
     name = job_name(job.dag_id, job.run_id, job.stage, job.attempt)
     files = JobFiles.of(log_dir(job), name)
-    env = job_environment(job.profile, settings, files, job.env, job.config.model.import_paths or ())
+    env = job_environment(job.profile, settings, files, job.env, job.import_paths)
     nodes = nodes_to_ask(settings, job.profile)
     return Submission(name, files, batch_script(job, nodes), env, nodes)
 
@@ -522,7 +522,7 @@ def run_job(job: StageJob) -> dict[str, Any]:
     elif os.path.exists(files.result):
         result = _read_json(files.result)
     else:
-        result = stage_result(job.config, job.out, job.stage)
+        result = stage_result(job.out, job.stage)
     return {**result, "slurm": spent}
 
 
