@@ -9,14 +9,10 @@ returns at once instead of launching its sub-job.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from airflow.sdk.exceptions import AirflowFailException
-
 from stagewise.airflow.steps import all_results, inline, launch_subjob, reused_from, run_config, run_ref
-from stagewise.core.errors import UserError
 
 
 def plan_shards(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -106,46 +102,9 @@ def infer_shard(run: dict[str, Any], model: dict[str, Any], shard: dict[str, Any
     if reused := reused_from(shard):
         return {"index": shard["index"], "reused_from": reused, "fingerprint": shard.get("fingerprint")}
     args = ["shard", "--model", model["model_uri"], "--shard", json.dumps(shard), "--out", run["out"]]
-    profile = run_config(run).inference.profile
-    if run_config(run).profile(profile).backend == "slurm":  # one Slurm job of its own (backends.slurm.run_command)
-        result = slurm_subjob(run, "stagewise.infer", args, profile, f"infer-{shard['index']}")
-    else:
-        result = launch_subjob(run, "stagewise.infer", args, profile)
+    # On a Slurm profile each shard is one Slurm job of its own (stagewise.airflow.slurm_subjob).
+    result = launch_subjob(run, "stagewise.infer", args, run_config(run).inference.profile, label=f"infer-{shard['index']}")
     return {**result, "fingerprint": shard.get("fingerprint")} if isinstance(result, dict) else result
-
-
-def slurm_subjob(run: dict[str, Any], module: str, args: list[str], profile: str, label: str) -> dict[str, Any]:
-    """A sub-job of ``profile`` (backend slurm) as one one-node Slurm job: ``python -m module args --config <snapshot>
-    --result-file <shared file>``, its output in the task log, cancelled if the task ends first; its result, with the
-    job's cost, id and end under ``slurm``. The job is named by the run, ``label`` and the try (a retry is a new
-    one); its files go to ``slurm.log_dir``, else ``<run>/slurm/`` under a local storage root."""
-    from airflow.sdk import get_current_context
-
-    from stagewise.airflow import credentials
-    from stagewise.airflow.backends import slurm
-    from stagewise.airflow.stage_job import job_name
-    from stagewise.airflow.steps import task_seconds
-    from stagewise.core import storage
-
-    config, context = run_config(run), get_current_context()
-    attempt, chosen = context["ti"].try_number, config.profile(profile)
-    settings = chosen.slurm
-    folder = settings.log_dir or storage.join(run["out"], "slurm")
-    if "://" in folder and not folder.startswith("file://"):
-        raise AirflowFailException(f"profiles.{profile}.slurm.log_dir: a Slurm job's files go to a folder the nodes "
-                                   f"share, not {folder}; give slurm.log_dir")
-    folder = folder.removeprefix("file://")
-    name = job_name(run["dag_id"], run["run_id"], label, attempt)
-    result_file = slurm.JobFiles.of(folder, name).result
-    argv = ["-m", module, *args, "--config", run["config"], "--result-file", result_file]
-    started = time.monotonic()
-    try:
-        result = slurm.run_command(argv, chosen, settings, name=name, log_dir=folder,
-                                   env=credentials.task_environment(config), import_paths=config.model.import_paths or ())
-    except UserError as exc:
-        raise AirflowFailException(str(exc)) from None
-    return {"duration_s": round(time.monotonic() - started, 3), **result, "attempt": attempt,
-            "task_s": task_seconds(context)}
 
 
 def commit_predictions(run: dict[str, Any], model: dict[str, Any], scored: Sequence[dict[str, Any]]) -> dict[str, Any]:

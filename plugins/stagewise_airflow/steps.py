@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from stagewise.airflow import credentials, launch
+from stagewise.airflow import credentials, launch, slurm_subjob
 from stagewise.airflow.stage_steps import data_fingerprint as _data_fingerprint
 from stagewise.airflow.stage_steps import fingerprinted_job, job_fingerprint, remember_stage, with_cost
 from stagewise.core.errors import UserError
@@ -64,12 +64,17 @@ def _config_args(run: dict[str, Any]) -> list[str]:
 
 
 def launch_subjob(run: dict[str, Any], module: str, args: list[str], profile: str, distributed: bool = False,
-            **kwargs: Any) -> dict[str, Any]:
+                  label: str = "", **kwargs: Any) -> dict[str, Any]:
+    """Run a step's sub-job on its profile: on this worker, or as a Slurm job named by ``label`` (a Slurm profile)."""
     attempt = _context()["ti"].try_number
     config = run_config(run)
-    result = launch.run(module, [*args, *_config_args(run)], config.profile(profile), distributed=distributed,
-                        attempt=attempt, extra_env=credentials.task_environment(config),
-                        import_paths=config.model.import_paths or (), **kwargs)
+    if config.profile(profile).backend == "slurm":
+        result = slurm_subjob.run(config, run, module, [*args, *_config_args(run)], profile, attempt=attempt,
+                                  label=label or module, distributed=distributed)
+    else:
+        result = launch.run(module, [*args, *_config_args(run)], config.profile(profile), distributed=distributed,
+                            attempt=attempt, extra_env=credentials.task_environment(config),
+                            import_paths=config.model.import_paths or (), **kwargs)
     return {**result, "task_s": task_seconds(_context())} if isinstance(result, dict) else result
 
 
@@ -356,7 +361,8 @@ def sweep_worker(run: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
     profile = config.sweep.profile
     ddp_trials = config.profile(profile).processes_per_node > 1 and config.sweep.entrypoint is None
     result = launch_subjob(run, "stagewise.sweep", ["worker", "--study", worker["study"], "--worker", str(worker["worker"]),
-                                                    "--out", run["out"]], profile, distributed=ddp_trials)
+                                                    "--out", run["out"]], profile, distributed=ddp_trials,
+                           label=f"sweep-{worker['worker']}")
     return {**result, **planned}
 
 

@@ -89,6 +89,9 @@ from stagewise.definitions.sections.train import (  # noqa: F401  (re-exported: 
 )
 from stagewise.definitions.spec_source import declared_default_params
 
+# The steps besides train stages whose sub-job may run as a one-node Slurm job (stagewise.airflow.shard_steps).
+SLURM_SUBJOBS = ("inference.profile", "sweep.profile")
+
 
 class PipelineConfig(StrictModel):
     """The whole pipeline."""
@@ -261,10 +264,11 @@ class PipelineConfig(StrictModel):
                 raise ValueError(f"{where}: profile '{name}' has processes_per_node > 1; only train stages and sweep trials run DDP")
         for where, name in used.items():
             backend = self.profiles[name].backend
-            if where.startswith("train.") or backend == "local" or (where == "inference.profile" and backend == "slurm"):
+            if where.startswith("train.") or backend == "local" or (where in SLURM_SUBJOBS and backend == "slurm"):
                 continue
             raise ValueError(f"{where}: profile '{name}' has backend '{backend}'; only train stages run as SageMaker, "
-                             f"Kubernetes or Slurm jobs, and inference shards as Slurm jobs (give this step a local profile)")
+                             f"Kubernetes or Slurm jobs, and inference shards and sweep workers as Slurm jobs (give "
+                             f"this step a local profile)")
         return self
 
     def arg_placeholders(self) -> list[str]:

@@ -1,18 +1,20 @@
-"""An inference shard on a Slurm profile (shard_steps.infer_shard -> slurm_subjob): one one-node job running
-``python -m stagewise.infer shard ... --config <snapshot> --result-file <shared file>`` through the backend's
-run_command, named by the run, the shard and the try; a setting Slurm refuses fails without retry. No cluster: the
-backend's run_command is a stand-in (the real one: tests/dags/test_slurm_pipeline.py)."""
+"""An inference shard or a sweep worker on a Slurm profile (steps.launch_subjob -> slurm_subjob): one one-node job
+running ``python -m stagewise.infer shard ...`` (or ``stagewise.sweep worker``) ``--config <snapshot> --result-file
+<shared file>`` through the backend's run_command, named by the run, the shard or worker and the try; a setting Slurm
+refuses fails without retry. No cluster: the backend's run_command is a stand-in (the real one:
+tests/dags/test_slurm_pipeline.py)."""
 
 from __future__ import annotations
 
 import datetime as dt
 import types
+from pathlib import Path
 
 import pytest
 import yaml
 from airflow.sdk.exceptions import AirflowFailException
 
-from stagewise.airflow import shard_steps
+from stagewise.airflow import shard_steps, steps
 from stagewise.airflow.backends import slurm
 from stagewise.airflow.stage_job import job_name
 from stagewise.core.errors import UserError
@@ -26,7 +28,7 @@ def shard_run(tmp_path, monkeypatch):
     raw = base_config(tmp_path / "storage")
     raw["profiles"]["cluster"] = {**raw["profiles"]["small"], "backend": "slurm",
                                   "slurm": {"slurm_conf": "/etc/slurm/test.conf"}}
-    raw["inference"]["profile"] = "cluster"
+    raw["inference"]["profile"] = raw["sweep"]["profile"] = "cluster"
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(raw))
     context = {"ti": types.SimpleNamespace(try_number=3, start_date=dt.datetime.now(dt.UTC))}
@@ -60,3 +62,27 @@ def test_a_setting_slurm_refuses_fails_the_shard_without_retry(shard_run, monkey
     monkeypatch.setattr(slurm, "run_command", refused)
     with pytest.raises(AirflowFailException, match="slurm.partition"):
         shard_steps.infer_shard(shard_run, {"model_uri": "/m/model.pt"}, {"index": 0, "uri": "/d/p.parquet"})
+
+
+def test_a_sweep_worker_on_a_slurm_profile_is_one_job_its_ddp_trials_under_torchrun_on_its_node(shard_run, monkeypatch):
+    """The worker joins the shared study from its Slurm node; with processes_per_node > 1 its trials run DDP there."""
+    calls = []
+
+    def run_command(argv, profile, settings, **kwargs):
+        calls.append((argv, kwargs))
+        return {"trials": 2, "slurm": {"job_id": "6", "nodes": 1, "state": "COMPLETED"}}
+
+    monkeypatch.setattr(slurm, "run_command", run_command)
+    worker = {"study": "st", "worker": 1, "fingerprint": "f", "reused_from": None}
+    result = steps.sweep_worker(shard_run, worker)
+    [(argv, kwargs)] = calls
+    assert argv[:4] == ["-m", "stagewise.sweep", "worker", "--study"] and argv[argv.index("--worker") + 1] == "1"
+    assert kwargs["name"] == job_name(RUN["dag_id"], RUN["run_id"], "sweep-1", 3) and kwargs["distributed"] is False
+    assert (result["trials"], result["study"], result["slurm"]["job_id"]) == (2, "st", "6")
+    raw = yaml.safe_load(Path(shard_run["config"]).read_text())
+    raw["profiles"]["trials"] = {**raw["profiles"]["cluster"], "processes_per_node": 2}
+    raw["sweep"]["profile"] = "trials"
+    ddp = Path(shard_run["config"]).with_name("ddp.yaml")  # a snapshot of its own: run_config caches by path
+    ddp.write_text(yaml.safe_dump(raw))
+    steps.sweep_worker({**shard_run, "config": str(ddp)}, worker)
+    assert calls[-1][1]["distributed"] is True

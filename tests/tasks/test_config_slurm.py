@@ -60,12 +60,13 @@ def test_an_s3_storage_root_needs_a_shared_log_dir(write_config, storage_root):
     assert load_config(write_config(raw)).profile("ddp2").slurm.log_dir.endswith("slurm-logs")
 
 
-def test_inference_shards_may_run_as_slurm_jobs_but_evaluate_stays_local(write_config, storage_root):
-    """An inference shard is a one-node Slurm job (stagewise.airflow.backends.slurm.run_command); evaluate is not."""
+def test_inference_shards_and_sweep_workers_may_run_as_slurm_jobs_but_evaluate_stays_local(write_config, storage_root):
+    """An inference shard or a sweep worker is a one-node Slurm job (stagewise.airflow.slurm_subjob); evaluate is not."""
     raw = _slurm(storage_root)
     raw["profiles"]["shards"] = {"backend": "slurm", "slurm": {"partition": "debug"}}
-    raw["inference"]["profile"] = "shards"
-    assert load_config(write_config(raw)).profile("shards").backend == "slurm"
+    raw["inference"]["profile"] = raw["sweep"]["profile"] = "shards"
+    config = load_config(write_config(raw))
+    assert config.profile(config.inference.profile).backend == config.profile(config.sweep.profile).backend == "slurm"
     raw["evaluate"]["profile"] = "shards"
     with pytest.raises(ConfigError, match="evaluate.profile: profile 'shards' has backend 'slurm'; only train stages"):
         load_config(write_config(raw))

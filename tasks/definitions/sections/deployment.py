@@ -76,14 +76,14 @@ class SlurmSettings(StrictModel):
     extra_sbatch_options: list[str] = Field(default_factory=list, description="More sbatch options, each one '--name=value' as on the command line.")
     slurm_conf: str = Field("", description="The cluster's slurm.conf, exported as SLURM_CONF to every Slurm command; empty: the client's default.")
     min_nodes: int | None = Field(None, ge=1, le=512, description=(
-        "Fewest nodes the job may start on (sbatch --nodes=min_nodes-nodes), resuming resharded; empty: exactly nodes."))
+        "Fewest nodes a try may start on (at most 512), resharded at the same global batch; empty: exactly nodes."))
     queue_wait_warn_s: float = Field(600.0, ge=0, le=MAX_SECONDS, description=(
         "A job pending longer is logged as waiting in the queue with Slurm's reason, never failed for it."))
     log_dir: str = Field("", description=(
         "Folder of the job's output file, on a filesystem the nodes share; empty: <run>/train/<stage>/slurm/ (an s3 root needs it)."))
     python: str = Field("", description="The interpreter on the nodes; empty: this worker's own (a shared install).")
     rendezvous_port: int = Field(29400, ge=1024, le=64536, description=(
-        "Base port of the rendezvous store on the first node; a job adds its id modulo 1000 (two jobs may share a node)."))
+        "Port of the rendezvous store on the first node, at most 64536: a job adds its id modulo 1000 (nodes are shared)."))
     poll_s: float = Field(10.0, gt=0, le=3600, description=(
         "Longest wait between polls of the job's state: the first come after 1 s, doubling up to it (at most 3600)."))
     join_timeout_s: int = Field(900, ge=60, le=86_400, description=(
