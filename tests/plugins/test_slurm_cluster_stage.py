@@ -1,7 +1,7 @@
 """A digits stage through the Slurm backend on a real cluster (tests/slurm_cluster.py: slurmctld and two slurmd nodes in
 network namespaces, munge, the machine's filesystem shared): two nodes train what one node with two processes does;
-a node lost mid-stage fails the try and the retry resumes; a requeue resumes in the same try; a drained node leaves
-the retry one node at the same global batch; SIGTERM cancels the job; a bad partition is named once; any sub-job
+a node lost mid-stage fails the try and the retry resumes on the one node left, at the same global batch; a requeue
+resumes in the same try; SIGTERM cancels the job; a bad partition is named once; any sub-job
 (an inference shard's way) and an own script run as Slurm jobs. Each test gets the suite's cluster (conftest's
 ``slurm``) reset: every node up and idle, no job left.
 
@@ -113,26 +113,27 @@ def test_two_slurm_nodes_train_what_one_node_with_two_processes_does(slurm, digi
     assert spent["elapsed_s"] >= 1 and spent["cpu_time_s"] >= 2 * spent["elapsed_s"] and spent["gpu_hours"] == 0
 
 
-def test_a_node_lost_mid_stage_fails_the_try_and_the_retry_resumes_from_the_newest_checkpoint(slurm, digits_run, caplog):
+def test_a_node_lost_mid_stage_fails_the_try_and_the_retry_resumes_on_the_nodes_left_at_the_same_global_batch(
+        slurm, digits_run, caplog):
     """n2 is killed (slurmd, its steps and ranks) after the first checkpoint: the try fails retryably as Slurm ends the
-    job; the retry (attempt 2, a new allocation once n2 is back) resumes from the newest checkpoint and completes."""
+    job (NODE_FAIL). With min_nodes 1 the retry (attempt 2, a new allocation) asks for the one node left, n1, and
+    resumes the 2-process checkpoint resharded onto 1 process at global batch 128."""
     config_path, out = digits_run
+    options = dict(global_batch=128, min_nodes=1, cpus_per_task=2)
     killed: list[int] = []
     watcher = after_first_checkpoint(out, lambda step: (slurm.kill_node("n2"), killed.append(step)))
     with pytest.raises(RuntimeError, match=r"Slurm job \d+ (NODE_FAIL|ended FAILED|ended NODE_FAIL)") as failed:
-        backends.run_job(slurm_job(config_path, out, slurm))
+        backends.run_job(slurm_job(config_path, out, slurm, **options))
     watcher.join(timeout=10)
     assert killed, "the stage ended before its first checkpoint"
     assert "retrying" in str(failed.value)
     newest = pointer(out)["step"]
     assert newest >= killed[0]
-    slurm.start_slurmd("n2")
-    slurm.wait_node("n2", {"idle"}, timeout=60)
-    with caplog.at_level(logging.INFO, logger=LOG):
-        result = backends.run_job(slurm_job(config_path, out, slurm, attempt=2))
-    assert result["resumed_from_step"] == newest and result["world_size"] == 2
-    assert result["slurm"]["nodes"] == 2
-    assert "resum" in caplog.text
+    with caplog.at_level(logging.INFO):
+        result = backends.run_job(slurm_job(config_path, out, slurm, attempt=2, **options))
+    assert (result["world_size"], result["global_batch"], result["resumed_from_step"]) == (1, 128, newest)
+    assert result["slurm"]["nodes"] == 1
+    assert "written by 2 process(es), on 1: global batch 128 either way" in caplog.text
 
 
 def test_a_requeued_job_restarts_and_resumes_in_the_same_try(slurm, digits_run, caplog):
@@ -151,33 +152,28 @@ def test_a_requeued_job_restarts_and_resumes_in_the_same_try(slurm, digits_run, 
     assert "(restart 1) on n[1-2]" in caplog.text
 
 
-def test_with_a_node_drained_the_retry_runs_on_one_node_at_the_same_global_batch(slurm, digits_run, caplog):
-    """min_nodes 1: the first try (2 nodes x 2 processes, global batch 128) loses a rank after a checkpoint; n2 is
-    drained; the retry gets n1 alone, 2 processes, and resumes the 4-process checkpoint resharded at batch 128."""
-    config_path, out = digits_run
-    options = dict(nodes=2, processes_per_node=2, global_batch=128, min_nodes=1, cpus_per_task=2)
-    first = slurm_job(config_path, out, slurm, args=stage_args(4), env={"STAGEWISE_FAULT_KILL_AT": "3:12"}, **options)
-    with pytest.raises(RuntimeError, match=r"Slurm job \d+ ended FAILED"):
-        backends.run_job(first)
-    newest = pointer(out)["step"]
-    slurm.drain("n2")
-    with caplog.at_level(logging.INFO):
-        result = backends.run_job(slurm_job(config_path, out, slurm, attempt=2, args=stage_args(4), **options))
-    assert (result["world_size"], result["global_batch"], result["resumed_from_step"]) == (2, 128, newest)
-    assert result["slurm"]["nodes"] == 1
-    assert "written by 4 process(es), on 2: global batch 128 either way, its state resharded" in caplog.text
+def test_sigterm_to_the_waiting_task_cancels_the_job(slurm, tmp_path):
+    """Airflow's kill (SIGTERM to the task) while its job runs: the wait unwinds and scancel ends the job. A stage's
+    wait is this one (run_submitted), so a job that only sleeps shows it without training anything."""
+    from stagewise.definitions.config import Profile
 
-
-def test_sigterm_to_the_waiting_task_cancels_the_job(slurm, digits_run):
-    """Airflow's kill (SIGTERM to the task) while the job runs: the wait unwinds and scancel ends the job."""
-    config_path, out = digits_run
-    job = slurm_job(config_path, out, slurm)
+    profile = Profile(backend="slurm", slurm={"slurm_conf": str(slurm.conf), "poll_s": 0.5})
     job_ids: list[str] = []
-    watcher = after_first_checkpoint(out, lambda step: (job_ids.append(live_job(slurm, job)),
-                                                        os.kill(os.getpid(), signal.SIGTERM)))
+
+    def kill_once_running() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not job_ids:
+            job_ids.extend(slurm.run("squeue", "-h", "--name", "sleeper-t1", "-t", "R", "-o", "%i").stdout.split())
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    watcher = threading.Thread(target=kill_once_running, daemon=True)
+    watcher.start()
     with pytest.raises(Stopped, match="the task got SIGTERM"):
-        backends.run_job(job)
+        slurm_backend.run_command(["-c", "import time; print('up', flush=True); time.sleep(300)"], profile,
+                                  profile.slurm, name="sleeper-t1", log_dir=str(tmp_path))
     watcher.join(timeout=10)
+    assert job_ids, "the job never ran"
     record = slurm.wait_state(job_ids[0], {"CANCELLED"}, timeout=30)
     assert record["JobState"] == "CANCELLED"
     assert slurm.run("squeue", "-h", "-j", job_ids[0], "-t", "PD,R,CG", "-o", "%i").stdout.strip() == ""
