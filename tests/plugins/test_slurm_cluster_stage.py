@@ -113,11 +113,12 @@ def test_two_slurm_nodes_train_what_one_node_with_two_processes_does(slurm, digi
     assert spent["elapsed_s"] >= 1 and spent["cpu_time_s"] >= 2 * spent["elapsed_s"] and spent["gpu_hours"] == 0
 
 
-def test_a_node_lost_mid_stage_fails_the_try_and_the_retry_resumes_on_the_nodes_left_at_the_same_global_batch(
+def test_a_node_lost_mid_stage_fails_the_try_and_with_it_drained_the_retry_resumes_on_one_node_at_the_same_global_batch(
         slurm, digits_run, caplog):
     """n2 is killed (slurmd, its steps and ranks) after the first checkpoint: the try fails retryably as Slurm ends the
-    job (NODE_FAIL). With min_nodes 1 the retry (attempt 2, a new allocation) asks for the one node left, n1, and
-    resumes the 2-process checkpoint resharded onto 1 process at global batch 128."""
+    job (NODE_FAIL). n2 comes back drained (an admin took it out); with min_nodes 1 the retry (attempt 2, a new
+    allocation) asks for the one usable node, n1, and resumes the 2-process checkpoint resharded onto 1 process at
+    global batch 128."""
     config_path, out = digits_run
     options = dict(global_batch=128, min_nodes=1, cpus_per_task=2)
     killed: list[int] = []
@@ -129,6 +130,9 @@ def test_a_node_lost_mid_stage_fails_the_try_and_the_retry_resumes_on_the_nodes_
     assert "retrying" in str(failed.value)
     newest = pointer(out)["step"]
     assert newest >= killed[0]
+    slurm.start_slurmd("n2")
+    slurm.wait_node("n2", {"idle"}, timeout=60)
+    slurm.drain("n2", "taken out after its failure")
     with caplog.at_level(logging.INFO):
         result = backends.run_job(slurm_job(config_path, out, slurm, attempt=2, **options))
     assert (result["world_size"], result["global_batch"], result["resumed_from_step"]) == (1, 128, newest)
