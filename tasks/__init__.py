@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("jobs", ("stagewise.config", "stagewise.contract", "stagewise.data", "stagewise.preprocess", "stagewise.sweep", "stagewise.train",
               "stagewise.evaluate", "stagewise.infer", "stagewise.registry", "stagewise.report",
               "stagewise.retention")),
+    ("gate with a person", ("stagewise.gatekeeper",)),  # the registry's gate, approval and notifications together
 )
 """Lowest first: (layer, the modules and packages in it). A module imports its own package and lower layers only;
 jobs never import each other, and nothing inside ``tasks/`` imports a facade."""

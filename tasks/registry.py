@@ -19,6 +19,8 @@ a gate, promotion or rollback that loses a race re-reads the pointer and decides
 from __future__ import annotations
 
 import argparse
+import contextlib
+import getpass
 import hashlib
 import logging
 import math
@@ -33,9 +35,10 @@ from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.hyperparams import ran_params
 from stagewise.definitions.loading import load_config
 from stagewise.definitions.pipelines import pipeline_of
+from stagewise.models import approval as approvals
 from stagewise.models import owners, shipping
 from stagewise.models.versions import CARD_CHECKSUM, judge, version_of
-from stagewise.reporting import lineage, listing
+from stagewise.reporting import lineage, listing, notify
 from stagewise.scripting.entrypoint import card_params
 from stagewise.tracking import registry as mlflow_registry
 from stagewise.tracking.runs import log_gate
@@ -289,11 +292,8 @@ def report_gate(config: PipelineConfig, version: str) -> dict[str, Any]:
     would take against the current model, logged and returned as ``decision``, with no pointer moved. ``current`` and
     ``model_uri`` are the model that would be current, which inference scores with."""
     name, root, metric = config.registry.model_name, config.storage_root, config.gate_metric()
-    candidate = card(root, name, version)
-    if metric not in candidate:
-        raise UserError(f"model {name}/{version} has no metric '{metric}' (registry.gate_metric) in its card")
-    incumbent = pointer(root, name)["version"]
-    decision = _judge(root, name, candidate, incumbent, metric, config.registry.margin, config.objective.direction)
+    preview = preview_gate(config, version)
+    candidate, incumbent, decision = preview["candidate"], preview["incumbent_version"], dict(preview["decision"])
     would = decision.pop("promoted")
     said = f"would {'promote' if would else 'refuse'} {version}: {decision['reason']}"
     log.info("gate for %s/%s, report only (registry.report_only: nothing promoted): %s", name, version, said)
@@ -302,6 +302,34 @@ def report_gate(config: PipelineConfig, version: str) -> dict[str, Any]:
             "direction": config.objective.direction, "margin": config.registry.margin,
             "candidate_value": candidate[metric], **decision, "promoted": False, "would_promote": would,
             "report_only": True, "decision": said, "model_uri": card(root, name, serving)["model_uri"]}
+
+
+def preview_gate(config: PipelineConfig, version: str) -> dict[str, Any]:
+    """The gate's decision on ``version`` against the current model, with nothing moved: the candidate's card, the
+    current version and its card (None before the first promotion) and the decision (promoted: whether it would)."""
+    name, root, metric = config.registry.model_name, config.storage_root, config.gate_metric()
+    candidate = card(root, name, version)
+    if metric not in candidate:
+        raise UserError(f"model {name}/{version} has no metric '{metric}' (registry.gate_metric) in its card")
+    incumbent = pointer(root, name)["version"]
+    decision = _judge(root, name, candidate, incumbent, metric, config.registry.margin, config.objective.direction)
+    return {"candidate": candidate, "incumbent_version": incumbent, "decision": decision,
+            "incumbent": card(root, name, incumbent) if incumbent not in (None, version) else None}
+
+
+def promote_if_current(storage_root: str, name: str, version: str, expected: str | None, reason: str,
+                       by: str | None = None) -> tuple[bool, str | None]:
+    """Point ``current`` at ``version`` only while ``expected`` is still current (an approval decided against it);
+    returns (moved, the current version now)."""
+    card(storage_root, name, version)
+
+    def decide(state: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
+        if state["version"] != expected or state["version"] == version:
+            return None, False
+        return {**_moved(name, version, _history_after(state), reason), "by": by}, True
+
+    state, moved = _swap_pointer(storage_root, name, decide)
+    return moved, state["version"]
 
 
 def serving_model(config: PipelineConfig, version: str | None, out: str = "") -> dict[str, Any]:
@@ -328,16 +356,40 @@ def retrain_overrides(config: PipelineConfig) -> dict[str, Any]:
     return {"sweep.num_trials": config.retrain.num_trials, "sweep.warm_start_from": study}
 
 
-def rollback(storage_root: str, name: str) -> dict[str, Any]:
-    """Point model ``name``'s ``current`` back at the version before it."""
+def rollback(storage_root: str, name: str, by: str | None = None) -> dict[str, Any]:
+    """Point model ``name``'s ``current`` back at the version before it; ``by``: who did it (kept in the pointer)."""
 
     def decide(state: dict[str, Any]) -> tuple[dict[str, Any], None]:
         if not state["history"]:
             raise UserError(f"nothing to roll back to: {pointer_uri(storage_root, name)} has no earlier version")
         *earlier, previous = state["history"]
-        return _moved(name, previous, earlier, f"rollback from {state['version']}"), None
+        reason = f"rollback from {state['version']}" + (f" by {by}" if by else "")
+        return {**_moved(name, previous, earlier, reason), "by": by, "rolled_back_from": state["version"]}, None
 
     return _swap_pointer(storage_root, name, decide)[0]
+
+
+def rollback_by_hand(config: PipelineConfig, by: str | None) -> dict[str, Any]:
+    """A person's rollback (the CLI): the current model (MLflow's champion) back to the one before, recorded in the
+    version's decisions with who did it and told to the config's notifiers. Returns the pointer as it now stands."""
+    name = config.registry.model_name
+    if config.registry.backend == "mlflow":
+        before = mlflow_registry.card_of(mlflow_registry.resolve(config, None))["version"]
+        moved = {"version": mlflow_registry.rollback(config)["version"], "rolled_back_from": before, "by": by}
+    else:
+        moved = rollback(config.storage_root, name, by=by)
+    metric = config.gate_metric()
+    values = {}
+    for key, version in (("candidate_value", moved["version"]), ("current_value", moved["rolled_back_from"])):
+        with contextlib.suppress(UserError):  # a version whose card is gone still rolls back
+            values[key] = (card(config.storage_root, name, version) if config.registry.backend == "storage" else
+                           mlflow_registry.card_of(mlflow_registry.resolve(config, version))).get(metric)
+    approvals.record(models_prefix(config.storage_root, name), moved["version"], {
+        "decision": "rolled_back", "run": f"by hand {approvals.now_text()}", "by": by, "from": moved["rolled_back_from"]})
+    told = notify.facts(pipeline=config.name or name, decision="rolled_back", model_name=name, version=moved["version"],
+                        metric=metric, current=moved["rolled_back_from"], by=by,
+                        reason=f"rolled back from {moved['rolled_back_from']} by hand", **values)
+    return {**moved, "notifications": notify.send(config.registry.notify, told)}
 
 
 def versions(storage_root: str, name: str) -> list[dict[str, Any]]:
@@ -374,7 +426,8 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("list", parents=[common], help="versions, newest first")
     show = sub.add_parser("show", parents=[common], help="one version's card")
     show.add_argument("version", nargs="?")
-    sub.add_parser("rollback", parents=[common], help="current -> the previous version")
+    undo = sub.add_parser("rollback", parents=[common], help="current -> the previous version")
+    undo.add_argument("--by", default=None, help="who rolls back, kept with the decision (default: this OS user)")
     promote_cmd = sub.add_parser("promote", parents=[common], help="current -> VERSION, without the gate")
     promote_cmd.add_argument("version")
     args = parser.parse_args(argv)
@@ -382,7 +435,10 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.config, parse_overrides(args.override))
     root, name = config.storage_root, args.model or config.registry.model_name
     try:
-        if config.registry.backend == "mlflow":
+        if args.command == "rollback":
+            scoped = config.model_copy(update={"registry": config.registry.model_copy(update={"model_name": name})})
+            print(f"current {name}: {rollback_by_hand(scoped, args.by or getpass.getuser())['version']}")
+        elif config.registry.backend == "mlflow":
             _mlflow_command(config.model_copy(update={"registry": config.registry.model_copy(update={"model_name": name})}),
                             args.command, getattr(args, "version", None))
         elif args.command == "list":
@@ -395,9 +451,10 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "show":
             import json
 
-            print(json.dumps(card(root, name, args.version) if args.version else current(root, name), indent=2))
-        elif args.command == "rollback":
-            print(f"current {name}: {rollback(root, name)['version']}")
+            shown = card(root, name, args.version) if args.version else current(root, name)
+            if shown:  # who approved or rejected it, when, and their note
+                shown["decisions"] = approvals.history(models_prefix(root, name), shown["version"])
+            print(json.dumps(shown, indent=2))
         else:
             print(f"current {name}: {promote(root, name, args.version)['version']}")
     except UserError as exc:
@@ -417,8 +474,6 @@ def _mlflow_command(config: PipelineConfig, command: str, version: str | None) -
                   f"{objective}={entry.get('test_' + objective)}  aliases={','.join(entry['aliases'])}  run={entry.get('source_run')}")
     elif command == "show":
         print(json.dumps(mlflow_registry.card_of(mlflow_registry.resolve(config, version)), indent=2))
-    elif command == "rollback":
-        print(f"{name}@{mlflow_registry.CHAMPION}: version {mlflow_registry.rollback(config)['mlflow_version']}")
     else:
         print(f"{name}@{mlflow_registry.CHAMPION}: version {mlflow_registry.promote(config, version)['mlflow_version']}")
 

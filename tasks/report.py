@@ -25,7 +25,7 @@ from stagewise.definitions.loading import (
 from stagewise.definitions.pipelines import dag_id, name_of
 from stagewise.reporting import cost as stage_cost
 from stagewise.reporting import html as report_html
-from stagewise.reporting import listing, run_dates, timeline
+from stagewise.reporting import listing, notify, run_dates, timeline
 
 log = logging.getLogger("stagewise.report")
 
@@ -212,6 +212,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     elif registry:
         lines.append(f"  registry: {registry['version']} {'promoted to current' if registry['promoted'] else 'not promoted'}"
                      f" ({registry['reason']})")
+    lines += [f"    {label}: {text}" for label, text in notify.decision_lines(registry)]
     lines.append(f"  predictions: {report['predictions']['rows']} rows by {report['predictions'].get('model_version')}, "
                  f"{report['predictions'].get('rows_quarantined', 0)} quarantined, at {report['predictions']['uri']}")
     if (dropped := report.get("dropped")) is not None:

@@ -23,6 +23,7 @@ from typing import Any
 from stagewise.core import assets, storage
 from stagewise.core.errors import DataError
 from stagewise.reporting import classification, stage_table
+from stagewise.reporting.notify import decision_lines
 
 log = logging.getLogger("stagewise.report")
 
@@ -493,7 +494,7 @@ def render(report: dict[str, Any], sources: dict[str, Any], generated_at: str | 
                             ("decision", "promoted" if registry.get("promoted") else "not promoted"),
                             ("why", registry.get("decision") or registry.get("reason")),
                             ("model scored (would be current)" if registry.get("report_only") else "current model now",
-                             registry.get("current"))]) \
+                             registry.get("current")), *decision_lines(registry)]) \
         if registry else "<p class=missing>No gate decision was recorded.</p>"
     title = f"{report.get('dag_id')} / {report.get('run_id')}"
     objective = f" · objective <b>{html.escape(metric)}</b> ({html.escape(direction)})"

@@ -270,6 +270,48 @@ def gate(config: PipelineConfig, registered: dict[str, Any], out: str) -> dict[s
             **({"previous": incumbent["version"]} if incumbent else {})}
 
 
+def preview(config: PipelineConfig, registered: dict[str, Any]) -> dict[str, Any]:
+    """The gate's decision on the registered candidate against ``@champion``, with no tag or alias moved: the
+    candidate's card, the champion's (None: none yet) and the decision (promoted: whether it would)."""
+    name, metric = config.registry.model_name, config.gate_metric()
+    api = _api(config)
+    number = registered["mlflow_version"]
+
+    def work() -> dict[str, Any]:
+        candidate = card_of(api.model_version(name, number))
+        if metric not in candidate:
+            raise UserError(f"MLflow model {name} version {number} has no metric '{metric}' (registry.gate_metric)")
+        champion = api.alias_version(name, CHAMPION)
+        incumbent = card_of(champion) if champion and champion["version"] != number else None
+        # the champion already: judge says "nothing changed"; no champion: "no current model"
+        incumbent_version = incumbent["version"] if incumbent else (candidate["version"] if champion else None)
+        decision = judge(candidate, incumbent_version, incumbent, metric, config.registry.margin,
+                         config.objective.direction, promote_hint=f"python -m stagewise.registry promote {number}")
+        return {"candidate": candidate, "incumbent": incumbent, "decision": decision,
+                "incumbent_version": incumbent_version}
+
+    return _call(config, f"judge version {number} of model '{name}'", work)
+
+
+def promote_if_champion(config: PipelineConfig, registered: dict[str, Any], expected: str | None,
+                        reason: str) -> tuple[bool, dict[str, Any] | None]:
+    """Move ``champion`` to the registered candidate only while the champion is still the version ``expected``
+    (Stagewise id; None: no champion), as an approval decided; returns (moved, the champion's card now)."""
+    name, api, number = config.registry.model_name, _api(config), registered["mlflow_version"]
+
+    def work() -> tuple[bool, dict[str, Any] | None]:
+        champion = api.alias_version(name, CHAMPION)
+        now = card_of(champion)["version"] if champion else None
+        if now != expected or (champion and champion["version"] == number):
+            return False, card_of(champion) if champion else None
+        api.set_version_tags(name, number, {"stagewise.gate": "promoted", "stagewise.gate_reason": reason})
+        api.set_alias(name, CHALLENGER, number)
+        _move_champion(api, name, number, champion["version"] if champion else None)
+        return True, card_of(api.model_version(name, number))
+
+    return _call(config, f"promote version {number} of model '{name}' on approval", work)
+
+
 def _history(api: MlflowApi, name: str) -> list[str]:
     model = api.registered_model(name) or {}
     tags = {tag["key"]: tag["value"] for tag in model.get("tags") or []}

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from stagewise.definitions.hyperparams import BUILTIN_SPEC
 from stagewise.definitions.intervals import static_prefix
 from stagewise.definitions.metric_names import DIRECTIONS
+from stagewise.definitions.sections.approval import Approval, Notifier
 from stagewise.definitions.sections.base import MAX_BATCH, MAX_ROWS, MAX_TRIALS, StrictModel, check_filesystem
 from stagewise.definitions.sections.deployment import cron_problem
 
@@ -56,6 +57,10 @@ class Registry(StrictModel):
     report_only: bool = Field(False, description=(
         "The gate decides and reports (would promote / would refuse) but moves no pointer; inference scores with the "
         "model that would be current. $STAGEWISE_SCRATCH_ROOT turns it on (docs/ci.md)."))
+    approval: Approval = Field(default_factory=Approval, description=(
+        "A person's yes before a promotion (none, required, when_worse_on); a report-only gate never waits."))
+    notify: list[Notifier] = Field(default_factory=list, description=(
+        "Airflow notifiers told of every gate decision; one that fails is a warning and a line in the report."))
 
     @field_validator("gate_metric")
     @classmethod
