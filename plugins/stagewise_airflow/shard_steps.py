@@ -9,10 +9,13 @@ returns at once instead of launching its sub-job.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from stagewise.airflow.steps import all_results, inline, launch_subjob, reused_from, run_config, run_ref
+
+NO_MODEL = "no current model: the gate's only candidate was not approved, so there is nothing to score with"
 
 
 def plan_shards(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -90,6 +93,8 @@ def plan_inference(run: dict[str, Any], model: dict[str, Any]) -> list[dict[str,
     from stagewise.core import storage
     from stagewise.reuse.planning import inference_plan
 
+    if not model.get("model_uri"):  # the first model was rejected or is waiting: nothing is current to score with
+        return [{"index": 0, "no_model": NO_MODEL}]
     config = run_config(run)
     source = storage.resolve(config.storage_root, config.inference.input_uri or config.dataset.uri)
     planned = inline(config, lambda: inference_plan(config, source, model.get("current"), run["out"], run_ref(run)))
@@ -99,6 +104,8 @@ def plan_inference(run: dict[str, Any], model: dict[str, Any]) -> list[dict[str,
 
 
 def infer_shard(run: dict[str, Any], model: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
+    if shard.get("no_model"):
+        return {"index": shard["index"], "no_model": shard["no_model"]}
     if reused := reused_from(shard):
         return {"index": shard["index"], "reused_from": reused, "fingerprint": shard.get("fingerprint")}
     args = ["shard", "--model", model["model_uri"], "--shard", json.dumps(shard), "--out", run["out"]]
@@ -112,6 +119,9 @@ def commit_predictions(run: dict[str, Any], model: dict[str, Any], scored: Seque
     from stagewise.datasets import predictions
     from stagewise.reuse import cache
 
+    if not model.get("model_uri"):
+        logging.getLogger("stagewise.inference").warning("nothing scored: %s", NO_MODEL)
+        return {"rows": 0, "uri": None, "model_version": None, "skipped": NO_MODEL}
     config = run_config(run)
     results = all_results(scored)
     fingerprint = results[0].get("fingerprint") if results else None

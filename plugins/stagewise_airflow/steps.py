@@ -505,11 +505,20 @@ def reused_work(**results: Any) -> dict[str, str]:
 
 
 def gate_model(run: dict[str, Any], registered: dict[str, Any]) -> dict[str, Any]:
-    """Promote the new version only if it beats the current one; return the model inference should use."""
-    from stagewise import registry
+    """Promote the new version only if it beats the current one (or ask a person: registry.approval); return the
+    model inference should use. Each decision goes to the config's notifiers."""
+    from stagewise import gatekeeper
+    from stagewise.airflow.approval import links
+    from stagewise.core import storage
 
     config = run_config(run)
-    return inline(config, lambda: registry.gate_registered(config, registered, run["out"]))
+
+    def work() -> dict[str, Any]:
+        manifest = storage.read_json(storage.join(run["out"], "preprocess", "manifest.json"))
+        return gatekeeper.decide(config, {**registered, "rows": manifest.get("rows")}, run["out"], run=run_ref(run),
+                                 links=links(run), context=_context())
+
+    return inline(config, work)
 
 
 def resolve_model(run: dict[str, Any]) -> dict[str, Any]:
@@ -537,6 +546,8 @@ def write_report(run: dict[str, Any], *, stats: Sequence[dict], reduced: dict, t
                  "candidate_value", "incumbent_value")
     # Only a report-only gate (CI, docs/ci.md) says what it would have done.
     gate_keys += tuple(key for key in ("report_only", "would_promote", "decision") if key in gated)
+    # Who approved or rejected (when, their note) and each notifier's result, sent or not.
+    gate_keys += tuple(key for key in ("approval", "notifications") if key in gated)
 
     def work() -> dict[str, Any]:
         from stagewise.reuse import leftovers

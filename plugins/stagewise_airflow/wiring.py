@@ -23,11 +23,12 @@ SHARD_FILE_NAME = ("{% set shard = task.op_kwargs['shard'] %}{% set files = shar
                    "{{ files[0]['uri'].rstrip('/').split('/')[-1] }}"
                    "{% if files | length > 1 %} + {{ files | length - 1 }} more file(s){% endif %}")
 SWEEP_WORKER_NAME = "worker {{ task.op_kwargs['worker']['worker'] }}"
-INFERENCE_SHARD_NAME = ("{% set shard = task.op_kwargs['shard'] %}{% set files = shard.get('files') or [shard] %}"
+INFERENCE_SHARD_NAME = ("{% set shard = task.op_kwargs['shard'] %}{% if shard.get('no_model') %}nothing to score: "
+                        "no current model{% else %}{% set files = shard.get('files') or [shard] %}"
                         "{% set groups = files[0]['row_groups'] %}{{ files[0]['uri'].rstrip('/').split('/')[-1] }}"
                         "{% if files | length > 1 %} + {{ files | length - 1 }} more file(s)"
                         "{% elif groups | length > 1 %}, row groups {{ groups[0] }}-{{ groups[-1] }}"
-                        "{% else %}, row group {{ groups[0] }}{% endif %}, {{ shard['rows'] }} rows")
+                        "{% else %}, row group {{ groups[0] }}{% endif %}, {{ shard['rows'] }} rows{% endif %}")
 
 
 def knobs(config: PipelineConfig, profile: str) -> dict[str, Any]:
@@ -171,6 +172,12 @@ def evaluate_and_gate(config: PipelineConfig, run: Any, swept: dict[str, Any], t
     evaluation = task(steps.evaluate, task_id="evaluate", **knobs(config, config.evaluate.profile))(run, final)
     registered = task(steps.register_model, task_id="register_model", **bookkeeping)(run, final, evaluation, swept["swept"])
     gated = task(steps.gate_model, task_id="gate_model", **bookkeeping)(run, registered)
+    approval = config.registry.approval
+    if approval.mode != "none":  # a person's answer between the gate and the rest (stagewise.airflow.approval)
+        from stagewise.airflow.approval import TASK_ID, GateApprovalOperator
+
+        gated = GateApprovalOperator(task_id=TASK_ID, run=run, gated=gated, timeout_minutes=approval.timeout_minutes,
+                                     respondents=approval.respondents, **bookkeeping).output
     return {"evaluation": evaluation, "registered": registered, "gated": gated}
 
 

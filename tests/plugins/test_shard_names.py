@@ -24,5 +24,6 @@ def test_shard_names_cover_one_file_several_files_and_shards_planned_before_file
     assert _render(wiring.INFERENCE_SHARD_NAME, one) == "p-0.parquet, row groups 0-2, 30 rows"
     assert _render(wiring.INFERENCE_SHARD_NAME, several) == "p-1.parquet + 1 more file(s), 9 rows"
     assert _render(wiring.INFERENCE_SHARD_NAME, legacy) == "p-3.parquet, row group 4, 5 rows"
+    assert _render(wiring.INFERENCE_SHARD_NAME, {"index": 0, "no_model": "rejected"}) == "nothing to score: no current model"
     assert _render(wiring.SHARD_FILE_NAME, several) == "p-1.parquet + 1 more file(s)"
     assert _render(wiring.SHARD_FILE_NAME, legacy) == "p-3.parquet"

@@ -40,6 +40,7 @@ tbody tr:hover { background: #f1f7fe; }
 .badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px; font-weight: 600; }
 .ok { background: #dcfce7; color: #166534; } .no { background: #f1f5f9; color: #475569; }
 .cur { background: #dbeafe; color: #1e40af; } .err { background: #fee2e2; color: #991b1b; }
+.warn { background: #fef3c7; color: #92400e; }
 .cards { display: flex; flex-wrap: wrap; gap: 12px; margin: 10px 0 4px; }
 .card { border: 1px solid var(--line); border-radius: 8px; padding: 10px 14px; min-width: 170px; }
 .card .label { color: var(--muted); font-size: 12px; } .card .value { font-size: 20px; font-weight: 600; }

@@ -16,6 +16,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse
 
 from stagewise.airflow.ui.access import can_read_runs
+from stagewise.airflow.ui.approvals import pending_html
 from stagewise.airflow.ui.layout import esc, fmt, link, page, pager, params_text, run_href, table
 from stagewise.airflow.ui.pipelines import pipelines
 from stagewise.airflow.ui.storage_access import (
@@ -27,6 +28,7 @@ from stagewise.airflow.ui.storage_access import (
     storages,
 )
 from stagewise.core.errors import DataError
+from stagewise.models import approval
 from stagewise.registry import model_names
 
 VERSIONS_PER_PAGE = 50
@@ -73,7 +75,8 @@ def register(router: APIRouter, User: Any) -> None:  # noqa: N803 - the request'
                     pointer, pointer_error = registry.pointer(place.root, name), ""
                 except DataError as exc:  # a torn current.json hides this name's current version, not the page
                     pointer, pointer_error = {}, str(exc)
-                models[name] = (pointer, pointer_error, registry.versions(place.root, name))
+                models[name] = (pointer, pointer_error, registry.versions(place.root, name),
+                                approval.open_request(registry.models_prefix(place.root, name)))
             return models
 
         models = []  # (storage root, model name, the pipeline registering it, what is there)
@@ -102,10 +105,12 @@ def register(router: APIRouter, User: Any) -> None:  # noqa: N803 - the request'
             body += (f"<section data-stagewise-mlflow-model='{esc(config.registry.model_name)}'><h2>"
                      f"{esc(config.registry.model_name)}</h2><p class='sub'>pipeline <b>{esc(name)}</b> keeps its versions "
                      f"in MLflow's Model Registry; the gate moves <em>@champion</em>: "
-                     f"<a href=\"{esc(model_url)}\" target=\"_blank\" rel=\"noopener\">open it in MLflow</a></p></section>")
+                     f"<a href=\"{esc(model_url)}\" target=\"_blank\" rel=\"noopener\">open it in MLflow</a></p>"
+                     + (pending_html(waiting) if (waiting := approval.open_request(registry.models_prefix(
+                         config.storage_root, config.registry.model_name))) else "") + "</section>")
         if not models and not in_mlflow and not problems:
             body += "<p class='empty'>No model registered yet: a finished <code>&lt;name&gt;_pipeline</code> run registers one.</p>"
-        for storage_root, name, pipeline, (pointer, pointer_error, cards) in models:
+        for storage_root, name, pipeline, (pointer, pointer_error, cards, waiting) in models:
             body += (f"<section data-stagewise-model='{esc(name)}'><h2>{esc(name)}</h2><p class='sub'>"
                      + (f"pipeline <b>{esc(pipeline)}</b> · " if pipeline else "")
                      + f"<code>{esc(storage_root)}/models/{esc(name)}</code></p>"
@@ -113,6 +118,7 @@ def register(router: APIRouter, User: Any) -> None:  # noqa: N803 - the request'
             current = pointer.get("version")
             body += (f"<p>Current: <span class='badge cur mono'>{esc(current)}</span> since {esc(pointer.get('moved_at'))}"
                      f" · {esc(pointer.get('reason'))}</p>" if current else "<p class='sub'>No current version.</p>")
+            body += pending_html(waiting) if waiting else ""
             chain = [*pointer.get("history", []), *([current] if current else [])]
             if chain:
                 earlier = len(chain) - HISTORY_SHOWN

@@ -13,6 +13,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response
 
 from stagewise.airflow.ui.access import REPORT_CSP, REPORT_SANDBOX, can_read_runs
+from stagewise.airflow.ui.approvals import waiting_body, waiting_run
 from stagewise.airflow.ui.layout import esc, fmt, gate_badge, link, page, params_text, run_href, table
 from stagewise.airflow.ui.pipelines import pipelines
 from stagewise.airflow.ui.storage_access import Storage, StorageProblem, path_segment, read_each, storages
@@ -77,6 +78,10 @@ def summary_html(report: dict[str, Any]) -> str:
                       f"{fmt(sweep.get('n_trials'))} trials"))
     if registry:
         cards.append(("Gate", gate_badge(registry), esc(registry.get("reason"))))
+    if isinstance(registry.get("approval"), dict) and registry["approval"].get("decision"):
+        decided = registry["approval"]
+        cards.append(("Approval", esc(str(decided["decision"]).replace("_", " ")),
+                      esc(f"by {decided.get('by') or 'nobody'} at {decided.get('at')}: {decided.get('note') or 'no note'}")))
     if predictions:
         cards.append(("Predictions", fmt(predictions.get("rows")),
                       f"{fmt(predictions.get('rows_quarantined', 0))} quarantined"))
@@ -150,7 +155,13 @@ def register(router: APIRouter, User: Any) -> None:  # noqa: N803 - the request'
 
     @router.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse)
     def run_page(request: Request, dag_id: str, run_id: str, user: User) -> HTMLResponse:
-        _, prefix, report, has_html = _run_folder(user, dag_id, run_id)
+        try:
+            _, prefix, report, has_html = _run_folder(user, dag_id, run_id)
+        except HTTPException as exc:  # no report yet: a run waiting at its gate says so, with the way to answer
+            waiting = waiting_run(storages(pipelines()), dag_id, run_id) if exc.status_code == 404 else None
+            if waiting is None:
+                raise
+            return page(request, run_id, waiting_body(waiting, dag_id, run_id), "run", "runs")
         root = request.scope.get("root_path", "")
         here = run_href(root, path_segment(dag_id, "DAG id"), path_segment(run_id, "run id"))
         shown_dag, shown_run = report.get("dag_id") or dag_id, report.get("run_id") or run_id

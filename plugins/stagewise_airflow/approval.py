@@ -1,0 +1,123 @@
+"""The approval task: Airflow's own Human-in-the-loop task between the gate and the rest of the run.
+
+``approve_model`` exists where ``registry.approval`` is not ``none``. When the gate opened a request
+(stagewise.gatekeeper.decide), the task writes a HITL detail (Approve / Reject, a note) whose body sets the
+candidate's metrics beside the current model's, and waits: on Airflow 3.3 in the ``awaiting_input`` state, on 3.2
+deferred to the HITL trigger. It shows under Required Actions and is answered there or over the REST API
+(``PATCH .../taskInstances/approve_model/-1/hitlDetails``) by a user Airflow lets act on the DAG's tasks (a viewer
+may read it, not answer it; ``registry.approval.respondents`` narrows it to those users). No answer within
+``registry.approval.timeout_minutes`` takes the default, Reject, recorded as timed out. The answer is applied by
+stagewise.gatekeeper.answer; the task returns the model inference then scores with.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from airflow.providers.standard.operators.hitl import HITLOperator
+
+from stagewise.gatekeeper import APPROVE, REJECT
+
+TASK_ID = "approve_model"
+MAX_NOTE_CHARS = 2000
+
+
+def links(run: dict[str, Any]) -> dict[str, str]:
+    """The run's Stagewise report page and its approval task's Required Actions page, on the configured base URL."""
+    from urllib.parse import quote
+
+    from airflow.configuration import conf
+
+    base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
+    dag, run_id = quote(run["dag_id"], safe=""), quote(run["run_id"], safe="")
+    return {"report_url": f"{base}/stagewise/runs/{dag}/{run_id}",
+            "required_actions_url": f"{base}/dags/{dag}/runs/{run_id}/tasks/{TASK_ID}/required_actions?map_index=-1"}
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"  # a count, such as test_rows
+    return f"{value:.4f}" if isinstance(value, float) else "–"
+
+
+def body(gated: dict[str, Any]) -> str:
+    """The reviewer's page (Markdown): why it waits, the metrics side by side, the data, the sweep, the report."""
+    approval = gated["approval"]
+    review = approval["review"]
+    lines = [f"**Why it waits:** {approval['reason']}.", "", f"**Gate:** {gated.get('reason', '')}", "",
+             f"| metric | candidate `{gated['version']}` | current `{approval['compared'] or 'none'}` |",
+             "|---|---|---|"]
+    lines += [f"| {name} | {_number(pair['candidate'])} | {_number(pair['current'])} |"
+              for name, pair in review["metrics"].items()]
+    objective = review["objective"]
+    lines += [f"| {objective['name']} (sweep's best) | {_number(objective['candidate'])} | {_number(objective['current'])} |", ""]
+    interval = review.get("data_interval") or {}
+    rows = review.get("rows") or {}
+    counted = ", ".join(f"{count:,} {split}" for split, count in rows.items()) if isinstance(rows, dict) else ""
+    lines.append(f"**Trained on:** {counted or 'its'} rows (data `{review.get('data_fingerprint')}`"
+                 + (f", interval {interval['start']} to {interval['end']})" if interval.get("start") else ")"))
+    lines += ["", f"**Sweep:** study `{review.get('study')}`, run `{review.get('source_run')}`"]
+    if approval.get("superseded"):
+        lines += ["", f"**Supersedes** the pending request of {approval['superseded']['run']}."]
+    if approval.get("report_url"):
+        lines += ["", f"**Report:** [the run's Stagewise page]({approval['report_url']})"]
+    return "\n".join(lines)
+
+
+def earlier_answer(ti_id: Any) -> dict[str, Any] | None:
+    """The answer already given to this task instance's HITL request, as the resume event carries it; None if none."""
+    from airflow.sdk.execution_time.hitl import get_hitl_detail_content_detail
+
+    try:
+        detail = get_hitl_detail_content_detail(ti_id=ti_id)
+    except Exception:  # noqa: BLE001 - no request written yet (a first try): nothing was answered
+        return None
+    if not (detail.response_received and detail.chosen_options):
+        return None
+    user = detail.responded_by_user
+    return {"chosen_options": list(detail.chosen_options), "params_input": detail.params_input or {},
+            "responded_at": detail.responded_at, "timedout": user is None,
+            "responded_by_user": {"id": user.id, "name": user.name} if user is not None else None}
+
+
+class GateApprovalOperator(HITLOperator):
+    """Approve or reject the promotion the gate asked about; a no-op when the gate asked nothing."""
+
+    template_fields = (*HITLOperator.template_fields, "run", "gated")
+
+    def __init__(self, *, run: Any, gated: Any, timeout_minutes: float, respondents: list[str], **kwargs: Any) -> None:
+        from airflow.sdk import Param
+
+        super().__init__(subject="Promote the new model?", options=[APPROVE, REJECT], defaults=[REJECT], multiple=False,
+                         params={"note": Param(None, type=["null", "string"], maxLength=MAX_NOTE_CHARS,
+                                               description="Why (optional): kept with the decision on the model card.")},
+                         response_timeout=timedelta(minutes=timeout_minutes),
+                         assigned_users=[{"id": user, "name": user} for user in respondents] or None, **kwargs)
+        self.run, self.gated = run, gated
+
+    def execute(self, context: Any) -> Any:
+        if not self.gated.get("awaiting_approval"):
+            self.log.info("no approval asked: %s", self.gated.get("reason"))
+            return self.gated
+        if (given := earlier_answer(context["task_instance"].id)) is not None:
+            # a retry (the scheduler can lose a try that parked at once): the person's answer stands, never asked twice
+            self.log.info("an earlier try of this task was answered (%s by %s): applying it", given["chosen_options"],
+                          (given["responded_by_user"] or {}).get("name", "the timeout"))
+            return self.execute_complete(context, given)
+        self.subject = f"{self.gated['model_name']}: promote {self.gated['version']}?"
+        self.body = body(self.gated)
+        self.log.info("waiting for a person: %s", self.gated["approval"]["required_actions_url"])
+        return super().execute(context)
+
+    def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
+        from stagewise import gatekeeper
+        from stagewise.airflow.steps import inline, run_config
+
+        answered = super().execute_complete(context, event)
+        responder = answered["responded_by_user"] or {}
+        response = {"chosen": answered["chosen_options"][0], "by": responder.get("name"),
+                    "at": answered["responded_at"].isoformat(), "note": (answered["params_input"] or {}).get("note") or "",
+                    "timed_out": bool(event.get("timedout")) or not responder}
+        config = run_config(self.run)
+        return inline(config, lambda: gatekeeper.answer(config, self.gated, response, self.run["out"], context=context))

@@ -1,0 +1,102 @@
+"""The approval task (stagewise.airflow.approval): it is in the DAG only with registry.approval on, between the gate
+and inference, as Airflow's HITL task with Approve/Reject and a note; its body sets the metrics side by side; a
+human's answer and a timeout reach stagewise.gatekeeper as such."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+import yaml
+
+from tests.conftest import unnamed
+
+GATED = {"awaiting_approval": True, "model_name": "digits", "version": "m-aaaa", "reason": "no current model",
+         "approval": {"reason": "registry.approval is required", "compared": "m-bbbb", "run": "d/r",
+                      "report_url": "http://a/stagewise/runs/d/r", "required_actions_url": "http://a/x",
+                      "superseded": {"run": "d/older", "version": "m-cccc"},
+                      "review": {"metrics": {"test_accuracy": {"candidate": 0.91, "current": 0.9},
+                                             "test_rows": {"candidate": 384, "current": 380}},
+                                 "objective": {"name": "val_accuracy", "candidate": 0.93, "current": None},
+                                 "rows": {"train": 1161, "test": 384}, "data_fingerprint": "6a62",
+                                 "data_interval": {"start": "2026-11-01", "end": "2026-11-02"}, "study": "s",
+                                 "source_run": "d/r"}}}
+
+
+def _dag(tmp_path, storage_root, monkeypatch, approval):
+    from stagewise.airflow.dags import build_pipelines
+
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    (folder / "fraud.yaml").write_text(yaml.safe_dump({**unnamed(storage_root), "registry": {"approval": approval}}))
+    monkeypatch.setenv("_AIRFLOW_PARSING_CONTEXT_DAG_ID", "fraud_pipeline")
+    namespace: dict = {}
+    build_pipelines(namespace, str(folder))
+    return namespace["fraud_pipeline"]
+
+
+def test_the_approval_task_sits_between_the_gate_and_inference_only_with_approval_on(tmp_path, storage_root, monkeypatch):
+    from stagewise.airflow.approval import GateApprovalOperator
+
+    dag = _dag(tmp_path, storage_root, monkeypatch, {"mode": "required", "timeout_minutes": 90, "respondents": ["ana"]})
+    task = dag.get_task("approve_model")
+    assert isinstance(task, GateApprovalOperator) and task.upstream_task_ids == {"start_run", "gate_model"}
+    assert "plan_inference" in task.downstream_task_ids
+    assert task.options == ["Approve", "Reject"] and task.defaults == ["Reject"]  # a timeout takes Reject
+    assert task.response_timeout == dt.timedelta(minutes=90) and task.assigned_users == [{"id": "ana", "name": "ana"}]
+    assert set(task.params) == {"note"}  # the form asks for the note alone, not the pipeline's Params
+    (tmp_path / "pipelines").rename(tmp_path / "before")
+    assert "approve_model" not in _dag(tmp_path, storage_root, monkeypatch, "none").task_ids
+
+
+def test_the_body_sets_the_candidate_beside_the_current_model_with_the_data_and_the_links():
+    from stagewise.airflow.approval import body
+
+    text = body(GATED)
+    assert "| test_accuracy | 0.9100 | 0.9000 |" in text and "| test_rows | 384 | 380 |" in text
+    assert "| val_accuracy (sweep's best) | 0.9300 | – |" in text
+    assert "1,161 train, 384 test rows (data `6a62`, interval 2026-11-01 to 2026-11-02)" in text
+    assert "Supersedes** the pending request of d/older" in text and "(http://a/stagewise/runs/d/r)" in text
+
+
+@pytest.mark.parametrize(("event", "expected"), [
+    ({"chosen_options": ["Approve"], "params_input": {"note": "ok"}, "responded_by_user": {"id": "ana", "name": "ana"}},
+     {"chosen": "Approve", "by": "ana", "note": "ok", "timed_out": False}),
+    ({"chosen_options": ["Reject"], "params_input": {"note": ""}, "responded_by_user": None, "timedout": True},
+     {"chosen": "Reject", "by": None, "note": "", "timed_out": True}),
+])
+def test_a_persons_answer_and_a_timeout_reach_the_gatekeeper_as_such(tmp_path, storage_root, monkeypatch, event, expected):
+    from stagewise import gatekeeper
+
+    task = _dag(tmp_path, storage_root, monkeypatch, "required").get_task("approve_model")
+    seen = {}
+    monkeypatch.setattr(gatekeeper, "answer", lambda config, gated, response, out, **_: seen.update(response) or "done")
+    monkeypatch.setattr("stagewise.airflow.steps.run_config", lambda run: None)
+    task.run, task.gated = {"out": "x"}, GATED
+    at = dt.datetime(2026, 12, 3, tzinfo=dt.timezone.utc)
+    assert task.execute_complete({}, {**event, "responded_at": at}) == "done"
+    assert seen == {**expected, "at": at.isoformat()}
+
+
+def test_a_retry_of_the_approval_task_applies_the_answer_already_given_instead_of_asking_again(
+        tmp_path, storage_root, monkeypatch):
+    """The scheduler can lose a try that parked at once (it saw the try end while it still thought it queued) and
+    retry it; the answer a person gave meanwhile is on the task instance's HITL detail and stands."""
+    import types
+
+    from airflow.sdk.execution_time import hitl
+
+    from stagewise import gatekeeper
+
+    task = _dag(tmp_path, storage_root, monkeypatch, "required").get_task("approve_model")
+    at = dt.datetime(2026, 12, 3, tzinfo=dt.timezone.utc)
+    detail = types.SimpleNamespace(response_received=True, chosen_options=["Approve"], params_input={"note": "yes"},
+                                   responded_at=at, responded_by_user=types.SimpleNamespace(id="ana", name="ana"))
+    monkeypatch.setattr(hitl, "get_hitl_detail_content_detail", lambda ti_id: detail)
+    monkeypatch.setattr("airflow.providers.standard.operators.hitl.upsert_hitl_detail", lambda **_: pytest.fail("asked again"))
+    seen = {}
+    monkeypatch.setattr(gatekeeper, "answer", lambda config, gated, response, out, **_: seen.update(response) or "done")
+    monkeypatch.setattr("stagewise.airflow.steps.run_config", lambda run: None)
+    task.run, task.gated = {"out": "x"}, GATED
+    assert task.execute({"task_instance": types.SimpleNamespace(id="ti-1")}) == "done"
+    assert seen == {"chosen": "Approve", "by": "ana", "note": "yes", "timed_out": False, "at": at.isoformat()}
