@@ -19,8 +19,8 @@ import logging
 from typing import Any
 
 from stagewise import registry
-from stagewise.core.errors import UserError
 from stagewise.core.cli import common_parser, parse_overrides, setup_logging
+from stagewise.core.errors import UserError
 from stagewise.definitions.config import PipelineConfig
 from stagewise.definitions.loading import load_config
 from stagewise.models import approval as records

@@ -95,7 +95,12 @@ def pytest_collection_modifyitems(config, items):
     shared = {item.module.__name__ for item in items if item.nodeid.split("::")[0] in SHARED_STACK_FILES}
     first = min((weight[name] for name in shared), default=None)
     weight.update(dict.fromkeys(shared, first))
-    items.sort(key=lambda item: (weight[item.module.__name__], item.module.__name__ not in shared))
+    # and in SHARED_STACK_FILES' order: the browser suite's gated run comes before the approval test's
+    def in_stack(item) -> int:
+        file = item.nodeid.split("::")[0]
+        return SHARED_STACK_FILES.index(file) if file in SHARED_STACK_FILES else 0
+
+    items.sort(key=lambda item: (weight[item.module.__name__], item.module.__name__ not in shared, in_stack(item)))
 
 
 _running: list = [None]  # the test whose setup, call or teardown runs now (module fixtures start in its setup)

@@ -139,7 +139,7 @@ class LiveAirflow:
 
     def __init__(self, tmp_dir: str | os.PathLike, dags_folder: str | os.PathLike, env: dict[str, str] | None = None,
                  *, plugins_folder: str | os.PathLike | None = None, parallelism: int = 4,
-                 startup_timeout: float = 120.0, stop_grace: float = 10.0) -> None:
+                 startup_timeout: float = 120.0, stop_grace: float = 10.0, users: dict[str, str] | None = None) -> None:
         if parallelism < 2:
             raise ValueError("parallelism must be >= 2 so tasks can run side by side")
         self.tmp_dir = Path(tmp_dir).resolve()
@@ -156,6 +156,9 @@ class LiveAirflow:
             self.log_server_port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.marker = secrets.token_hex(8)
+        # The simple auth manager's users beside admin, name -> role (viewer, user, op, admin), each with a password.
+        self.users = {_ADMIN: "admin", **(users or {})}
+        self.passwords = {name: secrets.token_urlsafe(16) for name in self.users}
         self.env = self._build_env(env or {})
         self.processes: dict[str, subprocess.Popen] = {}
         # Every group ever started: a killed scheduler's LocalExecutor workers live on in its group, and
@@ -163,7 +166,7 @@ class LiveAirflow:
         self._groups: list[int] = []
         self._log_handles: list[Any] = []
         self._client: httpx.Client | None = None
-        self.password = secrets.token_urlsafe(16)
+        self.password = self.passwords[_ADMIN]
         self.swept: list[int] = []  # pids the final sweep had to kill: they had left their process group
 
     # -- environment -------------------------------------------------------------------------------
@@ -203,6 +206,8 @@ class LiveAirflow:
         })
         if self.plugins_folder:
             env["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(self.plugins_folder)
+        if len(self.users) > 1:
+            env["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS"] = ",".join(f"{name}:{role}" for name, role in self.users.items())
         # As `make up`: tasks record 127.0.0.1, where our log server serves their running logs.
         env["AIRFLOW__CORE__HOSTNAME_CALLABLE"] = "stagewise.airflow.log_server.loopback_hostname"
         env.update(extra)
@@ -228,7 +233,7 @@ class LiveAirflow:
         self.home.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # The simple auth manager keeps generated passwords here and only adds missing users: seed ours.
-        (self.home / "simple_auth_manager_passwords.json.generated").write_text(json.dumps({_ADMIN: self.password}))
+        (self.home / "simple_auth_manager_passwords.json.generated").write_text(json.dumps(self.passwords))
         migrate_log = self.log_dir / "db-migrate.log"
         db_url = self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
         if db_url.startswith("sqlite:///"):  # a copy of one migrated DB per pytest run (tests/run_cache.py)
@@ -301,9 +306,9 @@ class LiveAirflow:
 
             self.wait_until(healthy, self.startup_timeout, lambda: f"stack not healthy; last health answer: {last}")
 
-    def _token(self) -> str:
+    def _token(self, user: str = _ADMIN) -> str:
         with httpx.Client(base_url=self.base_url, timeout=10.0, trust_env=False) as client:
-            response = client.post("/auth/token", json={"username": _ADMIN, "password": self.password})
+            response = client.post("/auth/token", json={"username": user, "password": self.passwords[user]})
         if response.status_code not in (200, 201):
             raise LiveAirflowError(f"POST /auth/token: {response.status_code} {response.text}\n{self.logs_tail()}")
         return response.json()["access_token"]
@@ -416,6 +421,11 @@ class LiveAirflow:
             raise LiveAirflowError("LiveAirflow is not started")
         return self._client
 
+    def client_of(self, user: str) -> httpx.Client:
+        """A REST client holding ``user``'s own token (one of ``users``); the caller closes it."""
+        return httpx.Client(base_url=self.base_url, timeout=API_TIMEOUT_S, trust_env=False,
+                            headers={"Authorization": f"Bearer {self._token(user)}"})
+
     def ensure_pool(self, name: str, slots: int) -> None:
         """Create pool ``name`` with ``slots`` unless it exists (then it keeps its slots)."""
         self.api("POST", "/api/v2/pools", expect=(200, 201, 409), json={"name": name, "slots": slots})
@@ -474,6 +484,33 @@ class LiveAirflow:
             return state if state in FINAL_RUN_STATES else None
 
         return self.wait_until(done, timeout, lambda: f"run {dag_id}/{run_id} still {state!r}", interval=1.0)
+
+    def hitl_path(self, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> str:
+        return f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/{map_index}/hitlDetails"
+
+    def wait_for_hitl(self, dag_id: str, run_id: str, task_id: str, timeout: float = 600.0) -> dict:
+        """Until the run's Human-in-the-loop task waits for a person (its state awaiting_input, or deferred on 3.2);
+        its HITL detail as the REST API gives it, once the scheduler has taken in the park.
+
+        Airflow 3.3.2's scheduler, handed the parked try's executor event after an answer already re-queued the task,
+        takes the try for one that died and retries it, and the new try's request has lost the answer (seen when a
+        test answered 6 s after the park, before the busy scheduler got to the event): so this waits for the
+        scheduler's own line on the parked try.
+        """
+        parked = f"TaskInstance Finished: dag_id={dag_id}, task_id={task_id}, run_id={run_id},"
+        def asked() -> dict | None:
+            if (state := self.run_state(dag_id, run_id)) in FINAL_RUN_STATES:
+                raise LiveAirflowError(f"{dag_id}/{run_id} ended {state} without waiting at {task_id}\n{self.logs_tail()}")
+            waiting = any(ti["task_id"] == task_id and ti["state"] in ("awaiting_input", "deferred")
+                          for ti in self.task_instances(dag_id, run_id))
+            response = self._request("GET", self.hitl_path(dag_id, run_id, task_id)) if waiting else None
+            return response.json() if response is not None and response.status_code == 200 else None
+
+        detail = self.wait_until(asked, timeout, f"{dag_id}/{run_id} never waited at {task_id}", interval=1.0)
+        self.wait_until(lambda: any(parked in line and ("state=awaiting_input" in line or "state=deferred" in line)
+                                    for line in self.component_log("scheduler").splitlines()),
+                        timeout, f"the scheduler never took in {dag_id}/{run_id}'s park at {task_id}", interval=0.5)
+        return detail
 
     def task_instances(self, dag_id: str, run_id: str) -> list[dict]:
         """Every task instance of the run (REST objects: task_id, map_index, state, try_number, start/end, duration)."""
@@ -547,9 +584,10 @@ def _group_alive(pgid: int) -> bool:
 # start, so no scheduled run competes).
 SHARED_PIPELINES = {"ml": {}, "twin": {"sweep": {"num_trials": 5}},
                     "fresh": {"retrain": {"schedule": "0 0 29 2 *", "num_trials": 2}, "sweep": {"num_workers": 1}}}
-# The test files on the shared stack: tests/conftest.py's scheduler sends them to one pytest-xdist worker together.
+# The test files on the shared stack, in the order they run: tests/conftest.py sends them to one pytest-xdist worker
+# together (the browser suite answers the gated pipeline's first request before the approval test asks its own).
 SHARED_STACK_FILES = ("tests/dags/test_airflow_client.py", "tests/dags/test_rest_trigger.py",
-                      "tests/dags/test_retrain_asset.py", "tests/ui/test_airflow_ui.py")
+                      "tests/dags/test_retrain_asset.py", "tests/ui/test_airflow_ui.py", "tests/dags/test_human_approval.py")
 
 
 @dataclass(frozen=True)
@@ -562,7 +600,8 @@ class PipelinesStack:
 
 
 @contextlib.contextmanager
-def pipelines_airflow(tmp_dir: str | os.PathLike, pipelines: dict[str, dict]) -> Iterator[PipelinesStack]:
+def pipelines_airflow(tmp_dir: str | os.PathLike, pipelines: dict[str, dict], env: dict[str, str] | None = None,
+                      users: dict[str, str] | None = None) -> Iterator[PipelinesStack]:
     """A LiveAirflow over the repo's DAGs and one config per pipeline (tests.conftest's small config with the given
     top-level keys laid over it, each on its own storage root with the digits written), the pool created."""
     import yaml
@@ -580,23 +619,66 @@ def pipelines_airflow(tmp_dir: str | os.PathLike, pipelines: dict[str, dict]) ->
         configs[name] = folder / f"{name}.yaml"
         configs[name].write_text(yaml.safe_dump(raw))
         run_cache.demo_data(configs[name])
-    with LiveAirflow(tmp_dir / "live_airflow", REPO_ROOT / "dags", {"STAGEWISE_PIPELINES": str(folder)}) as live:
+    with LiveAirflow(tmp_dir / "live_airflow", REPO_ROOT / "dags", {"STAGEWISE_PIPELINES": str(folder), **(env or {})},
+                     users=users) as live:
         live.api("POST", "/api/v2/pools", expect=(200, 201), json={"name": "cpu_cores", "slots": 2})
         yield PipelinesStack(live, roots, configs)
 
 
+# The gated pipelines (tests/dags/test_human_approval.py): every promotion waits for a person. `gated` mails each
+# decision to the suite's SMTP receiver and to one that is down; `gated_mlflow` keeps its versions in MLflow's
+# registry, only `editor` may answer, and an unanswered request times out within a minute.
+def documented_registry() -> dict[str, Any]:
+    """The `registry:` block of docs/pipelines.md's "Approval and notifications", as the page gives it."""
+    import yaml
+
+    section = (REPO_ROOT / "docs" / "pipelines.md").read_text().split("## Approval and notifications", 1)[1]
+    return yaml.safe_load(section.split("```yaml", 1)[1].split("```", 1)[0])["registry"]
+
+
+def _gated_registry() -> dict[str, Any]:
+    """The documented block, plus the same notifier pointed at a receiver that is down (gate_mail_down)."""
+    documented = documented_registry()
+    mail = documented["notify"][0]
+    return {**documented, "notify": [*documented["notify"],
+                                     {**mail, "args": {**mail["args"], "smtp_conn_id": "gate_mail_down"}}]}
+
+
+GATED_PIPELINES = {
+    "gated": {"registry": _gated_registry()},
+    "gated_mlflow": {"registry": {"backend": "mlflow", "approval": {"mode": "required", "timeout_minutes": 1.0,
+                                                                    "respondents": ["editor"]}}}}
+STACK_USERS = {"viewer": "viewer", "editor": "user", "operator": "op"}  # beside admin; "user" may act on DAGs
+
+
 @pytest.fixture(scope="session")
-def shared_airflow(tmp_path_factory, mlflow_server) -> Iterator[PipelinesStack]:
+def smtp_receiver() -> Iterator[Any]:
+    """The suite's mail server on loopback (tests/smtp_receiver.py): what the gated pipeline's notifier sends."""
+    from tests.smtp_receiver import SmtpReceiver
+
+    with SmtpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+def shared_airflow(tmp_path_factory, mlflow_server, smtp_receiver) -> Iterator[PipelinesStack]:
     """One live stack for the tests that only trigger runs and read them back (the browser suite, the official
     client, REST triggers, the asset-triggered retrain): SHARED_PIPELINES side by side, every DAG paused until a
     test unpauses it. Their files are SHARED_STACK_FILES, which one pytest-xdist worker runs, on one stack.
 
     Each test triggers its own runs and finds them by run id; none moves another pipeline's data or registry.
     """
+    from tests.smtp_receiver import closed_port, smtp_connection
+
     tracked = {"tracking": {"mlflow_uri": mlflow_server.uri, "experiment": "twin"}}
-    pipelines = {**SHARED_PIPELINES, "twin": {**SHARED_PIPELINES["twin"], **tracked}}
+    gated = {**GATED_PIPELINES, "gated_mlflow": {
+        **GATED_PIPELINES["gated_mlflow"], "tracking": {"mlflow_uri": mlflow_server.uri, "experiment": "gated_mlflow"}}}
+    pipelines = {**SHARED_PIPELINES, "twin": {**SHARED_PIPELINES["twin"], **tracked}, **gated}
+    mail = {"AIRFLOW_CONN_GATE_MAIL": smtp_receiver.connection_uri(),
+            "AIRFLOW_CONN_GATE_MAIL_DOWN": smtp_connection(closed_port())}
     with contextlib.ExitStack() as running:
-        stack = running.enter_context(pipelines_airflow(tmp_path_factory.mktemp("shared_airflow"), pipelines))
+        stack = running.enter_context(pipelines_airflow(tmp_path_factory.mktemp("shared_airflow"), pipelines, mail,
+                                                        STACK_USERS))
         _shared_stack.update(stop=running, stopped=False)
         yield stack
 

@@ -65,22 +65,6 @@ def body(gated: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def earlier_answer(ti_id: Any) -> dict[str, Any] | None:
-    """The answer already given to this task instance's HITL request, as the resume event carries it; None if none."""
-    from airflow.sdk.execution_time.hitl import get_hitl_detail_content_detail
-
-    try:
-        detail = get_hitl_detail_content_detail(ti_id=ti_id)
-    except Exception:  # noqa: BLE001 - no request written yet (a first try): nothing was answered
-        return None
-    if not (detail.response_received and detail.chosen_options):
-        return None
-    user = detail.responded_by_user
-    return {"chosen_options": list(detail.chosen_options), "params_input": detail.params_input or {},
-            "responded_at": detail.responded_at, "timedout": user is None,
-            "responded_by_user": {"id": user.id, "name": user.name} if user is not None else None}
-
-
 class GateApprovalOperator(HITLOperator):
     """Approve or reject the promotion the gate asked about; a no-op when the gate asked nothing."""
 
@@ -100,11 +84,6 @@ class GateApprovalOperator(HITLOperator):
         if not self.gated.get("awaiting_approval"):
             self.log.info("no approval asked: %s", self.gated.get("reason"))
             return self.gated
-        if (given := earlier_answer(context["task_instance"].id)) is not None:
-            # a retry (the scheduler can lose a try that parked at once): the person's answer stands, never asked twice
-            self.log.info("an earlier try of this task was answered (%s by %s): applying it", given["chosen_options"],
-                          (given["responded_by_user"] or {}).get("name", "the timeout"))
-            return self.execute_complete(context, given)
         self.subject = f"{self.gated['model_name']}: promote {self.gated['version']}?"
         self.body = body(self.gated)
         self.log.info("waiting for a person: %s", self.gated["approval"]["required_actions_url"])

@@ -234,16 +234,11 @@ def gate(config: PipelineConfig, registered: dict[str, Any], out: str) -> dict[s
     number = registered["mlflow_version"]
 
     def work() -> dict[str, Any]:
-        candidate = card_of(api.model_version(name, number))
-        if metric not in candidate:
-            raise UserError(f"MLflow model {name} version {number} has no metric '{metric}' (registry.gate_metric)")
-        champion = api.alias_version(name, CHAMPION)
+        judged = _judged(config, api, number)
+        candidate, champion, incumbent, decision = (judged[key] for key in ("candidate", "champion", "incumbent", "decision"))
         if champion and champion["version"] == number:  # a retry after the alias moved: decided already
             return {"decision": {"promoted": True, "reason": _tags(champion).get("stagewise.gate_reason", "champion")},
                     "candidate": candidate, "incumbent": None}
-        incumbent = card_of(champion) if champion else None
-        decision = judge(candidate, incumbent["version"] if incumbent else None, incumbent, metric, margin, direction,
-                         promote_hint=f"python -m stagewise.registry promote {number}")
         api.set_version_tags(name, number, {
             "stagewise.gate": "promoted" if decision["promoted"] else "refused", "stagewise.gate_reason": decision["reason"],
             "stagewise.gate_metric": metric, "stagewise.gate_margin": margin,
@@ -270,27 +265,29 @@ def gate(config: PipelineConfig, registered: dict[str, Any], out: str) -> dict[s
             **({"previous": incumbent["version"]} if incumbent else {})}
 
 
+def _judged(config: PipelineConfig, api: MlflowApi, number: str) -> dict[str, Any]:
+    """Version ``number`` judged against ``@champion``: its card, the champion's version record, the champion's card
+    when it is another version (None: none, or this one) and the decision."""
+    name, metric = config.registry.model_name, config.gate_metric()
+    candidate = card_of(api.model_version(name, number))
+    if metric not in candidate:
+        raise UserError(f"MLflow model {name} version {number} has no metric '{metric}' (registry.gate_metric)")
+    champion = api.alias_version(name, CHAMPION)
+    incumbent = card_of(champion) if champion and champion["version"] != number else None
+    # the champion already: judge says "nothing changed"; no champion: "no current model"
+    incumbent_version = incumbent["version"] if incumbent else (candidate["version"] if champion else None)
+    decision = judge(candidate, incumbent_version, incumbent, metric, config.registry.margin, config.objective.direction,
+                     promote_hint=f"python -m stagewise.registry promote {number}")
+    return {"candidate": candidate, "champion": champion, "incumbent": incumbent, "decision": decision,
+            "incumbent_version": incumbent_version}
+
+
 def preview(config: PipelineConfig, registered: dict[str, Any]) -> dict[str, Any]:
     """The gate's decision on the registered candidate against ``@champion``, with no tag or alias moved: the
     candidate's card, the champion's (None: none yet) and the decision (promoted: whether it would)."""
-    name, metric = config.registry.model_name, config.gate_metric()
-    api = _api(config)
     number = registered["mlflow_version"]
-
-    def work() -> dict[str, Any]:
-        candidate = card_of(api.model_version(name, number))
-        if metric not in candidate:
-            raise UserError(f"MLflow model {name} version {number} has no metric '{metric}' (registry.gate_metric)")
-        champion = api.alias_version(name, CHAMPION)
-        incumbent = card_of(champion) if champion and champion["version"] != number else None
-        # the champion already: judge says "nothing changed"; no champion: "no current model"
-        incumbent_version = incumbent["version"] if incumbent else (candidate["version"] if champion else None)
-        decision = judge(candidate, incumbent_version, incumbent, metric, config.registry.margin,
-                         config.objective.direction, promote_hint=f"python -m stagewise.registry promote {number}")
-        return {"candidate": candidate, "incumbent": incumbent, "decision": decision,
-                "incumbent_version": incumbent_version}
-
-    return _call(config, f"judge version {number} of model '{name}'", work)
+    return _call(config, f"judge version {number} of model '{config.registry.model_name}'",
+                 lambda: _judged(config, _api(config), number))
 
 
 def promote_if_champion(config: PipelineConfig, registered: dict[str, Any], expected: str | None,

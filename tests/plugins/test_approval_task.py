@@ -73,30 +73,7 @@ def test_a_persons_answer_and_a_timeout_reach_the_gatekeeper_as_such(tmp_path, s
     monkeypatch.setattr(gatekeeper, "answer", lambda config, gated, response, out, **_: seen.update(response) or "done")
     monkeypatch.setattr("stagewise.airflow.steps.run_config", lambda run: None)
     task.run, task.gated = {"out": "x"}, GATED
-    at = dt.datetime(2026, 12, 3, tzinfo=dt.timezone.utc)
+    at = dt.datetime(2026, 12, 3, tzinfo=dt.UTC)
     assert task.execute_complete({}, {**event, "responded_at": at}) == "done"
     assert seen == {**expected, "at": at.isoformat()}
 
-
-def test_a_retry_of_the_approval_task_applies_the_answer_already_given_instead_of_asking_again(
-        tmp_path, storage_root, monkeypatch):
-    """The scheduler can lose a try that parked at once (it saw the try end while it still thought it queued) and
-    retry it; the answer a person gave meanwhile is on the task instance's HITL detail and stands."""
-    import types
-
-    from airflow.sdk.execution_time import hitl
-
-    from stagewise import gatekeeper
-
-    task = _dag(tmp_path, storage_root, monkeypatch, "required").get_task("approve_model")
-    at = dt.datetime(2026, 12, 3, tzinfo=dt.timezone.utc)
-    detail = types.SimpleNamespace(response_received=True, chosen_options=["Approve"], params_input={"note": "yes"},
-                                   responded_at=at, responded_by_user=types.SimpleNamespace(id="ana", name="ana"))
-    monkeypatch.setattr(hitl, "get_hitl_detail_content_detail", lambda ti_id: detail)
-    monkeypatch.setattr("airflow.providers.standard.operators.hitl.upsert_hitl_detail", lambda **_: pytest.fail("asked again"))
-    seen = {}
-    monkeypatch.setattr(gatekeeper, "answer", lambda config, gated, response, out, **_: seen.update(response) or "done")
-    monkeypatch.setattr("stagewise.airflow.steps.run_config", lambda run: None)
-    task.run, task.gated = {"out": "x"}, GATED
-    assert task.execute({"task_instance": types.SimpleNamespace(id="ti-1")}) == "done"
-    assert seen == {"chosen": "Approve", "by": "ana", "note": "yes", "timed_out": False, "at": at.isoformat()}

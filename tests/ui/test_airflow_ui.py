@@ -280,3 +280,46 @@ def test_a_tracked_runs_view_links_its_mlflow_run_which_mlflows_own_ui_shows(log
     page.goto(report["tracking"]["run_url"])
     expect(page.get_by_text(finished_run).first).to_be_visible()  # MLflow's UI polls the server: never network-idle
     screens.shot("mlflow-ui-shows-the-run")
+
+
+@pytest.mark.slow  # a whole gated run, and a person's answer in the browser
+def test_human_approval_a_waiting_gate_shows_under_required_actions_and_the_run_view_links_it(logged_in, ui_airflow):
+    """A run of the gated pipeline (approval required) waits at approve_model: Airflow's Required Actions page shows
+    the comparison body (why it waits, the metrics side by side), the Stagewise run view says it waits and links
+    there, and a Reject given in that page with a note ends the run keeping the current model, recorded as the
+    admin's. (The REST side, roles and timeouts: tests/dags/test_human_approval.py.)"""
+    from playwright.sync_api import expect
+
+    page, live, screens = logged_in
+    dag, root = "gated_pipeline", ui_airflow.roots["gated"]
+    live.unpause(dag)
+    run_id = live.trigger(dag)
+    detail = live.wait_for_hitl(dag, run_id, "approve_model", RUN_TIMEOUT_S)
+    assert "| test_accuracy |" in detail["body"]
+
+    page.goto(f"{live.base_url}/dags/{dag}/runs/{run_id}")
+    page.get_by_role("link", name="Stagewise report", exact=True).click()
+    run_view = page.frame_locator('iframe[title="Stagewise report"]')
+    expect(run_view.locator("[data-stagewise-section='approval']")).to_contain_text("waiting for approval")
+    decide = run_view.locator("[data-stagewise-link='required-actions']")
+    expect(decide).to_be_visible()
+    assert "/tasks/approve_model/required_actions" in decide.get_attribute("href")
+    screens.shot("run-view-waiting-for-approval")
+
+    page.goto(decide.get_attribute("href"))
+    expect(page.get_by_text("Why it waits").first).to_be_visible()
+    expect(page.get_by_text("test_accuracy").first).to_be_visible()
+    expect(page.get_by_text("Trained on").first).to_be_visible()
+    screens.shot("required-actions-comparison")
+    note = page.locator("#element_note")  # the HITL form's field of the note Param
+    note.scroll_into_view_if_needed()
+    note.fill("not this week")
+    screens.shot("required-actions-note-filled")
+    page.get_by_role("button", name="Reject", exact=True).click()
+    assert live.wait_for_run(dag, run_id, timeout=RUN_TIMEOUT_S) == "success", live.logs_tail()
+    screens.shot("required-actions-answered")
+    from stagewise.core import storage
+
+    report = Path(storage.run_prefix(str(root), dag, run_id)) / "report.json"
+    decided = json.loads(report.read_text())["registry"]["approval"]
+    assert (decided["decision"], decided["by"], decided["note"]) == ("rejected", "admin", "not this week")
