@@ -17,22 +17,12 @@ from typing import Any
 
 from airflow.providers.standard.operators.hitl import HITLOperator
 
+from stagewise.airflow.required_actions import TASK_ID
 from stagewise.gatekeeper import APPROVE, REJECT
 
-TASK_ID = "approve_model"
+__all__ = ["TASK_ID", "GateApprovalOperator", "body"]
+
 MAX_NOTE_CHARS = 2000
-
-
-def links(run: dict[str, Any]) -> dict[str, str]:
-    """The run's Stagewise report page and its approval task's Required Actions page, on the configured base URL."""
-    from urllib.parse import quote
-
-    from airflow.configuration import conf
-
-    base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
-    dag, run_id = quote(run["dag_id"], safe=""), quote(run["run_id"], safe="")
-    return {"report_url": f"{base}/stagewise/runs/{dag}/{run_id}",
-            "required_actions_url": f"{base}/dags/{dag}/runs/{run_id}/tasks/{TASK_ID}/required_actions?map_index=-1"}
 
 
 def _number(value: Any) -> str:

@@ -508,14 +508,15 @@ def gate_model(run: dict[str, Any], registered: dict[str, Any]) -> dict[str, Any
     """Promote the new version only if it beats the current one (or ask a person: registry.approval); return the
     model inference should use. Each decision goes to the config's notifiers."""
     from stagewise import gatekeeper
-    from stagewise.airflow.approval import links
+    from stagewise.airflow.required_actions import links
     from stagewise.core import storage
 
     config = run_config(run)
 
     def work() -> dict[str, Any]:
-        manifest = storage.read_json(storage.join(run["out"], "preprocess", "manifest.json"))
-        return gatekeeper.decide(config, {**registered, "rows": manifest.get("rows")}, run["out"], run=run_ref(run),
+        manifest_uri = storage.join(run["out"], "preprocess", "manifest.json")
+        rows = storage.read_json(manifest_uri).get("rows") if storage.exists(manifest_uri) else None
+        return gatekeeper.decide(config, {**registered, "rows": rows}, run["out"], run=run_ref(run),
                                  links=links(run), context=_context())
 
     return inline(config, work)
