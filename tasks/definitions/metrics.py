@@ -76,6 +76,8 @@ def as_state(value: Any, device: torch.device | str | None = None) -> MetricStat
     """An :class:`Average` as the state it is (total, count); a :class:`MetricState` as it is."""
     if isinstance(value, MetricState):
         return value
+    if device is None:  # a count given as a number goes where the total is (a CUDA sum and a plain row count)
+        device = next((part.device for part in (value.total, value.count) if isinstance(part, torch.Tensor)), None)
     pair = torch.stack([torch.as_tensor(value.total, dtype=torch.float64, device=device).reshape(()),
                         torch.as_tensor(value.count, dtype=torch.float64, device=device).reshape(())])
     return MetricState(pair, _root_ratio if value.root else _ratio)

@@ -262,3 +262,15 @@ def test_two_gloo_ranks_reduce_to_scikit_learns_values(tmp_path):
     values = torch.load(out)
     for name, reference in _reference_classification(logits, targets).items():
         _close(name, values[name], reference)
+
+
+def test_every_builtin_state_stays_on_the_device_of_the_batch():
+    """A state is built where the batch is, its row count given as a plain number beside a device sum included (on
+    CUDA a CPU count beside a device total broke every validation): shown on the CPU with PyTorch's meta device."""
+    logits, labels = torch.empty(64, 3, device="meta"), torch.zeros(64, dtype=torch.long, device="meta")
+    states = {**classification_metrics(logits, labels, CLASSIFICATION),
+              **regression_metrics(torch.empty(64, device="meta"), torch.empty(64, device="meta"), REGRESSION)}
+    assert {name: state.state.device.type for name, state in states.items()} == dict.fromkeys(states, "meta")
+    totals = MetricTotals("spec")
+    totals.add(states, 64, torch.empty((), device="meta"), None)
+    assert {slot.device.type for slot in totals.slots} == {"meta"}
