@@ -1,4 +1,5 @@
-"""A real Airflow 3.3 stack for tests: api-server, scheduler (LocalExecutor), dag-processor and task-log server.
+"""A real Airflow stack for tests (this environment's 3.3, or a team's deployment of another minor): api-server, scheduler
+(LocalExecutor), dag-processor and task-log server, a triggerer where asked.
 
 Use: ``with LiveAirflow(tmp_path, dags_folder, env={...}) as live: run_id = live.trigger("my_dag")``,
 or in a test module ``from tests.live_airflow import live_airflow`` and take the ``live_airflow`` fixture
@@ -135,11 +136,16 @@ class LiveAirflow:
 
     ``env`` is applied last, so it can override any setting (``AIRFLOW__SECTION__KEY``) chosen here. ``plugins_folder``
     None: Airflow's default under its home, as scripts/airflow_env.sh (the UI plugin comes from its entry point).
+    ``python``: a team's deployment (another Airflow, Stagewise installed into it) whose interpreter runs every
+    component, the checkout kept off its path; ``migrated_db`` a SQLite DB that its Airflow migrated (default: a copy of
+    this environment's); ``triggerer``: start one (Airflow 3.2's HITL task defers to it).
     """
 
     def __init__(self, tmp_dir: str | os.PathLike, dags_folder: str | os.PathLike, env: dict[str, str] | None = None,
                  *, plugins_folder: str | os.PathLike | None = None, parallelism: int = 4,
-                 startup_timeout: float = 120.0, stop_grace: float = 10.0, users: dict[str, str] | None = None) -> None:
+                 startup_timeout: float = 120.0, stop_grace: float = 10.0, users: dict[str, str] | None = None,
+                 python: str | os.PathLike | None = None, migrated_db: str | os.PathLike | None = None,
+                 triggerer: bool = False) -> None:
         if parallelism < 2:
             raise ValueError("parallelism must be >= 2 so tasks can run side by side")
         self.tmp_dir = Path(tmp_dir).resolve()
@@ -150,6 +156,9 @@ class LiveAirflow:
         self.parallelism = parallelism
         self.startup_timeout = startup_timeout
         self.stop_grace = stop_grace
+        self.python = str(python or sys.executable)
+        self.migrated_db = Path(migrated_db) if migrated_db else None
+        self.triggerer = triggerer
         self.port = free_port()
         self.log_server_port = free_port()
         while self.log_server_port == self.port:
@@ -176,9 +185,13 @@ class LiveAirflow:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith("AIRFLOW__") and k not in ("AIRFLOW_HOME", "AIRFLOW_CONFIG")}
         no_proxy = ",".join(p for p in ("127.0.0.1", "localhost", env.get("NO_PROXY", "")) if p)
-        python_path = [str(REPO_ROOT)] + ([str(self.plugins_folder)] if self.plugins_folder else [])
-        if env.get("PYTHONPATH"):
+        deployment = self.python != sys.executable  # a team's venv: only what it has installed, its bin/ first
+        python_path = ([] if deployment else [str(REPO_ROOT)]) + ([str(self.plugins_folder)] if self.plugins_folder else [])
+        if env.get("PYTHONPATH") and not deployment:
             python_path.append(env["PYTHONPATH"])
+        if deployment:
+            env.pop("VIRTUAL_ENV", None)
+            env["PATH"] = os.pathsep.join([str(Path(self.python).parent), env.get("PATH", "")])
         env.update({
             MARKER_ENV: self.marker,
             "AIRFLOW_HOME": str(self.home),
@@ -227,7 +240,7 @@ class LiveAirflow:
         self.stop()
 
     def _airflow(self) -> list[str]:
-        return [sys.executable, "-m", "airflow"]
+        return [self.python, "-m", "airflow"]
 
     def start(self) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
@@ -236,7 +249,10 @@ class LiveAirflow:
         (self.home / "simple_auth_manager_passwords.json.generated").write_text(json.dumps(self.passwords))
         migrate_log = self.log_dir / "db-migrate.log"
         db_url = self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
-        if db_url.startswith("sqlite:///"):  # a copy of one migrated DB per pytest run (tests/run_cache.py)
+        if self.migrated_db is not None:
+            Path(db_url.removeprefix("sqlite:///")).write_bytes(self.migrated_db.read_bytes())
+            migrate_log.write_text(f"copied {self.migrated_db} to {db_url}\n")
+        elif db_url.startswith("sqlite:///"):  # a copy of one migrated DB per pytest run (tests/run_cache.py)
             run_cache.migrated_sqlite_db(db_url.removeprefix("sqlite:///"))
             migrate_log.write_text(f"copied a migrated SQLite DB to {db_url}\n")
         else:
@@ -252,8 +268,10 @@ class LiveAirflow:
         self._spawn("api-server", "api-server", "-H", "127.0.0.1", "-p", str(self.port), "-w", "1")
         self._spawn("scheduler", "scheduler", "--skip-serve-logs")
         self._spawn("dag-processor", "dag-processor")
+        if self.triggerer:
+            self._spawn("triggerer", "triggerer", "--skip-serve-logs")
         # The scheduler's own log server binds every interface; this one serves the same app on 127.0.0.1.
-        self._spawn("log-server", "-m", "stagewise.airflow.log_server", argv0=[sys.executable])
+        self._spawn("log-server", "-m", "stagewise.airflow.log_server", argv0=[self.python])
         self._wait_healthy()
         self._client = httpx.Client(base_url=self.base_url, timeout=API_TIMEOUT_S, trust_env=False,
                                     headers={"Authorization": f"Bearer {self._token()}"})

@@ -1,7 +1,8 @@
 """Stagewise in a team's Airflow of each supported minor (3.2 and 3.3): the README's install adds Stagewise and changes
-no package the deployment has, Airflow least of all; on the older minor a pipeline runs under `airflow dags test` and
-the Stagewise pages serve its run (tests/dags/test_adoption.py runs the examples on the newer one, installed the same
-way).
+no package the deployment has, Airflow least of all; on the older minor a pipeline runs under `airflow dags test`, the
+Stagewise pages serve its run, and on a live stack of that deployment a gated run waits for a person in Airflow 3.2's
+deferred HITL task (tests/dags/test_adoption.py runs the examples on the newer one, installed the same way;
+tests/dags/test_human_approval.py the approval on 3.3).
 
 The deployments are this environment's packages as links (tests/airflow_versions.py): the 3.3 one is this environment
 as it is; the 3.2 one is Airflow 3.2.2 with its dependencies as of its release in front of it, made once per machine
@@ -110,16 +111,27 @@ def test_the_readme_install_into_airflow_3_2_keeps_its_airflow_and_every_package
 
 # The smallest pipeline that still runs every kind of task: one raw shard, a one-trial sweep of one epoch on one
 # worker, one one-process stage of one epoch, one inference shard.
-def _smallest_pipeline(folder: Path, storage_root: Path) -> Path:
+def _smallest_pipeline(folder: Path, storage_root: Path, name: str = "team", **changes: dict) -> Path:
     raw = base_config(storage_root)
-    raw["name"] = "team"
+    raw["name"] = name
     raw["sweep"].update({"num_trials": 1, "num_workers": 1, "epochs": 1})
     raw["train"]["stages"] = [{**raw["train"]["stages"][0], "epochs": 1}]
     raw["inference"]["rows_per_shard"] = DIGITS_ROWS
+    for section, values in changes.items():
+        raw[section] = {**raw.get(section, {}), **values}
     folder.mkdir()
-    path = folder / "team.yaml"
+    path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
+
+
+def _readme_dag_files(dags: Path, pipelines: Path) -> None:
+    """The two DAG files the README gives a team, over the folder of pipeline configs ``pipelines``."""
+    dags.mkdir(parents=True)
+    (dags / "stagewise_pipelines.py").write_text(
+        f"from stagewise.airflow.dags import build_pipelines\nbuild_pipelines(globals(), {str(pipelines)!r})\n")
+    (dags / "stagewise_pipelines_check.py").write_text(
+        f"from stagewise.airflow.dags import check_pipelines\ncheck_pipelines({str(pipelines)!r})\n")
 
 
 @dataclass
@@ -136,12 +148,8 @@ def run_on_3_2(airflow_3_2, layer_3_2, tmp_path_factory) -> Run:
     root = tmp_path_factory.mktemp("team-3.2")
     home, storage_root = root / "airflow", root / "storage"
     config = _smallest_pipeline(root / "pipelines", storage_root)
-    (home / "dags").mkdir(parents=True)
+    _readme_dag_files(home / "dags", config.parent)
     (home / "plugins").mkdir()
-    (home / "dags" / "stagewise_pipelines.py").write_text(
-        f"from stagewise.airflow.dags import build_pipelines\nbuild_pipelines(globals(), {str(config.parent)!r})\n")
-    (home / "dags" / "stagewise_pipelines_check.py").write_text(
-        f"from stagewise.airflow.dags import check_pipelines\ncheck_pipelines({str(config.parent)!r})\n")
     (home / "airflow.db").write_bytes(layer_3_2.airflow_db.read_bytes())
     airflow_3_2.run(home, "-m", "stagewise.airflow.pools", "--config", str(config))
     run_cache.demo_data(config, num_shards=1)
@@ -191,3 +199,48 @@ def test_the_stagewise_pages_serve_the_run_on_airflow_3_2(airflow_3_2, run_on_3_
     assert json.loads(answers[f"{run_page}/report.json"][1])["run_id"] == report["run_id"]
     assert report["registry"]["version"] in answers["/stagewise/registry"][1]
 
+
+
+@pytest.mark.slow  # a live Airflow 3.2 stack and one gated run
+def test_human_approval_on_airflow_3_2_defers_and_an_editors_approval_over_rest_moves_the_current_model(
+        airflow_3_2, layer_3_2, tmp_path):
+    """Airflow 3.2's HITL task defers to the triggerer (3.3 parks it in awaiting_input): on a live 3.2 stack of the
+    team's deployment, a gated run waits at approve_model with its detail over the REST API, a viewer's answer is
+    refused, an editor's approval resumes the task and moves the current model, recorded with who and the note."""
+    from stagewise import registry
+    from stagewise.models import approval
+    from tests.live_airflow import STACK_USERS, LiveAirflow
+
+    storage_root, dag, task = tmp_path / "storage", "gated_team_pipeline", "approve_model"
+    config = _smallest_pipeline(tmp_path / "pipelines", storage_root, "gated_team",
+                                registry={"approval": "required"})
+    run_cache.demo_data(config, num_shards=1)
+    _readme_dag_files(tmp_path / "dags", config.parent)
+    with LiveAirflow(tmp_path / "live", tmp_path / "dags", {"OMP_NUM_THREADS": "1"}, users=STACK_USERS,
+                     python=airflow_3_2.python, migrated_db=layer_3_2.airflow_db, triggerer=True) as live:
+        pools = subprocess.run([str(airflow_3_2.python), "-m", "stagewise.airflow.pools", "--config", str(config)],
+                               env=live.env, capture_output=True, text=True, timeout=300)
+        assert pools.returncode == 0, pools.stderr[-3000:]
+        assert live.api("GET", "/api/v2/version").json()["version"] == OLDER
+        live.wait_for_dag(dag)
+        live.unpause(dag)
+        run = live.trigger(dag)
+        detail = live.wait_for_hitl(dag, run, task)
+        assert detail["options"] == ["Approve", "Reject"] and "| test_accuracy |" in detail["body"]
+        assert next(ti["state"] for ti in live.task_instances(dag, run) if ti["task_id"] == task) == "deferred"
+        path = live.hitl_path(dag, run, task)
+        answer = {"chosen_options": ["Approve"], "params_input": {"note": "checked on 3.2"}}
+        with live.client_of("viewer") as viewer:
+            assert viewer.get(path).status_code == 200 and viewer.patch(path, json=answer).status_code == 403
+        assert registry.pointer(str(storage_root), "digits")["version"] is None  # nothing moved while it waits
+        with live.client_of("editor") as editor:
+            answered = editor.patch(path, json=answer)
+            assert answered.status_code == 200, answered.text
+        assert live.wait_for_run(dag, run, 600) == "success", live.logs_tail()
+    (found,) = storage_root.glob(f"runs/{dag}/*/report.json")
+    report = json.loads(found.read_text())["registry"]
+    assert report["promoted"] and report["approval"] | {"decision": "approved", "by": "editor",
+                                                        "note": "checked on 3.2"} == report["approval"]
+    assert registry.pointer(str(storage_root), "digits")["version"] == report["version"]
+    decisions = approval.history(registry.models_prefix(str(storage_root), "digits"), report["version"])
+    assert [entry["decision"] for entry in decisions] == ["waiting", "approved"]
