@@ -36,10 +36,11 @@ def _prefix(config: PipelineConfig) -> str:
 
 
 def told(config: PipelineConfig, decision: dict[str, Any], kind: str, links: dict[str, str], context: Any,
-          **extra: Any) -> dict[str, Any]:
-    """``decision`` with the notifications of ``kind`` sent (each notifier's result under ``notifications``)."""
+          version: str | None = None, **extra: Any) -> dict[str, Any]:
+    """``decision`` with the notifications of ``kind`` sent (each notifier's result under ``notifications``), about
+    ``version`` where given (else the decision's own)."""
     told = notify.facts(pipeline=config.name or config.registry.model_name, decision=kind,
-                        model_name=config.registry.model_name, version=decision.get("version"),
+                        model_name=config.registry.model_name, version=version or decision.get("version"),
                         metric=decision.get("metric"), candidate_value=decision.get("candidate_value"),
                         current_value=decision.get("incumbent_value"), current=decision.get("previous"),
                         reason=decision.get("reason", ""), report_url=links.get("report_url", ""),
@@ -104,9 +105,8 @@ def decide(config: PipelineConfig, registered: dict[str, Any], out: str, *, run:
         decision["mlflow_version"] = registered["mlflow_version"]
     decision = told(config, decision, "waiting", links, context)
     if superseded is not None:
-        decision = told(config, {**decision, "version": superseded["version"]}, "superseded", links, context,
-                         note=f"superseded by {run}")
-        decision["version"] = registered["version"]
+        decision = told(config, decision, "superseded", links, context, version=superseded["version"],
+                        note=f"superseded by {run}")
     return decision
 
 
@@ -130,7 +130,7 @@ def answer(config: PipelineConfig, gated: dict[str, Any], response: dict[str, An
     run, version, compared = gated["approval"]["run"], gated["version"], gated["approval"]["compared"]
     kind = "timed_out" if response.get("timed_out") else "approved" if response["chosen"] == APPROVE else "rejected"
     by, note = response.get("by"), response.get("note") or ""
-    closed = records.close(_prefix(config), run)
+    closed = records.close(_prefix(config), run) or _closed_by(config, run)
     moved = False
     if closed is None:
         effect = "nothing moved: a newer request superseded this one (python -m stagewise.gatekeeper pending)"
@@ -146,13 +146,49 @@ def answer(config: PipelineConfig, gated: dict[str, Any], response: dict[str, An
         effect = "current model moved" if moved else (f"nothing moved: the current model became {now} since the "
                                                       f"review was asked (compared with {compared}); run again")
     entry = records.record(_prefix(config), version, {"decision": kind, "run": run, "by": by, "note": note,
-                                                      "at": response.get("at") or records.now_text(), "effect": effect})
+                                                      "at": response.get("at") or records.now_text(), "effect": effect,
+                                                      "moved": moved})
     log.info("approval of %s/%s: %s by %s (%s)", config.registry.model_name, version, kind, by or "nobody", effect)
-    result = {**gated, **_current(config, out), "promoted": moved, "awaiting_approval": False,
-              "reason": f"{kind.replace('_', ' ')}" + (f" by {by}" if by else "") + f": {effect}",
-              "approval": {**gated["approval"], "decision": kind, "by": by, "at": entry["at"], "note": note,
-                           "effect": effect}}
+    result = _outcome(config, gated, out, kind, by, note, entry["at"], effect, moved)
     return told(config, result, kind if closed is not None else "superseded", links, context, by=by, note=note)
+
+
+def _closed_by(config: PipelineConfig, run: str) -> dict[str, Any] | None:
+    """``run``'s request when this run's own answer closed it (a retry of the answer, after a crash between closing
+    and recording): still this run's to apply."""
+    closed = records.last_closed(_prefix(config))
+    return closed if closed and closed.get("run") == run else None
+
+
+def _outcome(config: PipelineConfig, gated: dict[str, Any], out: str, kind: str, by: str | None, note: str,
+             at: str | None, effect: str, moved: bool) -> dict[str, Any]:
+    return {**gated, **_current(config, out), "promoted": moved, "awaiting_approval": False,
+            "reason": f"{kind.replace('_', ' ')}" + (f" by {by}" if by else "") + f": {effect}",
+            "approval": {**gated["approval"], "decision": kind, "by": by, "at": at, "note": note, "effect": effect}}
+
+
+ANSWERS = ("approved", "rejected", "timed_out")
+
+
+def settled(config: PipelineConfig, gated: dict[str, Any], out: str) -> dict[str, Any] | None:
+    """What the run's request came to once it is no longer open, so nobody is asked again (approve_model cleared
+    after its answer, or its request superseded before anyone answered); None while it is open (or its own answer
+    closed it and a crash cut off the record: that answer is then applied again). Nothing is told or recorded anew."""
+    run, version, prefix = gated["approval"]["run"], gated["version"], _prefix(config)
+    pending = records.open_request(prefix)
+    if pending is not None and pending["run"] == run:
+        return None
+    given = next((entry for entry in reversed(records.history(prefix, version))
+                  if entry.get("run") == run and entry["decision"] in ANSWERS), None)
+    if given is None and _closed_by(config, run) is not None:
+        return None
+    if given is None:
+        return _outcome(config, gated, out, "superseded", None, "", None, "nothing moved: a newer request superseded "
+                        "this one before it was answered (python -m stagewise.gatekeeper pending)", False)
+    log.info("the request of %s was answered before (%s by %s): that answer stands, nobody is asked again; clear "
+             "gate_model too to decide again", run, given["decision"], given.get("by") or "nobody")
+    return _outcome(config, gated, out, given["decision"], given.get("by"), given.get("note") or "", given.get("at"),
+                    f"answered before: {given.get('effect', '')}", bool(given.get("moved")))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -372,18 +372,18 @@ def rollback(storage_root: str, name: str, by: str | None = None) -> dict[str, A
 def rollback_by_hand(config: PipelineConfig, by: str | None) -> dict[str, Any]:
     """A person's rollback (the CLI): the current model (MLflow's champion) back to the one before, recorded in the
     version's decisions with who did it and told to the config's notifiers. Returns the pointer as it now stands."""
-    name = config.registry.model_name
+    name, metric, values = config.registry.model_name, config.gate_metric(), {}
     if config.registry.backend == "mlflow":
-        before = mlflow_registry.card_of(mlflow_registry.resolve(config, None))["version"]
-        moved = {"version": mlflow_registry.rollback(config)["version"], "rolled_back_from": before, "by": by}
+        before = mlflow_registry.card_of(mlflow_registry.resolve(config, None))  # the champion, read once
+        moved = {"version": mlflow_registry.rollback(config)["version"], "rolled_back_from": before["version"], "by": by}
+        values["current_value"] = before.get(metric)
     else:
         moved = rollback(config.storage_root, name, by=by)
-    metric = config.gate_metric()
-    values = {}
     for key, version in (("candidate_value", moved["version"]), ("current_value", moved["rolled_back_from"])):
         with contextlib.suppress(UserError):  # a version whose card is gone still rolls back
-            values[key] = (card(config.storage_root, name, version) if config.registry.backend == "storage" else
-                           mlflow_registry.card_of(mlflow_registry.resolve(config, version))).get(metric)
+            if key not in values:
+                values[key] = (card(config.storage_root, name, version) if config.registry.backend == "storage" else
+                               mlflow_registry.card_of(mlflow_registry.resolve(config, version))).get(metric)
     approvals.record(models_prefix(config.storage_root, name), moved["version"], {
         "decision": "rolled_back", "run": f"by hand {approvals.now_text()}", "by": by, "from": moved["rolled_back_from"]})
     told = notify.facts(pipeline=config.name or name, decision="rolled_back", model_name=name, version=moved["version"],

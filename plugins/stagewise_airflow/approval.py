@@ -71,9 +71,17 @@ class GateApprovalOperator(HITLOperator):
         self.run, self.gated = run, gated
 
     def execute(self, context: Any) -> Any:
+        from stagewise import gatekeeper
+        from stagewise.airflow.steps import inline, run_config
+
         if not self.gated.get("awaiting_approval"):
             self.log.info("no approval asked: %s", self.gated.get("reason"))
             return self.gated
+        config = run_config(self.run)
+        settled = inline(config, lambda: gatekeeper.settled(config, self.gated, self.run["out"]))
+        if settled is not None:  # a clear after the answer, or superseded: the request is no longer open
+            self.log.info("nobody is asked: %s", settled["reason"])
+            return settled
         self.subject = f"{self.gated['model_name']}: promote {self.gated['version']}?"
         self.body = body(self.gated)
         self.log.info("waiting for a person: %s", self.gated["approval"]["required_actions_url"])

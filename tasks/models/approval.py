@@ -123,6 +123,12 @@ def close(models_prefix: str, run: str) -> dict[str, Any] | None:
     return _swap(pending_uri(models_prefix), change)
 
 
+def last_closed(models_prefix: str) -> dict[str, Any] | None:
+    """The request closed last (by its answer), while no newer one is open; None otherwise."""
+    state = storage.read_versioned(pending_uri(models_prefix))[0]
+    return state.get("closed") if state and not state.get("run") else None
+
+
 def open_request(models_prefix: str) -> dict[str, Any] | None:
     """The request waiting for an answer now, or None."""
     state = storage.read_versioned(pending_uri(models_prefix))[0]

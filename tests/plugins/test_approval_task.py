@@ -77,3 +77,21 @@ def test_a_persons_answer_and_a_timeout_reach_the_gatekeeper_as_such(tmp_path, s
     assert task.execute_complete({}, {**event, "responded_at": at}) == "done"
     assert seen == {**expected, "at": at.isoformat()}
 
+
+
+def test_a_request_no_longer_open_is_not_asked_again(tmp_path, storage_root, monkeypatch):
+    """A cleared approve_model whose request was answered (or superseded) returns what it came to without writing a
+    HITL detail; one still open is asked through HITLOperator."""
+    from airflow.providers.standard.operators.hitl import HITLOperator
+
+    from stagewise import gatekeeper
+
+    task = _dag(tmp_path, storage_root, monkeypatch, "required").get_task("approve_model")
+    monkeypatch.setattr("stagewise.airflow.steps.run_config", lambda run: None)
+    monkeypatch.setattr("stagewise.airflow.steps.inline", lambda config, work: work())
+    monkeypatch.setattr(HITLOperator, "execute", lambda self, context: "asked")
+    task.run, task.gated = {"out": "x"}, GATED
+    monkeypatch.setattr(gatekeeper, "settled", lambda config, gated, out: {"reason": "approved by ana: answered before"})
+    assert task.execute({}) == {"reason": "approved by ana: answered before"}
+    monkeypatch.setattr(gatekeeper, "settled", lambda config, gated, out: None)
+    assert task.execute({}) == "asked" and "Promote" not in task.subject and task.body.startswith("**Why it waits")

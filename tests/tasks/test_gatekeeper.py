@@ -99,6 +99,40 @@ def test_human_approval_a_newer_request_supersedes_the_pending_one_whose_answer_
     assert _approve(config, newer)["promoted"] and _current(config) == first["version"]
 
 
+def test_human_approval_an_answered_request_is_settled_so_a_cleared_approval_task_asks_nobody_again(make_config,
+                                                                                                  tmp_path):
+    """approve_model cleared after its answer, or started after a newer run superseded its request: settled() gives
+    what the request came to (the answer, who and the note stand) and nothing is recorded or moved anew."""
+    config = make_config()
+    first = _version(config, tmp_path, "a", 0.90)
+    gated = gatekeeper.decide(config, first, "", run="d/run-1", links=LINKS)
+    assert gatekeeper.settled(config, gated, "") is None  # still open: a person is asked
+    _approve(config, gated, note="ship it")
+    again = gatekeeper.settled(config, gated, "")
+    assert (again["promoted"], again["current"], again["approval"]["by"], again["approval"]["note"]) == (
+        True, first["version"], "editor", "ship it")
+    assert again["approval"]["effect"] == "answered before: current model moved"
+    kinds = [entry["decision"] for entry in approval.history(_prefix(config), first["version"])]
+    assert kinds == ["waiting", "approved"]
+
+    better = _version(config, tmp_path, "b", 0.95)
+    older = gatekeeper.decide(config, better, "", run="d/run-2", links=LINKS)
+    gatekeeper.decide(config, better, "", run="d/run-3", links=LINKS)
+    superseded = gatekeeper.settled(config, older, "")
+    assert not superseded["promoted"] and superseded["approval"]["decision"] == "superseded"
+    assert _current(config) == first["version"]
+
+
+def test_human_approval_an_answer_cut_off_between_closing_and_recording_is_applied_by_its_retry(make_config, tmp_path):
+    """The answer closed the request, then the task died before recording it: the retry applies it (not 'superseded')."""
+    config = make_config()
+    first = _version(config, tmp_path, "a", 0.90)
+    gated = gatekeeper.decide(config, first, "", run="d/run-1", links=LINKS)
+    approval.close(_prefix(config), "d/run-1")  # what the first try did before it died
+    assert gatekeeper.settled(config, gated, "") is None  # its own answer closed it: the retry applies the answer
+    assert _approve(config, gated)["promoted"] and _current(config) == first["version"]
+
+
 def test_human_approval_an_approval_after_the_current_model_moved_moves_nothing(make_config, tmp_path):
     """The reviewer compared with the model current when asked; a rollback or promotion since voids the comparison."""
     config = make_config()
