@@ -1,8 +1,9 @@
 """A human at the gate on a live stack (the shared one): a gated run waits in Airflow's own HITL task, visible over the
 REST API and on the Stagewise run page; a viewer's answer is refused, an editor's reject keeps the current model and
-records who and the note; a newer run supersedes a pending request and an approval moves the current model; every
-decision is mailed to a real SMTP receiver, one that is down is named in the report; in MLflow's registry `champion`
-moves only after approval, only the named respondent may answer, and no answer times out to a reject."""
+records who and the note, and a clear of the answered run asks nobody again; a newer run supersedes a pending request
+and an approval moves the current model; every decision is mailed to a real SMTP receiver, one that is down is named
+in the report; in MLflow's registry `champion` moves only after approval, only the named respondent may answer, and
+no answer times out to a reject."""
 
 from __future__ import annotations
 
@@ -81,6 +82,16 @@ def test_human_approval_waits_in_airflow_a_viewer_cannot_answer_and_an_editor_re
         # two notifiers, one receiver down: each decision (waiting, rejected) sent once and named once as unsent
         assert [result["decision"] for result in unsent] == ["waiting", "rejected"], report["notifications"]
         assert all("Connection refused" in result["error"] for result in unsent)
+        # Cleared from the approval task on, the finished run asks nobody again: the editor's reject stands.
+        live.api("POST", f"/api/v2/dags/{dag}/clearTaskInstances", json={
+            "dry_run": False, "dag_run_id": first, "task_ids": [TASK], "include_downstream": True,
+            "only_failed": False, "reset_dag_runs": True})
+        assert live.wait_for_run(dag, first, RUN_TIMEOUT_S) == "success", live.logs_tail()
+        again = _report(root, dag, first)["registry"]["approval"]
+        assert (again["decision"], again["by"], again["note"]) == ("rejected", "editor", "hold until the new labels land")
+        cleared = next(ti["try_number"] for ti in live.task_instances(dag, first) if ti["task_id"] == TASK)
+        assert again["effect"].startswith("answered before") and "nobody is asked" in live.task_log(dag, first, TASK,
+                                                                                                    cleared)
 
         # Two more runs: the later one's request supersedes the earlier one's, which then moves nothing.
         second = live.trigger(dag)

@@ -3,7 +3,7 @@ model names, each with a link to the decision under Airflow's Required Actions."
 
 from typing import Any
 
-from stagewise.airflow.ui.layout import esc, fmt
+from stagewise.airflow.ui.layout import esc
 from stagewise.airflow.ui.storage_access import Storage, StorageProblem, read_each
 from stagewise.models import approval
 from stagewise.registry import model_names, models_prefix
@@ -39,7 +39,8 @@ def pending_html(request: dict[str, Any]) -> str:
     return (f"<p data-stagewise-pending='{esc(request.get('version'))}'><span class='badge warn'>waiting for approval"
             f"</span> version <span class='mono'>{esc(request.get('version'))}</span> from run "
             f"<code>{esc(request.get('run'))}</code> since {esc(request.get('asked_at'))}: {esc(request.get('reason'))}; "
-            f"compared with <span class='mono'>{fmt(request.get('compared'))}</span>.{action}</p>")
+            + (f"compared with <span class='mono'>{esc(request['compared'])}</span>." if request.get("compared") else
+               "no model is current yet.") + f"{action}</p>")
 
 
 def waiting_body(request: dict[str, Any], dag_id: str, run_id: str) -> str:
