@@ -49,7 +49,8 @@ def _task_ids(live, run_id: str) -> set[str]:
 def test_a_run_keeps_the_commit_it_started_with(live_airflow, tmp_path):
     """Revision 1 (stages s1, s2) starts a run; revision 2 removes s2 while it runs. The running run stays on
     revision 1 (its bundle version, its one DAG version) and runs train_s2 to success from revision 1's checkout,
-    after the dag-processor has serialized revision 2; a run started then is on revision 2, without train_s2.
+    after the dag-processor has serialized revision 2, then waits at its gate for a person (approval required) and,
+    answered once revision 3 is in, resumes on revision 1; a run started then is on revision 2, without train_s2.
     Revision 3 breaks the config: the DAG keeps revision 2's tasks, but a run started on revision 3 fails at its
     first task, whose log names the file and the key."""
     bare, work = tmp_path / "team.git", tmp_path / "work"
@@ -62,6 +63,7 @@ def test_a_run_keeps_the_commit_it_started_with(live_airflow, tmp_path):
     raw = {**base_config(tmp_path / "storage"), "name": "ml"}
     raw["sweep"].update({"num_trials": 1, "num_workers": 1, "epochs": 1})
     raw["airflow"] = {**raw.get("airflow", {}), "max_active_runs": 1}  # a second run waits, its shape already set
+    raw["registry"] = {**raw.get("registry", {}), "approval": "required"}  # the first run waits for a person
     config_path = work / "pipelines" / "ml.yaml"
     config_path.write_text(yaml.safe_dump(raw))
     run_cache.demo_data(config_path)
@@ -119,6 +121,10 @@ def test_a_run_keeps_the_commit_it_started_with(live_airflow, tmp_path):
     broken_run = live.trigger("ml_pipeline")
     assert live.api("GET", f"/api/v2/dags/ml_pipeline/dagRuns/{broken_run}").json()["bundle_version"] == broken
 
+    # Revision 1's gate asks a person; answered after revisions 2 and 3 landed, approve_model resumes on revision 1.
+    live.wait_for_hitl("ml_pipeline", old_run, "approve_model", timeout=900)
+    live.api("PATCH", live.hitl_path("ml_pipeline", old_run, "approve_model"),
+             json={"chosen_options": ["Approve"], "params_input": {"note": "on revision 1"}})
     assert live.wait_for_run("ml_pipeline", old_run, timeout=900) == "success"
     body = live.api("GET", f"/api/v2/dags/ml_pipeline/dagRuns/{old_run}").json()
     assert body["bundle_version"] == first
@@ -131,7 +137,9 @@ def test_a_run_keeps_the_commit_it_started_with(live_airflow, tmp_path):
     # Stagewise trained both stages of revision 1 (the runs of revisions 2 and 3 write no report).
     reports = list((tmp_path / "storage").glob("runs/ml_pipeline/*/report.json"))
     assert len(reports) == 1, reports
-    assert [stage["stage"] for stage in json.loads(reports[0].read_text())["training"]] == ["s1", "s2"]
+    report = json.loads(reports[0].read_text())
+    assert [stage["stage"] for stage in report["training"]] == ["s1", "s2"]
+    assert report["registry"]["promoted"] and report["registry"]["approval"]["note"] == "on revision 1"
 
     # The run of the broken commit parses that commit's checkout, where the pipeline has no valid config: its first
     # task is not in the DAG it builds and fails (at once here; Airflow reschedules it 3 times, 60 s apart, by default).
