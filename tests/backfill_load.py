@@ -70,7 +70,7 @@ def ingest_during_backfill(tmp_dir: str | os.PathLike, min_waiting: int = 1) -> 
     wait for it; returns the ingest ``run`` and its ``task`` (REST objects), the compute pool at the trigger
     (``pool``), the heavy task instances that were waiting then (``overtaken``, as they were at the ingest's end), the
     trigger's attempts and the number of backfill runs."""
-    from tests.live_airflow import pipelines_airflow
+    from tests.shared_stack import pipelines_airflow
 
     with pipelines_airflow(tmp_dir, {"ml": PIPELINE}) as stack:
         live, root = stack.live, stack.roots["ml"]

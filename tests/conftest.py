@@ -19,7 +19,7 @@ from tests import slurm_cluster as test_cluster
 
 # The live_airflow fixture (a real api-server, scheduler and dag-processor) for any test that needs one.
 # slow_guard: a test over a minute is marked slow; cpu_cost: the CPU each test cost, printed after the run.
-pytest_plugins = ["tests.live_airflow", "tests.slow_guard", "tests.cpu_cost"]
+pytest_plugins = ["tests.live_airflow", "tests.shared_stack", "tests.slow_guard", "tests.cpu_cost"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Sub-jobs a test starts, itself or through the launcher, import test helpers (tests.plugins.fake_subjob, ...):
@@ -55,7 +55,7 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    from tests.live_airflow import SHARED_STACK_FILES  # a plugin of this file: imported after it, for assert rewriting
+    from tests.shared_stack import SHARED_STACK_FILES  # a plugin of this file: imported after it, for assert rewriting
 
     class SharedStackScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -75,12 +75,12 @@ def pytest_collection_modifyitems(config, items):
             unmarked.append(f"{item.nodeid}: needs @pytest.mark.{', @pytest.mark.'.join(sorted(missing))}")
     if unmarked:
         raise pytest.UsageError("tests without the markers of what they need:\n" + "\n".join(unmarked))
-    from tests.live_airflow import SHARED_STACK_FILES
+    from tests.shared_stack import SHARED_STACK_FILES
 
     astray = sorted({item.nodeid.split("::")[0] for item in items if "shared_airflow" in item.fixturenames}
                     - set(SHARED_STACK_FILES))
     if astray:
-        raise pytest.UsageError(f"{astray} use the shared_airflow stack: list them in tests/live_airflow.py's "
+        raise pytest.UsageError(f"{astray} use the shared_airflow stack: list them in tests/shared_stack.py's "
                                 "SHARED_STACK_FILES, so one worker runs them")
     # Longest first, so pytest-xdist's workers do not end on one long run each: modules running Airflow or a browser
     # (those needing more besides first), then torchrun or a service, then the rest. A stable sort by module keeps

@@ -209,7 +209,8 @@ def test_human_approval_on_airflow_3_2_defers_and_an_editors_approval_over_rest_
     refused, an editor's approval resumes the task and moves the current model, recorded with who and the note."""
     from stagewise import registry
     from stagewise.models import approval
-    from tests.live_airflow import STACK_USERS, LiveAirflow
+    from tests.live_airflow import LiveAirflow
+    from tests.shared_stack import STACK_USERS
 
     storage_root, dag, task = tmp_path / "storage", "gated_team_pipeline", "approve_model"
     config = _smallest_pipeline(tmp_path / "pipelines", storage_root, "gated_team",

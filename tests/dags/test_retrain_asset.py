@@ -1,5 +1,5 @@
 """New data lands (an asset event through the REST API): `<name>_retrain` runs on a real scheduler and promotes through
-the gate. On the shared stack's pipeline `fresh` (tests/live_airflow.py): an empty registry, a retrain budget of 2."""
+the gate. On the shared stack's pipeline `fresh` (tests/shared_stack.py): an empty registry, a retrain budget of 2."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import pytest
 
 from stagewise.definitions.pipelines import KINDS, dag_id
 from tests.conftest import service_unavailable
-from tests.live_airflow import PipelinesStack
+from tests.shared_stack import PipelinesStack
 
 CHROMIUM = os.environ.get("STAGEWISE_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("STAGEWISE_UI_ARTIFACTS", Path(__file__).resolve().parent / "artifacts"))
@@ -47,7 +47,7 @@ def chromium():
 
 @pytest.fixture(scope="module")
 def ui_airflow(chromium, shared_airflow) -> PipelinesStack:
-    """The shared live stack (tests/live_airflow.py: pipelines side by side), every pipeline's DAGs parsed; this suite
+    """The shared live stack (tests/shared_stack.py: pipelines side by side), every pipeline's DAGs parsed; this suite
     runs the `twin` pipeline, whose twin_pipeline is unpaused (retrain stays paused: its cron would run it)."""
     for name in shared_airflow.roots:
         for kind in KINDS:

@@ -1,5 +1,5 @@
 """What a user sees in the Airflow 3.3 UI, driven in Debian's chromium: several pipelines' DAGs and trigger forms, a
-run in the grid, a task log, the Stagewise view. On the shared stack (tests/live_airflow.py), this suite's pipeline is
+run in the grid, a task log, the Stagewise view. On the shared stack (tests/shared_stack.py), this suite's pipeline is
 `twin`.
 
 Run: ``python -m pytest -q tests/ui`` (screenshots in tests/ui/artifacts/ or $STAGEWISE_UI_ARTIFACTS).
