@@ -85,10 +85,14 @@ def _gated_registry() -> dict[str, Any]:
                                      {**mail, "args": {**mail["args"], "smtp_conn_id": "gate_mail_down"}}]}
 
 
+# The gate needs a model, not a good one: a one-trial sweep and one one-epoch stage (the gated runs are the suite's
+# costliest test: six of them).
+SMALLEST_RUN = {"sweep": {"num_trials": 1, "num_workers": 1, "epochs": 1},
+                "train": {"stages": [{"name": "s1", "profile": "ddp1", "per_process_batch": 32, "epochs": 1}]}}
 GATED_PIPELINES = {
-    "gated": {"registry": _gated_registry()},
-    "gated_mlflow": {"registry": {"backend": "mlflow", "approval": {"mode": "required", "timeout_minutes": 1.0,
-                                                                    "respondents": ["editor"]}}}}
+    "gated": {**SMALLEST_RUN, "registry": _gated_registry()},
+    "gated_mlflow": {**SMALLEST_RUN, "registry": {"backend": "mlflow", "approval": {
+        "mode": "required", "timeout_minutes": 1.0, "respondents": ["editor"]}}}}
 STACK_USERS = {"viewer": "viewer", "editor": "user", "operator": "op"}  # beside admin; "user" may act on DAGs
 
 
