@@ -200,7 +200,6 @@ def test_the_stagewise_pages_serve_the_run_on_airflow_3_2(airflow_3_2, run_on_3_
     assert report["registry"]["version"] in answers["/stagewise/registry"][1]
 
 
-
 @pytest.mark.slow  # a live Airflow 3.2 stack and one gated run
 def test_human_approval_on_airflow_3_2_defers_and_an_editors_approval_over_rest_moves_the_current_model(
         airflow_3_2, layer_3_2, tmp_path):
