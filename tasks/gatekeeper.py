@@ -29,6 +29,7 @@ from stagewise.tracking import registry as mlflow_registry
 
 log = logging.getLogger("stagewise.gatekeeper")
 APPROVE, REJECT = "Approve", "Reject"  # the approval task's two options, as Airflow's ApprovalOperator names them
+ANSWERS = ("approved", "rejected", "timed_out")  # the decisions that close a request
 
 
 def _prefix(config: PipelineConfig) -> str:
@@ -154,8 +155,8 @@ def answer(config: PipelineConfig, gated: dict[str, Any], response: dict[str, An
 
 
 def _closed_by(config: PipelineConfig, run: str) -> dict[str, Any] | None:
-    """``run``'s request when this run's own answer closed it (a retry of the answer, after a crash between closing
-    and recording): still this run's to apply."""
+    """``run``'s request when this run's own answer closed it but a crash cut off the record: the retry's answer is
+    still this run's to apply, not a superseded one's."""
     closed = records.last_closed(_prefix(config))
     return closed if closed and closed.get("run") == run else None
 
@@ -167,13 +168,11 @@ def _outcome(config: PipelineConfig, gated: dict[str, Any], out: str, kind: str,
             "approval": {**gated["approval"], "decision": kind, "by": by, "at": at, "note": note, "effect": effect}}
 
 
-ANSWERS = ("approved", "rejected", "timed_out")
-
-
 def settled(config: PipelineConfig, gated: dict[str, Any], out: str) -> dict[str, Any] | None:
     """What the run's request came to once it is no longer open, so nobody is asked again (approve_model cleared
-    after its answer, or its request superseded before anyone answered); None while it is open (or its own answer
-    closed it and a crash cut off the record: that answer is then applied again). Nothing is told or recorded anew."""
+    after its answer, or its request superseded before anyone answered); None while it is open, or while its own
+    answer closed it and a crash cut off the record (the retry asks again, and applies that answer). Nothing is told
+    or recorded anew."""
     run, version, prefix = gated["approval"]["run"], gated["version"], _prefix(config)
     pending = records.open_request(prefix)
     if pending is not None and pending["run"] == run:

@@ -123,13 +123,15 @@ def test_human_approval_an_answered_request_is_settled_so_a_cleared_approval_tas
     assert _current(config) == first["version"]
 
 
-def test_human_approval_an_answer_cut_off_between_closing_and_recording_is_applied_by_its_retry(make_config, tmp_path):
-    """The answer closed the request, then the task died before recording it: the retry applies it (not 'superseded')."""
+def test_human_approval_an_answer_cut_off_between_closing_and_recording_leaves_the_retry_to_ask_and_apply(make_config,
+                                                                                                           tmp_path):
+    """The answer closed the request, then the task died before recording it: the retry asks again and its answer is
+    applied (not taken for a superseded request's)."""
     config = make_config()
     first = _version(config, tmp_path, "a", 0.90)
     gated = gatekeeper.decide(config, first, "", run="d/run-1", links=LINKS)
     approval.close(_prefix(config), "d/run-1")  # what the first try did before it died
-    assert gatekeeper.settled(config, gated, "") is None  # its own answer closed it: the retry applies the answer
+    assert gatekeeper.settled(config, gated, "") is None  # its own answer closed it: the retry asks again
     assert _approve(config, gated)["promoted"] and _current(config) == first["version"]
 
 
